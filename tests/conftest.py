@@ -1,0 +1,47 @@
+"""Shared fixtures: a real etcd server on a free loopback port, and local agent jobs."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from torchspot.lab.etcd import EtcdServer
+from torchspot.lab.local import JobConfig, LocalNode
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh etcd 3.5 server (v3 API) with its data in the test's temp folder."""
+    server = EtcdServer(tmp_path / "etcd-data", log_path=tmp_path / "etcd.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A run id no other test uses."""
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+NodeFactory = Callable[[JobConfig, int], list[LocalNode]]
+
+
+@pytest.fixture
+def nodes() -> Iterator[NodeFactory]:
+    """Start `n` local nodes for a job; every process tree is killed at teardown."""
+    started: list[LocalNode] = []
+
+    def start(job: JobConfig, n: int) -> list[LocalNode]:
+        new = [LocalNode(f"n{len(started) + i}", job) for i in range(n)]
+        for node in new:
+            node.start()
+        started.extend(new)
+        return new
+
+    yield start
+    for node in started:
+        node.stop()

@@ -1,0 +1,116 @@
+"""Flag parsing for the etcd-v3 backend and the launcher: every bad value names its flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchspot.trainer.launch import check_args, main, parse_rdzv_conf
+from torchspot.trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("etcd:2379", ("etcd", 2379)),
+        ("10.0.0.5", ("10.0.0.5", 2379)),
+        ("job-etcd.ns.svc.cluster.local:32379", ("job-etcd.ns.svc.cluster.local", 32379)),
+        ("[::1]:2379", ("[::1]", 2379)),
+    ],
+    ids=["host-port", "host-only", "service-dns", "ipv6"],
+)
+def test_parse_endpoint_accepts(text: str, want: tuple[str, int]) -> None:
+    assert parse_endpoint(text) == want
+
+
+def test_parse_settings_defaults_and_overrides() -> None:
+    got = parse_settings(
+        "etcd:2379", "job-1", {"timeout": "900", "keep_alive_interval": "0.5", "lease_ttl": "60"}
+    )
+    want = EtcdV3Settings(
+        host="etcd",
+        port=2379,
+        run_id="job-1",
+        keep_alive_interval=0.5,
+        lease_ttl=60,
+        join_timeout=900.0,
+    )
+    assert got == want
+    assert got.run_prefix == "/torchspot/rdzv/job-1/"
+    assert got.dead_after == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "run_id", "conf", "flag"),
+    [
+        ("", "job", {}, "--rdzv-endpoint"),
+        ("http://etcd:2379", "job", {}, "--rdzv-endpoint"),
+        ("etcd:0", "job", {}, "--rdzv-endpoint"),
+        ("etcd:99999", "job", {}, "--rdzv-endpoint"),
+        ("etcd:abc", "job", {}, "--rdzv-endpoint"),
+        ("bad host:2379", "job", {}, "--rdzv-endpoint"),
+        ("etcd:2379", "", {}, "--rdzv-id"),
+        ("etcd:2379", "a/b", {}, "--rdzv-id"),
+        ("etcd:2379", "job", {"bogus": "1"}, "--rdzv-conf bogus"),
+        ("etcd:2379", "job", {"keep_alive_interval": "fast"}, "--rdzv-conf keep_alive_interval"),
+        ("etcd:2379", "job", {"keep_alive_max_attempt": "0"}, "--rdzv-conf keep_alive_max_attempt"),
+        ("etcd:2379", "job", {"lease_ttl": "1.5"}, "--rdzv-conf lease_ttl"),
+        ("etcd:2379", "job", {"lease_ttl": "4"}, "--rdzv-conf lease_ttl"),
+        ("etcd:2379", "job", {"connect_timeout": "-1"}, "--rdzv-conf connect_timeout"),
+    ],
+)
+def test_parse_settings_rejects(
+    endpoint: str, run_id: str, conf: dict[str, object], flag: str
+) -> None:
+    with pytest.raises(ValueError, match=flag):
+        parse_settings(endpoint, run_id, conf)
+
+
+def test_parse_rdzv_conf() -> None:
+    assert parse_rdzv_conf("a=1, b=x ,") == {"a": "1", "b": "x"}
+    with pytest.raises(ValueError, match="--rdzv-conf"):
+        parse_rdzv_conf("a=1,novalue")
+
+
+_GOOD = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-id", "j1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--nnodes", "3:1", *_GOOD], "--nnodes '3:1': MIN (3) is larger than MAX (1)"),
+        (["--nnodes", "0:2", *_GOOD], "--nnodes '0:2': the minimum"),
+        (["--nnodes", "a:b", *_GOOD], "--nnodes 'a:b'"),
+        (["--nnodes", "1:2:3", *_GOOD], "--nnodes '1:2:3'"),
+        (["--nproc-per-node", "0", *_GOOD], "--nproc-per-node '0'"),
+        (["--nproc-per-node", "many", *_GOOD], "--nproc-per-node 'many'"),
+        (["--max-restarts", "-1", *_GOOD], "--max-restarts -1"),
+        (["--monitor-interval", "0", *_GOOD], "--monitor-interval 0"),
+        (
+            ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379"],
+            "--rdzv-id is required",
+        ),
+        (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "", "--rdzv-id", "j"], "--rdzv-endpoint"),
+        ([*_GOOD, "--rdzv-conf", "heartbeat=5"], "--rdzv-conf heartbeat: unknown key"),
+        ([*_GOOD, "--rdzv-conf", "lease_ttl"], "--rdzv-conf 'lease_ttl'"),
+    ],
+)
+def test_launcher_rejects_bad_flags(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "train.py"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "torchspot-run: error:" in err
+    assert flag in err
+
+
+def test_check_args_accepts_torchrun_flags() -> None:
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(
+        ["--nnodes", "1:4", "--nproc-per-node", "2", "--max-restarts", "3", *_GOOD, "x.py"]
+    )
+    assert check_args(args) is None
+    stock = get_args_parser().parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "x.py"])
+    assert check_args(stock) is None

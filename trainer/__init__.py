@@ -1,0 +1,1 @@
+"""What runs in a worker pod: the `torchspot-run` launcher and the training program."""

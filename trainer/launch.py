@@ -1,0 +1,100 @@
+"""`torchspot-run`: a drop-in `torchrun` with the `etcd-v3` rendezvous backend.
+
+Every torchrun flag parses and behaves as in torchrun (we use torch's own parser and
+`run`). Before anything starts we check the flags torchrun would only reject deep
+inside the agent (or never), so a bad value stops the launcher with a message that
+names the flag.
+
+Usage::
+
+    torchspot-run --nnodes 1:4 --nproc-per-node 1 --max-restarts 100 \\
+        --rdzv-backend etcd-v3 --rdzv-endpoint etcd:2379 --rdzv-id job-7f3a \\
+        train.py --epochs 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.run import get_args_parser
+from torch.distributed.run import run as torchrun_run
+
+from torchspot.trainer.rendezvous.handler import register
+from torchspot.trainer.rendezvous.settings import BACKEND_NAME, parse_settings
+
+PROG = "torchspot-run"
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+_TORCHRUN_DEFAULT_RUN_ID = "none"
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """Parse `k1=v1,k2=v2` as torchrun does, raising ValueError that names `--rdzv-conf`."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf {item!r}: expected key=value pairs separated by commas")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Return a message naming the first bad flag, or None if the flags are usable.
+
+    Pure: inspects the parsed namespace only.
+    """
+    parts = str(args.nnodes).split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        return f"--nnodes {args.nnodes!r}: expected N or MIN:MAX with whole numbers"
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        return f"--nnodes {args.nnodes!r}: the minimum must be at least 1"
+    if low > high:
+        return f"--nnodes {args.nnodes!r}: MIN ({low}) is larger than MAX ({high})"
+    nproc = str(args.nproc_per_node)
+    if nproc not in _NPROC_WORDS and not (nproc.isdigit() and int(nproc) >= 1):
+        words = ", ".join(_NPROC_WORDS)
+        return f"--nproc-per-node {nproc!r}: expected a positive integer or one of {words}"
+    if args.max_restarts < 0:
+        return f"--max-restarts {args.max_restarts}: must be 0 or more"
+    if args.monitor_interval <= 0:
+        return f"--monitor-interval {args.monitor_interval}: must be greater than 0"
+    try:
+        conf = parse_rdzv_conf(args.rdzv_conf)
+        if args.rdzv_backend == BACKEND_NAME and not args.standalone:
+            if args.rdzv_id == _TORCHRUN_DEFAULT_RUN_ID:
+                return (
+                    "--rdzv-id is required with --rdzv-backend etcd-v3: give each job "
+                    "incarnation its own id (torchrun's default 'none' shares state between jobs)"
+                )
+            parse_settings(args.rdzv_endpoint, args.rdzv_id, conf)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@record
+def _launch(args: argparse.Namespace) -> None:
+    try:
+        torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    except RendezvousConnectionError as exc:
+        raise SystemExit(f"{PROG}: error: {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse torchrun's flags, check them, register `etcd-v3`, and run the agent."""
+    parser = get_args_parser()
+    parser.prog = PROG
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    problem = check_args(args)
+    if problem is not None:
+        parser.error(problem)
+    register()
+    _launch(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The `etcd-v3` rendezvous handler and its registration with torchrun.
+
+We reuse torch's `DynamicRendezvousHandler` (its join, wait-list, heartbeat and
+round logic is sound) and change three things it gets wrong for spot nodes:
+
+1. **A lost peer ends the round.** torch's agent only restarts its workers when a
+   *new* node waits to join. A peer that froze (SIGSTOP, hung VM, partition) keeps
+   its sockets open, so the survivors sit in a collective until it times out
+   (minutes with NCCL). Here `num_nodes_waiting()` also reports a change when a
+   member of our round stopped heartbeating or the round moved on, so the agent
+   restarts its workers and the survivors re-form within `dead_after` seconds.
+2. **The worker store follows rank 0.** torch caches the first round's master
+   address across rounds and lets the workers use rank 0's agent store; when that
+   node dies the survivors dial a dead host. We disable that sharing, so every
+   round publishes a fresh MASTER_ADDR/PORT through the etcd store.
+3. **etcd trouble is not a membership change.** While etcd is unreachable the
+   agent keeps training (workers do not need etcd) instead of crashing, and a
+   finished run deletes its keys when the last agent leaves.
+
+This subclass reads two attributes of torch's handler (`_state_holder`,
+`_heartbeat_lock`); torch is pinned to 2.13.0 and the tests exercise both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
+
+from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+from torchspot.trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
+from torchspot.trainer.rendezvous.store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_WARN_EVERY = 10.0
+_LEFT_COUNTER = "torchspot.agents_left"
+
+
+def membership_changed(
+    joined_round: int, joined_members: frozenset[Any], state: Any
+) -> tuple[bool, str]:
+    """Decide whether the round this node trains in has ended.
+
+    Pure: takes the round we joined, its members, and torch's current
+    (sanitized) rendezvous state. Returns (changed, reason).
+
+    A state that is entirely empty (round 0, nobody in it) means etcd lost its
+    data; that alone is no reason to stop a job that trains fine, so the next
+    real membership change starts a fresh round instead.
+    """
+    pristine = (
+        state.round == 0
+        and not state.participants
+        and not state.wait_list
+        and not state.complete
+        and not state.closed
+    )
+    if pristine:
+        return False, ""
+    if state.round != joined_round:
+        return True, f"round {joined_round} ended (now {state.round})"
+    lost = [str(node) for node in joined_members if node not in state.participants]
+    if lost:
+        return True, f"member(s) {', '.join(sorted(lost))} stopped heartbeating"
+    return False, ""
+
+
+class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
+
+    _etcd: EtcdClient
+    _etcd_settings: EtcdV3Settings
+    _lease: RunLease
+    _joined: tuple[int, frozenset[Any]] | None
+    _last_warning: float
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Workers bootstrap from their own rank 0 each round, never from a cached agent."""
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and remember who is in it."""
+        self._joined = None
+        info = super().next_rendezvous()
+        state = self._state_holder.state
+        self._joined = (state.round, frozenset(state.participants))
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join, or 1 if our round lost a member (so the agent re-forms)."""
+        try:
+            with self._heartbeat_lock:
+                self._state_holder.sync()
+                state = self._state_holder.state
+        except RendezvousConnectionError as exc:
+            self._warn(f"etcd unreachable, training continues at the current size: {exc}")
+            return 0
+        waiting = len(state.wait_list)
+        if self._joined is not None:
+            changed, reason = membership_changed(*self._joined, state)
+            if changed:
+                log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
+                return max(waiting, 1)
+        return waiting
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous; the last agent to leave deletes the run's keys.
+
+        Deleting earlier would pull the exit barrier's keys from under agents that
+        are still in it; an agent that never gets here leaves keys that expire by lease.
+        """
+        closed = super().shutdown()
+        settings = self._etcd_settings
+        try:
+            members = max(len(self._state_holder.state.participants), 1)
+            left = EtcdStore(self._etcd, settings, self._lease).add(_LEFT_COUNTER, 1)
+            if left >= members:
+                self._etcd.delete_prefix(settings.run_prefix)
+                log.info("rendezvous %s: last agent out, keys deleted", settings.run_id)
+        except (EtcdError, RendezvousConnectionError) as exc:
+            log.warning(
+                "rendezvous %s: keys not deleted (%s); they expire by lease", settings.run_id, exc
+            )
+        return closed
+
+    def bind_etcd(self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease) -> None:
+        """Attach the etcd connection (torch's `from_backend` fixes the constructor's arguments)."""
+        self._etcd = client
+        self._etcd_settings = settings
+        self._lease = lease
+        self._joined = None
+        self._last_warning = 0.0
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY:
+            self._last_warning = now
+            log.warning("rendezvous %s: %s", self._settings.run_id, message)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the `etcd-v3` handler from torchrun's rendezvous parameters.
+
+    Fails within `connect_timeout` seconds, naming the endpoint, if etcd does not answer.
+    """
+    settings = parse_settings(params.endpoint, params.run_id, params.config)
+    client = EtcdClient(settings.host, settings.port, request_timeout=settings.request_timeout)
+    try:
+        client.wait_reachable(settings.connect_timeout)
+    except EtcdError as exc:
+        client.close()
+        raise RendezvousConnectionError(str(exc)) from exc
+    # See the module docstring, point 2. Workers do not read this variable.
+    os.environ[_DISABLE_SHARED_STORE] = "1"
+    lease = RunLease(client, settings.lease_ttl)
+    backend = EtcdV3RendezvousBackend(client, settings, lease)
+    store = EtcdStore(client, settings, lease)
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=settings.join_timeout),
+        last_call=timedelta(seconds=settings.last_call_timeout),
+        close=timedelta(seconds=settings.close_timeout),
+        heartbeat=timedelta(seconds=settings.heartbeat_timeout),
+    )
+    handler: EtcdV3RendezvousHandler = EtcdV3RendezvousHandler.from_backend(
+        run_id=settings.run_id,
+        store=store,
+        backend=backend,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        timeout=timeout,
+        keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+    )
+    handler.bind_etcd(client, settings, lease)
+    return handler
+
+
+def register() -> None:
+    """Make `--rdzv-backend etcd-v3` available to torchrun in this process."""
+    rendezvous_handler_registry.register(BACKEND_NAME, create_handler)
