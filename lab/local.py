@@ -176,6 +176,10 @@ class LocalNode:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
+NodeFactory = Callable[[JobConfig, int], list[LocalNode]]
+"""Starts `n` more nodes of a job and returns them (the tests' `nodes` fixture)."""
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     """All events so far (a partially written last line is ignored)."""
     if not path.exists():

@@ -7,6 +7,7 @@ partial checkpoint), resumes from the newest checkpoint on every start, and rank
 appends one JSON line per event to `--events`, which the harness reads to measure
 recovery:
 
+- `joined`: every rank, once per worker group (rank, world size, node);
 - `start`: a worker group began (world size, step resumed from, node);
 - `step`: a training step completed (every rank agreed on it through all-reduce);
 - `ckpt`: a checkpoint was committed;
@@ -32,7 +33,13 @@ _DIM = 32
 
 
 def _emit(path: Path, event: str, **fields: Any) -> None:
-    record = {"event": event, "t": time.time(), "node": os.environ.get("TORCHSPOT_NODE", "?")}
+    record = {
+        "event": event,
+        "t": time.time(),
+        "node": os.environ.get("TORCHSPOT_NODE", "?"),
+        # Each round publishes a fresh master port, so it identifies the worker group.
+        "group": os.environ.get("MASTER_PORT", "?"),
+    }
     record.update(fields)
     with path.open("a") as out:  # one short O_APPEND write per line: lines never interleave
         out.write(json.dumps(record) + "\n")
@@ -84,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.broadcast(start, src=0)
     dist.broadcast(w, src=0)
     step = int(start.item())
+    _emit(args.events, "joined", rank=rank, world=world)
     if rank == 0:
         _emit(args.events, "start", step=step, world=world,
               restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))  # fmt: skip

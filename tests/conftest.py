@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from torchspot.lab.etcd import EtcdServer
-from torchspot.lab.local import JobConfig, LocalNode
+from torchspot.lab.local import JobConfig, LocalNode, NodeFactory
 
 
 @pytest.fixture
@@ -25,9 +25,6 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 def run_id() -> str:
     """A run id no other test uses."""
     return f"test-{uuid.uuid4().hex[:10]}"
-
-
-NodeFactory = Callable[[JobConfig, int], list[LocalNode]]
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import wait_for
@@ -129,7 +130,7 @@ def test_store_operations(etcd: EtcdServer, run_id: str) -> None:
     raw = EtcdStore(client, settings, RunLease(client, 60))
     raw.set_timeout(timedelta(seconds=2))
     # torch wraps the store in a PrefixStore per round; exercise it through that.
-    store = dist.PrefixStore("torch.rendezvous.job.3", raw)
+    store = PrefixStore("torch.rendezvous.job.3", raw)
 
     store.set("addr", "10.1.2.3")
     assert store.get("addr") == b"10.1.2.3"
@@ -177,7 +178,8 @@ def test_outage_is_not_counted_as_missed_heartbeats(etcd: EtcdServer, run_id: st
     backend, _ = _backend(etcd, run_id, keep_alive_interval=0.5)
     state = _RendezvousState()
     old = datetime.now(UTC) - timedelta(seconds=30)
-    state.last_heartbeats = {"node-a": old}
+    node = _NodeDesc(addr="node-a", pid=1, local_id=0)
+    state.last_heartbeats = {node: old}
     assert backend.set_state(pickle.dumps(state), None) is not None
 
     etcd.stop()
@@ -186,7 +188,7 @@ def test_outage_is_not_counted_as_missed_heartbeats(etcd: EtcdServer, run_id: st
     etcd.start()
     got = wait_for(lambda: _try_get(backend), timeout=10, what="etcd to answer again")
     beats = pickle.loads(got[0]).last_heartbeats
-    assert beats["node-a"] > datetime.now(UTC) - timedelta(seconds=5)
+    assert beats[node] > datetime.now(UTC) - timedelta(seconds=5)
 
 
 def _try_get(backend: EtcdV3RendezvousBackend) -> tuple[bytes, Any] | None:

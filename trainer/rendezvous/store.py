@@ -111,8 +111,8 @@ class EtcdStore(Store):
 
     # torch's pybind trampoline looks these up by their C++ names when the store is
     # wrapped (PrefixStore), so expose them under both names.
-    deleteKey = delete_key  # noqa: N815
-    getNumKeys = num_keys  # noqa: N815
+    deleteKey = delete_key
+    getNumKeys = num_keys
 
     def _timeout(self) -> timedelta:
         """The store timeout torch set (`Store.timeout` exists at run time; the stub omits it)."""

@@ -1,0 +1,277 @@
+"""torchspot-run with the etcd-v3 backend: real etcd, real agents, real gloo workers.
+
+Faults are applied to whole process trees (agent and workers): SIGKILL for a node
+that vanishes, SIGSTOP for a node that hangs with its sockets open.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchspot.lab.etcd import EtcdServer, free_port
+from torchspot.lab.local import (
+    JobConfig,
+    LocalNode,
+    NodeFactory,
+    first_step_at,
+    last_step_before,
+    read_events,
+    resumed_step_after,
+    wait_for,
+)
+
+pytestmark = pytest.mark.slow
+
+# Generous bounds for the waits below: failing them means "did not happen", not "slow".
+# gloo's own collective timeout is 30 minutes, so a frozen peer is only noticed in
+# time if the rendezvous notices it.
+FORM = 90.0
+RECOVER = 60.0
+
+
+def _job(tmp_path: Path, etcd: EtcdServer, run_id: str, **overrides: Any) -> JobConfig:
+    settings: dict[str, Any] = {"nnodes": "1:3", "steps": 400}
+    settings.update(overrides)
+    return JobConfig(
+        workdir=tmp_path / "job",
+        backend="etcd-v3",
+        endpoint=etcd.endpoint,
+        run_id=run_id,
+        **settings,
+    )
+
+
+def _events(job: JobConfig) -> list[dict[str, Any]]:
+    return read_events(job.events)
+
+
+def _await_world(job: JobConfig, world: int, after: float, timeout: float) -> dict[str, Any]:
+    found: dict[str, Any] = wait_for(
+        lambda: first_step_at(_events(job), world, after), timeout, f"a step at world size {world}"
+    )
+    return found
+
+
+def _ranks_of_group(job: JobConfig, group: str) -> list[int]:
+    return sorted(e["rank"] for e in _events(job) if e["event"] == "joined" and e["group"] == group)
+
+
+def _finish(nodes: list[LocalNode], timeout: float = 120) -> list[int]:
+    codes = []
+    for node in nodes:
+        try:
+            codes.append(node.wait(timeout))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node {node.name} did not finish:\n{node.log_tail()}")
+    return codes
+
+
+def _done(job: JobConfig) -> dict[str, Any]:
+    done = [e for e in _events(job) if e["event"] == "done"]
+    assert done, "training never completed"
+    return done[-1]
+
+
+def test_forms_group_assigns_ranks_and_admits_late_joiner(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    job = _job(tmp_path, etcd, run_id, nnodes="2:3", steps=300)
+    first = nodes(job, 2)
+    two = _await_world(job, 2, 0, FORM)
+    wait_for(lambda: len(_ranks_of_group(job, two["group"])) == 2, 10, "both ranks to join")
+    assert _ranks_of_group(job, two["group"]) == [0, 1]
+
+    joined_at = time.time()
+    late = nodes(job, 1)
+    three = _await_world(job, 3, joined_at, RECOVER)
+    wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all three ranks to join")
+    assert _ranks_of_group(job, three["group"]) == [0, 1, 2]
+    # Scale-up is a membership change, not a failure: training resumes from a checkpoint.
+    assert resumed_step_after(_events(job), joined_at) is not None
+
+    assert _finish(first + late) == [0, 0, 0]
+    assert _done(job)["world"] == 3
+
+
+def test_hard_loss_survivors_reform_and_resume_from_checkpoint(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    job = _job(tmp_path, etcd, run_id)
+    started = nodes(job, 3)
+    _await_world(job, 3, 0, FORM)
+    wait_for(lambda: last_step_before(_events(job), time.time()) >= 25, 60, "25 steps")
+
+    fault = time.time()
+    started[2].kill()
+    _await_world(job, 2, fault, RECOVER)
+    resumed = resumed_step_after(_events(job), fault)
+    assert resumed is not None
+    assert resumed % job.ckpt_every == 0
+    assert resumed <= last_step_before(_events(job), fault)
+
+    assert _finish(started[:2]) == [0, 0]
+    assert _done(job)["step"] == job.steps
+
+
+def test_losing_the_rank0_node_loses_no_rendezvous_state(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """The node whose worker is rank 0 (and which would host c10d's store) goes away."""
+    job = _job(tmp_path, etcd, run_id)
+    started = nodes(job, 3)
+    three = _await_world(job, 3, 0, FORM)
+    wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
+    rank0_node = next(
+        e["node"]
+        for e in _events(job)
+        if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 0
+    )
+    victim = next(n for n in started if n.name == rank0_node)
+    survivors = [n for n in started if n is not victim]
+
+    fault = time.time()
+    victim.kill()
+    _await_world(job, 2, fault, RECOVER)
+    assert _finish(survivors) == [0, 0]
+    assert _done(job)["step"] == job.steps
+
+
+def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    job = _job(tmp_path, etcd, run_id, steps=600)
+    started = nodes(job, 3)
+    three = _await_world(job, 3, 0, FORM)
+    wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
+    # Freeze a node that does not hold rank 0, so the old group's rank 0 keeps logging.
+    frozen_name = next(
+        e["node"]
+        for e in _events(job)
+        if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 2
+    )
+    frozen = next(n for n in started if n.name == frozen_name)
+    survivors = [n for n in started if n is not frozen]
+
+    fault = time.time()
+    frozen.freeze()
+    two = _await_world(job, 2, fault, RECOVER)
+
+    thawed = time.time()
+    frozen.thaw()
+    # The running group is untouched: after the thaw, no step is logged by the old
+    # three-node group, and the group of two keeps counting up without going back.
+    wait_for(
+        lambda: last_step_before(_events(job), time.time()) >= two["step"] + 30, 60, "30 more steps"
+    )
+    after = [e for e in _events(job) if e["event"] == "step" and e["t"] > thawed]
+    assert all(e["group"] != three["group"] for e in after)
+    current = [e["step"] for e in after if e["group"] == two["group"]]
+    assert current == sorted(current)
+
+    # The thawed node either joins a later round or stops with an error; the job finishes.
+    codes = _finish(survivors, timeout=180)
+    assert codes == [0, 0]
+    assert _done(job)["step"] == job.steps
+    frozen_code = frozen.wait(60)
+    rejoined = any(
+        e["event"] == "joined" and e["node"] == frozen.name and e["t"] > thawed
+        for e in _events(job)
+    )
+    assert rejoined or frozen_code != 0
+
+
+def test_finished_run_deletes_its_keys_and_a_rerun_starts_clean(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    client = etcd.client()
+    prefix = f"/torchspot/rdzv/{run_id}/"
+    job = _job(tmp_path, etcd, run_id, nnodes="2:2", steps=40)
+    assert _finish(nodes(job, 2)) == [0, 0]
+    assert client.get_prefix(prefix) == {}
+
+    rerun = _job(tmp_path / "again", etcd, run_id, nnodes="2:2", steps=40)
+    assert _finish(nodes(rerun, 2)) == [0, 0]
+    assert _done(rerun)["step"] == 40
+    # It trained from scratch, not from the first run's state.
+    assert resumed_step_after(_events(rerun), 0) == 0
+
+
+def test_abandoned_run_keys_expire_by_lease(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    client = etcd.client()
+    prefix = f"/torchspot/rdzv/{run_id}/"
+    job = _job(tmp_path, etcd, run_id, nnodes="2:2", rdzv_conf="lease_ttl=6")
+    started = nodes(job, 2)
+    _await_world(job, 2, 0, FORM)
+    for node in started:
+        node.kill()
+    assert client.get_prefix(prefix)
+    wait_for(lambda: not client.get_prefix(prefix), 30, "the abandoned run's keys to expire")
+
+
+def test_etcd_restart_keeps_the_job_running_and_next_change_succeeds(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    job = _job(tmp_path, etcd, run_id, steps=700)
+    started = nodes(job, 3)
+    three = _await_world(job, 3, 0, FORM)
+
+    outage = time.time()
+    etcd.restart(down_for=5.0)  # longer than the 3 s a silent node is given
+    wait_for(
+        lambda: last_step_before(_events(job), time.time()) >= three["step"] + 150,
+        60,
+        "training to go on",
+    )
+    groups_after = {e["group"] for e in _events(job) if e["event"] == "step" and e["t"] > outage}
+    assert groups_after == {three["group"]}, "the outage restarted the workers"
+
+    fault = time.time()
+    started[2].kill()
+    _await_world(job, 2, fault, RECOVER)
+    assert _finish(started[:2]) == [0, 0]
+
+
+def test_etcd_that_lost_its_data_starts_a_fresh_round_on_next_change(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    job = _job(tmp_path, etcd, run_id, steps=600)
+    started = nodes(job, 3)
+    three = _await_world(job, 3, 0, FORM)
+
+    wiped = time.time()
+    etcd.restart(wipe=True)
+    wait_for(
+        lambda: last_step_before(_events(job), time.time()) >= three["step"] + 60,
+        60,
+        "training to go on",
+    )
+    groups_after = {e["group"] for e in _events(job) if e["event"] == "step" and e["t"] > wiped}
+    assert groups_after == {three["group"]}, "losing etcd's data alone restarted the workers"
+
+    fault = time.time()
+    started[2].kill()
+    _await_world(job, 2, fault, RECOVER)
+    assert _finish(started[:2]) == [0, 0]
+    assert _done(job)["step"] == job.steps
+
+
+def test_unreachable_endpoint_fails_in_bounded_time_naming_it(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "torchspot.trainer.launch", "--nnodes", "1:2",
+        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "unreachable",
+        "--rdzv-conf", "connect_timeout=2", "-m", "torchspot.lab.toy_train",
+        "--ckpt-dir", str(tmp_path), "--events", str(tmp_path / "e.jsonl"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert f"torchspot-run: error: etcd at {endpoint} is unreachable" in done.stderr
+    assert not (tmp_path / "e.jsonl").exists()
