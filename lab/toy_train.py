@@ -47,11 +47,7 @@ def _emit(path: Path, event: str, **fields: Any) -> None:
 
 def _newest_checkpoint(folder: Path) -> tuple[int, torch.Tensor] | None:
     steps = sorted(
-        (
-            int(p.stem.split("-")[1])
-            for p in folder.glob("step-*.pt")
-            if p.stem.split("-")[1].isdigit()
-        ),
+        (int(p.stem.split("-")[1]) for p in folder.glob("step-*.pt") if p.stem.split("-")[1].isdigit()),
         reverse=True,
     )
     for step in steps:

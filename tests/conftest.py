@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from torchspot.lab.azurite import Azurite
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import JobConfig, LocalNode, NodeFactory
 
@@ -16,6 +17,15 @@ from torchspot.lab.local import JobConfig, LocalNode, NodeFactory
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd 3.5 server (v3 API) with its data in the test's temp folder."""
     server = EtcdServer(tmp_path / "etcd-data", log_path=tmp_path / "etcd.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    """A real Azurite Blob server (npm `azurite`), shared by the session's tests."""
+    server = Azurite(tmp_path_factory.mktemp("azurite"))
     server.start()
     yield server
     server.stop()

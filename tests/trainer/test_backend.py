@@ -24,9 +24,7 @@ from torchspot.trainer.rendezvous.settings import EtcdV3Settings
 from torchspot.trainer.rendezvous.store import EtcdStore
 
 
-def _backend(
-    etcd: EtcdServer, run_id: str, **overrides: Any
-) -> tuple[EtcdV3RendezvousBackend, EtcdClient]:
+def _backend(etcd: EtcdServer, run_id: str, **overrides: Any) -> tuple[EtcdV3RendezvousBackend, EtcdClient]:
     settings = EtcdV3Settings(host="127.0.0.1", port=etcd.port, run_id=run_id, **overrides)
     client = EtcdClient("127.0.0.1", etcd.port, request_timeout=2.0)
     return EtcdV3RendezvousBackend(client, settings, RunLease(client, settings.lease_ttl)), client

@@ -128,9 +128,7 @@ def test_losing_the_rank0_node_loses_no_rendezvous_state(
     three = _await_world(job, 3, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
     rank0_node = next(
-        e["node"]
-        for e in _events(job)
-        if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 0
+        e["node"] for e in _events(job) if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 0
     )
     victim = next(n for n in started if n.name == rank0_node)
     survivors = [n for n in started if n is not victim]
@@ -151,9 +149,7 @@ def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
     # Freeze a node that does not hold rank 0, so the old group's rank 0 keeps logging.
     frozen_name = next(
-        e["node"]
-        for e in _events(job)
-        if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 2
+        e["node"] for e in _events(job) if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 2
     )
     frozen = next(n for n in started if n.name == frozen_name)
     survivors = [n for n in started if n is not frozen]
@@ -166,9 +162,7 @@ def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
     frozen.thaw()
     # The running group is untouched: after the thaw, no step is logged by the old
     # three-node group, and the group of two keeps counting up without going back.
-    wait_for(
-        lambda: last_step_before(_events(job), time.time()) >= two["step"] + 30, 60, "30 more steps"
-    )
+    wait_for(lambda: last_step_before(_events(job), time.time()) >= two["step"] + 30, 60, "30 more steps")
     after = [e for e in _events(job) if e["event"] == "step" and e["t"] > thawed]
     assert all(e["group"] != three["group"] for e in after)
     current = [e["step"] for e in after if e["group"] == two["group"]]
@@ -179,10 +173,7 @@ def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
     assert codes == [0, 0]
     assert _done(job)["step"] == job.steps
     frozen_code = frozen.wait(60)
-    rejoined = any(
-        e["event"] == "joined" and e["node"] == frozen.name and e["t"] > thawed
-        for e in _events(job)
-    )
+    rejoined = any(e["event"] == "joined" and e["node"] == frozen.name and e["t"] > thawed for e in _events(job))
     assert rejoined or frozen_code != 0
 
 
@@ -202,9 +193,7 @@ def test_finished_run_deletes_its_keys_and_a_rerun_starts_clean(
     assert resumed_step_after(_events(rerun), 0) == 0
 
 
-def test_abandoned_run_keys_expire_by_lease(
-    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
-) -> None:
+def test_abandoned_run_keys_expire_by_lease(tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory) -> None:
     client = etcd.client()
     prefix = f"/torchspot/rdzv/{run_id}/"
     job = _job(tmp_path, etcd, run_id, nnodes="2:2", rdzv_conf="lease_ttl=6")

@@ -23,9 +23,7 @@ def test_parse_endpoint_accepts(text: str, want: tuple[str, int]) -> None:
 
 
 def test_parse_settings_defaults_and_overrides() -> None:
-    got = parse_settings(
-        "etcd:2379", "job-1", {"timeout": "900", "keep_alive_interval": "0.5", "lease_ttl": "60"}
-    )
+    got = parse_settings("etcd:2379", "job-1", {"timeout": "900", "keep_alive_interval": "0.5", "lease_ttl": "60"})
     want = EtcdV3Settings(
         host="etcd",
         port=2379,
@@ -58,9 +56,7 @@ def test_parse_settings_defaults_and_overrides() -> None:
         ("etcd:2379", "job", {"connect_timeout": "-1"}, "--rdzv-conf connect_timeout"),
     ],
 )
-def test_parse_settings_rejects(
-    endpoint: str, run_id: str, conf: dict[str, object], flag: str
-) -> None:
+def test_parse_settings_rejects(endpoint: str, run_id: str, conf: dict[str, object], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         parse_settings(endpoint, run_id, conf)
 
@@ -94,9 +90,7 @@ _GOOD = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379", "--rd
         ([*_GOOD, "--rdzv-conf", "lease_ttl"], "--rdzv-conf 'lease_ttl'"),
     ],
 )
-def test_launcher_rejects_bad_flags(
-    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_launcher_rejects_bad_flags(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "train.py"])
     assert exit_info.value.code == 2

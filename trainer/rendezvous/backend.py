@@ -106,9 +106,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             return None
         return self._forgive_outage(kv.value), kv.mod_revision
 
-    def set_state(
-        self, state: bytes, token: Token | None = None
-    ) -> tuple[bytes, Token, bool] | None:
+    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """See base class. `token` is the mod revision the caller read, or None for a new key."""
         expected = token if isinstance(token, int) else None
         result = self._call(
@@ -158,7 +156,5 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             self._outage_ended_wall = None
             return bits
         state = pickle.loads(bits)  # noqa: S301 - torch's own state blob, written by our agents
-        state.last_heartbeats = {
-            node: max(beat, ended) for node, beat in state.last_heartbeats.items()
-        }
+        state.last_heartbeats = {node: max(beat, ended) for node, beat in state.last_heartbeats.items()}
         return pickle.dumps(state)

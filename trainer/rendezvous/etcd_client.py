@@ -137,10 +137,7 @@ class EtcdClient:
         `expected_revision=None` means "only if the key does not exist". On failure
         the key's current value comes back in the same round trip.
         """
-        if expected_revision is None:
-            compare = self._tx.version(key) == 0
-        else:
-            compare = self._tx.mod(key) == expected_revision
+        compare = self._tx.version(key) == 0 if expected_revision is None else self._tx.mod(key) == expected_revision
         try:
             ok, responses = self._client.transaction(
                 compare=[compare],

@@ -53,9 +53,7 @@ _WARN_EVERY = 10.0
 _LEFT_COUNTER = "torchspot.agents_left"
 
 
-def membership_changed(
-    joined_round: int, joined_members: frozenset[Any], state: Any
-) -> tuple[bool, str]:
+def membership_changed(joined_round: int, joined_members: frozenset[Any], state: Any) -> tuple[bool, str]:
     """Decide whether the round this node trains in has ended.
 
     Pure: takes the round we joined, its members, and torch's current
@@ -66,11 +64,7 @@ def membership_changed(
     real membership change starts a fresh round instead.
     """
     pristine = (
-        state.round == 0
-        and not state.participants
-        and not state.wait_list
-        and not state.complete
-        and not state.closed
+        state.round == 0 and not state.participants and not state.wait_list and not state.complete and not state.closed
     )
     if pristine:
         return False, ""
@@ -136,9 +130,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 self._etcd.delete_prefix(settings.run_prefix)
                 log.info("rendezvous %s: last agent out, keys deleted", settings.run_id)
         except (EtcdError, RendezvousConnectionError) as exc:
-            log.warning(
-                "rendezvous %s: keys not deleted (%s); they expire by lease", settings.run_id, exc
-            )
+            log.warning("rendezvous %s: keys not deleted (%s); they expire by lease", settings.run_id, exc)
         return closed
 
     def bind_etcd(self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease) -> None:

@@ -125,8 +125,7 @@ def parse_settings(endpoint: str, run_id: str, conf: Mapping[str, object]) -> Et
     host, port = parse_endpoint(endpoint)
     if not _RUN_ID.match(run_id or ""):
         raise ValueError(
-            f"--rdzv-id {run_id!r}: use 1-253 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            f"--rdzv-id {run_id!r}: use 1-253 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     known = {f.name: f for f in fields(EtcdV3Settings)} | dict.fromkeys(_TORCHRUN_INJECTED)
     values: dict[str, float | int] = {}
@@ -136,14 +135,10 @@ def parse_settings(endpoint: str, run_id: str, conf: Mapping[str, object]) -> Et
             raise ValueError(f"--rdzv-conf {key}: unknown key for etcd-v3 (known: {allowed})")
         if key == "timeout":
             continue
-        kind: type[float] | type[int] = (
-            int if key in ("keep_alive_max_attempt", "lease_ttl") else float
-        )
+        kind: type[float] | type[int] = int if key in ("keep_alive_max_attempt", "lease_ttl") else float
         values[key] = _number(key, raw, kind, _MINIMUMS[key])
     if "join_timeout" not in values and "timeout" in conf:
-        values["join_timeout"] = _number(
-            "timeout", conf["timeout"], float, _MINIMUMS["join_timeout"]
-        )
+        values["join_timeout"] = _number("timeout", conf["timeout"], float, _MINIMUMS["join_timeout"])
     settings = EtcdV3Settings(host=host, port=port, run_id=run_id, **values)  # type: ignore[arg-type]
     if settings.lease_ttl < 2 * settings.dead_after:
         raise ValueError(

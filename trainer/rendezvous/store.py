@@ -62,16 +62,12 @@ class EtcdStore(Store):
             expected = kv.mod_revision if kv else None
 
             def write(lease: int, new: bytes = new, expected: int | None = expected) -> CasResult:
-                return self._client.compare_and_swap(
-                    full, new, expected_revision=expected, lease=lease
-                )
+                return self._client.compare_and_swap(full, new, expected_revision=expected, lease=lease)
 
             if with_lease(self._lease, write).succeeded:
                 return current + value
 
-    def compare_set(
-        self, key: str, expected_value: str | bytes, desired_value: str | bytes
-    ) -> bytes:
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """Set `key` to `desired_value` if it holds `expected_value` (or is absent and
         `expected_value` is empty); return the value the key holds afterwards."""
         full = self._key(key)
@@ -86,9 +82,7 @@ class EtcdStore(Store):
             revision = None if kv is None else kv.mod_revision
 
             def write(lease: int, revision: int | None = revision) -> CasResult:
-                return self._client.compare_and_swap(
-                    full, desired, expected_revision=revision, lease=lease
-                )
+                return self._client.compare_and_swap(full, desired, expected_revision=revision, lease=lease)
 
             if with_lease(self._lease, write).succeeded:
                 return desired

@@ -1,0 +1,143 @@
+"""Checkpoint benchmark: our asynchronous save against a synchronous torch.save + upload.
+
+The state is ResNet-50's model and SGD momentum buffers (about 205 MB), written to a
+real Azurite Blob server in one run:
+
+1. stall: how long the training loop is blocked per checkpoint. Ours: the
+   snapshot copy in `CheckpointManager.save_async` (serialization and upload happen
+   on a background thread). Stock: `torch.save` to a buffer plus `upload_blob`, as a
+   training script without a checkpoint library would do it.
+2. overhead: the time of `--steps` training steps with a checkpoint every
+   `--every` steps, relative to the same steps with no checkpoint. A "step" is a
+   fixed matrix-multiply workload (ResNet-50 itself takes seconds per step on this
+   CPU), so the numbers isolate what checkpointing costs the loop.
+
+Usage: python bench/checkpoint/run.py [--reps 3] [--steps 300] [--every 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchspot.lab.azurite import Azurite
+from torchspot.trainer.checkpoint import CheckpointManager
+from torchspot.trainer.models import resnet50
+from torchspot.trainer.storage import BlobStorage, open_storage
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "checkpoint.json"
+
+
+def resnet50_state() -> dict[str, Any]:
+    """Model plus optimizer state of ResNet-50 after one SGD step (momentum buffers filled)."""
+    model = resnet50()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
+
+
+def stock_save(storage: BlobStorage, name: str, state: dict[str, Any]) -> None:
+    """What a plain training script does: serialize, then upload, blocking the loop."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    storage.put(name, buffer.getvalue())
+
+
+def fake_step(weights: torch.Tensor) -> None:
+    """A fixed amount of compute standing in for one training step."""
+    for _ in range(4):
+        weights = torch.tanh(weights @ weights)
+
+
+def timed_loop(steps: int, every: int, save: Any) -> float:
+    """Seconds for `steps` steps, calling `save(step)` every `every` steps (0: never)."""
+    torch.manual_seed(0)
+    weights = torch.randn(384, 384) * 0.05
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        fake_step(weights)
+        if every and step % every == 0:
+            save(step)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    """Measure stall and overhead for both ways of saving; print ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
+    parser.add_argument("--steps", type=int, default=300, help="steps in the overhead loop")
+    parser.add_argument("--every", type=int, default=100, help="steps between checkpoints")
+    args = parser.parse_args()
+
+    state = resnet50_state()
+    size = sum(t.numel() * t.element_size() for t in state["model"].values())
+    size += sum(t.numel() * t.element_size() for s in state["optimizer"]["state"].values() for t in s.values())
+    print(f"state: ResNet-50 model + SGD momentum = {size / 2**20:.0f} MiB", flush=True)
+
+    with (
+        tempfile.TemporaryDirectory(prefix="torchspot-ckpt-bench-") as tmp,
+        Azurite(Path(tmp) / "azurite") as blob,
+    ):
+        storage = open_storage("az://bench/ckpt", blob.env(), timeout=60)
+        assert isinstance(storage, BlobStorage)
+        manager = CheckpointManager(storage)
+
+        stock_stalls, ours_stalls, ours_total = [], [], []
+        for rep in range(args.reps):
+            started = time.perf_counter()
+            stock_save(storage, f"stock/{rep}.pt", state)
+            stock_stalls.append(time.perf_counter() - started)
+            ours_stalls.append(manager.save_async(rep, state, {}))
+            report = manager.wait()
+            assert report is not None
+            assert report.ok
+            ours_total.append(report.seconds)
+            print(f"[{rep + 1}/{args.reps}] stall: stock {stock_stalls[-1]:.2f} s, ours {ours_stalls[-1]:.3f} s "
+                  f"(background save {report.seconds:.2f} s)", flush=True)  # fmt: skip
+
+        baseline, stock_loop, ours_loop = [], [], []
+        for rep in range(args.reps):
+            baseline.append(timed_loop(args.steps, 0, lambda step: None))
+            stock_loop.append(
+                timed_loop(
+                    args.steps,
+                    args.every,
+                    lambda step: stock_save(storage, f"loop/{step}.pt", state),
+                )
+            )
+            ours_loop.append(timed_loop(args.steps, args.every, lambda step: manager.save_async(step, state, {})))
+            manager.wait()
+            times = f"none {baseline[-1]:.2f} s, stock {stock_loop[-1]:.2f} s, ours {ours_loop[-1]:.2f} s"
+            print(f"[{rep + 1}/{args.reps}] {args.steps} steps: {times}", flush=True)
+        manager.close()
+
+    stall_stock, stall_ours = statistics.median(stock_stalls), statistics.median(ours_stalls)
+    base = statistics.median(baseline)
+    over_stock = statistics.median(stock_loop) / base - 1
+    over_ours = statistics.median(ours_loop) / base - 1
+    print("\nCheckpoint of ResNet-50 state to Azurite (medians)")
+    print(f"  stall per checkpoint: stock {stall_stock:.2f} s, ours {stall_ours:.3f} s "
+          f"-> ours is {100 * stall_ours / stall_stock:.1f}% of stock (target <= 10%)")  # fmt: skip
+    print(f"  step-time overhead, checkpoint every {args.every} steps: stock {100 * over_stock:+.1f}%, "
+          f"ours {100 * over_ours:+.1f}% (target <= 3%)")  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "state_mib": size / 2**20, "stall_stock_s": stock_stalls, "stall_ours_s": ours_stalls,
+        "background_save_s": ours_total, "loop_none_s": baseline, "loop_stock_s": stock_loop,
+        "loop_ours_s": ours_loop, "steps": args.steps, "every": args.every,
+    }, indent=2))  # fmt: skip
+    print(f"raw results: {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""The README documents every flag and setting the code has."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from torchspot.trainer.config import build_parser
+from torchspot.trainer.rendezvous.settings import EtcdV3Settings
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_every_training_flag_is_in_the_readme() -> None:
+    flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings[0].startswith("--")]
+    missing = [f for f in flags if f != "--help" and f"`{f}`" not in README]
+    assert missing == []
+
+
+def test_every_rendezvous_setting_is_in_the_readme() -> None:
+    keys = [f.name for f in fields(EtcdV3Settings) if f.name not in ("host", "port", "run_id")]
+    missing = [k for k in keys if f"| `{k}` |" not in README]
+    assert missing == []

@@ -1,0 +1,204 @@
+"""Checkpoints on a local folder and on Azure Blob (Azurite): atomic, checked, async."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchspot.lab.azurite import Azurite
+from torchspot.trainer.checkpoint import (
+    COMMIT_OBJECT,
+    STATE_OBJECT,
+    CheckpointConfig,
+    CheckpointManager,
+    SaveReport,
+    read_latest,
+    snapshot,
+    step_dir,
+)
+from torchspot.trainer.storage import CheckpointStorage, LocalStorage, StorageError, open_storage
+
+
+@pytest.fixture(params=["local", "blob"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStorage]:
+    if request.param == "local":
+        yield LocalStorage(tmp_path / "ckpt")
+        return
+    azurite: Azurite = request.getfixturevalue("azurite")
+    yield open_storage("az://checkpoints/job-a", azurite.env())
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.full((64,), value)},
+        "step": int(value),
+        "nested": [torch.ones(2) * value],
+    }
+
+
+def test_roundtrip_and_latest_record(storage: CheckpointStorage) -> None:
+    manager = CheckpointManager(storage)
+    assert manager.load_latest() is None
+    assert manager.save_sync(10, _state(10), {"epoch": 0}).ok
+    assert manager.save_sync(20, _state(20), {"epoch": 1}).ok
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 20
+    assert loaded.meta == {"epoch": 1}
+    assert torch.equal(loaded.state["model"]["w"], torch.full((64,), 20.0))
+    latest = read_latest(storage)
+    assert latest is not None
+    assert latest["step"] == 20
+    assert latest["uri"].endswith(step_dir(20))
+
+
+def test_partial_upload_is_skipped_with_a_warning(storage: CheckpointStorage, caplog: pytest.LogCaptureFixture) -> None:
+    manager = CheckpointManager(storage)
+    assert manager.save_sync(10, _state(10), {}).ok
+    storage.put(step_dir(20) + STATE_OBJECT, b"half of a checkpoint")  # died before COMMIT
+    with caplog.at_level(logging.WARNING):
+        loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 10
+    assert "step-0000000020/: no commit marker" in caplog.text
+
+
+def test_corrupt_object_is_skipped_with_a_warning(storage: CheckpointStorage, caplog: pytest.LogCaptureFixture) -> None:
+    manager = CheckpointManager(storage)
+    assert manager.save_sync(10, _state(10), {}).ok
+    assert manager.save_sync(20, _state(20), {}).ok
+    good = storage.get(step_dir(20) + STATE_OBJECT)
+    storage.put(step_dir(20) + STATE_OBJECT, good[:-10] + b"0123456789")  # same size, other bytes
+    with caplog.at_level(logging.WARNING):
+        loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 10
+    assert "step-0000000020/: state.pt does not match its checksum" in caplog.text
+
+
+def test_keeps_the_newest_k_after_each_commit(storage: CheckpointStorage) -> None:
+    manager = CheckpointManager(storage, CheckpointConfig(keep=2))
+    for step in (1, 2, 3, 4):
+        assert manager.save_sync(step, _state(step), {}).ok
+    steps = sorted({name.split("/")[0] for name in storage.list("step-")})
+    assert steps == [step_dir(3).rstrip("/"), step_dir(4).rstrip("/")]
+
+
+def test_async_save_snapshots_then_uploads_in_background(tmp_path: Path) -> None:
+    """Training may change the tensors right after save_async returns."""
+    gate = threading.Event()
+
+    class SlowStorage(LocalStorage):
+        def put(self, name: str, data: bytes) -> None:
+            gate.wait(10)
+            super().put(name, data)
+
+    manager = CheckpointManager(SlowStorage(tmp_path))
+    state = _state(1)
+    stall = manager.save_async(1, state, {})
+    state["model"]["w"].fill_(99)  # the training step after the save
+    assert manager.last_committed is None  # still uploading
+    gate.set()
+    report = manager.wait()
+    assert report is not None
+    assert report.ok
+    assert stall < 5
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert torch.equal(loaded.state["model"]["w"], torch.full((64,), 1.0))
+
+
+def test_a_new_save_waits_for_the_previous_one(tmp_path: Path) -> None:
+    active = []
+    overlap = []
+
+    class Tracking(LocalStorage):
+        def put(self, name: str, data: bytes) -> None:
+            active.append(name)
+            overlap.append(len(active))
+            super().put(name, data)
+            active.pop()
+
+    manager = CheckpointManager(Tracking(tmp_path))
+    for step in range(1, 6):
+        manager.save_async(step, _state(step), {})
+    manager.close()
+    assert max(overlap) == 1
+    assert manager.last_committed == 5
+
+
+def test_outage_retries_reports_and_loses_nothing_committed(tmp_path: Path) -> None:
+    reports: list[SaveReport] = []
+    failing = threading.Event()
+
+    class Flaky(LocalStorage):
+        def put(self, name: str, data: bytes) -> None:
+            if failing.is_set():
+                raise StorageError("blob endpoint unreachable")
+            super().put(name, data)
+
+    naps: list[float] = []
+    manager = CheckpointManager(
+        Flaky(tmp_path),
+        CheckpointConfig(retries=3, backoff=0.5),
+        on_report=reports.append,
+        sleep=naps.append,
+    )
+    assert manager.save_sync(10, _state(10), {}).ok
+    failing.set()
+    failed = manager.save_sync(20, _state(20), {})
+    assert not failed.ok
+    assert failed.attempts == 3
+    assert naps == [0.5, 1.0]  # exponential backoff between attempts
+    assert manager.last_error is not None
+    assert "unreachable" in manager.last_error
+    assert [r.ok for r in reports] == [True, False]
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 10  # the committed checkpoint survived the failed save
+    failing.clear()
+    assert manager.save_sync(30, _state(30), {}).ok
+    assert manager.last_error is None
+
+
+def test_commit_marker_lists_checksums(storage: CheckpointStorage) -> None:
+    CheckpointManager(storage).save_sync(5, _state(5), {"world_size": 3})
+    commit = json.loads(storage.get(step_dir(5) + COMMIT_OBJECT))
+    assert commit["step"] == 5
+    assert set(commit["objects"][STATE_OBJECT]) == {"bytes", "sha256"}
+    assert commit["meta"] == {"world_size": 3}
+
+
+def test_snapshot_copies_tensors() -> None:
+    original = {"a": [torch.zeros(3)], "b": (torch.ones(1),), "c": 3}
+    copy = snapshot(original)
+    original["a"][0].fill_(7)
+    assert torch.equal(copy["a"][0], torch.zeros(3))
+    assert copy["c"] == 3
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3://bucket/x", "unknown scheme 's3'"),
+        ("az:///prefix", "expected az://CONTAINER/PREFIX"),
+        ("az://container/prefix", "set AZURE_STORAGE_CONNECTION_STRING"),
+    ],
+)
+def test_bad_checkpoint_uri_names_the_flag(uri: str, message: str) -> None:
+    with pytest.raises(ValueError, match="--checkpoint-uri") as info:
+        open_storage(uri, {})
+    assert message in str(info.value)
+
+
+def test_describe_never_shows_the_key(azurite: Azurite) -> None:
+    storage = open_storage("az://checkpoints/x", azurite.env())
+    assert "AccountKey" not in storage.describe()
+    assert azurite.connection_string.split("AccountKey=")[1].split(";")[0] not in storage.describe()

@@ -1,0 +1,133 @@
+"""Data formats, models and the training program's flags."""
+
+from __future__ import annotations
+
+import pickle
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchspot.trainer.config import TrainConfig, build_parser, parse_config
+from torchspot.trainer.data import (
+    CIFAR_FOLDER,
+    load_cifar10,
+    load_digits,
+    load_imagenet,
+    write_synthetic_cifar10,
+    write_synthetic_imagenet,
+)
+from torchspot.trainer.models import SmallCNN, resnet18, resnet50
+from torchspot.trainer.train import learning_rate, rng_state, set_rng_state
+
+
+def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
+    archive = write_synthetic_cifar10(tmp_path / "cifar-10-python.tar.gz", n_train=50, n_test=10)
+    with tarfile.open(archive) as tar:
+        names = sorted(m.name for m in tar.getmembers())
+        member = tar.extractfile(f"{CIFAR_FOLDER}/data_batch_1")
+        assert member is not None
+        batch = pickle.load(member, encoding="bytes")
+    assert f"{CIFAR_FOLDER}/test_batch" in names
+    assert batch[b"data"].shape == (10, 3072)
+    assert batch[b"data"].dtype.name == "uint8"
+    assert len(batch[b"labels"]) == 10
+
+    train, test = load_cifar10(archive)
+    assert (len(train), len(test)) == (50, 10)
+    image, label = test[0]
+    assert image.shape == (3, 32, 32)
+    assert 0 <= label < 10
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "extracted", filter="data")
+    train_dir, _ = load_cifar10(tmp_path / "extracted")
+    assert len(train_dir) == 50
+
+
+def test_imagenet_folder_decodes_jpeg(tmp_path: Path) -> None:
+    root = write_synthetic_imagenet(tmp_path / "imagenet", classes=3, per_class=4, size=48)
+    train, val = load_imagenet(root, size=32)
+    assert train.classes == ["n00000000", "n00000001", "n00000002"]
+    assert len(train) == 12
+    image, label = val[0]
+    assert image.shape == (3, 32, 32)
+    assert label == 0
+
+
+def test_digits_are_sklearns_bundled_set() -> None:
+    train, test = load_digits()
+    assert len(train) + len(test) == 1797
+    image, _ = train[0]
+    assert image.shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        (load_cifar10, "not a CIFAR-10 python data set"),
+        (load_imagenet, "one folder per class"),
+    ],
+    ids=["cifar", "imagenet"],
+)
+def test_wrong_data_path_is_named(tmp_path: Path, loader: object, message: str) -> None:
+    with pytest.raises(FileNotFoundError, match=message):
+        loader(tmp_path)  # type: ignore[operator]
+
+
+def test_models_have_the_expected_shapes() -> None:
+    assert resnet18(10)(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    big = resnet50(1000)
+    assert sum(p.numel() for p in big.parameters()) == pytest.approx(25.56e6, rel=0.01)
+    assert big(torch.zeros(1, 3, 64, 64)).shape == (1, 1000)
+    assert SmallCNN(10)(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+    # A rank with no samples in the epoch's short last step still runs forward/backward.
+    empty = resnet18(10)(torch.zeros(0, 3, 32, 32))
+    assert empty.shape == (0, 10)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--data", "x", "--model", "vgg"], "--model 'vgg'"),
+        (["--data", "x", "--epochs", "0"], "--epochs 0"),
+        (["--data", "x", "--batch-size", "0"], "--batch-size 0"),
+        (["--data", "x", "--lr", "-1"], "--lr -1"),
+        (["--data", "x", "--warmup", "1.5"], "--warmup 1.5"),
+        (["--data", "x", "--keep-checkpoints", "0"], "--keep-checkpoints 0"),
+        (["--data", "x", "--scheduled-events", "sometimes"], "--scheduled-events 'sometimes'"),
+        (["--data", "", "--dataset", "cifar10"], "--data is required"),
+        (["--data", "x", "--dataset", "mnist"], "--dataset 'mnist'"),
+    ],
+)
+def test_bad_training_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_config(argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_help_documents_every_flag() -> None:
+    text = build_parser().format_help()
+    assert "--checkpoint-uri" in text
+    assert "az://container/prefix" in text
+    assert "--stuck-exit-after" in text
+    config = parse_config(["--dataset", "digits", "--model", "small_cnn", "--data", ""])
+    assert config.scheduled_events_url() is None or config.scheduled_events == "auto"
+
+
+def test_learning_rate_schedules() -> None:
+    config = TrainConfig(data="x", lr=1.0, warmup=0.1)
+    assert learning_rate(config, 0.05) == pytest.approx(0.5)
+    assert learning_rate(config, 0.1) == pytest.approx(1.0)
+    assert learning_rate(config, 1.0) == pytest.approx(0.0, abs=1e-9)
+    step = TrainConfig(data="x", lr=1.0, schedule="step")
+    assert [learning_rate(step, p) for p in (0.2, 0.6, 0.8)] == pytest.approx([1.0, 0.1, 0.01])
+
+
+def test_rng_state_roundtrips_through_a_safe_load(tmp_path: Path) -> None:
+    state = rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = torch.rand(3)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected)

@@ -1,0 +1,189 @@
+"""Eviction notices: Azure Scheduled Events and SIGTERM.
+
+The Azure instance metadata service cannot run here: a local HTTP server stands in
+for it, returning the documented response shapes and recording the approval POST.
+This is the one test double the project allows itself for the Azure data plane.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from torchspot.lab.local import wait_for
+from torchspot.trainer.eviction import EvictionNotice, ScheduledEventsWatcher, evicting_events
+
+
+def _event(kind: str, resources: list[str], event_id: str = "E1") -> dict[str, Any]:
+    return {
+        "EventId": event_id, "EventType": kind, "ResourceType": "VirtualMachine", "Resources": resources,
+        "EventStatus": "Scheduled", "NotBefore": "Mon, 23 Nov 2026 08:00:00 GMT",
+        "Description": "", "EventSource": "Platform", "DurationInSeconds": -1,
+    }  # fmt: skip
+
+
+class FakeImds:
+    """Stand-in for IMDS's /metadata/scheduledevents and /metadata/instance/compute/name."""
+
+    def __init__(self) -> None:
+        self.document: dict[str, Any] = {"DocumentIncarnation": 1, "Events": []}
+        self.posts: list[dict[str, Any]] = []
+        self.headers_ok = True
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                return
+
+            def _reply(self, body: bytes, status: int = 200) -> None:
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                outer.headers_ok &= self.headers.get("Metadata") == "true"
+                if self.path.startswith("/metadata/instance/compute/name"):
+                    self._reply(b"aks-spot-vmss_3")
+                else:
+                    self._reply(json.dumps(outer.document).encode())
+
+            def do_POST(self) -> None:
+                length = int(self.headers["Content-Length"])
+                outer.posts.append(json.loads(self.rfile.read(length)))
+                self._reply(b"")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    @property
+    def events_url(self) -> str:
+        return f"{self.base}/metadata/scheduledevents?api-version=2020-07-01"
+
+    @property
+    def name_url(self) -> str:
+        return f"{self.base}/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+
+
+@pytest.fixture
+def imds() -> Iterator[FakeImds]:
+    server = FakeImds()
+    yield server
+    server.server.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("events", "vm", "want"),
+    [
+        ([_event("Preempt", ["vm_3"])], "vm_3", ["E1"]),
+        ([_event("Terminate", ["vm_3"])], "vm_3", ["E1"]),
+        ([_event("Preempt", ["vm_4"])], "vm_3", []),
+        ([_event("Freeze", ["vm_3"]), _event("Reboot", ["vm_3"], "E2")], "vm_3", []),
+        ([_event("Preempt", [])], "vm_3", ["E1"]),
+        ([_event("Preempt", ["vm_4"])], None, ["E1"]),
+    ],
+    ids=[
+        "preempt-mine",
+        "terminate-mine",
+        "other-vm",
+        "not-evicting",
+        "no-resources",
+        "unknown-name",
+    ],
+)
+def test_evicting_events(events: list[dict[str, Any]], vm: str | None, want: list[str]) -> None:
+    got = evicting_events({"DocumentIncarnation": 2, "Events": events}, vm)
+    assert [e["EventId"] for e in got] == want
+
+
+def test_watcher_raises_notice_for_this_vm_and_approves(imds: FakeImds) -> None:
+    notice = EvictionNotice()
+    watcher = ScheduledEventsWatcher(notice, imds.events_url, vm_name_url=imds.name_url, interval=0.05).start()
+    try:
+        wait_for(lambda: watcher.polls >= 2, 5, "two polls")
+        assert watcher.vm_name == "aks-spot-vmss_3"
+        imds.document["Events"] = [_event("Preempt", ["some-other-vm"], "X")]
+        wait_for(lambda: watcher.polls >= 5, 5, "more polls")
+        assert not notice.is_set()
+        imds.document["Events"] = [_event("Preempt", ["aks-spot-vmss_3"], "E42")]
+        wait_for(notice.is_set, 5, "the notice")
+    finally:
+        watcher.stop()
+    assert notice.notice is not None
+    assert notice.notice.source == "scheduled-events"
+    assert notice.notice.event_id == "E42"
+    assert imds.headers_ok
+    assert watcher.approve("E42")
+    assert imds.posts == [{"StartRequests": [{"EventId": "E42"}]}]
+
+
+def test_unreachable_endpoint_does_not_raise_notice() -> None:
+    notice = EvictionNotice()
+    watcher = ScheduledEventsWatcher(notice, "http://127.0.0.1:9/none", vm_name_url=None, interval=0.05, timeout=0.2)
+    watcher.start()
+    wait_for(lambda: watcher.errors >= 3, 5, "three failed polls")
+    watcher.stop()
+    assert not notice.is_set()
+
+
+_STUCK = textwrap.dedent(
+    """
+    import os, sys
+    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+    notice = EvictionNotice()
+    watch_sigterm(notice, stuck_exit_after=1.0)
+    read_fd, _ = os.pipe()
+    print("ready", flush=True)
+    os.read(read_fd, 1)  # blocked in C, like a collective waiting for a frozen peer
+    """
+)
+
+
+def test_sigterm_while_blocked_in_c_exits_promptly() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    sent = time.monotonic()
+    proc.terminate()
+    code = proc.wait(timeout=20)
+    assert code == 143
+    assert time.monotonic() - sent < 10
+    assert proc.stderr is not None
+    assert "stuck in a collective" in proc.stderr.read()
+
+
+_ACKED = textwrap.dedent(
+    """
+    import time
+    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+    notice = EvictionNotice()
+    watch_sigterm(notice, stuck_exit_after=2.0)
+    print("ready", flush=True)
+    while not notice.is_set():
+        time.sleep(0.01)  # a training step
+    notice.acknowledged.set()
+    print("checkpoint at step boundary", notice.notice.source, flush=True)
+    time.sleep(3)
+    print("exited cleanly", flush=True)
+    """
+)
+
+
+def test_sigterm_at_a_step_boundary_lets_the_loop_finish() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _ACKED], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.terminate()
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "checkpoint at step boundary SIGTERM" in out
+    assert "exited cleanly" in out

@@ -1,0 +1,21 @@
+"""`python -m torchspot.trainer`: the training program that runs under torchspot-run."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torchspot.trainer.config import parse_config
+from torchspot.trainer.train import Trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, train (resuming from the newest checkpoint), exit 0 when done."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_config(argv)
+    Trainer(config).train()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

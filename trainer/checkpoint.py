@@ -1,0 +1,307 @@
+"""Atomic, asynchronous checkpoints on any `CheckpointStorage`.
+
+Layout under the checkpoint root::
+
+    step-0000001200/state.pt     torch.save of the whole training state
+    step-0000001200/COMMIT       JSON: step, metadata, and each object's size and sha256
+    latest.json                  JSON: the newest committed step and its URI (for the operator)
+
+Why this shape:
+- A checkpoint counts only once its COMMIT marker exists, and the marker is written
+  after every object it lists. A reader that races a writer, or finds the remains of
+  an upload that died, sees no marker and moves on to an older step.
+- The marker carries checksums, so a truncated or corrupted object is detected and
+  that step is skipped (with a warning that names it), never loaded.
+- `save_async` copies the state to host memory at a step boundary (the only stall)
+  and serializes and uploads it on a background thread while training continues. A
+  new save first waits for the previous one, so uploads never pile up.
+- Failed uploads are retried with exponential backoff; when all retries fail the
+  error is recorded for the progress line and training goes on. Older committed
+  checkpoints are deleted only after a newer one committed, so nothing committed is
+  lost to a failed save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from torchspot.trainer.storage import CheckpointStorage, ObjectNotFoundError, StorageError
+
+log = logging.getLogger(__name__)
+
+STATE_OBJECT = "state.pt"
+COMMIT_OBJECT = "COMMIT"
+LATEST_OBJECT = "latest.json"
+FORMAT_VERSION = 1
+
+
+def step_dir(step: int) -> str:
+    """The folder of one checkpoint; zero-padded so names sort by step."""
+    return f"step-{step:010d}/"
+
+
+def _parse_step(name: str) -> int | None:
+    head = name.split("/", 1)[0]
+    if head.startswith("step-") and head[5:].isdigit():
+        return int(head[5:])
+    return None
+
+
+def snapshot(obj: Any) -> Any:
+    """Copy a nested state (dicts, lists, tuples, tensors) to host memory.
+
+    Tensors are cloned (GPU tensors copied to CPU), so training may modify the
+    originals while the copy is serialized and uploaded.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {key: snapshot(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot(value) for value in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """How often and how durably to checkpoint."""
+
+    keep: int = 3
+    """Committed checkpoints to keep; older ones are deleted after a new one commits."""
+    retries: int = 5
+    """Attempts per save before it is reported failed (training goes on)."""
+    backoff: float = 1.0
+    """Seconds before the first retry; doubles each time, capped at `max_backoff`."""
+    max_backoff: float = 30.0
+    """Longest wait between two attempts."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"--keep-checkpoints {self.keep}: keep at least 1 checkpoint")
+        if self.retries < 1:
+            raise ValueError(f"--checkpoint-retries {self.retries}: must be at least 1")
+        if self.backoff < 0 or self.max_backoff < self.backoff:
+            raise ValueError("checkpoint backoff must be >= 0 and <= max_backoff")
+
+
+@dataclass
+class SaveReport:
+    """The outcome of one save."""
+
+    step: int
+    ok: bool
+    seconds: float
+    nbytes: int = 0
+    attempts: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Loaded:
+    """A checkpoint read back: its step, the state, and its metadata."""
+
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints on one storage. Only one process should save.
+
+    :param storage: where checkpoints live.
+    :param config: retention and retry settings.
+    :param on_report: called (on the saving thread) with every save's outcome.
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        config: CheckpointConfig | None = None,
+        *,
+        on_report: Callable[[SaveReport], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.storage = storage
+        self.config = config or CheckpointConfig()
+        self._on_report = on_report
+        self._sleep = sleep
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future[SaveReport] | None = None
+        self._lock = threading.Lock()
+        self.last_committed: int | None = None
+        self.last_error: str | None = None
+
+    # -- saving ---------------------------------------------------------------------
+
+    def save_async(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
+        """Snapshot `state` and upload it in the background; return the stall in seconds.
+
+        The stall is the time spent waiting for the previous save plus the copy to
+        host memory; serialization and upload happen on the background thread.
+        """
+        started = time.perf_counter()
+        self.wait()
+        copy = snapshot(state)
+        meta_copy = dict(meta)
+        with self._lock:
+            self._pending = self._executor.submit(self._save, step, copy, meta_copy)
+        return time.perf_counter() - started
+
+    def save_sync(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> SaveReport:
+        """Save now and return when the checkpoint is committed (or failed): for evictions."""
+        self.wait()
+        return self._save(step, snapshot(state), dict(meta))
+
+    def wait(self) -> SaveReport | None:
+        """Block until the save in flight (if any) finished; return its outcome."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the background thread."""
+        self.wait()
+        self._executor.shutdown(wait=True)
+
+    def _save(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
+        started = time.perf_counter()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        commit = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "saved_at": datetime.now(UTC).isoformat(),
+            "meta": meta,
+            "objects": {STATE_OBJECT: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        }
+        folder = step_dir(step)
+        latest = {
+            "step": step,
+            "path": folder,
+            "uri": f"{self.storage.describe().rstrip('/')}/{folder}",
+            "saved_at": commit["saved_at"],
+        }
+        delay = self.config.backoff
+        error = ""
+        for attempt in range(1, self.config.retries + 1):
+            try:
+                self.storage.put(folder + STATE_OBJECT, data)
+                self.storage.put(folder + COMMIT_OBJECT, json.dumps(commit).encode())
+                self.storage.put(LATEST_OBJECT, json.dumps(latest).encode())
+            except StorageError as exc:
+                error = str(exc)
+                log.warning(
+                    "checkpoint step %d: attempt %d/%d failed: %s",
+                    step,
+                    attempt,
+                    self.config.retries,
+                    error,
+                )
+                if attempt < self.config.retries:
+                    self._sleep(delay)
+                    delay = min(max(delay * 2, 0.1), self.config.max_backoff)
+                continue
+            report = SaveReport(step, True, time.perf_counter() - started, len(data), attempt)
+            self.last_committed = step
+            self.last_error = None
+            self._prune()
+            self._report(report)
+            return report
+        report = SaveReport(step, False, time.perf_counter() - started, len(data), self.config.retries, error)
+        self.last_error = f"step {step}: {error}"
+        self._report(report)
+        return report
+
+    def _report(self, report: SaveReport) -> None:
+        if self._on_report is not None:
+            self._on_report(report)
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` committed checkpoints; drop older ones and stale partials."""
+        try:
+            names = self.storage.list("step-")
+        except StorageError as exc:
+            log.warning("checkpoint pruning skipped: %s", exc)
+            return
+        committed = sorted({s for n in names if n.endswith("/" + COMMIT_OBJECT) and (s := _parse_step(n)) is not None})
+        if not committed:
+            return
+        keep = set(committed[-self.config.keep :])
+        newest = committed[-1]
+        for step in sorted({s for n in names if (s := _parse_step(n)) is not None}):
+            if step in keep or step > newest:
+                continue
+            try:
+                self.storage.delete_prefix(step_dir(step))
+            except StorageError as exc:
+                log.warning("could not delete old checkpoint %s: %s", step_dir(step), exc)
+
+    # -- loading --------------------------------------------------------------------
+
+    def load_latest(self) -> Loaded | None:
+        """The newest committed checkpoint whose objects match their checksums, or None.
+
+        Partial (no COMMIT) and corrupt steps are skipped with a warning naming them.
+        """
+        names = self.storage.list("step-")
+        steps = sorted({s for n in names if (s := _parse_step(n)) is not None}, reverse=True)
+        for step in steps:
+            folder = step_dir(step)
+            if folder + COMMIT_OBJECT not in names:
+                log.warning("skipping checkpoint %s: no commit marker (partial upload)", folder)
+                continue
+            loaded = self._read(step, folder)
+            if loaded is not None:
+                return loaded
+        return None
+
+    def load_step(self, step: int) -> Loaded | None:
+        """One specific committed checkpoint (None if missing or corrupt)."""
+        return self._read(step, step_dir(step))
+
+    def _read(self, step: int, folder: str) -> Loaded | None:
+        try:
+            commit = json.loads(self.storage.get(folder + COMMIT_OBJECT))
+            objects = commit["objects"]
+            data = self.storage.get(folder + STATE_OBJECT)
+            expected = objects[STATE_OBJECT]
+        except (ObjectNotFoundError, KeyError, ValueError, TypeError) as exc:
+            log.warning("skipping checkpoint %s: unreadable commit or object (%s)", folder, exc)
+            return None
+        if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+            log.warning(
+                "skipping checkpoint %s: %s does not match its checksum (corrupt)",
+                folder,
+                STATE_OBJECT,
+            )
+            return None
+        try:
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            log.warning("skipping checkpoint %s: cannot deserialize (%s)", folder, exc)
+            return None
+        return Loaded(step, state, dict(commit.get("meta", {})))
+
+
+def read_latest(storage: CheckpointStorage) -> dict[str, Any] | None:
+    """The `latest.json` record (newest committed step), or None if there is none yet."""
+    try:
+        record: dict[str, Any] = json.loads(storage.get(LATEST_OBJECT))
+    except (ObjectNotFoundError, ValueError):
+        return None
+    return record

@@ -1,0 +1,208 @@
+"""The training program's configuration: one dataclass, one flag per field.
+
+Each field's docstring is its `--help` text; `__post_init__` rejects bad values with
+a message that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import itertools
+import os
+import tempfile
+import textwrap
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from torchspot.trainer.models import MODELS
+
+DATASETS = ("cifar10", "imagenet", "digits")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "step", "constant")
+
+
+@dataclass
+class TrainConfig:
+    """Everything `python -m torchspot.trainer` takes."""
+
+    data: str
+    """CIFAR-10: `cifar-10-python.tar.gz` or its folder; ImageNet: a folder with train/ and
+    val/; either may be az://container/prefix (copied to --data-cache first). Ignored for digits."""
+    dataset: str = "cifar10"
+    """Data set format: cifar10, imagenet, or digits (scikit-learn's bundled 8x8 digits)."""
+    model: str = "resnet18"
+    """Model: resnet18 (CIFAR variant), resnet50 (ImageNet), small_cnn (digits, tests)."""
+    epochs: int = 1
+    """Epochs to train (the run ends after this many, or after --max-steps)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: no limit besides --epochs)."""
+    batch_size: int = 128
+    """Samples per worker per step."""
+    lr: float = 0.1
+    """Peak learning rate (scaled by nothing: set it for the largest world size)."""
+    optimizer: str = "sgd"
+    """sgd (momentum 0.9, Nesterov) or adamw."""
+    weight_decay: float = 5e-4
+    """L2 weight decay."""
+    schedule: str = "cosine"
+    """Learning-rate schedule over the whole run: cosine, step (x0.1 at 50% and 75%), constant."""
+    warmup: float = 0.0
+    """Fraction of the run spent warming the learning rate up linearly from zero."""
+    seed: int = 0
+    """Seed for model initialization and data order (the same on every worker)."""
+    image_size: int = 224
+    """ImageNet crop size in pixels."""
+    data_cache: str = ""
+    """Local folder that receives an az:// data set ('' = torchspot-data in the temp folder)."""
+    workers: int = 2
+    """Data-loading processes per worker (0: load in the training process)."""
+    checkpoint_uri: str = ""
+    """Where checkpoints go: a folder, file://..., or az://container/prefix ('' = none)."""
+    checkpoint_every: int = 200
+    """Steps between asynchronous checkpoints (0: only at the end and on eviction)."""
+    keep_checkpoints: int = 3
+    """Committed checkpoints to keep; older ones are deleted after a new one commits."""
+    checkpoint_retries: int = 5
+    """Attempts per checkpoint save before it is reported failed (training goes on)."""
+    log_every: int = 20
+    """Steps between progress lines."""
+    events_file: str = ""
+    """Also append every JSON record to this file ('' = stdout only; the sandbox reads it)."""
+    tensorboard: str = ""
+    """Folder for TensorBoard event files ('' = off; needs the tensorboard package)."""
+    scheduled_events: str = "auto"
+    """Azure Scheduled Events: 'auto' (on inside a Kubernetes pod), 'off', or an endpoint URL."""
+    vm_name: str = ""
+    """This VM's name as Scheduled Events lists it ('' = ask the metadata service)."""
+    stuck_exit_after: float = 10.0
+    """Seconds after SIGTERM to reach a step boundary before exiting at once (stuck collective)."""
+    notice_hold: float = 120.0
+    """After an emergency checkpoint, seconds the group waits for the evicted node to go
+    before training on (a notice that comes to nothing costs at most this)."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda when available). NCCL is used on cuda, gloo on cpu."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (
+                self.dataset in DATASETS,
+                f"--dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}",
+            ),
+            (self.model in MODELS, f"--model {self.model!r}: choose one of {', '.join(MODELS)}"),
+            (
+                self.optimizer in OPTIMIZERS,
+                f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}",
+            ),
+            (
+                self.schedule in SCHEDULES,
+                f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+            ),
+            (self.epochs >= 1, f"--epochs {self.epochs}: must be at least 1"),
+            (self.max_steps >= 0, f"--max-steps {self.max_steps}: must be 0 or more"),
+            (self.batch_size >= 1, f"--batch-size {self.batch_size}: must be at least 1"),
+            (self.lr > 0, f"--lr {self.lr}: must be greater than 0"),
+            (self.weight_decay >= 0, f"--weight-decay {self.weight_decay}: must be 0 or more"),
+            (0 <= self.warmup < 1, f"--warmup {self.warmup}: must be a fraction in [0, 1)"),
+            (self.image_size >= 32, f"--image-size {self.image_size}: must be at least 32"),
+            (self.workers >= 0, f"--workers {self.workers}: must be 0 or more"),
+            (
+                self.checkpoint_every >= 0,
+                f"--checkpoint-every {self.checkpoint_every}: must be 0 or more",
+            ),
+            (
+                self.keep_checkpoints >= 1,
+                f"--keep-checkpoints {self.keep_checkpoints}: keep at least 1",
+            ),
+            (
+                self.checkpoint_retries >= 1,
+                f"--checkpoint-retries {self.checkpoint_retries}: must be at least 1",
+            ),
+            (self.log_every >= 1, f"--log-every {self.log_every}: must be at least 1"),
+            (
+                self.stuck_exit_after > 0,
+                f"--stuck-exit-after {self.stuck_exit_after}: must be greater than 0",
+            ),
+            (self.notice_hold >= 0, f"--notice-hold {self.notice_hold}: must be 0 or more"),
+            (
+                self.device in ("auto", "cpu", "cuda"),
+                f"--device {self.device!r}: choose auto, cpu or cuda",
+            ),
+            (
+                self.scheduled_events in ("auto", "off") or self.scheduled_events.startswith("http"),
+                f"--scheduled-events {self.scheduled_events!r}: use auto, off, or an http(s) URL",
+            ),
+            (
+                self.dataset == "digits" or bool(self.data),
+                "--data is required for cifar10 and imagenet",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def scheduled_events_url(self) -> str | None:
+        """The endpoint to poll, or None when the watcher is off."""
+        from torchspot.trainer.eviction import SCHEDULED_EVENTS_URL  # noqa: PLC0415
+
+        if self.scheduled_events == "off":
+            return None
+        if self.scheduled_events == "auto":
+            return SCHEDULED_EVENTS_URL if os.environ.get("KUBERNETES_SERVICE_HOST") else None
+        return self.scheduled_events
+
+
+def _field_docs() -> dict[str, str]:
+    """Field docstrings (the string right after each field), for --help."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in itertools.pairwise(body):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            value = getattr(following, "value", None)
+            if isinstance(following, ast.Expr) and isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docs[node.target.id] = " ".join(value.value.split())
+    return docs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per TrainConfig field, with its docstring as help and its default shown."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torchspot.trainer",
+        description="Elastic ResNet training under torchspot-run (or torchrun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    docs = _field_docs()
+    hints = get_type_hints(TrainConfig)
+    for item in fields(TrainConfig):
+        flag = "--" + item.name.replace("_", "-")
+        kind: Any = hints[item.name]
+        kwargs: dict[str, Any] = {"type": kind, "help": docs.get(item.name, "")}
+        if item.default is MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = item.default
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse flags into a TrainConfig; bad values exit with a message naming the flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return TrainConfig(**vars(args))
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def ensure_local_data(config: TrainConfig) -> Path:
+    """The data set as a local path, copying an az:// prefix to the cache first."""
+    from torchspot.trainer.data import fetch_prefix  # noqa: PLC0415
+
+    if config.data.startswith("az://"):
+        cache = Path(config.data_cache) if config.data_cache else Path(tempfile.gettempdir()) / "torchspot-data"
+        return fetch_prefix(config.data, cache)
+    return Path(config.data.removeprefix("file://"))

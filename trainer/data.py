@@ -1,0 +1,273 @@
+"""Data sets: CIFAR-10 (python batches), ImageNet-style folders, digits, and synthetic sets.
+
+- CIFAR-10 in its "python version" format: the pickled `data_batch_1..5` and
+  `test_batch` inside `cifar-10-python.tar.gz` (or the extracted
+  `cifar-10-batches-py/` folder), each a dict with `data` (N x 3072 uint8, channel
+  planes of 32x32) and `labels`.
+- ImageNet's folder layout: `ROOT/train/<class>/*.JPEG` and `ROOT/val/<class>/*`,
+  decoded with Pillow, resized and center-cropped (random crop and flip for training).
+- scikit-learn's bundled 8x8 digits (real handwriting, shipped inside the package),
+  for correctness tests that must not depend on data written here.
+- Generators that write small synthetic sets in the CIFAR and ImageNet formats, with
+  a learnable class signal, for the tests and the demo.
+- `fetch_prefix` copies a Blob prefix (`az://container/prefix`) to a local cache.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import tarfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from torchspot.trainer.storage import open_storage
+
+CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
+CIFAR_TEST = "test_batch"
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
+
+
+class TensorImages(Dataset[tuple[torch.Tensor, int]]):
+    """Images held in memory as uint8 NCHW, normalized per channel on access.
+
+    :param augment: random horizontal flip (and 4-pixel random crop for 32x32).
+    """
+
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: Sequence[int],
+        mean: Sequence[float],
+        std: Sequence[float],
+        *,
+        augment: bool = False,
+    ) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = images
+        self.labels = torch.as_tensor(list(labels), dtype=torch.long)
+        self.mean = torch.tensor(mean).view(-1, 1, 1)
+        self.std = torch.tensor(std).view(-1, 1, 1)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = self.images[index].float() / 255.0
+        if self.augment:
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+            if image.shape[-1] == 32:
+                padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
+                dx, dy = (int(v) for v in torch.randint(0, 9, (2,)))
+                image = padded[:, dy : dy + 32, dx : dx + 32]
+        return (image - self.mean) / self.std, int(self.labels[index])
+
+
+def _cifar_members(path: Path) -> dict[str, dict[bytes, object]]:
+    """Read the pickled batches from the tarball or the extracted folder."""
+    wanted = [*CIFAR_TRAIN, CIFAR_TEST]
+    batches: dict[str, dict[bytes, object]] = {}
+    if path.is_file():
+        with tarfile.open(path, "r:gz") as tar:
+            for member in tar.getmembers():
+                name = Path(member.name).name
+                if name in wanted and (handle := tar.extractfile(member)) is not None:
+                    batches[name] = pickle.load(handle, encoding="bytes")  # noqa: S301 - CIFAR's own format
+    else:
+        folder = path / CIFAR_FOLDER if (path / CIFAR_FOLDER).is_dir() else path
+        for name in wanted:
+            if (folder / name).exists():
+                with (folder / name).open("rb") as handle:
+                    batches[name] = pickle.load(handle, encoding="bytes")  # noqa: S301
+    missing = [n for n in wanted if n not in batches]
+    if missing:
+        raise FileNotFoundError(f"{path}: not a CIFAR-10 python data set (missing {', '.join(missing)})")
+    return batches
+
+
+def _cifar_tensors(batches: list[dict[bytes, object]]) -> tuple[torch.Tensor, list[int]]:
+    data = np.concatenate([np.asarray(b[b"data"], dtype=np.uint8) for b in batches])
+    labels = [int(v) for b in batches for v in b[b"labels"]]  # type: ignore[attr-defined]
+    return torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), labels
+
+
+def load_cifar10(path: Path, *, augment: bool = True) -> tuple[TensorImages, TensorImages]:
+    """(train, test) from `cifar-10-python.tar.gz` or its extracted folder."""
+    batches = _cifar_members(path)
+    train_x, train_y = _cifar_tensors([batches[n] for n in CIFAR_TRAIN])
+    test_x, test_y = _cifar_tensors([batches[CIFAR_TEST]])
+    return (
+        TensorImages(train_x, train_y, CIFAR_MEAN, CIFAR_STD, augment=augment),
+        TensorImages(test_x, test_y, CIFAR_MEAN, CIFAR_STD),
+    )
+
+
+class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
+    """`ROOT/<class>/<image>` decoded with Pillow, resized and cropped to `size`.
+
+    Classes are the sorted folder names, as in torchvision's ImageFolder.
+    """
+
+    def __init__(self, root: Path, size: int = 224, *, augment: bool = False) -> None:
+        classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        if not classes:
+            raise FileNotFoundError(f"{root}: expected one folder per class with images inside")
+        self.classes = classes
+        self.samples = [
+            (path, label)
+            for label, name in enumerate(classes)
+            for path in sorted((root / name).iterdir())
+            if path.suffix.lower() in IMAGE_SUFFIXES
+        ]
+        if not self.samples:
+            raise FileNotFoundError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) found")
+        self.size = size
+        self.augment = augment
+        self.mean = torch.tensor(IMAGENET_MEAN).view(-1, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD).view(-1, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image  # noqa: PLC0415 - only ImageNet-style data needs Pillow
+
+        path, label = self.samples[index]
+        with Image.open(path) as img:
+            rgb = img.convert("RGB")
+            # Resize the shorter side to size * 8/7 (256 for 224), then crop to size.
+            scale = self.size * 8 / 7 / min(rgb.size)
+            rgb = rgb.resize(
+                (
+                    max(self.size, round(rgb.width * scale)),
+                    max(self.size, round(rgb.height * scale)),
+                )
+            )
+            if self.augment:
+                left = int(torch.randint(0, rgb.width - self.size + 1, ()))
+                top = int(torch.randint(0, rgb.height - self.size + 1, ()))
+            else:
+                left, top = (rgb.width - self.size) // 2, (rgb.height - self.size) // 2
+            rgb = rgb.crop((left, top, left + self.size, top + self.size))
+            array = np.asarray(rgb, dtype=np.uint8)
+        image = torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0
+        if self.augment and torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        return (image - self.mean) / self.std, label
+
+
+def load_imagenet(root: Path, size: int = 224) -> tuple[ImageFolder, ImageFolder]:
+    """(train, val) from an ImageNet-style folder with `train/` and `val/`."""
+    return ImageFolder(root / "train", size, augment=True), ImageFolder(root / "val", size)
+
+
+def load_digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorImages, TensorImages]:
+    """scikit-learn's bundled 8x8 digits (1797 images), split into (train, test)."""
+    from sklearn.datasets import load_digits as sk_digits  # noqa: PLC0415 - test/demo extra
+
+    bunch = sk_digits()
+    images = torch.from_numpy((bunch.images * (255.0 / 16.0)).astype(np.uint8)).unsqueeze(1)
+    labels = [int(v) for v in bunch.target]
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed)).tolist()
+    cut = int(len(order) * (1 - test_fraction))
+    train, test = order[:cut], order[cut:]
+    mean, std = (0.5,), (0.5,)
+    return (
+        TensorImages(images[train], [labels[i] for i in train], mean, std),
+        TensorImages(images[test], [labels[i] for i in test], mean, std),
+    )
+
+
+def _synthetic_images(n: int, classes: int, size: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    """Images whose class shows as a color and a stripe frequency, plus noise."""
+    labels = rng.integers(0, classes, n)
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    images = np.empty((n, 3, size, size), dtype=np.uint8)
+    for i, label in enumerate(labels):
+        hue = np.array([np.cos(label), np.sin(label * 1.3), np.cos(label * 0.7)]) * 0.35 + 0.5
+        stripes = 0.5 + 0.5 * np.sin((label + 2) * np.pi * (xx + yy))
+        base = hue[:, None, None] * (0.6 + 0.4 * stripes)[None]
+        noisy = base + rng.normal(0, 0.12, base.shape)
+        images[i] = np.clip(noisy * 255, 0, 255).astype(np.uint8)
+    return images, [int(v) for v in labels]
+
+
+def write_synthetic_cifar10(path: Path, n_train: int = 5000, n_test: int = 1000, seed: int = 0) -> Path:
+    """Write `cifar-10-python.tar.gz` with synthetic 32x32 images in the real format."""
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    per_batch = -(-n_train // 5)
+    with tarfile.open(path, "w:gz") as tar:
+
+        def add(name: str, payload: object) -> None:
+            blob = pickle.dumps(payload, protocol=2)
+            info = tarfile.TarInfo(f"{CIFAR_FOLDER}/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+
+        remaining = n_train
+        for name in CIFAR_TRAIN:
+            count = min(per_batch, remaining)
+            remaining -= count
+            images, labels = _synthetic_images(count, 10, 32, rng)
+            add(
+                name,
+                {
+                    b"batch_label": name.encode(),
+                    b"labels": labels,
+                    b"data": images.reshape(count, -1),
+                },
+            )
+        images, labels = _synthetic_images(n_test, 10, 32, rng)
+        add(
+            CIFAR_TEST,
+            {b"batch_label": b"test", b"labels": labels, b"data": images.reshape(n_test, -1)},
+        )
+        add("batches.meta", {b"label_names": [f"class{i}".encode() for i in range(10)]})
+    return path
+
+
+def write_synthetic_imagenet(root: Path, classes: int = 4, per_class: int = 8, size: int = 64, seed: int = 0) -> Path:
+    """Write `ROOT/{train,val}/<class>/*.JPEG` with synthetic images."""
+    from PIL import Image  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", per_class), ("val", max(1, per_class // 4))):
+        for label in range(classes):
+            folder = root / split / f"n{label:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            images, _ = _synthetic_images(count, classes, size, rng)
+            for i in range(count):
+                # Force the class signal of `label` on every image of this folder.
+                forced, _ = _synthetic_images(1, classes, size, np.random.default_rng(seed * 1000 + label))
+                pixels = ((images[i].astype(np.uint16) + forced[0]) // 2).astype(np.uint8)
+                Image.fromarray(pixels.transpose(1, 2, 0)).save(folder / f"img{i:05d}.JPEG", quality=90)
+    return root
+
+
+def fetch_prefix(uri: str, cache: Path) -> Path:
+    """Copy every object under `uri` (az://container/prefix or a folder) into `cache`.
+
+    Objects already in the cache with the same size are not fetched again.
+    """
+    storage = open_storage(uri, create_container=False)
+    for name in storage.list():
+        target = cache / name
+        data = storage.get(name)
+        if target.exists() and target.stat().st_size == len(data):
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return cache

@@ -1,0 +1,235 @@
+"""Eviction notices: SIGTERM and Azure Scheduled Events, turned into one flag.
+
+Two sources warn a worker that it is about to go:
+
+- SIGTERM, from pod deletion (kubelet) or from torchrun's agent restarting workers.
+  Python runs signal handlers only on the main thread between bytecodes, so a worker
+  blocked in a collective (a peer froze) would never see it, and the agent would
+  SIGKILL it only after its 30 s timeout, which every recovery would then pay. A
+  watcher thread learns of the signal through the interpreter's wakeup fd, which the
+  C-level handler writes at once; if the training loop does not reach a step
+  boundary within `stuck_exit_after` seconds, the worker is stuck in a collective and
+  exits with 128+SIGTERM.
+- Azure Scheduled Events: a thread polls the instance metadata service about once a
+  second; a `Preempt` or `Terminate` event for this VM raises the notice, and the
+  event is approved (`StartRequests`) after the emergency checkpoint, so the
+  eviction proceeds without waiting out its notice period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SCHEDULED_EVENTS_URL = "http://169.254.169.254/metadata/scheduledevents?api-version=2020-07-01"
+"""Azure's documented Scheduled Events endpoint (IMDS), reachable from every Azure VM."""
+VM_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+"""IMDS path that returns this VM's name, which Scheduled Events lists in `Resources`."""
+EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Why and when the worker was told to go."""
+
+    source: str
+    detail: str
+    received: float
+    event_id: str | None = None
+
+
+class EvictionNotice:
+    """A thread-safe, set-once flag with the first reason it was set for."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._notice: Notice | None = None
+        self._lock = threading.Lock()
+        self.acknowledged = threading.Event()
+        """Set by the training loop when it has reached a step boundary after the notice."""
+
+    def set(self, source: str, detail: str, event_id: str | None = None) -> None:
+        """Raise the notice (later calls keep the first reason)."""
+        with self._lock:
+            if self._notice is None:
+                self._notice = Notice(source, detail, time.monotonic(), event_id)
+                log.warning("eviction notice from %s: %s", source, detail)
+        self._event.set()
+
+    def clear(self) -> None:
+        """Forget a notice that came to nothing (the node was not evicted after all)."""
+        with self._lock:
+            self._notice = None
+        self._event.clear()
+        self.acknowledged.clear()
+
+    def is_set(self) -> bool:
+        """True once any source raised the notice."""
+        return self._event.is_set()
+
+    @property
+    def notice(self) -> Notice | None:
+        """The first notice, if any."""
+        return self._notice
+
+
+def watch_sigterm(
+    notice: EvictionNotice,
+    *,
+    stuck_exit_after: float,
+    exit_now: Callable[[int], None] = os._exit,
+) -> threading.Thread:
+    """Turn SIGTERM into the notice, even while the main thread is blocked in C++.
+
+    Call from the main thread. CPython's C-level handler writes the signal number to
+    the wakeup fd from whichever thread received the signal; a watcher thread reads
+    it at once, raises the notice, and exits the process if the training loop does
+    not acknowledge it at a step boundary within `stuck_exit_after` seconds.
+
+    :param exit_now: how to exit (tests pass a recorder).
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # A Python-level handler keeps the default action (terminate) from firing; the
+    # work happens on the watcher thread.
+    signal.signal(
+        signal.SIGTERM,
+        lambda _signum, _frame: notice.set("SIGTERM", "pod deletion or agent restart"),
+    )
+
+    def watch() -> None:
+        while signal.SIGTERM not in os.read(read_fd, 64):
+            continue
+        notice.set("SIGTERM", "pod deletion or agent restart")
+        if not notice.acknowledged.wait(stuck_exit_after):
+            log.warning(
+                "no step boundary %.0f s after SIGTERM: stuck in a collective, exiting",
+                stuck_exit_after,
+            )
+            exit_now(128 + signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="sigterm-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def reset_sigterm() -> None:
+    """Give a forked data-loader worker the default SIGTERM action and no wakeup fd."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def evicting_events(document: dict[str, Any], vm_name: str | None) -> list[dict[str, Any]]:
+    """The Preempt/Terminate events in a Scheduled Events document that concern this VM.
+
+    Pure. An event with no `Resources`, or a VM whose name we could not learn, counts:
+    an unneeded emergency checkpoint costs seconds, a missed one costs the work since
+    the last checkpoint.
+    """
+    found = []
+    for event in document.get("Events", []):
+        if event.get("EventType") not in EVICTING_EVENT_TYPES:
+            continue
+        resources = event.get("Resources") or []
+        if vm_name is None or not resources or vm_name in resources:
+            found.append(event)
+    return found
+
+
+class ScheduledEventsWatcher:
+    """Polls Azure Scheduled Events and raises the notice for this VM's eviction.
+
+    :param url: the Scheduled Events endpoint (tests point it at a local server).
+    :param vm_name: this VM's name as it appears in `Resources` (None: ask IMDS, and
+        treat every evicting event as ours if that fails).
+    :param interval: seconds between polls; Azure recommends about one second.
+    """
+
+    def __init__(
+        self,
+        notice: EvictionNotice,
+        url: str = SCHEDULED_EVENTS_URL,
+        *,
+        vm_name: str | None = None,
+        vm_name_url: str | None = VM_NAME_URL,
+        interval: float = 1.0,
+        timeout: float = 2.0,
+    ) -> None:
+        self.notice = notice
+        self.url = url
+        self.vm_name = vm_name
+        self.vm_name_url = vm_name_url
+        self.interval = interval
+        self.timeout = timeout
+        self.polls = 0
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scheduled-events", daemon=True)
+
+    def start(self) -> ScheduledEventsWatcher:
+        """Start polling in the background."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling."""
+        self._stop.set()
+        self._thread.join(timeout=self.timeout + self.interval + 1)
+
+    def _request(self, url: str, body: bytes | None = None) -> bytes:
+        request = urllib.request.Request(url, data=body, headers={"Metadata": "true"})  # noqa: S310
+        if body is not None:
+            request.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+            data: bytes = response.read()
+        return data
+
+    def _learn_vm_name(self) -> None:
+        if self.vm_name is not None or not self.vm_name_url:
+            return
+        try:
+            self.vm_name = self._request(self.vm_name_url).decode().strip() or None
+        except OSError as exc:
+            log.info("could not read this VM's name from IMDS (%s); every evicting event counts", exc)
+
+    def _run(self) -> None:
+        self._learn_vm_name()
+        while not self._stop.is_set():
+            try:
+                document = json.loads(self._request(self.url))
+                self.polls += 1
+            except (OSError, ValueError) as exc:
+                self.errors += 1
+                if self.errors == 1:
+                    log.info("scheduled events not reachable at %s (%s); will keep trying", self.url, exc)
+            else:
+                for event in evicting_events(document, self.vm_name):
+                    self.notice.set(
+                        "scheduled-events",
+                        f"{event.get('EventType')} {event.get('EventId')} not before {event.get('NotBefore')}",
+                        event_id=str(event.get("EventId")),
+                    )
+                    return
+            self._stop.wait(self.interval)
+
+    def approve(self, event_id: str) -> bool:
+        """Tell Azure to go ahead with the event now (after our emergency checkpoint)."""
+        body = json.dumps({"StartRequests": [{"EventId": event_id}]}).encode()
+        try:
+            self._request(self.url, body)
+        except OSError as exc:
+            log.warning("could not approve scheduled event %s: %s", event_id, exc)
+            return False
+        log.info("approved scheduled event %s", event_id)
+        return True

@@ -1,0 +1,460 @@
+"""The elastic training loop: DDP ResNet training that survives world-size changes.
+
+One public method, `Trainer.train()`. The topology comes from torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK); every start resumes from the newest committed
+checkpoint, so a membership change (which restarts all workers) costs the steps
+since the last checkpoint, and an eviction with notice costs none:
+
+- every step all ranks agree (one tiny all-reduce) whether any of them got an
+  eviction notice; if so, rank 0 writes a synchronous emergency checkpoint at that
+  step boundary, a Scheduled Event is approved, a worker told by SIGTERM exits, and
+  the others hold (pinging each other) until the evicted node is gone and the
+  agent re-forms the group, so no step is run twice;
+- rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps),
+  and reports the last committed step in `latest.json` beside them;
+- the learning rate is a function of the fraction of the run's samples consumed, so
+  it does not jump when the world size (and so the step count) changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport
+from torchspot.trainer.config import TrainConfig, ensure_local_data
+from torchspot.trainer.data import load_cifar10, load_digits, load_imagenet
+from torchspot.trainer.eviction import (
+    EvictionNotice,
+    ScheduledEventsWatcher,
+    reset_sigterm,
+    watch_sigterm,
+)
+from torchspot.trainer.models import MODELS
+from torchspot.trainer.sampler import ElasticSampler
+from torchspot.trainer.storage import open_storage
+
+log = logging.getLogger(__name__)
+
+EXIT_EVICTED = 128 + signal.SIGTERM
+"""Exit code of a worker that stopped for SIGTERM after its emergency checkpoint."""
+
+
+def learning_rate(config: TrainConfig, progress: float) -> float:
+    """The learning rate at `progress` (fraction of the run's samples consumed). Pure."""
+    if config.warmup and progress < config.warmup:
+        return config.lr * progress / config.warmup
+    if config.schedule == "constant":
+        return config.lr
+    if config.schedule == "step":
+        return config.lr * (0.1 ** sum(progress >= m for m in (0.5, 0.75)))
+    span = (progress - config.warmup) / (1 - config.warmup)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(span, 1.0)))
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states, in a form `torch.load(weights_only=True)` accepts."""
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
+    return {
+        "python": [*random.getstate()[1], random.getstate()[2]],
+        "python_version": random.getstate()[0],
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2])},
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` captured."""
+    values = state["python"]
+    random.setstate((state["python_version"], tuple(values[:-1]), values[-1]))
+    keys = state["numpy"]["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, state["numpy"]["pos"], 0, 0.0))
+    torch.set_rng_state(state["torch"])
+
+
+@dataclass
+class Progress:
+    """One progress record (a JSON line on stdout)."""
+
+    step: int
+    epoch: int
+    world_size: int
+    loss: float
+    accuracy: float
+    samples_per_s: float
+    lr: float
+    checkpoint_step: int | None
+    checkpoint_error: str | None
+
+
+@dataclass
+class _Run:
+    """What one training run holds between steps."""
+
+    model: nn.Module
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: ElasticSampler
+    train_set: Dataset[Any]
+    test_set: Dataset[Any]
+    total_samples: int
+
+
+@dataclass
+class _Window:
+    """Sums over the steps since the last progress record (this rank's share)."""
+
+    started: float
+    loss: float = 0.0
+    correct: float = 0.0
+    samples: int = 0
+
+    def add(self, loss: float, correct: float, samples: int) -> None:
+        self.loss += loss
+        self.correct += correct
+        self.samples += samples
+
+
+class _Collate:
+    """Stack (image, label) pairs; an empty batch (a short last step) keeps its shape."""
+
+    def __init__(self, sample_shape: torch.Size) -> None:
+        self.sample_shape = sample_shape
+
+    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not items:
+            return torch.empty((0, *self.sample_shape)), torch.empty(0, dtype=torch.long)
+        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+class Trainer:
+    """Trains `config.model` on `config.dataset` under torchrun; see the module docstring."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.notice = EvictionNotice()
+        self._sigterm_thread = watch_sigterm(self.notice, stuck_exit_after=config.stuck_exit_after)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+        self.backend = "nccl" if use_cuda else "gloo"
+        self.step = 0
+        self._tensorboard: Any = None
+        self._watcher: ScheduledEventsWatcher | None = None
+        self.manager: CheckpointManager | None = None
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
+        config = self.config
+        if config.dataset == "digits":
+            train, test = load_digits(seed=0)
+            return train, test, 10
+        path = ensure_local_data(config)
+        if config.dataset == "cifar10":
+            train, test = load_cifar10(path)
+            return train, test, 10
+        train_folder, val_folder = load_imagenet(path, config.image_size)
+        return train_folder, val_folder, len(train_folder.classes)
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        record = {"t": time.time(), **record}
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.config.events_file:
+            with open(self.config.events_file, "a") as out:  # one O_APPEND write per record
+                out.write(line + "\n")
+        if sys.stderr.isatty():
+            if record.get("event") == "progress":
+                ckpt = record["checkpoint_step"]
+                print(
+                    f"step {record['step']:>7} epoch {record['epoch']:>3} world {record['world_size']} "
+                    f"loss {record['loss']:.4f} acc {record['accuracy']:.3f} "
+                    f"{record['samples_per_s']:.0f} samples/s lr {record['lr']:.4g} "
+                    f"ckpt {ckpt if ckpt is not None else '-'}"
+                    + (f" CKPT FAILING: {record['checkpoint_error']}" if record["checkpoint_error"] else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                print(f"[torchspot] {record}", file=sys.stderr, flush=True)
+
+    def _on_checkpoint(self, report: SaveReport) -> None:
+        self._emit({"event": "checkpoint", **asdict(report)})
+
+    # -- the loop -------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Run (or resume) training to the end; return the final summary (rank 0's view)."""
+        run = self._setup()
+        self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+                    "resumed_samples": run.sampler.consumed})  # fmt: skip
+        accuracy = float("nan")
+        evaluated_at = -1
+        while run.sampler.epoch < self.config.epochs and not self._step_limit_reached():
+            epoch = run.sampler.epoch
+            self._train_epoch(run)
+            if run.sampler.consumed == 0:
+                accuracy, evaluated_at = self._evaluate(run.model, run.test_set), self.step
+                self._emit({"event": "eval", "step": self.step, "epoch": epoch, "accuracy": accuracy})
+        if evaluated_at != self.step:  # stopped mid-epoch (--max-steps)
+            accuracy = self._evaluate(run.model, run.test_set)
+            self._emit({"event": "eval", "step": self.step, "epoch": run.sampler.epoch, "accuracy": accuracy})
+        if self.manager is not None and self.rank == 0:
+            self.manager.wait()
+            if self.manager.last_committed != self.step:
+                self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+            self.manager.close()
+        summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+                   "test_accuracy": accuracy}  # fmt: skip
+        self._emit(summary)
+        self._shutdown()
+        return summary
+
+    def _step_limit_reached(self) -> bool:
+        return bool(self.config.max_steps) and self.step >= self.config.max_steps
+
+    def _setup(self) -> _Run:
+        """Process group, data, model, optimizer; then resume and start the side channels."""
+        config = self.config
+        dist.init_process_group(self.backend, timeout=timedelta(minutes=10))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+        train_set, test_set, classes = self._datasets()
+        model: nn.Module = MODELS[config.model](classes).to(self.device)
+        run = _Run(
+            model=model,
+            ddp=DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
+            optimizer=self._optimizer(model),
+            sampler=ElasticSampler(len(train_set), config.batch_size, seed=config.seed),  # type: ignore[arg-type]
+            train_set=train_set,
+            test_set=test_set,
+            total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
+        )
+        if config.checkpoint_uri:
+            storage = open_storage(config.checkpoint_uri, retries=1, timeout=5.0)
+            self.manager = CheckpointManager(
+                storage,
+                CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
+                on_report=self._on_checkpoint,
+            )
+            self._resume(run)
+        url = config.scheduled_events_url()
+        if url:
+            self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
+        if config.tensorboard and self.rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            except ImportError as exc:
+                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
+            self._tensorboard = SummaryWriter(config.tensorboard)
+        return run
+
+    def _train_epoch(self, run: _Run) -> None:
+        """Train on the rest of the current epoch (or until --max-steps)."""
+        sampler = run.sampler
+        epoch = sampler.epoch
+        window = _Window(started=time.perf_counter())
+        sample_shape = run.train_set[0][0].shape
+        for inputs, labels in self._batches(run.train_set, sampler, sample_shape):
+            lr = learning_rate(self.config, (epoch * sampler.length + sampler.consumed) / run.total_samples)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            chunk = len(sampler.step_chunk(self.world))
+            loss, correct = self._step(run, inputs.to(self.device), labels.to(self.device), chunk)
+            sampler.advance(self.world)
+            self.step += 1
+            window.add(loss, correct, chunk)
+            self._after_step(run)
+            if self.step % self.config.log_every == 0:
+                self._log_progress(run, window, lr)
+                window = _Window(started=time.perf_counter())
+            if self._step_limit_reached():
+                break
+
+    def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
+        """All-reduce the window's loss and accuracy, and emit one progress record."""
+        totals = torch.tensor([window.loss, window.correct], dtype=torch.float64)
+        dist.all_reduce(totals)
+        samples = max(window.samples, 1)
+        record = Progress(
+            step=self.step,
+            epoch=run.sampler.epoch,
+            world_size=self.world,
+            loss=float(totals[0]) / samples,
+            accuracy=float(totals[1]) / samples,
+            samples_per_s=window.samples / max(time.perf_counter() - window.started, 1e-9),
+            lr=lr,
+            checkpoint_step=self.manager.last_committed if self.manager else None,
+            checkpoint_error=self.manager.last_error if self.manager else None,
+        )
+        self._emit({"event": "progress", **asdict(record)})
+        if self._tensorboard is not None:
+            for key in ("loss", "accuracy", "samples_per_s", "lr"):
+                self._tensorboard.add_scalar(key, getattr(record, key), self.step)
+
+    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        if self.config.optimizer == "adamw":
+            return torch.optim.AdamW(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(),
+            lr=self.config.lr,
+            momentum=0.9,
+            nesterov=True,
+            weight_decay=self.config.weight_decay,
+        )
+
+    def _batches(
+        self, dataset: Dataset[Any], sampler: ElasticSampler, sample_shape: torch.Size
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        loader = DataLoader(
+            dataset,
+            batch_sampler=list(sampler.epoch_batches(self.rank, self.world)),
+            num_workers=self.config.workers,
+            collate_fn=_Collate(sample_shape),
+            worker_init_fn=lambda _: reset_sigterm(),
+            pin_memory=self.device.type == "cuda",
+        )
+        yield from loader
+
+    def _step(self, run: _Run, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> tuple[float, float]:
+        """One optimizer step. The loss is scaled so that DDP's average over ranks equals
+        the mean over the step's `chunk` samples, even when ranks hold unequal shares."""
+        run.ddp.train()
+        run.optimizer.zero_grad(set_to_none=True)
+        logits = run.ddp(inputs)
+        summed = nn.functional.cross_entropy(logits, labels, reduction="sum")
+        (summed * self.world / chunk).backward()  # type: ignore[no-untyped-call]
+        run.optimizer.step()
+        correct = float((logits.argmax(1) == labels).sum()) if len(labels) else 0.0
+        return float(summed.detach()), correct
+
+    def _state(self, run: _Run) -> dict[str, Any]:
+        return {
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "sampler": run.sampler.state_dict(),
+            "step": self.step,
+            "rng": rng_state(),
+        }
+
+    def _meta(self, sampler: ElasticSampler) -> dict[str, Any]:
+        return {
+            "epoch": sampler.epoch,
+            "world_size": self.world,
+            "samples_in_epoch": sampler.consumed,
+        }
+
+    def _after_step(self, run: _Run) -> None:
+        """Agree on eviction notices, and checkpoint on schedule."""
+        flag = torch.tensor([1.0 if self.notice.is_set() else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self.notice.is_set():
+            self.notice.acknowledged.set()
+        if flag.item() > 0:
+            self._evict(run)
+            return
+        every = self.config.checkpoint_every
+        if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
+            self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
+
+    def _evict(self, run: _Run) -> None:
+        """Emergency checkpoint at this step boundary, then leave (or hold) without training on."""
+        if self.manager is not None and self.rank == 0:
+            report = self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+            self._emit({"event": "emergency_checkpoint", "step": self.step, "ok": report.ok,
+                        "seconds": round(report.seconds, 3)})  # fmt: skip
+        dist.barrier()  # everyone knows the checkpoint is committed
+        notice = self.notice.notice
+        if notice is not None and notice.event_id and self._watcher is not None:
+            self._watcher.approve(notice.event_id)
+        if notice is not None and notice.source == "SIGTERM":
+            self._exit_evicted()
+        # Hold: ping the group until the evicted node is gone (the ping then fails and
+        # the agent re-forms the group), or until notice_hold passes (a false alarm).
+        deadline = time.monotonic() + self.config.notice_hold
+        ping = torch.zeros(1, device=self.device)
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            dist.all_reduce(ping)
+            if self.notice.is_set() and self.notice.notice and self.notice.notice.source == "SIGTERM":
+                self._exit_evicted()
+        self._emit({"event": "notice_expired", "step": self.step, "held_s": self.config.notice_hold})
+        self.notice.clear()
+
+    def _exit_evicted(self) -> None:
+        """Leave at once after the emergency checkpoint; peers see our sockets close."""
+        if self._watcher is not None:
+            self._watcher.stop()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_EVICTED)
+
+    def _resume(self, run: _Run) -> None:
+        """Load the newest committed checkpoint; rank 0 chooses it so all ranks load the same one."""
+        assert self.manager is not None
+        choice = torch.tensor([-1], dtype=torch.long)
+        loaded = None
+        if self.rank == 0:
+            loaded = self.manager.load_latest()
+            choice[0] = -1 if loaded is None else loaded.step
+        dist.broadcast(choice, src=0)
+        if int(choice) < 0:
+            return
+        if self.rank != 0:
+            loaded = self.manager.load_step(int(choice))
+        if loaded is None:
+            raise RuntimeError(f"rank {self.rank}: checkpoint step {int(choice)} chosen by rank 0 is not readable here")
+        run.model.load_state_dict(loaded.state["model"])
+        run.optimizer.load_state_dict(loaded.state["optimizer"])
+        run.sampler.load_state_dict(loaded.state["sampler"])
+        set_rng_state(loaded.state["rng"])
+        self.step = int(loaded.state["step"])
+        self.manager.last_committed = self.step
+
+    def _evaluate(self, model: nn.Module, test_set: Dataset[Any]) -> float:
+        """Top-1 accuracy over the whole test set, each rank scoring every world-th sample."""
+        model.eval()
+        indices = list(range(self.rank, len(test_set), self.world))  # type: ignore[arg-type]
+        correct = total = 0
+        with torch.no_grad():
+            for start in range(0, len(indices), 256):
+                items = [test_set[i] for i in indices[start : start + 256]]
+                inputs = torch.stack([x for x, _ in items]).to(self.device)
+                labels = torch.tensor([y for _, y in items], device=self.device)
+                correct += int((model(inputs).argmax(1) == labels).sum())
+                total += len(items)
+        counts = torch.tensor([correct, total], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        return float(counts[0] / counts[1])
+
+    def _shutdown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
