@@ -35,7 +35,7 @@ lint: venv
 
 typecheck: venv
 	$(VENV)/bin/mypy -p torchspot
-	$(VENV)/bin/mypy tests bench
+	$(VENV)/bin/mypy --explicit-package-bases tests bench
 
 test: lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)

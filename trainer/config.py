@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     for item in fields(TrainConfig):
         flag = "--" + item.name.replace("_", "-")
         kind: Any = hints[item.name]
-        kwargs: dict[str, Any] = {"type": kind, "help": docs.get(item.name, "")}
+        kwargs: dict[str, Any] = {"type": kind, "help": docs.get(item.name, "").replace("%", "%%")}
         if item.default is MISSING:
             kwargs["required"] = True
         else:

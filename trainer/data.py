@@ -84,7 +84,8 @@ def _cifar_members(path: Path) -> dict[str, dict[bytes, object]]:
             for member in tar.getmembers():
                 name = Path(member.name).name
                 if name in wanted and (handle := tar.extractfile(member)) is not None:
-                    batches[name] = pickle.load(handle, encoding="bytes")  # noqa: S301 - CIFAR's own format
+                    with handle:
+                        batches[name] = pickle.load(handle, encoding="bytes")  # noqa: S301 - CIFAR's own format
     else:
         folder = path / CIFAR_FOLDER if (path / CIFAR_FOLDER).is_dir() else path
         for name in wanted:

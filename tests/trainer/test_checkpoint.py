@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Checkpoi
         yield LocalStorage(tmp_path / "ckpt")
         return
     azurite: Azurite = request.getfixturevalue("azurite")
-    yield open_storage("az://checkpoints/job-a", azurite.env())
+    yield open_storage(f"az://checkpoints/{uuid.uuid4().hex}", azurite.env())
 
 
 def _state(value: float) -> dict[str, Any]:
@@ -177,9 +178,10 @@ def test_commit_marker_lists_checksums(storage: CheckpointStorage) -> None:
 
 
 def test_snapshot_copies_tensors() -> None:
-    original = {"a": [torch.zeros(3)], "b": (torch.ones(1),), "c": 3}
+    zeros = torch.zeros(3)
+    original: dict[str, Any] = {"a": [zeros], "b": (torch.ones(1),), "c": 3}
     copy = snapshot(original)
-    original["a"][0].fill_(7)
+    zeros.fill_(7)
     assert torch.equal(copy["a"][0], torch.zeros(3))
     assert copy["c"] == 3
 

@@ -28,7 +28,8 @@ def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
         names = sorted(m.name for m in tar.getmembers())
         member = tar.extractfile(f"{CIFAR_FOLDER}/data_batch_1")
         assert member is not None
-        batch = pickle.load(member, encoding="bytes")
+        with member:
+            batch = pickle.load(member, encoding="bytes")
     assert f"{CIFAR_FOLDER}/test_batch" in names
     assert batch[b"data"].shape == (10, 3072)
     assert batch[b"data"].dtype.name == "uint8"

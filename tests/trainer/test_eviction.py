@@ -79,6 +79,7 @@ def imds() -> Iterator[FakeImds]:
     server = FakeImds()
     yield server
     server.server.shutdown()
+    server.server.server_close()
 
 
 @pytest.mark.parametrize(
@@ -149,16 +150,17 @@ _STUCK = textwrap.dedent(
 
 
 def test_sigterm_while_blocked_in_c_exits_promptly() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    sent = time.monotonic()
-    proc.terminate()
-    code = proc.wait(timeout=20)
-    assert code == 143
+    with subprocess.Popen(
+        [sys.executable, "-c", _STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        sent = time.monotonic()
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143
     assert time.monotonic() - sent < 10
-    assert proc.stderr is not None
-    assert "stuck in a collective" in proc.stderr.read()
+    assert "stuck in a collective" in err
 
 
 _ACKED = textwrap.dedent(
@@ -179,11 +181,11 @@ _ACKED = textwrap.dedent(
 
 
 def test_sigterm_at_a_step_boundary_lets_the_loop_finish() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _ACKED], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    assert proc.stdout.readline().strip() == "ready"
-    proc.terminate()
-    out, _ = proc.communicate(timeout=20)
+    with subprocess.Popen([sys.executable, "-c", _ACKED], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0
     assert "checkpoint at step boundary SIGTERM" in out
     assert "exited cleanly" in out
