@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import pickle
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -258,17 +258,19 @@ def write_synthetic_imagenet(root: Path, classes: int = 4, per_class: int = 8, s
     return root
 
 
-def fetch_prefix(uri: str, cache: Path) -> Path:
+def fetch_prefix(uri: str, cache: Path, env: Mapping[str, str] | None = None) -> Path:
     """Copy every object under `uri` (az://container/prefix or a folder) into `cache`.
 
-    Objects already in the cache with the same size are not fetched again.
+    Objects already in the cache are not fetched again; each is written to a
+    temporary name and renamed, so an interrupted copy never looks complete.
     """
-    storage = open_storage(uri, create_container=False)
+    storage = open_storage(uri, env, create_container=False)
     for name in storage.list():
         target = cache / name
-        data = storage.get(name)
-        if target.exists() and target.stat().st_size == len(data):
+        if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        tmp = target.with_name(f".{target.name}.partial")
+        tmp.write_bytes(storage.get(name))
+        tmp.replace(target)
     return cache

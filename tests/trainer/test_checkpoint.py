@@ -204,3 +204,16 @@ def test_describe_never_shows_the_key(azurite: Azurite) -> None:
     storage = open_storage("az://checkpoints/x", azurite.env())
     assert "AccountKey" not in storage.describe()
     assert azurite.connection_string.split("AccountKey=")[1].split(";")[0] not in storage.describe()
+
+
+def test_data_set_is_copied_from_a_blob_prefix(azurite: Azurite, tmp_path: Path) -> None:
+    from torchspot.trainer.data import fetch_prefix, load_cifar10, write_synthetic_cifar10
+
+    archive = write_synthetic_cifar10(tmp_path / "src" / "cifar-10-python.tar.gz", n_train=20, n_test=5)
+    prefix = f"az://datasets/{uuid.uuid4().hex}"
+    open_storage(prefix, azurite.env()).put("cifar-10-python.tar.gz", archive.read_bytes())
+
+    cache = fetch_prefix(prefix, tmp_path / "cache", azurite.env())
+    assert (cache / "cifar-10-python.tar.gz").read_bytes() == archive.read_bytes()
+    train, test = load_cifar10(cache / "cifar-10-python.tar.gz")
+    assert (len(train), len(test)) == (20, 5)

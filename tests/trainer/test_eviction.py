@@ -1,85 +1,33 @@
 """Eviction notices: Azure Scheduled Events and SIGTERM.
 
-The Azure instance metadata service cannot run here: a local HTTP server stands in
-for it, returning the documented response shapes and recording the approval POST.
-This is the one test double the project allows itself for the Azure data plane.
+The Azure instance metadata service cannot run here: `torchspot.lab.imds.FakeImds`, a
+local HTTP server, stands in for it, returning the documented response shapes and
+recording the approval POST. It is the one stand-in the project uses for Azure's data plane.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from torchspot.lab.imds import FakeImds, scheduled_event
 from torchspot.lab.local import wait_for
 from torchspot.trainer.eviction import EvictionNotice, ScheduledEventsWatcher, evicting_events
 
-
-def _event(kind: str, resources: list[str], event_id: str = "E1") -> dict[str, Any]:
-    return {
-        "EventId": event_id, "EventType": kind, "ResourceType": "VirtualMachine", "Resources": resources,
-        "EventStatus": "Scheduled", "NotBefore": "Mon, 23 Nov 2026 08:00:00 GMT",
-        "Description": "", "EventSource": "Platform", "DurationInSeconds": -1,
-    }  # fmt: skip
-
-
-class FakeImds:
-    """Stand-in for IMDS's /metadata/scheduledevents and /metadata/instance/compute/name."""
-
-    def __init__(self) -> None:
-        self.document: dict[str, Any] = {"DocumentIncarnation": 1, "Events": []}
-        self.posts: list[dict[str, Any]] = []
-        self.headers_ok = True
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                return
-
-            def _reply(self, body: bytes, status: int = 200) -> None:
-                self.send_response(status)
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self) -> None:
-                outer.headers_ok &= self.headers.get("Metadata") == "true"
-                if self.path.startswith("/metadata/instance/compute/name"):
-                    self._reply(b"aks-spot-vmss_3")
-                else:
-                    self._reply(json.dumps(outer.document).encode())
-
-            def do_POST(self) -> None:
-                length = int(self.headers["Content-Length"])
-                outer.posts.append(json.loads(self.rfile.read(length)))
-                self._reply(b"")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    @property
-    def events_url(self) -> str:
-        return f"{self.base}/metadata/scheduledevents?api-version=2020-07-01"
-
-    @property
-    def name_url(self) -> str:
-        return f"{self.base}/metadata/instance/compute/name?api-version=2021-02-01&format=text"
+_event = scheduled_event
 
 
 @pytest.fixture
 def imds() -> Iterator[FakeImds]:
     server = FakeImds()
     yield server
-    server.server.shutdown()
-    server.server.server_close()
+    server.close()
 
 
 @pytest.mark.parametrize(

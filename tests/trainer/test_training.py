@@ -19,6 +19,7 @@ import pytest
 
 from torchspot.lab.azurite import Azurite
 from torchspot.lab.etcd import EtcdServer
+from torchspot.lab.imds import FakeImds
 from torchspot.lab.local import JobConfig, LocalNode, NodeFactory, wait_for
 from torchspot.trainer.checkpoint import read_latest
 from torchspot.trainer.storage import open_storage
@@ -151,3 +152,34 @@ def test_blob_outage_during_training_does_not_stop_it(
         blob.stop()
     assert latest is not None
     assert latest["step"] > failed_at
+
+
+def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
+    tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
+) -> None:
+    """A Preempt event for this VM (from a stand-in metadata server: IMDS cannot run
+    here) makes the trainer checkpoint at once and then approve the event."""
+    imds = FakeImds()
+    try:
+        job = _job(tmp_path, etcd, azurite, run_id, nnodes="1:1", scheduled_events=imds.events_url,
+                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="3")  # fmt: skip
+        events_path = tmp_path / "train-events.jsonl"
+        (node,) = nodes(job, 1)
+        wait_for(lambda: any(e.get("event") == "progress" and e["step"] >= 15 for e in _read(events_path)), 120,
+                 "15 steps")  # fmt: skip
+        imds.preempt("EV-7")
+        wait_for(lambda: imds.posts, 60, "the approval of the event")
+        assert node.wait(180) == 0  # nobody evicted the VM: after the hold, training finished
+    finally:
+        imds.close()
+    events = _read(events_path)
+    emergency = [e for e in events if e.get("event") == "emergency_checkpoint"]
+    assert len(emergency) == 1
+    assert emergency[0]["ok"]
+    assert imds.posts == [{"StartRequests": [{"EventId": "EV-7"}]}]
+    approved_after = [e for e in events if e.get("event") == "notice_expired"]
+    assert approved_after
+    assert approved_after[0]["step"] == emergency[0]["step"]
+    latest = read_latest(open_storage(f"az://ckpt/{run_id}", azurite.env()))
+    assert latest is not None
+    assert latest["step"] == _final(events)["step"]
