@@ -89,6 +89,26 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def choose_device(flag: str, cuda_available: bool, local_rank: int) -> tuple[torch.device, str]:
+    """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure."""
+    if flag == "cuda" or (flag == "auto" and cuda_available):
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def format_progress(record: dict[str, Any]) -> str:
+    """The human-readable progress line shown on a terminal. Pure."""
+    ckpt = record["checkpoint_step"]
+    line = (
+        f"step {record['step']:>7} epoch {record['epoch']:>3} world {record['world_size']} "
+        f"loss {record['loss']:.4f} acc {record['accuracy']:.3f} {record['samples_per_s']:.0f} samples/s "
+        f"lr {record['lr']:.4g} ckpt {ckpt if ckpt is not None else '-'}"
+    )
+    if record["checkpoint_error"]:
+        line += f" CHECKPOINT FAILING: {record['checkpoint_error']}"
+    return line
+
+
 @dataclass
 class Progress:
     """One progress record (a JSON line on stdout)."""
@@ -154,9 +174,7 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
-        self.backend = "nccl" if use_cuda else "gloo"
+        self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
         self.step = 0
         self._tensorboard: Any = None
         self._watcher: ScheduledEventsWatcher | None = None
@@ -186,19 +204,8 @@ class Trainer:
             with open(self.config.events_file, "a") as out:  # one O_APPEND write per record
                 out.write(line + "\n")
         if sys.stderr.isatty():
-            if record.get("event") == "progress":
-                ckpt = record["checkpoint_step"]
-                print(
-                    f"step {record['step']:>7} epoch {record['epoch']:>3} world {record['world_size']} "
-                    f"loss {record['loss']:.4f} acc {record['accuracy']:.3f} "
-                    f"{record['samples_per_s']:.0f} samples/s lr {record['lr']:.4g} "
-                    f"ckpt {ckpt if ckpt is not None else '-'}"
-                    + (f" CKPT FAILING: {record['checkpoint_error']}" if record["checkpoint_error"] else ""),
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                print(f"[torchspot] {record}", file=sys.stderr, flush=True)
+            text = format_progress(record) if record.get("event") == "progress" else f"[torchspot] {line}"
+            print(text, file=sys.stderr, flush=True)
 
     def _on_checkpoint(self, report: SaveReport) -> None:
         self._emit({"event": "checkpoint", **asdict(report)})

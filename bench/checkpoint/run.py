@@ -9,10 +9,11 @@ real Azurite Blob server in one run:
    training script without a checkpoint library would do it.
 2. overhead: the time of `--steps` training steps with a checkpoint every
    `--every` steps, relative to the same steps with no checkpoint. A "step" is a
-   fixed matrix-multiply workload (ResNet-50 itself takes seconds per step on this
-   CPU), so the numbers isolate what checkpointing costs the loop.
+   matrix-multiply workload calibrated to `--step-ms` (ResNet-50 itself takes
+   seconds per step on this CPU), so the numbers isolate what checkpointing costs
+   the loop; the background save competes with it for the same two cores.
 
-Usage: python bench/checkpoint/run.py [--reps 3] [--steps 300] [--every 100]
+Usage: python bench/checkpoint/run.py [--reps 3] [--steps 200] [--every 100] [--step-ms 100]
 """
 
 from __future__ import annotations
@@ -53,19 +54,29 @@ def stock_save(storage: BlobStorage, name: str, state: dict[str, Any]) -> None:
     storage.put(name, buffer.getvalue())
 
 
-def fake_step(weights: torch.Tensor) -> None:
+def fake_step(weights: torch.Tensor, rounds: int) -> None:
     """A fixed amount of compute standing in for one training step."""
-    for _ in range(4):
+    for _ in range(rounds):
         weights = torch.tanh(weights @ weights)
 
 
-def timed_loop(steps: int, every: int, save: Any) -> float:
+def calibrate(step_ms: float) -> int:
+    """Matrix-multiply rounds that take about `step_ms` milliseconds here."""
+    weights = torch.randn(384, 384) * 0.05
+    fake_step(weights, 10)
+    started = time.perf_counter()
+    fake_step(weights, 50)
+    per_round = (time.perf_counter() - started) / 50
+    return max(1, round(step_ms / 1000 / per_round))
+
+
+def timed_loop(steps: int, every: int, rounds: int, save: Any) -> float:
     """Seconds for `steps` steps, calling `save(step)` every `every` steps (0: never)."""
     torch.manual_seed(0)
     weights = torch.randn(384, 384) * 0.05
     started = time.perf_counter()
     for step in range(1, steps + 1):
-        fake_step(weights)
+        fake_step(weights, rounds)
         if every and step % every == 0:
             save(step)
     return time.perf_counter() - started
@@ -75,7 +86,8 @@ def main() -> None:
     """Measure stall and overhead for both ways of saving; print ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
-    parser.add_argument("--steps", type=int, default=300, help="steps in the overhead loop")
+    parser.add_argument("--steps", type=int, default=200, help="steps in the overhead loop")
+    parser.add_argument("--step-ms", type=float, default=100.0, help="compute per step in milliseconds")
     parser.add_argument("--every", type=int, default=100, help="steps between checkpoints")
     args = parser.parse_args()
 
@@ -105,17 +117,21 @@ def main() -> None:
             print(f"[{rep + 1}/{args.reps}] stall: stock {stock_stalls[-1]:.2f} s, ours {ours_stalls[-1]:.3f} s "
                   f"(background save {report.seconds:.2f} s)", flush=True)  # fmt: skip
 
+        rounds = calibrate(args.step_ms)
         baseline, stock_loop, ours_loop = [], [], []
         for rep in range(args.reps):
-            baseline.append(timed_loop(args.steps, 0, lambda step: None))
+            baseline.append(timed_loop(args.steps, 0, rounds, lambda step: None))
             stock_loop.append(
                 timed_loop(
                     args.steps,
                     args.every,
+                    rounds,
                     lambda step: stock_save(storage, f"loop/{step}.pt", state),
                 )
             )
-            ours_loop.append(timed_loop(args.steps, args.every, lambda step: manager.save_async(step, state, {})))
+            ours_loop.append(
+                timed_loop(args.steps, args.every, rounds, lambda step: manager.save_async(step, state, {}))
+            )
             manager.wait()
             times = f"none {baseline[-1]:.2f} s, stock {stock_loop[-1]:.2f} s, ours {ours_loop[-1]:.2f} s"
             print(f"[{rep + 1}/{args.reps}] {args.steps} steps: {times}", flush=True)
@@ -134,7 +150,7 @@ def main() -> None:
     RESULTS.write_text(json.dumps({
         "state_mib": size / 2**20, "stall_stock_s": stock_stalls, "stall_ours_s": ours_stalls,
         "background_save_s": ours_total, "loop_none_s": baseline, "loop_stock_s": stock_loop,
-        "loop_ours_s": ours_loop, "steps": args.steps, "every": args.every,
+        "loop_ours_s": ours_loop, "steps": args.steps, "every": args.every, "step_ms": args.step_ms,
     }, indent=2))  # fmt: skip
     print(f"raw results: {RESULTS}")
 

@@ -217,3 +217,28 @@ def test_data_set_is_copied_from_a_blob_prefix(azurite: Azurite, tmp_path: Path)
     assert (cache / "cifar-10-python.tar.gz").read_bytes() == archive.read_bytes()
     train, test = load_cifar10(cache / "cifar-10-python.tar.gz")
     assert (len(train), len(test)) == (20, 5)
+
+
+def test_sas_token_credentials(azurite: Azurite) -> None:
+    """A SAS token (as a Kubernetes Secret would carry it) instead of a connection string."""
+    from datetime import UTC, datetime, timedelta
+
+    from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
+
+    from torchspot.lab.azurite import ACCOUNT, DEV_KEY
+
+    container = f"sas{uuid.uuid4().hex[:12]}"
+    BlobServiceClient.from_connection_string(azurite.connection_string).create_container(container)
+    sas = generate_container_sas(
+        ACCOUNT, container, account_key=DEV_KEY,
+        permission=ContainerSasPermissions(read=True, write=True, delete=True, list=True),
+        expiry=datetime.now(UTC) + timedelta(hours=1),
+    )  # fmt: skip
+    env = {"AZURE_STORAGE_ACCOUNT_URL": azurite.account_url, "AZURE_STORAGE_SAS_TOKEN": sas}
+    storage = open_storage(f"az://{container}/run", env, create_container=False)
+    manager = CheckpointManager(storage)
+    assert manager.save_sync(3, _state(3), {}).ok
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 3
+    assert sas not in storage.describe()

@@ -19,7 +19,7 @@ from torchspot.trainer.data import (
     write_synthetic_imagenet,
 )
 from torchspot.trainer.models import SmallCNN, resnet18, resnet50
-from torchspot.trainer.train import learning_rate, rng_state, set_rng_state
+from torchspot.trainer.train import choose_device, format_progress, learning_rate, rng_state, set_rng_state
 
 
 def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
@@ -132,3 +132,30 @@ def test_rng_state_roundtrips_through_a_safe_load(tmp_path: Path) -> None:
     expected = torch.rand(3)
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize(
+    ("flag", "cuda", "want"),
+    [
+        ("auto", True, ("cuda", "nccl")),
+        ("auto", False, ("cpu", "gloo")),
+        ("cpu", True, ("cpu", "gloo")),
+        ("cuda", True, ("cuda", "nccl")),
+    ],
+)
+def test_backend_follows_the_device(flag: str, cuda: bool, want: tuple[str, str]) -> None:
+    device, backend = choose_device(flag, cuda, local_rank=1)
+    assert (device.type, backend) == want
+    if device.type == "cuda":
+        assert device.index == 1
+
+
+def test_progress_line_for_a_terminal() -> None:
+    record = {
+        "step": 1200, "epoch": 3, "world_size": 2, "loss": 0.51234, "accuracy": 0.8765, "samples_per_s": 1530.2,
+        "lr": 0.0125, "checkpoint_step": 1000, "checkpoint_error": None,
+    }  # fmt: skip
+    line = format_progress(record)
+    assert line == "step    1200 epoch   3 world 2 loss 0.5123 acc 0.877 1530 samples/s lr 0.0125 ckpt 1000"
+    failing = format_progress({**record, "checkpoint_error": "step 1200: blob unreachable"})
+    assert failing.endswith("CHECKPOINT FAILING: step 1200: blob unreachable")

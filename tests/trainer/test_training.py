@@ -162,7 +162,8 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     imds = FakeImds()
     try:
         job = _job(tmp_path, etcd, azurite, run_id, nnodes="1:1", scheduled_events=imds.events_url,
-                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="3")  # fmt: skip
+                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="3",
+                   tensorboard=str(tmp_path / "tb"))  # fmt: skip
         events_path = tmp_path / "train-events.jsonl"
         (node,) = nodes(job, 1)
         wait_for(lambda: any(e.get("event") == "progress" and e["step"] >= 15 for e in _read(events_path)), 120,
@@ -183,3 +184,4 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     latest = read_latest(open_storage(f"az://ckpt/{run_id}", azurite.env()))
     assert latest is not None
     assert latest["step"] == _final(events)["step"]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "--tensorboard wrote no event file"
