@@ -128,7 +128,9 @@ class BlobStorage:
 
     def describe(self) -> str:
         """See CheckpointStorage (the account URL and container, no credential)."""
-        return f"{self._container.url}/{self._prefix}"
+        # With a SAS credential the client's URL carries the token as its query string.
+        base = str(self._container.url).split("?", 1)[0]
+        return f"{base}/{self._prefix}"
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         from azure.core.exceptions import AzureError  # noqa: PLC0415 - optional dependency

@@ -152,7 +152,7 @@ def test_backend_follows_the_device(flag: str, cuda: bool, want: tuple[str, str]
 
 def test_progress_line_for_a_terminal() -> None:
     record = {
-        "step": 1200, "epoch": 3, "world_size": 2, "loss": 0.51234, "accuracy": 0.8765, "samples_per_s": 1530.2,
+        "step": 1200, "epoch": 3, "world_size": 2, "loss": 0.51234, "accuracy": 0.8766, "samples_per_s": 1530.2,
         "lr": 0.0125, "checkpoint_step": 1000, "checkpoint_error": None,
     }  # fmt: skip
     line = format_progress(record)
