@@ -49,7 +49,8 @@ bench-recovery: venv
 	$(PY) bench/recovery/run.py
 
 bench-checkpoint: venv
-	$(PY) bench/checkpoint/run.py
+	$(PY) bench/checkpoint/run.py --step-kind cpu
+	$(PY) bench/checkpoint/run.py --step-kind wait
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -13,9 +13,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import TracebackType
 
 from torchspot.lab.etcd import free_port
+from torchspot.lab.service import LocalService
 
 ACCOUNT = "devstoreaccount1"
 DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -35,7 +35,7 @@ def azurite_binary() -> str:
     return found
 
 
-class Azurite:
+class Azurite(LocalService):
     """An Azurite Blob server with its data in `location`.
 
     :param location: folder for Azurite's data and its log.
@@ -44,7 +44,6 @@ class Azurite:
     def __init__(self, location: Path) -> None:
         self.location = location
         self.port = free_port()
-        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def account_url(self) -> str:
@@ -85,27 +84,3 @@ class Azurite:
             return
         self.stop()
         raise TimeoutError(f"azurite did not answer on port {self.port} within {timeout:g} s")
-
-    def stop(self) -> None:
-        """Stop Azurite (its data stays in `location`, so `start` resumes with it)."""
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._proc = None
-
-    def __enter__(self) -> Azurite:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -12,8 +12,8 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from types import TracebackType
 
+from torchspot.lab.service import LocalService
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
 
 
@@ -42,7 +42,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class EtcdServer:
+class EtcdServer(LocalService):
     """One etcd member on 127.0.0.1 with its data in `data_dir`.
 
     :param data_dir: where etcd keeps its data; `restart(wipe=True)` deletes it.
@@ -56,7 +56,6 @@ class EtcdServer:
         self.port = free_port()
         self.peer_port = free_port()
         self.log_path = log_path or data_dir.with_suffix(".log")
-        self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -92,18 +91,6 @@ class EtcdServer:
         finally:
             client.close()
 
-    def stop(self) -> None:
-        """Stop etcd (SIGTERM, then SIGKILL) and wait for it to exit."""
-        if self._proc is None:
-            return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._proc = None
-
     def restart(self, *, wipe: bool = False, down_for: float = 0.0) -> None:
         """Stop, optionally delete all data (an etcd that lost its disk), and start again
         on the same ports after `down_for` seconds."""
@@ -117,15 +104,3 @@ class EtcdServer:
     def client(self) -> EtcdClient:
         """A client for this server (the caller closes it)."""
         return EtcdClient("127.0.0.1", self.port, request_timeout=5.0)
-
-    def __enter__(self) -> EtcdServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

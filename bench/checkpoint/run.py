@@ -13,7 +13,7 @@ real Azurite Blob server in one run:
    seconds per step on this CPU), so the numbers isolate what checkpointing costs
    the loop; the background save competes with it for the same two cores.
 
-Usage: python bench/checkpoint/run.py [--reps 3] [--steps 200] [--every 100] [--step-ms 100]
+Usage: python bench/checkpoint/run.py [--reps 3] [--steps 200] [--every 100] [--step-ms 100] [--step-kind cpu|wait]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torchspot.trainer.checkpoint import CheckpointManager
 from torchspot.trainer.models import resnet50
 from torchspot.trainer.storage import BlobStorage, open_storage
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "checkpoint.json"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 def resnet50_state() -> dict[str, Any]:
@@ -71,12 +71,20 @@ def calibrate(step_ms: float) -> int:
 
 
 def timed_loop(steps: int, every: int, rounds: int, save: Any) -> float:
-    """Seconds for `steps` steps, calling `save(step)` every `every` steps (0: never)."""
+    """Seconds for `steps` steps, calling `save(step)` every `every` steps (0: never).
+
+    `rounds` > 0: a CPU step of that many matrix-multiply rounds; `rounds` < 0: a step
+    that waits -rounds microseconds without using the CPU, as a host thread does while
+    its GPU computes.
+    """
     torch.manual_seed(0)
     weights = torch.randn(384, 384) * 0.05
     started = time.perf_counter()
     for step in range(1, steps + 1):
-        fake_step(weights, rounds)
+        if rounds < 0:
+            time.sleep(-rounds / 1e6)
+        else:
+            fake_step(weights, rounds)
         if every and step % every == 0:
             save(step)
     return time.perf_counter() - started
@@ -87,7 +95,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each measurement")
     parser.add_argument("--steps", type=int, default=200, help="steps in the overhead loop")
-    parser.add_argument("--step-ms", type=float, default=100.0, help="compute per step in milliseconds")
+    parser.add_argument("--step-ms", type=float, default=100.0, help="time per step in milliseconds")
+    parser.add_argument(
+        "--step-kind",
+        choices=("cpu", "wait"),
+        default="cpu",
+        help="cpu: the step computes on the CPU (all cores); wait: the step waits like a host thread whose GPU "
+        "computes, leaving the CPU to the background save",
+    )
     parser.add_argument("--every", type=int, default=100, help="steps between checkpoints")
     args = parser.parse_args()
 
@@ -117,7 +132,7 @@ def main() -> None:
             print(f"[{rep + 1}/{args.reps}] stall: stock {stock_stalls[-1]:.2f} s, ours {ours_stalls[-1]:.3f} s "
                   f"(background save {report.seconds:.2f} s)", flush=True)  # fmt: skip
 
-        rounds = calibrate(args.step_ms)
+        rounds = calibrate(args.step_ms) if args.step_kind == "cpu" else -round(args.step_ms * 1000)
         baseline, stock_loop, ours_loop = [], [], []
         for rep in range(args.reps):
             baseline.append(timed_loop(args.steps, 0, rounds, lambda step: None))
@@ -144,15 +159,18 @@ def main() -> None:
     print("\nCheckpoint of ResNet-50 state to Azurite (medians)")
     print(f"  stall per checkpoint: stock {stall_stock:.2f} s, ours {stall_ours:.3f} s "
           f"-> ours is {100 * stall_ours / stall_stock:.1f}% of stock (target <= 10%)")  # fmt: skip
-    print(f"  step-time overhead, checkpoint every {args.every} steps: stock {100 * over_stock:+.1f}%, "
+    print(f"  step-time overhead ({args.step_kind} steps of {args.step_ms:g} ms), checkpoint every {args.every} steps: "
+          f"stock {100 * over_stock:+.1f}%, "
           f"ours {100 * over_ours:+.1f}% (target <= 3%)")  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    results = RESULTS_DIR / f"checkpoint-{args.step_kind}.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({
         "state_mib": size / 2**20, "stall_stock_s": stock_stalls, "stall_ours_s": ours_stalls,
         "background_save_s": ours_total, "loop_none_s": baseline, "loop_stock_s": stock_loop,
         "loop_ours_s": ours_loop, "steps": args.steps, "every": args.every, "step_ms": args.step_ms,
+        "step_kind": args.step_kind,
     }, indent=2))  # fmt: skip
-    print(f"raw results: {RESULTS}")
+    print(f"raw results: {results}")
 
 
 if __name__ == "__main__":

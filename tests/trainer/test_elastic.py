@@ -78,6 +78,13 @@ def _done(job: JobConfig) -> dict[str, Any]:
     return done[-1]
 
 
+def _assert_same_group_trains_on(job: JobConfig, formed: dict[str, Any], *, since: float, steps: int, why: str) -> None:
+    """Training goes on for `steps` more steps, all in the worker group `formed` began."""
+    wait_for(lambda: last_step_before(_events(job), time.time()) >= formed["step"] + steps, 60, "training to go on")
+    groups_after = {e["group"] for e in _events(job) if e["event"] == "step" and e["t"] > since}
+    assert groups_after == {formed["group"]}, why
+
+
 def test_forms_group_assigns_ranks_and_admits_late_joiner(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -214,13 +221,7 @@ def test_etcd_restart_keeps_the_job_running_and_next_change_succeeds(
 
     outage = time.time()
     etcd.restart(down_for=5.0)  # longer than the 3 s a silent node is given
-    wait_for(
-        lambda: last_step_before(_events(job), time.time()) >= three["step"] + 150,
-        60,
-        "training to go on",
-    )
-    groups_after = {e["group"] for e in _events(job) if e["event"] == "step" and e["t"] > outage}
-    assert groups_after == {three["group"]}, "the outage restarted the workers"
+    _assert_same_group_trains_on(job, three, since=outage, steps=150, why="the outage restarted the workers")
 
     fault = time.time()
     started[2].kill()
@@ -237,13 +238,9 @@ def test_etcd_that_lost_its_data_starts_a_fresh_round_on_next_change(
 
     wiped = time.time()
     etcd.restart(wipe=True)
-    wait_for(
-        lambda: last_step_before(_events(job), time.time()) >= three["step"] + 60,
-        60,
-        "training to go on",
+    _assert_same_group_trains_on(
+        job, three, since=wiped, steps=60, why="losing etcd's data alone restarted the workers"
     )
-    groups_after = {e["group"] for e in _events(job) if e["event"] == "step" and e["t"] > wiped}
-    assert groups_after == {three["group"]}, "losing etcd's data alone restarted the workers"
 
     fault = time.time()
     started[2].kill()

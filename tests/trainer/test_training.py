@@ -9,7 +9,6 @@ notice eviction must not make any step run twice.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,25 +19,13 @@ import pytest
 from torchspot.lab.azurite import Azurite
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.imds import FakeImds
-from torchspot.lab.local import JobConfig, LocalNode, NodeFactory, wait_for
+from torchspot.lab.local import JobConfig, LocalNode, NodeFactory, read_events, wait_for
 from torchspot.trainer.checkpoint import read_latest
 from torchspot.trainer.storage import open_storage
 
 pytestmark = pytest.mark.slow
 
 EPOCHS = 8
-
-
-def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _job(tmp: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, *, nnodes: str = "1:3", **extra: str) -> JobConfig:
@@ -83,22 +70,22 @@ def test_digits_accuracy_survives_two_evictions_and_notice_loses_no_step(
 ) -> None:
     baseline = _job(tmp_path / "baseline", etcd, azurite, run_id + "-base")
     assert _wait_exit(nodes(baseline, 3)) == [0, 0, 0]
-    base_events = _read(tmp_path / "baseline" / "train-events.jsonl")
+    base_events = read_events(tmp_path / "baseline" / "train-events.jsonl")
     base_acc = _final(base_events)["test_accuracy"]
     assert base_acc > 0.9  # the model learned: the comparison below means something
 
     elastic = _job(tmp_path / "elastic", etcd, azurite, run_id + "-elastic")
     events_path = tmp_path / "elastic" / "train-events.jsonl"
     started = nodes(elastic, 3)
-    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 3 for e in _progress(_read(events_path))),
+    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 3 for e in _progress(read_events(events_path))),
              120, "25 steps at world size 3")  # fmt: skip
 
     # Eviction with notice: the kubelet's SIGTERM to the node, SIGKILL after 30 s.
     notice_at = time.time()
     started[2].terminate(grace=30)
-    wait_for(lambda: any(e["world_size"] == 2 and e["t"] > notice_at for e in _progress(_read(events_path))),
+    wait_for(lambda: any(e["world_size"] == 2 and e["t"] > notice_at for e in _progress(read_events(events_path))),
              90, "training at world size 2")  # fmt: skip
-    events = _read(events_path)
+    events = read_events(events_path)
     emergency = [e for e in events if e.get("event") == "emergency_checkpoint"]
     assert emergency
     assert emergency[-1]["ok"]
@@ -108,16 +95,16 @@ def test_digits_accuracy_survives_two_evictions_and_notice_loses_no_step(
     assert resumed[0]["step"] == emergency[-1]["step"]
 
     # Hard eviction: the node vanishes with its workers.
-    wait_for(lambda: max(e["step"] for e in _progress(_read(events_path))) >= emergency[-1]["step"] + 20,
+    wait_for(lambda: max(e["step"] for e in _progress(read_events(events_path))) >= emergency[-1]["step"] + 20,
              120, "20 more steps")  # fmt: skip
     started[1].kill()
     assert _wait_exit([started[0]]) == [0]
-    elastic_acc = _final(_read(events_path))["test_accuracy"]
+    elastic_acc = _final(read_events(events_path))["test_accuracy"]
     assert abs(elastic_acc - base_acc) <= 0.01, (base_acc, elastic_acc)
 
     latest = read_latest(open_storage(f"az://ckpt/{run_id}-elastic", azurite.env()))
     assert latest is not None
-    assert latest["step"] == _final(_read(events_path))["step"]
+    assert latest["step"] == _final(read_events(events_path))["step"]
 
 
 def test_blob_outage_during_training_does_not_stop_it(
@@ -131,21 +118,21 @@ def test_blob_outage_during_training_does_not_stop_it(
         job = _job(tmp_path, etcd, blob, run_id, nnodes="1:1", checkpoint_retries="2", epochs="30")
         events_path = tmp_path / "train-events.jsonl"
         (node,) = nodes(job, 1)
-        wait_for(lambda: any(e.get("event") == "checkpoint" and e["ok"] for e in _read(events_path)), 120,
+        wait_for(lambda: any(e.get("event") == "checkpoint" and e["ok"] for e in read_events(events_path)), 120,
                  "a committed checkpoint")  # fmt: skip
         blob.stop()
         outage = time.time()
         wait_for(lambda: any(e.get("event") == "checkpoint" and not e["ok"] and e["t"] > outage
-                             for e in _read(events_path)), 120, "a failed save")  # fmt: skip
-        failed_at = max(e["step"] for e in _progress(_read(events_path)))
-        wait_for(lambda: max(e["step"] for e in _progress(_read(events_path))) >= failed_at + 15, 60,
+                             for e in read_events(events_path)), 120, "a failed save")  # fmt: skip
+        failed_at = max(e["step"] for e in _progress(read_events(events_path)))
+        wait_for(lambda: max(e["step"] for e in _progress(read_events(events_path))) >= failed_at + 15, 60,
                  "training to continue during the outage")  # fmt: skip
-        errors = [e["checkpoint_error"] for e in _progress(_read(events_path)) if e["t"] > outage]
+        errors = [e["checkpoint_error"] for e in _progress(read_events(events_path)) if e["t"] > outage]
         assert any(errors), "the progress line never reported the failing save"
         blob.start()
         back = time.time()
         wait_for(lambda: any(e.get("event") == "checkpoint" and e["ok"] and e["t"] > back
-                             for e in _read(events_path)), 120, "a checkpoint after Blob returned")  # fmt: skip
+                             for e in read_events(events_path)), 120, "a checkpoint after Blob returned")  # fmt: skip
         latest = read_latest(open_storage(f"az://ckpt/{run_id}", blob.env()))
         node.kill()
     finally:
@@ -166,14 +153,14 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
                    tensorboard=str(tmp_path / "tb"))  # fmt: skip
         events_path = tmp_path / "train-events.jsonl"
         (node,) = nodes(job, 1)
-        wait_for(lambda: any(e.get("event") == "progress" and e["step"] >= 15 for e in _read(events_path)), 120,
+        wait_for(lambda: any(e.get("event") == "progress" and e["step"] >= 15 for e in read_events(events_path)), 120,
                  "15 steps")  # fmt: skip
         imds.preempt("EV-7")
         wait_for(lambda: imds.posts, 60, "the approval of the event")
         assert node.wait(180) == 0  # nobody evicted the VM: after the hold, training finished
     finally:
         imds.close()
-    events = _read(events_path)
+    events = read_events(events_path)
     emergency = [e for e in events if e.get("event") == "emergency_checkpoint"]
     assert len(emergency) == 1
     assert emergency[0]["ok"]
