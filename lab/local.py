@@ -219,6 +219,11 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def ranks_of_group(events: Sequence[dict[str, Any]], group: str) -> dict[int, str]:
+    """Rank -> node name for one worker group, from the `joined` events its ranks wrote."""
+    return {e["rank"]: e["node"] for e in events if e["event"] == "joined" and e["group"] == group}
+
+
 def first_step_at(events: Sequence[dict[str, Any]], world: int, after: float) -> dict[str, Any] | None:
     """The first completed step at world size `world` after time `after`."""
     for event in events:

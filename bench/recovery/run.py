@@ -43,6 +43,7 @@ from torchspot.lab.local import (
     LocalNode,
     first_step_at,
     last_step_before,
+    ranks_of_group,
     read_events,
     resumed_step_after,
     wait_for,
@@ -84,8 +85,7 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
 
 
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:
-    """Rank -> node name for one worker group."""
-    return {e["rank"]: e["node"] for e in read_events(job.events) if e["event"] == "joined" and e["group"] == group}
+    return ranks_of_group(read_events(job.events), group)
 
 
 def _highest_rank_node(job: JobConfig, group: str) -> str:

@@ -21,6 +21,7 @@ from torchspot.lab.local import (
     NodeFactory,
     first_step_at,
     last_step_before,
+    ranks_of_group,
     read_events,
     resumed_step_after,
     wait_for,
@@ -59,7 +60,7 @@ def _await_world(job: JobConfig, world: int, after: float, timeout: float) -> di
 
 
 def _ranks_of_group(job: JobConfig, group: str) -> list[int]:
-    return sorted(e["rank"] for e in _events(job) if e["event"] == "joined" and e["group"] == group)
+    return sorted(ranks_of_group(_events(job), group))
 
 
 def _finish(nodes: list[LocalNode], timeout: float = 120) -> list[int]:
@@ -134,9 +135,7 @@ def test_losing_the_rank0_node_loses_no_rendezvous_state(
     started = nodes(job, 3)
     three = _await_world(job, 3, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
-    rank0_node = next(
-        e["node"] for e in _events(job) if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 0
-    )
+    rank0_node = ranks_of_group(_events(job), three["group"])[0]
     victim = next(n for n in started if n.name == rank0_node)
     survivors = [n for n in started if n is not victim]
 
@@ -155,9 +154,7 @@ def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
     three = _await_world(job, 3, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
     # Freeze a node that does not hold rank 0, so the old group's rank 0 keeps logging.
-    frozen_name = next(
-        e["node"] for e in _events(job) if e["event"] == "joined" and e["group"] == three["group"] and e["rank"] == 2
-    )
+    frozen_name = ranks_of_group(_events(job), three["group"])[2]
     frozen = next(n for n in started if n.name == frozen_name)
     survivors = [n for n in started if n is not frozen]
 
