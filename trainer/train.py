@@ -304,7 +304,7 @@ class Trainer:
 
     def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
         """All-reduce the window's loss and accuracy, and emit one progress record."""
-        totals = torch.tensor([window.loss, window.correct], dtype=torch.float64)
+        totals = torch.tensor([window.loss, window.correct], dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
         samples = max(window.samples, 1)
         record = Progress(
@@ -423,7 +423,7 @@ class Trainer:
     def _resume(self, run: _Run) -> None:
         """Load the newest committed checkpoint; rank 0 chooses it so all ranks load the same one."""
         assert self.manager is not None
-        choice = torch.tensor([-1], dtype=torch.long)
+        choice = torch.tensor([-1], dtype=torch.long, device=self.device)  # NCCL takes only GPU tensors
         loaded = None
         if self.rank == 0:
             loaded = self.manager.load_latest()
