@@ -19,6 +19,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.run import get_args_parser
 from torch.distributed.run import run as torchrun_run
 
@@ -31,14 +32,12 @@ _TORCHRUN_DEFAULT_RUN_ID = "none"
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """Parse `k1=v1,k2=v2` as torchrun does, raising ValueError that names `--rdzv-conf`."""
-    conf: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--rdzv-conf {item!r}: expected key=value pairs separated by commas")
-        conf[key.strip()] = value.strip()
-    return conf
+    """Parse `k1=v1,k2=v2` with torchrun's own parser (so we accept exactly what it will),
+    raising ValueError that names `--rdzv-conf`."""
+    try:
+        return _parse_rendezvous_config(text)
+    except ValueError as exc:
+        raise ValueError(f"--rdzv-conf {text!r}: {exc}") from None
 
 
 def check_args(args: argparse.Namespace) -> str | None:

@@ -62,9 +62,12 @@ def test_parse_settings_rejects(endpoint: str, run_id: str, conf: dict[str, obje
 
 
 def test_parse_rdzv_conf() -> None:
-    assert parse_rdzv_conf("a=1, b=x ,") == {"a": "1", "b": "x"}
-    with pytest.raises(ValueError, match="--rdzv-conf"):
-        parse_rdzv_conf("a=1,novalue")
+    assert parse_rdzv_conf(" a=1, b=x ") == {"a": "1", "b": "x"}
+    assert parse_rdzv_conf("") == {}
+    # torchrun itself rejects these later, deep in the agent; we reject them up front.
+    for bad in ("a=1,novalue", "a=1,b=", "a=1,"):
+        with pytest.raises(ValueError, match="--rdzv-conf"):
+            parse_rdzv_conf(bad)
 
 
 _GOOD = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379", "--rdzv-id", "j1"]
