@@ -79,6 +79,21 @@ def _done(job: JobConfig) -> dict[str, Any]:
     return done[-1]
 
 
+def _three_then_pick(
+    job: JobConfig, nodes: NodeFactory, rank: int
+) -> tuple[dict[str, Any], LocalNode, list[LocalNode]]:
+    """Start three nodes, wait until all train together, and pick the node holding `rank`.
+
+    Returns the group's first step at world size 3, that node, and the other two.
+    """
+    started = nodes(job, 3)
+    three = _await_world(job, 3, 0, FORM)
+    wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
+    name = ranks_of_group(_events(job), three["group"])[rank]
+    picked = next(n for n in started if n.name == name)
+    return three, picked, [n for n in started if n is not picked]
+
+
 def _assert_same_group_trains_on(job: JobConfig, formed: dict[str, Any], *, since: float, steps: int, why: str) -> None:
     """Training goes on for `steps` more steps, all in the worker group `formed` began."""
     wait_for(lambda: last_step_before(_events(job), time.time()) >= formed["step"] + steps, 60, "training to go on")
@@ -132,12 +147,7 @@ def test_losing_the_rank0_node_loses_no_rendezvous_state(
 ) -> None:
     """The node whose worker is rank 0 (and which would host c10d's store) goes away."""
     job = _job(tmp_path, etcd, run_id)
-    started = nodes(job, 3)
-    three = _await_world(job, 3, 0, FORM)
-    wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
-    rank0_node = ranks_of_group(_events(job), three["group"])[0]
-    victim = next(n for n in started if n.name == rank0_node)
-    survivors = [n for n in started if n is not victim]
+    _, victim, survivors = _three_then_pick(job, nodes, rank=0)
 
     fault = time.time()
     victim.kill()
@@ -150,13 +160,8 @@ def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
     job = _job(tmp_path, etcd, run_id, steps=600)
-    started = nodes(job, 3)
-    three = _await_world(job, 3, 0, FORM)
-    wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
     # Freeze a node that does not hold rank 0, so the old group's rank 0 keeps logging.
-    frozen_name = ranks_of_group(_events(job), three["group"])[2]
-    frozen = next(n for n in started if n.name == frozen_name)
-    survivors = [n for n in started if n is not frozen]
+    three, frozen, survivors = _three_then_pick(job, nodes, rank=2)
 
     fault = time.time()
     frozen.freeze()
