@@ -17,6 +17,11 @@ class LocalService:
     stop_timeout = 10.0
     _proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (benchmarks account its CPU time)."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self) -> None:
         """Start the server and return once it answers."""
         raise NotImplementedError

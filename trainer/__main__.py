@@ -6,12 +6,14 @@ import logging
 import sys
 
 from torchspot.trainer.config import parse_config
+from torchspot.trainer.storage import quiet_sdk_logs
 from torchspot.trainer.train import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, train (resuming from the newest checkpoint), exit 0 when done."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_sdk_logs()
     config = parse_config(argv)
     Trainer(config).train()
     return 0

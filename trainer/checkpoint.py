@@ -13,8 +13,10 @@ Why this shape:
 - The marker carries checksums, so a truncated or corrupted object is detected and
   that step is skipped (with a warning that names it), never loaded.
 - `save_async` copies the state to host memory at a step boundary (the only stall)
-  and serializes and uploads it on a background thread while training continues. A
-  new save first waits for the previous one, so uploads never pile up.
+  and serializes and uploads it in the background while training continues: in a
+  saver process when the manager can reopen the storage there (`saver.py` says why),
+  else on a thread. A new save first waits for the previous one, so uploads never
+  pile up.
 - Failed uploads are retried with exponential backoff; when all retries fail the
   error is recorded for the progress line and training goes on. Older committed
   checkpoints are deleted only after a newer one committed, so nothing committed is
@@ -33,10 +35,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import torch
 
+from torchspot.trainer.saver import SaverProcess
 from torchspot.trainer.storage import CheckpointStorage, ObjectNotFoundError, StorageError
 
 log = logging.getLogger(__name__)
@@ -119,65 +123,25 @@ class Loaded:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class CheckpointManager:
-    """Saves and loads checkpoints on one storage. Only one process should save.
+class CheckpointWriter:
+    """Serializes one state, uploads it, commits it and prunes old ones: the one path of every save.
 
-    :param storage: where checkpoints live.
-    :param config: retention and retry settings.
-    :param on_report: called (on the saving thread) with every save's outcome.
+    It runs on the trainer's thread (emergency checkpoints), on the manager's
+    background thread, or in the saver process; the outcome is the same.
     """
 
     def __init__(
         self,
         storage: CheckpointStorage,
-        config: CheckpointConfig | None = None,
-        *,
-        on_report: Callable[[SaveReport], None] | None = None,
+        config: CheckpointConfig,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.storage = storage
-        self.config = config or CheckpointConfig()
-        self._on_report = on_report
+        self.config = config
         self._sleep = sleep
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending: Future[SaveReport] | None = None
-        self._lock = threading.Lock()
-        self.last_committed: int | None = None
-        self.last_error: str | None = None
 
-    # -- saving ---------------------------------------------------------------------
-
-    def save_async(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
-        """Snapshot `state` and upload it in the background; return the stall in seconds.
-
-        The stall is the time spent waiting for the previous save plus the copy to
-        host memory; serialization and upload happen on the background thread.
-        """
-        started = time.perf_counter()
-        self.wait()
-        copy = snapshot(state)
-        meta_copy = dict(meta)
-        with self._lock:
-            self._pending = self._executor.submit(self._save, step, copy, meta_copy)
-        return time.perf_counter() - started
-
-    def save_sync(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> SaveReport:
-        """Save now and return when the checkpoint is committed (or failed): for evictions."""
-        self.wait()
-        return self._save(step, snapshot(state), dict(meta))
-
-    def wait(self) -> SaveReport | None:
-        """Block until the save in flight (if any) finished; return its outcome."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
-
-    def close(self) -> None:
-        """Finish the save in flight and stop the background thread."""
-        self.wait()
-        self._executor.shutdown(wait=True)
-
-    def _save(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
+    def __call__(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
+        """Write `state` as checkpoint `step`; retry with backoff; never raise a storage error."""
         started = time.perf_counter()
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -216,20 +180,9 @@ class CheckpointManager:
                     self._sleep(delay)
                     delay = min(max(delay * 2, 0.1), self.config.max_backoff)
                 continue
-            report = SaveReport(step, True, time.perf_counter() - started, len(data), attempt)
-            self.last_committed = step
-            self.last_error = None
             self._prune()
-            self._report(report)
-            return report
-        report = SaveReport(step, False, time.perf_counter() - started, len(data), self.config.retries, error)
-        self.last_error = f"step {step}: {error}"
-        self._report(report)
-        return report
-
-    def _report(self, report: SaveReport) -> None:
-        if self._on_report is not None:
-            self._on_report(report)
+            return SaveReport(step, True, time.perf_counter() - started, len(data), attempt)
+        return SaveReport(step, False, time.perf_counter() - started, len(data), self.config.retries, error)
 
     def _prune(self) -> None:
         """Keep the newest `keep` committed checkpoints; drop older ones and stale partials."""
@@ -250,6 +203,119 @@ class CheckpointManager:
                 self.storage.delete_prefix(step_dir(step))
             except StorageError as exc:
                 log.warning("could not delete old checkpoint %s: %s", step_dir(step), exc)
+
+
+def open_writer(reopen: Callable[[], CheckpointStorage], config: CheckpointConfig) -> CheckpointWriter:
+    """A writer on storage opened anew (in the saver process, which cannot share the parent's clients)."""
+    return CheckpointWriter(reopen(), config)
+
+
+class CheckpointManager:
+    """Saves and loads checkpoints on one storage. Only one process should save.
+
+    :param storage: where checkpoints live.
+    :param config: retention and retry settings.
+    :param on_report: called (on a background thread for asynchronous saves) with
+        every save's outcome.
+    :param reopen: a picklable callable that opens this same storage. With it,
+        asynchronous saves are serialized and uploaded in a child process (see
+        `saver.py`: it keeps a CPU-bound training step's GIL and cores free); without
+        it, on a background thread of this process.
+    """
+
+    def __init__(
+        self,
+        storage: CheckpointStorage,
+        config: CheckpointConfig | None = None,
+        *,
+        on_report: Callable[[SaveReport], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        reopen: Callable[[], CheckpointStorage] | None = None,
+    ) -> None:
+        self.storage = storage
+        self.config = config or CheckpointConfig()
+        self._writer = CheckpointWriter(storage, self.config, sleep)
+        self._on_report = on_report
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._saver = SaverProcess(partial(open_writer, reopen, self.config), self._done) if reopen else None
+        self._pending: Future[SaveReport] | None = None
+        self._pending_step = -1
+        self._lock = threading.Lock()
+        self.last_committed: int | None = None
+        self.last_error: str | None = None
+
+    @property
+    def saver_pid(self) -> int | None:
+        """The saver process's id while one runs (None: saves run on a thread of this process)."""
+        return self._saver.pid if self._saver is not None and self._saver.alive else None
+
+    # -- saving ---------------------------------------------------------------------
+
+    def save_async(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
+        """Snapshot `state` and upload it in the background; return the stall in seconds.
+
+        The stall is the time spent waiting for the previous save plus the copy to
+        host (shared) memory; serialization and upload happen in the background.
+        """
+        started = time.perf_counter()
+        self.wait()
+        with self._lock:
+            if self._saver is not None and not self._saver.alive:
+                log.warning("checkpoint saver process is gone; saving on a thread from now on")
+                self._saver.close()
+                self._saver = None
+            self._pending_step = step
+            if self._saver is not None:
+                self._pending = self._saver.submit(step, state, dict(meta))
+            else:
+                self._pending = self._executor.submit(self._save, step, snapshot(state), dict(meta))
+        return time.perf_counter() - started
+
+    def save_sync(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> SaveReport:
+        """Save now, on this thread, and return when committed (or failed): for evictions."""
+        self.wait()
+        return self._save(step, snapshot(state), dict(meta))
+
+    def wait(self) -> SaveReport | None:
+        """Block until the save in flight (if any) finished; return its outcome.
+
+        A saver process that died mid-save yields a failed report, not an exception.
+        """
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            return pending.result()
+        except RuntimeError as exc:
+            if self._saver is None:
+                raise
+            report = SaveReport(self._pending_step, False, 0.0, error=str(exc))
+            self._done(report)
+            return report
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the background thread and saver process."""
+        self.wait()
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
+        self._executor.shutdown(wait=True)
+
+    def _save(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
+        report = self._writer(step, state, meta)
+        self._done(report)
+        return report
+
+    def _done(self, report: SaveReport) -> None:
+        """Record a save's outcome (for the progress line) and pass it on."""
+        if report.ok:
+            self.last_committed = report.step
+            self.last_error = None
+        else:
+            self.last_error = f"step {report.step}: {report.error}"
+        if self._on_report is not None:
+            self._on_report(report)
 
     # -- loading --------------------------------------------------------------------
 

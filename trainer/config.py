@@ -17,11 +17,13 @@ from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from torchspot.trainer import ENV_PREFIX
 from torchspot.trainer.models import MODELS
 
 DATASETS = ("cifar10", "imagenet", "digits")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
+SAVERS = ("process", "thread")
 
 
 @dataclass
@@ -67,6 +69,9 @@ class TrainConfig:
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
     checkpoint_retries: int = 5
     """Attempts per checkpoint save before it is reported failed (training goes on)."""
+    checkpoint_saver: str = "process"
+    """Where asynchronous checkpoints are serialized and uploaded: 'process' (a child at lower
+    priority, which leaves the training step its GIL and cores) or 'thread'."""
     log_every: int = 20
     """Steps between progress lines."""
     events_file: str = ""
@@ -95,6 +100,10 @@ class TrainConfig:
             (
                 self.optimizer in OPTIMIZERS,
                 f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}",
+            ),
+            (
+                self.checkpoint_saver in SAVERS,
+                f"--checkpoint-saver {self.checkpoint_saver!r}: choose one of {', '.join(SAVERS)}",
             ),
             (
                 self.schedule in SCHEDULES,
@@ -168,7 +177,12 @@ def _field_docs() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per TrainConfig field, with its docstring as help and its default shown."""
+    """One flag per TrainConfig field, with its docstring as help and its default shown.
+
+    A flag's default is TORCHSPOT_<FLAG> from the environment when set (for example
+    TORCHSPOT_CHECKPOINT_URI): the operator passes the job's settings that way without
+    rewriting the user's command line, and a flag given on it still wins.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m torchspot.trainer",
         description="Elastic ResNet training under torchspot-run (or torchrun).",
@@ -180,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + item.name.replace("_", "-")
         kind: Any = hints[item.name]
         kwargs: dict[str, Any] = {"type": kind, "help": docs.get(item.name, "").replace("%", "%%")}
-        if item.default is MISSING:
+        from_env = os.environ.get(ENV_PREFIX + item.name.upper())
+        if from_env is not None:  # argparse converts a string default with `type`, as if typed
+            kwargs["default"] = from_env
+        elif item.default is MISSING:
             kwargs["required"] = True
         else:
             kwargs["default"] = item.default

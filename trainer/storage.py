@@ -18,6 +18,7 @@ URIs:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -204,6 +205,11 @@ def _blob_container(container: str, env: Mapping[str, str], *, retries: int, tim
             credential = DefaultAzureCredential()
         service = BlobServiceClient(url, credential=credential, **options)
     return service.get_container_client(container)
+
+
+def quiet_sdk_logs() -> None:
+    """Keep the Azure SDK's per-request INFO logs (every header of every block upload) out of our logs."""
+    logging.getLogger("azure").setLevel(logging.WARNING)
 
 
 def open_storage(

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -262,11 +263,13 @@ class Trainer:
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
         if config.checkpoint_uri:
-            storage = open_storage(config.checkpoint_uri, retries=1, timeout=5.0)
+            reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
+            saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
             self.manager = CheckpointManager(
-                storage,
+                reopen(),
                 CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
                 on_report=self._on_checkpoint,
+                reopen=reopen if saves_in_child else None,
             )
             self._resume(run)
         url = config.scheduled_events_url()

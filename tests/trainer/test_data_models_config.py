@@ -99,6 +99,7 @@ def test_models_have_the_expected_shapes() -> None:
         (["--data", "x", "--scheduled-events", "sometimes"], "--scheduled-events 'sometimes'"),
         (["--data", "", "--dataset", "cifar10"], "--data is required"),
         (["--data", "x", "--dataset", "mnist"], "--dataset 'mnist'"),
+        (["--data", "x", "--checkpoint-saver", "fork"], "--checkpoint-saver 'fork'"),
     ],
 )
 def test_bad_training_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,3 +160,21 @@ def test_progress_line_for_a_terminal() -> None:
     assert line == "step    1200 epoch   3 world 2 loss 0.5123 acc 0.877 1530 samples/s lr 0.0125 ckpt 1000"
     failing = format_progress({**record, "checkpoint_error": "step 1200: blob unreachable"})
     assert failing.endswith("CHECKPOINT FAILING: step 1200: blob unreachable")
+
+
+def test_flag_defaults_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator passes a job's checkpoint settings as TORCHSPOT_<FLAG>; the command line still wins."""
+    monkeypatch.setenv("TORCHSPOT_CHECKPOINT_URI", "az://ckpt/job")
+    monkeypatch.setenv("TORCHSPOT_CHECKPOINT_EVERY", "50")
+    config = parse_config(["--dataset", "digits", "--data", ""])
+    assert (config.checkpoint_uri, config.checkpoint_every) == ("az://ckpt/job", 50)
+    assert parse_config(["--dataset", "digits", "--data", "", "--checkpoint-every", "7"]).checkpoint_every == 7
+
+
+def test_bad_value_from_the_environment_names_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TORCHSPOT_CHECKPOINT_EVERY", "often")
+    with pytest.raises(SystemExit):
+        parse_config(["--dataset", "digits", "--data", ""])
+    assert "--checkpoint-every" in capsys.readouterr().err
