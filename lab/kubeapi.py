@@ -1,0 +1,159 @@
+"""A Kubernetes API for the lab and the tests: kmock's emulator, made good enough for kopf.
+
+No API server installs here (see the design brief), so the operator runs against
+kmock, kopf's own test emulator, served over real HTTP on a loopback port from a
+background thread. What kmock leaves out, this adds:
+
+- `metadata.uid`, `resourceVersion` and `creationTimestamp` on create (kopf's JSON
+  patches test the resourceVersion; it stays as created, so a patch built from an
+  older read still applies, as the emulator has no conflicts to report), and a name
+  for objects created with `generateName` (kopf's Events);
+- the resources the operator lists and watches, declared up front (kmock serves a
+  list only for resources it knows, and learns a CRD's group only if told);
+- a kubeconfig file pointing at it, so kopf logs in as it would to a cluster.
+
+What it still does not do, the callers must not rely on: schema validation (the
+tests validate against the CRD themselves), label selectors (the operator filters
+again), controllers (no scheduler, kubelet or garbage collector: the lab's node
+agent plays those).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import kmock
+import yaml
+
+T = TypeVar("T")
+
+VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+RESOURCES: dict[str, dict[str, Any]] = {
+    "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
+    "v1/nodes": {"kind": "Node", "namespaced": False, "subresources": {"status"}},
+    "v1/services": {"kind": "Service", "namespaced": True},
+    "v1/events": {"kind": "Event", "namespaced": True},
+    "v1/namespaces": {"kind": "Namespace", "namespaced": False},
+    "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"}},
+    "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
+    "events.k8s.io/v1/events": {"kind": "Event", "namespaced": True},
+    "torchspot.dev/v1alpha1/elasticjobs": {
+        "kind": "ElasticJob",
+        "namespaced": True,
+        "singular": "elasticjob",
+        "shortnames": {"ej"},
+        "subresources": {"status", "scale"},
+    },
+}
+"""Everything the operator and the lab touch, declared for discovery, list and watch."""
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus object identity and versions (see the module docstring)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._versions = itertools.count(1)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):  # kopf names its Events so
+                meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:10]}"
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta["resourceVersion"] = str(next(self._versions))
+        return await super()._handle(request)
+
+
+class KubeApi:
+    """The emulator on a loopback port, run by a background thread's event loop.
+
+    Use it as a context manager. `run(coro)` runs a coroutine on that loop (where an
+    aiohttp client may live next to the server) and returns its result.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.kubeconfig = folder / "kubeconfig"
+        self.url = ""
+        self.emulator: Emulator | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kube-api", daemon=True)
+        self._stop: asyncio.Event | None = None
+        self._served: concurrent.futures.Future[None] | None = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Serve the API and write the kubeconfig; return once it answers."""
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per request otherwise
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+        ready = asyncio.run_coroutine_threadsafe(self._ready(), self._loop)
+        self._served = asyncio.run_coroutine_threadsafe(self._serve(), self._loop)
+        try:
+            ready.result(timeout)
+        except TimeoutError:
+            if self._served.done():
+                self._served.result()  # the server's own error says more than a timeout
+            raise
+        self.kubeconfig.write_text(yaml.safe_dump(self.kubeconfig_data()))
+
+    async def _ready(self) -> None:
+        while not self.url:
+            await asyncio.sleep(0.01)
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with Emulator() as emulator, kmock.Server(emulator) as server:
+            for key, info in RESOURCES.items():
+                emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            await self._stop.wait()
+
+    def kubeconfig_data(self) -> dict[str, Any]:
+        """A kubeconfig for kubectl and kopf: one cluster, no credentials (the emulator takes none)."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "torchspot-lab", "cluster": {"server": self.url}}],
+            "users": [{"name": "torchspot-lab", "user": {}}],
+            "contexts": [
+                {
+                    "name": "torchspot-lab",
+                    "context": {"cluster": "torchspot-lab", "user": "torchspot-lab", "namespace": "default"},
+                }
+            ],
+            "current-context": "torchspot-lab",
+        }
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run a coroutine on the API's event loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        """Stop serving and end the thread."""
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._served is not None:
+            self._served.result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()

@@ -1,0 +1,229 @@
+"""Pure builders: the objects an ElasticJob owns, as plain dicts. No I/O here.
+
+Each takes the job's identity (`JobRef`) and its checked spec (`JobSpec`) and returns
+what the API layer creates. Keeping them pure makes the placement rules (spot pool for
+workers, never for etcd), the launcher's settings and the security defaults testable
+one by one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from torchspot.operator import constants
+from torchspot.operator.spec import JobSpec, Placement
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Who a job is: enough to name, label and own its objects."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @property
+    def run_id(self) -> str:
+        """The rendezvous id of this incarnation: a job deleted and re-created gets a fresh one,
+        so it never meets the old run's keys (the stale-state trap of reusing a job name)."""
+        return f"{self.namespace}-{self.name}-{self.uid[:8]}"
+
+    @property
+    def etcd_name(self) -> str:
+        """The managed etcd's Deployment, Service and PodDisruptionBudget."""
+        return f"{self.name}-etcd"
+
+    def worker_name(self, index: int) -> str:
+        """Worker pod n."""
+        return f"{self.name}-worker-{index}"
+
+    def owner_reference(self) -> dict[str, Any]:
+        """Makes the job the controller of an object, so deleting the job deletes it."""
+        return {
+            "apiVersion": constants.API_VERSION,
+            "kind": constants.KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+    def labels(self, role: str) -> dict[str, str]:
+        """The labels the operator finds its objects by."""
+        return {
+            constants.LABEL_JOB: self.name,
+            constants.LABEL_ROLE: role,
+            constants.LABEL_MANAGED_BY: constants.MANAGER,
+        }
+
+    def selector(self, role: str = constants.ROLE_WORKER) -> str:
+        """A label selector string (the scale subresource's `status.selector`, list queries)."""
+        return ",".join(f"{key}={value}" for key, value in self.labels(role).items())
+
+    def metadata(self, name: str, role: str) -> dict[str, Any]:
+        """Name, namespace, labels and owner of one object."""
+        return {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": self.labels(role),
+            "ownerReferences": [self.owner_reference()],
+        }
+
+
+def rdzv_endpoint(job: JobRef, spec: JobSpec) -> str:
+    """host:port of the job's etcd: the external one, or the managed one's Service."""
+    return spec.rdzv_endpoint or f"{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
+
+
+def launcher_env(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
+    """The settings of torchspot-run and the trainer, as environment variables.
+
+    torchrun reads PET_<FLAG> for each of its flags and the trainer TORCHSPOT_<FLAG>,
+    so the user's command line stays as written and a flag given there still wins.
+    The node's address is the pod IP: pod host names do not resolve in a cluster.
+    """
+    conf = f"keep_alive_interval={spec.heartbeat_seconds},keep_alive_max_attempt=3"
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
+        {"name": "PET_NNODES", "value": f"{spec.min_replicas}:{spec.max_replicas}"},
+        {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
+        {"name": "PET_RDZV_BACKEND", "value": constants.RDZV_BACKEND},
+        {"name": "PET_RDZV_ENDPOINT", "value": rdzv_endpoint(job, spec)},
+        {"name": "PET_RDZV_ID", "value": job.run_id},
+        {"name": "PET_RDZV_CONF", "value": conf},
+    ]
+    prefix = constants.TRAINER_ENV_PREFIX
+    if spec.checkpoint_uri:
+        env += [
+            {"name": f"{prefix}CHECKPOINT_URI", "value": spec.checkpoint_uri},
+            {"name": f"{prefix}CHECKPOINT_EVERY", "value": str(spec.checkpoint_interval)},
+            {"name": f"{prefix}KEEP_CHECKPOINTS", "value": str(spec.checkpoint_keep)},
+        ]
+    return env
+
+
+def _place(pod_spec: dict[str, Any], placement: Placement) -> None:
+    """Merge a placement into a pod spec: user selectors and tolerations, plus the spot pool's."""
+    selector = {**pod_spec.get("nodeSelector", {}), **placement.node_selector}
+    tolerations = [*pod_spec.get("tolerations", []), *placement.tolerations]
+    if placement.spot:
+        selector[constants.SPOT_LABEL] = constants.SPOT_VALUE
+        if constants.SPOT_TOLERATION not in tolerations:
+            tolerations.append(dict(constants.SPOT_TOLERATION))
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if placement.affinity:
+        pod_spec["affinity"] = placement.affinity
+
+
+def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
+    """Worker pod n: the user's template, placed on the spot pool, with the launcher's settings."""
+    template = copy.deepcopy(spec.template)
+    pod_spec: dict[str, Any] = template["spec"]
+    meta = job.metadata(job.worker_name(index), constants.ROLE_WORKER)
+    meta["labels"] = {
+        **template.get("metadata", {}).get("labels", {}),
+        **meta["labels"],
+        constants.LABEL_INDEX: str(index),
+    }
+    annotations = template.get("metadata", {}).get("annotations")
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec["terminationGracePeriodSeconds"] = spec.termination_grace_seconds
+    pod_spec.setdefault("securityContext", {"runAsNonRoot": True})
+    _place(pod_spec, spec.placement)
+    trainer = pod_spec["containers"][0]
+    trainer["env"] = [*trainer.get("env", []), *launcher_env(job, spec)]
+    if spec.credentials_secret:
+        trainer["envFrom"] = [*trainer.get("envFrom", []), {"secretRef": {"name": spec.credentials_secret}}]
+    if spec.placement.gpu:
+        resources = trainer.setdefault("resources", {})
+        for kind in ("limits", "requests"):
+            resources.setdefault(kind, {})[constants.GPU_RESOURCE] = spec.nproc_per_node
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
+    """One etcd for the job's rendezvous, on the on-demand pool, non-root, data in memory.
+
+    The rendezvous state is small and short-lived (a run's keys expire with their
+    lease); losing it costs one re-formation, not training progress, so an emptyDir is
+    enough and there is no volume to provision or clean up.
+    """
+    url = f"http://{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
+    pod_spec: dict[str, Any] = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "fsGroup": 65532},
+        "containers": [
+            {
+                "name": "etcd",
+                "image": spec.etcd_image,
+                "command": [
+                    "etcd",
+                    "--name=etcd",
+                    "--data-dir=/var/lib/etcd/data",
+                    f"--listen-client-urls=http://0.0.0.0:{constants.ETCD_PORT}",
+                    f"--advertise-client-urls={url}",
+                    "--listen-peer-urls=http://127.0.0.1:2380",
+                    "--auto-compaction-retention=1",
+                ],
+                "ports": [{"name": "client", "containerPort": constants.ETCD_PORT}],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": constants.ETCD_PORT}, "periodSeconds": 2},
+                "livenessProbe": {
+                    "httpGet": {"path": "/health", "port": constants.ETCD_PORT},
+                    "periodSeconds": 10,
+                    "failureThreshold": 6,
+                },
+                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+            }
+        ],
+        "volumes": [{"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}],
+    }
+    _place(pod_spec, spec.etcd_placement)
+    labels = job.labels(constants.ROLE_ETCD)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": job.metadata(job.etcd_name, constants.ROLE_ETCD),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+
+
+def etcd_service(job: JobRef) -> dict[str, Any]:
+    """The name workers reach the managed etcd by."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": job.metadata(job.etcd_name, constants.ROLE_ETCD),
+        "spec": {
+            "selector": job.labels(constants.ROLE_ETCD),
+            "ports": [{"name": "client", "port": constants.ETCD_PORT, "targetPort": constants.ETCD_PORT}],
+        },
+    }
+
+
+def etcd_disruption_budget(job: JobRef) -> dict[str, Any]:
+    """Keeps a node drain (a voluntary disruption) from taking the rendezvous away mid-run."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": job.metadata(job.etcd_name, constants.ROLE_ETCD),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": job.labels(constants.ROLE_ETCD)}},
+    }

@@ -1,0 +1,53 @@
+"""Names and numbers the operator shares with the CRD, the chart and the trainer: each lives here once."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from torchspot.trainer import ENV_PREFIX
+from torchspot.trainer.rendezvous.settings import BACKEND_NAME
+
+GROUP: Final = "torchspot.dev"
+VERSION: Final = "v1alpha1"
+PLURAL: Final = "elasticjobs"
+KIND: Final = "ElasticJob"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+LABEL_JOB: Final = f"{GROUP}/job"
+"""On every object the operator makes for a job: the job's name (pods are found by it)."""
+LABEL_ROLE: Final = f"{GROUP}/role"
+"""`worker` or `etcd`."""
+LABEL_INDEX: Final = f"{GROUP}/index"
+"""A worker pod's number n (its name is `<job>-worker-<n>`)."""
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGER: Final = "torchspot"
+ROLE_WORKER: Final = "worker"
+ROLE_ETCD: Final = "etcd"
+
+SPOT_LABEL: Final = "kubernetes.azure.com/scalesetpriority"
+"""AKS puts this label (value `spot`) and a NoSchedule taint with the same key on spot nodes."""
+SPOT_VALUE: Final = "spot"
+SPOT_TOLERATION: Final = {"key": SPOT_LABEL, "operator": "Equal", "value": SPOT_VALUE, "effect": "NoSchedule"}
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+EVICTION_TAINTS: Final = frozenset(
+    {
+        "node.kubernetes.io/not-ready",
+        "node.kubernetes.io/unreachable",
+        "node.kubernetes.io/unschedulable",
+        "ToBeDeletedByClusterAutoscaler",
+        "DeletionCandidateOfClusterAutoscaler",
+        "kubernetes.azure.com/scalesetpriority-eviction",
+    }
+)
+"""Node taints that mean the node's pods are about to go (the autoscaler's and AKS's
+spot-eviction taints among them): the operator deletes its workers there at once, so the
+survivors re-form without waiting for heartbeats or timeouts."""
+
+ETCD_PORT: Final = 2379
+ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
+RDZV_BACKEND: Final = BACKEND_NAME
+TRAINER_ENV_PREFIX: Final = ENV_PREFIX
+
+MAX_JOB_NAME: Final = 50
+"""Longest job name: `<job>-worker-<n>` and `<job>-etcd` must stay valid DNS-1035 labels (63)."""

@@ -1,0 +1,109 @@
+"""One reconcile of one ElasticJob: read, plan (pure), act, then write the status once.
+
+Order matters: objects are created and deleted first, the status is written in one
+patch at the end, and the Kubernetes Events go out only after that patch succeeded
+(the JobSet controller's rule), so an event never reports something the status does
+not show. One lock per job keeps the many triggers (create, update, timer, pod and
+node events) from reconciling the same job at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import kopf
+
+from torchspot.operator import constants, status
+from torchspot.operator.builders import JobRef
+from torchspot.operator.kube import ApiError, Kube
+from torchspot.operator.reconcile import Observed, Plan, plan
+from torchspot.operator.spec import InvalidSpecError, parse_spec
+
+log = logging.getLogger(__name__)
+
+ETCD_KINDS = (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"))
+
+
+class Controller:
+    """Reconciles jobs through one API session; `now` is injectable for tests of time."""
+
+    def __init__(self, api: Kube, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        self.api = api
+        self.now = now
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def reconcile(self, namespace: str, name: str) -> Plan | None:
+        """Bring one job's objects and status in line with its spec; None if the job is gone."""
+        async with self._lock(namespace, name):
+            body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                self._locks.pop((namespace, name), None)
+                return None
+            return await self._reconcile(body)
+
+    async def _reconcile(self, body: Mapping[str, Any]) -> Plan | None:
+        meta = body["metadata"]
+        job = JobRef(meta["name"], meta["namespace"], meta.get("uid", ""))
+        old_status: Mapping[str, Any] = body.get("status") or {}
+        now = self.now()
+        try:
+            spec = parse_spec(job.name, body.get("spec") or {})
+        except InvalidSpecError as exc:
+            new = status.invalid(old_status.get("conditions") or [], exc.problems, now)
+            await self._write_status(job, new)
+            if old_status.get("phase") != "Invalid":
+                kopf.event(kopf.Body(cast(kopf.RawBody, body)), type="Warning", reason="InvalidSpec", message=str(exc))
+            return None
+        pods = await self.api.list("v1", "Pod", job.namespace, job.labels(constants.ROLE_WORKER))
+        nodes: dict[str, Mapping[str, Any]] = {}
+        for node_name in {p.get("spec", {}).get("nodeName") for p in pods} - {None, ""}:
+            node = await self.api.get("v1", "Node", None, str(node_name))
+            if node is not None:
+                nodes[str(node_name)] = node
+        etcd = set()
+        if not spec.rdzv_endpoint:
+            for api_version, kind in ETCD_KINDS:
+                if await self.api.get(api_version, kind, job.namespace, job.etcd_name) is not None:
+                    etcd.add(kind)
+        seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now)
+        decided = plan(seen)
+        await self._act(job, decided)
+        await self._write_status(job, decided.status)
+        for kind, reason, message in decided.events:
+            kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message)
+        if decided.status.get("phase") != old_status.get("phase"):
+            log.info("job %s/%s: phase %s", job.namespace, job.name, decided.status.get("phase"))
+        return decided
+
+    async def _act(self, job: JobRef, decided: Plan) -> None:
+        for obj in decided.create:
+            await self.api.create(obj)
+        for delete in decided.delete:
+            log.info("deleting worker pod %s/%s: %s", job.namespace, delete.name, delete.why)
+            await self.api.delete("v1", "Pod", job.namespace, delete.name, delete.grace)
+        if decided.delete_etcd:
+            for api_version, kind in ETCD_KINDS:
+                await self.api.delete(api_version, kind, job.namespace, job.etcd_name)
+
+    async def _write_status(self, job: JobRef, new: Mapping[str, Any]) -> None:
+        try:
+            await self.api.patch_status(constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new))
+        except ApiError as exc:
+            if exc.status != 404:  # the job was deleted meanwhile
+                raise
+
+    async def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
+        """(namespace, job) of every worker pod bound to a node."""
+        pods = await self.api.list("v1", "Pod", None, {constants.LABEL_ROLE: constants.ROLE_WORKER})
+        return {
+            (p["metadata"]["namespace"], p["metadata"]["labels"][constants.LABEL_JOB])
+            for p in pods
+            if p.get("spec", {}).get("nodeName") == node_name and constants.LABEL_JOB in p["metadata"].get("labels", {})
+        }

@@ -1,0 +1,99 @@
+"""kopf registrations, and nothing else: every trigger leads to the same level-based reconcile.
+
+Run it with `kopf run -m torchspot.operator.handlers` (or `python -m torchspot.operator`).
+Triggers: an ElasticJob is created, its spec changes, the operator resumes, the timer
+fires (every `RECONCILE_INTERVAL` seconds), one of its worker pods changes, or a node
+carrying its workers turns bad. Whatever fired, `Controller.reconcile` reads the world
+afresh and converges; so a missed or repeated trigger costs nothing but latency.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from torchspot.operator import constants
+from torchspot.operator.controller import Controller
+from torchspot.operator.kube import Kube
+from torchspot.operator.reconcile import node_trouble
+
+RECONCILE_INTERVAL = 5.0
+"""Seconds between timer reconciles of each job: bounds how stale the status and the
+below-minimum clock may get when no event arrives."""
+
+_state: dict[str, Controller] = {}
+
+
+def controller() -> Controller:
+    """The controller of this operator process (made at login, when the credentials are known)."""
+    return _state["controller"]
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+
+
+@kopf.on.login()
+async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The service account in a pod, the kubeconfig outside; our API layer uses the same credentials.
+
+    kopf logs in again when credentials expire; the controller (and its per-job locks)
+    stays, only its API session is renewed.
+    """
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is None:
+        return None
+    fresh = Kube.from_connection(info)
+    if "controller" in _state:
+        await controller().api.renew(fresh)
+    else:
+        _state["controller"] = Controller(fresh)
+    return info
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    """Close our HTTP session with the operator."""
+    done = _state.pop("controller", None)
+    if done is not None:
+        await done.api.close()
+
+
+@kopf.on.create(constants.GROUP, constants.VERSION, constants.PLURAL)
+@kopf.on.update(constants.GROUP, constants.VERSION, constants.PLURAL, field="spec")
+@kopf.on.resume(constants.GROUP, constants.VERSION, constants.PLURAL)
+async def job_changed(name: str, namespace: str | None, **_: Any) -> None:
+    """A job appeared, changed its spec, or was already there when the operator started."""
+    await controller().reconcile(namespace or "default", name)
+
+
+@kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL)
+async def job_timer(name: str, namespace: str | None, **_: Any) -> None:
+    """Converge even when no event comes (clocks such as belowMinGraceSeconds run on their own)."""
+    await controller().reconcile(namespace or "default", name)
+
+
+@kopf.on.event("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
+async def worker_pod_event(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    """A worker pod changed (scheduled, ready, failed, deleted): reconcile its job now."""
+    job = labels.get(constants.LABEL_JOB)
+    if job and namespace:
+        await controller().reconcile(namespace, job)
+
+
+@kopf.on.event("v1", "nodes")
+async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
+    """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now."""
+    gone = type == "DELETED"
+    if not gone and node_trouble(dict(body)) is None:
+        return
+    for namespace, job in await controller().jobs_on_node(name):
+        await controller().reconcile(namespace, job)

@@ -1,0 +1,209 @@
+"""The real kopf operator (torchspot.operator.handlers) against the kmock API emulator.
+
+No kubelet or scheduler runs here: the tests play them by patching pod and node
+status through the API, as a real kubelet would report it. Every wait is on a
+condition read back from the API, with a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from kopf.testing import KopfRunner
+
+from tests.operator.jobs import good_job, with_path
+from torchspot.lab.kubeapi import KubeApi
+from torchspot.operator import constants
+from torchspot.operator.kube import Kube
+
+T = TypeVar("T")
+NS = "default"
+
+
+class Cluster:
+    """The emulated API plus synchronous helpers that play kubelet and user."""
+
+    def __init__(self, api: KubeApi) -> None:
+        self.api = api
+        self.kube = Kube(server=api.url, headers={}, ssl_context=True)
+
+    def job(self, name: str) -> dict[str, Any]:
+        found = self.api.run(self.kube.get(constants.API_VERSION, constants.PLURAL, NS, name))
+        assert found is not None
+        return found
+
+    def pods(self, job: str) -> list[dict[str, Any]]:
+        labels = {constants.LABEL_JOB: job, constants.LABEL_ROLE: constants.ROLE_WORKER}
+        return sorted(self.api.run(self.kube.list("v1", "Pod", NS, labels)), key=lambda p: p["metadata"]["name"])
+
+    def names(self, job: str) -> list[str]:
+        return [p["metadata"]["name"] for p in self.pods(job)]
+
+    def create(self, body: dict[str, Any]) -> None:
+        self.api.run(self.kube.create(body))
+
+    def patch(self, plural: str, name: str, patch: dict[str, Any], namespace: str | None = NS) -> None:
+        api_version = constants.API_VERSION if plural == constants.PLURAL else "v1"
+        path = f"/api/v1/namespaces/{namespace}/{plural}/{name}" if namespace else f"/api/v1/{plural}/{name}"
+        if api_version != "v1":
+            path = f"/apis/{api_version}/namespaces/{namespace}/{plural}/{name}"
+        self.api.run(self.kube._request("PATCH", path, patch, "application/merge-patch+json"))
+
+    def run_pod(self, name: str, node: str) -> None:
+        """What the scheduler and kubelet report for a started, ready pod."""
+        status = {"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+        self.patch("pods", name, {"spec": {"nodeName": node}, "status": status})
+
+    def add_node(self, name: str) -> None:
+        self.create({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {constants.SPOT_LABEL: constants.SPOT_VALUE}},
+            "spec": {}, "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        })  # fmt: skip
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.api.run(self.kube.list("v1", "Event", NS)) if e.get("reason") == reason]
+
+    def etcd_kinds(self, job: str) -> set[str]:
+        kinds = set()
+        for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")):
+            if self.api.run(self.kube.get(api_version, kind, NS, f"{job}-etcd")) is not None:
+                kinds.add(kind)
+        return kinds
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) -> T:
+    """Poll `check` until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """The emulated API with the operator running against it (kopf in a background thread)."""
+    with KubeApi(tmp_path / "api") as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        args = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
+        with KopfRunner(args, timeout=60) as runner:
+            cluster = Cluster(api)
+            yield cluster
+            api.run(cluster.kube.close())
+        failure: BaseException | None = runner.exception  # typed as never None, but None when all went well
+        assert failure is None, runner.output
+        assert runner.exit_code == 0, runner.output
+
+
+def _status(cluster: Cluster, job: str) -> dict[str, Any]:
+    status: dict[str, Any] = cluster.job(job).get("status") or {}
+    return status
+
+
+def _condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any] | None:
+    return next((c for c in _status(cluster, job).get("conditions", []) if c["type"] == kind), None)
+
+
+def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: Cluster) -> None:
+    cluster.add_node("spot-1")
+    cluster.add_node("spot-2")
+    cluster.create(good_job("cifar"))
+
+    # Created: managed etcd on the on-demand pool, three workers on the spot pool.
+    wait_for("three worker pods", lambda: len(cluster.pods("cifar")) == 3)
+    assert cluster.etcd_kinds("cifar") == {"Deployment", "Service", "PodDisruptionBudget"}
+    pod = cluster.pods("cifar")[0]
+    assert pod["spec"]["nodeSelector"][constants.SPOT_LABEL] == "spot"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "ElasticJob"
+    assert wait_for("phase Pending", lambda: _status(cluster, "cifar").get("phase") == "Pending")
+
+    # The kubelet starts them: Running, three ready.
+    for name, node in zip(cluster.names("cifar"), ["spot-1", "spot-2", "spot-2"], strict=True):
+        cluster.run_pod(name, node)
+    wait_for("phase Running", lambda: _status(cluster, "cifar").get("phase") == "Running")
+    assert _status(cluster, "cifar")["replicas"] == {"desired": 3, "ready": 3, "pending": 0}
+
+    # A spot eviction fails one pod: it is replaced under a new name, counted as an eviction only.
+    cluster.patch("pods", "cifar-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    wait_for("a replacement pod", lambda: "cifar-worker-3" in cluster.names("cifar"))
+    wait_for("worker-0 deleted", lambda: "cifar-worker-0" not in cluster.names("cifar"))
+    status = wait_for("eviction counted", lambda: (s := _status(cluster, "cifar")).get("evictions") == 1 and s)
+    assert status["applicationFailures"] == 0
+    assert status["restarts"] == 1
+    assert wait_for("Evicted event", lambda: cluster.events("Evicted"))
+    assert wait_for("Replaced event", lambda: cluster.events("Replaced"))
+    # The replacement is Pending (no spot capacity yet); training goes on with two.
+    wait_for("phase Scaling", lambda: _status(cluster, "cifar").get("phase") == "Scaling")
+    below = _condition(cluster, "cifar", "BelowMin")
+    assert below is not None
+    assert below["status"] == "False"
+
+    # A node goes NotReady: its workers are deleted at once, not after timeouts.
+    cluster.patch("nodes", "spot-2", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, None)
+    wait_for("workers on spot-2 gone", lambda: {"cifar-worker-1", "cifar-worker-2"}.isdisjoint(cluster.names("cifar")))
+    assert wait_for("evictions counted", lambda: _status(cluster, "cifar").get("evictions") == 3)
+    wait_for("replacements", lambda: len(cluster.pods("cifar")) == 3)
+
+    # Scale down through spec.replicas (what kubectl scale sets).
+    cluster.patch(constants.PLURAL, "cifar", {"spec": {"replicas": 1}})
+    wait_for("one worker left", lambda: len(cluster.pods("cifar")) == 1)
+    assert wait_for("ScaledDown event", lambda: cluster.events("ScaledDown"))
+
+    # The run completes: the worker exits 0; the job succeeds and the managed etcd goes.
+    (last,) = cluster.names("cifar")
+    cluster.run_pod(last, "spot-1")
+    terminated = {"terminated": {"exitCode": 0}}
+    cluster.patch("pods", last, {"status": {"phase": "Succeeded", "containerStatuses": [{"state": terminated}]}})
+    wait_for("phase Succeeded", lambda: _status(cluster, "cifar").get("phase") == "Succeeded")
+    wait_for("etcd deleted", lambda: not cluster.etcd_kinds("cifar"))
+    succeeded = _condition(cluster, "cifar", "Succeeded")
+    assert succeeded is not None
+    assert succeeded["status"] == "True"
+
+
+def test_application_failures_beyond_max_restarts_fail_the_job(cluster: Cluster) -> None:
+    cluster.add_node("spot-1")
+    cluster.create(good_job("crashy", minReplicas=1, maxReplicas=1, failurePolicy={"maxRestarts": 1}))
+    crashed = {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 1}}}]}
+    for name in ("crashy-worker-0", "crashy-worker-1"):
+        wait_for(f"{name} created", lambda: cluster.names("crashy") == [name])  # noqa: B023 - used at once
+        cluster.run_pod(name, "spot-1")
+        cluster.patch("pods", name, {"status": crashed})
+        wait_for(f"{name} removed", lambda: name not in cluster.names("crashy"))  # noqa: B023
+    status = wait_for("phase Failed", lambda: (s := _status(cluster, "crashy")).get("phase") == "Failed" and s)
+    assert status["applicationFailures"] == 2
+    failed = _condition(cluster, "crashy", "Failed")
+    assert failed is not None
+    assert failed["reason"] == "TooManyFailures"
+    assert cluster.pods("crashy") == []
+    assert wait_for("WorkerFailed events", lambda: len(cluster.events("WorkerFailed")) == 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (with_path("checkpoint.uri", "s3://bucket/run", name="bad-uri"), "spec.checkpoint.uri"),
+        (with_path("minReplicas", 4, name="bad-range"), "spec.minReplicas"),
+        (with_path("template.spec.containers", [], name="bad-template"), "spec.template.spec.containers"),
+        (with_path("rendezvous.endpoint", "etcd-without-port", name="bad-endpoint"), "spec.rendezvous.endpoint"),
+    ],
+)
+def test_invalid_spec_creates_nothing_and_says_why(cluster: Cluster, body: dict[str, Any], field: str) -> None:
+    """The emulator, like an API server without CEL, lets these through; the operator does not."""
+    name = body["metadata"]["name"]
+    cluster.create(body)
+    condition = wait_for("InvalidSpec", lambda: _condition(cluster, name, "InvalidSpec"))
+    assert condition["status"] == "True"
+    assert field in condition["message"]
+    assert _status(cluster, name)["phase"] == "Invalid"
+    assert wait_for("InvalidSpec event", lambda: cluster.events("InvalidSpec"))
+    assert cluster.pods(name) == []
+    assert cluster.etcd_kinds(name) == set()
