@@ -8,7 +8,7 @@ STAMP   = $(VENV)/.torchspot-installed
 NODE_STAMP = node_modules/.torchspot-installed
 PYTEST_ARGS ?=
 
-.PHONY: all venv lint typecheck test demo bench bench-recovery bench-checkpoint clean
+.PHONY: all venv lint typecheck test demo bench bench-recovery bench-checkpoint bench-operator clean
 
 all: test
 
@@ -43,7 +43,7 @@ test: lint typecheck
 demo: venv
 	$(PY) -m torchspot.lab.demo
 
-bench: bench-recovery bench-checkpoint
+bench: bench-recovery bench-checkpoint bench-operator
 
 bench-recovery: venv
 	$(PY) bench/recovery/run.py
@@ -51,6 +51,9 @@ bench-recovery: venv
 bench-checkpoint: venv
 	$(PY) bench/checkpoint/run.py --step-kind cpu
 	$(PY) bench/checkpoint/run.py --step-kind wait
+
+bench-operator: venv
+	$(PY) bench/operator/run.py
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -17,9 +17,10 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot.operator import constants, status
+from torchspot.operator import builders, constants, status
 from torchspot.operator.builders import JobRef
 from torchspot.operator.kube import ApiError, Kube
+from torchspot.operator.progress import ProgressReader
 from torchspot.operator.reconcile import Observed, Plan, plan
 from torchspot.operator.spec import InvalidSpecError, parse_spec
 
@@ -34,6 +35,8 @@ class Controller:
     def __init__(self, api: Kube, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.api = api
         self.now = now
+        self.progress = ProgressReader()
+        self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -45,6 +48,7 @@ class Controller:
             body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 self._locks.pop((namespace, name), None)
+                self._nodes_of_job.pop((namespace, name), None)
                 return None
             return await self._reconcile(body)
 
@@ -63,7 +67,9 @@ class Controller:
             return None
         pods = await self.api.list("v1", "Pod", job.namespace, job.labels(constants.ROLE_WORKER))
         nodes: dict[str, Mapping[str, Any]] = {}
-        for node_name in {p.get("spec", {}).get("nodeName") for p in pods} - {None, ""}:
+        bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
+        self._nodes_of_job[(job.namespace, job.name)] = bound
+        for node_name in bound:
             node = await self.api.get("v1", "Node", None, str(node_name))
             if node is not None:
                 nodes[str(node_name)] = node
@@ -72,8 +78,12 @@ class Controller:
             for api_version, kind in ETCD_KINDS:
                 if await self.api.get(api_version, kind, job.namespace, job.etcd_name) is not None:
                     etcd.add(kind)
-        seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now)
+        finished = old_status.get("phase") in ("Succeeded", "Failed")
+        progress = {} if finished else self.progress.latest(builders.rdzv_endpoint(job, spec), job.run_id)
+        seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now, progress)
         decided = plan(seen)
+        if decided.status.get("phase") in ("Succeeded", "Failed"):
+            self.progress.forget(job.run_id)
         await self._act(job, decided)
         await self._write_status(job, decided.status)
         for kind, reason, message in decided.events:
@@ -99,11 +109,10 @@ class Controller:
             if exc.status != 404:  # the job was deleted meanwhile
                 raise
 
-    async def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
-        """(namespace, job) of every worker pod bound to a node."""
-        pods = await self.api.list("v1", "Pod", None, {constants.LABEL_ROLE: constants.ROLE_WORKER})
-        return {
-            (p["metadata"]["namespace"], p["metadata"]["labels"][constants.LABEL_JOB])
-            for p in pods
-            if p.get("spec", {}).get("nodeName") == node_name and constants.LABEL_JOB in p["metadata"].get("labels", {})
-        }
+    def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
+        """(namespace, job) of the jobs whose workers were on a node when last reconciled.
+
+        An index kept by reconcile rather than a cluster-wide pod list: it needs no
+        API call and no permission beyond the watched namespaces.
+        """
+        return {key for key, nodes in self._nodes_of_job.items() if node_name in nodes}

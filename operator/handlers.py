@@ -64,6 +64,7 @@ async def close(**_: Any) -> None:
     """Close our HTTP session with the operator."""
     done = _state.pop("controller", None)
     if done is not None:
+        done.progress.close()
         await done.api.close()
 
 
@@ -95,5 +96,5 @@ async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> 
     gone = type == "DELETED"
     if not gone and node_trouble(dict(body)) is None:
         return
-    for namespace, job in await controller().jobs_on_node(name):
+    for namespace, job in controller().jobs_on_node(name):
         await controller().reconcile(namespace, job)

@@ -71,6 +71,8 @@ class Observed:
     etcd_objects: frozenset[str]
     """Kinds of the managed etcd's objects that exist (Deployment, Service, PodDisruptionBudget)."""
     now: datetime
+    progress: Mapping[str, Any] = field(default_factory=dict)
+    """What the run reported through etcd: `round` and `checkpoint` records (see operator/progress.py)."""
 
 
 def node_trouble(node: Mapping[str, Any] | None) -> str | None:
@@ -231,10 +233,27 @@ def plan(seen: Observed) -> Plan:
         "runId": job.run_id,
         "replicas": {"desired": desired, "ready": ready, "pending": pending},
         **counters,
+        **_progress(seen.progress, old),
         "belowMinSince": below_since,
         "startedAt": old.get("startedAt") or (status.timestamp(seen.now) if ready >= spec.min_replicas else None),
         "conditions": conditions,
     }
+    return result
+
+
+def _progress(progress: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
+    """Rendezvous round and last checkpoint as the run reported them; the last known values otherwise."""
+    result: dict[str, Any] = {}
+    round_record = progress.get("round") or {}
+    if isinstance(round_record.get("round"), int):
+        result["rendezvousRound"] = round_record["round"]
+    elif "rendezvousRound" in old:
+        result["rendezvousRound"] = old["rendezvousRound"]
+    checkpoint = progress.get("checkpoint") or {}
+    if isinstance(checkpoint.get("step"), int):
+        result["lastCheckpoint"] = {key: checkpoint[key] for key in ("step", "time", "uri") if key in checkpoint}
+    elif "lastCheckpoint" in old:
+        result["lastCheckpoint"] = old["lastCheckpoint"]
     return result
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
-from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport
+from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot.trainer.config import TrainConfig, ensure_local_data
 from torchspot.trainer.data import load_cifar10, load_digits, load_imagenet
 from torchspot.trainer.eviction import (
@@ -49,6 +49,7 @@ from torchspot.trainer.eviction import (
     watch_sigterm,
 )
 from torchspot.trainer.models import MODELS
+from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.sampler import ElasticSampler
 from torchspot.trainer.storage import open_storage
 
@@ -180,6 +181,7 @@ class Trainer:
         self._tensorboard: Any = None
         self._watcher: ScheduledEventsWatcher | None = None
         self.manager: CheckpointManager | None = None
+        self._reporter: CheckpointReporter | None = None
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -210,6 +212,8 @@ class Trainer:
 
     def _on_checkpoint(self, report: SaveReport) -> None:
         self._emit({"event": "checkpoint", **asdict(report)})
+        if report.ok and self._reporter is not None and self.manager is not None:
+            self._reporter.report(report.step, f"{self.manager.storage.describe().rstrip('/')}/{step_dir(report.step)}")
 
     # -- the loop -------------------------------------------------------------------
 
@@ -263,6 +267,8 @@ class Trainer:
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
         if config.checkpoint_uri:
+            if self.rank == 0:
+                self._reporter = CheckpointReporter.from_environment()
             reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
             saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
             self.manager = CheckpointManager(
@@ -462,6 +468,8 @@ class Trainer:
         return float(counts[0] / counts[1])
 
     def _shutdown(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close()
         if self._watcher is not None:
             self._watcher.stop()
         if self._tensorboard is not None:

@@ -7,6 +7,7 @@ condition read back from the API, with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,9 +17,12 @@ import pytest
 from kopf.testing import KopfRunner
 
 from tests.operator.jobs import good_job, with_path
+from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.kubeapi import KubeApi
 from torchspot.operator import constants
+from torchspot.operator.handlers import RECONCILE_INTERVAL
 from torchspot.operator.kube import Kube
+from torchspot.trainer.rendezvous import status
 
 T = TypeVar("T")
 NS = "default"
@@ -88,19 +92,34 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) ->
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
+
+
+@contextlib.contextmanager
+def operator_running() -> Iterator[None]:
+    """The real operator (kopf in a background thread of this process) until the block ends."""
+    with KopfRunner(OPERATOR_ARGS, timeout=60) as runner:
+        yield
+    failure: BaseException | None = runner.exception  # typed as never None, but None when all went well
+    assert failure is None, runner.output
+    assert runner.exit_code == 0, runner.output
+
+
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
-    """The emulated API with the operator running against it (kopf in a background thread)."""
-    with KubeApi(tmp_path / "api") as api:
-        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-        args = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
-        with KopfRunner(args, timeout=60) as runner:
-            cluster = Cluster(api)
-            yield cluster
-            api.run(cluster.kube.close())
-        failure: BaseException | None = runner.exception  # typed as never None, but None when all went well
-        assert failure is None, runner.output
-        assert runner.exit_code == 0, runner.output
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """The emulated API, with KUBECONFIG pointing at it; no operator yet."""
+    with KubeApi(tmp_path / "api") as server:
+        monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig))
+        cluster = Cluster(server)
+        yield cluster
+        server.run(cluster.kube.close())
+
+
+@pytest.fixture
+def cluster(api: Cluster) -> Iterator[Cluster]:
+    """The emulated API with the operator running against it."""
+    with operator_running():
+        yield api
 
 
 def _status(cluster: Cluster, job: str) -> dict[str, Any]:
@@ -207,3 +226,47 @@ def test_invalid_spec_creates_nothing_and_says_why(cluster: Cluster, body: dict[
     assert wait_for("InvalidSpec event", lambda: cluster.events("InvalidSpec"))
     assert cluster.pods(name) == []
     assert cluster.etcd_kinds(name) == set()
+
+
+def test_operator_restarted_during_a_scale_change_converges(api: Cluster) -> None:
+    """Level-based: a new operator process reads the world afresh and finishes what the old one began."""
+    api.add_node("spot-1")
+    with operator_running():
+        api.create(good_job("resumed"))
+        wait_for("three workers", lambda: len(api.pods("resumed")) == 3)
+        for name in api.names("resumed"):
+            api.run_pod(name, "spot-1")
+        wait_for("phase Running", lambda: _status(api, "resumed").get("phase") == "Running")
+    # While no operator runs: scale down to 1, and one of the pods is evicted.
+    api.patch(constants.PLURAL, "resumed", {"spec": {"replicas": 1}})
+    api.patch("pods", "resumed-worker-2", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    assert len(api.pods("resumed")) == 3  # nothing acted on it yet
+    with operator_running():
+        wait_for("one worker", lambda: len(api.pods("resumed")) == 1)
+        status = wait_for("desired 1", lambda: (s := _status(api, "resumed"))["replicas"]["desired"] == 1 and s)
+        assert status["evictions"] == 1
+        assert api.etcd_kinds("resumed") == {"Deployment", "Service", "PodDisruptionBudget"}
+        # Converged means stable: a few timer rounds later nothing else changed.
+        names = api.names("resumed")
+        time.sleep(RECONCILE_INTERVAL + 1)  # one timer round: the absence of change has no condition to poll
+        assert api.names("resumed") == names
+        assert _status(api, "resumed")["evictions"] == 1
+
+
+def test_round_and_checkpoint_reported_by_the_run_reach_the_status(cluster: Cluster, etcd: EtcdServer) -> None:
+    """A real etcd as the job's external rendezvous; the agents' and trainer's reports appear in the status."""
+    cluster.create(good_job("reported", rendezvous={"endpoint": etcd.endpoint}))
+    wait_for("workers", lambda: len(cluster.pods("reported")) == 3)
+    assert cluster.etcd_kinds("reported") == set()  # external etcd: nothing managed
+    run_id = _status(cluster, "reported")["runId"]
+    client = etcd.client()
+    try:
+        status.write(client, run_id, status.ROUND, {"round": 2, "nodes": 3})
+        status.write(client, run_id, status.CHECKPOINT, {"step": 800, "uri": "az://checkpoints/cifar/step-0000000800/"})
+    finally:
+        client.close()
+    reported = wait_for(
+        "the reports in the status", lambda: (s := _status(cluster, "reported")).get("lastCheckpoint") and s
+    )
+    assert reported["lastCheckpoint"]["step"] == 800
+    assert wait_for("the round", lambda: _status(cluster, "reported").get("rendezvousRound") == 2)

@@ -218,3 +218,16 @@ class TestPlan:
     def test_the_same_observation_gives_the_same_plan(self) -> None:
         pods = [_pod(0), _pod(1, "Failed", reason="Evicted")]
         assert _plan(pods) == _plan(pods)
+
+
+def test_progress_from_etcd_lands_in_the_status_and_survives_gaps() -> None:
+    progress = {"round": {"round": 4, "nodes": 3}, "checkpoint": {"step": 1200, "uri": "az://c/p/", "time": "t"}}
+    seen = reconcile.Observed(
+        JOB, _spec(), {}, [_pod(0), _pod(1), _pod(2)], {"spot-1": _node()}, ALL_ETCD, T0, progress
+    )
+    first = reconcile.plan(seen).status
+    assert first["rendezvousRound"] == 4
+    assert first["lastCheckpoint"] == {"step": 1200, "uri": "az://c/p/", "time": "t"}
+    later = _plan([_pod(0), _pod(1), _pod(2)], old=first)  # etcd unreachable this time: nothing read
+    assert later.status["rendezvousRound"] == 4
+    assert later.status["lastCheckpoint"]["step"] == 1200

@@ -17,10 +17,12 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import wait_for
+from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient
 from torchspot.trainer.rendezvous.handler import create_handler, membership_changed
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings
+from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.rendezvous.store import EtcdStore
 
 
@@ -242,3 +244,23 @@ def test_membership_changed(state: Any, changed: bool) -> None:
     got, reason = membership_changed(4, frozenset({"a", "b", "c"}), state)
     assert got is changed
     assert bool(reason) is changed
+
+
+def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:
+    """What trainer rank 0 writes after a commit is what the operator reads."""
+    assert CheckpointReporter.from_environment({"TORCHELASTIC_RUN_ID": "r1"}) is None  # not under etcd-v3
+    env = {"PET_RDZV_BACKEND": "etcd-v3", "PET_RDZV_ENDPOINT": etcd.endpoint, "TORCHELASTIC_RUN_ID": "run-progress"}
+    reporter = CheckpointReporter.from_environment(env)
+    assert reporter is not None
+    client = etcd.client()
+    try:
+        reporter.report(400, "az://ckpt/run/step-0000000400/")
+        record = wait_for(lambda: status.read(client, "run-progress").get("checkpoint"), 10, "the report")
+        assert record["step"] == 400
+        assert record["uri"].endswith("step-0000000400/")
+        assert record["time"].endswith("Z")
+        client.put(status.status_prefix("run-progress") + "round", b"not json", lease=None)
+        assert "round" not in status.read(client, "run-progress")  # skipped, not fatal
+    finally:
+        reporter.close()
+        client.close()

@@ -26,6 +26,7 @@ from torchspot.lab.local import (
     resumed_step_after,
     wait_for,
 )
+from torchspot.trainer.rendezvous import status
 
 pytestmark = pytest.mark.slow
 
@@ -115,6 +116,13 @@ def test_forms_group_assigns_ranks_and_admits_late_joiner(
     three = _await_world(job, 3, joined_at, RECOVER)
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all three ranks to join")
     assert _ranks_of_group(job, three["group"]) == [0, 1, 2]
+    # Rank 0's agent reports each round where the operator reads it.
+    client = etcd.client()
+    try:
+        reported = wait_for(lambda: status.read(client, run_id).get("round", {}).get("nodes") == 3, 10, "round report")
+    finally:
+        client.close()
+    assert reported
     # Scale-up is a membership change, not a failure: training resumes from a checkpoint.
     assert resumed_step_after(_events(job), joined_at) is not None
 

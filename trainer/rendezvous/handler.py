@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
 from torchspot.trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
@@ -96,6 +97,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         info = super().next_rendezvous()
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
+        if info.rank == 0:  # one writer per round
+            record = {"round": state.round, "nodes": info.world_size}
+            status.write(self._etcd, self._settings.run_id, status.ROUND, record)
         return info
 
     def num_nodes_waiting(self) -> int:

@@ -1,0 +1,197 @@
+"""Operator benchmark: replacement latency and scale, against the kmock API emulator.
+
+The operator runs as its own process (`python -m torchspot.operator run --standalone
+--all-namespaces`), logged in through a kubeconfig to the emulator, so its memory is
+its own. In one run:
+
+1. replacement latency: a worker pod of a running job is evicted (its status set to
+   Failed/Evicted, as the kubelet reports it) or its node turns NotReady; the time
+   until the replacement pod exists, measured by polling the API every 5 ms;
+2. scale: 200 ElasticJobs created at once; the time until every job has its workers,
+   its etcd objects and a status, and the operator's peak resident memory (VmHWM).
+
+There is no stock operator to run beside it here (the pytorch/elastic controller and
+Kubeflow's are Go programs that need a real API server), so the targets are absolute:
+median replacement <= 1 s, 200 jobs <= 60 s, peak memory <= 400 MB.
+
+Usage: python bench/operator/run.py [--trials 10] [--jobs 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from torchspot.lab.kubeapi import KubeApi
+from torchspot.operator import constants
+from torchspot.operator.kube import Kube
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+NS = "default"
+
+
+def job(name: str, replicas: int) -> dict[str, Any]:
+    """A minimal valid ElasticJob."""
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "minReplicas": 1,
+            "maxReplicas": replicas,
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:bench"}]}},
+        },
+    }
+
+
+def wait(what: str, check: Callable[[], Any], timeout: float, poll: float = 0.005) -> float:
+    """Seconds until `check()` is truthy; exits with a message naming `what` after `timeout`."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if check():
+            return time.perf_counter() - started
+        time.sleep(poll)
+    sys.exit(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set size (VmHWM) in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def main() -> None:
+    """Run both measurements and print them against the targets."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10, help="replacements measured per kind of loss")
+    parser.add_argument("--jobs", type=int, default=200, help="ElasticJobs in the scale test")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="torchspot-operator-bench-") as tmp, KubeApi(Path(tmp) / "api") as api:
+        kube = Kube(server=api.url, headers={}, ssl_context=True)
+
+        def run(coro: Any) -> Any:
+            return api.run(coro, timeout=60)
+
+        def pods(name: str | None = None) -> list[dict[str, Any]]:
+            labels = {constants.LABEL_ROLE: constants.ROLE_WORKER}
+            if name:
+                labels[constants.LABEL_JOB] = name
+            return list(run(kube.list("v1", "Pod", NS, labels)))
+
+        def patch(path: str, body: dict[str, Any]) -> None:
+            run(kube._request("PATCH", path, body, "application/merge-patch+json"))
+
+        for index in range(2):
+            run(kube.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"spot-{index}"}, "spec": {},
+                             "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))  # fmt: skip
+        env = {**os.environ, "KUBECONFIG": str(api.kubeconfig)}
+        cmd = [sys.executable, "-m", "torchspot.operator", "--standalone", "--all-namespaces", "--quiet"]
+        log = (Path(tmp) / "operator.log").open("w")
+        with log, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as operator:
+            try:
+                results = _measure(args, run, kube, pods, patch)
+                results["operator_peak_rss_mb"] = peak_rss_mb(operator.pid)
+            finally:
+                operator.terminate()
+                operator.wait(30)
+        run(kube.close())
+
+    pod_median = statistics.median(results["pod_loss_s"])
+    node_median = statistics.median(results["node_loss_s"])
+    print("\nOperator against the kmock emulator")
+    print(
+        f"  evicted pod -> replacement created: median {pod_median * 1000:.0f} ms "
+        f"(min {min(results['pod_loss_s']) * 1000:.0f}, max {max(results['pod_loss_s']) * 1000:.0f}; target <= 1 s)"
+    )
+    print(
+        f"  NotReady node -> replacement created: median {node_median * 1000:.0f} ms "
+        f"(min {min(results['node_loss_s']) * 1000:.0f}, max {max(results['node_loss_s']) * 1000:.0f}; target <= 1 s)"
+    )
+    print(
+        f"  {args.jobs} ElasticJobs reconciled (workers, etcd, status) in {results['scale_s']:.1f} s (target <= 60 s)"
+    )
+    print(f"  operator peak memory {results['operator_peak_rss_mb']:.0f} MB (target <= 400 MB)")  # fmt: skip
+    out = RESULTS_DIR / "operator.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"raw results: {out}")
+
+
+def _measure(
+    args: argparse.Namespace,
+    run: Callable[[Any], Any],
+    kube: Kube,
+    pods: Callable[..., list[dict[str, Any]]],
+    patch: Callable[[str, dict[str, Any]], None],
+) -> dict[str, Any]:
+    ready = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    run(kube.create(job("latency", 2)))
+    wait("the operator to create the first workers", lambda: len(pods("latency")) == 2, 60)
+
+    def start_all(node: str) -> set[str]:
+        names = set()
+        for pod in pods("latency"):
+            name = pod["metadata"]["name"]
+            names.add(name)
+            if pod.get("status", {}).get("phase") != "Running":
+                patch(f"/api/v1/namespaces/{NS}/pods/{name}", {"spec": {"nodeName": node}, "status": ready})
+        return names
+
+    pod_loss: list[float] = []
+    for trial in range(args.trials):
+        before = start_all("spot-0")
+        victim = sorted(before)[0]
+        started = time.perf_counter()
+        patch(f"/api/v1/namespaces/{NS}/pods/{victim}", {"status": {"phase": "Failed", "reason": "Evicted"}})
+        wait("a replacement", lambda b=before: {p["metadata"]["name"] for p in pods("latency")} - b, 30)  # type: ignore[misc]
+        pod_loss.append(time.perf_counter() - started)
+        wait("the evicted pod to go", lambda v=victim: v not in {p["metadata"]["name"] for p in pods("latency")}, 30)  # type: ignore[misc]
+        print(f"[pod {trial + 1}/{args.trials}] replacement after {pod_loss[-1] * 1000:.0f} ms", flush=True)
+
+    node_loss: list[float] = []
+    for trial in range(args.trials):
+        node = f"spot-{trial % 2}"
+        other = f"spot-{(trial + 1) % 2}"
+        patch(f"/api/v1/nodes/{other}", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        before = start_all(node)
+        started = time.perf_counter()
+        patch(f"/api/v1/nodes/{node}", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        wait("replacements", lambda b=before: len({p["metadata"]["name"] for p in pods("latency")} - b) == 2, 30)  # type: ignore[misc]
+        node_loss.append(time.perf_counter() - started)
+        print(f"[node {trial + 1}/{args.trials}] replacements after {node_loss[-1] * 1000:.0f} ms", flush=True)
+    run(kube.delete(constants.API_VERSION, constants.PLURAL, NS, "latency"))
+
+    started = time.perf_counter()
+    for index in range(args.jobs):
+        run(kube.create(job(f"scale-{index:03d}", 2)))
+
+    def all_reconciled() -> bool:
+        jobs = run(kube.list(constants.API_VERSION, constants.PLURAL, NS))
+        with_status = sum(
+            1 for j in jobs if (j.get("status") or {}).get("phase") and j["metadata"]["name"] != "latency"
+        )
+        workers = sum(1 for p in pods() if p["metadata"]["labels"].get(constants.LABEL_JOB, "").startswith("scale-"))
+        return bool(with_status == args.jobs and workers == 2 * args.jobs)
+
+    wait(f"{args.jobs} jobs reconciled", all_reconciled, 300, poll=0.5)
+    scale = time.perf_counter() - started
+    print(f"[scale] {args.jobs} jobs reconciled after {scale:.1f} s", flush=True)
+    return {"pod_loss_s": pod_loss, "node_loss_s": node_loss, "scale_s": scale, "jobs": args.jobs}
+
+
+if __name__ == "__main__":
+    main()
