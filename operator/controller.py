@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -22,11 +23,15 @@ from torchspot.operator.builders import JobRef
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.progress import ProgressReader
 from torchspot.operator.reconcile import Observed, Plan, plan
-from torchspot.operator.spec import InvalidSpecError, parse_spec
+from torchspot.operator.spec import InvalidSpecError, JobSpec, parse_spec
 
 log = logging.getLogger(__name__)
 
 ETCD_KINDS = (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"))
+ETCD_RECHECK = 60.0
+"""Seconds a job's complete set of managed etcd objects is trusted before it is read again
+(a deleted one is re-created within this; every reconcile reading three objects made the
+API the bottleneck at a few hundred jobs)."""
 
 
 class Controller:
@@ -37,6 +42,9 @@ class Controller:
         self.now = now
         self.progress = ProgressReader()
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
+        self._etcd_seen: dict[tuple[str, str], tuple[frozenset[str], float]] = {}
+        self.nodes: dict[str, Mapping[str, Any]] = {}
+        """Nodes as the node watch last saw them (reconciles read these instead of asking each time)."""
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -70,14 +78,13 @@ class Controller:
         bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
         self._nodes_of_job[(job.namespace, job.name)] = bound
         for node_name in bound:
-            node = await self.api.get("v1", "Node", None, str(node_name))
+            node = self.nodes.get(node_name)
+            if node is None:  # not seen by the node watch (yet): ask
+                node = await self.api.get("v1", "Node", None, node_name)
             if node is not None:
-                nodes[str(node_name)] = node
-        etcd = set()
-        if not spec.rdzv_endpoint:
-            for api_version, kind in ETCD_KINDS:
-                if await self.api.get(api_version, kind, job.namespace, job.etcd_name) is not None:
-                    etcd.add(kind)
+                nodes[node_name] = node
+        # A job never reconciled has no etcd objects yet (creating one that exists is a no-op).
+        etcd = await self._etcd_objects(job, spec) if old_status.get("phase") else frozenset()
         finished = old_status.get("phase") in ("Succeeded", "Failed")
         progress = {} if finished else self.progress.latest(builders.rdzv_endpoint(job, spec), job.run_id)
         seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now, progress)
@@ -85,12 +92,36 @@ class Controller:
         if decided.status.get("phase") in ("Succeeded", "Failed"):
             self.progress.forget(job.run_id)
         await self._act(job, decided)
-        await self._write_status(job, decided.status)
+        if any(old_status.get(key) != value for key, value in decided.status.items()):
+            await self._write_status(job, decided.status)  # unchanged: no write, no watch event for anyone
         for kind, reason, message in decided.events:
             kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message)
         if decided.status.get("phase") != old_status.get("phase"):
             log.info("job %s/%s: phase %s", job.namespace, job.name, decided.status.get("phase"))
         return decided
+
+    async def _etcd_objects(self, job: JobRef, spec: JobSpec) -> frozenset[str]:
+        """Kinds of the managed etcd's objects that exist; a complete set is trusted for `ETCD_RECHECK` s."""
+        if spec.rdzv_endpoint:
+            return frozenset()
+        key = (job.namespace, job.name)
+        seen = self._etcd_seen.get(key)
+        if seen is not None and len(seen[0]) == len(ETCD_KINDS) and time.monotonic() - seen[1] < ETCD_RECHECK:
+            return seen[0]
+        kinds = set()
+        for api_version, kind in ETCD_KINDS:
+            if await self.api.get(api_version, kind, job.namespace, job.etcd_name) is not None:
+                kinds.add(kind)
+        self._etcd_seen[key] = (frozenset(kinds), time.monotonic())
+        return frozenset(kinds)
+
+    def observe_node(self, node: Mapping[str, Any], *, deleted: bool) -> None:
+        """Keep the node cache that reconciles read (fed by the node watch)."""
+        name = node.get("metadata", {}).get("name", "")
+        if deleted:
+            self.nodes.pop(name, None)
+        else:
+            self.nodes[name] = node
 
     async def _act(self, job: JobRef, decided: Plan) -> None:
         for obj in decided.create:
@@ -98,6 +129,8 @@ class Controller:
         for delete in decided.delete:
             log.info("deleting worker pod %s/%s: %s", job.namespace, delete.name, delete.why)
             await self.api.delete("v1", "Pod", job.namespace, delete.name, delete.grace)
+        if decided.create or decided.delete_etcd:
+            self._etcd_seen.pop((job.namespace, job.name), None)
         if decided.delete_etcd:
             for api_version, kind in ETCD_KINDS:
                 await self.api.delete(api_version, kind, job.namespace, job.etcd_name)

@@ -19,9 +19,9 @@ from torchspot.operator.controller import Controller
 from torchspot.operator.kube import Kube
 from torchspot.operator.reconcile import node_trouble
 
-RECONCILE_INTERVAL = 5.0
+RECONCILE_INTERVAL = 10.0
 """Seconds between timer reconciles of each job: bounds how stale the status and the
-below-minimum clock may get when no event arrives."""
+below-minimum clock may get when no event arrives (events reconcile at once)."""
 
 _state: dict[str, Controller] = {}
 
@@ -94,6 +94,7 @@ async def worker_pod_event(labels: kopf.Labels, namespace: str | None, **_: Any)
 async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
     """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now."""
     gone = type == "DELETED"
+    controller().observe_node(dict(body), deleted=gone)
     if not gone and node_trouble(dict(body)) is None:
         return
     for namespace, job in controller().jobs_on_node(name):
