@@ -261,8 +261,9 @@ def test_round_and_checkpoint_reported_by_the_run_reach_the_status(cluster: Clus
     run_id = _status(cluster, "reported")["runId"]
     client = etcd.client()
     try:
-        status.write(client, run_id, status.ROUND, {"round": 2, "nodes": 3})
-        status.write(client, run_id, status.CHECKPOINT, {"step": 800, "uri": "az://checkpoints/cifar/step-0000000800/"})
+        status.write(client, run_id, status.ROUND, {"round": 2, "nodes": 3}, lease=None)
+        record = {"step": 800, "uri": "az://checkpoints/cifar/step-0000000800/"}
+        status.write(client, run_id, status.CHECKPOINT, record, lease=None)
     finally:
         client.close()
     reported = wait_for(

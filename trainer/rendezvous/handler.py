@@ -99,7 +99,12 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._joined = (state.round, frozenset(state.participants))
         if info.rank == 0:  # one writer per round
             record = {"round": state.round, "nodes": info.world_size}
-            status.write(self._etcd, self._settings.run_id, status.ROUND, record)
+            try:
+                lease = self._lease.id()
+            except EtcdError as exc:
+                log.warning("rendezvous %s: round not reported (%s)", self._settings.run_id, exc)
+            else:
+                status.write(self._etcd, self._settings.run_id, status.ROUND, record, lease=lease)
         return info
 
     def num_nodes_waiting(self) -> int:

@@ -27,6 +27,9 @@ ROUND = "round"
 CHECKPOINT = "checkpoint"
 STATUS_TIMEOUT = 2.0
 """Seconds one status write or read may take; progress reports never wait longer."""
+REPORT_TTL = 600
+"""Seconds a trainer's checkpoint report lives without a newer one (it has no run lease of its
+own; the operator keeps the last value it saw in the job's status after the key is gone)."""
 
 
 def status_prefix(run_id: str) -> str:
@@ -39,10 +42,15 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any]) -> None:
-    """Put one status record; a failure is logged, never raised (it is only a report)."""
+def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any], *, lease: int | None) -> None:
+    """Put one status record on a lease; a failure is logged, never raised (it is only a report).
+
+    The lease matters: an abandoned run's keys must all expire, these included.
+    """
     try:
-        client.put(status_prefix(run_id) + name, json.dumps({**record, "time": now()}).encode(), lease=None)
+        if lease is None:
+            lease = client.grant_lease(REPORT_TTL)
+        client.put(status_prefix(run_id) + name, json.dumps({**record, "time": now()}).encode(), lease=lease)
     except EtcdError as exc:
         log.warning("could not report %s to etcd: %s", name, exc)
 
@@ -85,7 +93,11 @@ class CheckpointReporter:
         """Record a committed checkpoint (in a daemon thread: etcd may be slow or away)."""
         record = {"step": step, "uri": uri}
         threading.Thread(
-            target=write, args=(self._client, self._run_id, CHECKPOINT, record), name="checkpoint-report", daemon=True
+            target=write,
+            args=(self._client, self._run_id, CHECKPOINT, record),
+            kwargs={"lease": None},
+            name="checkpoint-report",
+            daemon=True,
         ).start()
 
     def close(self) -> None:
