@@ -266,8 +266,13 @@ class CheckpointManager:
                 self._saver = None
             self._pending_step = step
             if self._saver is not None:
-                self._pending = self._saver.submit(step, state, dict(meta))
-            else:
+                try:
+                    self._pending = self._saver.submit(step, state, dict(meta))
+                except (OSError, ValueError) as exc:  # it died between the check and the hand-over
+                    log.warning("checkpoint saver process is gone (%s); saving on a thread from now on", exc)
+                    self._saver.close()
+                    self._saver = None
+            if self._saver is None:
                 self._pending = self._executor.submit(self._save, step, snapshot(state), dict(meta))
         return time.perf_counter() - started
 
