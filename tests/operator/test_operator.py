@@ -8,7 +8,9 @@ condition read back from the API, with a deadline.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,7 +19,7 @@ import pytest
 from kopf.testing import KopfRunner
 
 from tests.operator.jobs import good_job, with_path
-from torchspot.lab.etcd import EtcdServer
+from torchspot.lab.etcd import EtcdServer, free_port
 from torchspot.lab.kubeapi import KubeApi
 from torchspot.operator import constants
 from torchspot.operator.handlers import RECONCILE_INTERVAL
@@ -271,3 +273,26 @@ def test_round_and_checkpoint_reported_by_the_run_reach_the_status(cluster: Clus
     )
     assert reported["lastCheckpoint"]["step"] == 800
     assert wait_for("the round", lambda: _status(cluster, "reported").get("rendezvousRound") == 2)
+
+
+def test_liveness_endpoint_and_json_logs(api: Cluster) -> None:
+    """What the Deployment's probe and a log pipeline rely on: /healthz answers, each log line is JSON."""
+    port = free_port()
+    args = [*OPERATOR_ARGS, "--liveness", f"http://127.0.0.1:{port}/healthz", "--log-format", "json"]
+    with KopfRunner(args, timeout=60) as runner:
+        api.create(good_job("probed"))
+        wait_for("a worker", lambda: api.pods("probed"))
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return False
+
+        assert wait_for("the liveness endpoint", healthy)
+    assert runner.exit_code == 0, runner.output
+    lines = [line for line in runner.output.splitlines() if line.startswith("{")]
+    assert lines
+    records = [json.loads(line) for line in lines]
+    assert any("probed" in json.dumps(record) for record in records)
