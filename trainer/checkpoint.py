@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from torchspot.trainer.saver import SaverProcess
+from torchspot.trainer.saver import SaverProcess, map_nested
 from torchspot.trainer.storage import CheckpointStorage, ObjectNotFoundError, StorageError
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,7 @@ def snapshot(obj: Any) -> Any:
     Tensors are cloned (GPU tensors copied to CPU), so training may modify the
     originals while the copy is serialized and uploaded.
     """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {key: snapshot(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot(value) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(snapshot(value) for value in obj)
-    return obj
+    return map_nested(obj, lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,21 @@ class TensorRef:
     shape: tuple[int, ...]
 
 
+def map_nested(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Rebuild the dicts, lists and tuples of a state around `leaf(x)` of everything else.
+
+    The one walk over a training state: the snapshot copy, the shared-memory plan and
+    its inverse all use it (mappings come back as plain dicts, tuples as tuples).
+    """
+    if isinstance(obj, Mapping):
+        return {key: map_nested(value, leaf) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [map_nested(value, leaf) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_nested(value, leaf) for value in obj)
+    return leaf(obj)
+
+
 def plan(state: Any, start: int = 0) -> tuple[Any, int]:
     """The skeleton of `state` (tensors replaced by `TensorRef`s) and the buffer size it needs.
 
@@ -71,24 +86,18 @@ def plan(state: Any, start: int = 0) -> tuple[Any, int]:
     """
     offset = start
 
-    def visit(obj: Any) -> Any:
+    def place(obj: Any) -> Any:
         nonlocal offset
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
-            nbytes = obj.numel() * obj.element_size()
-            ref = TensorRef(offset, nbytes, obj.dtype, tuple(obj.shape))
-            offset += -(-nbytes // ALIGN) * ALIGN
-            return ref
-        if isinstance(obj, torch.Tensor):
+        if not isinstance(obj, torch.Tensor):
+            return obj
+        if obj.layout != torch.strided:
             return obj.detach().to("cpu", copy=True)
-        if isinstance(obj, Mapping):
-            return {key: visit(value) for key, value in obj.items()}
-        if isinstance(obj, list):
-            return [visit(value) for value in obj]
-        if isinstance(obj, tuple):
-            return tuple(visit(value) for value in obj)
-        return obj
+        nbytes = obj.numel() * obj.element_size()
+        ref = TensorRef(offset, nbytes, obj.dtype, tuple(obj.shape))
+        offset += -(-nbytes // ALIGN) * ALIGN
+        return ref
 
-    skeleton = visit(state)
+    skeleton = map_nested(state, place)
     return skeleton, offset
 
 
@@ -110,15 +119,7 @@ def fill(buffer: torch.Tensor, state: Any, skeleton: Any) -> None:
 
 def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
     """The state again: each `TensorRef` becomes its own (cloned) tensor."""
-    if isinstance(skeleton, TensorRef):
-        return _view(buffer, skeleton).clone()
-    if isinstance(skeleton, Mapping):
-        return {key: unpack(value, buffer) for key, value in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [unpack(value, buffer) for value in skeleton]
-    if isinstance(skeleton, tuple):
-        return tuple(unpack(value, buffer) for value in skeleton)
-    return skeleton
+    return map_nested(skeleton, lambda leaf: _view(buffer, leaf).clone() if isinstance(leaf, TensorRef) else leaf)
 
 
 class SaverProcess:
