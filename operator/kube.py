@@ -151,20 +151,25 @@ class Kube:
             raise
         return True
 
+    async def patch(
+        self, api_version: str, kind: str, namespace: str | None, name: str, patch: Any, *, subresource: str = ""
+    ) -> None:
+        """Merge-patch an object (or one of its subresources, such as `status`)."""
+        path = f"{collection(api_version, kind, namespace)}/{name}" + (f"/{subresource}" if subresource else "")
+        await self._request("PATCH", path, patch, "application/merge-patch+json")
+
     async def patch_status(self, api_version: str, plural: str, namespace: str, name: str, status: Any) -> None:
         """Merge-patch an object's status through its status subresource.
 
         Falls back to patching the object itself where the subresource is not served
         (an API emulator); a real API server with the subresource serves the first.
         """
-        path = f"{collection(api_version, plural, namespace)}/{name}"
-        patch = {"status": status}
         try:
-            await self._request("PATCH", path + "/status", patch, "application/merge-patch+json")
+            await self.patch(api_version, plural, namespace, name, {"status": status}, subresource="status")
         except ApiError as exc:
             if exc.status not in (404, 405):
                 raise
-            await self._request("PATCH", path, patch, "application/merge-patch+json")
+            await self.patch(api_version, plural, namespace, name, {"status": status})
 
 
 def _text(data: Any) -> str | None:

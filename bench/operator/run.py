@@ -98,8 +98,8 @@ def main() -> None:
                 labels[constants.LABEL_JOB] = name
             return list(run(kube.list("v1", "Pod", NS, labels)))
 
-        def patch(path: str, body: dict[str, Any]) -> None:
-            run(kube._request("PATCH", path, body, "application/merge-patch+json"))
+        def patch(kind: str, namespace: str | None, name: str, body: dict[str, Any]) -> None:
+            run(kube.patch("v1", kind, namespace, name, body))
 
         for index in range(2):
             run(kube.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"spot-{index}"}, "spec": {},
@@ -163,7 +163,7 @@ def _latency(
     run: Callable[[Any], Any],
     kube: Kube,
     pods: Callable[..., list[dict[str, Any]]],
-    patch: Callable[[str, dict[str, Any]], None],
+    patch: Callable[[str, str | None, str, dict[str, Any]], None],
 ) -> dict[str, Any]:
     ready = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
     run(kube.create(job("latency", 2)))
@@ -180,7 +180,7 @@ def _latency(
             name = pod["metadata"]["name"]
             uids[name] = pod["metadata"]["uid"]
             if pod.get("status", {}).get("phase") != "Running":
-                patch(f"/api/v1/namespaces/{NS}/pods/{name}", {"spec": {"nodeName": node}, "status": ready})
+                patch("Pod", NS, name, {"spec": {"nodeName": node}, "status": ready})
         return uids
 
     def new_pods(before: dict[str, str]) -> int:
@@ -191,7 +191,7 @@ def _latency(
         before = start_all("spot-0")
         victim = sorted(before)[0]
         started = time.perf_counter()
-        patch(f"/api/v1/namespaces/{NS}/pods/{victim}", {"status": {"phase": "Failed", "reason": "Evicted"}})
+        patch("Pod", NS, victim, {"status": {"phase": "Failed", "reason": "Evicted"}})
         wait("a replacement", lambda b=before: new_pods(b) == 1, 30)  # type: ignore[misc]
         pod_loss.append(time.perf_counter() - started)
         gone = before[victim]
@@ -202,10 +202,10 @@ def _latency(
     for trial in range(args.trials):
         node = f"spot-{trial % 2}"
         other = f"spot-{(trial + 1) % 2}"
-        patch(f"/api/v1/nodes/{other}", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+        patch("Node", None, other, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
         before = start_all(node)
         started = time.perf_counter()
-        patch(f"/api/v1/nodes/{node}", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        patch("Node", None, node, {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
         wait("replacements", lambda b=before: new_pods(b) == 2, 30)  # type: ignore[misc]
         node_loss.append(time.perf_counter() - started)
         print(f"[node {trial + 1}/{args.trials}] replacements after {node_loss[-1] * 1000:.0f} ms", flush=True)

@@ -54,10 +54,7 @@ class Cluster:
 
     def patch(self, plural: str, name: str, patch: dict[str, Any], namespace: str | None = NS) -> None:
         api_version = constants.API_VERSION if plural == constants.PLURAL else "v1"
-        path = f"/api/v1/namespaces/{namespace}/{plural}/{name}" if namespace else f"/api/v1/{plural}/{name}"
-        if api_version != "v1":
-            path = f"/apis/{api_version}/namespaces/{namespace}/{plural}/{name}"
-        self.api.run(self.kube._request("PATCH", path, patch, "application/merge-patch+json"))
+        self.api.run(self.kube.patch(api_version, plural, namespace, name, patch))
 
     def run_pod(self, name: str, node: str) -> None:
         """What the scheduler and kubelet report for a started, ready pod."""
