@@ -85,11 +85,11 @@ class Controller:
                 nodes[node_name] = node
         # A job never reconciled has no etcd objects yet (creating one that exists is a no-op).
         etcd = await self._etcd_objects(job, spec) if old_status.get("phase") else frozenset()
-        finished = old_status.get("phase") in ("Succeeded", "Failed")
+        finished = old_status.get("phase") in status.FINISHED_PHASES
         progress = {} if finished else self.progress.latest(builders.rdzv_endpoint(job, spec), job.run_id)
         seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now, progress)
         decided = plan(seen)
-        if decided.status.get("phase") in ("Succeeded", "Failed"):
+        if decided.status.get("phase") in status.FINISHED_PHASES:
             self.progress.forget(job.run_id)
         await self._act(job, decided)
         if any(old_status.get(key) != value for key, value in decided.status.items()):

@@ -188,7 +188,7 @@ def plan(seen: Observed) -> Plan:
     counters = {key: int(old.get(key, 0)) for key in ("evictions", "restarts", "applicationFailures")}
     census = _judge(seen, counters, result)
     active, ready, pending, succeeded = census.active, census.ready, census.pending, census.succeeded
-    finished_phase = old.get("phase") in ("Succeeded", "Failed")
+    finished_phase = old.get("phase") in status.FINISHED_PHASES
 
     desired = spec.desired
     app_failed = counters["applicationFailures"] > spec.max_restarts
@@ -224,7 +224,7 @@ def plan(seen: Observed) -> Plan:
         finishing=succeeded,
         failed_reason=_failed_reason(old, app_failed, below_too_long, counters, spec),
     )
-    if phase in ("Succeeded", "Failed"):
+    if phase in status.FINISHED_PHASES:
         result.delete_etcd = bool(seen.etcd_objects) and not spec.rdzv_endpoint
         result.delete.extend(_cleanup(spec, seen.pods, result.delete))
     result.status = {

@@ -20,7 +20,8 @@ SCALING = "Scaling"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 INVALID_SPEC = "InvalidSpec"
-CONDITION_TYPES = (CREATED, RUNNING, BELOW_MIN, SCALING, SUCCEEDED, FAILED, INVALID_SPEC)
+FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+"""Phases a job never leaves: nothing is created for it any more, its managed etcd goes."""
 
 
 def timestamp(when: datetime) -> str:
