@@ -16,7 +16,10 @@ Why this shape:
   and serializes and uploads it in the background while training continues: in a
   saver process when the manager can reopen the storage there (`saver.py` says why),
   else on a thread. A new save first waits for the previous one, so uploads never
-  pile up.
+  pile up; but while storage is known to be failing (the save in flight is retrying,
+  or the last one failed), a new save that finds one in flight is skipped and
+  reported instead, so a Blob outage never stalls training (the save in flight
+  commits once storage is back, or fails and is reported).
 - Failed uploads are retried with exponential backoff; when all retries fail the
   error is recorded for the progress line and training goes on. Older committed
   checkpoints are deleted only after a newer one committed, so nothing committed is
@@ -40,7 +43,7 @@ from typing import Any
 
 import torch
 
-from torchspot.trainer.saver import SaverProcess, map_nested
+from torchspot.trainer.saver import RetryHook, SaverProcess, map_nested
 from torchspot.trainer.storage import CheckpointStorage, ObjectNotFoundError, StorageError
 
 log = logging.getLogger(__name__)
@@ -127,10 +130,12 @@ class CheckpointWriter:
         storage: CheckpointStorage,
         config: CheckpointConfig,
         sleep: Callable[[float], None] = time.sleep,
+        on_retry: RetryHook | None = None,
     ) -> None:
         self.storage = storage
         self.config = config
         self._sleep = sleep
+        self._on_retry = on_retry
 
     def __call__(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
         """Write `state` as checkpoint `step`; retry with backoff; never raise a storage error."""
@@ -169,6 +174,8 @@ class CheckpointWriter:
                     error,
                 )
                 if attempt < self.config.retries:
+                    if self._on_retry is not None:
+                        self._on_retry(step, error)
                     self._sleep(delay)
                     delay = min(max(delay * 2, 0.1), self.config.max_backoff)
                 continue
@@ -197,9 +204,11 @@ class CheckpointWriter:
                 log.warning("could not delete old checkpoint %s: %s", step_dir(step), exc)
 
 
-def open_writer(reopen: Callable[[], CheckpointStorage], config: CheckpointConfig) -> CheckpointWriter:
+def open_writer(
+    reopen: Callable[[], CheckpointStorage], config: CheckpointConfig, on_retry: RetryHook
+) -> CheckpointWriter:
     """A writer on storage opened anew (in the saver process, which cannot share the parent's clients)."""
-    return CheckpointWriter(reopen(), config)
+    return CheckpointWriter(reopen(), config, on_retry=on_retry)
 
 
 class CheckpointManager:
@@ -226,12 +235,15 @@ class CheckpointManager:
     ) -> None:
         self.storage = storage
         self.config = config or CheckpointConfig()
-        self._writer = CheckpointWriter(storage, self.config, sleep)
+        self._writer = CheckpointWriter(storage, self.config, sleep, on_retry=self._retrying)
         self._on_report = on_report
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._saver = SaverProcess(partial(open_writer, reopen, self.config), self._done) if reopen else None
+        self._saver = (
+            SaverProcess(partial(open_writer, reopen, self.config), self._done, self._retrying) if reopen else None
+        )
         self._pending: Future[SaveReport] | None = None
         self._pending_step = -1
+        self._pending_retrying = False
         self._lock = threading.Lock()
         self.last_committed: int | None = None
         self.last_error: str | None = None
@@ -248,8 +260,22 @@ class CheckpointManager:
 
         The stall is the time spent waiting for the previous save plus the copy to
         host (shared) memory; serialization and upload happen in the background.
+        When storage is known to be failing (the save in flight is retrying, or the
+        last save failed) and a save is still in flight, this one is skipped and
+        reported rather than waited for: a stalled training loop would turn an outage
+        of the checkpoint store into lost training.
         """
         started = time.perf_counter()
+        with self._lock:
+            in_flight = self._pending is not None and not self._pending.done()
+            failing = self._pending_retrying or self.last_error is not None
+            previous = self._pending_step
+        if in_flight and failing:
+            reason = f"skipped: storage is failing and step {previous} is still saving"
+            log.warning("checkpoint step %d %s", step, reason)
+            if self._on_report is not None:
+                self._on_report(SaveReport(step, False, 0.0, error=reason))
+            return time.perf_counter() - started
         self.wait()
         with self._lock:
             if self._saver is not None and not self._saver.alive:
@@ -257,6 +283,7 @@ class CheckpointManager:
                 self._saver.close()
                 self._saver = None
             self._pending_step = step
+            self._pending_retrying = False
             if self._saver is not None:
                 try:
                     self._pending = self._saver.submit(step, state, dict(meta))
@@ -303,6 +330,12 @@ class CheckpointManager:
         report = self._writer(step, state, meta)
         self._done(report)
         return report
+
+    def _retrying(self, step: int, error: str) -> None:
+        """An attempt of the save in flight failed and will be retried: say so on the progress line."""
+        with self._lock:
+            self._pending_retrying = True
+        self.last_error = f"step {step}: {error} (retrying)"
 
     def _done(self, report: SaveReport) -> None:
         """Record a save's outcome (for the progress line) and pass it on."""

@@ -11,7 +11,9 @@ How the state gets there: the parent owns one shared-memory byte buffer (grown w
 the state grows) and copies every tensor into it at the step boundary (the stall);
 what it sends over the pipe is only the state's skeleton, each tensor replaced by
 its offset, dtype and shape. The child rebuilds the tensors from the buffer, hands
-the state to the writer, and sends back the writer's report.
+the state to the writer, and sends back the writer's report (and, while it retries
+a failing upload, a note of each failed attempt, so the parent can tell a save that
+is slow from one that is stuck on an outage).
 
 The child ignores SIGTERM and SIGINT (an eviction signals the whole pod; the
 trainer's emergency checkpoint is its business) and dies with its parent
@@ -51,6 +53,8 @@ _PR_SET_PDEATHSIG = 1
 
 Writer = Callable[[int, Any, dict[str, Any]], Any]
 """Writes one checkpoint (step, state, meta) and returns its report."""
+RetryHook = Callable[[int, str], None]
+"""Told (step, error) each time an attempt of a save failed and another will follow."""
 
 
 @dataclass(frozen=True)
@@ -125,12 +129,20 @@ def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
 class SaverProcess:
     """One child process that runs `make_writer()`'s writer on states handed over in shared memory.
 
-    :param make_writer: a picklable callable, run once in the child, returning the writer.
+    :param make_writer: a picklable callable, run once in the child with the hook that
+        tells the parent of a failed attempt, returning the writer.
     :param on_done: called on the parent's reader thread with each report, before the
         save's future resolves (so whoever waits on the future sees its effects).
+    :param on_retry: called on the parent's reader thread when an attempt of the save
+        in flight failed and the writer will try again.
     """
 
-    def __init__(self, make_writer: Callable[[], Writer], on_done: Callable[[Any], None]) -> None:
+    def __init__(
+        self,
+        make_writer: Callable[[RetryHook], Writer],
+        on_done: Callable[[Any], None],
+        on_retry: RetryHook,
+    ) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
@@ -139,6 +151,7 @@ class SaverProcess:
         self._process.start()
         child_conn.close()
         self._on_done = on_done
+        self._on_retry = on_retry
         self._buffer: torch.Tensor | None = None
         self._pending: Future[Any] | None = None
         self._lock = threading.Lock()
@@ -190,6 +203,9 @@ class SaverProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if message[0] == "retrying":
+                self._on_retry(message[1], message[2])
+                continue
             with self._lock:
                 future, self._pending = self._pending, None
             if future is None:
@@ -214,7 +230,7 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _child_main(conn: Connection, make_writer: Callable[[], Writer]) -> None:
+def _child_main(conn: Connection, make_writer: Callable[[RetryHook], Writer]) -> None:
     """The saver's loop: take the buffer, write each state it is sent, answer, stop on request or EOF."""
     parent = os.getppid()
     _die_with_parent()
@@ -230,7 +246,7 @@ def _child_main(conn: Connection, make_writer: Callable[[], Writer]) -> None:
     writer: Writer | None = None
     failure = ""
     try:
-        writer = make_writer()
+        writer = make_writer(lambda step, error: conn.send(("retrying", step, error)))
     except Exception as exc:  # reported with every save rather than lost
         failure = f"cannot open checkpoint storage: {type(exc).__name__}: {exc}"
     buffer: torch.Tensor | None = None

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torchspot.lab.azurite import Azurite
+from torchspot.lab.local import wait_for
 from torchspot.trainer.checkpoint import (
     COMMIT_OBJECT,
     STATE_OBJECT,
@@ -167,6 +168,47 @@ def test_outage_retries_reports_and_loses_nothing_committed(tmp_path: Path) -> N
     failing.clear()
     assert manager.save_sync(30, _state(30), {}).ok
     assert manager.last_error is None
+
+
+def test_a_save_due_while_the_previous_one_retries_is_skipped_not_waited_for(tmp_path: Path) -> None:
+    """An outage must not stall training: the retrying save goes on, the next one is skipped and reported."""
+    reports: list[SaveReport] = []
+    failing = threading.Event()
+    storage_back = threading.Event()
+
+    class Flaky(LocalStorage):
+        def put(self, name: str, data: bytes) -> None:
+            if failing.is_set():
+                raise StorageError("blob endpoint unreachable")
+            super().put(name, data)
+
+    def nap(_: float) -> None:  # the backoff lasts until the test brings storage back
+        storage_back.wait(30)
+
+    manager = CheckpointManager(Flaky(tmp_path), CheckpointConfig(retries=3), on_report=reports.append, sleep=nap)
+    try:
+        failing.set()
+        manager.save_async(20, _state(20), {})
+        wait_for(lambda: manager.last_error and "(retrying)" in manager.last_error, 30, "the first failed attempt")
+        assert manager.save_async(30, _state(30), {}) < 1  # returns at once; the retrying save is not waited for
+        assert [(r.step, r.ok, r.error) for r in reports] == [
+            (30, False, "skipped: storage is failing and step 20 is still saving")
+        ]
+        failing.clear()
+        storage_back.set()
+        report = manager.wait()
+        assert report is not None
+        assert (report.step, report.ok, report.attempts) == (20, True, 2)
+        assert manager.last_error is None
+        manager.save_async(40, _state(40), {})  # storage is healthy again: saves wait for each other as before
+        final = manager.wait()
+        assert final is not None
+        assert final.ok
+    finally:
+        manager.close()
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 40
 
 
 def test_commit_marker_lists_checksums(storage: CheckpointStorage) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torchspot.lab.azurite import Azurite
+from torchspot.lab.local import wait_for
 from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport
 from torchspot.trainer.saver import ALIGN, TensorRef, fill, plan, unpack
 from torchspot.trainer.storage import LocalStorage, open_storage
@@ -185,3 +186,36 @@ def test_child_saves_to_blob_with_credentials_from_the_environment(
         _assert_same(loaded.state, _state(3))
     finally:
         manager.close()
+
+
+def test_child_tells_the_parent_it_is_retrying_so_the_next_save_is_skipped(tmp_path: Path) -> None:
+    """Blob goes away under the child: its retry notes cross the pipe, the next save is skipped
+    rather than waited for, and the retrying save commits once Blob is back."""
+    blob = Azurite(tmp_path / "azurite")
+    blob.start()
+    uri = f"az://checkpoints/{uuid.uuid4().hex}"
+    reopen = partial(open_storage, uri, blob.env(), timeout=1.0)
+    reports: list[SaveReport] = []
+    manager = CheckpointManager(
+        reopen(), CheckpointConfig(retries=200, backoff=0.2, max_backoff=0.2), on_report=reports.append, reopen=reopen
+    )
+    try:
+        manager.save_async(1, _state(1), {})
+        assert manager.wait() is not None
+        blob.stop()
+        manager.save_async(2, _state(2), {})
+        wait_for(lambda: manager.last_error and "(retrying)" in manager.last_error, 60, "the child's retry note")
+        assert manager.save_async(3, _state(3), {}) < 1
+        assert [(r.step, r.ok) for r in reports] == [(1, True), (3, False)]
+        assert "storage is failing" in (reports[-1].error or "")
+        blob.start()
+        report = manager.wait()
+        assert report is not None
+        assert (report.step, report.ok) == (2, True)
+        assert report.attempts > 1
+        loaded = manager.load_latest()
+        assert loaded is not None
+        _assert_same(loaded.state, _state(2))
+    finally:
+        manager.close()
+        blob.stop()

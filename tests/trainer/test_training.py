@@ -129,6 +129,10 @@ def test_blob_outage_during_training_does_not_stop_it(
                  "training to continue during the outage")  # fmt: skip
         errors = [e["checkpoint_error"] for e in _progress(read_events(events_path)) if e["t"] > outage]
         assert any(errors), "the progress line never reported the failing save"
+        skipped = [
+            e for e in read_events(events_path) if e.get("event") == "checkpoint" and "skipped" in (e["error"] or "")
+        ]
+        assert skipped, "training waited for saves that could not succeed instead of skipping them"
         blob.start()
         back = time.time()
         wait_for(lambda: any(e.get("event") == "checkpoint" and e["ok"] and e["t"] > back
