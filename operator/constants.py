@@ -44,6 +44,9 @@ EVICTION_TAINTS: Final = frozenset(
 spot-eviction taints among them): the operator deletes its workers there at once, so the
 survivors re-form without waiting for heartbeats or timeouts."""
 
+ETCD_PLACEMENT_ENV: Final = "TORCHSPOT_ETCD_PLACEMENT"
+"""The operator's environment variable with the default placement of managed etcds (JSON:
+nodeSelector, tolerations, affinity); the chart sets it from `etcd.defaultPlacement`."""
 ETCD_PORT: Final = 2379
 ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
 RDZV_BACKEND: Final = BACKEND_NAME

@@ -23,7 +23,7 @@ from torchspot.operator.builders import JobRef
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.progress import ProgressReader
 from torchspot.operator.reconcile import Observed, Plan, plan
-from torchspot.operator.spec import InvalidSpecError, JobSpec, parse_spec
+from torchspot.operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,22 @@ API the bottleneck at a few hundred jobs)."""
 
 
 class Controller:
-    """Reconciles jobs through one API session; `now` is injectable for tests of time."""
+    """Reconciles jobs through one API session; `now` is injectable for tests of time.
 
-    def __init__(self, api: Kube, now: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    :param etcd_default: where managed etcds go when a job says nothing (the chart's
+        `etcd.defaultPlacement`); None: wherever the scheduler puts them.
+    """
+
+    def __init__(
+        self,
+        api: Kube,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        *,
+        etcd_default: Placement | None = None,
+    ) -> None:
         self.api = api
         self.now = now
+        self.etcd_default = etcd_default
         self.progress = ProgressReader()
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._etcd_seen: dict[tuple[str, str], tuple[frozenset[str], float]] = {}
@@ -66,7 +77,7 @@ class Controller:
         old_status: Mapping[str, Any] = body.get("status") or {}
         now = self.now()
         try:
-            spec = parse_spec(job.name, body.get("spec") or {})
+            spec = parse_spec(job.name, body.get("spec") or {}, etcd_default=self.etcd_default)
         except InvalidSpecError as exc:
             new = status.invalid(old_status.get("conditions") or [], exc.problems, now)
             await self._write_status(job, new)

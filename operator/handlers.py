@@ -10,7 +10,8 @@ afresh and converges; so a missed or repeated trigger costs nothing but latency.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from typing import Any, cast
 
 import kopf
 
@@ -18,22 +19,28 @@ from torchspot.operator import constants
 from torchspot.operator.controller import Controller
 from torchspot.operator.kube import Kube
 from torchspot.operator.reconcile import node_trouble
+from torchspot.operator.spec import InvalidSpecError, Placement, default_etcd_placement
 
 RECONCILE_INTERVAL = 10.0
 """Seconds between timer reconciles of each job: bounds how stale the status and the
 below-minimum clock may get when no event arrives (events reconcile at once)."""
 
-_state: dict[str, Controller] = {}
+_state: dict[str, Any] = {}
 
 
 def controller() -> Controller:
     """The controller of this operator process (made at login, when the credentials are known)."""
-    return _state["controller"]
+    return cast(Controller, _state["controller"])
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events."""
+    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events;
+    read the operator's own settings from its environment (a bad one stops the operator)."""
+    try:
+        _state["etcd_default"] = default_etcd_placement(os.environ.get(constants.ETCD_PLACEMENT_ENV, ""))
+    except InvalidSpecError as exc:
+        raise kopf.PermanentError(f"invalid operator setting: {exc}") from exc
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
@@ -55,7 +62,7 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     if "controller" in _state:
         await controller().api.renew(fresh)
     else:
-        _state["controller"] = Controller(fresh)
+        _state["controller"] = Controller(fresh, etcd_default=cast(Placement | None, _state.get("etcd_default")))
     return info
 
 

@@ -10,6 +10,7 @@ The defaults below are the CRD's defaults (a test keeps the two equal).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -163,8 +164,13 @@ def check_endpoint(endpoint: str) -> str | None:
     return None
 
 
-def parse_spec(name: str, spec: Mapping[str, Any]) -> JobSpec:
-    """The job's spec, defaulted; raises `InvalidSpecError` listing every problem."""
+def parse_spec(name: str, spec: Mapping[str, Any], *, etcd_default: Placement | None = None) -> JobSpec:
+    """The job's spec, defaulted; raises `InvalidSpecError` listing every problem.
+
+    :param etcd_default: the operator's placement for managed etcds (the chart's
+        `etcd.defaultPlacement`), used when the job's rendezvous names no nodeSelector,
+        tolerations or affinity of its own.
+    """
     read = _Reader()
     if not isinstance(spec, Mapping):
         raise InvalidSpecError(["spec: must be an object"])
@@ -186,6 +192,8 @@ def parse_spec(name: str, spec: Mapping[str, Any]) -> JobSpec:
 
     rdzv = read.obj(spec, "rendezvous", "spec.rendezvous")
     endpoint, etcd_placement = _rendezvous(read, rdzv)
+    if etcd_default is not None and not any(key in rdzv for key in ("nodeSelector", "tolerations", "affinity")):
+        etcd_placement = etcd_default
     placement = read.placement(read.obj(spec, "placement", "spec.placement"), "spec.placement", spot=True, gpu=True)
     pool = placement.node_selector.get(constants.SPOT_LABEL)
     if placement.spot and pool not in (None, constants.SPOT_VALUE):
@@ -244,13 +252,47 @@ def _rendezvous(read: _Reader, rdzv: Mapping[str, Any]) -> tuple[str, Placement]
     endpoint = read.str_(rdzv, "endpoint", "spec.rendezvous.endpoint")
     if endpoint and (why := check_endpoint(endpoint)):
         problems.append(f"spec.rendezvous.endpoint: {why}")
-    etcd_placement = read.placement(rdzv, "spec.rendezvous", spot=False, gpu=False)
-    if etcd_placement.node_selector.get(constants.SPOT_LABEL) == constants.SPOT_VALUE:
-        problems.append("spec.rendezvous.nodeSelector: the managed etcd must not run on the spot pool")
-    if any(t.get("key") == constants.SPOT_LABEL for t in etcd_placement.tolerations):
-        problems.append("spec.rendezvous.tolerations: the managed etcd must not tolerate the spot taint")
+    return endpoint, _etcd_placement(read, rdzv, "spec.rendezvous")
 
-    return endpoint, etcd_placement
+
+def _etcd_placement(read: _Reader, obj: Mapping[str, Any], path: str) -> Placement:
+    """A managed etcd's placement: anywhere but the spot pool (an evicted rendezvous stops the job)."""
+    placement = read.placement(obj, path, spot=False, gpu=False)
+    if placement.node_selector.get(constants.SPOT_LABEL) == constants.SPOT_VALUE:
+        read.problems.append(f"{path}.nodeSelector: the managed etcd must not run on the spot pool")
+    if any(t.get("key") == constants.SPOT_LABEL for t in placement.tolerations):
+        read.problems.append(f"{path}.tolerations: the managed etcd must not tolerate the spot taint")
+    return placement
+
+
+def default_etcd_placement(raw: str) -> Placement | None:
+    """The operator's default placement of managed etcds, from the JSON in `ETCD_PLACEMENT_ENV`.
+
+    Checked like a job's own (`spec.rendezvous`); None when unset or empty. Raises
+    `InvalidSpecError` naming the variable, so a bad chart value stops the operator
+    at start rather than misplacing every job's etcd.
+    """
+    name = constants.ETCD_PLACEMENT_ENV
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise InvalidSpecError([f"{name}: not JSON ({exc.msg} at character {exc.pos})"]) from exc
+    if not isinstance(value, dict):
+        raise InvalidSpecError([f"{name}: must be a JSON object with nodeSelector, tolerations, affinity"])
+    read = _Reader()
+    unknown = sorted(set(value) - {"nodeSelector", "tolerations", "affinity"})
+    if unknown:
+        read.problems.append(
+            f"{name}: unknown keys {', '.join(unknown)} (expected nodeSelector, tolerations, affinity)"
+        )
+    placement = _etcd_placement(read, value, name)
+    if read.problems:
+        raise InvalidSpecError(read.problems)
+    if not (placement.node_selector or placement.tolerations or placement.affinity):
+        return None
+    return placement
 
 
 def _check_template(template: Mapping[str, Any], problems: list[str]) -> None:

@@ -293,3 +293,36 @@ def test_liveness_endpoint_and_json_logs(api: Cluster) -> None:
     assert lines
     records = [json.loads(line) for line in lines]
     assert any("probed" in json.dumps(record) for record in records)
+
+
+def test_default_etcd_placement_setting_places_managed_etcds(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart's etcd.defaultPlacement reaches the operator as TORCHSPOT_ETCD_PLACEMENT; a job's own wins."""
+    placement = {
+        "nodeSelector": {"agentpool": "system"},
+        "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+    }
+    monkeypatch.setenv(constants.ETCD_PLACEMENT_ENV, json.dumps(placement))
+    with operator_running():
+        api.create(good_job("defaulted"))
+        api.create(good_job("own", rendezvous={"nodeSelector": {"pool": "cpu"}}))
+
+        def etcd_pod_spec(job: str) -> dict[str, Any] | None:
+            found = api.api.run(api.kube.get("apps/v1", "Deployment", NS, f"{job}-etcd"))
+            return None if found is None else found["spec"]["template"]["spec"]
+
+        defaulted = wait_for("the defaulted etcd", lambda: etcd_pod_spec("defaulted"))
+        assert defaulted["nodeSelector"] == {"agentpool": "system"}
+        assert defaulted["tolerations"] == placement["tolerations"]
+        own = wait_for("the job's own etcd", lambda: etcd_pod_spec("own"))
+        assert own["nodeSelector"] == {"pool": "cpu"}
+        assert "tolerations" not in own
+
+
+def test_a_bad_operator_setting_stops_the_operator_and_names_it(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spot pool as the etcds' default placement: refused at start, not applied to every job."""
+    monkeypatch.setenv(constants.ETCD_PLACEMENT_ENV, json.dumps({"nodeSelector": {constants.SPOT_LABEL: "spot"}}))
+    with KopfRunner(OPERATOR_ARGS, timeout=60, reraise=False) as runner:
+        pass
+    assert runner.exit_code != 0
+    assert constants.ETCD_PLACEMENT_ENV in runner.output
+    assert "must not run on the spot pool" in runner.output

@@ -8,7 +8,7 @@ import pytest
 
 from tests.operator.jobs import BAD_FOR_OPERATOR_ONLY, BAD_FOR_SCHEMA, crd, good_job
 from tests.operator.schema import schema_errors
-from torchspot.operator.spec import InvalidSpecError, JobSpec, parse_spec
+from torchspot.operator.spec import InvalidSpecError, JobSpec, default_etcd_placement, parse_spec
 
 
 def _parse(body: dict[str, Any]) -> JobSpec:
@@ -87,3 +87,37 @@ def test_operator_defaults_match_the_crd_defaults() -> None:
 
 def test_there_are_at_least_twenty_bad_specs() -> None:
     assert len(BAD_FOR_SCHEMA) + len(BAD_FOR_OPERATOR_ONLY) >= 20
+
+
+def test_default_etcd_placement_is_used_only_when_the_job_names_none() -> None:
+    default = default_etcd_placement('{"nodeSelector": {"agentpool": "system"}}')
+    assert default is not None
+    assert parse_spec("a", good_job()["spec"], etcd_default=default).etcd_placement == default
+    own = good_job(rendezvous={"tolerations": [{"key": "dedicated", "operator": "Exists"}]})["spec"]
+    placed = parse_spec("a", own, etcd_default=default).etcd_placement
+    assert placed.node_selector == {}
+    assert placed.tolerations == [{"key": "dedicated", "operator": "Exists"}]
+
+
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        ("{nodeSelector: 1}", "not JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"nodeSelecter": {}}', "unknown keys nodeSelecter"),
+        ('{"nodeSelector": {"kubernetes.azure.com/scalesetpriority": "spot"}}', "must not run on the spot pool"),
+        ('{"tolerations": [{"key": "kubernetes.azure.com/scalesetpriority"}]}', "must not tolerate the spot taint"),
+        ('{"nodeSelector": {"pool": 3}}', "values must be strings"),
+    ],
+    ids=["not-json", "not-object", "unknown-key", "spot-selector", "spot-toleration", "non-string-label"],
+)
+def test_bad_default_etcd_placement_names_the_variable(raw: str, said: str) -> None:
+    with pytest.raises(InvalidSpecError) as caught:
+        default_etcd_placement(raw)
+    assert "TORCHSPOT_ETCD_PLACEMENT" in str(caught.value)
+    assert said in str(caught.value)
+
+
+@pytest.mark.parametrize("raw", ["", "  ", '{"nodeSelector": {}, "tolerations": [], "affinity": {}}'])
+def test_empty_default_etcd_placement_means_none(raw: str) -> None:
+    assert default_etcd_placement(raw) is None

@@ -1,0 +1,281 @@
+"""The Helm chart with the real helm binary: lint, render, validate, and what each value does.
+
+Rendered objects are validated with kubernetes-validate (the API's own OpenAPI schemas
+for Kubernetes 1.37, strict: unknown fields fail) for the default values and several
+non-default sets; the chart's values schema must refuse bad values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from click import Command
+from kopf import cli
+
+from tests.deploy.helm import CHART, NAMESPACE, find, helm, lint, one, template, template_error
+from torchspot.operator import constants
+from torchspot.operator.spec import default_etcd_placement
+
+K8S_VERSION = "1.37.0"
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced": {"watchNamespaces": ["ml-a", "ml-b"], "logLevel": "debug", "logFormat": "plain"},
+    "no-crd-own-account": {
+        "crds": {"enabled": False, "keep": False},
+        "serviceAccount": {"create": False, "name": "platform-operator"},
+        "rbac": {"aggregateToDefaultRoles": False},
+    },
+    "aks-system-pool": {
+        "image": {"repository": "myacr.azurecr.io/torchspot-operator", "digest": "sha256:" + "a" * 64},
+        "imagePullSecrets": [{"name": "acr-pull"}],
+        "nodeSelector": {"kubernetes.azure.com/mode": "system"},
+        "tolerations": [{"key": "CriticalAddonsOnly", "operator": "Exists"}],
+        "priorityClassName": "system-cluster-critical",
+        "podAnnotations": {"prometheus.io/scrape": "false"},
+        "serviceAccount": {
+            "annotations": {"azure.workload.identity/client-id": "00000000-0000-0000-0000-000000000000"}
+        },
+        "logLevel": "warning",
+        "etcd": {"defaultPlacement": {"nodeSelector": {"kubernetes.azure.com/mode": "system"}}},
+    },
+}
+
+
+def _deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "Deployment")
+
+
+def _operator(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    container: dict[str, Any] = _deployment(docs)["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+@pytest.mark.parametrize("case", VALUE_SETS, ids=list(VALUE_SETS))
+def test_lint_strict_passes(case: str, tmp_path: Path) -> None:
+    done = lint(VALUE_SETS[case], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 chart(s) failed" in done.stdout
+
+
+@pytest.mark.parametrize("case", VALUE_SETS, ids=list(VALUE_SETS))
+def test_every_rendered_object_is_valid_kubernetes(case: str, tmp_path: Path) -> None:
+    docs = template(VALUE_SETS[case], tmp_path)
+    assert docs
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{case}: {doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
+
+
+def test_defaults_install_everything_cluster_wide(tmp_path: Path) -> None:
+    docs = template()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["ServiceAccount", "CustomResourceDefinition", "Deployment"] + ["ClusterRole"] * 4 + ["ClusterRoleBinding"] * 2
+    )
+    crd = one(docs, "CustomResourceDefinition")
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert _operator(docs)["args"] == [
+        "--standalone",
+        "--all-namespaces",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--log-format=json",
+    ]
+    assert find(docs, "RoleBinding") == []
+    cluster = one(docs, "ClusterRole", "torchspot-cluster")
+    assert [r["resources"] for r in cluster["rules"]] == [["nodes"], ["customresourcedefinitions"]]
+
+
+def test_watched_namespaces_get_role_bindings_only_there(tmp_path: Path) -> None:
+    docs = template(VALUE_SETS["namespaced"], tmp_path)
+    bindings = find(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml-a", "ml-b"]
+    for binding in bindings:
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "torchspot-jobs",
+        }
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "torchspot", "namespace": NAMESPACE}]
+    assert find(docs, "ClusterRoleBinding", "torchspot-jobs") == []  # no cluster-wide write access
+    cluster = one(docs, "ClusterRole", "torchspot-cluster")
+    assert ["namespaces"] in [r["resources"] for r in cluster["rules"]]  # kopf checks the namespaces exist
+    args = _operator(docs)["args"]
+    assert "--namespace=ml-a" in args
+    assert "--namespace=ml-b" in args
+    assert "--all-namespaces" not in args
+    assert "--verbose" in args
+    assert "--log-format=plain" in args
+
+
+def test_crd_switch_and_a_service_account_of_ones_own(tmp_path: Path) -> None:
+    docs = template(VALUE_SETS["no-crd-own-account"], tmp_path)
+    assert find(docs, "CustomResourceDefinition") == []
+    assert find(docs, "ServiceAccount") == []
+    assert _deployment(docs)["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+    for binding in find(docs, "ClusterRoleBinding"):
+        assert binding["subjects"][0]["name"] == "platform-operator"
+    assert find(docs, "ClusterRole", "torchspot-edit") == []
+    notes = helm("install", "x", str(CHART), "--dry-run=client", "--set", "crds.enabled=false").stdout
+    assert "WARNING: crds.enabled is false" in notes
+
+
+def test_crd_without_keep_has_no_resource_policy(tmp_path: Path) -> None:
+    docs = template({"crds": {"enabled": True, "keep": False}}, tmp_path)
+    assert "annotations" not in one(docs, "CustomResourceDefinition")["metadata"]
+
+
+def test_operator_placement_image_and_etcd_default(tmp_path: Path) -> None:
+    values = VALUE_SETS["aks-system-pool"]
+    docs = template(values, tmp_path)
+    pod = _deployment(docs)["spec"]["template"]
+    assert pod["spec"]["nodeSelector"] == values["nodeSelector"]
+    assert pod["spec"]["tolerations"] == values["tolerations"]
+    assert pod["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "acr-pull"}]
+    assert pod["metadata"]["annotations"] == values["podAnnotations"]
+    container = _operator(docs)
+    assert container["image"] == "myacr.azurecr.io/torchspot-operator@sha256:" + "a" * 64
+    assert "--quiet" in container["args"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    placement = default_etcd_placement(env[constants.ETCD_PLACEMENT_ENV])  # the operator accepts what the chart sets
+    assert placement is not None
+    assert placement.node_selector == {"kubernetes.azure.com/mode": "system"}
+    account = one(docs, "ServiceAccount")
+    assert account["metadata"]["annotations"] == values["serviceAccount"]["annotations"]
+
+
+def test_operator_pod_is_locked_down() -> None:
+    docs = template()
+    pod = _deployment(docs)["spec"]["template"]["spec"]
+    assert _deployment(docs)["spec"]["replicas"] == 1
+    assert _deployment(docs)["spec"]["strategy"] == {"type": "Recreate"}  # never two operators on one job
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = _operator(docs)
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert set(container["resources"]) == {"requests", "limits"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+
+
+@pytest.mark.parametrize("case", VALUE_SETS, ids=list(VALUE_SETS))
+def test_deployment_args_are_flags_of_the_operators_command_line(case: str, tmp_path: Path) -> None:
+    """What the chart passes must parse: the operator is `kopf run` with our handlers module."""
+    run = cli.main.get_command(None, "run")  # type: ignore[arg-type]  # click allows no context here
+    assert isinstance(run, Command)
+    known = {opt for param in run.params for opt in param.opts}
+    for arg in _operator(template(VALUE_SETS[case], tmp_path))["args"]:
+        assert arg.split("=", 1)[0] in known, arg
+
+
+def test_rbac_is_least_privilege(tmp_path: Path) -> None:
+    """No wildcards, no Secrets, nothing cluster-wide but reading; writes only on what the operator makes."""
+    docs = template({"watchNamespaces": ["ml-a"]}, tmp_path)
+    operator_roles = [
+        r for r in find(docs, "ClusterRole") if r["metadata"]["name"] in ("torchspot-cluster", "torchspot-jobs")
+    ]
+    assert len(operator_roles) == 2
+    for role in operator_roles:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+            assert "secrets" not in rule["resources"]
+            assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+    cluster = one(docs, "ClusterRole", "torchspot-cluster")
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster["rules"])
+    jobs = {(g, res): set(rule["verbs"]) for rule in one(docs, "ClusterRole", "torchspot-jobs")["rules"]
+            for g in rule["apiGroups"] for res in rule["resources"]}  # fmt: skip
+    assert jobs[("", "pods")] == {"get", "list", "watch", "create", "delete"}
+    assert jobs[("", "events")] == {"create"}
+    assert jobs[("torchspot.dev", "elasticjobs/status")] == {"get", "patch"}
+
+
+def test_chart_names_the_operators_environment_variable() -> None:
+    """The chart cannot import constants.py: this keeps its copy of the name in step."""
+    env = {e["name"] for e in _operator(template())["env"]}
+    assert env == {constants.ETCD_PLACEMENT_ENV}
+
+
+BAD_VALUES = [
+    ("unknown-key", {"replicaCount": 2}, "replicaCount"),
+    ("typo-nested", {"crds": {"enabeld": True}}, "enabeld"),
+    ("wrong-type", {"watchNamespaces": "ml-a"}, "watchNamespaces"),
+    ("bad-enum", {"logLevel": "verbose"}, "logLevel"),
+    ("bad-namespace", {"watchNamespaces": ["ML_A"]}, "watchNamespaces"),
+    ("bad-digest", {"image": {"digest": "latest"}}, "digest"),
+    ("bad-pull-policy", {"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    ("probe-port", {"livenessProbe": {"port": 70000}}, "port"),
+    ("etcd-on-spot", {"etcd": {"defaultPlacement": {"nodeSelector": {constants.SPOT_LABEL: "spot"}}}}, "nodeSelector"),
+    (
+        "etcd-spot-toleration",
+        {"etcd": {"defaultPlacement": {"tolerations": [{"key": constants.SPOT_LABEL}]}}},
+        "tolerations",
+    ),
+    ("resources-typo", {"resources": {"limit": {"cpu": "1"}}}, "limit"),
+    ("account-without-name", {"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
+]
+
+
+@pytest.mark.parametrize(("case", "values", "said"), BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_bad_values_are_refused_with_a_message_naming_them(
+    case: str, values: dict[str, Any], said: str, tmp_path: Path
+) -> None:
+    assert said in template_error(values, tmp_path)
+
+
+def _leaf_paths(values: Any, prefix: str = "") -> set[str]:
+    if isinstance(values, dict) and values and not prefix.endswith(("nodeSelector", "annotations", "podAnnotations")):
+        paths: set[str] = set()
+        for key, value in values.items():
+            paths |= _leaf_paths(value, f"{prefix}.{key}" if prefix else key)
+        return paths
+    return {prefix}
+
+
+def _schema_paths(schema: dict[str, Any], defs: dict[str, Any], prefix: str = "") -> set[str]:
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+    props = schema.get("properties")
+    if not props or schema.get("additionalProperties") is not False:
+        return {prefix}
+    paths: set[str] = set()
+    for key, sub in props.items():
+        paths |= _schema_paths(sub, defs, f"{prefix}.{key}" if prefix else key)
+    return paths
+
+
+def test_every_value_is_commented_and_in_the_schema() -> None:
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    # `resources` is compared as a whole: its schema allows quantities the defaults leave out.
+    leaves = {p.split(".")[0] if p.startswith("resources.") else p for p in _leaf_paths(values)}
+    in_schema = _schema_paths(schema, schema["definitions"]) - {"global"}
+    in_schema = {p.split(".")[0] if p.startswith("resources.") else p for p in in_schema}
+    assert leaves == in_schema, "values.yaml and values.schema.json name different keys"
+    # Every key has a comment line right above it; only the insides of `resources`
+    # (a Kubernetes ResourceRequirements, described as a whole) are exempt.
+    lines = text.splitlines()
+    inside_resources = False
+    for number, line in enumerate(lines):
+        match = re.match(r"^(\s*)[A-Za-z][\w.-]*:", line)
+        if not match:
+            continue
+        if not match.group(1):
+            inside_resources = line.startswith("resources:")
+        elif inside_resources:
+            continue
+        assert lines[number - 1].strip().startswith("#"), f"values.yaml:{number + 1}: {line.strip()} has no comment"

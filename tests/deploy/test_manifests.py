@@ -1,0 +1,128 @@
+"""manifests/: rendered from the chart (never edited by hand), valid, and examples that really launch."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from torch.distributed.run import get_args_parser
+
+from tests.deploy.helm import ROOT, helm_binary, one, template
+from tests.operator.schema import schema_errors
+from tools.manifests import render
+from torchspot.operator.builders import JobRef, worker_pod
+from torchspot.operator.spec import InvalidSpecError, parse_spec
+from torchspot.trainer.config import parse_config
+from torchspot.trainer.launch import check_args
+
+MANIFESTS = ROOT / "manifests"
+EXAMPLES = MANIFESTS / "examples"
+JOBS = ["elasticjob.yaml", "imagenet-resnet50.yaml"]
+K8S_VERSION = "1.37.0"
+
+
+def _load(path: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(path.read_text())
+    return loaded
+
+
+def test_plain_manifests_are_the_chart_rendered() -> None:
+    """Edit the chart and run `make manifests`; this fails when one side changed alone."""
+    rendered = render(helm_binary())
+    on_disk = {p.name: p.read_text() for p in MANIFESTS.glob("*.yaml")}
+    assert sorted(on_disk) == sorted(rendered)
+    for name, text in rendered.items():
+        assert on_disk[name] == text, f"manifests/{name} differs from the chart: run `make manifests`"
+
+
+def test_chart_crd_and_manifests_crd_are_identical() -> None:
+    in_chart = one(template(), "CustomResourceDefinition")
+    assert in_chart == _load(MANIFESTS / "crd.yaml")
+
+
+@pytest.mark.parametrize("name", ["namespace.yaml", "crd.yaml", "rbac.yaml", "operator.yaml"])
+def test_plain_manifests_are_valid_kubernetes(name: str) -> None:
+    docs = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_example_jobs_pass_the_crd_schema_and_the_operator(name: str) -> None:
+    body = _load(EXAMPLES / name)
+    assert schema_errors(body) == []
+    spec = parse_spec(body["metadata"]["name"], body["spec"])
+    assert spec.placement.spot
+    assert spec.credentials_secret == _load(EXAMPLES / "blob-credentials.yaml")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_example_worker_pods_are_valid_and_their_command_launches(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod the operator makes from the example: valid for the API, and its arguments are
+    accepted by torchspot-run (with the operator's PET_* settings) and by the trainer."""
+    body = _load(EXAMPLES / name)
+    spec = parse_spec(body["metadata"]["name"], body["spec"])
+    pod = worker_pod(JobRef(body["metadata"]["name"], "default", "uid-1"), spec, 0)
+    pod["metadata"]["namespace"] = "default"
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    container = pod["spec"]["containers"][0]
+    for env in container["env"]:
+        if "value" in env:
+            monkeypatch.setenv(env["name"], env["value"])
+    launcher = get_args_parser().parse_args(container["args"])  # reads PET_* as torchrun does
+    assert check_args(launcher) is None
+    assert launcher.module
+    assert launcher.training_script == "torchspot.trainer"
+    assert launcher.nnodes == f"{spec.min_replicas}:{spec.max_replicas}"
+    config = parse_config(launcher.training_script_args)  # reads TORCHSPOT_* as the trainer does
+    assert config.checkpoint_uri == spec.checkpoint_uri
+    assert config.checkpoint_every == spec.checkpoint_interval
+
+
+def test_the_secret_example_is_valid_and_holds_no_real_credential() -> None:
+    secret = _load(EXAMPLES / "blob-credentials.yaml")
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert set(secret["stringData"]) == {"AZURE_STORAGE_ACCOUNT_URL", "AZURE_STORAGE_SAS_TOKEN"}
+    assert "REPLACE" in secret["stringData"]["AZURE_STORAGE_SAS_TOKEN"]
+
+
+BAD_EXAMPLES = [
+    ("min-above-max", "spec.minReplicas", 4, "minReplicas must not exceed maxReplicas"),
+    ("no-containers", "spec.template.spec.containers", [], "should be non-empty"),
+    ("negative-grace", "spec.failurePolicy.belowMinGraceSeconds", -1, "less than the minimum"),
+    ("clean-policy", "spec.cleanPodPolicy", "Sometimes", "is not one of"),
+    ("string-replicas", "spec.maxReplicas", "3", "is not of type 'integer'"),
+]
+
+
+def _set(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(body)
+    node = changed
+    *parents, last = path.split(".")
+    for part in parents:
+        node = node[part]
+    node[last] = value
+    return changed
+
+
+@pytest.mark.parametrize(("case", "path", "value", "said"), BAD_EXAMPLES, ids=[c[0] for c in BAD_EXAMPLES])
+def test_broken_copies_of_the_example_are_rejected(case: str, path: str, value: Any, said: str) -> None:
+    """What a user gets wrong when editing the example: the schema says so, and so does the operator."""
+    body = _set(_load(EXAMPLES / "elasticjob.yaml"), path, value)
+    errors = schema_errors(body)
+    assert any(said in error for error in errors), errors
+    with pytest.raises(InvalidSpecError):
+        parse_spec(body["metadata"]["name"], body["spec"])
+
+
+def test_an_unknown_checkpoint_scheme_is_rejected_by_the_operator() -> None:
+    """The schema cannot know URI schemes; the operator names the field."""
+    body = _set(_load(EXAMPLES / "elasticjob.yaml"), "spec.checkpoint.uri", "s3://bucket/ckpt")
+    assert schema_errors(body) == []
+    with pytest.raises(InvalidSpecError, match=r"spec\.checkpoint\.uri: .*unknown scheme 's3'"):
+        parse_spec(body["metadata"]["name"], body["spec"])
