@@ -11,7 +11,11 @@ background thread. What kmock leaves out, this adds:
 - the resources the operator lists and watches, declared up front (kmock serves a
   list only for resources it knows, and learns a CRD's group only if told);
 - a kubeconfig file pointing at it, so kopf logs in as it would to a cluster;
-- a bounded request log (see `REQUEST_LOG`), so a long run does not slow down.
+- a bounded request log (see `REQUEST_LOG`), so a long run does not slow down;
+- the Namespace collection: kmock reads `/api/v1/namespaces` as the start of a
+  namespaced path and fails with a 500, which kept kopf's namespaced mode (it lists
+  and watches namespaces) from starting; `_parse_path` reads those paths as the API
+  server does.
 
 What it still does not do, the callers must not rely on: schema validation (the
 tests validate against the CRD themselves), label selectors (the operator filters
@@ -34,6 +38,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import kmock
+import kmock._internal.parsing as kmock_parsing
 import yaml
 
 T = TypeVar("T")
@@ -61,6 +66,20 @@ RESOURCES: dict[str, dict[str, Any]] = {
     },
 }
 """Everything the operator and the lab touch, declared for discovery, list and watch."""
+
+
+_kmock_parse_path = kmock_parsing.parse_path
+
+
+def _parse_path(path: str) -> kmock_parsing.ParsedPath:
+    """kmock's path parser, except that `/api/v1/namespaces[/NAME]` is the Namespace resource."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and len(parts) <= 4:
+        return kmock_parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) == 4 else None, None)
+    return _kmock_parse_path(path)
+
+
+kmock_parsing.parse_path = _parse_path  # kmock's request parsing looks it up in its module on every request
 
 
 class Emulator(kmock.KubernetesEmulator):

@@ -26,6 +26,7 @@ _PATHS = {
     ("v1", "Pod"): "pods",
     ("v1", "Service"): "services",
     ("v1", "Node"): "nodes",
+    ("v1", "Namespace"): "namespaces",
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",

@@ -326,3 +326,36 @@ def test_a_bad_operator_setting_stops_the_operator_and_names_it(api: Cluster, mo
     assert runner.exit_code != 0
     assert constants.ETCD_PLACEMENT_ENV in runner.output
     assert "must not run on the spot pool" in runner.output
+
+
+def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster) -> None:
+    """As the chart runs it with watchNamespaces: `--namespace=...` instead of `--all-namespaces`."""
+    for namespace in ("ml-a", "ml-b"):
+        api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    watched, ignored = good_job("team-job"), good_job("team-job")
+    watched["metadata"]["namespace"], ignored["metadata"]["namespace"] = "ml-a", "ml-b"
+    labels = {constants.LABEL_JOB: "team-job", constants.LABEL_ROLE: constants.ROLE_WORKER}
+
+    def workers(namespace: str) -> list[dict[str, Any]]:
+        return api.api.run(api.kube.list("v1", "Pod", namespace, labels))
+
+    args = ["run", "--standalone", "--namespace=ml-a", "-m", "torchspot.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        api.create(watched)
+        api.create(ignored)
+        assert wait_for("workers in the watched namespace", lambda: len(workers("ml-a")) == 3)
+        job = wait_for(
+            "the watched job's status",
+            lambda: (
+                (j := api.api.run(api.kube.get(constants.API_VERSION, constants.PLURAL, "ml-a", "team-job")))
+                and j.get("status")
+                and j
+            ),
+        )
+        assert job["status"]["phase"] == "Pending"
+        time.sleep(RECONCILE_INTERVAL + 1)  # a timer round: the absence of action has no condition to poll
+        assert workers("ml-b") == []
+        other = api.api.run(api.kube.get(constants.API_VERSION, constants.PLURAL, "ml-b", "team-job"))
+        assert other is not None
+        assert "status" not in other
+    assert runner.exit_code == 0, runner.output
