@@ -52,6 +52,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "namespaced": True, "subresources": {"status"}},
     "v1/nodes": {"kind": "Node", "namespaced": False, "subresources": {"status"}},
     "v1/services": {"kind": "Service", "namespaced": True},
+    "v1/secrets": {"kind": "Secret", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},
     "v1/namespaces": {"kind": "Namespace", "namespaced": False},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"}},

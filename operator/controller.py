@@ -39,6 +39,7 @@ class Controller:
 
     :param etcd_default: where managed etcds go when a job says nothing (the chart's
         `etcd.defaultPlacement`); None: wherever the scheduler puts them.
+    :param resolve: maps a rendezvous address to a reachable one (see `ProgressReader`).
     """
 
     def __init__(
@@ -47,11 +48,12 @@ class Controller:
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         *,
         etcd_default: Placement | None = None,
+        resolve: Callable[[str], str] | None = None,
     ) -> None:
         self.api = api
         self.now = now
         self.etcd_default = etcd_default
-        self.progress = ProgressReader()
+        self.progress = ProgressReader(resolve) if resolve is not None else ProgressReader()
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._etcd_seen: dict[tuple[str, str], tuple[frozenset[str], float]] = {}
         self.nodes: dict[str, Mapping[str, Any]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, cast
 
 import kopf
@@ -26,6 +27,17 @@ RECONCILE_INTERVAL = 10.0
 below-minimum clock may get when no event arrives (events reconcile at once)."""
 
 _state: dict[str, Any] = {}
+
+
+def use_endpoint_resolver(resolve: Callable[[str], str] | None) -> None:
+    """Reach each job's etcd through `resolve` (the lab's sandbox: Service names to loopback ports).
+
+    Call it before the operator starts (None: back to plain names, which DNS resolves in a cluster).
+    """
+    if resolve is None:
+        _state.pop("resolve", None)
+    else:
+        _state["resolve"] = resolve
 
 
 def controller() -> Controller:
@@ -62,7 +74,11 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     if "controller" in _state:
         await controller().api.renew(fresh)
     else:
-        _state["controller"] = Controller(fresh, etcd_default=cast(Placement | None, _state.get("etcd_default")))
+        _state["controller"] = Controller(
+            fresh,
+            etcd_default=cast(Placement | None, _state.get("etcd_default")),
+            resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
+        )
     return info
 
 

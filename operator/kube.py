@@ -27,6 +27,7 @@ _PATHS = {
     ("v1", "Service"): "services",
     ("v1", "Node"): "nodes",
     ("v1", "Namespace"): "namespaces",
+    ("v1", "Secret"): "secrets",
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",

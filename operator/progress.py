@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torchspot.trainer.rendezvous import status
@@ -21,9 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class ProgressReader:
-    """Caches each run's status records; refreshes them in the background."""
+    """Caches each run's status records; refreshes them in the background.
 
-    def __init__(self) -> None:
+    :param resolve: turns a job's rendezvous address into one this process can reach.
+        In a cluster the Service name resolves by DNS and this is the identity; the lab's
+        sandbox, which runs each etcd on a loopback port, passes its own mapping.
+    """
+
+    def __init__(self, resolve: Callable[[str], str] = lambda endpoint: endpoint) -> None:
+        self._resolve = resolve
         self._clients: dict[str, EtcdClient] = {}
         self._cache: dict[str, dict[str, Any]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
@@ -44,10 +51,11 @@ class ProgressReader:
         self._cache[run_id] = found
 
     def _read(self, endpoint: str, run_id: str) -> dict[str, Any]:
-        client = self._clients.get(endpoint)
+        address = self._resolve(endpoint)  # may change (a sandbox maps it once the etcd is up): key by it
+        client = self._clients.get(address)
         if client is None:
-            host, port = parse_endpoint(endpoint)
-            client = self._clients[endpoint] = EtcdClient(host, port, request_timeout=status.STATUS_TIMEOUT)
+            host, port = parse_endpoint(address)
+            client = self._clients[address] = EtcdClient(host, port, request_timeout=status.STATUS_TIMEOUT)
         return status.read(client, run_id)
 
     def forget(self, run_id: str) -> None:

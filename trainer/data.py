@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from torchspot.trainer.storage import open_storage
 
 CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_TARBALL = "cifar-10-python.tar.gz"
 CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
 CIFAR_TEST = "test_batch"
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -86,6 +87,8 @@ def _cifar_members(path: Path) -> dict[str, dict[bytes, object]]:
                 if name in wanted and (handle := tar.extractfile(member)) is not None:
                     with handle:
                         batches[name] = pickle.load(handle, encoding="bytes")  # noqa: S301 - CIFAR's own format
+    elif (path / CIFAR_TARBALL).is_file():  # the tarball's folder: what a copied Blob prefix holds
+        return _cifar_members(path / CIFAR_TARBALL)
     else:
         folder = path / CIFAR_FOLDER if (path / CIFAR_FOLDER).is_dir() else path
         for name in wanted:

@@ -44,6 +44,9 @@ def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
         tar.extractall(tmp_path / "extracted", filter="data")
     train_dir, _ = load_cifar10(tmp_path / "extracted")
     assert len(train_dir) == 50
+    # The tarball's folder, as a copied Blob prefix leaves it (az://datasets/cifar10 -> the cache).
+    train_cache, _ = load_cifar10(tmp_path)
+    assert len(train_cache) == 50
 
 
 def test_imagenet_folder_decodes_jpeg(tmp_path: Path) -> None:

@@ -1,0 +1,220 @@
+"""The sandbox's report: a timeline, throughput, steps lost, goodput, a plot, the same as JSON.
+
+Inputs are what the run left behind: the sandbox's own timeline (evictions, freezes,
+capacity added), the Kubernetes Events the operator posted, the job's final status,
+the trainer's JSON event lines (rank 0 prints them; the node agent keeps every pod's
+output), and the checkpoints committed in Blob. Everything but writing the files is
+pure.
+
+Definitions:
+- steps lost: for each resumption, the newest step trained before it minus the step it
+  resumed from (work that had to be redone);
+- useful training time: the time between progress lines whose steps were kept (not
+  redone later);
+- goodput: useful training time over the time capacity was available, which here is
+  the whole run from submission to the end (startup, rendezvous and checkpoint loading
+  count against it, as they do on a cluster).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+EVENT_KINDS = ("start", "progress", "checkpoint", "emergency_checkpoint", "done", "eval")
+
+
+@dataclass
+class Report:
+    """Everything the report says, ready for JSON."""
+
+    job: str
+    phase: str
+    wall_seconds: float
+    final_step: int
+    steps_lost: int
+    restarts: list[dict[str, Any]]
+    samples_per_second: float
+    useful_seconds: float
+    goodput: float
+    checkpoints: list[int]
+    status: dict[str, Any]
+    timeline: list[dict[str, Any]]
+    series: list[dict[str, Any]] = field(default_factory=list)
+    """(t, step, world size, samples/s) per progress line, for the plot."""
+    agent_errors: list[str] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """The human-readable end of a run."""
+        lines = [
+            f"=== torchspot sandbox report: {self.job} ===",
+            f"phase                {self.phase}",
+            f"wall time            {self.wall_seconds:.1f} s",
+            f"final step           {self.final_step}",
+            f"world sizes          {' -> '.join(str(r['world_size']) for r in self.restarts) or '-'}",
+            f"steps lost           {self.steps_lost} over {max(len(self.restarts) - 1, 0)} resumptions",
+            f"samples/s            {self.samples_per_second:.1f} (mean of progress lines)",
+            f"goodput              {self.goodput:.1%} ({self.useful_seconds:.1f} s useful training"
+            f" of {self.wall_seconds:.1f} s)",
+            f"evictions            {self.status.get('evictions', 0)} (operator's count)",
+            f"checkpoints in Blob  {', '.join(map(str, self.checkpoints)) or 'none'}",
+            "timeline:",
+            *[f"  {e['t']:7.1f}s  {e['text']}" for e in self.timeline],
+        ]
+        if self.agent_errors:
+            lines.append(f"node agent errors    {len(self.agent_errors)}: {self.agent_errors[0]}")
+        lines += [f"{key:<20} {value}" for key, value in self.paths.items()]
+        return "\n".join(lines)
+
+    def write(self, folder: Path) -> None:
+        """report.json and report.png in `folder`; their paths go into `paths`."""
+        self.paths = {"report": str(folder / "report.json"), "plot": str(folder / "report.png")}
+        plot(self, folder / "report.png")
+        (folder / "report.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def read_pod_events(pods: Path, start: float) -> list[dict[str, Any]]:
+    """The trainer's JSON event lines from every pod's output, time-ordered, `t` relative to `start`."""
+    events = []
+    for log in sorted(pods.glob("*/log.txt")):
+        for line in log.read_text(errors="replace").splitlines():
+            if not line.startswith('{"t"'):
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") in EVENT_KINDS:
+                record["t"] = round(float(record["t"]) - start, 3)
+                events.append(record)
+    return sorted(events, key=lambda e: e["t"])
+
+
+def _restarts(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, set[int]]:
+    """Each (re)start with the steps it lost; the total; the steps that were redone."""
+    restarts: list[dict[str, Any]] = []
+    newest = -1
+    redone: set[int] = set()
+    for event in events:
+        if event["event"] == "progress":
+            newest = max(newest, event["step"])
+        elif event["event"] == "start":
+            lost = max(newest - event["step"], 0) if newest >= 0 else 0
+            redone |= set(range(event["step"] + 1, newest + 1))
+            restarts.append({"t": event["t"], "step": event["step"], "world_size": event["world_size"], "lost": lost})
+    return restarts, sum(r["lost"] for r in restarts), redone
+
+
+def _useful_seconds(events: list[dict[str, Any]], redone: set[int]) -> float:
+    """Time between consecutive progress lines of one worker group whose steps were kept."""
+    useful = 0.0
+    previous: dict[str, Any] | None = None
+    for event in events:
+        if event["event"] == "start":
+            previous = None
+        elif event["event"] == "progress":
+            if previous is not None and event["step"] > previous["step"]:
+                kept = [s for s in range(previous["step"] + 1, event["step"] + 1) if s not in redone]
+                useful += (event["t"] - previous["t"]) * len(kept) / (event["step"] - previous["step"])
+            previous = event
+    return useful
+
+
+def build_report(
+    *,
+    job: str,
+    submitted: float,
+    status: dict[str, Any],
+    timeline: list[dict[str, Any]],
+    api_events: list[dict[str, Any]],
+    trainer_events: list[dict[str, Any]],
+    checkpoints: list[int],
+    agent_errors: list[str],
+) -> Report:
+    """The report of one sandbox run (pure)."""
+    start = 0.0
+    entries = list(timeline)
+    for event in api_events:  # the operator's Events (second resolution), on the run's clock
+        stamp = event.get("lastTimestamp") or event.get("firstTimestamp") or event.get("eventTime")
+        at = _seconds_since(stamp, submitted) if stamp else None
+        text = f"{event.get('type', 'Normal')} {event.get('reason')}: {event.get('message')}"
+        entries.append({"t": at if at is not None else 0.0, "kind": "k8s", "text": text})
+    restarts, lost, redone = _restarts(trainer_events)
+    for restart in restarts:
+        entries.append({"t": restart["t"], "kind": "round",
+                        "text": f"worker group of {restart['world_size']} training from step {restart['step']}"
+                                + (f" ({restart['lost']} steps redone)" if restart["lost"] else "")})  # fmt: skip
+    for event in trainer_events:
+        if event["event"] == "emergency_checkpoint":
+            outcome = "ok" if event["ok"] else "FAILED"
+            text = f"emergency checkpoint at step {event['step']} ({outcome})"
+            entries.append({"t": event["t"], "kind": "checkpoint", "text": text})
+    progress = [e for e in trainer_events if e["event"] == "progress"]
+    done = [e for e in trainer_events if e["event"] == "done"]
+    end = max([e["t"] for e in entries] + [e["t"] for e in trainer_events] + [start])
+    useful = _useful_seconds(trainer_events, redone)
+    rates = [float(e.get("samples_per_s") or 0.0) for e in progress]
+    return Report(
+        job=job,
+        phase=str(status.get("phase", "Unknown")) + (" (timed out)" if status.get("timedOut") else ""),
+        wall_seconds=round(end - start, 2),
+        final_step=int(done[-1]["step"]) if done else max((e["step"] for e in progress), default=0),
+        steps_lost=lost,
+        restarts=restarts,
+        samples_per_second=round(sum(rates) / len(rates), 2) if rates else 0.0,
+        useful_seconds=round(useful, 2),
+        goodput=round(useful / (end - start), 4) if end > start else 0.0,
+        checkpoints=checkpoints,
+        status=status,
+        timeline=sorted(entries, key=lambda e: e["t"]),
+        series=[
+            {
+                "t": e["t"],
+                "step": e["step"],
+                "world_size": e["world_size"],
+                "samples_per_s": e.get("samples_per_s", 0.0),
+            }
+            for e in progress
+        ],
+        agent_errors=agent_errors,
+    )
+
+
+def _seconds_since(stamp: str, start: float) -> float | None:
+    try:
+        return round(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() - start, 2)
+    except ValueError:
+        return None
+
+
+def plot(report: Report, path: Path) -> None:
+    """World size and throughput over time, with the market's events marked."""
+    try:
+        import matplotlib  # noqa: PLC0415 - the `lab` extra; imported only to draw
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        raise SystemExit("the report plot needs matplotlib: pip install 'torchspot[lab]'") from exc
+    figure, (size_axis, rate_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+    times = [p["t"] for p in report.series]
+    size_axis.step(times, [p["world_size"] for p in report.series], where="post", color="tab:blue")
+    size_axis.set_ylabel("world size")
+    size_axis.set_ylim(bottom=0)
+    rate_axis.plot(times, [p["samples_per_s"] for p in report.series], color="tab:green", linewidth=1)
+    rate_axis.set_ylabel("samples/s")
+    rate_axis.set_xlabel("seconds since the job was submitted")
+    colours = {"evict": "tab:red", "freeze": "tab:purple", "add": "tab:olive"}
+    for entry in report.timeline:
+        if entry["kind"] in colours:
+            for axis in (size_axis, rate_axis):
+                axis.axvline(entry["t"], color=colours[entry["kind"]], linestyle="--", linewidth=1)
+            size_axis.annotate(entry["text"], (entry["t"], 0.1), rotation=90, fontsize=7, va="bottom", ha="right")
+    size_axis.set_title(f"{report.job}: {report.phase}, goodput {report.goodput:.0%}, {report.steps_lost} steps lost")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,233 @@
+"""`torchspot lab run JOB.yaml [--scenario SCENARIO.yaml]`: an ElasticJob end to end on one machine.
+
+What runs, all real except the cloud: the Kubernetes API emulator (kmock, with our
+additions) and a kubeconfig for it; the operator, the same kopf handlers as in a
+cluster, in a thread of this process; the node agent (`cluster.py`), which plays
+scheduler, kubelet and cloud and runs the job's pods as processes (the trainer under
+`torchspot-run`, the managed etcd as a real etcd); Azurite as the job's Blob storage,
+with the Secret the job names filled in with Azurite's connection string and, for
+`az://datasets/...` data, a synthetic CIFAR-10 uploaded there. The scenario's spot
+market is played against it; the run ends when the job Succeeds or Fails, or at the
+scenario's timeout, and writes the report (`report.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import yaml
+
+from torchspot.lab.azurite import Azurite
+from torchspot.lab.cluster import NodeAgent
+from torchspot.lab.kubeapi import KubeApi
+from torchspot.lab.report import Report, build_report, read_pod_events
+from torchspot.lab.scenario import Scenario
+from torchspot.operator import constants, handlers
+from torchspot.operator.kube import Kube
+from torchspot.operator.spec import InvalidSpecError, parse_spec
+from torchspot.trainer.data import CIFAR_TARBALL, write_synthetic_cifar10
+from torchspot.trainer.storage import open_storage
+
+NAMESPACE = "default"
+PROGRESS_EVERY = 5.0
+"""Seconds between two progress lines."""
+DATASETS = "datasets"
+"""The Blob container the sandbox fills with synthetic data for `az://datasets/...` job data."""
+
+
+class JobFileError(ValueError):
+    """A job file the sandbox cannot run, with the reason."""
+
+
+def load_job(path: Path) -> dict[str, Any]:
+    """Read an ElasticJob file and check it as the API server and the operator would; name the problem."""
+    try:
+        body = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise JobFileError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise JobFileError(f"{path}: not YAML: {exc}") from exc
+    if not isinstance(body, dict) or body.get("kind") != constants.KIND:
+        raise JobFileError(f"{path}: expected one {constants.KIND} (kind: {constants.KIND})")
+    if body.get("apiVersion") != constants.API_VERSION:
+        raise JobFileError(f"{path}: apiVersion must be {constants.API_VERSION}, not {body.get('apiVersion')!r}")
+    name = (body.get("metadata") or {}).get("name")
+    if not isinstance(name, str) or not name:
+        raise JobFileError(f"{path}: metadata.name is required")
+    try:
+        parse_spec(name, body.get("spec") or {})
+    except InvalidSpecError as exc:
+        raise JobFileError(f"{path}: {exc}") from exc
+    body["metadata"]["namespace"] = NAMESPACE
+    return body
+
+
+@dataclass
+class Timeline:
+    """What happened when, in seconds since the job was submitted (thread-safe appends)."""
+
+    start: float = field(default_factory=time.time)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, text: str, at: float | None = None) -> None:
+        with self._lock:
+            self.entries.append({"t": round((at or time.time()) - self.start, 2), "kind": kind, "text": text})
+
+
+class _Operator:
+    """The operator's kopf loop in a thread of this process, stopped with a flag."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="operator", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        import asyncio  # noqa: PLC0415 - the thread's own event loop
+
+        try:
+            asyncio.run(kopf.operator(clusterwide=True, standalone=True, stop_flag=self._stop))
+        except BaseException as exc:  # reported by the sandbox
+            self.error = exc
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _prepare_blob(job: dict[str, Any], azurite: Azurite, kube: Kube, api: KubeApi, workdir: Path) -> None:
+    """The job's credentials Secret (Azurite's connection string) and, if it reads az://datasets, the data."""
+    spec = job["spec"]
+    secret = (spec.get("checkpoint") or {}).get("credentialsSecret")
+    if secret:
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": NAMESPACE},
+                "type": "Opaque", "stringData": azurite.env()}  # fmt: skip
+        api.run(kube.create(body))
+    args = " ".join(str(a) for c in spec["template"]["spec"]["containers"] for a in c.get("args", []))
+    if f"az://{DATASETS}/" in args:
+        tarball = write_synthetic_cifar10(workdir / "data" / CIFAR_TARBALL, n_train=1200, n_test=300)
+        prefix = args.split(f"az://{DATASETS}/", 1)[1].split()[0].rstrip("/")
+        storage = open_storage(f"az://{DATASETS}/{prefix}", azurite.env())
+        storage.put(tarball.name, tarball.read_bytes())
+
+
+def run_sandbox(
+    job_path: Path,
+    scenario: Scenario,
+    workdir: Path,
+    say: Callable[[str], None] = print,
+) -> Report:
+    """Run the job through the scenario; write report.json and report.png into `workdir`."""
+    job = load_job(job_path)
+    name = job["metadata"]["name"]
+    if workdir.exists() and any(workdir.iterdir()):
+        raise JobFileError(f"{workdir}: not empty (a run's folder holds its Blob data and logs): pick a new one")
+    workdir.mkdir(parents=True, exist_ok=True)
+    timeline = Timeline()
+    with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
+        kube = Kube(server=api.url, headers={}, ssl_context=True)
+        os.environ["KUBECONFIG"] = str(api.kubeconfig)  # kopf logs in with it; so may kubectl
+        say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")
+        _prepare_blob(job, azurite, kube, api, workdir)
+        agent = NodeAgent(api, workdir, scenario, on_action=timeline.add)
+        handlers.use_endpoint_resolver(agent.resolve)
+        operator = _Operator()
+        agent.start()
+        operator.start()
+        try:
+            api.run(kube.create(job))
+            timeline.start = time.time()
+            timeline.add("submit", f"ElasticJob {name} submitted ({len(scenario.initial_nodes())} nodes)")
+            status = _play(api, kube, name, scenario=scenario, agent=agent, timeline=timeline, say=say)
+        finally:
+            operator.stop()
+            handlers.use_endpoint_resolver(None)
+            events = api.run(kube.list("v1", "Event", NAMESPACE))
+            checkpoints = _committed_checkpoints(job, azurite)
+            agent.stop()
+            api.run(kube.close())
+    if operator.error is not None:
+        raise RuntimeError(f"the operator stopped: {operator.error}") from operator.error
+    report = build_report(
+        job=name,
+        submitted=timeline.start,
+        status=status,
+        timeline=timeline.entries,
+        api_events=[e for e in events if e.get("involvedObject", {}).get("name") == name],
+        trainer_events=read_pod_events(workdir / "pods", timeline.start),
+        checkpoints=checkpoints,
+        agent_errors=agent.errors,
+    )
+    report.write(workdir)
+    return report
+
+
+def _play(
+    api: KubeApi,
+    kube: Kube,
+    name: str,
+    *,
+    scenario: Scenario,
+    agent: NodeAgent,
+    timeline: Timeline,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Apply the scenario's events on time and print progress until the job ends or time runs out."""
+    pending = list(scenario.events)
+    next_line = 0.0
+    while True:
+        elapsed = time.time() - timeline.start
+        while pending and pending[0].at <= elapsed:
+            event = pending.pop(0)
+            if event.action == "evict":
+                agent.evict(event.node, notice=event.notice)
+            elif event.action == "freeze":
+                agent.freeze(event.node)
+            else:
+                agent.add_spot(event.count)
+        body = api.run(kube.get(constants.API_VERSION, constants.PLURAL, NAMESPACE, name)) or {}
+        status: dict[str, Any] = body.get("status") or {}
+        if elapsed >= next_line:
+            next_line = elapsed + PROGRESS_EVERY
+            say(_progress_line(elapsed, status))
+        if status.get("phase") in ("Succeeded", "Failed", "Invalid") and not pending:
+            say(_progress_line(elapsed, status))
+            timeline.add("end", f"job {status['phase']}")
+            return status
+        if elapsed > scenario.timeout:
+            timeline.add("timeout", f"stopped after {scenario.timeout:g} s in phase {status.get('phase')}")
+            return {**status, "phase": status.get("phase") or "Unknown", "timedOut": True}
+        time.sleep(0.5)
+
+
+def _progress_line(elapsed: float, status: dict[str, Any]) -> str:
+    replicas = status.get("replicas") or {}
+    checkpoint = (status.get("lastCheckpoint") or {}).get("step", "-")
+    ready = f"{replicas.get('ready', 0)}/{replicas.get('desired', '?')}"
+    return (
+        f"[{elapsed:6.1f}s] {status.get('phase', 'Pending'):<9} ready {ready}  pending {replicas.get('pending', 0)}"
+        f"  round {status.get('rendezvousRound', '-')}  checkpoint {checkpoint}  evictions {status.get('evictions', 0)}"
+    )
+
+
+def _committed_checkpoints(job: dict[str, Any], azurite: Azurite) -> list[int]:
+    """Steps with a COMMIT marker under the job's checkpoint URI in Azurite."""
+    uri = (job["spec"].get("checkpoint") or {}).get("uri", "")
+    if not uri.startswith("az://"):
+        return []
+    try:
+        names = open_storage(uri, azurite.env(), create_container=False).list("step-")
+    except Exception:  # no container yet: nothing was committed
+        return []
+    return sorted(int(n.split("/")[0].removeprefix("step-")) for n in names if n.endswith("/COMMIT"))
