@@ -49,8 +49,9 @@ test: lint typecheck
 manifests: venv
 	$(PY) tools/manifests.py $(HELM)
 
+# The CIFAR-10 example in the local sandbox through a scripted spot market (lab/scenarios/demo.yaml).
 demo: venv
-	$(PY) -m torchspot.lab.demo
+	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
 bench: bench-recovery bench-checkpoint bench-operator
 

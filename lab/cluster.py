@@ -162,6 +162,7 @@ class RunningPod:
     node: str
     log_path: Path
     grace: float
+    container: str = ""
     process: subprocess.Popen[bytes] | None = None
     etcd: EtcdServer | None = None
     ports: dict[int, int] = field(default_factory=dict)
@@ -236,6 +237,9 @@ class NodeAgent:
         threading.Thread(target=self._evict, args=(node, victims, notice), name=f"evict-{name}", daemon=True).start()
 
     def _evict(self, node: SimNode, victims: list[RunningPod], notice: bool) -> None:
+        if not notice:
+            for pod in victims:  # the VM vanishes with its kubelet: nobody reports how the pods ended
+                pod.reported_exit = True
         if notice:
             for pod in victims:  # the kubelet shuts them down for the node's sake, and says so
                 pod.evicted = True
@@ -261,11 +265,12 @@ class NodeAgent:
     def add_spot(self, count: int) -> list[str]:
         """Capacity returns: `count` new spot nodes."""
         names = []
-        for _ in range(count):
-            self._spot_count += 1
-            name = f"spot-{self._spot_count}"
-            self._add_node(name, spot=True)
-            names.append(name)
+        with self._lock:  # the loop iterates over the nodes
+            for _ in range(count):
+                self._spot_count += 1
+                name = f"spot-{self._spot_count}"
+                self._add_node(name, spot=True)
+                names.append(name)
         self.on_action("add", f"spot capacity back: {', '.join(names)}")
         return names
 
@@ -448,7 +453,7 @@ class NodeAgent:
             status: dict[str, Any] = {
                 "phase": "Succeeded" if exit_code == 0 else "Failed",
                 "conditions": [{"type": "Ready", "status": "False"}],
-                "containerStatuses": [{"name": "trainer", "ready": False, "state": {"terminated": terminated}}],
+                "containerStatuses": [{"name": pod.container, "ready": False, "state": {"terminated": terminated}}],
             }
             if pod.evicted:  # graceful node shutdown: Failed, reason Terminated, whatever the exit code
                 status.update(phase="Failed", reason="Terminated", message="the node was shut down (spot eviction)")
@@ -469,6 +474,7 @@ class NodeAgent:
             node=node.name,
             log_path=folder / "log.txt",
             grace=float(spec.get("terminationGracePeriodSeconds", 30)),
+            container=str(container.get("name", "")),
             labels=dict(meta.get("labels", {})),
         )
         image = str(container.get("image", ""))

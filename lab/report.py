@@ -18,6 +18,7 @@ Definitions:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -94,33 +95,41 @@ def read_pod_events(pods: Path, start: float) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["t"])
 
 
-def _restarts(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int, set[int]]:
-    """Each (re)start with the steps it lost; the total; the steps that were redone."""
-    restarts: list[dict[str, Any]] = []
-    newest = -1
-    redone: set[int] = set()
-    for event in events:
-        if event["event"] == "progress":
-            newest = max(newest, event["step"])
-        elif event["event"] == "start":
-            lost = max(newest - event["step"], 0) if newest >= 0 else 0
-            redone |= set(range(event["step"] + 1, newest + 1))
-            restarts.append({"t": event["t"], "step": event["step"], "world_size": event["world_size"], "lost": lost})
-    return restarts, sum(r["lost"] for r in restarts), redone
-
-
-def _useful_seconds(events: list[dict[str, Any]], redone: set[int]) -> float:
-    """Time between consecutive progress lines of one worker group whose steps were kept."""
-    useful = 0.0
-    previous: dict[str, Any] | None = None
+def _rounds(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Each worker group's start event and its progress lines, in order."""
+    rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
     for event in events:
         if event["event"] == "start":
-            previous = None
-        elif event["event"] == "progress":
-            if previous is not None and event["step"] > previous["step"]:
-                kept = [s for s in range(previous["step"] + 1, event["step"] + 1) if s not in redone]
-                useful += (event["t"] - previous["t"]) * len(kept) / (event["step"] - previous["step"])
-            previous = event
+            rounds.append((event, []))
+        elif event["event"] == "progress" and rounds:
+            rounds[-1][1].append(event)
+    return rounds
+
+
+def _restarts(rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Each (re)start with the steps it redid: how far the group before it got beyond its starting step."""
+    restarts = []
+    for index, (start, _) in enumerate(rounds):
+        lost = 0
+        if index:
+            before, progress = rounds[index - 1]
+            newest = max([before["step"], *(p["step"] for p in progress)])
+            lost = max(newest - start["step"], 0)
+        restarts.append({"t": start["t"], "step": start["step"], "world_size": start["world_size"], "lost": lost})
+    return restarts
+
+
+def _useful_seconds(rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> float:
+    """Time between consecutive progress lines of one group, for the steps no later group redid."""
+    useful = 0.0
+    cutoff = float("inf")  # a step above a later group's starting step was redone
+    for start, progress in reversed(rounds):
+        for previous, event in itertools.pairwise(progress):
+            span = event["step"] - previous["step"]
+            if span > 0:
+                kept = max(0.0, min(event["step"], cutoff) - previous["step"])
+                useful += (event["t"] - previous["t"]) * min(kept, span) / span
+        cutoff = min(cutoff, start["step"])
     return useful
 
 
@@ -143,7 +152,9 @@ def build_report(
         at = _seconds_since(stamp, submitted) if stamp else None
         text = f"{event.get('type', 'Normal')} {event.get('reason')}: {event.get('message')}"
         entries.append({"t": at if at is not None else 0.0, "kind": "k8s", "text": text})
-    restarts, lost, redone = _restarts(trainer_events)
+    rounds = _rounds(trainer_events)
+    restarts = _restarts(rounds)
+    lost = sum(r["lost"] for r in restarts)
     for restart in restarts:
         entries.append({"t": restart["t"], "kind": "round",
                         "text": f"worker group of {restart['world_size']} training from step {restart['step']}"
@@ -156,7 +167,7 @@ def build_report(
     progress = [e for e in trainer_events if e["event"] == "progress"]
     done = [e for e in trainer_events if e["event"] == "done"]
     end = max([e["t"] for e in entries] + [e["t"] for e in trainer_events] + [start])
-    useful = _useful_seconds(trainer_events, redone)
+    useful = _useful_seconds(rounds)
     rates = [float(e.get("samples_per_s") or 0.0) for e in progress]
     return Report(
         job=job,

@@ -91,6 +91,7 @@ def launcher_env(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
         {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
         {"name": "PET_NNODES", "value": f"{spec.min_replicas}:{spec.max_replicas}"},
         {"name": "PET_NPROC_PER_NODE", "value": str(spec.nproc_per_node)},
+        {"name": "PET_MAX_RESTARTS", "value": str(constants.AGENT_MAX_RESTARTS)},
         {"name": "PET_RDZV_BACKEND", "value": constants.RDZV_BACKEND},
         {"name": "PET_RDZV_ENDPOINT", "value": rdzv_endpoint(job, spec)},
         {"name": "PET_RDZV_ID", "value": job.run_id},

@@ -47,6 +47,13 @@ survivors re-form without waiting for heartbeats or timeouts."""
 ETCD_PLACEMENT_ENV: Final = "TORCHSPOT_ETCD_PLACEMENT"
 """The operator's environment variable with the default placement of managed etcds (JSON:
 nodeSelector, tolerations, affinity); the chart sets it from `etcd.defaultPlacement`."""
+AGENT_MAX_RESTARTS: Final = 100
+"""torchrun's `--max-restarts` in every worker pod. Each membership change (a peer evicted,
+frozen or added) fails the survivors' collectives and costs each surviving agent one
+restart of its workers; with torchrun's default of 0 the survivors of the first eviction
+would give up and be counted as application failures (the lab's sandbox showed it). A
+crash of the training code itself repeats within the pod until this budget is spent,
+then the pod fails and counts against the job's failurePolicy.maxRestarts."""
 ETCD_PORT: Final = 2379
 ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
 RDZV_BACKEND: Final = BACKEND_NAME

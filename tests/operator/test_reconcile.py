@@ -63,6 +63,7 @@ class TestWorkerPod:
         env = {e["name"]: e.get("value") for e in trainer["env"]}
         assert env["PET_NNODES"] == "1:3"
         assert env["PET_NPROC_PER_NODE"] == "2"
+        assert env["PET_MAX_RESTARTS"] == str(constants.AGENT_MAX_RESTARTS)  # survivors restart, never give up
         assert env["PET_RDZV_BACKEND"] == "etcd-v3"
         assert env["PET_RDZV_ENDPOINT"] == "cifar-etcd.default.svc:2379"
         assert env["PET_RDZV_ID"] == "default-cifar-01234567"

@@ -1,0 +1,127 @@
+"""The sandbox end to end: the real operator, the node agent's pods as real processes
+(torchspot-run, the trainer, a real etcd), Azurite, and a spot market with an eviction
+with notice, a frozen node, capacity returning and a hard eviction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from torchspot.cli import main
+from torchspot.lab.sandbox import run_sandbox
+from torchspot.lab.scenario import parse_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_JOB = ROOT / "lab" / "jobs" / "cifar10-demo.yaml"
+
+pytestmark = pytest.mark.slow
+STEPS = 120
+
+
+def _small_job(tmp: Path) -> Path:
+    """The demo job with smaller steps, so the market's events fall inside the run on 2 cores."""
+    job = yaml.safe_load(DEMO_JOB.read_text())
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    args = [a for a in container["args"] if not a.startswith(("--epochs", "--batch-size"))]
+    container["args"] = [*args, "--batch-size=4", "--epochs=100", f"--max-steps={STEPS}"]
+    job["spec"]["checkpoint"]["intervalSteps"] = 5
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+MARKET = {
+    "pools": {"onDemand": {"nodes": 1}, "spot": {"nodes": 3, "gpus": 1}},
+    "notReadyAfter": 4,
+    "timeout": 400,
+    "events": [
+        {"at": 25, "evict": "spot-3", "notice": True},
+        {"at": 50, "freeze": "spot-2"},
+        {"at": 55, "addSpot": 2},
+        {"at": 85, "evict": "spot-1"},
+    ],
+}
+
+
+def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Path) -> None:
+    lines: list[str] = []
+    report = run_sandbox(_small_job(tmp_path), parse_scenario(MARKET), tmp_path / "run", say=lines.append)
+
+    assert report.phase == "Succeeded", report.summary()
+    assert report.agent_errors == []
+    assert report.final_step == STEPS
+    # The operator saw and said it: three workers lost (notice, frozen, hard), each replaced.
+    assert report.status["evictions"] >= 3, report.summary()
+    assert report.status["applicationFailures"] == 0
+    texts = [e["text"] for e in report.timeline]
+    lost = [t for t in texts if t.startswith("Warning Evicted")]
+    assert any("on spot-3: node is gone" in t for t in lost), texts  # deleted after the grace period
+    assert any("on spot-2: node has taint node.kubernetes.io/unreachable" in t for t in lost), texts  # frozen
+    assert any("on spot-1: node is gone" in t for t in lost), texts  # vanished
+    assert sum(t.startswith("Normal Replaced") for t in texts) >= 3
+    # Every resumption loaded a checkpoint the run had committed to Blob.
+    events = _trainer_events(tmp_path / "run")
+    committed = {e["step"] for e in events if e["event"] in ("checkpoint", "emergency_checkpoint") and e["ok"]}
+    resumed = [r["step"] for r in report.restarts[1:]]
+    assert len(resumed) >= 3, report.summary()
+    assert set(resumed) <= committed, (resumed, sorted(committed))
+    # The eviction with notice lost nothing: its emergency checkpoint is where the next round began.
+    emergency = [e for e in events if e["event"] == "emergency_checkpoint"]
+    assert emergency
+    assert emergency[0]["ok"]
+    assert report.restarts[1]["step"] == emergency[0]["step"]
+    assert report.restarts[1]["lost"] == 0
+    # Blob holds the final checkpoint; the report and its plot were written.
+    assert report.checkpoints[-1] == STEPS
+    saved = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert saved["phase"] == "Succeeded"
+    assert saved["series"]
+    assert (tmp_path / "run" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 0 < report.goodput < 1
+    assert any("ready 3/3" in line for line in lines)  # the progress display showed the full size
+
+
+def _trainer_events(run: Path) -> list[dict[str, Any]]:
+    found = []
+    for log in run.glob("pods/*/log.txt"):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith('{"t"'):
+                found.append(json.loads(line))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("job", "said"),
+    [
+        ({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}}, "expected one ElasticJob"),
+        ({"apiVersion": "torchspot.dev/v1", "kind": "ElasticJob", "metadata": {"name": "x"}}, "apiVersion must be"),
+        (
+            {"apiVersion": "torchspot.dev/v1alpha1", "kind": "ElasticJob", "metadata": {"name": "x"},
+             "spec": {"minReplicas": 2, "maxReplicas": 1, "template": {"spec": {"containers": []}}}},
+            "spec.minReplicas: 2 exceeds spec.maxReplicas 1",
+        ),
+    ],
+    ids=["not-a-job", "wrong-version", "bad-spec"],
+)  # fmt: skip
+def test_a_bad_job_file_stops_before_anything_starts(
+    job: dict[str, Any], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert main(["lab", "run", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_scenario_file_stops_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    scenario = tmp_path / "market.yaml"
+    scenario.write_text("events:\n  - {at: 10, evict: spot-7}\n")
+    assert main(["lab", "run", str(DEMO_JOB), "--scenario", str(scenario), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "market.yaml" in err
+    assert "events[0].evict: no node spot-7" in err
+    assert not (tmp_path / "out").exists()
