@@ -188,8 +188,10 @@ def build_report(
                 "step": e["step"],
                 "world_size": e["world_size"],
                 "samples_per_s": e.get("samples_per_s", 0.0),
+                "round": index,
             }
-            for e in progress
+            for index, (_, lines) in enumerate(rounds)
+            for e in lines
         ],
         agent_errors=agent_errors,
     )
@@ -212,11 +214,18 @@ def plot(report: Report, path: Path) -> None:
     except ImportError as exc:
         raise SystemExit("the report plot needs matplotlib: pip install 'torchspot[lab]'") from exc
     figure, (size_axis, rate_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
-    times = [p["t"] for p in report.series]
-    size_axis.step(times, [p["world_size"] for p in report.series], where="post", color="tab:blue")
-    size_axis.set_ylabel("world size")
+    # Each worker group trains between its first and last progress line; in between groups
+    # nobody trains (world size 0), and the throughput line is not drawn across the gap.
+    size_t: list[float] = [0.0]
+    size_v: list[int] = [0]
+    for index in sorted({p["round"] for p in report.series}):
+        points = [p for p in report.series if p["round"] == index]
+        size_t += [points[0]["t"], points[-1]["t"]]
+        size_v += [points[0]["world_size"], 0]
+        rate_axis.plot([p["t"] for p in points], [p["samples_per_s"] for p in points], color="tab:green", linewidth=1)
+    size_axis.step(size_t, size_v, where="post", color="tab:blue")
+    size_axis.set_ylabel("world size (0: re-forming)")
     size_axis.set_ylim(bottom=0)
-    rate_axis.plot(times, [p["samples_per_s"] for p in report.series], color="tab:green", linewidth=1)
     rate_axis.set_ylabel("samples/s")
     rate_axis.set_xlabel("seconds since the job was submitted")
     colours = {"evict": "tab:red", "freeze": "tab:purple", "add": "tab:olive"}
