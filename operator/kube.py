@@ -35,6 +35,14 @@ _PATHS = {
 }
 
 
+def _field(obj: Mapping[str, Any], path: str) -> str:
+    """A dotted field of an object as a field selector sees it ('' when absent)."""
+    value: Any = obj
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return "" if value is None else str(value)
+
+
 class ApiError(RuntimeError):
     """A Kubernetes API call failed; `status` is the HTTP status."""
 
@@ -110,12 +118,24 @@ class Kube:
         return found
 
     async def list(
-        self, api_version: str, kind: str, namespace: str | None, labels: Mapping[str, str] | None = None
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        labels: Mapping[str, str] | None = None,
+        *,
+        fields: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Objects of a kind, filtered by labels here too (some API emulators ignore labelSelector)."""
+        """Objects of a kind, filtered by labels and fields (`spec.nodeName`) here too: some
+        API emulators ignore the selectors."""
         path = collection(api_version, kind, namespace)
+        query = []
         if labels:
-            path += "?labelSelector=" + ",".join(f"{k}={v}" for k, v in labels.items())
+            query.append("labelSelector=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+        if fields:
+            query.append("fieldSelector=" + ",".join(f"{k}={v}" for k, v in fields.items()))
+        if query:
+            path += "?" + "&".join(query)
         items: list[dict[str, Any]] = (await self._request("GET", path)).get("items", [])
         if labels:
             items = [
@@ -123,6 +143,8 @@ class Kube:
                 for item in items
                 if all(item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in labels.items())
             ]
+        if fields:
+            items = [item for item in items if all(_field(item, k) == v for k, v in fields.items())]
         return items
 
     async def create(self, obj: Mapping[str, Any]) -> bool:

@@ -5,6 +5,10 @@
 runs an ElasticJob in the local sandbox (lab/sandbox.py) through a scripted spot
 market (lab/scenario.py) and prints the report. A bad job or scenario file stops it
 before anything starts, with a message that names the problem.
+
+    torchspot evict node NAME [--hard]
+
+rehearses a spot eviction on the cluster the kubeconfig points at (lab/evict.py).
 """
 
 from __future__ import annotations
@@ -31,7 +35,48 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--out", type=Path, default=None, help="folder for logs and the report (default: runs/<job>-<time>)"
     )
+    evict = commands.add_parser("evict", help="rehearse a spot eviction")
+    kinds = evict.add_subparsers(dest="evict_command", required=True)
+    node = kinds.add_parser("node", help="cordon a node and delete its pods with their grace period (any cluster)")
+    node.add_argument("name", help="the node's name (kubectl get nodes)")
+    node.add_argument("--hard", action="store_true", help="delete the pods at once (grace 0), as when a VM vanishes")
     return parser
+
+
+def _evict_node(args: argparse.Namespace) -> int:
+    import asyncio  # noqa: PLC0415
+
+    import kopf  # noqa: PLC0415
+
+    from torchspot.lab.evict import NodeNotFoundError, evict_node  # noqa: PLC0415
+    from torchspot.operator.kube import ApiError, Kube  # noqa: PLC0415
+
+    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    if info is None:
+        print("torchspot evict node: error: no kubeconfig (set KUBECONFIG or ~/.kube/config)", file=sys.stderr)
+        return 2
+    kube = Kube.from_connection(info)
+
+    async def run() -> int:
+        try:
+            done = await evict_node(kube, args.name, hard=args.hard)
+        except NodeNotFoundError as exc:
+            print(f"torchspot evict node: error: {exc}", file=sys.stderr)
+            return 2
+        except ApiError as exc:
+            print(f"torchspot evict node: error: the API refused: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            await kube.close()
+        how = "at once (grace 0)" if args.hard else "with their grace period"
+        print(f"node {done.node} cordoned; {len(done.deleted)} pod(s) deleted {how}")
+        for name in done.deleted:
+            print(f"  deleted {name}")
+        for name in done.kept:
+            print(f"  kept {name} (DaemonSet)")
+        return 0
+
+    return asyncio.run(run())
 
 
 def _lab_run(args: argparse.Namespace) -> int:
@@ -61,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "lab" and args.lab_command == "run":
         return _lab_run(args)
+    if args.command == "evict" and args.evict_command == "node":
+        return _evict_node(args)
     return 2  # argparse requires a subcommand; unreachable
 
 

@@ -1,0 +1,69 @@
+"""`torchspot evict node` against the Kubernetes API emulator (a real HTTP API, real kubeconfig login)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchspot.cli import main
+from torchspot.lab.cluster import node_object
+from torchspot.lab.kubeapi import KubeApi
+from torchspot.operator.kube import Kube
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[KubeApi, Kube]]:
+    with KubeApi(tmp_path / "api") as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        kube = Kube(server=api.url, headers={}, ssl_context=True)
+        for name in ("spot-1", "spot-2"):
+            api.run(kube.create(node_object(name, spot=True, gpus=1, cpu=4)))
+        pods = [("w-0", "spot-1", None), ("w-1", "spot-1", None), ("w-2", "spot-2", None),
+                ("agent-x", "spot-1", "DaemonSet")]  # fmt: skip
+        for name, node, owner in pods:
+            meta: dict[str, Any] = {"name": name, "namespace": "default"}
+            if owner:
+                meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner, "name": "agent", "uid": "u"}]
+            body = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+                    "spec": {"nodeName": node, "containers": [{"name": "c", "image": "i"}]}}  # fmt: skip
+            api.run(kube.create(body))
+        yield api, kube
+        api.run(kube.close())
+
+
+def _pods(api: KubeApi, kube: Kube) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in api.run(kube.list("v1", "Pod", "default")))
+
+
+def _delete_graces(api: KubeApi) -> list[Any]:
+    assert api.emulator is not None
+    return [r.data.get("gracePeriodSeconds") for r in api.emulator._requests if r.method == "DELETE" and r.data]
+
+
+@pytest.mark.parametrize(("hard", "grace"), [(False, None), (True, 0)], ids=["notice", "hard"])
+def test_evict_node_cordons_and_deletes_its_pods_but_daemonsets(
+    cluster: tuple[KubeApi, Kube], hard: bool, grace: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api, kube = cluster
+    assert main(["evict", "node", "spot-1", *(["--hard"] if hard else [])]) == 0
+    node = api.run(kube.get("v1", "nodes", None, "spot-1"))
+    assert node is not None
+    assert node["spec"]["unschedulable"] is True
+    other = api.run(kube.get("v1", "nodes", None, "spot-2"))
+    assert other is not None
+    assert not other["spec"].get("unschedulable")
+    assert _pods(api, kube) == ["agent-x", "w-2"]
+    assert _delete_graces(api) == [grace, grace]  # their own grace period, or 0 with --hard
+    out = capsys.readouterr().out
+    assert "node spot-1 cordoned; 2 pod(s) deleted" in out
+    assert "kept default/agent-x (DaemonSet)" in out
+
+
+def test_evicting_an_unknown_node_names_it(cluster: tuple[KubeApi, Kube], capsys: pytest.CaptureFixture[str]) -> None:
+    api, kube = cluster
+    assert main(["evict", "node", "spot-9"]) == 2
+    assert "node 'spot-9' not found" in capsys.readouterr().err
+    assert _pods(api, kube) == ["agent-x", "w-0", "w-1", "w-2"]
