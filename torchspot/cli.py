@@ -9,6 +9,13 @@ before anything starts, with a message that names the problem.
     torchspot evict node NAME [--hard]
 
 rehearses a spot eviction on the cluster the kubeconfig points at (lab/evict.py).
+
+    torchspot evict aks --resource-group RG --cluster NAME --node NODE
+    torchspot aks spot-pool create|scale --resource-group RG --cluster NAME --name POOL ...
+
+evict an AKS node's VM for real (simulate-eviction), and make or resize a GPU spot
+pool (lab/azure.py), with DefaultAzureCredential and AZURE_SUBSCRIPTION_ID or
+--subscription.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from torchspot.lab.scenario import Scenario, ScenarioError, load_scenario
 
@@ -40,7 +48,129 @@ def build_parser() -> argparse.ArgumentParser:
     node = kinds.add_parser("node", help="cordon a node and delete its pods with their grace period (any cluster)")
     node.add_argument("name", help="the node's name (kubectl get nodes)")
     node.add_argument("--hard", action="store_true", help="delete the pods at once (grace 0), as when a VM vanishes")
+    aks_evict = kinds.add_parser("aks", help="evict an AKS node's spot VM through Azure (simulate-eviction)")
+    _azure_target(aks_evict)
+    aks_evict.add_argument("--node", required=True, help="the Kubernetes node name (its provider ID names the VM)")
+    aks = commands.add_parser("aks", help="AKS spot node pools").add_subparsers(dest="aks_command", required=True)
+    pool = aks.add_parser("spot-pool", help="create or resize a GPU spot node pool")
+    actions = pool.add_subparsers(dest="pool_command", required=True)
+    create = actions.add_parser("create", help="create (or update) a spot pool")
+    _azure_target(create)
+    create.add_argument("--name", required=True, help="the pool's name (1-12 lowercase letters and digits)")
+    create.add_argument("--vm-size", required=True, help="for example Standard_NC4as_T4_v3")
+    create.add_argument("--max-price", type=float, default=-1.0, help="USD per hour, or -1: up to on-demand")
+    create.add_argument("--eviction-policy", default="Delete", help="Delete (default) or Deallocate")
+    create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="node label (repeatable)")
+    create.add_argument(
+        "--taint", action="append", default=[], metavar="KEY=VALUE:EFFECT", help="node taint (repeatable)"
+    )
+    _limits(create)
+    scale = actions.add_parser("scale", help="change a spot pool's autoscaler limits")
+    _azure_target(scale)
+    scale.add_argument("--name", required=True, help="the pool's name")
+    _limits(scale)
     return parser
+
+
+def _azure_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resource-group", required=True, help="the cluster's resource group")
+    parser.add_argument("--cluster", required=True, help="the AKS cluster's name")
+    parser.add_argument("--subscription", default=None, help="subscription id (default: $AZURE_SUBSCRIPTION_ID)")
+
+
+def _limits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min", type=int, required=True, dest="min_count", help="autoscaler minimum nodes")
+    parser.add_argument("--max", type=int, required=True, dest="max_count", help="autoscaler maximum nodes")
+    parser.add_argument("--count", type=int, default=None, help="nodes now (default: kept within min..max)")
+
+
+def _subscription(args: argparse.Namespace, command: str) -> str | None:
+    import os  # noqa: PLC0415
+
+    found = args.subscription or os.environ.get("AZURE_SUBSCRIPTION_ID")
+    if not found:
+        print(f"torchspot {command}: error: give --subscription or set AZURE_SUBSCRIPTION_ID", file=sys.stderr)
+    return found
+
+
+def _azure(args: argparse.Namespace) -> int:
+    from azure.core.exceptions import HttpResponseError  # noqa: PLC0415
+
+    from torchspot.lab import azure  # noqa: PLC0415
+
+    command = "evict aks" if args.command == "evict" else "aks spot-pool"
+    try:
+        pool = _pool(args) if args.command == "aks" and args.pool_command == "create" else None
+        subscription = _subscription(args, command)
+        if subscription is None:
+            return 2
+        from azure.identity import DefaultAzureCredential  # noqa: PLC0415
+
+        compute, aks = azure.clients(DefaultAzureCredential(), subscription)
+        if args.command == "evict":
+            provider_id = _provider_id(args.node)
+            instance = azure.simulate_eviction(compute, aks, resource_group=args.resource_group,
+                                               cluster=args.cluster, provider_id=provider_id)  # fmt: skip
+            print(f"simulate-eviction sent for {args.node} ({instance.scale_set} instance {instance.instance_id})")
+        elif pool is not None:
+            done = azure.create_spot_pool(aks, resource_group=args.resource_group, cluster=args.cluster, pool=pool)
+            print(f"spot pool {pool.name}: {done.get('properties', {}).get('provisioningState')}")
+        else:
+            done = azure.scale_spot_pool(aks, resource_group=args.resource_group, cluster=args.cluster,
+                                         name=args.name, min_count=args.min_count, max_count=args.max_count,
+                                         count=args.count)  # fmt: skip
+            print(f"spot pool {args.name}: {done.get('properties', {}).get('provisioningState')}")
+    except azure.AzureInputError as exc:
+        print(f"torchspot {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except HttpResponseError as exc:
+        print(f"torchspot {command}: error: Azure refused: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _pool(args: argparse.Namespace) -> Any:
+    """The SpotPool the create flags describe, checked (AzureInputError names the bad flag)."""
+    from torchspot.lab.azure import AzureInputError, SpotPool  # noqa: PLC0415
+
+    bad = [item for item in args.label if "=" not in item]
+    if bad:
+        raise AzureInputError(f"--label {bad[0]!r}: expected KEY=VALUE")
+    labels = dict(item.split("=", 1) for item in args.label)
+    pool = SpotPool(args.name, args.vm_size, args.min_count, args.max_count, args.count,
+                    args.max_price, args.eviction_policy, labels, tuple(args.taint))  # fmt: skip
+    pool.check()
+    return pool
+
+
+def _provider_id(node: str) -> str:
+    """The node's spec.providerID, read through the kubeconfig's cluster."""
+    import asyncio  # noqa: PLC0415
+
+    import kopf  # noqa: PLC0415
+
+    from torchspot.lab.azure import AzureInputError  # noqa: PLC0415
+    from torchspot.operator.kube import Kube  # noqa: PLC0415
+
+    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    if info is None:
+        raise AzureInputError("no kubeconfig to look the node up with (set KUBECONFIG or ~/.kube/config)")
+    kube = Kube.from_connection(info)
+
+    async def read() -> dict[str, object] | None:
+        try:
+            return await kube.get("v1", "nodes", None, node)
+        finally:
+            await kube.close()
+
+    body = asyncio.run(read())
+    if body is None:
+        raise AzureInputError(f"node {node!r} not found")
+    spec = body.get("spec")
+    provider_id = spec.get("providerID", "") if isinstance(spec, dict) else ""
+    if not provider_id:
+        raise AzureInputError(f"node {node!r} has no spec.providerID")
+    return str(provider_id)
 
 
 def _evict_node(args: argparse.Namespace) -> int:
@@ -108,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         return _lab_run(args)
     if args.command == "evict" and args.evict_command == "node":
         return _evict_node(args)
+    if args.command in ("evict", "aks"):
+        return _azure(args)
     return 2  # argparse requires a subcommand; unreachable
 
 
