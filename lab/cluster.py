@@ -6,7 +6,8 @@ a second:
 - nodes: creates the scenario's Node objects (the spot pool with AKS's label and
   taint), and on the scenario's orders evicts (with notice: SIGTERM to the node's
   processes, SIGKILL after the pod's grace period; hard: SIGKILL at once), then
-  deletes the Node as Azure and the cloud controller would; freezes (SIGSTOP, then
+  deletes the Node as Azure and the cloud controller would, and a little later any pod
+  still bound to it as the pod garbage collector would; freezes (SIGSTOP, then
   NotReady after a delay); or adds spot nodes back;
 - Deployments: one pod per Deployment (the managed etcd), as a ReplicaSet would;
 - scheduling: binds each Pending pod to a ready node it fits (node selector,
@@ -54,6 +55,8 @@ LAUNCHER = [sys.executable, "-m", "torchspot.trainer.launch"]
 IMAGES: dict[str, list[str]] = {"torchspot-trainer": LAUNCHER, "torchspot/trainer": LAUNCHER}
 """Image name fragments and the local command standing in for their entry point."""
 ETCD_IMAGE = re.compile(r"(^|/)etcd:")
+POD_GC_DELAY = 5.0
+"""Seconds after a node is deleted until its leftover pods are (the operator deletes its own at once)."""
 POD_IP = "127.0.0.1"
 AGENT_POOL = "kubernetes.azure.com/agentpool"
 SYSTEM_MODE = "kubernetes.azure.com/mode"
@@ -203,6 +206,7 @@ class NodeAgent:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="node-agent", daemon=True)
         self._spot_count = 0
+        self._timers: list[threading.Timer] = []
         self.errors: list[str] = []
 
     # -- lifecycle --------------------------------------------------------------------
@@ -218,6 +222,8 @@ class NodeAgent:
     def stop(self) -> None:
         """Stop the loop and every process (SIGKILL: the run is over)."""
         self._stop.set()
+        for timer in self._timers:
+            timer.cancel()
         self._thread.join(30)
         with self._lock:
             for pod in list(self.pods.values()):
@@ -602,6 +608,20 @@ class NodeAgent:
         with self._lock:
             node.state = "gone"
         self.api.run(self.kube.delete("v1", "nodes", None, node.name))
+        timer = threading.Timer(POD_GC_DELAY, self._collect_pods, args=(node.name,))
+        self._timers.append(timer)
+        timer.start()
+
+    def _collect_pods(self, node: str) -> None:
+        """The pod garbage collector: pods still bound to a node that is gone are deleted."""
+        if self._stop.is_set():
+            return
+        try:
+            for pod in self.api.run(self.kube.list("v1", "Pod", None, fields={"spec.nodeName": node})):
+                meta = pod["metadata"]
+                self.api.run(self.kube.delete("v1", "Pod", meta["namespace"], meta["name"], grace=0))
+        except Exception as exc:  # the sandbox may be shutting down; reported with the others
+            self.errors.append(f"pod garbage collection of {node}: {type(exc).__name__}: {exc}")
 
     def _patch_status(self, pod: RunningPod, status: dict[str, Any]) -> None:
         try:

@@ -58,6 +58,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"}},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "events.k8s.io/v1/events": {"kind": "Event", "namespaced": True},
+    "apiextensions.k8s.io/v1/customresourcedefinitions": {"kind": "CustomResourceDefinition", "namespaced": False},
     "torchspot.dev/v1alpha1/elasticjobs": {
         "kind": "ElasticJob",
         "namespaced": True,

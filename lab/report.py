@@ -63,8 +63,8 @@ class Report:
             f" of {self.wall_seconds:.1f} s)",
             f"evictions            {self.status.get('evictions', 0)} (operator's count)",
             f"checkpoints in Blob  {', '.join(map(str, self.checkpoints)) or 'none'}",
-            "timeline:",
-            *[f"  {e['t']:7.1f}s  {e['text']}" for e in self.timeline],
+            "timeline (periodic checkpoints in report.json):",
+            *[f"  {e['t']:7.1f}s  {e['text']}" for e in self.timeline if e["kind"] != "committed"],
         ]
         if self.agent_errors:
             lines.append(f"node agent errors    {len(self.agent_errors)}: {self.agent_errors[0]}")
@@ -160,6 +160,10 @@ def build_report(
                         "text": f"worker group of {restart['world_size']} training from step {restart['step']}"
                                 + (f" ({restart['lost']} steps redone)" if restart["lost"] else "")})  # fmt: skip
     for event in trainer_events:
+        if event["event"] == "checkpoint" and event.get("ok"):
+            entries.append(
+                {"t": event["t"], "kind": "committed", "text": f"checkpoint committed at step {event['step']}"}
+            )
         if event["event"] == "emergency_checkpoint":
             outcome = "ok" if event["ok"] else "FAILED"
             text = f"emergency checkpoint at step {event['step']} ({outcome})"

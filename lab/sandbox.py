@@ -38,6 +38,8 @@ from torchspot.trainer.storage import open_storage
 NAMESPACE = "default"
 PROGRESS_EVERY = 5.0
 """Seconds between two progress lines."""
+CRD = Path(__file__).resolve().parents[1] / "manifests" / "crd.yaml"
+"""The ElasticJob CRD as shipped (rendered from the chart); the sandbox installs it as a cluster would."""
 DATASETS = "datasets"
 """The Blob container the sandbox fills with synthetic data for `az://datasets/...` job data."""
 
@@ -140,6 +142,8 @@ def run_sandbox(
         previous = os.environ.get("KUBECONFIG")
         os.environ["KUBECONFIG"] = str(api.kubeconfig)  # kopf logs in with it; so may kubectl
         say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")
+        if CRD.exists():  # from a source checkout: the CRD object, for kubectl explain and get crd
+            api.run(kube.create(yaml.safe_load(CRD.read_text())))
         _prepare_blob(job, azurite, kube, api, workdir)
         agent = NodeAgent(api, workdir, scenario, on_action=timeline.add)
         handlers.use_endpoint_resolver(agent.resolve)

@@ -28,6 +28,7 @@ _PATHS = {
     ("v1", "Node"): "nodes",
     ("v1", "Namespace"): "namespaces",
     ("v1", "Secret"): "secrets",
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
