@@ -18,22 +18,14 @@ from typing import Any, Self
 import aiohttp
 import kopf
 
-from torchspot.operator import constants
-
 log = logging.getLogger(__name__)
 
-_PATHS = {
-    ("v1", "Pod"): "pods",
-    ("v1", "Service"): "services",
-    ("v1", "Node"): "nodes",
-    ("v1", "Namespace"): "namespaces",
-    ("v1", "Secret"): "secrets",
-    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
-    ("v1", "Event"): "events",
-    ("apps/v1", "Deployment"): "deployments",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    (constants.API_VERSION, constants.KIND): constants.PLURAL,
-}
+
+def _plural(kind_or_plural: str) -> str:
+    """A kind's resource name: lower case plus "s" (Pod -> pods, ElasticJob -> elasticjobs), which
+    holds for every kind this project touches; a name already in lower case is taken as the plural.
+    A rule rather than a table: a kind missing from a table used to be posted to a wrong path."""
+    return kind_or_plural.lower() + "s" if kind_or_plural[:1].isupper() else kind_or_plural
 
 
 def _field(obj: Mapping[str, Any], path: str) -> str:
@@ -54,7 +46,7 @@ class ApiError(RuntimeError):
 
 def collection(api_version: str, kind_or_plural: str, namespace: str | None) -> str:
     """The URL path of a collection: /api/v1/..., /apis/group/version/..., namespaced or not."""
-    plural = _PATHS.get((api_version, kind_or_plural), kind_or_plural)
+    plural = _plural(kind_or_plural)
     root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     return f"{root}/namespaces/{namespace}/{plural}" if namespace else f"{root}/{plural}"
 

@@ -10,6 +10,7 @@ import pytest
 from tests.operator.jobs import good_job
 from torchspot.operator import builders, constants, reconcile, status
 from torchspot.operator.builders import JobRef
+from torchspot.operator.kube import collection
 from torchspot.operator.spec import JobSpec, parse_spec
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
@@ -232,3 +233,24 @@ def test_progress_from_etcd_lands_in_the_status_and_survives_gaps() -> None:
     later = _plan([_pod(0), _pod(1), _pod(2)], old=first)  # etcd unreachable this time: nothing read
     assert later.status["rendezvousRound"] == 4
     assert later.status["lastCheckpoint"]["step"] == 1200
+
+
+@pytest.mark.parametrize(
+    ("api_version", "kind", "namespace", "want"),
+    [
+        ("v1", "Pod", "ml", "/api/v1/namespaces/ml/pods"),
+        ("v1", "Node", None, "/api/v1/nodes"),
+        ("v1", "Secret", "ml", "/api/v1/namespaces/ml/secrets"),
+        ("apps/v1", "Deployment", "ml", "/apis/apps/v1/namespaces/ml/deployments"),
+        ("policy/v1", "PodDisruptionBudget", "ml", "/apis/policy/v1/namespaces/ml/poddisruptionbudgets"),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition", None,
+         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
+        (constants.API_VERSION, constants.KIND, "ml",
+         f"/apis/{constants.API_VERSION}/namespaces/ml/{constants.PLURAL}"),
+        ("v1", "nodes", None, "/api/v1/nodes"),  # a plural passes unchanged
+    ],
+)  # fmt: skip
+def test_collection_paths_of_every_kind_the_project_touches(
+    api_version: str, kind: str, namespace: str | None, want: str
+) -> None:
+    assert collection(api_version, kind, namespace) == want
