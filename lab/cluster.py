@@ -243,19 +243,15 @@ class NodeAgent:
         threading.Thread(target=self._evict, args=(node, victims, notice), name=f"evict-{name}", daemon=True).start()
 
     def _evict(self, node: SimNode, victims: list[RunningPod], notice: bool) -> None:
-        if not notice:
-            for pod in victims:  # the VM vanishes with its kubelet: nobody reports how the pods ended
-                pod.reported_exit = True
         if notice:
             for pod in victims:  # the kubelet shuts them down for the node's sake, and says so
                 pod.evicted = True
                 self._patch_status(pod, {"conditions": [DISRUPTED, {"type": "Ready", "status": "False"}]})
-                self._signal(pod, signal.SIGTERM)
-            deadline = time.monotonic() + max((p.grace for p in victims), default=0.0)
-            while time.monotonic() < deadline and any(self._alive(p) for p in victims):
-                time.sleep(0.1)
-        for pod in victims:
-            self._kill(pod)
+            self._stop_gracefully(victims)
+        else:
+            for pod in victims:  # the VM vanishes with its kubelet: nobody reports how the pods ended
+                pod.reported_exit = True
+                self._kill(pod)
         self._delete_node(node)
 
     def freeze(self, name: str) -> None:
@@ -299,23 +295,25 @@ class NodeAgent:
         pods = self.api.run(self.kube.list("v1", "Pod", None))
         deployments = self.api.run(self.kube.list("apps/v1", "Deployment", None))
         services = self.api.run(self.kube.list("v1", "Service", None))
+        bodies = {n["metadata"]["name"]: n for n in self.api.run(self.kube.list("v1", "Node", None))}
         with self._lock:
-            self._mark_frozen_nodes()
+            self._mark_frozen_nodes(bodies)
             self._stop_deleted(pods)
             self._replicate(deployments, pods)
             self._map_services(services)
-            self._schedule(pods)
+            self._schedule(pods, bodies)
             self._run_bound(pods)
             self._report_exits()
 
-    def _mark_frozen_nodes(self) -> None:
+    def _mark_frozen_nodes(self, bodies: Mapping[str, Mapping[str, Any]]) -> None:
         for node in self.nodes.values():
             due = node.frozen_at + self.scenario.not_ready_after
             if node.state == "frozen" and not node.marked_not_ready and time.monotonic() >= due:
                 node.marked_not_ready = True
                 status = {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"}]}
                 taint = {**UNREACHABLE_TAINT, "timeAdded": _now()}
-                patch = {"spec": {"taints": [*self._node_taints(node.name), taint]}, "status": status}
+                taints = (bodies.get(node.name) or {}).get("spec", {}).get("taints") or []
+                patch = {"spec": {"taints": [*taints, taint]}, "status": status}
                 self.api.run(self.kube.patch("v1", "nodes", None, node.name, patch))
                 self.on_action("notready", f"{node.name} NotReady (frozen {self.scenario.not_ready_after:g} s ago)")
 
@@ -330,7 +328,7 @@ class NodeAgent:
                 self._kill(pod)  # the node is hung: nothing there runs a graceful stop
             elif not pod.stopping:
                 pod.stopping = True
-                threading.Thread(target=self._graceful_stop, args=(pod,), daemon=True).start()
+                threading.Thread(target=self._stop_gracefully, args=([pod],), daemon=True).start()
 
     def _replicate(self, deployments: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
         """One pod per Deployment (what a ReplicaSet would keep), named after it."""
@@ -386,7 +384,7 @@ class NodeAgent:
                     mapping[f"{host}:{port['port']}"] = f"127.0.0.1:{local}"
         self.services = mapping
 
-    def _schedule(self, pods: list[dict[str, Any]]) -> None:
+    def _schedule(self, pods: list[dict[str, Any]], bodies: Mapping[str, Mapping[str, Any]]) -> None:
         used: dict[str, int] = {}
         count: dict[str, int] = {}
         for pod in pods:
@@ -404,7 +402,7 @@ class NodeAgent:
             for node in self.nodes.values():
                 if node.state != "ready":
                     continue
-                body = self._node_body(node.name)
+                body = bodies.get(node.name)
                 if body is not None and fits(pod, body, node.gpus - used.get(node.name, 0)):
                     candidates.append(node.name)
             if not candidates:
@@ -537,7 +535,7 @@ class NodeAgent:
                 env[item["name"]] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
         for key, value in env.items():
             for address in _addresses(value):
-                if address.endswith(f":{constants.ETCD_PORT}") and ".svc" in address and address not in self.services:
+                if address.endswith(f":{constants.ETCD_PORT}") and address not in self.services:
                     return None  # its rendezvous Service has no backend yet (DNS would not answer either)
                 env[key] = value.replace(address, self.services.get(address, address))
         return env
@@ -582,13 +580,15 @@ class NodeAgent:
             pod.etcd.stop()
             pod.etcd = None
 
-    def _graceful_stop(self, pod: RunningPod) -> None:
-        """What the kubelet does for a deleted pod: SIGTERM, the grace period, SIGKILL."""
-        self._signal(pod, signal.SIGTERM)
-        deadline = time.monotonic() + pod.grace
-        while time.monotonic() < deadline and self._alive(pod):
+    def _stop_gracefully(self, pods: list[RunningPod]) -> None:
+        """What the kubelet does to pods it stops: SIGTERM, their grace period, SIGKILL."""
+        for pod in pods:
+            self._signal(pod, signal.SIGTERM)
+        deadline = time.monotonic() + max((p.grace for p in pods), default=0.0)
+        while time.monotonic() < deadline and any(self._alive(p) for p in pods):
             time.sleep(0.1)
-        self._kill(pod)
+        for pod in pods:
+            self._kill(pod)
 
     # -- API helpers ------------------------------------------------------------------
 
@@ -596,13 +596,6 @@ class NodeAgent:
         pool = self.scenario.spot if spot else self.scenario.on_demand
         self.nodes[name] = SimNode(name, spot, pool.gpus)
         self.api.run(self.kube.create(node_object(name, spot=spot, gpus=pool.gpus, cpu=pool.cpu)))
-
-    def _node_body(self, name: str) -> dict[str, Any] | None:
-        return self.api.run(self.kube.get("v1", "nodes", None, name))
-
-    def _node_taints(self, name: str) -> list[dict[str, Any]]:
-        body = self._node_body(name)
-        return list((body or {}).get("spec", {}).get("taints") or [])
 
     def _delete_node(self, node: SimNode) -> None:
         with self._lock:
