@@ -32,6 +32,7 @@ from torchspot.lab.scenario import Scenario
 from torchspot.operator import constants, handlers
 from torchspot.operator.kube import Kube
 from torchspot.operator.spec import InvalidSpecError, parse_spec
+from torchspot.trainer.checkpoint import committed_steps
 from torchspot.trainer.data import CIFAR_TARBALL, write_synthetic_cifar10
 from torchspot.trainer.storage import open_storage
 
@@ -239,4 +240,4 @@ def _committed_checkpoints(job: dict[str, Any], azurite: Azurite) -> list[int]:
         names = open_storage(uri, azurite.env(), create_container=False).list("step-")
     except Exception:  # no container yet: nothing was committed
         return []
-    return sorted(int(n.split("/")[0].removeprefix("step-")) for n in names if n.endswith("/COMMIT"))
+    return committed_steps(names)

@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -64,6 +64,11 @@ def _parse_step(name: str) -> int | None:
     if head.startswith("step-") and head[5:].isdigit():
         return int(head[5:])
     return None
+
+
+def committed_steps(names: Iterable[str]) -> list[int]:
+    """The steps, oldest first, whose COMMIT marker is among an object listing `names` (pure)."""
+    return sorted({s for n in names if n.endswith("/" + COMMIT_OBJECT) and (s := _parse_step(n)) is not None})
 
 
 def snapshot(obj: Any) -> Any:
@@ -190,7 +195,7 @@ class CheckpointWriter:
         except StorageError as exc:
             log.warning("checkpoint pruning skipped: %s", exc)
             return
-        committed = sorted({s for n in names if n.endswith("/" + COMMIT_OBJECT) and (s := _parse_step(n)) is not None})
+        committed = committed_steps(names)
         if not committed:
             return
         keep = set(committed[-self.config.keep :])
