@@ -20,6 +20,8 @@ from urllib.parse import urlparse
 from torchspot.operator import constants
 
 CLEAN_POD_POLICIES = ("All", "Running", "None")
+PLACEMENT_KEYS = ("nodeSelector", "tolerations", "affinity")
+"""The fields of a placement beyond spot/gpu: what a job's rendezvous or the operator's default may set."""
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
@@ -192,7 +194,7 @@ def parse_spec(name: str, spec: Mapping[str, Any], *, etcd_default: Placement | 
 
     rdzv = read.obj(spec, "rendezvous", "spec.rendezvous")
     endpoint, etcd_placement = _rendezvous(read, rdzv)
-    if etcd_default is not None and not any(key in rdzv for key in ("nodeSelector", "tolerations", "affinity")):
+    if etcd_default is not None and not any(key in rdzv for key in PLACEMENT_KEYS):
         etcd_placement = etcd_default
     placement = read.placement(read.obj(spec, "placement", "spec.placement"), "spec.placement", spot=True, gpu=True)
     pool = placement.node_selector.get(constants.SPOT_LABEL)
@@ -273,6 +275,7 @@ def default_etcd_placement(raw: str) -> Placement | None:
     at start rather than misplacing every job's etcd.
     """
     name = constants.ETCD_PLACEMENT_ENV
+    keys = ", ".join(PLACEMENT_KEYS)
     if not raw.strip():
         return None
     try:
@@ -280,13 +283,11 @@ def default_etcd_placement(raw: str) -> Placement | None:
     except json.JSONDecodeError as exc:
         raise InvalidSpecError([f"{name}: not JSON ({exc.msg} at character {exc.pos})"]) from exc
     if not isinstance(value, dict):
-        raise InvalidSpecError([f"{name}: must be a JSON object with nodeSelector, tolerations, affinity"])
+        raise InvalidSpecError([f"{name}: must be a JSON object with {keys}"])
     read = _Reader()
-    unknown = sorted(set(value) - {"nodeSelector", "tolerations", "affinity"})
+    unknown = sorted(set(value) - set(PLACEMENT_KEYS))
     if unknown:
-        read.problems.append(
-            f"{name}: unknown keys {', '.join(unknown)} (expected nodeSelector, tolerations, affinity)"
-        )
+        read.problems.append(f"{name}: unknown keys {', '.join(unknown)} (expected {keys})")
     placement = _etcd_placement(read, value, name)
     if read.problems:
         raise InvalidSpecError(read.problems)
