@@ -24,9 +24,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from torchspot.lab.azure import EVICTION_POLICIES, SPOT_MAX_PRICE_ANY
 from torchspot.lab.scenario import Scenario, ScenarioError, load_scenario
+
+if TYPE_CHECKING:
+    from torchspot.operator.kube import Kube
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path("runs")
@@ -58,8 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     _azure_target(create)
     create.add_argument("--name", required=True, help="the pool's name (1-12 lowercase letters and digits)")
     create.add_argument("--vm-size", required=True, help="for example Standard_NC4as_T4_v3")
-    create.add_argument("--max-price", type=float, default=-1.0, help="USD per hour, or -1: up to on-demand")
-    create.add_argument("--eviction-policy", default="Delete", help="Delete (default) or Deallocate")
+    create.add_argument(
+        "--max-price", type=float, default=SPOT_MAX_PRICE_ANY, help="USD per hour, or -1: up to on-demand"
+    )
+    create.add_argument(
+        "--eviction-policy",
+        default=EVICTION_POLICIES[0],
+        help=f"{' or '.join(EVICTION_POLICIES)} (default {EVICTION_POLICIES[0]})",
+    )
     create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="node label (repeatable)")
     create.add_argument(
         "--taint", action="append", default=[], metavar="KEY=VALUE:EFFECT", help="node taint (repeatable)"
@@ -143,19 +153,28 @@ def _pool(args: argparse.Namespace) -> Any:
     return pool
 
 
+KUBECONFIG_HINT = "set KUBECONFIG or ~/.kube/config"
+
+
+def _kube() -> Kube | None:
+    """An API session with the kubeconfig's cluster and credentials (as kubectl uses), or None without one."""
+    import kopf  # noqa: PLC0415
+
+    from torchspot.operator.kube import Kube  # noqa: PLC0415
+
+    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    return None if info is None else Kube.from_connection(info)
+
+
 def _provider_id(node: str) -> str:
     """The node's spec.providerID, read through the kubeconfig's cluster."""
     import asyncio  # noqa: PLC0415
 
-    import kopf  # noqa: PLC0415
-
     from torchspot.lab.azure import AzureInputError  # noqa: PLC0415
-    from torchspot.operator.kube import Kube  # noqa: PLC0415
 
-    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
-    if info is None:
-        raise AzureInputError("no kubeconfig to look the node up with (set KUBECONFIG or ~/.kube/config)")
-    kube = Kube.from_connection(info)
+    kube = _kube()
+    if kube is None:
+        raise AzureInputError(f"no kubeconfig to look the node up with ({KUBECONFIG_HINT})")
 
     async def read() -> dict[str, object] | None:
         try:
@@ -176,16 +195,13 @@ def _provider_id(node: str) -> str:
 def _evict_node(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
-    import kopf  # noqa: PLC0415
-
     from torchspot.lab.evict import NodeNotFoundError, evict_node  # noqa: PLC0415
-    from torchspot.operator.kube import ApiError, Kube  # noqa: PLC0415
+    from torchspot.operator.kube import ApiError  # noqa: PLC0415
 
-    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
-    if info is None:
-        print("torchspot evict node: error: no kubeconfig (set KUBECONFIG or ~/.kube/config)", file=sys.stderr)
+    kube = _kube()
+    if kube is None:
+        print(f"torchspot evict node: error: no kubeconfig ({KUBECONFIG_HINT})", file=sys.stderr)
         return 2
-    kube = Kube.from_connection(info)
 
     async def run() -> int:
         try:
