@@ -144,8 +144,7 @@ def build_report(
     checkpoints: list[int],
     agent_errors: list[str],
 ) -> Report:
-    """The report of one sandbox run (pure)."""
-    start = 0.0
+    """The report of one sandbox run (pure); times are seconds since `submitted`."""
     entries = list(timeline)
     for event in api_events:  # the operator's Events (second resolution), on the run's clock
         stamp = event.get("lastTimestamp") or event.get("firstTimestamp") or event.get("eventTime")
@@ -170,19 +169,19 @@ def build_report(
             entries.append({"t": event["t"], "kind": "checkpoint", "text": text})
     progress = [e for e in trainer_events if e["event"] == "progress"]
     done = [e for e in trainer_events if e["event"] == "done"]
-    end = max([e["t"] for e in entries] + [e["t"] for e in trainer_events] + [start])
+    end = max([e["t"] for e in entries] + [e["t"] for e in trainer_events] + [0.0])
     useful = _useful_seconds(rounds)
     rates = [float(e.get("samples_per_s") or 0.0) for e in progress]
     return Report(
         job=job,
         phase=str(status.get("phase", "Unknown")) + (" (timed out)" if status.get("timedOut") else ""),
-        wall_seconds=round(end - start, 2),
+        wall_seconds=round(end, 2),
         final_step=int(done[-1]["step"]) if done else max((e["step"] for e in progress), default=0),
         steps_lost=lost,
         restarts=restarts,
         samples_per_second=round(sum(rates) / len(rates), 2) if rates else 0.0,
         useful_seconds=round(useful, 2),
-        goodput=round(useful / (end - start), 4) if end > start else 0.0,
+        goodput=round(useful / end, 4) if end > 0 else 0.0,
         checkpoints=checkpoints,
         status=status,
         timeline=sorted(entries, key=lambda e: e["t"]),

@@ -136,19 +136,26 @@ def test_a_new_save_waits_for_the_previous_one(tmp_path: Path) -> None:
     assert manager.last_committed == 5
 
 
+class FlakyStorage(LocalStorage):
+    """A local folder whose writes fail while `failing` is set, as Blob does during an outage."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.failing = threading.Event()
+
+    def put(self, name: str, data: bytes) -> None:
+        if self.failing.is_set():
+            raise StorageError("blob endpoint unreachable")
+        super().put(name, data)
+
+
 def test_outage_retries_reports_and_loses_nothing_committed(tmp_path: Path) -> None:
     reports: list[SaveReport] = []
-    failing = threading.Event()
-
-    class Flaky(LocalStorage):
-        def put(self, name: str, data: bytes) -> None:
-            if failing.is_set():
-                raise StorageError("blob endpoint unreachable")
-            super().put(name, data)
-
+    storage = FlakyStorage(tmp_path)
+    failing = storage.failing
     naps: list[float] = []
     manager = CheckpointManager(
-        Flaky(tmp_path),
+        storage,
         CheckpointConfig(retries=3, backoff=0.5),
         on_report=reports.append,
         sleep=naps.append,
@@ -173,19 +180,14 @@ def test_outage_retries_reports_and_loses_nothing_committed(tmp_path: Path) -> N
 def test_a_save_due_while_the_previous_one_retries_is_skipped_not_waited_for(tmp_path: Path) -> None:
     """An outage must not stall training: the retrying save goes on, the next one is skipped and reported."""
     reports: list[SaveReport] = []
-    failing = threading.Event()
+    storage = FlakyStorage(tmp_path)
+    failing = storage.failing
     storage_back = threading.Event()
-
-    class Flaky(LocalStorage):
-        def put(self, name: str, data: bytes) -> None:
-            if failing.is_set():
-                raise StorageError("blob endpoint unreachable")
-            super().put(name, data)
 
     def nap(_: float) -> None:  # the backoff lasts until the test brings storage back
         storage_back.wait(30)
 
-    manager = CheckpointManager(Flaky(tmp_path), CheckpointConfig(retries=3), on_report=reports.append, sleep=nap)
+    manager = CheckpointManager(storage, CheckpointConfig(retries=3), on_report=reports.append, sleep=nap)
     try:
         failing.set()
         manager.save_async(20, _state(20), {})
