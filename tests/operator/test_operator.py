@@ -328,6 +328,16 @@ def test_a_bad_operator_setting_stops_the_operator_and_names_it(api: Cluster, mo
     assert "must not run on the spot pool" in runner.output
 
 
+def test_a_bad_node_handling_setting_stops_the_operator_and_names_it(
+    api: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(constants.NODE_HANDLING_ENV, "lazy")
+    with KopfRunner(OPERATOR_ARGS, timeout=60, reraise=False) as runner:
+        pass
+    assert runner.exit_code != 0
+    assert f"{constants.NODE_HANDLING_ENV}='lazy': expected proactive or off" in runner.output
+
+
 def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster) -> None:
     """As the chart runs it with watchNamespaces: `--namespace=...` instead of `--all-namespaces`."""
     for namespace in ("ml-a", "ml-b"):

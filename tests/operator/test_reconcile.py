@@ -172,6 +172,16 @@ class TestPlan:
         assert why in plan.delete[0].why
         assert plan.status["evictions"] == 1
 
+    def test_with_node_handling_off_only_pods_count(self) -> None:
+        """TORCHSPOT_NODE_HANDLING=off (the stock recipe's controller): a NotReady node's worker stays."""
+        nodes = {"spot-1": _node(ready=False), "spot-2": _node("spot-2")}
+        pods = [_pod(0, node="spot-1"), _pod(1, node="spot-2"), _pod(2, node="gone")]
+        seen = reconcile.Observed(JOB, _spec(), {}, pods, nodes, ALL_ETCD, T0, node_handling=False)
+        plan = reconcile.plan(seen)
+        assert plan.delete == []
+        assert plan.status["evictions"] == 0
+        assert plan.status["replicas"]["ready"] == 3
+
     def test_workers_on_a_vanished_node_are_deleted_at_once(self) -> None:
         plan = _plan([_pod(0, node="gone"), _pod(1), _pod(2)])
         assert [(d.name, d.grace) for d in plan.delete] == [("cifar-worker-0", 0)]

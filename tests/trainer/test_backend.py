@@ -20,7 +20,7 @@ from torchspot.lab.local import wait_for
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient
-from torchspot.trainer.rendezvous.handler import create_handler, membership_changed
+from torchspot.trainer.rendezvous.handler import create_handler, lost_members, membership_changed
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings
 from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.rendezvous.store import EtcdStore
@@ -244,6 +244,16 @@ def test_membership_changed(state: Any, changed: bool) -> None:
     got, reason = membership_changed(4, frozenset({"a", "b", "c"}), state)
     assert got is changed
     assert bool(reason) is changed
+
+
+@pytest.mark.parametrize(
+    ("heartbeats", "lost"),
+    [({"a", "b", "c"}, []), ({"a", "c"}, ["b"]), ({"a", "b", "c", "d"}, []), (set(), ["a", "b", "c"])],
+    ids=["all-alive", "one-dead", "newcomer", "all-dead"],
+)
+def test_lost_members_are_those_without_heartbeats_whatever_the_round(heartbeats: set[str], lost: list[str]) -> None:
+    state = _state(9, ["a"], last_heartbeats=dict.fromkeys(heartbeats, 0))  # the round moved on
+    assert lost_members(frozenset({"a", "b", "c"}), state) == lost
 
 
 def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:

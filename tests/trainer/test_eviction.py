@@ -7,18 +7,26 @@ recording the approval POST. It is the one stand-in the project uses for Azure's
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from torchspot.lab.imds import FakeImds, scheduled_event
 from torchspot.lab.local import wait_for
-from torchspot.trainer.eviction import EvictionNotice, ScheduledEventsWatcher, evicting_events
+from torchspot.trainer.eviction import (
+    PEER_LOST_ENV,
+    EvictionNotice,
+    ScheduledEventsWatcher,
+    evicting_events,
+    peer_lost,
+)
 
 _event = scheduled_event
 
@@ -109,6 +117,46 @@ def test_sigterm_while_blocked_in_c_exits_promptly() -> None:
     assert proc.returncode == 143
     assert time.monotonic() - sent < 10
     assert "stuck in a collective" in err
+
+
+_LOST = textwrap.dedent(
+    """
+    import os, sys
+    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+    notice = EvictionNotice()
+    watch_sigterm(notice, stuck_exit_after=60.0, before_exit=lambda: print("save given its chance", flush=True))
+    read_fd, _ = os.pipe()
+    print("ready", flush=True)
+    os.read(read_fd, 1)  # blocked in a collective with the lost peer
+    """
+)
+
+
+def test_sigterm_after_a_peer_was_lost_exits_without_waiting_for_a_step_boundary(tmp_path: Path) -> None:
+    """The agent's marker (written by the rendezvous handler) turns a 60 s stuck wait into an immediate exit."""
+    marker = tmp_path / "peer-lost"
+    env = {**os.environ, PEER_LOST_ENV: str(marker)}
+    with subprocess.Popen(
+        [sys.executable, "-c", _LOST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        marker.touch()
+        sent = time.monotonic()
+        proc.terminate()
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143
+    assert time.monotonic() - sent < 5  # not the 60 s stuck_exit_after
+    assert "save given its chance" in out
+    assert "a peer was lost" in err
+
+
+def test_peer_lost_reads_the_marker_named_by_the_environment(tmp_path: Path) -> None:
+    marker = tmp_path / "peer-lost"
+    assert not peer_lost({})
+    assert not peer_lost({PEER_LOST_ENV: str(marker)})
+    marker.touch()
+    assert peer_lost({PEER_LOST_ENV: str(marker)})
 
 
 _ACKED = textwrap.dedent(
