@@ -9,7 +9,7 @@ NODE_STAMP = node_modules/.torchspot-installed
 HELM    = $(VENV)/bin/helm
 PYTEST_ARGS ?=
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-goodput clean
 
 all: test
 
@@ -53,7 +53,7 @@ manifests: venv
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
-bench: bench-recovery bench-checkpoint bench-operator
+bench: bench-recovery bench-checkpoint bench-operator bench-goodput
 
 bench-recovery: venv
 	$(PY) bench/recovery/run.py
@@ -64,6 +64,9 @@ bench-checkpoint: venv
 
 bench-operator: venv
 	$(PY) bench/operator/run.py
+
+bench-goodput: venv
+	$(PY) bench/goodput/run.py
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

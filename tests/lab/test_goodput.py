@@ -67,7 +67,8 @@ def test_rate_of_an_uninterrupted_run_is_measured_from_its_first_start() -> None
 def test_recovery_is_the_time_until_a_group_started_after_the_event_trains() -> None:
     events = [_start(5, 0), _progress(19, 500), _progress(21, 520), _start(28, 520, 2), _progress(30, 560, 2)]
     got = goodput.recoveries(MARKET, events, 100)
-    assert got[0] == (20, "evict spot-1 (notice)", 10.0)  # the progress line at 21 s is the old group's
+    at, what, took = got[0]
+    assert (at, what, took) == (20.0, "evict spot-1 (notice)", 10.0)  # the progress line at 21 s is the old group's
     assert [took for _, _, took in got[1:]] == [None, None, None]
     assert got[2][1] == "freeze spot-2"
 
@@ -75,5 +76,6 @@ def test_recovery_is_the_time_until_a_group_started_after_the_event_trains() -> 
 def test_expected_curve_ends_at_the_expected_total() -> None:
     points = goodput.capacity(MARKET, 3)
     curve = goodput.expected_curve(points, {3: 30.0, 2: 20.0}, 0, 100, step=10)
-    assert curve[0] == (0, 0.0)
-    assert curve[-1] == (100, pytest.approx(goodput.expected_samples(points, {3: 30.0, 2: 20.0}, 0, 100)))
+    assert curve[0] == (0.0, 0.0)
+    assert curve[-1][0] == 100.0
+    assert curve[-1][1] == pytest.approx(goodput.expected_samples(points, {3: 30.0, 2: 20.0}, 0, 100))

@@ -1,0 +1,173 @@
+"""Goodput benchmark: torchspot against the AKS TorchElastic lab's stock recipe, one spot market, one run.
+
+    .venv/bin/python bench/goodput/run.py [--out DIR] [--calibrate 90] [--images 3000]
+
+In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in this order:
+1. calibration: torchspot's job without interruptions on k spot nodes, for every k the
+   market's capacity takes; each gives the samples per second k nodes make;
+2. torchspot as shipped (bench/goodput/torchspot.yaml) through bench/goodput/market.yaml;
+3. the stock recipe (bench/goodput/stock.yaml: plain torchrun, `etcd-v2` on an etcd
+   started with --enable-v2, stock_train.py's synchronous checkpoint once per epoch to a
+   shared folder, no notice handling) through the same market, with the operator's node
+   handling off (TORCHSPOT_NODE_HANDLING=off).
+Then goodput (torchspot/lab/goodput.py) for both over the same window, their ratio,
+work lost per resumption and recovery per market event; results in DIR/goodput.json,
+the plot in DIR/goodput.png. Both recipes train the same model on the same synthetic
+data with the same batch size; the reference for both is torchspot's uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torchspot.lab import goodput
+from torchspot.lab.etcd import EtcdServer
+from torchspot.lab.report import read_pod_events
+from torchspot.lab.sandbox import run_sandbox
+from torchspot.lab.scenario import Pool, Scenario, load_scenario
+from torchspot.operator import constants
+from torchspot.trainer.data import CIFAR_TARBALL, write_synthetic_cifar10
+
+HERE = Path(__file__).resolve().parent
+BATCH = 16
+"""Per-worker batch size of both job files."""
+MAX_NODES = 3
+"""maxReplicas of both job files."""
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _events(job: Path, scenario: Scenario, folder: Path, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run one job through one market in the sandbox; the trainer's event lines, times since submission."""
+    started = time.monotonic()
+    report = run_sandbox(job, scenario, folder, say=lambda line: None, **kwargs)
+    _say(f"  {folder.name}: {report.phase}, {time.monotonic() - started:.0f} s, final step {report.final_step}")
+    return read_pod_events(folder / "pods", report.submitted)
+
+
+def _stock_job(folder: Path, etcd: EtcdServer, images: int) -> Path:
+    """stock.yaml with this run's paths: the interpreter, the script, the shared data and checkpoint folder."""
+    data = folder / "shared" / "data"
+    write_synthetic_cifar10(data / CIFAR_TARBALL, n_train=images, n_test=300)
+    text = (HERE / "stock.yaml").read_text()
+    for key, value in {
+        "python": sys.executable,
+        "etcd": etcd.endpoint,
+        "script": str(HERE / "stock_train.py"),
+        "data": str(data),
+        "checkpoint": str(folder / "shared" / "checkpoint.pt"),
+    }.items():
+        text = text.replace("{" + key + "}", value)
+    job = folder / "stock-job.yaml"
+    job.write_text(text)
+    return job
+
+
+def _summary(name: str, events: list[dict[str, Any]], market: Scenario, rates: dict[int, float]) -> dict[str, Any]:
+    end = market.timeout
+    start = goodput.first_start(events)
+    if start is None:
+        return {"recipe": name, "goodput": 0.0, "error": "never trained"}
+    points = goodput.capacity(market, MAX_NODES)
+    expected = goodput.expected_samples(points, rates, start, end)
+    useful = goodput.useful_samples(events, end)
+    return {
+        "recipe": name,
+        "window": [round(start, 1), end],
+        "useful_samples": useful,
+        "expected_samples": round(expected),
+        "goodput": round(useful / expected, 4) if expected else 0.0,
+        "resumptions": [vars(r) for r in goodput.resumptions(events, end, BATCH)],
+        "recoveries": goodput.recoveries(market, events, end),
+        "curve": goodput.progress_curve(events, end),
+    }
+
+
+def _plot(results: list[dict[str, Any]], market: Scenario, rates: dict[int, float], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415 - the `lab` extra
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, axis = plt.subplots(figsize=(9, 4.8))
+    start = min(r["window"][0] for r in results if "window" in r)
+    ideal = goodput.expected_curve(goodput.capacity(market, MAX_NODES), rates, start, market.timeout)
+    axis.plot([t for t, _ in ideal], [v for _, v in ideal], color="grey", linestyle=":", label="uninterrupted")
+    colours = {"torchspot": "tab:blue", "stock": "tab:red"}
+    for result in results:
+        curve = result.get("curve") or [(0.0, 0)]
+        label = f"{result['recipe']} (goodput {result['goodput']:.0%})"
+        axis.step(
+            [t for t, _ in curve], [v for _, v in curve], where="post", color=colours[result["recipe"]], label=label
+        )
+    for event in market.events:
+        colour = "tab:olive" if event.action == "addSpot" else "tab:purple" if event.action == "freeze" else "black"
+        axis.axvline(event.at, color=colour, linestyle="--", linewidth=0.8)
+        text = f"+{event.count} node" if event.action == "addSpot" else f"{event.action} {event.node}"
+        if event.action == "evict":
+            text += " (notice)" if event.notice else " (hard)"
+        axis.annotate(text, (event.at, 0), rotation=90, fontsize=7, va="bottom", ha="right")
+    axis.set_xlabel("seconds since the job was submitted")
+    axis.set_ylabel("useful samples trained")
+    axis.set_title("Goodput on a spot market: torchspot vs the stock TorchElastic recipe")
+    axis.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("goodput-%Y%m%d-%H%M%S"))
+    parser.add_argument("--market", type=Path, default=HERE / "market.yaml")
+    parser.add_argument("--calibrate", type=float, default=90.0, help="seconds of each calibration run")
+    parser.add_argument("--images", type=int, default=3000, help="training images (an epoch: ~2 min on 3 nodes)")
+    args = parser.parse_args()
+    out: Path = args.out.resolve()
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out}: not empty; pick a new folder")
+    market = load_scenario(args.market)
+    sizes = sorted({nodes for _, nodes in goodput.capacity(market, MAX_NODES) if nodes > 0})
+    _say(
+        f"calibration: torchspot without interruptions on {', '.join(map(str, sizes))} nodes, {args.calibrate:g} s each"
+    )
+    rates: dict[int, float] = {}
+    for nodes in sizes:
+        quiet = Scenario(spot=Pool(nodes=nodes, gpus=1), timeout=args.calibrate)
+        events = _events(HERE / "torchspot.yaml", quiet, out / f"calibrate-{nodes}", synthetic_images=args.images)
+        rates[nodes] = goodput.rate(events, args.calibrate)
+        _say(f"  {nodes} nodes: {rates[nodes]:.1f} samples/s")
+    _say(f"market {args.market}: {len(market.events)} events, {market.timeout:g} s; torchspot first")
+    ours = _events(HERE / "torchspot.yaml", market, out / "torchspot", synthetic_images=args.images)
+    _say("the stock recipe")
+    with EtcdServer(out / "stock-etcd", enable_v2=True) as etcd:
+        job = _stock_job(out, etcd, args.images)
+        stock = _events(job, market, out / "stock", operator_env={constants.NODE_HANDLING_ENV: "off"})
+    results = [_summary("torchspot", ours, market, rates), _summary("stock", stock, market, rates)]
+    ratio = results[0]["goodput"] / results[1]["goodput"] if results[1]["goodput"] else float("inf")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "goodput.json").write_text(json.dumps({"rates": rates, "ratio": ratio, "results": results}, indent=2) + "\n")
+    _plot(results, market, rates, out / "goodput.png")
+    _say("")
+    for result in results:
+        _say(f"{result['recipe']:<10} goodput {result['goodput']:6.1%}  useful {result.get('useful_samples', 0)}"
+             f" of {result.get('expected_samples', 0)} samples an uninterrupted run makes")  # fmt: skip
+        for r in result.get("resumptions", []):
+            _say(f"  t={r['t']:6.1f}s resumed on {r['world_size']} node(s), {r['lost_samples']} samples"
+                 f" ({r['lost_steps']:.1f} steps) redone")  # fmt: skip
+        for at, what, took in result.get("recoveries", []):
+            _say(f"  t={at:6.1f}s {what:<26} training again after " + (f"{took:.1f} s" if took is not None else "-"))
+    _say(f"ratio torchspot / stock: {ratio:.2f}x   (targets: torchspot >= 90%, ratio >= 1.5x)")
+    _say(f"results {out / 'goodput.json'}, plot {out / 'goodput.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
