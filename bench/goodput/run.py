@@ -102,7 +102,8 @@ def _plot(results: list[dict[str, Any]], market: Scenario, rates: dict[int, floa
     axis.plot([t for t, _ in ideal], [v for _, v in ideal], color="grey", linestyle=":", label="uninterrupted")
     colours = {"torchspot": "tab:blue", "stock": "tab:red"}
     for result in results:
-        curve = result.get("curve") or [(0.0, 0)]
+        curve = [*(result.get("curve") or [(0.0, 0)])]
+        curve.append((market.timeout, curve[-1][1]))  # flat to the end: no progress after the last line
         label = f"{result['recipe']} (goodput {result['goodput']:.0%})"
         axis.step(
             [t for t, _ in curve], [v for _, v in curve], where="post", color=colours[result["recipe"]], label=label

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchspot.trainer.launch import check_args, main, parse_rdzv_conf
+from torchspot.trainer.launch import check_args, forks_our_trainer, main, parse_rdzv_conf
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
 
 
@@ -111,3 +111,21 @@ def test_check_args_accepts_torchrun_flags() -> None:
     assert check_args(args) is None
     stock = get_args_parser().parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "x.py"])
     assert check_args(stock) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "forked"),
+    [
+        (["-m", "torchspot.trainer", "--epochs", "1"], True),
+        (["train.py"], False),  # any other program starts as torchrun starts it
+        (["-m", "other.module"], False),
+        (["--no-python", "torchspot-trainer"], False),
+    ],
+)
+def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: list[str], forked: bool) -> None:
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(["--nnodes", "1:3", *_GOOD, *argv])
+    assert forks_our_trainer(args) is forked
+    stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot.trainer"])
+    assert forks_our_trainer(stock) is False
