@@ -48,6 +48,8 @@ class Report:
     """(t, step, world size, samples/s) per progress line, for the plot."""
     agent_errors: list[str] = field(default_factory=list)
     paths: dict[str, str] = field(default_factory=dict)
+    submitted: float = 0.0
+    """When the job was submitted (Unix time): the zero of every `t` here."""
 
     def summary(self) -> str:
         """The human-readable end of a run."""
@@ -197,6 +199,7 @@ def build_report(
             for e in lines
         ],
         agent_errors=agent_errors,
+        submitted=submitted,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ PROGRESS_EVERY = 5.0
 """Seconds between two progress lines."""
 CRD = Path(__file__).resolve().parents[1] / "manifests" / "crd.yaml"
 """The ElasticJob CRD as shipped (rendered from the chart); the sandbox installs it as a cluster would."""
+SYNTHETIC_IMAGES = 1200
+"""Training images in the synthetic CIFAR-10 (small enough for a demo on 2 cores)."""
 DATASETS = "datasets"
 """The Blob container the sandbox fills with synthetic data for `az://datasets/...` job data."""
 
@@ -109,7 +111,9 @@ class _Operator:
         self._thread.join(30)
 
 
-def _prepare_blob(job: dict[str, Any], azurite: Azurite, kube: Kube, api: KubeApi, workdir: Path) -> None:
+def _prepare_blob(
+    job: dict[str, Any], azurite: Azurite, kube: Kube, api: KubeApi, workdir: Path, *, images: int
+) -> None:
     """The job's credentials Secret (Azurite's connection string) and, if it reads az://datasets, the data."""
     spec = job["spec"]
     secret = (spec.get("checkpoint") or {}).get("credentialsSecret")
@@ -119,7 +123,7 @@ def _prepare_blob(job: dict[str, Any], azurite: Azurite, kube: Kube, api: KubeAp
         api.run(kube.create(body))
     args = " ".join(str(a) for c in spec["template"]["spec"]["containers"] for a in c.get("args", []))
     if f"az://{DATASETS}/" in args:
-        tarball = write_synthetic_cifar10(workdir / "data" / CIFAR_TARBALL, n_train=1200, n_test=300)
+        tarball = write_synthetic_cifar10(workdir / "data" / CIFAR_TARBALL, n_train=images, n_test=300)
         prefix = args.split(f"az://{DATASETS}/", 1)[1].split()[0].rstrip("/")
         storage = open_storage(f"az://{DATASETS}/{prefix}", azurite.env())
         storage.put(tarball.name, tarball.read_bytes())
@@ -130,8 +134,15 @@ def run_sandbox(
     scenario: Scenario,
     workdir: Path,
     say: Callable[[str], None] = print,
+    *,
+    synthetic_images: int = SYNTHETIC_IMAGES,
+    operator_env: Mapping[str, str] | None = None,
 ) -> Report:
-    """Run the job through the scenario; write report.json and report.png into `workdir`."""
+    """Run the job through the scenario; write report.json and report.png into `workdir`.
+
+    :param synthetic_images: training images in the synthetic CIFAR-10 for `az://datasets/...`.
+    :param operator_env: the operator's settings (its environment variables) for this run.
+    """
     job = load_job(job_path)
     name = job["metadata"]["name"]
     if workdir.exists() and any(workdir.iterdir()):
@@ -140,12 +151,13 @@ def run_sandbox(
     timeline = Timeline()
     with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
-        previous = os.environ.get("KUBECONFIG")
-        os.environ["KUBECONFIG"] = str(api.kubeconfig)  # kopf logs in with it; so may kubectl
+        settings = {"KUBECONFIG": str(api.kubeconfig), **(operator_env or {})}  # kopf logs in with the kubeconfig
+        previous = {key: os.environ.get(key) for key in settings}
+        os.environ.update(settings)
         say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")
         if CRD.exists():  # from a source checkout: the CRD object, for kubectl explain and get crd
             api.run(kube.create(yaml.safe_load(CRD.read_text())))
-        _prepare_blob(job, azurite, kube, api, workdir)
+        _prepare_blob(job, azurite, kube, api, workdir, images=synthetic_images)
         agent = NodeAgent(api, workdir, scenario, on_action=timeline.add)
         handlers.use_endpoint_resolver(agent.resolve)
         operator = _Operator()
@@ -163,10 +175,11 @@ def run_sandbox(
             checkpoints = _committed_checkpoints(job, azurite)
             agent.stop()
             api.run(kube.close())
-            if previous is None:
-                os.environ.pop("KUBECONFIG", None)
-            else:
-                os.environ["KUBECONFIG"] = previous
+            for key, value in previous.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     if operator.error is not None:
         raise RuntimeError(f"the operator stopped: {operator.error}") from operator.error
     report = build_report(

@@ -47,6 +47,12 @@ survivors re-form without waiting for heartbeats or timeouts."""
 ETCD_PLACEMENT_ENV: Final = "TORCHSPOT_ETCD_PLACEMENT"
 """The operator's environment variable with the default placement of managed etcds (JSON:
 nodeSelector, tolerations, affinity); the chart sets it from `etcd.defaultPlacement`."""
+NODE_HANDLING_ENV: Final = "TORCHSPOT_NODE_HANDLING"
+"""The operator's environment variable that switches its node handling: `proactive` (the
+default: a worker's node that turns bad has its pods deleted at once) or `off` (only pod
+failures and deletions count, as with controllers that do not watch nodes; the goodput
+benchmark runs the stock recipe so)."""
+NODE_HANDLING_MODES: Final = ("proactive", "off")
 AGENT_MAX_RESTARTS: Final = 100
 """torchrun's `--max-restarts` in every worker pod. Each membership change (a peer evicted,
 frozen or added) fails the survivors' collectives and costs each surviving agent one

@@ -40,6 +40,7 @@ class Controller:
     :param etcd_default: where managed etcds go when a job says nothing (the chart's
         `etcd.defaultPlacement`); None: wherever the scheduler puts them.
     :param resolve: maps a rendezvous address to a reachable one (see `ProgressReader`).
+    :param node_handling: move workers off bad nodes at once (`constants.NODE_HANDLING_ENV`).
     """
 
     def __init__(
@@ -49,8 +50,10 @@ class Controller:
         *,
         etcd_default: Placement | None = None,
         resolve: Callable[[str], str] | None = None,
+        node_handling: bool = True,
     ) -> None:
         self.api = api
+        self.node_handling = node_handling
         self.now = now
         self.etcd_default = etcd_default
         self.progress = ProgressReader(resolve) if resolve is not None else ProgressReader()
@@ -100,7 +103,7 @@ class Controller:
         etcd = await self._etcd_objects(job, spec) if old_status.get("phase") else frozenset()
         finished = old_status.get("phase") in status.FINISHED_PHASES
         progress = {} if finished else self.progress.latest(builders.rdzv_endpoint(job, spec), job.run_id)
-        seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now, progress)
+        seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now, progress, self.node_handling)
         decided = plan(seen)
         if decided.status.get("phase") in status.FINISHED_PHASES:
             self.progress.forget(job.run_id)

@@ -53,6 +53,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _state["etcd_default"] = default_etcd_placement(os.environ.get(constants.ETCD_PLACEMENT_ENV, ""))
     except InvalidSpecError as exc:
         raise kopf.PermanentError(f"invalid operator setting: {exc}") from exc
+    mode = os.environ.get(constants.NODE_HANDLING_ENV, "") or constants.NODE_HANDLING_MODES[0]
+    if mode not in constants.NODE_HANDLING_MODES:
+        choices = " or ".join(constants.NODE_HANDLING_MODES)
+        raise kopf.PermanentError(f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}")
+    _state["node_handling"] = mode == "proactive"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
@@ -78,6 +83,7 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
             fresh,
             etcd_default=cast(Placement | None, _state.get("etcd_default")),
             resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
+            node_handling=bool(_state.get("node_handling", True)),
         )
     return info
 
@@ -116,6 +122,8 @@ async def worker_pod_event(labels: kopf.Labels, namespace: str | None, **_: Any)
 @kopf.on.event("v1", "nodes")
 async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
     """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now."""
+    if not controller().node_handling:
+        return
     gone = type == "DELETED"
     controller().observe_node(dict(body), deleted=gone)
     if not gone and node_trouble(dict(body)) is None:

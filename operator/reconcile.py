@@ -73,6 +73,8 @@ class Observed:
     now: datetime
     progress: Mapping[str, Any] = field(default_factory=dict)
     """What the run reported through etcd: `round` and `checkpoint` records (see operator/progress.py)."""
+    node_handling: bool = True
+    """False: a bad node is not a reason to move its workers (`constants.NODE_HANDLING_ENV`)."""
 
 
 def node_trouble(node: Mapping[str, Any] | None) -> str | None:
@@ -166,7 +168,7 @@ def _judge(seen: Observed, counters: dict[str, int], result: Plan) -> _Census:
             result.delete.append(Delete(name, 0, f"{kind} failure"))
             census.to_replace += 1
             continue
-        trouble = node_trouble(seen.nodes.get(node_name)) if node_name else None
+        trouble = node_trouble(seen.nodes.get(node_name)) if node_name and seen.node_handling else None
         if trouble is not None:
             counters["evictions"] += 1
             result.events.append(("Warning", "Evicted", f"worker pod {name} on {node_name}: {trouble}"))

@@ -258,6 +258,13 @@ class CheckpointManager:
         """The saver process's id while one runs (None: saves run on a thread of this process)."""
         return self._saver.pid if self._saver is not None and self._saver.alive else None
 
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save still running, if any."""
+        with self._lock:
+            running = self._pending is not None and not self._pending.done()
+            return self._pending_step if running else None
+
     # -- saving ---------------------------------------------------------------------
 
     def save_async(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
@@ -305,23 +312,34 @@ class CheckpointManager:
         self.wait()
         return self._save(step, snapshot(state), dict(meta))
 
-    def wait(self) -> SaveReport | None:
+    def wait(self, timeout: float | None = None) -> SaveReport | None:
         """Block until the save in flight (if any) finished; return its outcome.
 
+        With a `timeout`, give up after that many seconds and return None, the save
+        still in flight (a worker that must leave gives its last save a bounded chance).
         A saver process that died mid-save yields a failed report, not an exception.
         """
         with self._lock:
-            pending, self._pending = self._pending, None
+            pending = self._pending
         if pending is None:
             return None
         try:
-            return pending.result()
+            result: SaveReport = pending.result(timeout)
+        except TimeoutError:
+            return None
         except RuntimeError as exc:
+            with self._lock:
+                if self._pending is pending:
+                    self._pending = None
             if self._saver is None:
                 raise
             report = SaveReport(self._pending_step, False, 0.0, error=str(exc))
             self._done(report)
             return report
+        with self._lock:
+            if self._pending is pending:
+                self._pending = None
+        return result
 
     def close(self) -> None:
         """Finish the save in flight and stop the background thread and saver process."""

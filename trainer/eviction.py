@@ -9,7 +9,10 @@ Two sources warn a worker that it is about to go:
   watcher thread learns of the signal through the interpreter's wakeup fd, which the
   C-level handler writes at once; if the training loop does not reach a step
   boundary within `stuck_exit_after` seconds, the worker is stuck in a collective and
-  exits with 128+SIGTERM.
+  exits with 128+SIGTERM. When the agent restarts the workers because a peer stopped
+  heartbeating, it says so first (a marker file named by `PEER_LOST_ENV`): no step
+  boundary can come, since every collective includes the lost peer, so the worker
+  exits at once instead of waiting `stuck_exit_after`.
 - Azure Scheduled Events: a thread polls the instance metadata service about once a
   second; a `Preempt` or `Terminate` event for this VM raises the notice, and the
   event is approved (`StartRequests`) after the emergency checkpoint, so the
@@ -25,7 +28,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,15 @@ SCHEDULED_EVENTS_URL = "http://169.254.169.254/metadata/scheduledevents?api-vers
 VM_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 """IMDS path that returns this VM's name, which Scheduled Events lists in `Resources`."""
 EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
+PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
+"""Environment variable naming the file whose existence means: this node's agent stops its
+workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
+
+
+def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when this node's agent has marked the current round as having lost a peer."""
+    path = environ.get(PEER_LOST_ENV, "")
+    return path != "" and os.path.exists(path)
 
 
 @dataclass(frozen=True)
@@ -88,15 +100,19 @@ def watch_sigterm(
     *,
     stuck_exit_after: float,
     exit_now: Callable[[int], None] = os._exit,
+    lost: Callable[[], bool] = peer_lost,
+    before_exit: Callable[[], None] = lambda: None,
 ) -> threading.Thread:
     """Turn SIGTERM into the notice, even while the main thread is blocked in C++.
 
     Call from the main thread. CPython's C-level handler writes the signal number to
     the wakeup fd from whichever thread received the signal; a watcher thread reads
     it at once, raises the notice, and exits the process if the training loop does
-    not acknowledge it at a step boundary within `stuck_exit_after` seconds.
+    not acknowledge it at a step boundary within `stuck_exit_after` seconds, or at
+    once when `lost()` says a peer is gone (no boundary can come then).
 
     :param exit_now: how to exit (tests pass a recorder).
+    :param before_exit: run before a stuck worker exits (the trainer gives its save in flight a chance).
     """
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
@@ -112,12 +128,17 @@ def watch_sigterm(
         while signal.SIGTERM not in os.read(read_fd, 64):
             continue
         notice.set("SIGTERM", "pod deletion or agent restart")
-        if not notice.acknowledged.wait(stuck_exit_after):
+        if lost():
+            log.warning("SIGTERM after a peer was lost: no step boundary can come, exiting")
+        elif notice.acknowledged.wait(stuck_exit_after):
+            return
+        else:
             log.warning(
                 "no step boundary %.0f s after SIGTERM: stuck in a collective, exiting",
                 stuck_exit_after,
             )
-            exit_now(128 + signal.SIGTERM)
+        before_exit()
+        exit_now(128 + signal.SIGTERM)
 
     thread = threading.Thread(target=watch, name="sigterm-watch", daemon=True)
     thread.start()

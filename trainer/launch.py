@@ -15,18 +15,26 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import multiprocessing.forkserver
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
-from torch.distributed.run import get_args_parser
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
-from torchspot.trainer.rendezvous.handler import register
+from torchspot.trainer.rendezvous.handler import name_peer_lost_marker, register
 from torchspot.trainer.rendezvous.settings import BACKEND_NAME, parse_settings
 
 PROG = "torchspot-run"
+TRAINER_MODULE = "torchspot.trainer"
+FORK_PRELOAD = ("torch._dynamo", "torchspot.trainer.train")
+"""What the fork server imports once, so that a worker restarted at every membership change
+does not: torch and our trainer (about 2 s), and torch._dynamo, which DistributedDataParallel
+imports on first use (another 1.5-2.5 s). Measured in the trainer's start line (`setup_s`)."""
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _TORCHRUN_DEFAULT_RUN_ID = "none"
 
@@ -75,10 +83,46 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def run_trainer(*argv: str) -> int:
+    """The worker's entry point when the agent forks it (module-level: the fork server pickles it by name)."""
+    from torchspot.trainer.__main__ import main  # noqa: PLC0415 - imported in the fork server already
+
+    return main(list(argv))
+
+
+def forks_our_trainer(args: argparse.Namespace) -> bool:
+    """Whether the workers are our trainer under our rendezvous, so they can be forked from a warm server. Pure."""
+    return bool(
+        args.module
+        and args.training_script == TRAINER_MODULE
+        and args.rdzv_backend == BACKEND_NAME
+        and not args.standalone
+        and not args.no_python
+        and not args.run_path
+        and get_use_env(args)
+    )
+
+
+def _launch_forked(args: argparse.Namespace) -> None:
+    """torchrun's launch with the trainer as a function, each worker forked from a server that preloaded it."""
+    config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
+    config.start_method = "forkserver"
+    multiprocessing.set_forkserver_preload(list(FORK_PRELOAD))
+    # Start it now, so its imports overlap the rendezvous instead of delaying the first
+    # worker (a node joining a running job would hold up everyone's process group). It
+    # copies this environment now: whatever workers read must be set before.
+    name_peer_lost_marker()
+    multiprocessing.forkserver.ensure_running()
+    elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
+
+
 @record
 def _launch(args: argparse.Namespace) -> None:
     try:
-        torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        if forks_our_trainer(args):
+            _launch_forked(args)
+        else:
+            torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RendezvousConnectionError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None
 

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,12 @@ log = logging.getLogger(__name__)
 
 EXIT_EVICTED = 128 + signal.SIGTERM
 """Exit code of a worker that stopped for SIGTERM after its emergency checkpoint."""
+EXIT_FAILED = 1
+"""Exit code of a worker whose training loop raised (a collective failed: a peer left)."""
+LEAVE_SAVE_WAIT = 5.0
+"""Seconds a leaving rank 0 gives its checkpoint save in flight before it exits. The save
+usually holds the newest step and needs a few seconds more; the survivors' agents re-form
+meanwhile, and a round that completes without this node costs only a worker start-up."""
 
 
 def learning_rate(config: TrainConfig, progress: float) -> float:
@@ -124,6 +131,9 @@ class Progress:
     lr: float
     checkpoint_step: int | None
     checkpoint_error: str | None
+    trained_samples: int = 0
+    """Samples the run has trained on so far, all epochs counted (redone work not counted
+    twice): the measure of progress that does not depend on the world size."""
 
 
 @dataclass
@@ -154,6 +164,20 @@ class _Window:
         self.samples += samples
 
 
+def process_age() -> float:
+    """Seconds since this process started (Linux; 0.0 elsewhere): the interpreter's and imports' share."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+def _trained(sampler: ElasticSampler) -> int:
+    return sampler.epoch * sampler.length + sampler.consumed
+
+
 class _Collate:
     """Stack (image, label) pairs; an empty batch (a short last step) keeps its shape."""
 
@@ -172,7 +196,9 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.notice = EvictionNotice()
-        self._sigterm_thread = watch_sigterm(self.notice, stuck_exit_after=config.stuck_exit_after)
+        self._sigterm_thread = watch_sigterm(
+            self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._finish_save_in_flight
+        )
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -182,6 +208,8 @@ class Trainer:
         self._watcher: ScheduledEventsWatcher | None = None
         self.manager: CheckpointManager | None = None
         self._reporter: CheckpointReporter | None = None
+        self.setup_seconds: dict[str, float] = {}
+        """Where a (re)start's time went: process start-up to here, then each part of `_setup`."""
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -218,10 +246,35 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------
 
     def train(self) -> dict[str, Any]:
-        """Run (or resume) training to the end; return the final summary (rank 0's view)."""
+        """Run (or resume) training to the end; return the final summary (rank 0's view).
+
+        If the loop raises (a collective failed because a peer left, or a bug), the
+        worker leaves at once with EXIT_FAILED after its traceback: a normal interpreter
+        exit would wait on the process group and background threads, and every second
+        spent here delays the agents' next round.
+        """
+        try:
+            return self._train()
+        except Exception:
+            log.exception("rank %d: training stopped at step %d", self.rank, self.step)
+            self._finish_save_in_flight()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_FAILED)
+
+    def _finish_save_in_flight(self) -> None:
+        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
+        if self.manager is None:
+            return
+        self.manager.wait(LEAVE_SAVE_WAIT)
+        if self.manager.in_flight is not None:
+            log.warning("leaving with the save of step %d unfinished", self.manager.in_flight)
+
+    def _train(self) -> dict[str, Any]:
         run = self._setup()
         self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
-                    "resumed_samples": run.sampler.consumed})  # fmt: skip
+                    "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
+                    "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
         accuracy = float("nan")
         evaluated_at = -1
         while run.sampler.epoch < self.config.epochs and not self._step_limit_reached():
@@ -250,12 +303,17 @@ class Trainer:
     def _setup(self) -> _Run:
         """Process group, data, model, optimizer; then resume and start the side channels."""
         config = self.config
+        clock = self.setup_seconds
+        clock["process"] = process_age()
+        began = time.perf_counter()
         dist.init_process_group(self.backend, timeout=timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        clock["group"], began = time.perf_counter() - began, time.perf_counter()
         train_set, test_set, classes = self._datasets()
+        clock["data"], began = time.perf_counter() - began, time.perf_counter()
         model: nn.Module = MODELS[config.model](classes).to(self.device)
         run = _Run(
             model=model,
@@ -277,7 +335,9 @@ class Trainer:
                 on_report=self._on_checkpoint,
                 reopen=reopen if saves_in_child else None,
             )
+            clock["model"], began = time.perf_counter() - began, time.perf_counter()
             self._resume(run)
+            clock["resume"] = time.perf_counter() - began
         url = config.scheduled_events_url()
         if url:
             self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
@@ -326,6 +386,7 @@ class Trainer:
             lr=lr,
             checkpoint_step=self.manager.last_committed if self.manager else None,
             checkpoint_error=self.manager.last_error if self.manager else None,
+            trained_samples=_trained(run.sampler),
         )
         self._emit({"event": "progress", **asdict(record)})
         if self._tensorboard is not None:

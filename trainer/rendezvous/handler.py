@@ -9,6 +9,8 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    (minutes with NCCL). Here `num_nodes_waiting()` also reports a change when a
    member of our round stopped heartbeating or the round moved on, so the agent
    restarts its workers and the survivors re-form within `dead_after` seconds.
+   Before it does, it leaves a marker (`eviction.PEER_LOST_ENV`) telling its workers
+   not to wait for a step boundary that cannot come.
 2. **The worker store follows rank 0.** torch caches the first round's master
    address across rounds and lets the workers use rank 0's agent store; when that
    node dies the survivors dial a dead host. We disable that sharing, so every
@@ -25,8 +27,10 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
@@ -41,6 +45,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
+from torchspot.trainer.eviction import PEER_LOST_ENV
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -77,6 +82,12 @@ def membership_changed(joined_round: int, joined_members: frozenset[Any], state:
     return False, ""
 
 
+def lost_members(joined_members: frozenset[Any], state: Any) -> list[str]:
+    """Members of our round that stopped heartbeating (torch's sync drops dead nodes'
+    heartbeats), whatever round the state has moved on to. Pure."""
+    return sorted(str(node) for node in joined_members if node not in state.last_heartbeats)
+
+
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
 
@@ -94,6 +105,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and remember who is in it."""
         self._joined = None
+        _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
         info = super().next_rendezvous()
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
@@ -121,6 +133,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             changed, reason = membership_changed(*self._joined, state)
             if changed:
                 log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
+                if lost_members(self._joined[1], state):
+                    _peer_lost_marker().touch()
                 return max(waiting, 1)
         return waiting
 
@@ -157,6 +171,20 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             log.warning("rendezvous %s: %s", self._settings.run_id, message)
 
 
+def _peer_lost_marker() -> Path:
+    return Path(os.environ[PEER_LOST_ENV])
+
+
+def name_peer_lost_marker() -> None:
+    """Choose this agent's peer-lost marker file (module docstring, point 1), once per process.
+
+    Workers learn its name from the environment, so it must be set before the first one
+    (or the fork server they come from) starts.
+    """
+    if PEER_LOST_ENV not in os.environ:
+        os.environ[PEER_LOST_ENV] = str(Path(tempfile.mkdtemp(prefix="torchspot-agent-")) / "peer-lost")
+
+
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Build the `etcd-v3` handler from torchrun's rendezvous parameters.
 
@@ -171,6 +199,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise RendezvousConnectionError(str(exc)) from exc
     # See the module docstring, point 2. Workers do not read this variable.
     os.environ[_DISABLE_SHARED_STORE] = "1"
+    name_peer_lost_marker()
     lease = RunLease(client, settings.lease_ttl)
     backend = EtcdV3RendezvousBackend(client, settings, lease)
     store = EtcdStore(client, settings, lease)
