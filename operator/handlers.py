@@ -56,7 +56,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     mode = os.environ.get(constants.NODE_HANDLING_ENV, "") or constants.NODE_HANDLING_MODES[0]
     if mode not in constants.NODE_HANDLING_MODES:
         choices = " or ".join(constants.NODE_HANDLING_MODES)
-        raise kopf.PermanentError(f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}")
+        raise kopf.PermanentError(
+            f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}"
+        )
     _state["node_handling"] = mode == "proactive"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
