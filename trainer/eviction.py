@@ -12,7 +12,7 @@ Two sources warn a worker that it is about to go:
   exits with 128+SIGTERM. When the agent restarts the workers because a peer stopped
   heartbeating, it says so first (a marker file named by `PEER_LOST_ENV`): no step
   boundary can come, since every collective includes the lost peer, so the worker
-  exits at once instead of waiting `stuck_exit_after`.
+  waits only `PEER_LOST_GRACE` seconds instead of `stuck_exit_after`.
 - Azure Scheduled Events: a thread polls the instance metadata service about once a
   second; a `Preempt` or `Terminate` event for this VM raises the notice, and the
   event is approved (`StartRequests`) after the emergency checkpoint, so the
@@ -39,6 +39,9 @@ SCHEDULED_EVENTS_URL = "http://169.254.169.254/metadata/scheduledevents?api-vers
 VM_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 """IMDS path that returns this VM's name, which Scheduled Events lists in `Resources`."""
 EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
+PEER_LOST_GRACE = 2.0
+"""Seconds a worker told of a lost peer still waits for a step boundary: a peer that was only
+slow to heartbeat (a starved node) lets the step finish, and the emergency checkpoint loses nothing."""
 PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
 """Environment variable naming the file whose existence means: this node's agent stops its
 workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
@@ -128,15 +131,11 @@ def watch_sigterm(
         while signal.SIGTERM not in os.read(read_fd, 64):
             continue
         notice.set("SIGTERM", "pod deletion or agent restart")
-        if lost():
-            log.warning("SIGTERM after a peer was lost: no step boundary can come, exiting")
-        elif notice.acknowledged.wait(stuck_exit_after):
+        wait = min(stuck_exit_after, PEER_LOST_GRACE) if lost() else stuck_exit_after
+        if notice.acknowledged.wait(wait):
             return
-        else:
-            log.warning(
-                "no step boundary %.0f s after SIGTERM: stuck in a collective, exiting",
-                stuck_exit_after,
-            )
+        log.warning("no step boundary %.0f s after SIGTERM%s: stuck in a collective, exiting",
+                    wait, " (a peer was lost)" if wait < stuck_exit_after else "")  # fmt: skip
         before_exit()
         exit_now(128 + signal.SIGTERM)
 

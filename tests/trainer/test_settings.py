@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchspot.trainer.launch import check_args, forks_our_trainer, main, parse_rdzv_conf
+from torchspot.trainer.launch import FORK_ENV, check_args, forks_our_trainer, main, parse_rdzv_conf
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
 
 
@@ -126,6 +126,7 @@ def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: lis
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(["--nnodes", "1:3", *_GOOD, *argv])
-    assert forks_our_trainer(args) is forked
+    assert forks_our_trainer(args, {FORK_ENV: "1"}) is forked
+    assert forks_our_trainer(args, {}) is False  # opt-in
     stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot.trainer"])
-    assert forks_our_trainer(stock) is False
+    assert forks_our_trainer(stock, {FORK_ENV: "1"}) is False
