@@ -328,17 +328,15 @@ class CheckpointManager:
         except TimeoutError:
             return None
         except RuntimeError as exc:
-            with self._lock:
-                if self._pending is pending:
-                    self._pending = None
             if self._saver is None:
                 raise
             report = SaveReport(self._pending_step, False, 0.0, error=str(exc))
             self._done(report)
             return report
-        with self._lock:
-            if self._pending is pending:
-                self._pending = None
+        finally:
+            with self._lock:
+                if pending.done() and self._pending is pending:
+                    self._pending = None
         return result
 
     def close(self) -> None:

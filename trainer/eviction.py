@@ -111,8 +111,8 @@ def watch_sigterm(
     Call from the main thread. CPython's C-level handler writes the signal number to
     the wakeup fd from whichever thread received the signal; a watcher thread reads
     it at once, raises the notice, and exits the process if the training loop does
-    not acknowledge it at a step boundary within `stuck_exit_after` seconds, or at
-    once when `lost()` says a peer is gone (no boundary can come then).
+    not acknowledge it at a step boundary within `stuck_exit_after` seconds, or within
+    `PEER_LOST_GRACE` seconds when `lost()` says a peer is gone (no boundary should come then).
 
     :param exit_now: how to exit (tests pass a recorder).
     :param before_exit: run before a stuck worker exits (the trainer gives its save in flight a chance).

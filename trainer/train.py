@@ -26,12 +26,12 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -174,6 +174,25 @@ def process_age() -> float:
     return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit now with `code`, our output flushed: no interpreter shutdown to wait on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _lap(clock: dict[str, float]) -> Callable[[str], None]:
+    """A stopwatch that records, under each name it is called with, the time since its previous call."""
+    last = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        clock[name], last = now - last, now
+
+    return lap
+
+
 def _trained(sampler: ElasticSampler) -> int:
     return sampler.epoch * sampler.length + sampler.consumed
 
@@ -258,9 +277,7 @@ class Trainer:
         except Exception:
             log.exception("rank %d: training stopped at step %d", self.rank, self.step)
             self._finish_save_in_flight()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_FAILED)
+            _leave(EXIT_FAILED)
 
     def _finish_save_in_flight(self) -> None:
         """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
@@ -303,17 +320,16 @@ class Trainer:
     def _setup(self) -> _Run:
         """Process group, data, model, optimizer; then resume and start the side channels."""
         config = self.config
-        clock = self.setup_seconds
-        clock["process"] = process_age()
-        began = time.perf_counter()
+        self.setup_seconds["process"] = process_age()
+        lap = _lap(self.setup_seconds)
         dist.init_process_group(self.backend, timeout=timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        clock["group"], began = time.perf_counter() - began, time.perf_counter()
+        lap("group")
         train_set, test_set, classes = self._datasets()
-        clock["data"], began = time.perf_counter() - began, time.perf_counter()
+        lap("data")
         model: nn.Module = MODELS[config.model](classes).to(self.device)
         run = _Run(
             model=model,
@@ -335,9 +351,9 @@ class Trainer:
                 on_report=self._on_checkpoint,
                 reopen=reopen if saves_in_child else None,
             )
-            clock["model"], began = time.perf_counter() - began, time.perf_counter()
+            lap("model")
             self._resume(run)
-            clock["resume"] = time.perf_counter() - began
+            lap("resume")
         url = config.scheduled_events_url()
         if url:
             self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
@@ -486,9 +502,7 @@ class Trainer:
         """Leave at once after the emergency checkpoint; peers see our sockets close."""
         if self._watcher is not None:
             self._watcher.stop()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_EVICTED)
+        _leave(EXIT_EVICTED)
 
     def _resume(self, run: _Run) -> None:
         """Load the newest committed checkpoint; rank 0 chooses it so all ranks load the same one."""
