@@ -59,6 +59,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "events.k8s.io/v1/events": {"kind": "Event", "namespaced": True},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {"kind": "CustomResourceDefinition", "namespaced": False},
+    "kopf.dev/v1/clusterkopfpeerings": {"kind": "ClusterKopfPeering", "namespaced": False},
     "torchspot.dev/v1alpha1/elasticjobs": {
         "kind": "ElasticJob",
         "namespaced": True,

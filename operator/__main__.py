@@ -7,8 +7,8 @@ http://0.0.0.0:8080/healthz`, `--log-format json` (structured logs), `--standalo
 
 More than one replica: with `--peering` and no `--priority`, each replica picks a
 random priority, so kopf's peering lets exactly one (the highest) handle objects and
-pauses the others until it is gone: leader election without extra code. (Replicas with
-equal priorities would all pause.)
+pauses the others until it is gone (see operator/README.md). Replicas with equal
+priorities would all pause: one in a million per pair.
 """
 
 from __future__ import annotations

@@ -228,3 +228,16 @@ def etcd_disruption_budget(job: JobRef) -> dict[str, Any]:
         "metadata": job.metadata(job.etcd_name, constants.ROLE_ETCD),
         "spec": {"minAvailable": 1, "selector": {"matchLabels": job.labels(constants.ROLE_ETCD)}},
     }
+
+
+def peering(name: str) -> dict[str, Any]:
+    """The peering object replicas of the operator share (kopf keeps their records in its status).
+
+    The operator creates it when it starts with `--peering NAME`, so no install step has to
+    create an instance of a CRD it installs in the same go (Helm cannot).
+    """
+    return {
+        "apiVersion": constants.PEERING_API_VERSION,
+        "kind": constants.PEERING_KIND,
+        "metadata": {"name": name, "labels": {constants.LABEL_MANAGED_BY: constants.MANAGER}},
+    }

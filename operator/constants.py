@@ -53,6 +53,15 @@ default: a worker's node that turns bad has its pods deleted at once) or `off` (
 failures and deletions count, as with controllers that do not watch nodes; the goodput
 benchmark runs the stock recipe so)."""
 NODE_HANDLING_MODES: Final = ("proactive", "off")
+PEERING_API_VERSION: Final = "kopf.dev/v1"
+PEERING_KIND: Final = "ClusterKopfPeering"
+"""Where replicas of the operator find each other (kopf's peering): one cluster-scoped
+object named by `--peering`, whether the operator watches all namespaces or some, so
+replicas of one install always meet in the same place. The chart installs its CRD."""
+PEERING_LIFETIME: Final = 15
+"""Seconds a replica's peering record stays valid without a keep-alive (kopf's default: 60).
+A standby takes over this long after the active replica died without saying goodbye (a
+crashed node); a clean exit hands over at once. Replicas refresh it every 5-10 s."""
 AGENT_MAX_RESTARTS: Final = 100
 """torchrun's `--max-restarts` in every worker pod. Each membership change (a peer evicted,
 frozen or added) fails the survivors' collectives and costs each surviving agent one

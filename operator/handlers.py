@@ -16,9 +16,9 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot.operator import constants
+from torchspot.operator import builders, constants
 from torchspot.operator.controller import Controller
-from torchspot.operator.kube import Kube
+from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.reconcile import node_trouble
 from torchspot.operator.spec import InvalidSpecError, Placement, default_etcd_placement
 
@@ -60,6 +60,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
             f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}"
         )
     _state["node_handling"] = mode == "proactive"
+    if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
+        settings.peering.clusterwide = True
+        settings.peering.lifetime = constants.PEERING_LIFETIME
+        _state["peering"] = settings.peering.name
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
@@ -87,7 +91,25 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
             resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
             node_handling=bool(_state.get("node_handling", True)),
         )
+        if _state.get("peering"):
+            await _ensure_peering(str(_state["peering"]))
     return info
+
+
+async def _ensure_peering(name: str) -> None:
+    """Create the peering object if no replica has yet, before kopf starts using it.
+
+    kopf starts a `--peering` operator paused and only resumes it once the object tells
+    it that no replica of higher priority lives; an object that never appears would keep
+    it paused for ever, so a missing CRD or permission stops the operator instead.
+    """
+    try:
+        await controller().api.create(builders.peering(name))
+    except ApiError as exc:
+        raise kopf.PermanentError(
+            f"--peering={name}: cannot create {constants.PEERING_KIND} {name!r} ({exc}); install its CRD "
+            "(the chart does, crds.peering) and allow the operator to create it, or run with --standalone"
+        ) from exc
 
 
 @kopf.on.cleanup()

@@ -21,6 +21,7 @@ RELEASE = "torchspot"
 NAMESPACE = "torchspot"
 FILES = {
     "crd.yaml": ["crd.yaml"],
+    "peering-crd.yaml": ["peering-crd.yaml"],
     "rbac.yaml": ["serviceaccount.yaml", "rbac.yaml"],
     "operator.yaml": ["deployment.yaml"],
 }

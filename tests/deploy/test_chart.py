@@ -23,12 +23,13 @@ from torchspot.operator import constants
 from torchspot.operator.spec import default_etcd_placement
 
 K8S_VERSION = "1.37.0"
+PEERINGS = "clusterkopfpeerings"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["ml-a", "ml-b"], "logLevel": "debug", "logFormat": "plain"},
     "no-crd-own-account": {
-        "crds": {"enabled": False, "keep": False},
+        "crds": {"enabled": False, "keep": False, "peering": False},
         "serviceAccount": {"create": False, "name": "platform-operator"},
         "rbac": {"aggregateToDefaultRoles": False},
     },
@@ -79,19 +80,22 @@ def test_defaults_install_everything_cluster_wide(tmp_path: Path) -> None:
     docs = template()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "CustomResourceDefinition", "Deployment"] + ["ClusterRole"] * 4 + ["ClusterRoleBinding"] * 2
+        ["ServiceAccount", "Deployment"]
+        + ["CustomResourceDefinition"] * 2
+        + ["ClusterRole"] * 4
+        + ["ClusterRoleBinding"] * 2
     )
-    crd = one(docs, "CustomResourceDefinition")
-    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    for crd in find(docs, "CustomResourceDefinition"):
+        assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     assert _operator(docs)["args"] == [
-        "--standalone",
+        "--peering=torchspot",
         "--all-namespaces",
         "--liveness=http://0.0.0.0:8080/healthz",
         "--log-format=json",
     ]
     assert find(docs, "RoleBinding") == []
     cluster = one(docs, "ClusterRole", "torchspot-cluster")
-    assert [r["resources"] for r in cluster["rules"]] == [["nodes"], ["customresourcedefinitions"]]
+    assert [r["resources"] for r in cluster["rules"]] == [["nodes"], ["customresourcedefinitions"], [PEERINGS]]
 
 
 def test_watched_namespaces_get_role_bindings_only_there(tmp_path: Path) -> None:
@@ -116,6 +120,25 @@ def test_watched_namespaces_get_role_bindings_only_there(tmp_path: Path) -> None
     assert "--log-format=plain" in args
 
 
+def test_replicas_meet_through_peering_and_roll_one_at_a_time(tmp_path: Path) -> None:
+    """Several operator pods are safe: kopf's peering (its CRD in the chart) lets one act at a time."""
+    docs = template({"replicas": 2}, tmp_path)
+    deployment = _deployment(docs)
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert "--peering=torchspot" in _operator(docs)["args"]
+    assert "--standalone" not in _operator(docs)["args"]
+    peering = one(docs, "CustomResourceDefinition", f"{PEERINGS}.kopf.dev")
+    assert peering["spec"]["names"]["kind"] == constants.PEERING_KIND
+    assert peering["spec"]["scope"] == "Cluster"
+    assert f"{peering['spec']['group']}/{peering['spec']['versions'][0]['name']}" == constants.PEERING_API_VERSION
+    shared = template({"crds": {"enabled": True, "keep": True, "peering": False}}, tmp_path)
+    assert [c["metadata"]["name"] for c in find(shared, "CustomResourceDefinition")] == ["elasticjobs.torchspot.dev"]
+
+
 def test_crd_switch_and_a_service_account_of_ones_own(tmp_path: Path) -> None:
     docs = template(VALUE_SETS["no-crd-own-account"], tmp_path)
     assert find(docs, "CustomResourceDefinition") == []
@@ -130,7 +153,7 @@ def test_crd_switch_and_a_service_account_of_ones_own(tmp_path: Path) -> None:
 
 def test_crd_without_keep_has_no_resource_policy(tmp_path: Path) -> None:
     docs = template({"crds": {"enabled": True, "keep": False}}, tmp_path)
-    assert "annotations" not in one(docs, "CustomResourceDefinition")["metadata"]
+    assert all("annotations" not in crd["metadata"] for crd in find(docs, "CustomResourceDefinition"))
 
 
 def test_operator_placement_image_and_etcd_default(tmp_path: Path) -> None:
@@ -145,7 +168,7 @@ def test_operator_placement_image_and_etcd_default(tmp_path: Path) -> None:
     container = _operator(docs)
     assert container["image"] == "myacr.azurecr.io/torchspot-operator@sha256:" + "a" * 64
     assert "--quiet" in container["args"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     placement = default_etcd_placement(env[constants.ETCD_PLACEMENT_ENV])  # the operator accepts what the chart sets
     assert placement is not None
     assert placement.node_selector == {"kubernetes.azure.com/mode": "system"}
@@ -157,7 +180,6 @@ def test_operator_pod_is_locked_down() -> None:
     docs = template()
     pod = _deployment(docs)["spec"]["template"]["spec"]
     assert _deployment(docs)["spec"]["replicas"] == 1
-    assert _deployment(docs)["spec"]["strategy"] == {"type": "Recreate"}  # never two operators on one job
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -195,7 +217,9 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
             assert "secrets" not in rule["resources"]
             assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
     cluster = one(docs, "ClusterRole", "torchspot-cluster")
-    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster["rules"])
+    for rule in cluster["rules"]:  # cluster-wide: reading, and kopf's peering records
+        allowed = {"get", "list", "watch"} | ({"create", "patch"} if rule["resources"] == [PEERINGS] else set())
+        assert set(rule["verbs"]) <= allowed, rule
     jobs = {(g, res): set(rule["verbs"]) for rule in one(docs, "ClusterRole", "torchspot-jobs")["rules"]
             for g in rule["apiGroups"] for res in rule["resources"]}  # fmt: skip
     assert jobs[("", "pods")] == {"get", "list", "watch", "create", "delete"}
@@ -206,11 +230,12 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
 def test_chart_names_the_operators_environment_variable() -> None:
     """The chart cannot import constants.py: this keeps its copy of the name in step."""
     env = {e["name"] for e in _operator(template())["env"]}
-    assert env == {constants.ETCD_PLACEMENT_ENV}
+    assert env == {constants.ETCD_PLACEMENT_ENV, "POD_ID"}  # POD_ID: kopf's name for the replica
 
 
 BAD_VALUES = [
     ("unknown-key", {"replicaCount": 2}, "replicaCount"),
+    ("no-replicas", {"replicas": 0}, "replicas"),
     ("typo-nested", {"crds": {"enabeld": True}}, "enabeld"),
     ("wrong-type", {"watchNamespaces": "ml-a"}, "watchNamespaces"),
     ("bad-enum", {"logLevel": "verbose"}, "logLevel"),

@@ -43,7 +43,7 @@ def test_plain_manifests_are_the_chart_rendered() -> None:
 
 
 def test_chart_crd_and_manifests_crd_are_identical() -> None:
-    in_chart = one(template(), "CustomResourceDefinition")
+    in_chart = one(template(), "CustomResourceDefinition", "elasticjobs.torchspot.dev")
     assert in_chart == _load(MANIFESTS / "crd.yaml")
 
 

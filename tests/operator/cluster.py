@@ -1,0 +1,77 @@
+"""The emulated Kubernetes API as the operator's tests use it: synchronous helpers that play kubelet and user."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from torchspot.lab.kubeapi import KubeApi
+from torchspot.operator import constants
+from torchspot.operator.kube import Kube
+
+T = TypeVar("T")
+NS = "default"
+
+
+class Cluster:
+    """The emulated API plus synchronous helpers that play kubelet and user."""
+
+    def __init__(self, api: KubeApi) -> None:
+        self.api = api
+        self.kube = Kube(server=api.url, headers={}, ssl_context=True)
+
+    def job(self, name: str) -> dict[str, Any]:
+        found = self.api.run(self.kube.get(constants.API_VERSION, constants.PLURAL, NS, name))
+        assert found is not None
+        return found
+
+    def pods(self, job: str) -> list[dict[str, Any]]:
+        labels = {constants.LABEL_JOB: job, constants.LABEL_ROLE: constants.ROLE_WORKER}
+        return sorted(self.api.run(self.kube.list("v1", "Pod", NS, labels)), key=lambda p: p["metadata"]["name"])
+
+    def names(self, job: str) -> list[str]:
+        return [p["metadata"]["name"] for p in self.pods(job)]
+
+    def create(self, body: dict[str, Any]) -> None:
+        self.api.run(self.kube.create(body))
+
+    def patch(self, plural: str, name: str, patch: dict[str, Any], namespace: str | None = NS) -> None:
+        api_version = constants.API_VERSION if plural == constants.PLURAL else "v1"
+        self.api.run(self.kube.patch(api_version, plural, namespace, name, patch))
+
+    def run_pod(self, name: str, node: str) -> None:
+        """What the scheduler and kubelet report for a started, ready pod."""
+        status = {"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+        self.patch("pods", name, {"spec": {"nodeName": node}, "status": status})
+
+    def add_node(self, name: str) -> None:
+        self.create({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {constants.SPOT_LABEL: constants.SPOT_VALUE}},
+            "spec": {}, "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+        })  # fmt: skip
+
+    def events(self, reason: str) -> list[dict[str, Any]]:
+        return [e for e in self.api.run(self.kube.list("v1", "Event", NS)) if e.get("reason") == reason]
+
+    def etcd_kinds(self, job: str) -> set[str]:
+        kinds = set()
+        for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")):
+            if self.api.run(self.kube.get(api_version, kind, NS, f"{job}-etcd")) is not None:
+                kinds.add(kind)
+        return kinds
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) -> T:
+    """Poll `check` until it returns something truthy; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
