@@ -48,6 +48,8 @@ def test_evict_node_cordons_and_deletes_its_pods_but_daemonsets(
     cluster: tuple[KubeApi, Kube], hard: bool, grace: int | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     api, kube = cluster
+    assert api.emulator is not None
+    api.emulator.request_log = 1000  # this test reads the DELETE requests back
     assert main(["evict", "node", "spot-1", *(["--hard"] if hard else [])]) == 0
     node = api.run(kube.get("v1", "nodes", None, "spot-1"))
     assert node is not None
