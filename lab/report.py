@@ -117,7 +117,9 @@ def _restarts(rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> list
             before, progress = rounds[index - 1]
             newest = max([before["step"], *(p["step"] for p in progress)])
             lost = max(newest - start["step"], 0)
-        restarts.append({"t": start["t"], "step": start["step"], "world_size": start["world_size"], "lost": lost})
+        origin = start.get("resumed_from", "checkpoint" if start["step"] else "start")
+        restarts.append({"t": start["t"], "step": start["step"], "world_size": start["world_size"], "lost": lost,
+                         "from": origin})  # fmt: skip
     return restarts
 
 
@@ -159,6 +161,7 @@ def build_report(
     for restart in restarts:
         entries.append({"t": restart["t"], "kind": "round",
                         "text": f"worker group of {restart['world_size']} training from step {restart['step']}"
+                                + (" (a node's local snapshot)" if restart["from"] == "snapshot" else "")
                                 + (f" ({restart['lost']} steps redone)" if restart["lost"] else "")})  # fmt: skip
     for event in trainer_events:
         if event["event"] == "checkpoint" and event.get("ok"):

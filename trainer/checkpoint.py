@@ -387,6 +387,11 @@ class CheckpointManager:
                 return loaded
         return None
 
+    def latest_step(self) -> int | None:
+        """The newest step with a commit marker, from one listing (not read or verified)."""
+        steps = committed_steps(self.storage.list("step-"))
+        return steps[-1] if steps else None
+
     def load_step(self, step: int) -> Loaded | None:
         """One specific committed checkpoint (None if missing or corrupt)."""
         return self._read(step, step_dir(step))

@@ -1,9 +1,11 @@
 """The elastic training loop: DDP ResNet training that survives world-size changes.
 
 One public method, `Trainer.train()`. The topology comes from torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK); every start resumes from the newest committed
-checkpoint, so a membership change (which restarts all workers) costs the steps
-since the last checkpoint, and an eviction with notice costs none:
+(RANK, WORLD_SIZE, LOCAL_RANK); every start resumes from the newest state a node kept
+on its own disk as its worker stopped (snapshot.py: a survivor of a lost peer holds the
+last completed step) or, if newer or the only one, the newest committed checkpoint. So
+a membership change (which restarts all workers) costs at most the step in flight
+while any node survives with its state, and an eviction with notice costs none:
 
 - every step all ranks agree (one tiny all-reduce) whether any of them got an
   eviction notice; if so, rank 0 writes a synchronous emergency checkpoint at that
@@ -25,6 +27,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -52,6 +55,7 @@ from torchspot.trainer.eviction import (
 from torchspot.trainer.models import MODELS
 from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.sampler import ElasticSampler
+from torchspot.trainer.snapshot import Held, LocalSnapshot, choose_source, default_path
 from torchspot.trainer.storage import open_storage
 
 log = logging.getLogger(__name__)
@@ -216,7 +220,7 @@ class Trainer:
         self.config = config
         self.notice = EvictionNotice()
         self._sigterm_thread = watch_sigterm(
-            self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._finish_save_in_flight
+            self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._before_stuck_exit
         )
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -229,6 +233,18 @@ class Trainer:
         self._reporter: CheckpointReporter | None = None
         self.setup_seconds: dict[str, float] = {}
         """Where a (re)start's time went: process start-up to here, then each part of `_setup`."""
+        self._snapshot = LocalSnapshot(default_path(os.environ, self.local_rank)) if self.local_rank == 0 else None
+        """This node's copy of the state as its worker stops (see snapshot.py); one per node."""
+        self._run: _Run | None = None
+        """Set once the state is whole (after the resume): from then on a snapshot may be taken."""
+        self._base = 0
+        """The step this round resumed from (0: from scratch)."""
+        self._snapshot_lock = threading.Lock()
+        self._snapshot_taken = False
+        self._updating = False
+        """True from the optimizer's step until the step count moved: the state is not whole then."""
+        self.resumed_from = "start"
+        """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -276,8 +292,34 @@ class Trainer:
             return self._train()
         except Exception:
             log.exception("rank %d: training stopped at step %d", self.rank, self.step)
+            self._keep_snapshot()
             self._finish_save_in_flight()
             _leave(EXIT_FAILED)
+
+    def _keep_snapshot(self) -> None:
+        """Leave this node's state at the last completed step for the next round (snapshot.py).
+
+        Only once the state is whole: a failed collective inside a step leaves the model and
+        optimizer at the last completed step (the optimizer steps after the gradients'
+        all-reduce; `self.step` and the sampler advance after it).
+        """
+        with self._snapshot_lock:  # the main thread and the SIGTERM watcher may both get here
+            if self._snapshot is None or self._run is None or self._snapshot_taken:
+                return
+            if self._updating:
+                log.warning("rank %d: no local snapshot: stopped inside an optimizer step", self.rank)
+                return
+            self._snapshot_taken = True
+            took = self._snapshot.write(self._state(self._run), self._base)
+        if took is not None:
+            log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, self.step, took)
+
+    def _before_stuck_exit(self) -> None:
+        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
+        SIGTERM watcher: the main thread waits inside the collective, its state at the last
+        completed step, so the snapshot is taken from here."""
+        self._keep_snapshot()
+        self._finish_save_in_flight()
 
     def _finish_save_in_flight(self) -> None:
         """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
@@ -291,6 +333,7 @@ class Trainer:
         run = self._setup()
         self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                     "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
+                    "resumed_from": self.resumed_from,
                     "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
         accuracy = float("nan")
         evaluated_at = -1
@@ -310,6 +353,9 @@ class Trainer:
             self.manager.close()
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": accuracy}  # fmt: skip
+        self._run = None
+        if self._snapshot is not None:
+            self._snapshot.remove()
         self._emit(summary)
         self._shutdown()
         return summary
@@ -354,6 +400,7 @@ class Trainer:
             lap("model")
             self._resume(run)
             lap("resume")
+        self._run = run
         url = config.scheduled_events_url()
         if url:
             self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
@@ -379,6 +426,7 @@ class Trainer:
             loss, correct = self._step(run, inputs.to(self.device), labels.to(self.device), chunk)
             sampler.advance(self.world)
             self.step += 1
+            self._updating = False
             window.add(loss, correct, chunk)
             self._after_step(run)
             if self.step % self.config.log_every == 0:
@@ -441,6 +489,7 @@ class Trainer:
         logits = run.ddp(inputs)
         summed = nn.functional.cross_entropy(logits, labels, reduction="sum")
         (summed * self.world / chunk).backward()  # type: ignore[no-untyped-call]
+        self._updating = True
         run.optimizer.step()
         correct = float((logits.argmax(1) == labels).sum()) if len(labels) else 0.0
         return float(summed.detach()), correct
@@ -485,6 +534,7 @@ class Trainer:
         if notice is not None and notice.event_id and self._watcher is not None:
             self._watcher.approve(notice.event_id)
         if notice is not None and notice.source == "SIGTERM":
+            self._keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
             self._exit_evicted()
         # Hold: ping the group until the evicted node is gone (the ping then fails and
         # the agent re-forms the group), or until notice_hold passes (a false alarm).
@@ -494,6 +544,7 @@ class Trainer:
             time.sleep(0.2)
             dist.all_reduce(ping)
             if self.notice.is_set() and self.notice.notice and self.notice.notice.source == "SIGTERM":
+                self._keep_snapshot()
                 self._exit_evicted()
         self._emit({"event": "notice_expired", "step": self.step, "held_s": self.config.notice_hold})
         self.notice.clear()
@@ -505,26 +556,64 @@ class Trainer:
         _leave(EXIT_EVICTED)
 
     def _resume(self, run: _Run) -> None:
-        """Load the newest committed checkpoint; rank 0 chooses it so all ranks load the same one."""
+        """Resume from the newest node-local snapshot a rank holds, else from the newest committed
+        checkpoint; rank 0 chooses, so all ranks load the same state."""
         assert self.manager is not None
-        choice = torch.tensor([-1], dtype=torch.long, device=self.device)  # NCCL takes only GPU tensors
+        mine = self._snapshot.read() if self._snapshot is not None else None
+        held = self._gather_held(None if mine is None else mine[0])
+        choice = torch.tensor([-1, -1], dtype=torch.long, device=self.device)  # [snapshot source, step]
         loaded = None
         if self.rank == 0:
-            loaded = self.manager.load_latest()
-            choice[0] = -1 if loaded is None else loaded.step
+            committed = self.manager.latest_step() if any(held) else None
+            picked = choose_source(held, committed)
+            if picked is not None:
+                choice[0], choice[1] = picked[0], picked[1].step
+                self.manager.last_committed = committed
+            else:
+                loaded = self.manager.load_latest()
+                choice[1] = -1 if loaded is None else loaded.step
         dist.broadcast(choice, src=0)
-        if int(choice) < 0:
-            return
-        if self.rank != 0:
-            loaded = self.manager.load_step(int(choice))
-        if loaded is None:
-            raise RuntimeError(f"rank {self.rank}: checkpoint step {int(choice)} chosen by rank 0 is not readable here")
-        run.model.load_state_dict(loaded.state["model"])
-        run.optimizer.load_state_dict(loaded.state["optimizer"])
-        run.sampler.load_state_dict(loaded.state["sampler"])
-        set_rng_state(loaded.state["rng"])
-        self.step = int(loaded.state["step"])
-        self.manager.last_committed = self.step
+        source, step = int(choice[0]), int(choice[1])
+        if source >= 0:
+            self._load(run, self._state_from(source, held[source], mine))
+            self.resumed_from = "snapshot"
+        elif step >= 0:
+            if self.rank != 0:
+                loaded = self.manager.load_step(step)
+            if loaded is None:
+                raise RuntimeError(f"rank {self.rank}: checkpoint step {step} chosen by rank 0 is not readable here")
+            self._load(run, loaded.state)
+            self.manager.last_committed = self.step
+            self.resumed_from = "checkpoint"
+        self._base = self.step
+
+    def _gather_held(self, mine: Held | None) -> list[Held | None]:
+        """Every rank's snapshot (base and step), by rank."""
+        row = [0, 0, 0] if mine is None else [1, mine.base, mine.step]
+        info = torch.tensor(row, dtype=torch.long, device=self.device)
+        rows = [torch.zeros_like(info) for _ in range(self.world)]
+        dist.all_gather(rows, info)
+        return [Held(int(r[1]), int(r[2])) if int(r[0]) else None for r in rows]
+
+    def _state_from(self, source: int, chosen: Held | None, mine: tuple[Held, dict[str, Any]] | None) -> dict[str, Any]:
+        """The chosen snapshot's state: this rank's own copy when it holds the same one, else the
+        source's, sent over the process group (only when some rank lacks it: a joining node)."""
+        state = mine[1] if mine is not None and mine[0] == chosen else None
+        lacking = torch.tensor([0 if state is not None else 1], device=self.device)
+        dist.all_reduce(lacking, op=dist.ReduceOp.MAX)
+        if int(lacking) > 0:
+            box: list[Any] = [state if self.rank == source else None]
+            dist.broadcast_object_list(box, src=source)
+            state = state if state is not None else box[0]
+        assert state is not None
+        return state
+
+    def _load(self, run: _Run, state: dict[str, Any]) -> None:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
 
     def _evaluate(self, model: nn.Module, test_set: Dataset[Any]) -> float:
         """Top-1 accuracy over the whole test set, each rank scoring every world-th sample."""

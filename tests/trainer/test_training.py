@@ -97,8 +97,15 @@ def test_digits_accuracy_survives_two_evictions_and_notice_loses_no_step(
     # Hard eviction: the node vanishes with its workers.
     wait_for(lambda: max(e["step"] for e in _progress(read_events(events_path))) >= emergency[-1]["step"] + 20,
              120, "20 more steps")  # fmt: skip
+    last_before = max(e["step"] for e in _progress(read_events(events_path)))
+    hard_at = time.time()
     started[1].kill()
     assert _wait_exit([started[0]]) == [0]
+    # The survivor resumed from its own copy of the state at its last completed step, not from
+    # the last Blob checkpoint up to 10 steps back: at most the step in flight is redone.
+    after_hard = [e for e in read_events(events_path) if e.get("event") == "start" and e["t"] > hard_at]
+    assert after_hard[0]["resumed_from"] == "snapshot", after_hard
+    assert after_hard[0]["step"] >= last_before
     elastic_acc = _final(read_events(events_path))["test_accuracy"]
     assert abs(elastic_acc - base_acc) <= 0.01, (base_acc, elastic_acc)
 

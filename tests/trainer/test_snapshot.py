@@ -1,0 +1,71 @@
+"""Node-local snapshots: which rank's copy a round resumes from, and the file itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchspot.trainer.snapshot import Held, LocalSnapshot, choose_source, default_path, snapshot_path
+
+CHOICES = [
+    ("nobody holds one", [None, None], 40, None),
+    ("a survivor's newer step beats the checkpoint", [Held(40, 47), None], 40, (0, Held(40, 47))),
+    ("equal to the checkpoint: the local copy (no Blob read)", [None, Held(40, 40)], 40, (1, Held(40, 40))),
+    ("older than the checkpoint: Blob", [Held(20, 30), None], 40, None),
+    ("no checkpoint yet", [None, Held(0, 9)], None, (1, Held(0, 9))),
+    ("the lowest rank among equals", [None, Held(40, 47), Held(40, 47)], 40, (1, Held(40, 47))),
+    ("the newest step among one round's survivors", [Held(40, 46), Held(40, 47)], 40, (1, Held(40, 47))),
+    # A node cut off from its group trained on alone from an older round: its higher step loses.
+    ("a stale line loses to the newer round", [Held(30, 58), Held(45, 50)], 45, (1, Held(45, 50))),
+]
+
+
+@pytest.mark.parametrize(("case", "held", "committed", "expected"), CHOICES, ids=[c[0] for c in CHOICES])
+def test_choose_source(
+    case: str, held: list[Held | None], committed: int | None, expected: tuple[int, Held] | None
+) -> None:
+    assert choose_source(held, committed) == expected
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"model": {"w": torch.arange(4.0)}, "step": step, "rng": {"torch": torch.zeros(2, dtype=torch.uint8)}}
+
+
+def test_write_read_remove(tmp_path: Path) -> None:
+    snapshot = LocalSnapshot(tmp_path / "node" / "snap.pt")
+    assert snapshot.read() is None
+    assert snapshot.write(_state(12), base=10) is not None
+    read = snapshot.read()
+    assert read is not None
+    held, state = read
+    assert held == Held(10, 12)
+    assert torch.equal(state["model"]["w"], torch.arange(4.0))
+    assert not list((tmp_path / "node").glob("*.partial"))
+    snapshot.remove()
+    assert snapshot.read() is None
+
+
+def test_a_corrupt_snapshot_is_skipped_not_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "snap.pt"
+    snapshot = LocalSnapshot(path)
+    snapshot.write(_state(5), base=0)
+    path.write_bytes(path.read_bytes()[:100])  # cut short, as by a crash mid-write without the rename
+    assert snapshot.read() is None
+
+
+def test_an_unwritable_folder_costs_the_snapshot_only(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert LocalSnapshot(blocker / "snap.pt").write(_state(5), base=0) is None
+
+
+def test_paths_differ_per_agent_and_run_and_take_the_folder_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert snapshot_path(tmp_path, "job-a", 100, 0) != snapshot_path(tmp_path, "job-a", 101, 0)
+    assert snapshot_path(tmp_path, "job-a", 100, 0) != snapshot_path(tmp_path, "job-b", 100, 0)
+    assert snapshot_path(tmp_path, "../x", 1, 0).parent == tmp_path  # a run id cannot leave the folder
+    environ = {"TORCHSPOT_SNAPSHOT_DIR": str(tmp_path), "TORCHELASTIC_RUN_ID": "r1"}
+    assert default_path(environ, 0).parent == tmp_path
