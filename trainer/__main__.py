@@ -10,12 +10,16 @@ from torchspot.trainer.storage import quiet_sdk_logs
 from torchspot.trainer.train import Trainer
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse flags, train (resuming from the newest checkpoint), exit 0 when done."""
+def build(argv: list[str] | None = None) -> Trainer:
+    """Logging, then the trainer for these flags (a bad flag stops here, naming it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_sdk_logs()
-    config = parse_config(argv)
-    Trainer(config).train()
+    return Trainer(parse_config(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, train (resuming from the newest checkpoint), exit 0 when done."""
+    build(argv).train()
     return 0
 
 

@@ -88,11 +88,24 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_trainer(*argv: str) -> int:
-    """The worker's entry point when the agent forks it (module-level: the fork server pickles it by name)."""
-    from torchspot.trainer.__main__ import main  # noqa: PLC0415 - imported in the fork server already
+_FINISHED: list[object] = []
+"""Trainers whose run ended, kept until the forked worker exits (see run_trainer)."""
 
-    return main(list(argv))
+
+def run_trainer(*argv: str) -> int:
+    """The worker's entry point when the agent forks it (module-level: the fork server pickles it by name).
+
+    The finished trainer (and its run) is kept referenced: freeing DDP's reducer destroys its
+    gloo process group, and in a forked worker that destructor waited for ever joining a gloo
+    thread (py-spy: ~ProcessGroupGloo in std::thread::join), so the agents never saw the run
+    end. A forked worker ends with os._exit, which frees nothing.
+    """
+    from torchspot.trainer.__main__ import build  # noqa: PLC0415 - imported in the fork server already
+
+    trainer = build(list(argv))
+    trainer.train()
+    _FINISHED.append(trainer)
+    return 0
 
 
 def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:

@@ -243,6 +243,7 @@ class Trainer:
         self._snapshot_taken = False
         self._updating = False
         """True from the optimizer's step until the step count moved: the state is not whole then."""
+        self.finished_run: _Run | None = None
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
@@ -354,6 +355,7 @@ class Trainer:
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": accuracy}  # fmt: skip
         self._run = None
+        self.finished_run = run  # freed with the trainer, not here (launch.run_trainer says why)
         if self._snapshot is not None:
             self._snapshot.remove()
         self._emit(summary)
