@@ -47,6 +47,22 @@ PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
 workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
 
 
+RESTART_MARKER = "restart"
+"""File beside the peer-lost marker whose existence means: this node's agent is stopping its
+workers to re-form the group (a node joins, or a peer is lost); the node itself stays."""
+
+
+def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when this node's agent has marked that it restarts its workers for a new round.
+
+    A SIGTERM then is not the node's eviction: the worker's own snapshot carries its state to
+    the next round, and no emergency checkpoint to Blob is needed (a node that is really
+    leaving gets its SIGTERM without this marker, and then the checkpoint is written).
+    """
+    path = environ.get(PEER_LOST_ENV, "")
+    return path != "" and os.path.exists(os.path.join(os.path.dirname(path), RESTART_MARKER))
+
+
 def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:
     """True when this node's agent has marked the current round as having lost a peer."""
     path = environ.get(PEER_LOST_ENV, "")

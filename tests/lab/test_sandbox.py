@@ -88,7 +88,9 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert from_blob <= committed, (resumed, sorted(committed))
     # The eviction with notice lost nothing: its emergency checkpoint is where the next round began.
     emergency = [e for e in events if e["event"] == "emergency_checkpoint"]
-    assert emergency
+    # Only the evicted node's notice writes one to Blob: the restarts of the nodes that stay
+    # (for the joiners, after the freeze) keep their state in their snapshots instead.
+    assert len(emergency) == 1, emergency
     assert emergency[0]["ok"]
     assert report.restarts[1]["step"] == emergency[0]["step"]
     assert report.restarts[1]["lost"] == 0

@@ -22,8 +22,10 @@ from torchspot.lab.imds import FakeImds, scheduled_event
 from torchspot.lab.local import wait_for
 from torchspot.trainer.eviction import (
     PEER_LOST_ENV,
+    RESTART_MARKER,
     EvictionNotice,
     ScheduledEventsWatcher,
+    agent_restarting,
     evicting_events,
     peer_lost,
 )
@@ -157,6 +159,16 @@ def test_peer_lost_reads_the_marker_named_by_the_environment(tmp_path: Path) -> 
     assert not peer_lost({PEER_LOST_ENV: str(marker)})
     marker.touch()
     assert peer_lost({PEER_LOST_ENV: str(marker)})
+
+
+def test_agent_restarting_reads_the_restart_marker_beside_the_peer_lost_one(tmp_path: Path) -> None:
+    environ = {PEER_LOST_ENV: str(tmp_path / "peer-lost")}
+    assert not agent_restarting({})
+    assert not agent_restarting(environ)
+    (tmp_path / "peer-lost").touch()
+    assert not agent_restarting(environ)  # a lost peer alone does not say the agent restarts us
+    (tmp_path / RESTART_MARKER).touch()
+    assert agent_restarting(environ)
 
 
 _ACKED = textwrap.dedent(

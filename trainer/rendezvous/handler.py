@@ -10,7 +10,10 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    member of our round stopped heartbeating or the round moved on, so the agent
    restarts its workers and the survivors re-form within `dead_after` seconds.
    Before it does, it leaves a marker (`eviction.PEER_LOST_ENV`) telling its workers
-   not to wait for a step boundary that cannot come.
+   not to wait for a step boundary that cannot come. Whenever it reports a change
+   (a joiner waits, or a member is gone) it also leaves `eviction.RESTART_MARKER`
+   beside it: the SIGTERM its workers get next is a restart, not their node's
+   eviction, so they keep their state on the node instead of writing to Blob.
 2. **The worker store follows rank 0.** torch caches the first round's master
    address across rounds and lets the workers use rank 0's agent store; when that
    node dies the survivors dial a dead host. We disable that sharing, so every
@@ -45,7 +48,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from torchspot.trainer.eviction import PEER_LOST_ENV
+from torchspot.trainer.eviction import PEER_LOST_ENV, RESTART_MARKER
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -106,6 +109,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Join the next round and remember who is in it."""
         self._joined = None
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
+        _restart_marker().unlink(missing_ok=True)
         info = super().next_rendezvous()
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
@@ -135,7 +139,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
                 if lost_members(self._joined[1], state):
                     _peer_lost_marker().touch()
+                _restart_marker().touch()
                 return max(waiting, 1)
+        if waiting:  # the agent restarts its workers for the joiners next
+            _restart_marker().touch()
         return waiting
 
     def shutdown(self) -> bool:
@@ -173,6 +180,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
 def _peer_lost_marker() -> Path:
     return Path(os.environ[PEER_LOST_ENV])
+
+
+def _restart_marker() -> Path:
+    return _peer_lost_marker().with_name(RESTART_MARKER)
 
 
 def name_peer_lost_marker() -> None:
