@@ -52,6 +52,11 @@ RESTART_MARKER = "restart"
 workers to re-form the group (a node joins, or a peer is lost); the node itself stays."""
 
 
+def restart_marker(peer_lost_marker: str) -> str:
+    """The restart marker's path: beside the peer-lost marker (one environment variable names both)."""
+    return os.path.join(os.path.dirname(peer_lost_marker), RESTART_MARKER)
+
+
 def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
     """True when this node's agent has marked that it restarts its workers for a new round.
 
@@ -60,7 +65,7 @@ def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
     leaving gets its SIGTERM without this marker, and then the checkpoint is written).
     """
     path = environ.get(PEER_LOST_ENV, "")
-    return path != "" and os.path.exists(os.path.join(os.path.dirname(path), RESTART_MARKER))
+    return path != "" and os.path.exists(restart_marker(path))
 
 
 def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:

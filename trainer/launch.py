@@ -95,7 +95,7 @@ _FINISHED: list[object] = []
 def run_trainer(*argv: str) -> int:
     """The worker's entry point when the agent forks it (module-level: the fork server pickles it by name).
 
-    The finished trainer (and its run) is kept referenced: freeing DDP's reducer destroys its
+    The finished trainer (which keeps its run) stays referenced: freeing DDP's reducer destroys its
     gloo process group, and in a forked worker that destructor waited for ever joining a gloo
     thread (py-spy: ~ProcessGroupGloo in std::thread::join), so the agents never saw the run
     end. A forked worker ends with os._exit, which frees nothing.

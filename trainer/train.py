@@ -11,7 +11,9 @@ while any node survives with its state, and an eviction with notice costs none:
   eviction notice; if so, rank 0 writes a synchronous emergency checkpoint at that
   step boundary, a Scheduled Event is approved, a worker told by SIGTERM exits, and
   the others hold (pinging each other) until the evicted node is gone and the
-  agent re-forms the group, so no step is run twice;
+  agent re-forms the group, so no step is run twice (when every notice is only the
+  agent restarting its workers, no node leaves: the Blob checkpoint is skipped and each
+  node's snapshot carries the state);
 - rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps),
   and reports the last committed step in `latest.json` beside them;
 - the learning rate is a function of the fraction of the run's samples consumed, so
@@ -240,14 +242,14 @@ class Trainer:
         self._snapshot = LocalSnapshot(default_path(os.environ, self.local_rank)) if self.local_rank == 0 else None
         """This node's copy of the state as its worker stops (see snapshot.py); one per node."""
         self._run: _Run | None = None
-        """Set once the state is whole (after the resume): from then on a snapshot may be taken."""
+        """Set once the state is whole (after the resume): from then on a snapshot may be taken.
+        Kept after the run ends (launch.run_trainer says why)."""
         self._base = 0
         """The step this round resumed from (0: from scratch)."""
         self._snapshot_lock = threading.Lock()
         self._snapshot_taken = False
         self._updating = False
         """True from the optimizer's step until the step count moved: the state is not whole then."""
-        self.finished_run: _Run | None = None
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
@@ -358,10 +360,9 @@ class Trainer:
             self.manager.close()
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": accuracy}  # fmt: skip
-        self._run = None
-        self.finished_run = run  # freed with the trainer, not here (launch.run_trainer says why)
         if self._snapshot is not None:
             self._snapshot.remove()
+            self._snapshot = None  # the run is over: nothing to carry to a next round
         self._emit(summary)
         self._shutdown()
         return summary
@@ -596,7 +597,7 @@ class Trainer:
         dist.broadcast(choice, src=0)
         source, step = int(choice[0]), int(choice[1])
         if source >= 0:
-            self._load(run, self._state_from(source, held[source], mine))
+            self._load(run, self._state_from(source, held, mine))
             self.resumed_from = "snapshot"
         elif step >= 0:
             if self.rank != 0:
@@ -616,13 +617,15 @@ class Trainer:
         dist.all_gather(rows, info)
         return [Held(int(r[1]), int(r[2])) if int(r[0]) else None for r in rows]
 
-    def _state_from(self, source: int, chosen: Held | None, mine: tuple[Held, dict[str, Any]] | None) -> dict[str, Any]:
+    def _state_from(
+        self, source: int, held: list[Held | None], mine: tuple[Held, dict[str, Any]] | None
+    ) -> dict[str, Any]:
         """The chosen snapshot's state: this rank's own copy when it holds the same one, else the
-        source's, sent over the process group (only when some rank lacks it: a joining node)."""
+        source's, sent over the process group (only when some rank lacks it: a joining node;
+        every rank knows from `held` whether one does)."""
+        chosen = held[source]
         state = mine[1] if mine is not None and mine[0] == chosen else None
-        lacking = torch.tensor([0 if state is not None else 1], device=self.device)
-        dist.all_reduce(lacking, op=dist.ReduceOp.MAX)
-        if int(lacking) > 0:
+        if any(h != chosen for h in held):
             box: list[Any] = [state if self.rank == source else None]
             dist.broadcast_object_list(box, src=source)
             state = state if state is not None else box[0]

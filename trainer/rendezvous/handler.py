@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousTimeout,
 )
 
-from torchspot.trainer.eviction import PEER_LOST_ENV, RESTART_MARKER
+from torchspot.trainer.eviction import PEER_LOST_ENV, restart_marker
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -183,7 +183,7 @@ def _peer_lost_marker() -> Path:
 
 
 def _restart_marker() -> Path:
-    return _peer_lost_marker().with_name(RESTART_MARKER)
+    return Path(restart_marker(os.environ[PEER_LOST_ENV]))
 
 
 def name_peer_lost_marker() -> None:
