@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 from collections.abc import Mapping
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -28,18 +28,23 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
-from torchspot.trainer.rendezvous.handler import name_peer_lost_marker, register
+from torchspot.trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
 from torchspot.trainer.rendezvous.settings import BACKEND_NAME, parse_settings
 
 PROG = "torchspot-run"
 TRAINER_MODULE = "torchspot.trainer"
 FORK_ENV = "TORCHSPOT_FORK_WORKERS"
-"""Set to 1 to fork workers from a warm server (experimental: see FORK_PRELOAD). Off by default:
-forked workers restart 1-6 s faster but trained 9-16% slower per step in bench/goodput."""
-FORK_PRELOAD = ("torch._dynamo", "torchspot.trainer.train")
+"""Set to 0 to start each worker as a new interpreter, as torchrun does, instead of forking it
+from a warm server (FORK_PRELOAD). Forked by default: a restart at every membership change then
+costs about 0.1 s of process start instead of 1.3-2.9 s, and 0.2-0.5 s of model set-up instead
+of 1.3-2.6 s. Early measurements (bench/README.md, run 6) had forked workers 9-16% slower per
+step; side by side without a market they are not (0.756 against 0.737 s at 2 nodes, 1.194
+against 1.266 s at 3)."""
+FORK_PRELOAD = ("torch._dynamo", "torchspot.trainer.train", "azure.storage.blob")
 """What the fork server imports once, so that a worker restarted at every membership change
-does not: torch and our trainer (about 2 s), and torch._dynamo, which DistributedDataParallel
-imports on first use (another 1.5-2.5 s). Measured in the trainer's start line (`setup_s`)."""
+does not: torch and our trainer (about 1.3 s alone, 2-3 s on a busy node), torch._dynamo, which
+DistributedDataParallel imports on first use (another 1.5-2.5 s), and the Blob SDK (0.2 s;
+skipped where it is not installed). Measured in the trainer's start line (`setup_s`)."""
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _TORCHRUN_DEFAULT_RUN_ID = "none"
 
@@ -108,11 +113,15 @@ def run_trainer(*argv: str) -> int:
     return 0
 
 
+def _warm() -> None:
+    """A worker that does nothing: forking it waits until the server has imported FORK_PRELOAD."""
+
+
 def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether to fork the workers from a warm server: asked for (FORK_ENV=1), and our trainer
-    under our rendezvous. Pure."""
+    """Whether to fork the workers from a warm server: our trainer under our rendezvous, unless
+    FORK_ENV=0 says not to. Pure."""
     return bool(
-        environ.get(FORK_ENV) == "1"
+        environ.get(FORK_ENV, "1") != "0"
         and args.module
         and args.training_script == TRAINER_MODULE
         and args.rdzv_backend == BACKEND_NAME
@@ -128,11 +137,14 @@ def _launch_forked(args: argparse.Namespace) -> None:
     config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
     config.start_method = "forkserver"
     multiprocessing.set_forkserver_preload(list(FORK_PRELOAD))
-    # Start it now, so its imports overlap the rendezvous instead of delaying the first
-    # worker (a node joining a running job would hold up everyone's process group). It
-    # copies this environment now: whatever workers read must be set before.
+    # Start it, and wait for its imports, before joining the rendezvous: a node that joins a
+    # running job makes everyone restart, and its first worker would hold up the new group
+    # while it imported torch; the group trains on meanwhile instead. It copies this
+    # environment now: whatever workers read must be set before.
     name_peer_lost_marker()
-    multiprocessing.forkserver.ensure_running()
+    warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
+    warm.start()
+    warm.join()
     elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
 
 
@@ -145,6 +157,10 @@ def _launch(args: argparse.Namespace) -> None:
             torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RendezvousConnectionError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None
+    except SignalException:
+        # Our node is going (the agent has stopped its workers): let the others re-form now.
+        leave_rendezvous()
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

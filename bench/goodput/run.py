@@ -1,10 +1,12 @@
 """Goodput benchmark: torchspot against the AKS TorchElastic lab's stock recipe, one spot market, one run.
 
-    .venv/bin/python bench/goodput/run.py [--out DIR] [--calibrate 90] [--images 3000]
+    .venv/bin/python bench/goodput/run.py [--out DIR] [--calibrate 120] [--images 3000]
 
 In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in this order:
 1. calibration: torchspot's job without interruptions on k spot nodes, for every k the
-   market's capacity takes; each gives the samples per second k nodes make;
+   market's capacity takes; each gives the samples per second k nodes make. Each runs
+   past its first epoch end, so the reference also pays for the evaluation every epoch
+   ends with (2-3 s here), as the market's runs do;
 2. torchspot as shipped (bench/goodput/torchspot.yaml) through bench/goodput/market.yaml;
 3. the stock recipe (bench/goodput/stock.yaml: plain torchrun, `etcd-v2` on an etcd
    started with --enable-v2, stock_train.py's synchronous checkpoint once per epoch to a
@@ -128,7 +130,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("goodput-%Y%m%d-%H%M%S"))
     parser.add_argument("--market", type=Path, default=HERE / "market.yaml")
-    parser.add_argument("--calibrate", type=float, default=90.0, help="seconds of each calibration run")
+    parser.add_argument(
+        "--calibrate", type=float, default=120.0, help="seconds of each calibration run (an epoch end included)"
+    )
     parser.add_argument("--images", type=int, default=3000, help="training images (an epoch: ~2 min on 3 nodes)")
     args = parser.parse_args()
     out: Path = args.out.resolve()

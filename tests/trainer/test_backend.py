@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,13 @@ from torchspot.lab.local import wait_for
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient
-from torchspot.trainer.rendezvous.handler import create_handler, lost_members, membership_changed
+from torchspot.trainer.rendezvous.handler import (
+    EtcdV3RendezvousHandler,
+    complete_early,
+    create_handler,
+    lost_members,
+    membership_changed,
+)
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings
 from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.rendezvous.store import EtcdStore
@@ -254,6 +261,67 @@ def test_membership_changed(state: Any, changed: bool) -> None:
 def test_lost_members_are_those_without_heartbeats_whatever_the_round(heartbeats: set[str], lost: list[str]) -> None:
     state = _state(9, ["a"], last_heartbeats=dict.fromkeys(heartbeats, 0))  # the round moved on
     assert lost_members(frozenset({"a", "b", "c"}), state) == lost
+
+
+@pytest.mark.parametrize(
+    ("participants", "extra", "early"),
+    [
+        (["a", "b"], {}, True),
+        (["a"], {}, False),
+        (["a"], {"last_heartbeats": {"a": 0}}, True),
+        (["a", "b", "d"], {}, True),
+        (["a", "b"], {"wait_list": {"d"}}, False),
+        (["a", "b"], {"complete": True}, False),
+        (["b"], {}, False),
+        (["a", "b"], {"closed": True}, False),
+    ],
+    ids=["all-rejoined", "one-still-coming", "the-other-died", "with-a-stranger", "joiner-waiting", "already-complete",
+         "not-in-it", "closed"],
+)  # fmt: skip
+def test_complete_early_when_every_live_member_of_the_last_round_rejoined(
+    participants: list[str], extra: dict[str, Any], early: bool
+) -> None:
+    state = _state(8, participants, **({"complete": False, "last_heartbeats": {"a": 0, "b": 0}} | extra))
+    assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=1) is early
+
+
+def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
+    state = _state(8, ["a", "b"], complete=False, last_heartbeats={"a": 0, "b": 0})
+    assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=3) is False
+    assert complete_early(frozenset(), "a", state, min_nodes=1) is False  # a first round waits its last call
+
+
+def _handlers(etcd: EtcdServer, run_id: str, n: int) -> list[EtcdV3RendezvousHandler]:
+    """`n` handlers of one run (torch gives each its own node id in one process). Heartbeats
+    every 5 s (dead after 15 s) and a 30 s last call: neither can be what makes a round form
+    within the 10 s join timeout."""
+    conf = {"keep_alive_interval": "5", "last_call_timeout": "30", "join_timeout": "10"}
+    params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 3, **conf)
+    return [create_handler(params) for _ in range(n)]  # type: ignore[misc]
+
+
+def _join(handlers: list[EtcdV3RendezvousHandler]) -> list[tuple[int, int]]:
+    """Every handler's next round, joined at once: (rank, world size) each."""
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    return [(info.rank, info.world_size) for info in infos]
+
+
+def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdServer, run_id: str) -> None:
+    """A node stopped by a signal takes itself out (nobody waits 15 s for its heartbeats), and
+    the two left form their round as soon as both rejoined (nobody waits the 30 s last call)."""
+    a, b, c = handlers = _handlers(etcd, run_id, 3)
+    try:
+        assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
+        assert a.num_nodes_waiting() == 0
+
+        c.leave()
+        assert wait_for(a.num_nodes_waiting, timeout=5, what="the member's departure") == 1
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+        assert b.num_nodes_waiting() == 0
+    finally:
+        for handler in handlers:
+            handler.leave()
 
 
 def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:

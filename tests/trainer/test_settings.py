@@ -126,7 +126,8 @@ def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: lis
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(["--nnodes", "1:3", *_GOOD, *argv])
+    assert forks_our_trainer(args, {}) is forked  # by default
     assert forks_our_trainer(args, {FORK_ENV: "1"}) is forked
-    assert forks_our_trainer(args, {}) is False  # opt-in
+    assert forks_our_trainer(args, {FORK_ENV: "0"}) is False  # opted out
     stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot.trainer"])
     assert forks_our_trainer(stock, {FORK_ENV: "1"}) is False

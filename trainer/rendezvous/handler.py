@@ -21,9 +21,18 @@ round logic is sound) and change three things it gets wrong for spot nodes:
 3. **etcd trouble is not a membership change.** While etcd is unreachable the
    agent keeps training (workers do not need etcd) instead of crashing, and a
    finished run deletes its keys when the last agent leaves.
+4. **Rounds form promptly.** torch re-reads the state once a second while it waits
+   for other nodes, and a round of fewer than `max_nodes` always waits out its last
+   call. Here an agent re-reads every `state_poll_interval` (0.25 s), and a round
+   completes as soon as every member of the previous round that still heartbeats
+   has joined it (`complete_early`); the last call still bounds the wait for
+   anyone slower. An agent stopped by a signal (its node leaves) takes itself out
+   of the rendezvous (`leave_rendezvous`) instead of leaving the others to wait
+   until its heartbeats expire.
 
-This subclass reads two attributes of torch's handler (`_state_holder`,
-`_heartbeat_lock`); torch is pinned to 2.13.0 and the tests exercise both.
+This subclass reads and replaces attributes of torch's handler (`_state_holder`,
+`_heartbeat_lock`, `_op_executor`, `_this_node`) and runs torch's op executor with
+its own ops; torch is pinned to 2.13.0 and the tests exercise all of it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,6 +56,11 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
+    _RendezvousJoinOp,
 )
 
 from torchspot.trainer.eviction import PEER_LOST_ENV, restart_marker
@@ -91,6 +106,89 @@ def lost_members(joined_members: frozenset[Any], state: Any) -> list[str]:
     return sorted(str(node) for node in joined_members if node not in state.last_heartbeats)
 
 
+def complete_early(previous: frozenset[Any], node: Any, state: Any, min_nodes: int) -> bool:
+    """Whether `node` may complete the forming round now instead of at its last call.
+
+    Pure. Yes when the round is still open, has `min_nodes`, holds `node`, no node waits
+    for a later round, and every member of the previous round (`previous`) that still
+    heartbeats has joined it: whoever else might come is a stranger, and strangers join
+    the next round anyway. No for a first round (nobody to expect).
+    """
+    if state.complete or state.closed or not previous or state.wait_list:
+        return False
+    if node not in state.participants or len(state.participants) < min_nodes:
+        return False
+    return all(member in state.participants for member in previous if member in state.last_heartbeats)
+
+
+class _LeaveOp:
+    """Take this node out of the rendezvous, whatever list it is in (torch's exit op only
+    knows the participants)."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if time.monotonic() > deadline:
+            return _Action.ERROR_TIMEOUT
+        if ctx.node in ctx.state.participants:
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        if ctx.node in ctx.state.wait_list:
+            return _Action.REMOVE_FROM_WAIT_LIST
+        if ctx.node in ctx.state.redundancy_list:
+            return _Action.REMOVE_FROM_REDUNDANCY_LIST
+        return _Action.FINISH
+
+
+class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's op executor, except while it waits for other nodes (module docstring, point 4).
+
+    torch sleeps 1 s whenever an op answers "wait"; here the op is asked again after
+    `poll` seconds against a fresh state, and a join that `ready` approves completes
+    the round at once.
+    """
+
+    def __init__(self, node: Any, state_holder: Any, settings: Any, poll: float, ready: Callable[[Any], bool]) -> None:
+        super().__init__(node, state_holder, settings)
+        self._poll = poll
+        self._ready = ready
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """Run `state_handler` to its end, as torch does, re-reading the state every `poll` seconds."""
+        joining = isinstance(state_handler, _RendezvousJoinOp)
+
+        def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
+            while True:
+                action = state_handler(ctx, deadline)
+                if action != _Action.SYNC:
+                    return action
+                if joining and self._ready(ctx.state):
+                    return _Action.MARK_RENDEZVOUS_COMPLETE
+                time.sleep(self._poll)
+                self._state_holder.sync()
+                self._state = self._state_holder.state  # the state torch's actions then change
+                ctx = _RendezvousContext(self._node, self._state, self._settings)
+
+        super().run(prompt, deadline, update_deadline)
+
+
+_ACTIVE: list[EtcdV3RendezvousHandler] = []
+"""This process's handlers, for leave_rendezvous (torch gives the launcher no handle on them)."""
+
+
+def leave_rendezvous() -> None:
+    """Take this agent out of its rendezvous: it was stopped by a signal (its pod is deleted).
+
+    torch's launcher deliberately leaves the rendezvous open then (closing it would end
+    the job for everyone); this only removes our node, so the others re-form at once
+    instead of after our heartbeats expire.
+    """
+    for handler in _ACTIVE:
+        handler.leave()
+
+
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
 
@@ -98,6 +196,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _etcd_settings: EtcdV3Settings
     _lease: RunLease
     _joined: tuple[int, frozenset[Any]] | None
+    _previous: frozenset[Any]
     _last_warning: float
 
     @property
@@ -107,6 +206,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and remember who is in it."""
+        self._previous = frozenset() if self._joined is None else self._joined[1]
         self._joined = None
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
         _restart_marker().unlink(missing_ok=True)
@@ -163,13 +263,38 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             log.warning("rendezvous %s: keys not deleted (%s); they expire by lease", settings.run_id, exc)
         return closed
 
-    def bind_etcd(self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease) -> None:
-        """Attach the etcd connection (torch's `from_backend` fixes the constructor's arguments)."""
+    def leave(self) -> None:
+        """Stop heartbeating and take this node out of the rendezvous (see leave_rendezvous)."""
+        self._stop_heartbeats()
+        deadline = time.monotonic() + self._etcd_settings.request_timeout
+        try:
+            self._op_executor.run(_LeaveOp(), deadline)
+        except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
+            log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
+        else:
+            log.info("rendezvous %s: left", self._settings.run_id)
+
+    def bind_etcd(
+        self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease, backend: EtcdV3RendezvousBackend
+    ) -> None:
+        """Attach the etcd connection (torch's `from_backend` fixes the constructor's arguments),
+        and the prompt state reads of point 4 of the module docstring."""
         self._etcd = client
         self._etcd_settings = settings
         self._lease = lease
         self._joined = None
+        self._previous = frozenset()
         self._last_warning = 0.0
+        poll = settings.state_poll_interval
+        self._state_holder = _BackendRendezvousStateHolder(backend, self._settings, cache_duration=poll)  # type: ignore[arg-type]  # torch annotates int, compares as float
+        self._op_executor = _PromptOpExecutor(
+            self._this_node,
+            self._state_holder,
+            self._settings,
+            poll,
+            lambda state: complete_early(self._previous, self._this_node, state, self._settings.min_nodes),
+        )
+        _ACTIVE.append(self)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
@@ -231,7 +356,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]
         keep_alive_max_attempt=settings.keep_alive_max_attempt,
     )
-    handler.bind_etcd(client, settings, lease)
+    handler.bind_etcd(client, settings, lease, backend)
     return handler
 
 

@@ -58,6 +58,10 @@ class EtcdV3Settings:
     Abandoned runs (every agent killed) clean themselves up after this long."""
     store_poll_interval: float = 0.02
     """Seconds between polls while the key-value store waits for a key."""
+    state_poll_interval: float = 0.25
+    """Seconds between reads of the rendezvous state while an agent waits for other nodes,
+    and the longest it serves a cached state. torch reads every 1 s, and a round takes
+    several of those waits in a row; each agent reads one small key 4 times a second here."""
 
     @property
     def endpoint(self) -> str:
@@ -114,6 +118,7 @@ _MINIMUMS: dict[str, float] = {
     "heartbeat_timeout": 0.1,
     "lease_ttl": 2,
     "store_poll_interval": 0.001,
+    "state_poll_interval": 0.01,
 }
 
 
