@@ -12,7 +12,8 @@ Two sources warn a worker that it is about to go:
   exits with 128+SIGTERM. When the agent restarts the workers because a peer stopped
   heartbeating, it says so first (a marker file named by `PEER_LOST_ENV`): no step
   boundary can come, since every collective includes the lost peer, so the worker
-  waits only `PEER_LOST_GRACE` seconds instead of `stuck_exit_after`.
+  waits at most until `PEER_LOST_GRACE` seconds after its last step boundary instead
+  of `stuck_exit_after`.
 - Azure Scheduled Events: a thread polls the instance metadata service about once a
   second; a `Preempt` or `Terminate` event for this VM raises the notice, and the
   event is approved (`StartRequests`) after the emergency checkpoint, so the
@@ -40,8 +41,10 @@ VM_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version
 """IMDS path that returns this VM's name, which Scheduled Events lists in `Resources`."""
 EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
 PEER_LOST_GRACE = 2.0
-"""Seconds a worker told of a lost peer still waits for a step boundary: a peer that was only
-slow to heartbeat (a starved node) lets the step finish, and the emergency checkpoint loses nothing."""
+"""Seconds after its last step boundary that a worker told of a lost peer still waits for the
+next: a peer that was only slow to heartbeat (a starved node) lets the step finish. Counted from
+the boundary, not from the SIGTERM: a peer is declared lost only after seconds without a
+heartbeat, and a worker stuck with it since then has nothing more to wait for."""
 PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
 """Environment variable naming the file whose existence means: this node's agent stops its
 workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
@@ -93,6 +96,12 @@ class EvictionNotice:
         self._lock = threading.Lock()
         self.acknowledged = threading.Event()
         """Set by the training loop when it has reached a step boundary after the notice."""
+        self.boundary = time.monotonic()
+        """When the training loop last reached a step boundary (`step_boundary`)."""
+
+    def step_boundary(self) -> None:
+        """Record that the training loop is between two steps now."""
+        self.boundary = time.monotonic()
 
     def set(self, source: str, detail: str, event_id: str | None = None) -> None:
         """Raise the notice (later calls keep the first reason)."""
@@ -119,6 +128,17 @@ class EvictionNotice:
         return self._notice
 
 
+def stuck_wait(stuck_exit_after: float, lost: bool, since_boundary: float) -> float:
+    """Seconds a worker that got SIGTERM waits for a step boundary before it counts as stuck.
+
+    Pure. `stuck_exit_after` without a lost peer; with one, what is left of PEER_LOST_GRACE
+    since the last boundary (`since_boundary` seconds ago), and nothing once that is spent.
+    """
+    if not lost:
+        return stuck_exit_after
+    return max(0.0, min(stuck_exit_after, PEER_LOST_GRACE) - since_boundary)
+
+
 def watch_sigterm(
     notice: EvictionNotice,
     *,
@@ -132,8 +152,9 @@ def watch_sigterm(
     Call from the main thread. CPython's C-level handler writes the signal number to
     the wakeup fd from whichever thread received the signal; a watcher thread reads
     it at once, raises the notice, and exits the process if the training loop does
-    not acknowledge it at a step boundary within `stuck_exit_after` seconds, or within
-    `PEER_LOST_GRACE` seconds when `lost()` says a peer is gone (no boundary should come then).
+    not acknowledge it at a step boundary within `stuck_exit_after` seconds, or, when
+    `lost()` says a peer is gone (no boundary should come then), within what is left of
+    `PEER_LOST_GRACE` since the last boundary (`stuck_wait`).
 
     :param exit_now: how to exit (tests pass a recorder).
     :param before_exit: run before a stuck worker exits (the trainer gives its save in flight a chance).
@@ -152,11 +173,13 @@ def watch_sigterm(
         while signal.SIGTERM not in os.read(read_fd, 64):
             continue
         notice.set("SIGTERM", "pod deletion or agent restart")
-        wait = min(stuck_exit_after, PEER_LOST_GRACE) if lost() else stuck_exit_after
+        peer_gone = lost()
+        wait = stuck_wait(stuck_exit_after, peer_gone, time.monotonic() - notice.boundary)
         if notice.acknowledged.wait(wait):
             return
-        log.warning("no step boundary %.0f s after SIGTERM%s: stuck in a collective, exiting",
-                    wait, " (a peer was lost)" if wait < stuck_exit_after else "")  # fmt: skip
+        since = time.monotonic() - notice.boundary
+        why = f" (a peer was lost; last step boundary {since:.1f} s ago)" if peer_gone else ""
+        log.warning("no step boundary %.1f s after SIGTERM%s: stuck in a collective, exiting", wait, why)
         before_exit()
         exit_now(128 + signal.SIGTERM)
 

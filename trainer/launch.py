@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import sys
 from collections.abc import Mapping
 
@@ -107,6 +108,7 @@ def run_trainer(*argv: str) -> int:
     """
     from torchspot.trainer.__main__ import build  # noqa: PLC0415 - imported in the fork server already
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_start_fork_server)
     trainer = build(list(argv))
     trainer.train()
     _FINISHED.append(trainer)
@@ -132,6 +134,23 @@ def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.
     )
 
 
+def _start_fork_server() -> None:
+    """Start the fork server and wait until it has imported FORK_PRELOAD.
+
+    It ignores SIGTERM (the disposition survives its exec): a SIGTERM sent to every process
+    of the pod must leave it to the agent to stop the workers. The agent hears of a worker's
+    exit through the server, so a server killed first reads as every worker gone at once,
+    and the agent would leave while its workers still write their emergency checkpoint.
+    """
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
+        warm.start()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    warm.join()
+
+
 def _launch_forked(args: argparse.Namespace) -> None:
     """torchrun's launch with the trainer as a function, each worker forked from a server that preloaded it."""
     config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
@@ -142,9 +161,7 @@ def _launch_forked(args: argparse.Namespace) -> None:
     # while it imported torch; the group trains on meanwhile instead. It copies this
     # environment now: whatever workers read must be set before.
     name_peer_lost_marker()
-    warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
-    warm.start()
-    warm.join()
+    _start_fork_server()
     elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
 
 

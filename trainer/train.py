@@ -519,6 +519,7 @@ class Trainer:
 
     def _after_step(self, run: _Run) -> None:
         """Agree on eviction notices, and checkpoint on schedule."""
+        self.notice.step_boundary()
         flag = torch.tensor([self._notice_level()], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if self.notice.is_set():

@@ -22,12 +22,14 @@ from torchspot.lab.imds import FakeImds, scheduled_event
 from torchspot.lab.local import wait_for
 from torchspot.trainer.eviction import (
     PEER_LOST_ENV,
+    PEER_LOST_GRACE,
     RESTART_MARKER,
     EvictionNotice,
     ScheduledEventsWatcher,
     agent_restarting,
     evicting_events,
     peer_lost,
+    stuck_wait,
 )
 
 _event = scheduled_event
@@ -151,6 +153,15 @@ def test_sigterm_after_a_peer_was_lost_exits_without_waiting_for_a_step_boundary
     assert time.monotonic() - sent < 5  # not the 60 s stuck_exit_after
     assert "save given its chance" in out
     assert "(a peer was lost)" in err
+
+
+@pytest.mark.parametrize(
+    ("lost", "since_boundary", "wait"),
+    [(False, 5.0, 60.0), (True, 0.0, PEER_LOST_GRACE), (True, 0.5, PEER_LOST_GRACE - 0.5), (True, 3.0, 0.0)],
+    ids=["no-peer-lost", "peer-lost-at-a-boundary", "peer-lost-mid-step", "stuck-since-before-the-loss"],
+)
+def test_stuck_wait_counts_the_grace_from_the_last_boundary(lost: bool, since_boundary: float, wait: float) -> None:
+    assert stuck_wait(60.0, lost, since_boundary) == pytest.approx(wait)
 
 
 def test_peer_lost_reads_the_marker_named_by_the_environment(tmp_path: Path) -> None:
