@@ -152,7 +152,7 @@ def test_sigterm_after_a_peer_was_lost_exits_without_waiting_for_a_step_boundary
     assert proc.returncode == 143
     assert time.monotonic() - sent < 5  # not the 60 s stuck_exit_after
     assert "save given its chance" in out
-    assert "(a peer was lost)" in err
+    assert "(a peer was lost; last step boundary" in err
 
 
 @pytest.mark.parametrize(
