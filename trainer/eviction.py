@@ -98,6 +98,9 @@ class EvictionNotice:
         """Set by the training loop when it has reached a step boundary after the notice."""
         self.boundary = time.monotonic()
         """When the training loop last reached a step boundary (`step_boundary`)."""
+        self.parked = False
+        """True while the training loop waits at a step boundary for a leaving peer (after an
+        emergency checkpoint): a SIGTERM then ends the worker at once, its state being whole."""
 
     def step_boundary(self) -> None:
         """Record that the training loop is between two steps now."""
@@ -174,7 +177,7 @@ def watch_sigterm(
             continue
         notice.set("SIGTERM", "pod deletion or agent restart")
         peer_gone = lost()
-        wait = stuck_wait(stuck_exit_after, peer_gone, time.monotonic() - notice.boundary)
+        wait = 0.0 if notice.parked else stuck_wait(stuck_exit_after, peer_gone, time.monotonic() - notice.boundary)
         if notice.acknowledged.wait(wait):
             return
         since = time.monotonic() - notice.boundary

@@ -19,7 +19,8 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from types import FrameType
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -165,8 +166,31 @@ def _launch_forked(args: argparse.Namespace) -> None:
     elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
 
 
+_TORCH_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""The signals torch's agent turns into SignalException (its default: SIGTERM,SIGINT,SIGHUP,SIGQUIT)."""
+
+
+def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM: take our node out of the rendezvous, then what torch's handler does (raise
+    SignalException, so the agent stops its workers and exits). The other nodes re-form at
+    once instead of when our workers are done with their emergency checkpoint."""
+    leave_rendezvous()
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def handle_sigterm_ourselves(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Install leave_then_stop for SIGTERM and tell torch's agent to leave SIGTERM alone (it
+    registers its own handler whenever it starts workers); a user's own choice of signals stays."""
+    if _TORCH_SIGNALS_ENV in environ:
+        return
+    environ[_TORCH_SIGNALS_ENV] = "SIGINT,SIGHUP,SIGQUIT"
+    signal.signal(signal.SIGTERM, leave_then_stop)
+
+
 @record
 def _launch(args: argparse.Namespace) -> None:
+    if args.rdzv_backend == BACKEND_NAME:
+        handle_sigterm_ourselves()
     try:
         if forks_our_trainer(args):
             _launch_forked(args)

@@ -67,13 +67,20 @@ EXIT_EVICTED = 128 + signal.SIGTERM
 """Exit code of a worker that stopped for SIGTERM after its emergency checkpoint."""
 EXIT_FAILED = 1
 """Exit code of a worker whose training loop raised (a collective failed: a peer left)."""
-NOTICE_RESTART = 1.0
-NOTICE_LEAVING = 2.0
-"""A rank's notice, all-reduced with MAX after every step: one leaving node makes it durable."""
+NOTICE_RESTART = 1
+NOTICE_LEAVING = 2
+"""A rank's notice, all-gathered after every step: any notice stops the group at this boundary,
+and the lowest leaving rank, if any, writes the emergency checkpoint (`emergency_saver`)."""
 LEAVE_SAVE_WAIT = 5.0
 """Seconds a leaving rank 0 gives its checkpoint save in flight before it exits. The save
 usually holds the newest step and needs a few seconds more; the survivors' agents re-form
 meanwhile, and a round that completes without this node costs only a worker start-up."""
+
+
+def emergency_saver(levels: list[int]) -> int | None:
+    """The rank that writes the emergency checkpoint: the lowest one whose node leaves, or None
+    when no node leaves (every notice is an agent's restart). Pure."""
+    return next((rank for rank, level in enumerate(levels) if level >= NOTICE_LEAVING), None)
 
 
 def learning_rate(config: TrainConfig, progress: float) -> float:
@@ -267,8 +274,10 @@ class Trainer:
         train_folder, val_folder = load_imagenet(path, config.image_size)
         return train_folder, val_folder, len(train_folder.classes)
 
-    def _emit(self, record: dict[str, Any]) -> None:
-        if self.rank != 0:
+    def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
+        """Print one event line (and append it to --events-file): rank 0's, or any rank's
+        with `any_rank` (an event only that rank sees)."""
+        if self.rank != 0 and not any_rank:
             return
         record = {"t": time.time(), **record}
         line = json.dumps(record)
@@ -520,45 +529,50 @@ class Trainer:
     def _after_step(self, run: _Run) -> None:
         """Agree on eviction notices, and checkpoint on schedule."""
         self.notice.step_boundary()
-        flag = torch.tensor([self._notice_level()], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        mine = torch.tensor([self._notice_level()], dtype=torch.long, device=self.device)
+        levels = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(levels, mine)
         if self.notice.is_set():
             self.notice.acknowledged.set()
-        if flag.item() > 0:
-            self._evict(run, durable=flag.item() >= NOTICE_LEAVING)
+        noticed = [int(level.item()) for level in levels]
+        if any(noticed):
+            self._evict(run, saver=emergency_saver(noticed))
             return
         every = self.config.checkpoint_every
         if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
             self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
 
-    def _notice_level(self) -> float:
+    def _notice_level(self) -> int:
         """0: no notice; NOTICE_RESTART: our agent's SIGTERM to re-form the group (the node stays);
         NOTICE_LEAVING: anything else (the node's eviction, a Scheduled Event)."""
         notice = self.notice.notice if self.notice.is_set() else None
         if notice is None:
-            return 0.0
+            return 0
         if notice.source == "SIGTERM" and agent_restarting():
             return NOTICE_RESTART
         return NOTICE_LEAVING
 
-    def _evict(self, run: _Run, *, durable: bool = True) -> None:
+    def _evict(self, run: _Run, *, saver: int | None) -> None:
         """Emergency checkpoint at this step boundary, then leave (or hold) without training on.
 
-        Not `durable` when every notice is an agent's restart (a node joins or a peer is lost,
-        no node of ours leaves): each node's snapshot carries the state to the next round, so
-        the group skips the Blob round trip (2-3 s of a 89 MB ResNet-18 state here).
+        Rank `saver` (a leaving one: its grace period covers it) writes the checkpoint to Blob;
+        nobody does when every notice is an agent's restart (a node joins or a peer is lost, no
+        node of ours leaves): each node's snapshot carries the state to the next round. A rank
+        that got its own SIGTERM leaves without waiting for the checkpoint (its snapshot holds
+        the same step), so the nodes that stay re-form while the leaving one writes.
         """
-        if self.manager is not None and self.rank == 0 and durable:
+        if self.manager is not None and self.rank == saver:
             report = self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
-            self._emit({"event": "emergency_checkpoint", "step": self.step, "ok": report.ok,
-                        "seconds": round(report.seconds, 3)})  # fmt: skip
-        dist.barrier()  # everyone knows the checkpoint is committed
+            self._emit({"event": "emergency_checkpoint", "step": self.step, "ok": report.ok, "rank": self.rank,
+                        "seconds": round(report.seconds, 3)}, any_rank=True)  # fmt: skip
         notice = self.notice.notice
-        if notice is not None and notice.event_id and self._watcher is not None:
-            self._watcher.approve(notice.event_id)
         if notice is not None and notice.source == "SIGTERM":
             self._keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
             self._exit_evicted()
+        self.notice.parked = True  # our agent's SIGTERM (the leaving node is gone) ends us at once
+        dist.barrier()  # everyone knows the checkpoint is committed
+        if notice is not None and notice.event_id and self._watcher is not None:
+            self._watcher.approve(notice.event_id)
         # Hold: ping the group until the evicted node is gone (the ping then fails and
         # the agent re-forms the group), or until notice_hold passes (a false alarm).
         deadline = time.monotonic() + self.config.notice_hold
@@ -570,6 +584,7 @@ class Trainer:
                 self._keep_snapshot()
                 self._exit_evicted()
         self._emit({"event": "notice_expired", "step": self.step, "held_s": self.config.notice_hold})
+        self.notice.parked = False
         self.notice.clear()
 
     def _exit_evicted(self) -> None:

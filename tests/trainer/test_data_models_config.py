@@ -19,7 +19,16 @@ from torchspot.trainer.data import (
     write_synthetic_imagenet,
 )
 from torchspot.trainer.models import SmallCNN, resnet18, resnet50
-from torchspot.trainer.train import choose_device, format_progress, learning_rate, rng_state, set_rng_state
+from torchspot.trainer.train import (
+    NOTICE_LEAVING,
+    NOTICE_RESTART,
+    choose_device,
+    emergency_saver,
+    format_progress,
+    learning_rate,
+    rng_state,
+    set_rng_state,
+)
 
 
 def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
@@ -119,6 +128,20 @@ def test_help_documents_every_flag() -> None:
     assert "--stuck-exit-after" in text
     config = parse_config(["--dataset", "digits", "--model", "small_cnn", "--data", ""])
     assert config.scheduled_events_url() is None or config.scheduled_events == "auto"
+
+
+@pytest.mark.parametrize(
+    ("levels", "saver"),
+    [
+        ([0, 0, NOTICE_LEAVING], 2),
+        ([NOTICE_RESTART, NOTICE_LEAVING, NOTICE_LEAVING], 1),
+        ([NOTICE_RESTART, NOTICE_RESTART, 0], None),
+        ([NOTICE_LEAVING, 0], 0),
+    ],
+    ids=["the-leaving-rank", "lowest-leaving", "restarts-only", "rank-0-leaves"],
+)
+def test_the_emergency_checkpoint_is_written_by_a_leaving_rank(levels: list[int], saver: int | None) -> None:
+    assert emergency_saver(levels) == saver
 
 
 def test_learning_rate_schedules() -> None:

@@ -164,6 +164,36 @@ def test_stuck_wait_counts_the_grace_from_the_last_boundary(lost: bool, since_bo
     assert stuck_wait(60.0, lost, since_boundary) == pytest.approx(wait)
 
 
+_PARKED = textwrap.dedent(
+    """
+    import os
+    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+    notice = EvictionNotice()
+    watch_sigterm(notice, stuck_exit_after=60.0, before_exit=lambda: print("snapshot", flush=True))
+    notice.parked = True  # at a step boundary, waiting in a barrier for a leaving peer
+    read_fd, _ = os.pipe()
+    print("ready", flush=True)
+    os.read(read_fd, 1)
+    """
+)
+
+
+def test_sigterm_while_parked_at_a_boundary_exits_at_once() -> None:
+    """No peer-lost marker, stuck_exit_after 60 s: parked at a boundary, the worker still leaves at once."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _PARKED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        sent = time.monotonic()
+        proc.terminate()
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143
+    assert time.monotonic() - sent < 5
+    assert "snapshot" in out
+    assert "no step boundary 0.0 s after SIGTERM" in err
+
+
 def test_peer_lost_reads_the_marker_named_by_the_environment(tmp_path: Path) -> None:
     marker = tmp_path / "peer-lost"
     assert not peer_lost({})

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
-from torchspot.trainer.launch import FORK_ENV, check_args, forks_our_trainer, main, parse_rdzv_conf
+from torchspot.trainer.launch import (
+    FORK_ENV,
+    check_args,
+    forks_our_trainer,
+    handle_sigterm_ourselves,
+    leave_then_stop,
+    main,
+    parse_rdzv_conf,
+)
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
 
 
@@ -131,3 +141,21 @@ def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: lis
     assert forks_our_trainer(args, {FORK_ENV: "0"}) is False  # opted out
     stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot.trainer"])
     assert forks_our_trainer(stock, {FORK_ENV: "1"}) is False
+
+
+def test_sigterm_is_ours_unless_the_user_chose_torch_signals() -> None:
+    """torch's agent is told to leave SIGTERM to us (it leaves the rendezvous first); a user's
+    own TORCHELASTIC_SIGNALS_TO_HANDLE is left as it is."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        theirs = {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}
+        handle_sigterm_ourselves(theirs)
+        assert theirs == {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}
+        assert signal.getsignal(signal.SIGTERM) is previous
+
+        ours: dict[str, str] = {}
+        handle_sigterm_ourselves(ours)
+        assert ours == {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}
+        assert signal.getsignal(signal.SIGTERM) is leave_then_stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)

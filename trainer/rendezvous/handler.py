@@ -195,6 +195,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _etcd: EtcdClient
     _etcd_settings: EtcdV3Settings
     _lease: RunLease
+    _backend: EtcdV3RendezvousBackend
     _joined: tuple[int, frozenset[Any]] | None
     _previous: frozenset[Any]
     _last_warning: float
@@ -264,11 +265,16 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         return closed
 
     def leave(self) -> None:
-        """Stop heartbeating and take this node out of the rendezvous (see leave_rendezvous)."""
+        """Stop heartbeating and take this node out of the rendezvous (see leave_rendezvous).
+
+        With a state holder and executor of its own: it may run in a signal handler, on top
+        of the main thread's own use of the handler's.
+        """
         self._stop_heartbeats()
         deadline = time.monotonic() + self._etcd_settings.request_timeout
+        holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
         try:
-            self._op_executor.run(_LeaveOp(), deadline)
+            _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(_LeaveOp(), deadline)
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
             log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
         else:
@@ -282,6 +288,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._etcd = client
         self._etcd_settings = settings
         self._lease = lease
+        self._backend = backend
         self._joined = None
         self._previous = frozenset()
         self._last_warning = 0.0
