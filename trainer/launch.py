@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from types import FrameType
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -166,10 +166,6 @@ def _launch_forked(args: argparse.Namespace) -> None:
     elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
 
 
-_TORCH_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-"""The signals torch's agent turns into SignalException (its default: SIGTERM,SIGINT,SIGHUP,SIGQUIT)."""
-
-
 def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM: take our node out of the rendezvous, then what torch's handler does (raise
     SignalException, so the agent stops its workers and exits). The other nodes re-form at
@@ -178,19 +174,20 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
-def handle_sigterm_ourselves(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Install leave_then_stop for SIGTERM and tell torch's agent to leave SIGTERM alone (it
-    registers its own handler whenever it starts workers); a user's own choice of signals stays."""
-    if _TORCH_SIGNALS_ENV in environ:
+def handle_sigterm_ourselves(args: argparse.Namespace) -> None:
+    """Take SIGTERM from torch's agent (`--signals-to-handle`, which it registers whenever it
+    starts workers) and install leave_then_stop for it; a list without SIGTERM stays as given."""
+    signals = [name.strip() for name in str(args.signals_to_handle).split(",") if name.strip()]
+    if "SIGTERM" not in signals:
         return
-    environ[_TORCH_SIGNALS_ENV] = "SIGINT,SIGHUP,SIGQUIT"
+    args.signals_to_handle = ",".join(name for name in signals if name != "SIGTERM")
     signal.signal(signal.SIGTERM, leave_then_stop)
 
 
 @record
 def _launch(args: argparse.Namespace) -> None:
     if args.rdzv_backend == BACKEND_NAME:
-        handle_sigterm_ourselves()
+        handle_sigterm_ourselves(args)
     try:
         if forks_our_trainer(args):
             _launch_forked(args)

@@ -7,13 +7,14 @@ last completed step) or, if newer or the only one, the newest committed checkpoi
 a membership change (which restarts all workers) costs at most the step in flight
 while any node survives with its state, and an eviction with notice costs none:
 
-- every step all ranks agree (one tiny all-reduce) whether any of them got an
-  eviction notice; if so, rank 0 writes a synchronous emergency checkpoint at that
-  step boundary, a Scheduled Event is approved, a worker told by SIGTERM exits, and
-  the others hold (pinging each other) until the evicted node is gone and the
-  agent re-forms the group, so no step is run twice (when every notice is only the
-  agent restarting its workers, no node leaves: the Blob checkpoint is skipped and each
-  node's snapshot carries the state);
+- every step all ranks share (one tiny all-gather) whether any of them got an
+  eviction notice; if so, the group stops at that step boundary: the lowest rank whose
+  node leaves writes a synchronous emergency checkpoint to Blob (none when every notice
+  is only an agent restarting its workers: no node leaves, and each node's snapshot
+  carries the state), a worker told by SIGTERM keeps its snapshot and exits without
+  waiting for that checkpoint, a Scheduled Event is approved, and the others hold
+  (pinging each other) until the evicted node is gone and the agent re-forms the group,
+  so no step is run twice;
 - rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps),
   and reports the last committed step in `latest.json` beside them;
 - the learning rate is a function of the fraction of the run's samples consumed, so

@@ -143,19 +143,21 @@ def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: lis
     assert forks_our_trainer(stock, {FORK_ENV: "1"}) is False
 
 
-def test_sigterm_is_ours_unless_the_user_chose_torch_signals() -> None:
+def test_sigterm_is_ours_unless_the_user_left_it_out() -> None:
     """torch's agent is told to leave SIGTERM to us (it leaves the rendezvous first); a user's
-    own TORCHELASTIC_SIGNALS_TO_HANDLE is left as it is."""
+    `--signals-to-handle` without SIGTERM is left as it is."""
+    from torch.distributed.run import get_args_parser
+
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        theirs = {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}
+        theirs = get_args_parser().parse_args(["--signals-to-handle", "SIGINT,SIGUSR1", *_GOOD, "x.py"])
         handle_sigterm_ourselves(theirs)
-        assert theirs == {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM"}
+        assert theirs.signals_to_handle == "SIGINT,SIGUSR1"
         assert signal.getsignal(signal.SIGTERM) is previous
 
-        ours: dict[str, str] = {}
+        ours = get_args_parser().parse_args([*_GOOD, "x.py"])
         handle_sigterm_ourselves(ours)
-        assert ours == {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}
+        assert ours.signals_to_handle == "SIGINT,SIGHUP,SIGQUIT"
         assert signal.getsignal(signal.SIGTERM) is leave_then_stop
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -93,6 +93,8 @@ def test_digits_accuracy_survives_two_evictions_and_notice_loses_no_step(
     assert [s for s, n in steps.items() if n > 1] == [], "a step ran twice after an eviction with notice"
     resumed = [e for e in events if e.get("event") == "start" and e["t"] > notice_at]
     assert resumed[0]["step"] == emergency[-1]["step"]
+    # Its agent took itself out of the rendezvous (the others did not wait for its heartbeats).
+    assert "left it (this node is going)" in started[2].log_path.read_text(errors="replace")
 
     # Hard eviction: the node vanishes with its workers.
     wait_for(lambda: max(e["step"] for e in _progress(read_events(events_path))) >= emergency[-1]["step"] + 20,

@@ -278,7 +278,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
             log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
         else:
-            log.info("rendezvous %s: left", self._settings.run_id)
+            log.warning("rendezvous %s: left it (this node is going)", self._settings.run_id)
 
     def bind_etcd(
         self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease, backend: EtcdV3RendezvousBackend
