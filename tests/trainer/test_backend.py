@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -18,6 +19,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import wait_for
+from torchspot.trainer.eviction import PEER_LOST_ENV
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient
@@ -27,6 +29,7 @@ from torchspot.trainer.rendezvous.handler import (
     create_handler,
     lost_members,
     membership_changed,
+    name_peer_lost_marker,
 )
 from torchspot.trainer.rendezvous.settings import EtcdV3Settings
 from torchspot.trainer.rendezvous.status import CheckpointReporter
@@ -322,6 +325,16 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
     finally:
         for handler in handlers:
             handler.leave()
+
+
+def test_an_agent_names_its_own_marker_whatever_it_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A marker named in the environment by a parent (another agent's) is not this agent's."""
+    monkeypatch.setenv(PEER_LOST_ENV, "/tmp/parent-agent/peer-lost")
+    name_peer_lost_marker()
+    mine = os.environ[PEER_LOST_ENV]
+    assert mine != "/tmp/parent-agent/peer-lost"
+    name_peer_lost_marker()
+    assert os.environ[PEER_LOST_ENV] == mine  # once per process
 
 
 def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:

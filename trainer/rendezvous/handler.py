@@ -318,14 +318,21 @@ def _restart_marker() -> Path:
     return Path(restart_marker(os.environ[PEER_LOST_ENV]))
 
 
+_MARKER_NAMED: list[str] = []
+"""The marker this process chose (name_peer_lost_marker), once chosen."""
+
+
 def name_peer_lost_marker() -> None:
     """Choose this agent's peer-lost marker file (module docstring, point 1), once per process.
 
     Workers learn its name from the environment, so it must be set before the first one
-    (or the fork server they come from) starts.
+    (or the fork server they come from) starts. A name inherited from a parent process is
+    replaced: it is the parent's (agents started by one test process shared one, and one
+    agent's restart marker made another's leaving worker skip its emergency checkpoint).
     """
-    if PEER_LOST_ENV not in os.environ:
-        os.environ[PEER_LOST_ENV] = str(Path(tempfile.mkdtemp(prefix="torchspot-agent-")) / "peer-lost")
+    if not _MARKER_NAMED:
+        _MARKER_NAMED.append(str(Path(tempfile.mkdtemp(prefix="torchspot-agent-")) / "peer-lost"))
+    os.environ[PEER_LOST_ENV] = _MARKER_NAMED[0]
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
