@@ -24,11 +24,11 @@ round logic is sound) and change three things it gets wrong for spot nodes:
 4. **Rounds form promptly.** torch re-reads the state once a second while it waits
    for other nodes, and a round of fewer than `max_nodes` always waits out its last
    call. Here an agent re-reads every `state_poll_interval` (0.25 s), and a round
-   completes as soon as every member of the previous round that still heartbeats
-   has joined it (`complete_early`); the last call still bounds the wait for
-   anyone slower. An agent stopped by a signal (its node leaves) takes itself out
-   of the rendezvous (`leave_rendezvous`) instead of leaving the others to wait
-   until its heartbeats expire.
+   completes as soon as every member of the previous round has joined it
+   (`complete_early`); the last call still bounds the wait for anyone slower. An
+   agent stopped by a signal (its node leaves) takes itself out of the rendezvous
+   (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
+   expire.
 
 This subclass reads and replaces attributes of torch's handler (`_state_holder`,
 `_heartbeat_lock`, `_op_executor`, `_this_node`) and runs torch's op executor with
@@ -110,15 +110,17 @@ def complete_early(previous: frozenset[Any], node: Any, state: Any, min_nodes: i
     """Whether `node` may complete the forming round now instead of at its last call.
 
     Pure. Yes when the round is still open, has `min_nodes`, holds `node`, no node waits
-    for a later round, and every member of the previous round (`previous`) that still
-    heartbeats has joined it: whoever else might come is a stranger, and strangers join
-    the next round anyway. No for a first round (nobody to expect).
+    for a later round, and every member of the previous round (`previous`) has joined it:
+    whoever else might come is a stranger, and strangers join the next round anyway. No for
+    a first round (nobody to expect). A member that is missing is waited for until the last
+    call, even if it has no heartbeat: a member between leaving the old round and joining
+    the new one has none either (bench run 10 formed a round of one that way).
     """
     if state.complete or state.closed or not previous or state.wait_list:
         return False
     if node not in state.participants or len(state.participants) < min_nodes:
         return False
-    return all(member in state.participants for member in previous if member in state.last_heartbeats)
+    return all(member in state.participants for member in previous)
 
 
 class _LeaveOp:
