@@ -131,12 +131,15 @@ class EvictionNotice:
         return self._notice
 
 
-def stuck_wait(stuck_exit_after: float, lost: bool, since_boundary: float) -> float:
+def stuck_wait(stuck_exit_after: float, lost: bool, since_boundary: float, *, parked: bool = False) -> float:
     """Seconds a worker that got SIGTERM waits for a step boundary before it counts as stuck.
 
-    Pure. `stuck_exit_after` without a lost peer; with one, what is left of PEER_LOST_GRACE
-    since the last boundary (`since_boundary` seconds ago), and nothing once that is spent.
+    Pure. Nothing when `parked` at a boundary already (its state is whole); else
+    `stuck_exit_after` without a lost peer; with one, what is left of PEER_LOST_GRACE since
+    the last boundary (`since_boundary` seconds ago), and nothing once that is spent.
     """
+    if parked:
+        return 0.0
     if not lost:
         return stuck_exit_after
     return max(0.0, min(stuck_exit_after, PEER_LOST_GRACE) - since_boundary)
@@ -177,7 +180,7 @@ def watch_sigterm(
             continue
         notice.set("SIGTERM", "pod deletion or agent restart")
         peer_gone = lost()
-        wait = 0.0 if notice.parked else stuck_wait(stuck_exit_after, peer_gone, time.monotonic() - notice.boundary)
+        wait = stuck_wait(stuck_exit_after, peer_gone, time.monotonic() - notice.boundary, parked=notice.parked)
         if notice.acknowledged.wait(wait):
             return
         since = time.monotonic() - notice.boundary

@@ -530,12 +530,9 @@ class Trainer:
     def _after_step(self, run: _Run) -> None:
         """Agree on eviction notices, and checkpoint on schedule."""
         self.notice.step_boundary()
-        mine = torch.tensor([self._notice_level()], dtype=torch.long, device=self.device)
-        levels = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(levels, mine)
+        noticed = [level for (level,) in self._gather_ints([self._notice_level()])]
         if self.notice.is_set():
             self.notice.acknowledged.set()
-        noticed = [int(level.item()) for level in levels]
         if any(noticed):
             self._evict(run, saver=emergency_saver(noticed))
             return
@@ -626,13 +623,19 @@ class Trainer:
             self.resumed_from = "checkpoint"
         self._base = self.step
 
+    def _gather_ints(self, row: list[int]) -> list[list[int]]:
+        """Every rank's `row` (the same length on all), by rank: one all-gather and one copy
+        to the host (this runs after every step)."""
+        mine = torch.tensor(row, dtype=torch.long, device=self.device)
+        rows = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine)
+        gathered: list[list[int]] = torch.stack(rows).tolist()
+        return gathered
+
     def _gather_held(self, mine: Held | None) -> list[Held | None]:
         """Every rank's snapshot (base and step), by rank."""
-        row = [0, 0, 0] if mine is None else [1, mine.base, mine.step]
-        info = torch.tensor(row, dtype=torch.long, device=self.device)
-        rows = [torch.zeros_like(info) for _ in range(self.world)]
-        dist.all_gather(rows, info)
-        return [Held(int(r[1]), int(r[2])) if int(r[0]) else None for r in rows]
+        rows = self._gather_ints([0, 0, 0] if mine is None else [1, mine.base, mine.step])
+        return [Held(base, step) if has else None for has, base, step in rows]
 
     def _state_from(
         self, source: int, held: list[Held | None], mine: tuple[Held, dict[str, Any]] | None

@@ -96,62 +96,52 @@ def test_unreachable_endpoint_does_not_raise_notice() -> None:
     assert not notice.is_set()
 
 
-_STUCK = textwrap.dedent(
-    """
-    import os, sys
-    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
-    notice = EvictionNotice()
-    watch_sigterm(notice, stuck_exit_after=1.0)
-    read_fd, _ = os.pipe()
-    print("ready", flush=True)
-    os.read(read_fd, 1)  # blocked in C, like a collective waiting for a frozen peer
-    """
-)
+def _blocked_worker(stuck_exit_after: float, *, parked: bool = False) -> str:
+    """A worker that watches SIGTERM (its before_exit prints "before exit") and then blocks
+    in C, like a collective waiting for a lost peer; `parked`: at a step boundary, in a barrier."""
+    return textwrap.dedent(
+        f"""
+        import os
+        from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+        notice = EvictionNotice()
+        watch_sigterm(notice, stuck_exit_after={stuck_exit_after}, before_exit=lambda: print("before exit", flush=True))
+        notice.parked = {parked}
+        read_fd, _ = os.pipe()
+        print("ready", flush=True)
+        os.read(read_fd, 1)
+        """
+    )
 
 
-def test_sigterm_while_blocked_in_c_exits_promptly() -> None:
+def _terminate_blocked(script: str, env: dict[str, str] | None = None) -> tuple[int, float, str, str]:
+    """Run `script` until it is ready, SIGTERM it: (exit code, seconds to exit, stdout, stderr)."""
     with subprocess.Popen(
-        [sys.executable, "-c", _STUCK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     ) as proc:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
         sent = time.monotonic()
         proc.terminate()
-        _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 143
-    assert time.monotonic() - sent < 10
+        out, err = proc.communicate(timeout=20)
+    return proc.returncode, time.monotonic() - sent, out, err
+
+
+def test_sigterm_while_blocked_in_c_exits_promptly() -> None:
+    code, took, out, err = _terminate_blocked(_blocked_worker(1.0))
+    assert code == 143
+    assert took < 10
+    assert "before exit" in out
     assert "stuck in a collective" in err
-
-
-_LOST = textwrap.dedent(
-    """
-    import os, sys
-    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
-    notice = EvictionNotice()
-    watch_sigterm(notice, stuck_exit_after=60.0, before_exit=lambda: print("save given its chance", flush=True))
-    read_fd, _ = os.pipe()
-    print("ready", flush=True)
-    os.read(read_fd, 1)  # blocked in a collective with the lost peer
-    """
-)
 
 
 def test_sigterm_after_a_peer_was_lost_exits_without_waiting_for_a_step_boundary(tmp_path: Path) -> None:
     """The agent's marker (written by the rendezvous handler) turns a 60 s stuck wait into an immediate exit."""
     marker = tmp_path / "peer-lost"
-    env = {**os.environ, PEER_LOST_ENV: str(marker)}
-    with subprocess.Popen(
-        [sys.executable, "-c", _LOST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    ) as proc:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        marker.touch()
-        sent = time.monotonic()
-        proc.terminate()
-        out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 143
-    assert time.monotonic() - sent < 5  # not the 60 s stuck_exit_after
-    assert "save given its chance" in out
+    marker.touch()
+    code, took, out, err = _terminate_blocked(_blocked_worker(60.0), {**os.environ, PEER_LOST_ENV: str(marker)})
+    assert code == 143
+    assert took < 5  # not the 60 s stuck_exit_after
+    assert "before exit" in out  # the save in flight is given its chance
     assert "(a peer was lost; last step boundary" in err
 
 
@@ -162,35 +152,15 @@ def test_sigterm_after_a_peer_was_lost_exits_without_waiting_for_a_step_boundary
 )
 def test_stuck_wait_counts_the_grace_from_the_last_boundary(lost: bool, since_boundary: float, wait: float) -> None:
     assert stuck_wait(60.0, lost, since_boundary) == pytest.approx(wait)
-
-
-_PARKED = textwrap.dedent(
-    """
-    import os
-    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
-    notice = EvictionNotice()
-    watch_sigterm(notice, stuck_exit_after=60.0, before_exit=lambda: print("snapshot", flush=True))
-    notice.parked = True  # at a step boundary, waiting in a barrier for a leaving peer
-    read_fd, _ = os.pipe()
-    print("ready", flush=True)
-    os.read(read_fd, 1)
-    """
-)
+    assert stuck_wait(60.0, lost, since_boundary, parked=True) == 0.0  # parked at a boundary: nothing to wait for
 
 
 def test_sigterm_while_parked_at_a_boundary_exits_at_once() -> None:
     """No peer-lost marker, stuck_exit_after 60 s: parked at a boundary, the worker still leaves at once."""
-    with subprocess.Popen(
-        [sys.executable, "-c", _PARKED], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-        sent = time.monotonic()
-        proc.terminate()
-        out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 143
-    assert time.monotonic() - sent < 5
-    assert "snapshot" in out
+    code, took, out, err = _terminate_blocked(_blocked_worker(60.0, parked=True))
+    assert code == 143
+    assert took < 5
+    assert "before exit" in out  # its snapshot is written
     assert "no step boundary 0.0 s after SIGTERM" in err
 
 

@@ -200,6 +200,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _backend: EtcdV3RendezvousBackend
     _joined: tuple[int, frozenset[Any]] | None
     _previous: frozenset[Any]
+    _left: bool
     _last_warning: float
 
     @property
@@ -270,8 +271,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Stop heartbeating and take this node out of the rendezvous (see leave_rendezvous).
 
         With a state holder and executor of its own: it may run in a signal handler, on top
-        of the main thread's own use of the handler's.
+        of the main thread's own use of the handler's. Once left, a second call (the
+        launcher's fallback after the agent stops) does nothing.
         """
+        if self._left:
+            return
         self._stop_heartbeats()
         deadline = time.monotonic() + self._etcd_settings.request_timeout
         holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
@@ -280,6 +284,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
             log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
         else:
+            self._left = True
             log.warning("rendezvous %s: left it (this node is going)", self._settings.run_id)
 
     def bind_etcd(
@@ -293,6 +298,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._backend = backend
         self._joined = None
         self._previous = frozenset()
+        self._left = False
         self._last_warning = 0.0
         poll = settings.state_poll_interval
         self._state_holder = _BackendRendezvousStateHolder(backend, self._settings, cache_duration=poll)  # type: ignore[arg-type]  # torch annotates int, compares as float
