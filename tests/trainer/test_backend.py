@@ -27,6 +27,7 @@ from torchspot.trainer.rendezvous.handler import (
     EtcdV3RendezvousHandler,
     complete_early,
     create_handler,
+    departed_since,
     lost_members,
     membership_changed,
     name_peer_lost_marker,
@@ -288,16 +289,41 @@ def test_complete_early_when_every_member_of_the_last_round_rejoined(
     assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=1) is early
 
 
+@pytest.mark.parametrize(
+    ("participants", "gone", "early"),
+    [(["a"], {"b"}, True), (["a"], {"c"}, False), (["a", "b"], {"b"}, True), (["b"], {"b"}, False)],
+    ids=["missing-one-gone", "someone-else-gone", "gone-but-back", "not-in-it"],
+)
+def test_complete_early_does_not_wait_for_a_member_known_gone(
+    participants: list[str], gone: set[str], early: bool
+) -> None:
+    state = _state(8, participants, complete=False, last_heartbeats={"a": 0})
+    assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=1, gone=frozenset(gone)) is early
+
+
+@pytest.mark.parametrize(
+    ("records", "since", "names"),
+    [
+        ({"p/n1": b"4", "p/n2": b"6"}, 5, {"n2"}),
+        ({"p/n1": b"4", "p/n2": b"6"}, 4, {"n1", "n2"}),
+        ({"p/n1": b"junk", "q/n2": b"9"}, 0, set()),
+    ],
+    ids=["earlier-round-ignored", "same-round-counts", "junk-and-foreign-keys"],
+)
+def test_departed_since_reads_the_round_each_node_left(records: dict[str, bytes], since: int, names: set[str]) -> None:
+    assert departed_since(records, "p/", since) == names
+
+
 def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
     state = _state(8, ["a", "b"], complete=False, last_heartbeats={"a": 0, "b": 0})
     assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=3) is False
     assert complete_early(frozenset(), "a", state, min_nodes=1) is False  # a first round waits its last call
 
 
-def _handlers(etcd: EtcdServer, run_id: str, n: int) -> list[EtcdV3RendezvousHandler]:
-    """`n` handlers of one run (torch gives each its own node id in one process). Heartbeats
-    every 5 s (dead after 15 s), a 3 s last call, a 10 s join timeout."""
-    conf = {"keep_alive_interval": "5", "last_call_timeout": "3", "join_timeout": "10"}
+def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:
+    """`n` handlers of one run (torch gives each its own node id in one process). By default
+    heartbeats every 5 s (dead after 15 s), a 3 s last call, a 10 s join timeout."""
+    conf = {"keep_alive_interval": "5", "last_call_timeout": "3", "join_timeout": "10"} | settings
     params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 3, **conf)
     return [create_handler(params) for _ in range(n)]  # type: ignore[misc]
 
@@ -311,9 +337,9 @@ def _join(handlers: list[EtcdV3RendezvousHandler]) -> list[tuple[int, int]]:
 
 def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdServer, run_id: str) -> None:
     """A node stopped by a signal takes itself out: the others see it within 5 s (not the 15 s
-    its heartbeats would take) and form their round of two (after the last call: the member
-    that left is not known to be gone for good)."""
-    a, b, c = handlers = _handlers(etcd, run_id, 3)
+    its heartbeats would take) and form their round of two at once. The last call (30 s) is
+    longer than the join timeout (10 s): a round that waited for the member that left fails."""
+    a, b, c = handlers = _handlers(etcd, run_id, 3, last_call_timeout="30")
     try:
         assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
         assert a.num_nodes_waiting() == 0
@@ -324,6 +350,20 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
         assert b.num_nodes_waiting() == 0
     finally:
         for handler in handlers:
+            handler.leave()
+
+
+def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
+    """A node whose heartbeats stop (a hard eviction) is found dead after 3 s, and the others
+    form their round of two without waiting out the 30 s last call (join timeout 10 s)."""
+    a, b, c = handlers = _handlers(etcd, run_id, 3, keep_alive_interval="1", last_call_timeout="30")
+    try:
+        assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]
+        c._stop_heartbeats()  # what a killed node does: nothing more
+        assert wait_for(a.num_nodes_waiting, timeout=10, what="the member found dead") == 1
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+    finally:
+        for handler in (a, b):
             handler.leave()
 
 

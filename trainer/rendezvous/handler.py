@@ -24,11 +24,14 @@ round logic is sound) and change three things it gets wrong for spot nodes:
 4. **Rounds form promptly.** torch re-reads the state once a second while it waits
    for other nodes, and a round of fewer than `max_nodes` always waits out its last
    call. Here an agent re-reads every `state_poll_interval` (0.25 s), and a round
-   completes as soon as every member of the previous round has joined it
-   (`complete_early`); the last call still bounds the wait for anyone slower. An
-   agent stopped by a signal (its node leaves) takes itself out of the rendezvous
-   (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
-   expire.
+   completes as soon as every member of the previous round has joined it or is
+   known to be gone (`complete_early`); the last call still bounds the wait for
+   anyone slower. An agent stopped by a signal (its node leaves) takes itself out
+   of the rendezvous (`leave_rendezvous`) instead of leaving the others to wait
+   until its heartbeats expire, and says so under `<run prefix>departed/`; a node
+   whose heartbeats expired is known gone to every agent that read the state then.
+   torch's state cannot tell either from a member that left the old round and has
+   not joined the new one yet.
 
 This subclass reads and replaces attributes of torch's handler (`_state_holder`,
 `_heartbeat_lock`, `_op_executor`, `_this_node`) and runs torch's op executor with
@@ -75,6 +78,8 @@ log = logging.getLogger(__name__)
 _DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _WARN_EVERY = 10.0
 _LEFT_COUNTER = "torchspot.agents_left"
+_DEPARTED = "departed/"
+"""Under the run prefix: one key per node that left, valued with the round it left."""
 
 
 def membership_changed(joined_round: int, joined_members: frozenset[Any], state: Any) -> tuple[bool, str]:
@@ -106,21 +111,59 @@ def lost_members(joined_members: frozenset[Any], state: Any) -> list[str]:
     return sorted(str(node) for node in joined_members if node not in state.last_heartbeats)
 
 
-def complete_early(previous: frozenset[Any], node: Any, state: Any, min_nodes: int) -> bool:
+def complete_early(
+    previous: frozenset[Any], node: Any, state: Any, min_nodes: int, gone: frozenset[str] = frozenset()
+) -> bool:
     """Whether `node` may complete the forming round now instead of at its last call.
 
     Pure. Yes when the round is still open, has `min_nodes`, holds `node`, no node waits
-    for a later round, and every member of the previous round (`previous`) has joined it:
-    whoever else might come is a stranger, and strangers join the next round anyway. No for
-    a first round (nobody to expect). A member that is missing is waited for until the last
-    call, even if it has no heartbeat: a member between leaving the old round and joining
-    the new one has none either (bench run 10 formed a round of one that way).
+    for a later round, and every member of the previous round (`previous`) has joined it
+    or is known to be gone (its name is in `gone`): whoever else might come is a stranger,
+    and strangers join the next round anyway. No for a first round (nobody to expect).
+    A missing member that is not known gone is waited for until the last call, even if it
+    has no heartbeat: a member between leaving the old round and joining the new one has
+    none either (bench run 10 formed a round of one that way).
     """
     if state.complete or state.closed or not previous or state.wait_list:
         return False
     if node not in state.participants or len(state.participants) < min_nodes:
         return False
-    return all(member in state.participants for member in previous)
+    return all(member in state.participants or str(member) in gone for member in previous)
+
+
+def departed_since(records: dict[str, bytes], prefix: str, round_: int) -> frozenset[str]:
+    """The nodes of `records` (the keys under `prefix`, valued with a round) that left in
+    round `round_` or later. Pure; a value that is not a round is ignored.
+
+    The round matters because a node that thawed after being found dead keeps its name:
+    it may have rejoined since, and leaving a later round for a restart is no departure.
+    """
+    names = set()
+    for key, value in records.items():
+        try:
+            left = int(value)
+        except ValueError:
+            continue
+        if key.startswith(prefix) and left >= round_:
+            names.add(key[len(prefix) :])
+    return frozenset(names)
+
+
+class _WatchfulStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, remembering the nodes its reads found dead, with the round.
+
+    torch drops a dead node from the state it read and does not say so; the first agent
+    that writes the state afterwards erases the evidence for the others.
+    """
+
+    def __init__(self, backend: Any, settings: Any, cache_duration: float) -> None:
+        super().__init__(backend, settings, cache_duration)  # type: ignore[arg-type]  # torch annotates int, compares as float
+        self.found_dead: dict[str, int] = {}
+
+    def _sanitize(self) -> None:
+        super()._sanitize()
+        for node in self._dead_nodes:
+            self.found_dead.setdefault(str(node), self._state.round)
 
 
 class _LeaveOp:
@@ -199,7 +242,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _lease: RunLease
     _backend: EtcdV3RendezvousBackend
     _joined: tuple[int, frozenset[Any]] | None
-    _previous: frozenset[Any]
+    _previous: tuple[int, frozenset[Any]]
+    _watch: _WatchfulStateHolder
     _left: bool
     _last_warning: float
 
@@ -210,7 +254,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and remember who is in it."""
-        self._previous = frozenset() if self._joined is None else self._joined[1]
+        self._previous = (0, frozenset()) if self._joined is None else self._joined
         self._joined = None
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
         _restart_marker().unlink(missing_ok=True)
@@ -280,6 +324,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         deadline = time.monotonic() + self._etcd_settings.request_timeout
         holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
         try:
+            holder.sync()  # said before we go, so nobody sees us missing and not gone
+            key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{self._this_node}"
+            self._etcd.put(key, str(holder.state.round).encode(), lease=self._lease.id())
             _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(_LeaveOp(), deadline)
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
             log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
@@ -297,19 +344,31 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._lease = lease
         self._backend = backend
         self._joined = None
-        self._previous = frozenset()
+        self._previous = (0, frozenset())
         self._left = False
         self._last_warning = 0.0
         poll = settings.state_poll_interval
-        self._state_holder = _BackendRendezvousStateHolder(backend, self._settings, cache_duration=poll)  # type: ignore[arg-type]  # torch annotates int, compares as float
-        self._op_executor = _PromptOpExecutor(
-            self._this_node,
-            self._state_holder,
-            self._settings,
-            poll,
-            lambda state: complete_early(self._previous, self._this_node, state, self._settings.min_nodes),
-        )
+        self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
+        self._state_holder = self._watch
+        self._op_executor = _PromptOpExecutor(self._this_node, self._watch, self._settings, poll, self._round_ready)
         _ACTIVE.append(self)
+
+    def _round_ready(self, state: Any) -> bool:
+        """complete_early for the forming round; etcd is asked who departed only while a
+        member of the previous round is missing and not already known dead here."""
+        round_, members = self._previous
+        dead = frozenset(name for name, at in self._watch.found_dead.items() if at >= round_)
+        min_nodes = self._settings.min_nodes
+        if complete_early(members, self._this_node, state, min_nodes, dead):
+            return True
+        if not complete_early(members, self._this_node, state, min_nodes, frozenset(map(str, members))):
+            return False  # not ready whoever departed
+        prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
+        try:
+            departed = departed_since(self._etcd.get_prefix(prefix), prefix, round_)
+        except EtcdError:
+            return False  # the last call completes it
+        return complete_early(members, self._this_node, state, min_nodes, dead | departed)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
