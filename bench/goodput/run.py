@@ -14,7 +14,8 @@ In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in 
    handling off (TORCHSPOT_NODE_HANDLING=off).
 Then goodput (torchspot/lab/goodput.py) for both over the same window, their ratio,
 work lost per resumption and recovery per market event; results in DIR/goodput.json,
-the plot in DIR/goodput.png. Both recipes train the same model on the same synthetic
+the plot in DIR/goodput.png. Azurite's blobs (every checkpoint of every run, about 4 GB)
+are deleted at the end unless --keep-blobs. Both recipes train the same model on the same synthetic
 data with the same batch size; the reference for both is torchspot's uninterrupted run.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,6 +54,19 @@ def _events(job: Path, scenario: Scenario, folder: Path, **kwargs: Any) -> list[
     report = run_sandbox(job, scenario, folder, say=lambda line: None, **kwargs)
     _say(f"  {folder.name}: {report.phase}, {time.monotonic() - started:.0f} s, final step {report.final_step}")
     return read_pod_events(folder / "pods", report.submitted)
+
+
+def _drop_blobs(out: Path) -> int:
+    """Delete what Azurite stored for each sandbox run under `out`; the bytes freed.
+
+    Every checkpoint of the calibrations, the market runs and the stock recipe, about 4 GB
+    a benchmark: ten runs filled this machine's disk. The results need none of it.
+    """
+    freed = 0
+    for folder in sorted(out.glob("*/azurite")):
+        freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        shutil.rmtree(folder)
+    return freed
 
 
 def _stock_job(folder: Path, etcd: EtcdServer, images: int) -> Path:
@@ -134,6 +149,9 @@ def main() -> int:
         "--calibrate", type=float, default=120.0, help="seconds of each calibration run (an epoch end included)"
     )
     parser.add_argument("--images", type=int, default=3000, help="training images (an epoch: ~2 min on 3 nodes)")
+    parser.add_argument(
+        "--keep-blobs", action="store_true", help="keep Azurite's data (every checkpoint, about 4 GB) under --out"
+    )
     args = parser.parse_args()
     out: Path = args.out.resolve()
     if out.exists() and any(out.iterdir()):
@@ -171,6 +189,8 @@ def main() -> int:
             _say(f"  t={at:6.1f}s {what:<26} training again after " + (f"{took:.1f} s" if took is not None else "-"))
     _say(f"ratio torchspot / stock: {ratio:.2f}x   (targets: torchspot >= 90%, ratio >= 1.5x)")
     _say(f"results {out / 'goodput.json'}, plot {out / 'goodput.png'}")
+    if not args.keep_blobs:
+        _say(f"deleted {_drop_blobs(out) / 2**30:.1f} GB of Azurite blobs (--keep-blobs keeps them)")
     return 0
 
 
