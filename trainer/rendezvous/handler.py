@@ -135,8 +135,10 @@ def departed_since(records: dict[str, bytes], prefix: str, round_: int) -> froze
     """The nodes of `records` (the keys under `prefix`, valued with a round) that left in
     round `round_` or later. Pure; a value that is not a round is ignored.
 
-    The round matters because a node that thawed after being found dead keeps its name:
-    it may have rejoined since, and leaving a later round for a restart is no departure.
+    The round matters because a name can come back: torch names a node by host name and
+    agent pid, and a replacement pod may get both. Once it is in a later round, leaving
+    that round for a restart is no departure. (The nodes found dead are filtered the same
+    way, for a frozen node that thaws.)
     """
     names = set()
     for key, value in records.items():
