@@ -322,8 +322,9 @@ def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
 
 def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:
     """`n` handlers of one run (torch gives each its own node id in one process). By default
-    heartbeats every 5 s (dead after 15 s), a 3 s last call, a 10 s join timeout."""
-    conf = {"keep_alive_interval": "5", "last_call_timeout": "3", "join_timeout": "10"} | settings
+    heartbeats every 5 s (dead after 15 s) and a 30 s last call: neither can be what makes a
+    round form within the 10 s join timeout."""
+    conf = {"keep_alive_interval": "5", "last_call_timeout": "30", "join_timeout": "10"} | settings
     params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 3, **conf)
     return [create_handler(params) for _ in range(n)]  # type: ignore[misc]
 
@@ -339,7 +340,7 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
     """A node stopped by a signal takes itself out: the others see it within 5 s (not the 15 s
     its heartbeats would take) and form their round of two at once. The last call (30 s) is
     longer than the join timeout (10 s): a round that waited for the member that left fails."""
-    a, b, c = handlers = _handlers(etcd, run_id, 3, last_call_timeout="30")
+    a, b, c = handlers = _handlers(etcd, run_id, 3)
     try:
         assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
         assert a.num_nodes_waiting() == 0
@@ -356,7 +357,7 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
 def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
     """A node whose heartbeats stop (a hard eviction) is found dead after 3 s, and the others
     form their round of two without waiting out the 30 s last call (join timeout 10 s)."""
-    a, b, c = handlers = _handlers(etcd, run_id, 3, keep_alive_interval="1", last_call_timeout="30")
+    a, b, c = handlers = _handlers(etcd, run_id, 3, keep_alive_interval="1")
     try:
         assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]
         c._stop_heartbeats()  # what a killed node does: nothing more

@@ -34,8 +34,9 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    not joined the new one yet.
 
 This subclass reads and replaces attributes of torch's handler (`_state_holder`,
-`_heartbeat_lock`, `_op_executor`, `_this_node`) and runs torch's op executor with
-its own ops; torch is pinned to 2.13.0 and the tests exercise all of it.
+`_heartbeat_lock`, `_op_executor`, `_this_node`), extends its state holder's
+`_sanitize` (reading `_dead_nodes`), and runs torch's op executor with its own
+ops; torch is pinned to 2.13.0 and the tests exercise all of it.
 """
 
 from __future__ import annotations
@@ -359,18 +360,17 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """complete_early for the forming round; etcd is asked who departed only while a
         member of the previous round is missing and not already known dead here."""
         round_, members = self._previous
-        dead = frozenset(name for name, at in self._watch.found_dead.items() if at >= round_)
-        min_nodes = self._settings.min_nodes
-        if complete_early(members, self._this_node, state, min_nodes, dead):
+        if not complete_early(members, self._this_node, state, self._settings.min_nodes, frozenset(map(str, members))):
+            return False  # not ready, whoever is gone
+        dead = {name for name, at in self._watch.found_dead.items() if at >= round_}
+        missing = {str(member) for member in members if member not in state.participants} - dead
+        if not missing:
             return True
-        if not complete_early(members, self._this_node, state, min_nodes, frozenset(map(str, members))):
-            return False  # not ready whoever departed
         prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
         try:
-            departed = departed_since(self._etcd.get_prefix(prefix), prefix, round_)
+            return missing <= departed_since(self._etcd.get_prefix(prefix), prefix, round_)
         except EtcdError:
             return False  # the last call completes it
-        return complete_early(members, self._this_node, state, min_nodes, dead | departed)
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()
