@@ -18,7 +18,7 @@ In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in 
    handling off (TORCHSPOT_NODE_HANDLING=off).
 Then goodput (torchspot/lab/goodput.py) for both over the same window, their ratio,
 work lost per resumption and recovery per market event; results in DIR/goodput.json,
-the plot in DIR/goodput.png. Azurite's blobs (every checkpoint of every run, about 4 GB)
+the plot in DIR/goodput.png. Azurite's blobs (every checkpoint of every run, 4-6 GB)
 are deleted at the end unless --keep-blobs. Both recipes train the same model on the same synthetic
 data with the same batch size; the reference for both is torchspot's uninterrupted run.
 """
@@ -74,7 +74,7 @@ def _calibrate(sizes: list[int], seconds: float, images: int, out: Path, suffix:
 def _drop_blobs(out: Path) -> int:
     """Delete what Azurite stored for each sandbox run under `out`; the bytes freed.
 
-    Every checkpoint of the calibrations, the market runs and the stock recipe, about 4 GB
+    Every checkpoint of the calibrations, the market runs and the stock recipe, 4-6 GB
     a benchmark: ten runs filled this machine's disk. The results need none of it.
     """
     freed = 0
@@ -165,7 +165,7 @@ def main() -> int:
     )
     parser.add_argument("--images", type=int, default=3000, help="training images (an epoch: ~2 min on 3 nodes)")
     parser.add_argument(
-        "--keep-blobs", action="store_true", help="keep Azurite's data (every checkpoint, about 4 GB) under --out"
+        "--keep-blobs", action="store_true", help="keep Azurite's data (every checkpoint, 4-6 GB) under --out"
     )
     args = parser.parse_args()
     out: Path = args.out.resolve()
