@@ -55,9 +55,23 @@ RESTART_MARKER = "restart"
 workers to re-form the group (a node joins, or a peer is lost); the node itself stays."""
 
 
+LEAVING_MARKER = "leaving"
+"""File beside the peer-lost marker whose existence means: this node's agent was told to stop (its
+pod is deleted) and takes the node out of the rendezvous. The agent writes it before the other
+nodes can see the node gone, so its workers know at their next step boundary that their node
+leaves and one of them writes the emergency checkpoint, even when the agent's SIGTERM reaches
+them only after the other nodes' agents have restarted their workers (a CI run lost the emergency
+checkpoint to that race)."""
+
+
 def restart_marker(peer_lost_marker: str) -> str:
     """The restart marker's path: beside the peer-lost marker (one environment variable names both)."""
     return os.path.join(os.path.dirname(peer_lost_marker), RESTART_MARKER)
+
+
+def leaving_marker(peer_lost_marker: str) -> str:
+    """The leaving marker's path: beside the peer-lost marker."""
+    return os.path.join(os.path.dirname(peer_lost_marker), LEAVING_MARKER)
 
 
 def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
@@ -69,6 +83,13 @@ def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
     """
     path = environ.get(PEER_LOST_ENV, "")
     return path != "" and os.path.exists(restart_marker(path))
+
+
+def node_leaving(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when this node's agent has marked that the node leaves (LEAVING_MARKER), whether or
+    not its SIGTERM has reached this worker yet."""
+    path = environ.get(PEER_LOST_ENV, "")
+    return path != "" and os.path.exists(leaving_marker(path))
 
 
 def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:

@@ -51,8 +51,10 @@ from torchspot.trainer.config import TrainConfig, ensure_local_data
 from torchspot.trainer.data import load_cifar10, load_digits, load_imagenet
 from torchspot.trainer.eviction import (
     EvictionNotice,
+    Notice,
     ScheduledEventsWatcher,
     agent_restarting,
+    node_leaving,
     reset_sigterm,
     watch_sigterm,
 )
@@ -82,6 +84,24 @@ def emergency_saver(levels: list[int]) -> int | None:
     """The rank that writes the emergency checkpoint: the lowest one whose node leaves, or None
     when no node leaves (every notice is an agent's restart). Pure."""
     return next((rank for rank, level in enumerate(levels) if level >= NOTICE_LEAVING), None)
+
+
+def notice_level(notice: Notice | None, *, restarting: bool, leaving: bool) -> int:
+    """A rank's notice level at a step boundary. Pure.
+
+    NOTICE_LEAVING when our agent has marked that the node leaves (`leaving`), notice or not:
+    its SIGTERM may reach us after the other nodes have stopped for their restart, and then
+    nobody would write the emergency checkpoint. Otherwise 0 without a notice, NOTICE_RESTART
+    for our agent's SIGTERM to re-form the group (`restarting`: the node stays), and
+    NOTICE_LEAVING for anything else (the node's eviction, a Scheduled Event).
+    """
+    if leaving:
+        return NOTICE_LEAVING
+    if notice is None:
+        return 0
+    if notice.source == "SIGTERM" and restarting:
+        return NOTICE_RESTART
+    return NOTICE_LEAVING
 
 
 def learning_rate(config: TrainConfig, progress: float) -> float:
@@ -541,14 +561,11 @@ class Trainer:
             self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
 
     def _notice_level(self) -> int:
-        """0: no notice; NOTICE_RESTART: our agent's SIGTERM to re-form the group (the node stays);
-        NOTICE_LEAVING: anything else (the node's eviction, a Scheduled Event)."""
+        """notice_level from our notice and our agent's markers (the restart marker is read only
+        for a SIGTERM; the leaving marker at every boundary, a file check of microseconds)."""
         notice = self.notice.notice if self.notice.is_set() else None
-        if notice is None:
-            return 0
-        if notice.source == "SIGTERM" and agent_restarting():
-            return NOTICE_RESTART
-        return NOTICE_LEAVING
+        restarting = notice is not None and notice.source == "SIGTERM" and agent_restarting()
+        return notice_level(notice, restarting=restarting, leaving=node_leaving())
 
     def _evict(self, run: _Run, *, saver: int | None) -> None:
         """Emergency checkpoint at this step boundary, then leave (or hold) without training on.
@@ -556,15 +573,16 @@ class Trainer:
         Rank `saver` (a leaving one: its grace period covers it) writes the checkpoint to Blob;
         nobody does when every notice is an agent's restart (a node joins or a peer is lost, no
         node of ours leaves): each node's snapshot carries the state to the next round. A rank
-        that got its own SIGTERM leaves without waiting for the checkpoint (its snapshot holds
-        the same step), so the nodes that stay re-form while the leaving one writes.
+        that got its own SIGTERM, or whose agent marked its node leaving, leaves without waiting
+        for the checkpoint (its snapshot holds the same step), so the nodes that stay re-form
+        while the leaving one writes.
         """
         if self.manager is not None and self.rank == saver:
             report = self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
             self._emit({"event": "emergency_checkpoint", "step": self.step, "ok": report.ok, "rank": self.rank,
                         "seconds": round(report.seconds, 3)}, any_rank=True)  # fmt: skip
         notice = self.notice.notice
-        if notice is not None and notice.source == "SIGTERM":
+        if (notice is not None and notice.source == "SIGTERM") or node_leaving():
             self._keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
             self._exit_evicted()
         self.notice.parked = True  # our agent's SIGTERM (the leaving node is gone) ends us at once

@@ -6,8 +6,10 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import wait_for
-from torchspot.trainer.eviction import PEER_LOST_ENV
+from torchspot.trainer.eviction import PEER_LOST_ENV, leaving_marker, node_leaving
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient
@@ -320,6 +322,14 @@ def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
     assert complete_early(frozenset(), "a", state, min_nodes=1) is False  # a first round waits its last call
 
 
+@pytest.fixture(autouse=True)
+def _no_leaving_marker_left() -> Iterator[None]:
+    """Handlers in this process share its markers: one that left must not mark the next test's."""
+    yield
+    if PEER_LOST_ENV in os.environ:
+        Path(leaving_marker(os.environ[PEER_LOST_ENV])).unlink(missing_ok=True)
+
+
 def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:
     """`n` handlers of one run (torch gives each its own node id in one process). By default
     heartbeats every 5 s (dead after 15 s) and a 30 s last call: neither can be what makes a
@@ -345,7 +355,9 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
         assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
         assert a.num_nodes_waiting() == 0
 
+        assert not node_leaving()
         c.leave()
+        assert node_leaving()  # its workers know before the others can see it gone
         assert wait_for(a.num_nodes_waiting, timeout=5, what="the member's departure") == 1
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
         assert b.num_nodes_waiting() == 0

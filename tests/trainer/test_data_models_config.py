@@ -18,6 +18,7 @@ from torchspot.trainer.data import (
     write_synthetic_cifar10,
     write_synthetic_imagenet,
 )
+from torchspot.trainer.eviction import Notice
 from torchspot.trainer.models import SmallCNN, resnet18, resnet50
 from torchspot.trainer.train import (
     NOTICE_LEAVING,
@@ -26,6 +27,7 @@ from torchspot.trainer.train import (
     emergency_saver,
     format_progress,
     learning_rate,
+    notice_level,
     rng_state,
     set_rng_state,
 )
@@ -142,6 +144,30 @@ def test_help_documents_every_flag() -> None:
 )
 def test_the_emergency_checkpoint_is_written_by_a_leaving_rank(levels: list[int], saver: int | None) -> None:
     assert emergency_saver(levels) == saver
+
+
+_SIGTERM = Notice("SIGTERM", "pod deletion or agent restart", 0.0)
+_PREEMPT = Notice("ScheduledEvents", "Preempt", 0.0, event_id="e1")
+
+
+@pytest.mark.parametrize(
+    ("notice", "restarting", "leaving", "level"),
+    [
+        (None, False, False, 0),
+        (_SIGTERM, True, False, NOTICE_RESTART),
+        (_SIGTERM, False, False, NOTICE_LEAVING),
+        (_PREEMPT, True, False, NOTICE_LEAVING),
+        (None, False, True, NOTICE_LEAVING),
+        (_SIGTERM, True, True, NOTICE_LEAVING),
+    ],
+    ids=["none", "agent-restart", "pod-deleted", "scheduled-event", "leaving-before-sigterm", "leaving-mid-restart"],
+)
+def test_notice_level_says_leaving_when_the_agent_marked_the_node_leaving(
+    notice: Notice | None, restarting: bool, leaving: bool, level: int
+) -> None:
+    """The agent's leaving marker wins: its SIGTERM may not have reached the worker yet, or a
+    restart was under way when the node was told to go (CI lost an emergency checkpoint so)."""
+    assert notice_level(notice, restarting=restarting, leaving=leaving) == level
 
 
 def test_learning_rate_schedules() -> None:

@@ -21,6 +21,7 @@ import pytest
 from torchspot.lab.imds import FakeImds, scheduled_event
 from torchspot.lab.local import wait_for
 from torchspot.trainer.eviction import (
+    LEAVING_MARKER,
     PEER_LOST_ENV,
     PEER_LOST_GRACE,
     RESTART_MARKER,
@@ -28,6 +29,7 @@ from torchspot.trainer.eviction import (
     ScheduledEventsWatcher,
     agent_restarting,
     evicting_events,
+    node_leaving,
     peer_lost,
     stuck_wait,
 )
@@ -180,6 +182,16 @@ def test_agent_restarting_reads_the_restart_marker_beside_the_peer_lost_one(tmp_
     assert not agent_restarting(environ)  # a lost peer alone does not say the agent restarts us
     (tmp_path / RESTART_MARKER).touch()
     assert agent_restarting(environ)
+
+
+def test_node_leaving_reads_the_leaving_marker_beside_the_peer_lost_one(tmp_path: Path) -> None:
+    environ = {PEER_LOST_ENV: str(tmp_path / "peer-lost")}
+    assert not node_leaving({})
+    assert not node_leaving(environ)
+    (tmp_path / RESTART_MARKER).touch()
+    assert not node_leaving(environ)  # a restart is not a departure
+    (tmp_path / LEAVING_MARKER).touch()
+    assert node_leaving(environ)
 
 
 _ACKED = textwrap.dedent(

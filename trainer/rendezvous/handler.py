@@ -13,7 +13,10 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    not to wait for a step boundary that cannot come. Whenever it reports a change
    (a joiner waits, or a member is gone) it also leaves `eviction.RESTART_MARKER`
    beside it: the SIGTERM its workers get next is a restart, not their node's
-   eviction, so they keep their state on the node instead of writing to Blob.
+   eviction, so they keep their state on the node instead of writing to Blob. An
+   agent stopped by a signal leaves `eviction.LEAVING_MARKER` instead, before it
+   leaves the rendezvous (point 4): its workers write the emergency checkpoint
+   even if its SIGTERM reaches them after the other nodes' restart has begun.
 2. **The worker store follows rank 0.** torch caches the first round's master
    address across rounds and lets the workers use rank 0's agent store; when that
    node dies the survivors dial a dead host. We disable that sharing, so every
@@ -67,7 +70,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from torchspot.trainer.eviction import PEER_LOST_ENV, restart_marker
+from torchspot.trainer.eviction import PEER_LOST_ENV, leaving_marker, restart_marker
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -323,6 +326,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """
         if self._left:
             return
+        _leaving_marker().touch()  # before anyone can see us gone (eviction.LEAVING_MARKER)
         self._stop_heartbeats()
         deadline = time.monotonic() + self._etcd_settings.request_timeout
         holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
@@ -385,6 +389,10 @@ def _peer_lost_marker() -> Path:
 
 def _restart_marker() -> Path:
     return Path(restart_marker(os.environ[PEER_LOST_ENV]))
+
+
+def _leaving_marker() -> Path:
+    return Path(leaving_marker(os.environ[PEER_LOST_ENV]))
 
 
 _MARKER_NAMED: list[str] = []
