@@ -204,6 +204,44 @@ def test_outage_is_not_counted_as_missed_heartbeats(etcd: EtcdServer, run_id: st
     assert beats[node] > datetime.now(UTC) - timedelta(seconds=5)
 
 
+def test_write_pending_through_an_outage_lands_with_its_heartbeats_forgiven(etcd: EtcdServer, run_id: str) -> None:
+    """torch retries a keep-alive whose write failed when etcd went away with the same state:
+    every heartbeat in it, the writer's own too, is as old as the outage. It must not land as
+    it is (nobody wrote since, so its token still matches): torch would find every member dead
+    and start a new round, restarting a job that trained fine (a CI run did so)."""
+    backend, _ = _backend(etcd, run_id, keep_alive_interval=0.5)  # dead after 1.5 s
+    node = _NodeDesc(addr="node-a", pid=1, local_id=0)
+    state = _RendezvousState()
+    state.participants = {node: 0}
+    state.complete = True
+    state.last_heartbeats = {node: datetime.now(UTC)}
+    written = backend.set_state(pickle.dumps(state), None)
+    assert written is not None
+    token = written[1]
+
+    etcd.stop()
+    with pytest.raises(RendezvousConnectionError, match=etcd.endpoint):
+        backend.set_state(pickle.dumps(state), token)
+    etcd.start()
+    state.last_heartbeats = {node: datetime.now(UTC) - timedelta(seconds=30)}  # a 30 s outage
+    pending = pickle.dumps(state)  # as torch holds it: its heartbeat from before the outage
+    result = wait_for(lambda: _try_set(backend, pending, token), timeout=10, what="etcd to answer again")
+    assert result[2], "the pending write went through (its token still matched)"
+    fresh = datetime.now(UTC) - timedelta(seconds=1.5)
+    assert pickle.loads(result[0]).last_heartbeats[node] > fresh  # what torch sanitizes next
+    reader, _ = _backend(etcd, run_id)  # an agent that saw no outage (one that joins now)
+    got = reader.get_state()
+    assert got is not None
+    assert pickle.loads(got[0]).last_heartbeats[node] > fresh
+
+
+def _try_set(backend: EtcdV3RendezvousBackend, bits: bytes, token: Any) -> tuple[bytes, Any, bool] | None:
+    try:
+        return backend.set_state(bits, token)
+    except RendezvousConnectionError:
+        return None
+
+
 def _try_get(backend: EtcdV3RendezvousBackend) -> tuple[bytes, Any] | None:
     try:
         return backend.get_state()

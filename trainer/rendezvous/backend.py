@@ -68,6 +68,13 @@ class RunLease:
             self._id = None
 
 
+def forgive_heartbeats(bits: bytes, ended: datetime) -> bytes:
+    """torch's state blob with every heartbeat older than `ended` moved up to it. Pure."""
+    state = pickle.loads(bits)  # noqa: S301 - torch's own state blob, written by our agents
+    state.last_heartbeats = {node: max(beat, ended) for node, beat in state.last_heartbeats.items()}
+    return pickle.dumps(state)
+
+
 def with_lease(lease: RunLease, write: Callable[[int], T]) -> T:
     """Run `write(lease_id)`, re-granting the lease once if etcd lost it."""
     try:
@@ -107,8 +114,19 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         return self._forgive_outage(kv.value), kv.mod_revision
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
-        """See base class. `token` is the mod revision the caller read, or None for a new key."""
+        """See base class. `token` is the mod revision the caller read, or None for a new key.
+
+        A write made while we are cut off from etcd is torch's pending one: its first try
+        failed when the outage began, and torch retries the same state (our own heartbeat
+        and everyone else's as old as the outage) until one goes through. That state is
+        forgiven before it is written, as the ones we read are (`_forgive_outage`): written
+        as it was, it lands (nobody else wrote since, so the token still matches) and torch
+        then finds every member dead, itself included, and starts a new round (a test's
+        5 s outage restarted the workers that way).
+        """
         expected = token if isinstance(token, int) else None
+        if self._failing_since is not None:
+            state = forgive_heartbeats(state, datetime.now(UTC))
         result = self._call(
             lambda: with_lease(
                 self._lease,
@@ -155,6 +173,4 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         if time.monotonic() - self._outage_ended_mono > self._settings.dead_after * 2:
             self._outage_ended_wall = None
             return bits
-        state = pickle.loads(bits)  # noqa: S301 - torch's own state blob, written by our agents
-        state.last_heartbeats = {node: max(beat, ended) for node, beat in state.last_heartbeats.items()}
-        return pickle.dumps(state)
+        return forgive_heartbeats(bits, ended)
