@@ -64,14 +64,15 @@ them only after the other nodes' agents have restarted their workers (a CI run l
 checkpoint to that race)."""
 
 
-def restart_marker(peer_lost_marker: str) -> str:
-    """The restart marker's path: beside the peer-lost marker (one environment variable names both)."""
-    return os.path.join(os.path.dirname(peer_lost_marker), RESTART_MARKER)
+def marker_beside(peer_lost_marker: str, name: str) -> str:
+    """The path of marker `name` (RESTART_MARKER, LEAVING_MARKER): beside the peer-lost marker,
+    so one environment variable names them all."""
+    return os.path.join(os.path.dirname(peer_lost_marker), name)
 
 
-def leaving_marker(peer_lost_marker: str) -> str:
-    """The leaving marker's path: beside the peer-lost marker."""
-    return os.path.join(os.path.dirname(peer_lost_marker), LEAVING_MARKER)
+def _agent_marked(name: str, environ: Mapping[str, str]) -> bool:
+    path = environ.get(PEER_LOST_ENV, "")
+    return path != "" and os.path.exists(marker_beside(path, name))
 
 
 def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
@@ -81,15 +82,13 @@ def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
     the next round, and no emergency checkpoint to Blob is needed (a node that is really
     leaving gets its SIGTERM without this marker, and then the checkpoint is written).
     """
-    path = environ.get(PEER_LOST_ENV, "")
-    return path != "" and os.path.exists(restart_marker(path))
+    return _agent_marked(RESTART_MARKER, environ)
 
 
 def node_leaving(environ: Mapping[str, str] = os.environ) -> bool:
     """True when this node's agent has marked that the node leaves (LEAVING_MARKER), whether or
     not its SIGTERM has reached this worker yet."""
-    path = environ.get(PEER_LOST_ENV, "")
-    return path != "" and os.path.exists(leaving_marker(path))
+    return _agent_marked(LEAVING_MARKER, environ)
 
 
 def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:

@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import wait_for
-from torchspot.trainer.eviction import PEER_LOST_ENV, leaving_marker, node_leaving
+from torchspot.trainer.eviction import LEAVING_MARKER, PEER_LOST_ENV, marker_beside, node_leaving
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient
@@ -365,7 +365,7 @@ def _no_leaving_marker_left() -> Iterator[None]:
     """Handlers in this process share its markers: one that left must not mark the next test's."""
     yield
     if PEER_LOST_ENV in os.environ:
-        Path(leaving_marker(os.environ[PEER_LOST_ENV])).unlink(missing_ok=True)
+        Path(marker_beside(os.environ[PEER_LOST_ENV], LEAVING_MARKER)).unlink(missing_ok=True)
 
 
 def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:

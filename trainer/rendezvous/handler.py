@@ -70,7 +70,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from torchspot.trainer.eviction import PEER_LOST_ENV, leaving_marker, restart_marker
+from torchspot.trainer.eviction import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -263,7 +263,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._previous = (0, frozenset()) if self._joined is None else self._joined
         self._joined = None
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
-        _restart_marker().unlink(missing_ok=True)
+        _marker(RESTART_MARKER).unlink(missing_ok=True)
         info = super().next_rendezvous()
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
@@ -293,10 +293,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
                 if lost_members(self._joined[1], state):
                     _peer_lost_marker().touch()
-                _restart_marker().touch()
+                _marker(RESTART_MARKER).touch()
                 return max(waiting, 1)
         if waiting:  # the agent restarts its workers for the joiners next
-            _restart_marker().touch()
+            _marker(RESTART_MARKER).touch()
         return waiting
 
     def shutdown(self) -> bool:
@@ -326,7 +326,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """
         if self._left:
             return
-        _leaving_marker().touch()  # before anyone can see us gone (eviction.LEAVING_MARKER)
+        _marker(LEAVING_MARKER).touch()  # before anyone can see us gone
         self._stop_heartbeats()
         deadline = time.monotonic() + self._etcd_settings.request_timeout
         holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
@@ -387,12 +387,9 @@ def _peer_lost_marker() -> Path:
     return Path(os.environ[PEER_LOST_ENV])
 
 
-def _restart_marker() -> Path:
-    return Path(restart_marker(os.environ[PEER_LOST_ENV]))
-
-
-def _leaving_marker() -> Path:
-    return Path(leaving_marker(os.environ[PEER_LOST_ENV]))
+def _marker(name: str) -> Path:
+    """This agent's marker `name` (eviction.RESTART_MARKER, eviction.LEAVING_MARKER)."""
+    return Path(marker_beside(os.environ[PEER_LOST_ENV], name))
 
 
 _MARKER_NAMED: list[str] = []
