@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 import yaml
 
+from torchspot.lab.admission import Admission, AdmissionError
 from torchspot.lab.azurite import Azurite
 from torchspot.lab.cluster import NodeAgent
 from torchspot.lab.kubeapi import KubeApi
@@ -54,7 +55,7 @@ class JobFileError(ValueError):
 def load_job(path: Path) -> dict[str, Any]:
     """Read an ElasticJob file and check it as the API server and the operator would; name the problem."""
     try:
-        body = yaml.safe_load(path.read_text())
+        body: Any = yaml.safe_load(path.read_text())
     except OSError as exc:
         raise JobFileError(f"{path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
@@ -67,11 +68,14 @@ def load_job(path: Path) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise JobFileError(f"{path}: metadata.name is required")
     try:
-        parse_spec(name, body.get("spec") or {})
-    except InvalidSpecError as exc:
+        if CRD.exists():  # a source checkout: refused as `kubectl apply` would refuse it
+            body = Admission(yaml.safe_load(CRD.read_text())).admit(body)
+        parse_spec(body.get("spec") or {})
+    except (AdmissionError, InvalidSpecError) as exc:
         raise JobFileError(f"{path}: {exc}") from exc
     body["metadata"]["namespace"] = NAMESPACE
-    return body
+    loaded: dict[str, Any] = body
+    return loaded
 
 
 @dataclass

@@ -9,6 +9,9 @@ one by one.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +26,16 @@ class JobRef:
     name: str
     namespace: str
     uid: str
+    resumes: int = 0
+    """How often the job was resumed after a suspension (`status.resumes`)."""
 
     @property
     def run_id(self) -> str:
-        """The rendezvous id of this incarnation: a job deleted and re-created gets a fresh one,
-        so it never meets the old run's keys (the stale-state trap of reusing a job name)."""
-        return f"{self.namespace}-{self.name}-{self.uid[:8]}"
+        """The rendezvous id of this incarnation and active period: a job deleted and re-created,
+        or resumed after a suspension, gets a fresh one, so it never meets the old run's keys
+        (the stale-state trap of reusing a rendezvous id) on an external etcd either."""
+        base = f"{self.namespace}-{self.name}-{self.uid[:8]}"
+        return f"{base}-r{self.resumes}" if self.resumes else base
 
     @property
     def etcd_name(self) -> str:
@@ -230,6 +237,38 @@ def etcd_disruption_budget(job: JobRef) -> dict[str, Any]:
     }
 
 
+def spec_hash(obj: Mapping[str, Any]) -> str:
+    """A short hash of what the operator built (`constants.ANNOTATION_SPEC_HASH` holds it)."""
+    built = {key: value for key, value in obj.items() if key != "metadata"}
+    built["labels"] = obj.get("metadata", {}).get("labels", {})
+    return hashlib.sha256(json.dumps(built, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _hashed(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["metadata"].setdefault("annotations", {})[constants.ANNOTATION_SPEC_HASH] = spec_hash(obj)
+    return obj
+
+
+def etcd_objects(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
+    """The managed etcd's objects, each carrying the hash of what was built (for updates in place)."""
+    return [_hashed(etcd_deployment(job, spec)), _hashed(etcd_service(job)), _hashed(etcd_disruption_budget(job))]
+
+
+def update_patch(actual: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that brings a managed etcd object the operator made in line with `desired`.
+
+    The spec is diffed against the object as stored (`merge_patch`), so fields the edit
+    removed go; a Service keeps what the API server allocated (its cluster IPs), only its
+    ports and selector are ours. The new hash comes with it.
+    """
+    annotations = {constants.ANNOTATION_SPEC_HASH: desired["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]}
+    if desired["kind"] == "Service":
+        spec: Any = {"ports": desired["spec"]["ports"], "selector": desired["spec"]["selector"]}
+    else:
+        spec = merge_patch(actual.get("spec") or {}, desired["spec"])
+    return {"metadata": {"labels": desired["metadata"]["labels"], "annotations": annotations}, "spec": spec}
+
+
 def peering(name: str) -> dict[str, Any]:
     """The peering object replicas of the operator share (kopf keeps their records in its status).
 
@@ -241,3 +280,21 @@ def peering(name: str) -> dict[str, Any]:
         "kind": constants.PEERING_KIND,
         "metadata": {"name": name, "labels": {constants.LABEL_MANAGED_BY: constants.MANAGER}},
     }
+
+
+def merge_patch(old: Any, new: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: changed keys, and null for removed ones.
+
+    A merge patch of the whole desired value would leave behind every key the desired
+    value dropped (a node selector removed by an edit, say); this one removes them.
+    Lists are replaced whole, as merge patches do.
+    """
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return copy.deepcopy(new)
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if key not in old:
+            patch[key] = copy.deepcopy(value)
+        elif old[key] != value:
+            patch[key] = merge_patch(old[key], value)
+    return patch

@@ -76,3 +76,23 @@ TRAINER_ENV_PREFIX: Final = ENV_PREFIX
 
 MAX_JOB_NAME: Final = 50
 """Longest job name: `<job>-worker-<n>` and `<job>-etcd` must stay valid DNS-1035 labels (63)."""
+
+ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
+"""On each managed etcd object: a hash of what the operator built. A job edit that changes the
+built object (the rendezvous image or placement) changes the hash, and the operator updates the
+object in place; comparing whole objects would not do, as the API server adds its defaults."""
+
+BACKOFF_BASE_SECONDS: Final = 10
+"""The first replacement after a worker failure waits this long; each further consecutive failure
+doubles it (as Kubernetes Job's pod failure backoff does). Evictions never wait."""
+BACKOFF_CAP_SECONDS: Final = 300
+"""The longest a replacement waits after consecutive failures (kubelet's crash-loop cap)."""
+BACKOFF_RESET_SECONDS: Final = 600
+"""A failure this long after the previous one starts the count of consecutive failures afresh
+(kubelet forgets a crash loop after 10 minutes of running)."""
+NAME_RETRY_SECONDS: Final = 60
+"""How long the operator leaves a name alone once it found it taken by an object the job does not
+own: it tries again after this (the owner may have deleted it), at most once a minute."""
+EXPECTATION_SECONDS: Final = 30
+"""How long a pod the operator created counts as there before its watch event arrives (the
+controller's expectations): longer means the watch lost it, and it is looked for afresh."""

@@ -1,10 +1,26 @@
 """One reconcile of one ElasticJob: read, plan (pure), act, then write the status once.
 
-Order matters: objects are created and deleted first, the status is written in one
-patch at the end, and the Kubernetes Events go out only after that patch succeeded
+Order matters: objects are created, deleted and updated first, the status is written in
+one patch at the end, and the Kubernetes Events go out only after that patch succeeded
 (the JobSet controller's rule), so an event never reports something the status does
-not show. One lock per job keeps the many triggers (create, update, timer, pod and
-node events) from reconciling the same job at the same time.
+not show. One lock per job keeps the many triggers (create, update, timer, pod, etcd
+object and node events) from reconciling the same job at the same time.
+
+What a reconcile reads, and what it costs:
+- the job: one GET, so the status it starts from is the one last written (a watch's
+  copy may not show our own last write yet);
+- the job's worker pods and managed etcd objects: from kopf indices, fed by watches
+  that the API server filters by label, keyed by the owning job's uid. No list per
+  reconcile; a re-created job (a new uid) never sees its predecessor's pods, and a
+  same-named object someone else owns is never taken for the job's;
+- nodes: from the node watch's cache (only with node handling on).
+An index lags the operator's own actions by a watch event, so the controller keeps
+*expectations*, as Kubernetes' own controllers do: the pods it created and not yet seen
+are counted as there, and the objects it deleted or counted are not judged again.
+
+The timer (`tick`) re-plans from what the operator already knows and asks the API
+nothing unless that plan has something to do: a running job that nothing happens to
+costs no request (bench/operator measures it).
 """
 
 from __future__ import annotations
@@ -12,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -24,14 +41,49 @@ from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.progress import ProgressReader
 from torchspot.operator.reconcile import Observed, Plan, plan
 from torchspot.operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
+from torchspot.operator.status import CreateFailure
 
 log = logging.getLogger(__name__)
 
-ETCD_KINDS = (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"))
-ETCD_RECHECK = 60.0
-"""Seconds a job's complete set of managed etcd objects is trusted before it is read again
-(a deleted one is re-created within this; every reconcile reading three objects made the
-API the bottleneck at a few hundred jobs)."""
+PODS_INDEX = "worker_pods"
+NAMES_INDEX = "worker_names"
+"""(namespace, job name) -> names of the worker pods with that job's label, whoever owns them: the
+names a re-created job must not reuse while its predecessor's pods are still being collected."""
+ETCD_INDEXES = {"Deployment": "etcd_deployments", "Service": "etcd_services", "PodDisruptionBudget": "etcd_budgets"}
+"""The kopf index of each managed etcd kind (handlers.py registers them under these names)."""
+INDEXES = (PODS_INDEX, NAMES_INDEX, *ETCD_INDEXES.values())
+
+Index = Mapping[Any, Iterable[Any]]
+"""A kopf index: a key (such as (namespace, owner uid)) -> the values the objects under it gave."""
+
+
+def owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(name, uid) of the ElasticJob that controls an object, from its ownerReferences; None if none does."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if (
+            ref.get("controller")
+            and ref.get("kind") == constants.KIND
+            and ref.get("apiVersion") == constants.API_VERSION
+        ):
+            return str(ref.get("name", "")), str(ref.get("uid", ""))
+    return None
+
+
+@dataclass
+class _Memory:
+    """What the controller knows about one incarnation (uid) of a job between reconciles."""
+
+    uid: str
+    body: dict[str, Any] | None = None
+    """The job as last read, with the status written since: what the timer re-plans from."""
+    accounted: dict[str, float] = field(default_factory=dict)
+    """Uids of objects counted or deleted by the operator (monotonic time): never judged twice."""
+    created: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
+    """Worker pods created and not yet seen in the index, by name: counted as there meanwhile."""
+    vanished: list[dict[str, Any]] = field(default_factory=list)
+    """Worker pods deleted by someone else (their last body), until a reconcile counts them."""
+    failures: dict[str, CreateFailure] = field(default_factory=dict)
+    """Objects the operator could not create, by `Kind/name`."""
 
 
 class Controller:
@@ -41,6 +93,7 @@ class Controller:
         `etcd.defaultPlacement`); None: wherever the scheduler puts them.
     :param resolve: maps a rendezvous address to a reachable one (see `ProgressReader`).
     :param node_handling: move workers off bad nodes at once (`constants.NODE_HANDLING_ENV`).
+    :param indexes: kopf's indices by name (`INDEXES`); empty ones when None (tests of parts).
     """
 
     def __init__(
@@ -51,85 +104,233 @@ class Controller:
         etcd_default: Placement | None = None,
         resolve: Callable[[str], str] | None = None,
         node_handling: bool = True,
+        indexes: Mapping[str, Index] | None = None,
     ) -> None:
         self.api = api
         self.node_handling = node_handling
         self.now = now
         self.etcd_default = etcd_default
         self.progress = ProgressReader(resolve) if resolve is not None else ProgressReader()
-        self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
-        self._etcd_seen: dict[tuple[str, str], tuple[frozenset[str], float]] = {}
+        self.indexes: Mapping[str, Index] = indexes or {name: {} for name in INDEXES}
         self.nodes: dict[str, Mapping[str, Any]] = {}
         """Nodes as the node watch last saw them (reconciles read these instead of asking each time)."""
+        self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
+        self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
 
     async def reconcile(self, namespace: str, name: str) -> Plan | None:
-        """Bring one job's objects and status in line with its spec; None if the job is gone."""
+        """Bring one job's objects and status in line with its spec; None if the job is gone or invalid."""
         async with self._lock(namespace, name):
             body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                self._locks.pop((namespace, name), None)
-                self._nodes_of_job.pop((namespace, name), None)
-                return None
-            return await self._reconcile(body)
+            return await self._reconcile(namespace, name, body)
 
-    async def _reconcile(self, body: Mapping[str, Any]) -> Plan | None:
+    async def tick(self, namespace: str, name: str) -> Plan | None:
+        """The timer: re-plan from what is known, without asking the API; reconcile only if it is due.
+
+        Clocks (the start-up timeout, the below-minimum grace, a deadline, a backoff) and
+        the run's progress reports change the plan without any event; a job they leave
+        as it was costs nothing here.
+        """
+        async with self._lock(namespace, name):
+            memory = self._memory.get((namespace, name))
+            if memory is not None and memory.body is not None:
+                try:
+                    spec = parse_spec(memory.body.get("spec") or {}, etcd_default=self.etcd_default)
+                except InvalidSpecError:
+                    return None
+                dry = plan(await self._observe(memory.body, spec, memory))
+                old = memory.body.get("status") or {}
+                if not dry.acts() and not _changed(old, dry.status):
+                    return dry
+            body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
+            return await self._reconcile(namespace, name, body)
+
+    async def _reconcile(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self._forget(namespace, name)
+            return None
         meta = body["metadata"]
-        job = JobRef(meta["name"], meta["namespace"], meta.get("uid", ""))
-        old_status: Mapping[str, Any] = body.get("status") or {}
+        memory = self._memory.get((namespace, name))
+        if memory is None or memory.uid != meta.get("uid", ""):  # a new job, or one re-created under the name
+            memory = self._memory[(namespace, name)] = _Memory(str(meta.get("uid", "")))
+        memory.body = body
+        old: Mapping[str, Any] = body.get("status") or {}
+        job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
         now = self.now()
         try:
-            spec = parse_spec(job.name, body.get("spec") or {}, etcd_default=self.etcd_default)
+            spec = parse_spec(body.get("spec") or {}, etcd_default=self.etcd_default)
         except InvalidSpecError as exc:
-            new = status.invalid(old_status.get("conditions") or [], exc.problems, now)
-            await self._write_status(job, new)
-            if old_status.get("phase") != "Invalid":
-                kopf.event(kopf.Body(cast(kopf.RawBody, body)), type="Warning", reason="InvalidSpec", message=str(exc))
+            new = status.invalid(old.get("conditions") or [], exc.problems, now)
+            if _changed(old, new):
+                await self._write_status(job, memory, new)
+            if old.get("phase") != status.PHASE_INVALID:  # said once, not at every reconcile
+                _event(body, "Warning", "InvalidSpec", str(exc))
             return None
-        pods = await self.api.list("v1", "Pod", job.namespace, job.labels(constants.ROLE_WORKER))
-        nodes: dict[str, Mapping[str, Any]] = {}
+        decided = plan(await self._observe(body, spec, memory, now=now))
+        if decided.status.get("phase") in status.FINISHED_PHASES:
+            self.progress.forget(str(old.get("runId", job.run_id)))
+        events = await self._act(job, decided, memory, now)
+        decided.status["conditions"] = status.replica_failure(
+            decided.status["conditions"], list(memory.failures.values()), now
+        )
+        if _changed(old, decided.status):
+            await self._write_status(job, memory, decided.status)  # unchanged: no write, no watch event
+        for kind, reason, message in [*decided.events, *events]:
+            _event(body, kind, reason, message)
+        if decided.status.get("phase") != old.get("phase"):
+            log.info("job %s/%s: phase %s", namespace, name, decided.status.get("phase"))
+        return decided
+
+    async def _observe(
+        self, body: Mapping[str, Any], spec: JobSpec, memory: _Memory, *, now: datetime | None = None
+    ) -> Observed:
+        """What the plan sees: the job, the pods and etcd objects it owns (indices plus expectations), nodes,
+        progress. Reads no API but, with node handling on, a node the watch has not shown (yet)."""
+        meta = body["metadata"]
+        namespace, name = str(meta["namespace"]), str(meta["name"])
+        old: Mapping[str, Any] = body.get("status") or {}
+        job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
+        pods = self._pods(namespace, memory)
+        etcd = self._etcd(namespace, memory)
+        self._prune(memory, pods, etcd.values())
         bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
-        self._nodes_of_job[(job.namespace, job.name)] = bound
-        for node_name in bound:
+        self._nodes_of_job[(namespace, name)] = bound
+        nodes: dict[str, Mapping[str, Any]] = {}
+        for node_name in bound if self.node_handling else ():
             node = self.nodes.get(node_name)
-            if node is None:  # not seen by the node watch (yet): ask
+            if node is None:  # not seen by the node watch (yet; or gone): ask, never guess "gone"
                 node = await self.api.get("v1", "Node", None, node_name)
             if node is not None:
                 nodes[node_name] = node
-        # A job never reconciled has no etcd objects yet (creating one that exists is a no-op).
-        etcd = await self._etcd_objects(job, spec) if old_status.get("phase") else frozenset()
-        finished = old_status.get("phase") in status.FINISHED_PHASES
-        progress = {} if finished else self.progress.latest(builders.rdzv_endpoint(job, spec), job.run_id)
-        seen = Observed(job, spec, old_status, pods, nodes, frozenset(etcd), now, progress, self.node_handling)
-        decided = plan(seen)
-        if decided.status.get("phase") in status.FINISHED_PHASES:
-            self.progress.forget(job.run_id)
-        await self._act(job, decided)
-        if any(old_status.get(key) != value for key, value in decided.status.items()):
-            await self._write_status(job, decided.status)  # unchanged: no write, no watch event for anyone
-        for kind, reason, message in decided.events:
-            kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message)
-        if decided.status.get("phase") != old_status.get("phase"):
-            log.info("job %s/%s: phase %s", job.namespace, job.name, decided.status.get("phase"))
-        return decided
+        finished = old.get("phase") in status.FINISHED_PHASES
+        progress = (
+            {}
+            if finished
+            else self.progress.latest(builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)))
+        )
+        return Observed(
+            job, spec, old, pods, nodes, etcd, now or self.now(), progress, self.node_handling,
+            accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
+            create_failures=list(memory.failures.values()),
+            names_in_use=frozenset(str(n) for n in self.indexes[NAMES_INDEX].get((namespace, name), [])),
+        )  # fmt: skip
 
-    async def _etcd_objects(self, job: JobRef, spec: JobSpec) -> frozenset[str]:
-        """Kinds of the managed etcd's objects that exist; a complete set is trusted for `ETCD_RECHECK` s."""
-        if spec.rdzv_endpoint:
-            return frozenset()
-        key = (job.namespace, job.name)
-        seen = self._etcd_seen.get(key)
-        if seen is not None and len(seen[0]) == len(ETCD_KINDS) and time.monotonic() - seen[1] < ETCD_RECHECK:
-            return seen[0]
-        kinds = set()
-        for api_version, kind in ETCD_KINDS:
-            if await self.api.get(api_version, kind, job.namespace, job.etcd_name) is not None:
-                kinds.add(kind)
-        self._etcd_seen[key] = (frozenset(kinds), time.monotonic())
-        return frozenset(kinds)
+    def _pods(self, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+        """The job's worker pods: the index's, plus those created and not yet indexed (expectations)."""
+        indexed = [dict(p) for p in self.indexes[PODS_INDEX].get((namespace, memory.uid), [])]
+        names = {p["metadata"]["name"] for p in indexed}
+        clock = time.monotonic()
+        for pod_name, (created, at) in list(memory.created.items()):
+            if pod_name in names or clock - at > constants.EXPECTATION_SECONDS:
+                del memory.created[pod_name]
+            else:
+                indexed.append(created)
+        return indexed
+
+    def _etcd(self, namespace: str, memory: _Memory) -> dict[str, Mapping[str, Any]]:
+        """The managed etcd's objects this job owns, by kind."""
+        found: dict[str, Mapping[str, Any]] = {}
+        for kind, index in ETCD_INDEXES.items():
+            for obj in self.indexes[index].get((namespace, memory.uid), []):
+                found[kind] = obj
+        return found
+
+    @staticmethod
+    def _prune(memory: _Memory, pods: Iterable[Mapping[str, Any]], etcd: Iterable[Mapping[str, Any]]) -> None:
+        """Forget counted or deleted objects that are gone from the indices (and the counted vanished pods)."""
+        present = {str(o.get("metadata", {}).get("uid", "")) for o in [*pods, *etcd]}
+        clock = time.monotonic()
+        for uid, at in list(memory.accounted.items()):
+            if uid not in present and clock - at > constants.EXPECTATION_SECONDS:
+                del memory.accounted[uid]
+
+    async def _act(self, job: JobRef, decided: Plan, memory: _Memory, now: datetime) -> list[tuple[str, str, str]]:
+        """Create, delete and update as planned; the events of what could not be created."""
+        clock = time.monotonic()
+        memory.accounted.update({uid: clock for uid in decided.accounted})  # before any request: see pod_deleted
+        memory.vanished.clear()  # the plan counted them
+        events: list[tuple[str, str, str]] = []
+        etcd_blocked = False
+        for obj in decided.create:
+            kind = obj["kind"]
+            if kind == "Pod" and etcd_blocked:
+                continue  # the job's rendezvous cannot be made: workers would meet somewhere else
+            failure = await self._create(job, obj, memory, now)
+            if failure is not None:
+                memory.failures[failure.key] = failure
+                events.append(("Warning", failure.reason, failure.message))
+                etcd_blocked = etcd_blocked or kind != "Pod"
+        for delete in decided.delete:
+            log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)
+            await self.api.delete(
+                delete.api_version, delete.kind, job.namespace, delete.name, delete.grace, uid=delete.uid or None
+            )
+        for update in decided.update:
+            log.info("updating %s %s/%s in place", update.kind, job.namespace, update.name)
+            await self.api.patch(update.api_version, update.kind, job.namespace, update.name, update.patch)
+        for key, failure in list(memory.failures.items()):  # a taken pod name is tried again after a while
+            if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
+                del memory.failures[key]
+        return events
+
+    async def _create(self, job: JobRef, obj: dict[str, Any], memory: _Memory, now: datetime) -> CreateFailure | None:
+        """Create one object; what went wrong, if the API refused it or the name is someone else's."""
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        key = f"{kind}/{name}"
+        try:
+            created = await self.api.create(obj)
+        except ApiError as exc:
+            if exc.status >= 500 or exc.status == 429:
+                raise  # the API's trouble, not the object's: kopf retries the handler
+            return CreateFailure(key, status.FAILED_CREATE, f"{kind} {job.namespace}/{name} was refused: {exc}", now)
+        if created is None:  # 409: the name exists, and the index (or our expectation) says it is not this job's
+            message = f"{kind} {job.namespace}/{name} exists and is not owned by this job; rename or delete it"
+            return CreateFailure(key, status.NAME_TAKEN, message, now)
+        memory.failures.pop(key, None)
+        if kind == "Pod":
+            memory.created[name] = (created, time.monotonic())
+        return None
+
+    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> None:
+        try:
+            await self.api.patch_status(constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new))
+        except ApiError as exc:
+            if exc.status != 404:  # the job was deleted meanwhile
+                raise
+            return
+        if memory.body is not None:  # what the timer re-plans from: the status as now stored
+            merged = {**(memory.body.get("status") or {}), **new}
+            memory.body = {**memory.body, "status": {k: v for k, v in merged.items() if v is not None}}
+
+    def _forget(self, namespace: str, name: str) -> None:
+        memory = self._memory.pop((namespace, name), None)
+        self._locks.pop((namespace, name), None)
+        self._nodes_of_job.pop((namespace, name), None)
+        if memory is not None and memory.body is not None:
+            self.progress.forget(str((memory.body.get("status") or {}).get("runId", "")))
+
+    def pod_deleted(self, namespace: str, job: str, job_uid: str, pod: Mapping[str, Any]) -> None:
+        """A worker pod is gone (its watch's DELETED event): if the operator neither deleted nor counted
+        it, someone else did, and the next reconcile counts it as an eviction."""
+        memory = self._memory.get((namespace, job))
+        uid = str(pod.get("metadata", {}).get("uid", ""))
+        if memory is not None and memory.uid == job_uid and uid not in memory.accounted:
+            memory.vanished.append(dict(pod))
+
+    def object_deleted(self, namespace: str, job: str, kind: str, name: str) -> None:
+        """A managed etcd object of a job of this name went (a predecessor's, collected): if its name was
+        found taken, try again at once instead of after `NAME_RETRY_SECONDS`."""
+        memory = self._memory.get((namespace, job))
+        if memory is not None:
+            memory.failures.pop(f"{kind}/{name}", None)
+
+    async def expire(self, namespace: str, name: str, uid: str) -> None:
+        """Delete a finished job whose ttlSecondsAfterFinished ran out (only this incarnation: by uid)."""
+        log.info("job %s/%s: ttlSecondsAfterFinished reached, deleting it", namespace, name)
+        await self.api.delete(constants.API_VERSION, constants.PLURAL, namespace, name, uid=uid)
 
     def observe_node(self, node: Mapping[str, Any], *, deleted: bool) -> None:
         """Keep the node cache that reconciles read (fed by the node watch)."""
@@ -139,25 +340,6 @@ class Controller:
         else:
             self.nodes[name] = node
 
-    async def _act(self, job: JobRef, decided: Plan) -> None:
-        for obj in decided.create:
-            await self.api.create(obj)
-        for delete in decided.delete:
-            log.info("deleting worker pod %s/%s: %s", job.namespace, delete.name, delete.why)
-            await self.api.delete("v1", "Pod", job.namespace, delete.name, delete.grace)
-        if decided.create or decided.delete_etcd:
-            self._etcd_seen.pop((job.namespace, job.name), None)
-        if decided.delete_etcd:
-            for api_version, kind in ETCD_KINDS:
-                await self.api.delete(api_version, kind, job.namespace, job.etcd_name)
-
-    async def _write_status(self, job: JobRef, new: Mapping[str, Any]) -> None:
-        try:
-            await self.api.patch_status(constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new))
-        except ApiError as exc:
-            if exc.status != 404:  # the job was deleted meanwhile
-                raise
-
     def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
         """(namespace, job) of the jobs whose workers were on a node when last reconciled.
 
@@ -165,3 +347,12 @@ class Controller:
         API call and no permission beyond the watched namespaces.
         """
         return {key for key, nodes in self._nodes_of_job.items() if node_name in nodes}
+
+
+def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether writing `new` (a merge patch of the status) would change the stored status."""
+    return any(old.get(key) != value for key, value in new.items())
+
+
+def _event(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message)

@@ -2,29 +2,45 @@
 
 Run it with `kopf run -m torchspot.operator.handlers` (or `python -m torchspot.operator`).
 Triggers: an ElasticJob is created, its spec changes, the operator resumes, the timer
-fires (every `RECONCILE_INTERVAL` seconds), one of its worker pods changes, or a node
-carrying its workers turns bad. Whatever fired, `Controller.reconcile` reads the world
-afresh and converges; so a missed or repeated trigger costs nothing but latency.
+fires (every `RECONCILE_INTERVAL` seconds, for jobs that are neither finished, invalid
+nor suspended; it asks the API nothing unless something is due), one of its worker pods
+or managed etcd objects changes, or a node carrying its workers turns bad. Whatever
+fired, `Controller.reconcile` reads the job afresh and converges; so a missed or
+repeated trigger costs nothing but latency.
+
+What the operator watches, it watches narrowly: pods, Deployments, Services and
+PodDisruptionBudgets only with the operator's role label (the API server filters them:
+`settings.watching.label_selectors`), indexed by the uid of the job that owns them; nodes
+only when node handling is on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import kopf
 
-from torchspot.operator import builders, constants
-from torchspot.operator.controller import Controller
+from torchspot.operator import builders, constants, status
+from torchspot.operator.controller import INDEXES, Controller, Index, owner
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.reconcile import node_trouble
 from torchspot.operator.spec import InvalidSpecError, Placement, default_etcd_placement
 
-RECONCILE_INTERVAL = 10.0
-"""Seconds between timer reconciles of each job: bounds how stale the status and the
-below-minimum clock may get when no event arrives (events reconcile at once)."""
+RECONCILE_INTERVAL = 5.0
+"""Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
+the start-up timeout, activeDeadlineSeconds, a failure backoff) or a progress report is acted on.
+A tick that finds nothing due makes no API request."""
+WATCHED_KINDS: dict[tuple[str, str], str] = {
+    ("v1", "pods"): constants.ROLE_WORKER,
+    ("apps", "deployments"): constants.ROLE_ETCD,
+    ("v1", "services"): constants.ROLE_ETCD,
+    ("policy", "poddisruptionbudgets"): constants.ROLE_ETCD,
+}
+"""What the operator watches besides ElasticJobs (and nodes), and the role label the API server filters by."""
 
 _state: dict[str, Any] = {}
 
@@ -47,8 +63,8 @@ def controller() -> Controller:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events;
-    read the operator's own settings from its environment (a bad one stops the operator)."""
+    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events; watch
+    only our own objects; read the operator's own settings from its environment (a bad one stops it)."""
     try:
         _state["etcd_default"] = default_etcd_placement(os.environ.get(constants.ETCD_PLACEMENT_ENV, ""))
     except InvalidSpecError as exc:
@@ -60,6 +76,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
             f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}"
         )
     _state["node_handling"] = mode == "proactive"
+    if _state["node_handling"] and not _state.get("node_watch"):
+        # Registered here, not at import: with node handling off the operator does not watch
+        # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
+        kopf.on.event("v1", "nodes")(node_event)
+        _state["node_watch"] = True
+    for (group, plural), role in WATCHED_KINDS.items():
+        settings.watching.label_selectors[group, plural] = f"{constants.LABEL_ROLE}={role}"
     if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
         settings.peering.clusterwide = True
         settings.peering.lifetime = constants.PEERING_LIFETIME
@@ -75,7 +98,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     """The service account in a pod, the kubeconfig outside; our API layer uses the same credentials.
 
-    kopf logs in again when credentials expire; the controller (and its per-job locks)
+    kopf logs in again when credentials expire; the controller (and its per-job state)
     stays, only its API session is renewed.
     """
     info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
@@ -90,6 +113,7 @@ async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
             etcd_default=cast(Placement | None, _state.get("etcd_default")),
             resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
             node_handling=bool(_state.get("node_handling", True)),
+            indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
         )
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
@@ -121,31 +145,117 @@ async def close(**_: Any) -> None:
         await done.api.close()
 
 
+def _owned(body: kopf.Body, namespace: str | None) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """An index entry: (namespace, uid of the job that controls the object) -> the object."""
+    found = owner(body)
+    return None if found is None or not namespace else {(namespace, found[1]): dict(body)}
+
+
+@kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
+def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Worker pods by their job's uid (`controller.PODS_INDEX`)."""
+    return _owned(body, namespace)
+
+
+@kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
+def worker_names(name: str, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], str] | None:
+    """Worker pod names by (namespace, job name), whoever owns them (`controller.NAMES_INDEX`)."""
+    job = labels.get(constants.LABEL_JOB)
+    return {(namespace, job): name} if job and namespace else None
+
+
+@kopf.index("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_deployments(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd Deployments by their job's uid."""
+    return _owned(body, namespace)
+
+
+@kopf.index("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_services(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd Services by their job's uid."""
+    return _owned(body, namespace)
+
+
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_budgets(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd PodDisruptionBudgets by their job's uid."""
+    return _owned(body, namespace)
+
+
 @kopf.on.create(constants.GROUP, constants.VERSION, constants.PLURAL)
 @kopf.on.update(constants.GROUP, constants.VERSION, constants.PLURAL, field="spec")
 @kopf.on.resume(constants.GROUP, constants.VERSION, constants.PLURAL)
 async def job_changed(name: str, namespace: str | None, **_: Any) -> None:
-    """A job appeared, changed its spec, or was already there when the operator started."""
+    """A job appeared, changed its spec (suspend included), or was already there when the operator started."""
     await controller().reconcile(namespace or "default", name)
 
 
-@kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL)
+def _active(body: kopf.Body, **_: Any) -> bool:
+    """A job whose clocks run: not finished, not invalid, not suspended (those are never polled)."""
+    phase = (body.get("status") or {}).get("phase")
+    inactive = (*status.FINISHED_PHASES, status.PHASE_INVALID)
+    return phase not in inactive and not (body.get("spec") or {}).get("suspend", False)
+
+
+@kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL, when=_active)
 async def job_timer(name: str, namespace: str | None, **_: Any) -> None:
-    """Converge even when no event comes (clocks such as belowMinGraceSeconds run on their own)."""
-    await controller().reconcile(namespace or "default", name)
+    """Act on clocks and progress reports when no event comes; free when nothing is due."""
+    await controller().tick(namespace or "default", name)
+
+
+def _expiring(body: kopf.Body, **_: Any) -> bool:
+    """A finished job with a ttlSecondsAfterFinished: its daemon deletes it when that runs out."""
+    finished = (body.get("status") or {}).get("phase") in status.FINISHED_PHASES
+    return finished and (body.get("spec") or {}).get("ttlSecondsAfterFinished") is not None
+
+
+@kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, when=_expiring)
+async def job_ttl(
+    name: str, namespace: str | None, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """Delete a finished job `ttlSecondsAfterFinished` after its completion (waits, never polls the API)."""
+    while not stopped:
+        job_status: Mapping[str, Any] = body.get("status") or {}
+        ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+        finished = job_status.get("completionTime")
+        if ttl is None or finished is None:
+            return
+        left = ttl - (datetime.now(UTC) - status.parse_timestamp(finished)).total_seconds()
+        if left <= 0:
+            await controller().expire(namespace or "default", name, uid)
+            return
+        await stopped.wait(left)  # the body is live: an edited ttl is read again after the wait
 
 
 @kopf.on.event("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
-async def worker_pod_event(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
-    """A worker pod changed (scheduled, ready, failed, deleted): reconcile its job now."""
-    job = labels.get(constants.LABEL_JOB)
-    if job and namespace:
-        await controller().reconcile(namespace, job)
+async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
+    """A worker pod changed (scheduled, ready, failed, deleted): reconcile the job that owns it now."""
+    found = owner(body)
+    if found is None or not namespace:
+        return
+    if type == "DELETED":
+        controller().pod_deleted(namespace, found[0], found[1], dict(body))
+    await controller().reconcile(namespace, found[0])
 
 
-@kopf.on.event("v1", "nodes")
+@kopf.on.event("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+@kopf.on.event("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:
+    """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
+    found = owner(body)
+    if found is None or not namespace:
+        return
+    if type == "DELETED":
+        controller().object_deleted(namespace, found[0], str(body.get("kind", "")), name)
+    await controller().reconcile(namespace, found[0])
+
+
 async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
-    """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now."""
+    """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now.
+
+    Registered at startup only with node handling on (`configure`).
+    """
     if not controller().node_handling:
         return
     gone = type == "DELETED"

@@ -140,30 +140,39 @@ class Kube:
             items = [item for item in items if all(_field(item, k) == v for k, v in fields.items())]
         return items
 
-    async def create(self, obj: Mapping[str, Any]) -> bool:
-        """Create an object; False if it existed already (409)."""
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create an object and return it as stored; None if one of that name existed already (409)."""
         meta = obj["metadata"]
         path = collection(obj["apiVersion"], obj["kind"], meta.get("namespace"))
         try:
-            await self._request("POST", path, obj)
+            created: dict[str, Any] = await self._request("POST", path, obj)
         except ApiError as exc:
             if exc.status == 409:
                 log.info("%s %s exists already; continuing", obj["kind"], meta["name"])
-                return False
+                return None
             raise
-        return True
+        return created
 
     async def delete(
-        self, api_version: str, kind: str, namespace: str | None, name: str, grace: int | None = None
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        grace: int | None = None,
+        *,
+        uid: str | None = None,
     ) -> bool:
-        """Delete an object (with `grace` seconds, or its own period); False if it was gone (404)."""
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
-        if grace is not None:
-            body["gracePeriodSeconds"] = grace  # type: ignore[assignment]
+        """Delete an object (with `grace` seconds, or its own period); False if it was gone (404).
+
+        With `uid`, only that object: the API refuses (409) to delete a same-named object
+        that replaced it, and that counts as gone too.
+        """
+        body = delete_options(grace, uid)
         try:
             await self._request("DELETE", f"{collection(api_version, kind, namespace)}/{name}", body)
         except ApiError as exc:
-            if exc.status == 404:
+            if exc.status == 404 or (exc.status == 409 and uid is not None):
                 return False
             raise
         return True
@@ -187,6 +196,16 @@ class Kube:
             if exc.status not in (404, 405):
                 raise
             await self.patch(api_version, plural, namespace, name, {"status": status})
+
+
+def delete_options(grace: int | None, uid: str | None) -> dict[str, Any]:
+    """The DeleteOptions body: dependents go in the background, a grace period and a uid precondition if given."""
+    body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+    if grace is not None:
+        body["gracePeriodSeconds"] = grace
+    if uid is not None:
+        body["preconditions"] = {"uid": uid}
+    return body
 
 
 def _text(data: Any) -> str | None:

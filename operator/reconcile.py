@@ -1,49 +1,78 @@
-"""Desired against actual: what to create, delete, say and record for one ElasticJob. Pure.
+"""Desired against actual: what to create, delete, update, say and record for one ElasticJob. Pure.
 
-`plan` takes what the API layer observed (the job, its worker pods, their nodes, its
-etcd objects, the time) and returns a `Plan`. It is level-based: the same observation
-gives the same plan whether a create, an update, a pod event, a node event, a resume
-or the timer asked for it, so repeating it converges instead of piling up actions.
+`plan` takes what the controller observed (the job, the worker pods and managed etcd
+objects it owns, their nodes, the time, what the run reported) and returns a `Plan`.
+It is level-based: the same observation gives the same plan whether a create, an
+update, a pod or node event, a resume or the timer asked for it, so repeating it
+converges instead of piling up actions. The lifecycle it implements (phases,
+conditions, clocks) is written down in operator/README.md ("Lifecycle").
 
-How pods are judged:
-- *lost*: on a node that is gone, NotReady, being deleted, cordoned, or tainted for
-  eviction (spot eviction, autoscaler scale-down). Deleted at once with their grace
-  period, so torchrun's SIGTERM handling writes the emergency checkpoint and the
-  survivors re-form now, not after heartbeats or collective timeouts. An eviction.
-- *evicted*: failed by a signal or by Kubernetes (reason Evicted, a DisruptionTarget
-  condition, exit code above 128). Deleted and replaced; never counts as a failure.
-- *application failure*: exited non-zero by itself. Replaced, and counted against
-  `failurePolicy.maxRestarts`.
-- *succeeded*: exited 0. torchrun agents exit 0 only when the whole worker group
-  finished, so the first success means the run is complete: nothing is replaced from
-  then on, and the job is Succeeded once no worker pod is still active.
-- *pending*: not yet Ready (unscheduled pods are the autoscaler's signal to add spot
-  nodes; they are kept, and training goes on at the size that is Ready).
+How a worker pod is judged, in the spirit of Kubernetes Job's podFailurePolicy:
+- *eviction*: what the cluster says is one: a `DisruptionTarget` condition (preemption,
+  the taint manager, the eviction API, pod GC, the kubelet), a disruption reason on the
+  pod (Evicted, Terminated, NodeShutdown...), its node gone, NotReady, cordoned, being
+  deleted or tainted for eviction (the operator deletes such workers at once, with
+  their grace period, so torchrun's SIGTERM path writes the emergency checkpoint), or a
+  deletion by anyone but the operator (a user's `kubectl delete pod`). Replaced at once;
+  never counted against `failurePolicy.maxRestarts`.
+- *failure*: a non-zero exit, OOMKilled, or a pod the kubelet refused before it ran
+  (UnexpectedAdmissionError, OutOf...). Counted against `failurePolicy.maxRestarts`;
+  replacements after consecutive failures back off (10 s doubling, capped at 5 min).
+- *success*: a worker that exited 0. torchrun's agent exits 0 only after every agent of
+  the group reached its exit barrier with its workers done, so one success means the run
+  is complete: the job is Succeeded in that same reconcile, whatever else is going on.
+- *active*: anything else; Ready ones train, the rest are pending (unscheduled pods are
+  the cluster autoscaler's signal to add spot nodes: they are kept, and training goes on
+  at the size that is Ready).
+Each pod is judged once: the controller passes the uids it already counted or deleted
+(`accounted`), and the plan returns those it counts now.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any
 
 from torchspot.operator import builders, constants, status
 from torchspot.operator.builders import JobRef
 from torchspot.operator.spec import JobSpec
+from torchspot.operator.status import CreateFailure
 
-SIGNAL_EXIT = 128
-"""Exit codes above this mean a signal ended the container (137 = SIGKILL, 143 = SIGTERM)."""
-EVICTED_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "Shutdown", "Terminated", "NodeShutdown"})
+DISRUPTED_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "Shutdown", "Terminated", "NodeShutdown"})
+"""Pod `status.reason`s a kubelet or node controller writes when it, not the workload, ended the pod."""
+EVICTION = "eviction"
+FAILURE = "failure"
+ETCD_KINDS: tuple[tuple[str, str], ...] = (
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+"""The managed etcd's objects, in the order they are made."""
 
 
 @dataclass(frozen=True)
 class Delete:
-    """Delete a worker pod; `grace` None keeps the pod's own grace period."""
+    """Delete an object the job owns; `uid` goes into the request's precondition (a same-named
+    replacement is never deleted by mistake); `grace` None keeps a pod's own grace period."""
 
+    api_version: str
+    kind: str
     name: str
+    uid: str
     grace: int | None
     why: str
+
+
+@dataclass(frozen=True)
+class Update:
+    """Merge-patch a managed etcd object the job owns (its build changed: a job edit)."""
+
+    api_version: str
+    kind: str
+    name: str
+    patch: dict[str, Any]
 
 
 @dataclass
@@ -52,29 +81,53 @@ class Plan:
 
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[Delete] = field(default_factory=list)
-    delete_etcd: bool = False
+    update: list[Update] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     """(type, reason, message): Normal or Warning Kubernetes Events."""
+    accounted: list[str] = field(default_factory=list)
+    """Uids of the pods this plan counted or deletes: never judged again."""
+
+    def acts(self) -> bool:
+        """Whether the plan changes anything in the cluster (creates, deletes, updates or counts)."""
+        return bool(self.create or self.delete or self.update or self.accounted)
 
 
 @dataclass(frozen=True)
 class Observed:
-    """What the API layer read for one job."""
+    """What the controller read for one job."""
 
     job: JobRef
     spec: JobSpec
     status: Mapping[str, Any]
     pods: Sequence[Mapping[str, Any]]
+    """The worker pods this job (this uid) owns, as the watch last reported them."""
     nodes: Mapping[str, Mapping[str, Any]]
     """The nodes the worker pods are bound to, by name (a missing name: the node is gone)."""
-    etcd_objects: frozenset[str]
-    """Kinds of the managed etcd's objects that exist (Deployment, Service, PodDisruptionBudget)."""
+    etcd: Mapping[str, Mapping[str, Any]]
+    """The managed etcd's objects this job owns, by kind."""
     now: datetime
     progress: Mapping[str, Any] = field(default_factory=dict)
     """What the run reported through etcd: `round` and `checkpoint` records (see operator/progress.py)."""
     node_handling: bool = True
     """False: a bad node is not a reason to move its workers (`constants.NODE_HANDLING_ENV`)."""
+    accounted: frozenset[str] = frozenset()
+    """Pod uids already counted or deleted by the operator (terminating ones are skipped)."""
+    vanished: Sequence[Mapping[str, Any]] = ()
+    """Pods that disappeared without the operator deleting them (last seen bodies)."""
+    create_failures: Sequence[CreateFailure] = ()
+    """Objects the operator could not create lately (names taken, API refusals)."""
+    names_in_use: frozenset[str] = frozenset()
+    """Names of worker pods labelled with this job's name, whoever owns them (a predecessor's too)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a worker pod ended: `EVICTION` or `FAILURE`, with a reason and a message for people."""
+
+    kind: str
+    reason: str
+    message: str
 
 
 def node_trouble(node: Mapping[str, Any] | None) -> str | None:
@@ -95,34 +148,47 @@ def node_trouble(node: Mapping[str, Any] | None) -> str | None:
     return None
 
 
-def _exit_code(pod: Mapping[str, Any]) -> int | None:
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     for container in pod.get("status", {}).get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated")
         if terminated is not None:
-            return int(terminated.get("exitCode", 0))
+            return dict(terminated)
     return None
+
+
+def _disruption(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The pod's DisruptionTarget condition, if it is True."""
+    found = status.find(pod.get("status", {}).get("conditions") or [], "DisruptionTarget")
+    return found if found is not None and found.get("status") == "True" else None
+
+
+def classify(pod: Mapping[str, Any], trouble: str | None = None) -> Verdict:
+    """Why a Failed worker pod ended: an eviction if the cluster says so (or its node is in
+    `trouble`), else a failure: OOMKilled, an exit code, or refused before it ran."""
+    pod_status = pod.get("status", {})
+    disruption = _disruption(pod)
+    if disruption is not None:
+        return Verdict(
+            EVICTION, str(disruption.get("reason") or "DisruptionTarget"), str(disruption.get("message", ""))
+        )
+    if pod_status.get("reason") in DISRUPTED_REASONS:
+        return Verdict(EVICTION, str(pod_status["reason"]), str(pod_status.get("message", "")))
+    if trouble is not None:
+        return Verdict(EVICTION, "NodeLost", trouble)
+    terminated = _terminated(pod)
+    if terminated is None:  # never ran: the kubelet refused it (device plugin, resources, affinity)
+        reason = str(pod_status.get("reason") or "AdmissionFailed")
+        return Verdict(FAILURE, reason, str(pod_status.get("message") or "the pod failed before its container ran"))
+    code = terminated.get("exitCode")
+    if terminated.get("reason") == "OOMKilled":
+        return Verdict(FAILURE, "OOMKilled", f"out of memory (exit code {code})")
+    detail = f" ({terminated['reason']})" if terminated.get("reason") not in (None, "Error") else ""
+    return Verdict(FAILURE, "ExitCode", f"exit code {code}{detail}")
 
 
 def _is_ready(pod: Mapping[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions") or []
-    return pod.get("status", {}).get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
-    )
-
-
-def failure_kind(pod: Mapping[str, Any]) -> str:
-    """`evicted` (a signal or Kubernetes ended it) or `application` (it exited non-zero by itself)."""
-    pod_status = pod.get("status", {})
-    if pod_status.get("reason") in EVICTED_REASONS:
-        return "evicted"
-    if any(
-        c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in pod_status.get("conditions") or []
-    ):
-        return "evicted"
-    code = _exit_code(pod)
-    if code is None or code > SIGNAL_EXIT:
-        return "evicted"
-    return "application"
+    return pod.get("status", {}).get("phase") == "Running" and status.is_true(conditions, "Ready")
 
 
 def _index(pod: Mapping[str, Any]) -> int:
@@ -132,115 +198,433 @@ def _index(pod: Mapping[str, Any]) -> int:
         return -1
 
 
+def _name(pod: Mapping[str, Any]) -> str:
+    return str(pod.get("metadata", {}).get("name", ""))
+
+
+def _uid(pod: Mapping[str, Any]) -> str:
+    return str(pod.get("metadata", {}).get("uid", ""))
+
+
+def waiting_reason(pod: Mapping[str, Any]) -> str:
+    """Why a pod is not Ready yet, in the cluster's words: the scheduler's message for an
+    unscheduled pod, the container's waiting reason (image pull, ...) for a started one."""
+    pod_status = pod.get("status", {})
+    scheduled = status.find(pod_status.get("conditions") or [], "PodScheduled")
+    if scheduled is not None and scheduled.get("status") == "False":
+        return str(scheduled.get("message") or scheduled.get("reason") or "not scheduled")
+    for container in pod_status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting:
+            return f"{waiting.get('reason', 'waiting')}: {waiting.get('message', '')}".rstrip(": ")
+    return "not scheduled yet" if not pod.get("spec", {}).get("nodeName") else "starting"
+
+
 @dataclass
 class _Census:
     """The worker pods sorted by what they mean for the job."""
 
     active: list[Mapping[str, Any]] = field(default_factory=list)
     ready: int = 0
-    pending: int = 0
-    succeeded: bool = False
-    to_replace: int = 0
+    pending: list[Mapping[str, Any]] = field(default_factory=list)
+    succeeded: list[Mapping[str, Any]] = field(default_factory=list)
+    lost: int = 0
+    """Pods lost in this observation (evicted or failed), each owed a replacement."""
+    failures: list[tuple[str, Verdict]] = field(default_factory=list)
+    """(pod, verdict) of the failures counted in this observation."""
 
 
-def _judge(seen: Observed, counters: dict[str, int], result: Plan) -> _Census:
-    """Sort the pods (see the module docstring), queueing deletions and events for the lost and failed."""
-    census = _Census()
-    for pod in seen.pods:
-        meta = pod.get("metadata", {})
-        name = meta.get("name", "")
-        if meta.get("deletionTimestamp"):
-            continue  # leaving already; its replacement was counted when it was deleted
+class _Counts:
+    """The status counters, starting from the old status."""
+
+    def __init__(self, old: Mapping[str, Any]) -> None:
+        self.evictions = int(old.get("evictions", 0))
+        self.restarts = int(old.get("restarts", 0))
+        self.failures = int(old.get("failures", 0))
+
+
+@dataclass
+class _Judge:
+    """Sorts the pods of one observation (see the module docstring), queueing deletions and events
+    for the lost and failed. A finished job counts nothing: a straggler's exit after the end
+    changes nothing."""
+
+    seen: Observed
+    counts: _Counts
+    result: Plan
+    finished: bool
+    census: _Census = field(default_factory=_Census)
+
+    def all(self) -> _Census:
+        for pod in self.seen.pods:
+            if _uid(pod) not in self.seen.accounted:  # else counted or deleted by the operator already
+                self.pod(pod)
+        if not self.finished:
+            for pod in self.seen.vanished:
+                if _uid(pod) not in self.seen.accounted and pod.get("status", {}).get("phase") not in (
+                    "Succeeded",
+                    "Failed",
+                ):
+                    self.gone(pod, "was deleted by someone other than the operator")
+        return self.census
+
+    def pod(self, pod: Mapping[str, Any]) -> None:
         phase = pod.get("status", {}).get("phase", "Pending")
-        node_name = pod.get("spec", {}).get("nodeName")
         if phase == "Succeeded":
-            census.succeeded = True
-            continue
-        if phase == "Failed":
-            kind = failure_kind(pod)
-            if kind == "evicted":
-                counters["evictions"] += 1
-                result.events.append(("Warning", "Evicted", f"worker pod {name} was evicted ({_why(pod)})"))
-            else:
-                counters["applicationFailures"] += 1
-                message = f"worker pod {name} exited with code {_exit_code(pod)}"
-                result.events.append(("Warning", "WorkerFailed", message))
-            result.delete.append(Delete(name, 0, f"{kind} failure"))
-            census.to_replace += 1
-            continue
-        trouble = node_trouble(seen.nodes.get(node_name)) if node_name and seen.node_handling else None
-        if trouble is not None:
-            counters["evictions"] += 1
-            result.events.append(("Warning", "Evicted", f"worker pod {name} on {node_name}: {trouble}"))
-            result.delete.append(Delete(name, 0 if trouble == "node is gone" else None, trouble))
-            census.to_replace += 1
-            continue
-        census.active.append(pod)
-        if _is_ready(pod):
-            census.ready += 1
+            self.census.succeeded.append(pod)
+        elif self.finished:
+            self.census.active.append(pod)  # only the clean-up looks at it
+        elif pod.get("metadata", {}).get("deletionTimestamp"):  # deleted, not by us: a user, the eviction API...
+            disruption = _disruption(pod)
+            reason = str(disruption.get("reason")) if disruption else "deleted by someone other than the operator"
+            self.gone(pod, f"is being deleted ({reason})")
         else:
-            census.pending += 1
-    return census
+            node_name = pod.get("spec", {}).get("nodeName")
+            seen = self.seen
+            trouble = node_trouble(seen.nodes.get(node_name)) if node_name and seen.node_handling else None
+            if phase == "Failed":
+                verdict = classify(pod, trouble)
+                text = f"({verdict.reason}: {verdict.message})" if verdict.kind == EVICTION else verdict.message
+                self.lose(pod, verdict, 0, text)
+            elif trouble is not None:
+                grace = 0 if trouble == "node is gone" else None
+                self.lose(pod, Verdict(EVICTION, "NodeLost", trouble), grace, f"on {node_name}: {trouble}")
+            else:
+                self.census.active.append(pod)
+                if _is_ready(pod):
+                    self.census.ready += 1
+                else:
+                    self.census.pending.append(pod)
+
+    def lose(self, pod: Mapping[str, Any], verdict: Verdict, grace: int | None, text: str) -> None:
+        """A pod evicted or failed: counted, deleted, owed a replacement."""
+        name, uid = _name(pod), _uid(pod)
+        if verdict.kind == EVICTION:
+            self.counts.evictions += 1
+            self.result.events.append(("Warning", "Evicted", f"worker pod {name} {text}"))
+        else:
+            self.counts.failures += 1
+            self.census.failures.append((name, verdict))
+            self.result.events.append(
+                ("Warning", "WorkerFailed", f"worker pod {name} failed: {verdict.reason}, {text}")
+            )
+        self.result.delete.append(Delete("v1", "Pod", name, uid, grace, f"{verdict.kind}: {verdict.reason}"))
+        self.result.accounted.append(uid)
+        self.census.lost += 1
+
+    def gone(self, pod: Mapping[str, Any], text: str) -> None:
+        """A pod someone else deleted: an eviction, owed a replacement (it goes by itself)."""
+        self.counts.evictions += 1
+        self.result.events.append(("Warning", "Evicted", f"worker pod {_name(pod)} {text}"))
+        self.result.accounted.append(_uid(pod))
+        self.census.lost += 1
 
 
 def plan(seen: Observed) -> Plan:
     """Decide one reconcile's actions and the job's new status."""
-    job, spec, old = seen.job, seen.spec, seen.status
+    old = seen.status
     result = Plan()
-    counters = {key: int(old.get(key, 0)) for key in ("evictions", "restarts", "applicationFailures")}
-    census = _judge(seen, counters, result)
-    active, ready, pending, succeeded = census.active, census.ready, census.pending, census.succeeded
-    finished_phase = old.get("phase") in status.FINISHED_PHASES
+    counts = _Counts(old)
+    finished = old.get("phase") in status.FINISHED_PHASES
+    census = _Judge(seen, counts, result, finished).all()
+    if finished:
+        _delete(result, [*_cleanup(seen, census), *_etcd_deletes(seen, "job finished")])
+        result.status = dict(old)  # frozen at the end: nothing after it changes the record
+        return result
 
-    desired = spec.desired
-    app_failed = counters["applicationFailures"] > spec.max_restarts
-    below_since = old.get("belowMinSince")
-    if ready >= spec.min_replicas or succeeded:
-        below_since = None
-    elif below_since is None:
-        below_since = status.timestamp(seen.now)
-    below_too_long = (
-        below_since is not None
-        and (seen.now - status.parse_timestamp(below_since)).total_seconds() > spec.below_min_grace_seconds
-    )
+    spec, now = seen.spec, seen.now
+    was_suspended = old.get("phase") == status.PHASE_SUSPENDED
+    resumes = int(old.get("resumes", 0)) + (1 if was_suspended and not spec.suspend else 0)
+    job = replace(seen.job, resumes=resumes)
+    clocks = _Clocks.read(old, now, spec, suspended=spec.suspend, resumed=was_suspended and not spec.suspend)
+    clocks.observe(census.ready, spec.min_replicas)
+    backoff = _Backoff.read(old, now)
+    last_failure = old.get("lastFailure")
+    if census.failures:
+        name, verdict = census.failures[-1]
+        last_failure = {
+            "pod": name,
+            "reason": verdict.reason,
+            "message": verdict.message,
+            "time": status.timestamp(now),
+        }
+        backoff.failed(len(census.failures), previous=old.get("lastFailure"), now=now)
 
-    done = finished_phase or succeeded or app_failed or below_too_long
-    if not done:
-        if not spec.rdzv_endpoint:
-            etcd = [
-                builders.etcd_deployment(job, spec),
-                builders.etcd_service(job),
-                builders.etcd_disruption_budget(job),
-            ]
-            result.create.extend(obj for obj in etcd if obj["kind"] not in seen.etcd_objects)
-        _scale(seen, active, census.to_replace, counters, result)
-
-    phase, conditions = status.conditions_for(
-        old.get("conditions") or [],
-        seen.now,
-        ready=ready,
-        desired=desired,
-        spec=spec,
-        started=bool(old.get("startedAt")) or ready >= spec.min_replicas,
-        succeeded=succeeded and not active,
-        finishing=succeeded,
-        failed_reason=_failed_reason(old, app_failed, below_too_long, counters, spec),
-    )
-    if phase in status.FINISHED_PHASES:
-        result.delete_etcd = bool(seen.etcd_objects) and not spec.rdzv_endpoint
-        result.delete.extend(_cleanup(spec, seen.pods, result.delete))
+    outcome = _outcome(seen, census, counts, clocks, last_failure)
+    conditions = list(old.get("conditions") or [])
+    conditions = status.set_condition(conditions, status.INVALID_SPEC, False, "SpecValid", "the spec is valid", now)
+    if outcome is not None:  # Succeeded or Failed, now
+        phase, reason, message = outcome
+        clocks.completion = status.timestamp(now)
+        conditions = _finished_conditions(conditions, phase, reason, message, now)
+        result.events.append(("Normal" if phase == status.PHASE_SUCCEEDED else "Warning", phase, message))
+        _delete(result, [*_cleanup(seen, census), *_etcd_deletes(seen, "job finished")])
+    elif spec.suspend:
+        phase = status.PHASE_SUSPENDED
+        conditions = _suspended_conditions(conditions, census, now)
+        stopping = [Delete("v1", "Pod", _name(pod), _uid(pod), None, "job suspended") for pod in census.active]
+        _delete(result, [*stopping, *_etcd_deletes(seen, "job suspended")])
+        if not was_suspended:
+            result.events.append(
+                ("Normal", "Suspended", f"stopping {len(census.active)} worker pod(s) and the managed etcd")
+            )
+    else:
+        if was_suspended:
+            result.events.append(("Normal", "Resumed", f"starting again as run {job.run_id}"))
+        blocked = _ensure_etcd(seen, job, result)
+        held = backoff.hold(now)
+        if not blocked:
+            _scale(seen, job, census, counts, result, held=held, released=backoff.released)
+        backoff.keep(min(held, max(0, spec.desired - len(census.active))))
+        if census.failures and held:
+            result.events.append(("Warning", "BackOff", backoff.describe(now)))
+        phase, conditions = _active_conditions(conditions, seen, census, clocks, blocked=blocked, now=now)
+    conditions = status.replica_failure(conditions, seen.create_failures, now)
     result.status = {
         "phase": phase,
         "selector": job.selector(),
         "runId": job.run_id,
-        "replicas": {"desired": desired, "ready": ready, "pending": pending},
-        **counters,
+        "resumes": resumes,
+        "replicas": {"desired": spec.desired, "ready": census.ready, "pending": len(census.pending)},
+        "evictions": counts.evictions,
+        "restarts": counts.restarts,
+        "failures": counts.failures,
+        "lastFailure": last_failure,
+        "backoff": backoff.record(),
         **_progress(seen.progress, old),
-        "belowMinSince": below_since,
-        "startedAt": old.get("startedAt") or (status.timestamp(seen.now) if ready >= spec.min_replicas else None),
+        **clocks.record(),
         "conditions": conditions,
     }
     return result
+
+
+@dataclass
+class _Clocks:
+    """The times the lifecycle's rules count from (each is in the status; None: not running).
+
+    - `start`: when the current active period began (creation, or the last resume);
+      activeDeadlineSeconds and the start-up timeout count from it;
+    - `reached_min`: the first time in this period the job had minReplicas ready; until
+      then it is Pending and WaitingForCapacity;
+    - `below_since`: when ready workers last fell below minReplicas after reaching it;
+      the below-minimum grace counts from it.
+    """
+
+    start: str | None
+    reached_min: str | None
+    below_since: str | None
+    completion: str | None
+    now: datetime
+
+    @classmethod
+    def read(cls, old: Mapping[str, Any], now: datetime, spec: JobSpec, *, suspended: bool, resumed: bool) -> _Clocks:
+        if suspended:
+            return cls(None, None, None, None, now)
+        if resumed:
+            return cls(status.timestamp(now), None, None, None, now)
+        return cls(
+            old.get("startTime") or status.timestamp(now), old.get("reachedMinAt"), old.get("belowMinSince"), None, now
+        )
+
+    def observe(self, ready: int, minimum: int) -> None:
+        if self.start is None:
+            return
+        if ready >= minimum:
+            self.reached_min = self.reached_min or status.timestamp(self.now)
+            self.below_since = None
+        elif self.reached_min is not None and self.below_since is None:
+            self.below_since = status.timestamp(self.now)
+
+    def since(self, stamp: str | None) -> float:
+        return 0.0 if stamp is None else (self.now - status.parse_timestamp(stamp)).total_seconds()
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "startTime": self.start,
+            "reachedMinAt": self.reached_min,
+            "belowMinSince": self.below_since,
+            "completionTime": self.completion,
+        }
+
+
+@dataclass
+class _Backoff:
+    """Replacements held back after consecutive worker failures (`status.backoff`)."""
+
+    streak: int
+    until: datetime | None
+    replacements: int
+    released: int = 0
+    """Replacements whose wait ended in this reconcile: they are created now, as replacements."""
+
+    @classmethod
+    def read(cls, old: Mapping[str, Any], now: datetime) -> _Backoff:
+        """The backoff in the status; a streak with nothing held is forgotten `BACKOFF_RESET_SECONDS` after
+        the last failure."""
+        raw = old.get("backoff") or {}
+        until = status.parse_timestamp(raw["until"]) if raw.get("until") else None
+        held = int(raw.get("replacements", 0))
+        last = (old.get("lastFailure") or {}).get("time")
+        if not held and (
+            last is None or (now - status.parse_timestamp(last)).total_seconds() >= constants.BACKOFF_RESET_SECONDS
+        ):
+            return cls(0, None, 0)
+        return cls(int(raw.get("consecutiveFailures", 0)), until, held)
+
+    def failed(self, count: int, *, previous: Mapping[str, Any] | None, now: datetime) -> None:
+        """`count` new failures: the streak grows (or starts again after a quiet while) and so does the wait."""
+        last = status.parse_timestamp(previous["time"]) if previous and previous.get("time") else None
+        quiet = last is None or (now - last).total_seconds() >= constants.BACKOFF_RESET_SECONDS
+        self.streak = (0 if quiet else self.streak) + count
+        delay = min(constants.BACKOFF_BASE_SECONDS * 2 ** (self.streak - 1), constants.BACKOFF_CAP_SECONDS)
+        self.until = now + timedelta(seconds=delay)
+        self.replacements += count
+
+    def hold(self, now: datetime) -> int:
+        """How many replacements wait now; those whose wait is over are released."""
+        if self.replacements and self.until is not None and now < self.until:
+            return self.replacements
+        self.released, self.replacements = self.replacements, 0
+        return 0
+
+    def keep(self, held: int) -> None:
+        self.replacements = held
+
+    def describe(self, now: datetime) -> str:
+        wait = 0 if self.until is None else round((self.until - now).total_seconds())
+        return (
+            f"replacing {self.replacements} failed worker pod(s) in {wait} s "
+            f"({self.streak} consecutive failure(s); evictions are replaced at once)"
+        )
+
+    def record(self) -> dict[str, Any] | None:
+        if not self.streak:
+            return None
+        return {
+            "consecutiveFailures": self.streak,
+            "until": None if self.until is None else status.timestamp(self.until),
+            "replacements": self.replacements,
+        }
+
+
+def _outcome(
+    seen: Observed, census: _Census, counts: _Counts, clocks: _Clocks, last_failure: Mapping[str, Any] | None
+) -> tuple[str, str, str] | None:
+    """(phase, reason, message) if the job finishes in this reconcile: success first, then failure rules."""
+    spec = seen.spec
+    if census.succeeded:
+        names = ", ".join(sorted(_name(p) for p in census.succeeded))
+        return status.PHASE_SUCCEEDED, "RunCompleted", f"the run completed: worker pod {names} exited 0"
+    if counts.failures > spec.max_restarts:
+        last = (
+            f" (last: {last_failure['pod']}, {last_failure['reason']}: {last_failure['message']})"
+            if last_failure
+            else ""
+        )
+        message = f"{counts.failures} worker failures exceed failurePolicy.maxRestarts {spec.max_restarts}{last}"
+        return status.PHASE_FAILED, status.TOO_MANY_FAILURES, message
+    if clocks.start is None:  # suspended: no clock runs
+        return None
+    if spec.active_deadline_seconds is not None and clocks.since(clocks.start) > spec.active_deadline_seconds:
+        message = f"active for more than activeDeadlineSeconds {spec.active_deadline_seconds} s since {clocks.start}"
+        return status.PHASE_FAILED, status.DEADLINE_EXCEEDED, message
+    if clocks.reached_min is None and clocks.since(clocks.start) > spec.startup_timeout_seconds:
+        message = (
+            f"minReplicas {spec.min_replicas} not reached within failurePolicy.startupTimeoutSeconds "
+            f"{spec.startup_timeout_seconds} s of {clocks.start} ({census.ready} ready)"
+        )
+        return status.PHASE_FAILED, status.STARTUP_TIMEOUT, message
+    if clocks.below_since is not None and clocks.since(clocks.below_since) > spec.below_min_grace_seconds:
+        message = (
+            f"ready workers stayed below minReplicas {spec.min_replicas} for more than "
+            f"failurePolicy.belowMinGraceSeconds {spec.below_min_grace_seconds} s (since {clocks.below_since})"
+        )
+        return status.PHASE_FAILED, status.BELOW_MIN_TOO_LONG, message
+    return None
+
+
+def _finished_conditions(
+    conditions: list[dict[str, Any]], phase: str, reason: str, message: str, now: datetime
+) -> list[dict[str, Any]]:
+    done = "the job succeeded" if phase == status.PHASE_SUCCEEDED else "the job failed"
+    conditions = status.set_condition(conditions, phase, True, reason, message, now)
+    for kind in (status.RUNNING, status.SCALING, status.BELOW_MIN, status.WAITING_FOR_CAPACITY):
+        conditions = status.clear_condition(conditions, kind, reason, done, now)
+    return conditions
+
+
+def _suspended_conditions(conditions: list[dict[str, Any]], census: _Census, now: datetime) -> list[dict[str, Any]]:
+    stopping = f"; {len(census.active)} worker pod(s) stopping" if census.active else ""
+    conditions = status.set_condition(
+        conditions,
+        status.SUSPENDED,
+        True,
+        "JobSuspended",
+        f"spec.suspend is true: no workers, no managed etcd{stopping}",
+        now,
+    )
+    for kind in (status.RUNNING, status.SCALING, status.BELOW_MIN, status.WAITING_FOR_CAPACITY):
+        conditions = status.clear_condition(conditions, kind, "JobSuspended", "the job is suspended", now)
+    return conditions
+
+
+def _active_conditions(
+    conditions: list[dict[str, Any]], seen: Observed, census: _Census, clocks: _Clocks, *, blocked: bool, now: datetime
+) -> tuple[str, list[dict[str, Any]]]:
+    """Phase and conditions of a job that is neither finished nor suspended."""
+    spec, ready = seen.spec, census.ready
+    conditions = status.set_condition(
+        conditions, status.CREATED, True, "ObjectsCreated", "the job's objects were created", now
+    )
+    conditions = status.clear_condition(conditions, status.SUSPENDED, "JobResumed", "spec.suspend is false", now)
+    if clocks.reached_min is None:
+        why = "the managed etcd's name is taken (see ReplicaFailure)" if blocked else _pending_summary(census)
+        message = (
+            f"{ready} of minReplicas {spec.min_replicas} worker(s) ready: {why}; the job fails if minReplicas is not "
+            f"reached within failurePolicy.startupTimeoutSeconds {spec.startup_timeout_seconds} s of {clocks.start}"
+        )
+        conditions = status.set_condition(
+            conditions, status.WAITING_FOR_CAPACITY, True, "MinReplicasNotReached", message, now
+        )
+    else:
+        conditions = status.clear_condition(
+            conditions,
+            status.WAITING_FOR_CAPACITY,
+            "MinReplicasReached",
+            f"minReplicas reached at {clocks.reached_min}",
+            now,
+        )
+    below = ready < spec.min_replicas
+    if clocks.reached_min is None:  # not "below" a minimum it never reached: WaitingForCapacity says it
+        conditions = status.set_condition(
+            conditions, status.BELOW_MIN, False, "NotStarted", "minReplicas not reached yet since the start", now
+        )
+    else:
+        conditions = status.set_condition(
+            conditions, status.BELOW_MIN, below, "NotEnoughWorkers" if below else "EnoughWorkers",
+            f"{ready} ready worker(s), minReplicas {spec.min_replicas}", now,
+        )  # fmt: skip
+    conditions = status.set_condition(
+        conditions, status.RUNNING, not below, "Training" if not below else "WaitingForWorkers",
+        f"training with {ready} worker(s)" if not below else f"{ready} of at least {spec.min_replicas} ready", now,
+    )  # fmt: skip
+    scaling = ready != spec.desired
+    conditions = status.set_condition(
+        conditions, status.SCALING, scaling, "ScalingToDesired" if scaling else "AtDesired",
+        f"{ready} ready of {spec.desired} desired", now,
+    )  # fmt: skip
+    if clocks.reached_min is None:
+        return status.PENDING, conditions
+    if below:
+        return status.PHASE_BELOW_MIN, conditions
+    return (status.PHASE_SCALING if scaling else status.PHASE_RUNNING), conditions
+
+
+def _pending_summary(census: _Census) -> str:
+    if not census.pending:
+        return "no worker pod yet"
+    first = sorted(census.pending, key=_name)[0]
+    return f"{len(census.pending)} pending, {_name(first)}: {waiting_reason(first)}"
 
 
 def _progress(progress: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
@@ -259,75 +643,108 @@ def _progress(progress: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, 
     return result
 
 
-def _why(pod: Mapping[str, Any]) -> str:
-    pod_status = pod.get("status", {})
-    reason = pod_status.get("reason")
-    code = _exit_code(pod)
-    return reason or (f"exit code {code}" if code is not None else "no exit code")
+def _delete(result: Plan, deletes: Sequence[Delete]) -> None:
+    """Queue deletions; their objects are not judged or deleted again (`Plan.accounted`)."""
+    result.delete.extend(deletes)
+    result.accounted.extend(d.uid for d in deletes if d.uid)
 
 
-def _failed_reason(
-    old: Mapping[str, Any], app_failed: bool, below_too_long: bool, counters: Mapping[str, int], spec: JobSpec
-) -> tuple[str, str] | None:
-    if old.get("phase") == "Failed":
-        for condition in old.get("conditions") or []:
-            if condition.get("type") == status.FAILED:
-                return condition.get("reason", "Failed"), condition.get("message", "")
-    if app_failed:
-        return (
-            "TooManyFailures",
-            f"{counters['applicationFailures']} application failures exceed failurePolicy.maxRestarts "
-            f"{spec.max_restarts}",
-        )
-    if below_too_long:
-        return (
-            "BelowMinTooLong",
-            f"ready workers stayed below minReplicas {spec.min_replicas} for more than "
-            f"{spec.below_min_grace_seconds} s",
-        )
-    return None
+def _taken(seen: Observed, key: str) -> CreateFailure | None:
+    return next((f for f in seen.create_failures if f.key == key), None)
+
+
+def _ensure_etcd(seen: Observed, job: JobRef, result: Plan) -> bool:
+    """Create the managed etcd's missing objects and update changed ones; True while one's name is taken.
+
+    A name taken by an object the job does not own is left alone and tried again every
+    `NAME_RETRY_SECONDS`; meanwhile no worker is made, as workers would reach that
+    object (a Service of the same name) instead of their own rendezvous.
+    """
+    if seen.spec.rdzv_endpoint:
+        return False
+    blocked = False
+    for desired in builders.etcd_objects(job, seen.spec):
+        kind, name = desired["kind"], desired["metadata"]["name"]
+        actual = seen.etcd.get(kind)
+        if actual is None:
+            taken = _taken(seen, f"{kind}/{name}")
+            if taken is not None and taken.reason == status.NAME_TAKEN:
+                blocked = True
+                if (seen.now - taken.at).total_seconds() < constants.NAME_RETRY_SECONDS:
+                    continue
+            result.create.append(desired)
+            continue
+        wanted = desired["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]
+        if (actual.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH) != wanted:
+            result.update.append(Update(desired["apiVersion"], kind, name, builders.update_patch(actual, desired)))
+            result.events.append(("Normal", "Updated", f"{kind} {name} updated in place to the job's current spec"))
+    return blocked
+
+
+def _etcd_deletes(seen: Observed, why: str) -> list[Delete]:
+    """Delete the managed etcd's objects the job owns (by uid: a same-named object of someone else stays)."""
+    deletes = []
+    for api_version, kind in ETCD_KINDS:
+        actual = seen.etcd.get(kind)
+        if actual is not None and str(actual.get("metadata", {}).get("uid", "")) not in seen.accounted:
+            meta = actual.get("metadata", {})
+            deletes.append(Delete(api_version, kind, str(meta.get("name", "")), str(meta.get("uid", "")), None, why))
+    return deletes
 
 
 def _scale(
-    seen: Observed, active: list[Mapping[str, Any]], replace: int, counters: dict[str, int], result: Plan
+    seen: Observed, job: JobRef, census: _Census, counts: _Counts, result: Plan, *, held: int, released: int
 ) -> None:
-    """Create pods up to `desired` (lowest free indices) or delete the surplus (pending, then highest)."""
+    """Create pods up to `desired` (lowest free indices), less those held back by the failure backoff;
+    or delete the surplus (pending first, then the highest indices)."""
     desired = seen.spec.desired
     taken = {_index(pod) for pod in seen.pods}
-    missing = desired - len(active)
+    names = [
+        *seen.names_in_use,
+        *(f.key.removeprefix("Pod/") for f in seen.create_failures if f.key.startswith("Pod/")),
+    ]
+    prefix = f"{job.name}-worker-"
+    taken |= {int(n.removeprefix(prefix)) for n in names if n.startswith(prefix) and n.removeprefix(prefix).isdigit()}
+    missing = desired - len(census.active)
     if missing > 0:
+        creating = missing - min(held, missing)
+        owed = max(0, census.lost + released - held)
         index = 0
-        for _ in range(missing):
+        for _ in range(creating):
             while index in taken:
                 index += 1
             taken.add(index)
-            result.create.append(builders.worker_pod(seen.job, seen.spec, index))
-            name = seen.job.worker_name(index)
-            if replace > 0:
-                replace -= 1
-                counters["restarts"] += 1
+            result.create.append(builders.worker_pod(job, seen.spec, index))
+            name = job.worker_name(index)
+            if owed > 0:
+                owed -= 1
+                counts.restarts += 1
                 result.events.append(("Normal", "Replaced", f"created worker pod {name} to replace a lost one"))
             else:
                 result.events.append(("Normal", "ScaledUp", f"created worker pod {name} (desired {desired})"))
     elif missing < 0:
-        # Pending pods go first (they train nothing yet), then the highest indices.
-        for pod in sorted(active, key=lambda p: (_is_ready(p), -_index(p)))[:-missing]:
-            name = pod["metadata"]["name"]
-            result.delete.append(Delete(name, None, "scale down"))
+        for pod in sorted(census.active, key=lambda p: (_is_ready(p), -_index(p)))[:-missing]:
+            name = _name(pod)
+            result.delete.append(Delete("v1", "Pod", name, _uid(pod), None, "scale down"))
+            result.accounted.append(_uid(pod))
             result.events.append(("Normal", "ScaledDown", f"deleted worker pod {name} (desired {desired})"))
 
 
-def _cleanup(spec: JobSpec, pods: Sequence[Mapping[str, Any]], already: list[Delete]) -> list[Delete]:
-    """Worker pods to delete when the job finished: all of them, those still active, or none."""
-    if spec.clean_pod_policy == "None":
-        return []
-    gone = {d.name for d in already}
+def _cleanup(seen: Observed, census: _Census) -> list[Delete]:
+    """Worker pods to delete when the job finished.
+
+    Pending ones always (they never ran; kept, they would make the cluster autoscaler buy a
+    spot VM for a job that is over), running ones unless `cleanPodPolicy: None` (with their
+    grace period), finished ones only with `All`. Already-deleted ones are not asked again.
+    """
+    policy = seen.spec.clean_pod_policy
     chosen = []
-    for pod in pods:
-        meta = pod.get("metadata", {})
-        finished = pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
-        if meta.get("deletionTimestamp") or meta.get("name") in gone:
+    for pod in [*census.active, *census.succeeded]:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
             continue
-        if spec.clean_pod_policy == "All" or not finished:
-            chosen.append(Delete(meta["name"], None, "job finished"))
+        phase = pod.get("status", {}).get("phase", "Pending")
+        running = phase == "Running"
+        done = phase in ("Succeeded", "Failed")
+        if phase in {"Pending", "Unknown"} or (running and policy != "None") or (done and policy == "All"):
+            chosen.append(Delete("v1", "Pod", _name(pod), _uid(pod), None, "job finished"))
     return chosen

@@ -1,30 +1,32 @@
-"""An ElasticJob's spec, checked and defaulted: what the CRD schema cannot say, said here.
+"""An ElasticJob's spec, read and defaulted; what the CRD cannot check, checked here.
 
-The API server applies the CRD's schema (types, minimums, enums, CEL rules) before the
-operator sees a job, but not everywhere: an emulator does not, an older API server
-skips CEL, and some rules need code (a URI's scheme, host:port, label conflicts).
-So `parse_spec` checks everything again and returns every problem, each naming its
-field; the operator puts them in the `InvalidSpec` condition and creates nothing.
-The defaults below are the CRD's defaults (a test keeps the two equal).
+Every rule about a job lives in the CRD (manifests/crd.yaml, rendered from the chart):
+types and ranges in its OpenAPI schema, the rest (the checkpoint URI's scheme, host:port,
+`restartPolicy: Never`, the spot-pool bans, the name's length) as CEL rules, and the
+fields that cannot change as transition rules. The API server applies them, so
+`kubectl apply` refuses a bad job at once, and the operator never sees one.
+
+What stays here:
+- reading the spec into a typed `JobSpec` with the CRD's defaults (a test keeps the two
+  equal), for objects stored before a default existed;
+- a structural guard: a job stored under an older CRD, or by an API server that did not
+  apply the schema, may still hold a wrong type; it is reported in the `InvalidSpec`
+  condition, naming the field, instead of crashing the reconcile;
+- what depends on the operator's own settings, which no CRD can see: the default
+  placement of managed etcds (`default_etcd_placement`), checked when the operator starts.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 from torchspot.operator import constants
 
-CLEAN_POD_POLICIES = ("All", "Running", "None")
 PLACEMENT_KEYS = ("nodeSelector", "tolerations", "affinity")
 """The fields of a placement beyond spot/gpu: what a job's rendezvous or the operator's default may set."""
-_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_HOST = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,19 @@ class Placement:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A valid ElasticJob spec with every default filled in."""
+    """An ElasticJob spec with every default filled in (the CRD's defaults; see operator/README.md)."""
 
     min_replicas: int
     max_replicas: int
     template: dict[str, Any]
     replicas: int | None = None
     nproc_per_node: int = 1
+    suspend: bool = False
+    """Stop the workers and the managed etcd, keep the job (Kubernetes Job's and Kueue's `suspend`)."""
+    ttl_seconds_after_finished: int | None = None
+    """Delete the job this long after it finished; None keeps it."""
+    active_deadline_seconds: int | None = None
+    """Fail the job once it was active this long since its start or last resume; None: no deadline."""
     rdzv_endpoint: str = ""
     """An external etcd (host:port); '' = the operator runs a managed one for the job."""
     etcd_image: str = constants.ETCD_IMAGE
@@ -58,6 +66,7 @@ class JobSpec:
     checkpoint_keep: int = 3
     credentials_secret: str = ""
     below_min_grace_seconds: int = 600
+    startup_timeout_seconds: int = 3600
     max_restarts: int = 3
     termination_grace_seconds: int = 90
     clean_pod_policy: str = "Running"
@@ -77,7 +86,10 @@ class InvalidSpecError(ValueError):
 
 
 class _Reader:
-    """Reads typed fields out of a nested dict, collecting problems instead of stopping at the first."""
+    """Reads typed fields out of a nested dict, collecting type problems instead of stopping at the first.
+
+    Types only: ranges, enums and every other rule are the CRD's (see the module docstring).
+    """
 
     def __init__(self) -> None:
         self.problems: list[str] = []
@@ -91,18 +103,18 @@ class _Reader:
             return {}
         return value
 
-    def int_(self, parent: Mapping[str, Any], key: str, path: str, default: int | None, *, low: int, high: int) -> int:
+    def int_(self, parent: Mapping[str, Any], key: str, path: str, default: int | None) -> int:
         value = parent.get(key, default)
         if value is None:
             self.problems.append(f"{path}: required")
-            return low
+            return 1
         if isinstance(value, bool) or not isinstance(value, int):
             self.problems.append(f"{path}: must be an integer, not {value!r}")
-            return low
-        if not low <= value <= high:
-            self.problems.append(f"{path}: {value} is outside {low}..{high}")
-            return max(low, min(value, high))
+            return 1
         return value
+
+    def optional_int(self, parent: Mapping[str, Any], key: str, path: str) -> int | None:
+        return None if parent.get(key) is None else self.int_(parent, key, path, None)
 
     def bool_(self, parent: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
         value = parent.get(key, default)
@@ -142,137 +154,92 @@ class _Reader:
         )
 
 
-def check_checkpoint_uri(uri: str) -> str | None:
-    """Why a checkpoint URI is unusable, or None: the trainer's storage takes az:// and local paths."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "az":
-        if not parsed.netloc or not _DNS_LABEL.match(parsed.netloc) or not 3 <= len(parsed.netloc) <= 63:
-            return f"{uri!r}: expected az://CONTAINER/PREFIX with a valid container name"
-        return None
-    if parsed.scheme == "file":
-        return None if parsed.path.startswith("/") else f"{uri!r}: file:// needs an absolute path"
-    if parsed.scheme:
-        return f"{uri!r}: unknown scheme {parsed.scheme!r} (use az://container/prefix or file:///path)"
-    return None if uri.startswith("/") else f"{uri!r}: a local path must be absolute"
-
-
-def check_endpoint(endpoint: str) -> str | None:
-    """Why an external etcd endpoint is not host:port, or None."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not _HOST.match(host):
-        return f"{endpoint!r}: expected host:port"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        return f"{endpoint!r}: port must be a number in 1..65535"
-    return None
-
-
-def parse_spec(name: str, spec: Mapping[str, Any], *, etcd_default: Placement | None = None) -> JobSpec:
-    """The job's spec, defaulted; raises `InvalidSpecError` listing every problem.
+def parse_spec(spec: Mapping[str, Any], *, etcd_default: Placement | None = None) -> JobSpec:
+    """The job's spec, defaulted; raises `InvalidSpecError` naming every field of a wrong type.
 
     :param etcd_default: the operator's placement for managed etcds (the chart's
         `etcd.defaultPlacement`), used when the job's rendezvous names no nodeSelector,
         tolerations or affinity of its own.
     """
-    read = _Reader()
     if not isinstance(spec, Mapping):
         raise InvalidSpecError(["spec: must be an object"])
-    problems = read.problems
-    if len(name) > constants.MAX_JOB_NAME or not _DNS_LABEL.match(name):
-        problems.append(
-            f"metadata.name: {name!r} must be a DNS label of at most {constants.MAX_JOB_NAME} characters "
-            "(worker pods and the etcd Service are named after it)"
-        )
-    low = read.int_(spec, "minReplicas", "spec.minReplicas", None, low=1, high=1000)
-    high = read.int_(spec, "maxReplicas", "spec.maxReplicas", None, low=1, high=1000)
-    if low > high:
-        problems.append(f"spec.minReplicas: {low} exceeds spec.maxReplicas {high}")
-    replicas = spec.get("replicas")
-    if replicas is not None:
-        replicas = read.int_(spec, "replicas", "spec.replicas", None, low=1, high=1000)
-        if not low <= replicas <= high:
-            problems.append(f"spec.replicas: {replicas} must lie between minReplicas {low} and maxReplicas {high}")
-
+    read = _Reader()
     rdzv = read.obj(spec, "rendezvous", "spec.rendezvous")
-    endpoint, etcd_placement = _rendezvous(read, rdzv)
+    etcd_placement = read.placement(rdzv, "spec.rendezvous", spot=False, gpu=False)
     if etcd_default is not None and not any(key in rdzv for key in PLACEMENT_KEYS):
         etcd_placement = etcd_default
-    placement = read.placement(read.obj(spec, "placement", "spec.placement"), "spec.placement", spot=True, gpu=True)
-    pool = placement.node_selector.get(constants.SPOT_LABEL)
-    if placement.spot and pool not in (None, constants.SPOT_VALUE):
-        problems.append(f"spec.placement.nodeSelector: {constants.SPOT_LABEL}={pool} contradicts placement.spot")
-
     checkpoint = read.obj(spec, "checkpoint", "spec.checkpoint")
-    uri = read.str_(checkpoint, "uri", "spec.checkpoint.uri")
-    if uri and (why := check_checkpoint_uri(uri)):
-        problems.append(f"spec.checkpoint.uri: {why}")
-    secret = read.str_(checkpoint, "credentialsSecret", "spec.checkpoint.credentialsSecret")
-    if secret and not _DNS_SUBDOMAIN.match(secret):
-        problems.append(f"spec.checkpoint.credentialsSecret: {secret!r} is not a valid Secret name")
-
     failure = read.obj(spec, "failurePolicy", "spec.failurePolicy")
-    policy = read.str_(spec, "cleanPodPolicy", "spec.cleanPodPolicy", "Running")
-    if policy not in CLEAN_POD_POLICIES:
-        problems.append(f"spec.cleanPodPolicy: {policy!r}: choose one of {', '.join(CLEAN_POD_POLICIES)}")
-
     template = read.obj(spec, "template", "spec.template")
-    _check_template(template, problems)
-
+    _check_template(template, read.problems)
     result = JobSpec(
-        min_replicas=low,
-        max_replicas=high,
-        replicas=replicas,
+        min_replicas=read.int_(spec, "minReplicas", "spec.minReplicas", None),
+        max_replicas=read.int_(spec, "maxReplicas", "spec.maxReplicas", None),
+        replicas=read.optional_int(spec, "replicas", "spec.replicas"),
         template=template,
-        nproc_per_node=read.int_(spec, "nprocPerNode", "spec.nprocPerNode", 1, low=1, high=64),
-        rdzv_endpoint=endpoint,
+        nproc_per_node=read.int_(spec, "nprocPerNode", "spec.nprocPerNode", 1),
+        suspend=read.bool_(spec, "suspend", "spec.suspend", False),
+        ttl_seconds_after_finished=read.optional_int(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished"),
+        active_deadline_seconds=read.optional_int(spec, "activeDeadlineSeconds", "spec.activeDeadlineSeconds"),
+        rdzv_endpoint=read.str_(rdzv, "endpoint", "spec.rendezvous.endpoint"),
         etcd_image=read.str_(rdzv, "image", "spec.rendezvous.image", constants.ETCD_IMAGE) or constants.ETCD_IMAGE,
         etcd_placement=etcd_placement,
-        heartbeat_seconds=read.int_(rdzv, "heartbeatSeconds", "spec.rendezvous.heartbeatSeconds", 1, low=1, high=60),
-        placement=placement,
-        checkpoint_uri=uri,
-        checkpoint_interval=read.int_(
-            checkpoint, "intervalSteps", "spec.checkpoint.intervalSteps", 200, low=1, high=10**9
-        ),
-        checkpoint_keep=read.int_(checkpoint, "keep", "spec.checkpoint.keep", 3, low=1, high=100),
-        credentials_secret=secret,
+        heartbeat_seconds=read.int_(rdzv, "heartbeatSeconds", "spec.rendezvous.heartbeatSeconds", 1),
+        placement=read.placement(read.obj(spec, "placement", "spec.placement"), "spec.placement", spot=True, gpu=True),
+        checkpoint_uri=read.str_(checkpoint, "uri", "spec.checkpoint.uri"),
+        checkpoint_interval=read.int_(checkpoint, "intervalSteps", "spec.checkpoint.intervalSteps", 200),
+        checkpoint_keep=read.int_(checkpoint, "keep", "spec.checkpoint.keep", 3),
+        credentials_secret=read.str_(checkpoint, "credentialsSecret", "spec.checkpoint.credentialsSecret"),
         below_min_grace_seconds=read.int_(
-            failure, "belowMinGraceSeconds", "spec.failurePolicy.belowMinGraceSeconds", 600, low=0, high=10**7
+            failure, "belowMinGraceSeconds", "spec.failurePolicy.belowMinGraceSeconds", 600
         ),
-        max_restarts=read.int_(failure, "maxRestarts", "spec.failurePolicy.maxRestarts", 3, low=0, high=10**6),
+        startup_timeout_seconds=read.int_(
+            failure, "startupTimeoutSeconds", "spec.failurePolicy.startupTimeoutSeconds", 3600
+        ),
+        max_restarts=read.int_(failure, "maxRestarts", "spec.failurePolicy.maxRestarts", 3),
         termination_grace_seconds=read.int_(
-            spec, "terminationGracePeriodSeconds", "spec.terminationGracePeriodSeconds", 90, low=10, high=3600
+            spec, "terminationGracePeriodSeconds", "spec.terminationGracePeriodSeconds", 90
         ),
-        clean_pod_policy=policy,
+        clean_pod_policy=read.str_(spec, "cleanPodPolicy", "spec.cleanPodPolicy", "Running"),
     )
-    if problems:
-        raise InvalidSpecError(problems)
+    if read.problems:
+        raise InvalidSpecError(read.problems)
     return result
 
 
-def _rendezvous(read: _Reader, rdzv: Mapping[str, Any]) -> tuple[str, Placement]:
-    """The external endpoint (or '') and the managed etcd's placement, which must avoid the spot pool."""
-    problems = read.problems
-    endpoint = read.str_(rdzv, "endpoint", "spec.rendezvous.endpoint")
-    if endpoint and (why := check_endpoint(endpoint)):
-        problems.append(f"spec.rendezvous.endpoint: {why}")
-    return endpoint, _etcd_placement(read, rdzv, "spec.rendezvous")
+def _check_template(template: Mapping[str, Any], problems: list[str]) -> None:
+    """The structure the worker pod builder relies on: a pod spec with a list of container objects."""
+    pod = template.get("spec")
+    if not isinstance(pod, dict):
+        problems.append("spec.template.spec: required (the worker pod's spec)")
+        return
+    containers = pod.get("containers")
+    if not isinstance(containers, list) or not containers or not all(isinstance(c, dict) for c in containers):
+        problems.append("spec.template.spec.containers: at least one container object is required (the trainer)")
 
 
 def _etcd_placement(read: _Reader, obj: Mapping[str, Any], path: str) -> Placement:
-    """A managed etcd's placement: anywhere but the spot pool (an evicted rendezvous stops the job)."""
+    """A managed etcd's placement: anywhere but the spot pool (an evicted rendezvous stops the job).
+
+    The CRD says the same of a job's own `spec.rendezvous`; this is for the operator's default.
+    """
     placement = read.placement(obj, path, spot=False, gpu=False)
     if placement.node_selector.get(constants.SPOT_LABEL) == constants.SPOT_VALUE:
         read.problems.append(f"{path}.nodeSelector: the managed etcd must not run on the spot pool")
-    if any(t.get("key") == constants.SPOT_LABEL for t in placement.tolerations):
-        read.problems.append(f"{path}.tolerations: the managed etcd must not tolerate the spot taint")
+    for toleration in placement.tolerations:
+        key = toleration.get("key") or ""
+        if key == constants.SPOT_LABEL or (not key and toleration.get("operator") == "Exists"):
+            read.problems.append(f"{path}.tolerations: the managed etcd must not tolerate the spot taint")
+            break
     return placement
 
 
 def default_etcd_placement(raw: str) -> Placement | None:
     """The operator's default placement of managed etcds, from the JSON in `ETCD_PLACEMENT_ENV`.
 
-    Checked like a job's own (`spec.rendezvous`); None when unset or empty. Raises
-    `InvalidSpecError` naming the variable, so a bad chart value stops the operator
-    at start rather than misplacing every job's etcd.
+    Checked like a job's own `spec.rendezvous` (which the CRD checks); None when unset or
+    empty. Raises `InvalidSpecError` naming the variable, so a bad chart value stops the
+    operator at start rather than misplacing every job's etcd.
     """
     name = constants.ETCD_PLACEMENT_ENV
     keys = ", ".join(PLACEMENT_KEYS)
@@ -294,29 +261,3 @@ def default_etcd_placement(raw: str) -> Placement | None:
     if not (placement.node_selector or placement.tolerations or placement.affinity):
         return None
     return placement
-
-
-def _check_template(template: Mapping[str, Any], problems: list[str]) -> None:
-    """The pod template: a spec with at least one named container with an image, restartPolicy Never."""
-    pod = template.get("spec")
-    if not isinstance(pod, dict):
-        problems.append("spec.template.spec: required (the worker pod's spec)")
-        return
-    containers = pod.get("containers")
-    if not isinstance(containers, list) or not containers:
-        problems.append("spec.template.spec.containers: at least one container is required (the trainer)")
-        return
-    for index, container in enumerate(containers):
-        path = f"spec.template.spec.containers[{index}]"
-        if not isinstance(container, dict):
-            problems.append(f"{path}: must be an object")
-            continue
-        if not isinstance(container.get("name"), str) or not container.get("name"):
-            problems.append(f"{path}.name: required")
-        if not isinstance(container.get("image"), str) or not container.get("image"):
-            problems.append(f"{path}.image: required")
-    restart = pod.get("restartPolicy", "Never")
-    if restart != "Never":
-        problems.append(
-            f"spec.template.spec.restartPolicy: {restart!r}: must be Never (the operator replaces worker pods itself)"
-        )

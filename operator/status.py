@@ -1,27 +1,72 @@
-"""Conditions and phase of an ElasticJob. Pure.
+"""Conditions, phases and times of an ElasticJob's status. Pure.
 
 A condition's `lastTransitionTime` changes only when its status flips; a new reason
 or message alone keeps it (as Kubernetes' own controllers do), so `kubectl describe`
 says since when a job has been below its minimum, not when it was last looked at.
+Messages hold nothing that changes by itself (no "for N seconds"): an unchanged job
+gives an unchanged status, and the operator writes none.
+
+The phases and what each condition says are in operator/README.md ("Lifecycle").
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
-from torchspot.operator.spec import JobSpec
+# Condition types.
+CREATED: Final = "Created"
+RUNNING: Final = "Running"
+BELOW_MIN: Final = "BelowMin"
+SCALING: Final = "Scaling"
+WAITING_FOR_CAPACITY: Final = "WaitingForCapacity"
+SUSPENDED: Final = "Suspended"
+SUCCEEDED: Final = "Succeeded"
+FAILED: Final = "Failed"
+INVALID_SPEC: Final = "InvalidSpec"
+REPLICA_FAILURE: Final = "ReplicaFailure"
+"""An object the job needs could not be created: its name is taken by an object the job does not
+own (reason NameTaken), or the API refused it (reason FailedCreate, with the API's message).
+The name and meaning are those of Deployments' and ReplicaSets' own condition."""
 
-CREATED = "Created"
-RUNNING = "Running"
-BELOW_MIN = "BelowMin"
-SCALING = "Scaling"
-SUCCEEDED = "Succeeded"
-FAILED = "Failed"
-INVALID_SPEC = "InvalidSpec"
-FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+# Phases.
+PENDING: Final = "Pending"
+"""Active, and minReplicas not yet reached since the start or the last resume."""
+PHASE_RUNNING: Final = "Running"
+PHASE_SCALING: Final = "Scaling"
+PHASE_BELOW_MIN: Final = "BelowMin"
+PHASE_SUSPENDED: Final = "Suspended"
+PHASE_SUCCEEDED: Final = "Succeeded"
+PHASE_FAILED: Final = "Failed"
+PHASE_INVALID: Final = "Invalid"
+FINISHED_PHASES: Final = frozenset({PHASE_SUCCEEDED, PHASE_FAILED})
 """Phases a job never leaves: nothing is created for it any more, its managed etcd goes."""
+
+# Reasons of the Failed condition.
+TOO_MANY_FAILURES: Final = "TooManyFailures"
+BELOW_MIN_TOO_LONG: Final = "BelowMinTooLong"
+STARTUP_TIMEOUT: Final = "StartupTimeout"
+DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
+# Reasons of the ReplicaFailure condition.
+NAME_TAKEN: Final = "NameTaken"
+FAILED_CREATE: Final = "FailedCreate"
+
+
+@dataclass(frozen=True)
+class CreateFailure:
+    """An object the operator could not create, and when it last tried.
+
+    :param key: `Kind/name`, what the status names.
+    :param reason: `NAME_TAKEN` or `FAILED_CREATE`.
+    :param message: for the status and the event; the API's own message for a refusal.
+    """
+
+    key: str
+    reason: str
+    message: str
+    at: datetime
 
 
 def timestamp(when: datetime) -> str:
@@ -32,6 +77,17 @@ def timestamp(when: datetime) -> str:
 def parse_timestamp(text: str) -> datetime:
     """The inverse of `timestamp` (also takes fractional seconds and offsets)."""
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def find(conditions: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any] | None:
+    """The condition of a type, or None."""
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def is_true(conditions: Sequence[Mapping[str, Any]], kind: str) -> bool:
+    """Whether a condition of this type is there with status True."""
+    found = find(conditions, kind)
+    return found is not None and found.get("status") == "True"
 
 
 def set_condition(  # noqa: PLR0917 - reads as a sentence: set <kind> to <value> because <reason>: <message>
@@ -58,57 +114,28 @@ def set_condition(  # noqa: PLR0917 - reads as a sentence: set <kind> to <value>
     return result
 
 
+def clear_condition(
+    conditions: Sequence[Mapping[str, Any]], kind: str, reason: str, message: str, now: datetime
+) -> list[dict[str, Any]]:
+    """`kind` set False if the job carries it; left out if it never did (no condition that never applied)."""
+    if find(conditions, kind) is None:
+        return [dict(c) for c in conditions]
+    return set_condition(conditions, kind, False, reason, message, now)
+
+
 def invalid(conditions: Sequence[Mapping[str, Any]], problems: Sequence[str], now: datetime) -> dict[str, Any]:
     """The status of a job whose spec cannot be run: phase Invalid and every problem in the message."""
-    updated = set_condition(conditions, INVALID_SPEC, True, "InvalidSpec", "; ".join(problems), now)
-    return {"phase": "Invalid", "conditions": updated}
+    message = "; ".join(problems) + " (the CRD's schema should have refused this: is manifests/crd.yaml installed?)"
+    updated = set_condition(conditions, INVALID_SPEC, True, "InvalidSpec", message, now)
+    return {"phase": PHASE_INVALID, "conditions": updated}
 
 
-def conditions_for(
-    old: Sequence[Mapping[str, Any]],
-    now: datetime,
-    *,
-    ready: int,
-    desired: int,
-    spec: JobSpec,
-    started: bool,
-    succeeded: bool,
-    finishing: bool,
-    failed_reason: tuple[str, str] | None,
-) -> tuple[str, list[dict[str, Any]]]:
-    """The phase and the full set of conditions for what reconcile saw.
-
-    `started`: the job reached minReplicas before (below it now it is BelowMin, not Pending).
-    """
-    conditions = set_condition(old, INVALID_SPEC, False, "SpecValid", "the spec is valid", now)
-    conditions = set_condition(conditions, CREATED, True, "ObjectsCreated", "the job's objects were created", now)
-    if failed_reason is not None:
-        reason, message = failed_reason
-        conditions = set_condition(conditions, FAILED, True, reason, message, now)
-        conditions = set_condition(conditions, RUNNING, False, reason, "the job failed", now)
-        conditions = set_condition(conditions, SCALING, False, reason, "the job failed", now)
-        return "Failed", conditions
-    if succeeded or finishing:
-        message = "a worker finished the run with exit code 0" + ("" if succeeded else "; waiting for the others")
-        conditions = set_condition(conditions, SUCCEEDED, succeeded, "RunCompleted", message, now)
-        conditions = set_condition(conditions, RUNNING, not succeeded, "RunCompleted", message, now)
-        conditions = set_condition(conditions, SCALING, False, "RunCompleted", message, now)
-        conditions = set_condition(conditions, BELOW_MIN, False, "RunCompleted", message, now)
-        return ("Succeeded" if succeeded else "Running"), conditions
-    below = ready < spec.min_replicas
-    conditions = set_condition(
-        conditions, BELOW_MIN, below, "NotEnoughWorkers" if below else "EnoughWorkers",
-        f"{ready} ready worker(s), minReplicas {spec.min_replicas}", now,
-    )  # fmt: skip
-    conditions = set_condition(
-        conditions, RUNNING, not below, "Training" if not below else "WaitingForWorkers",
-        f"training with {ready} worker(s)" if not below else f"{ready} of at least {spec.min_replicas} ready", now,
-    )  # fmt: skip
-    scaling = ready != desired
-    conditions = set_condition(
-        conditions, SCALING, scaling, "ScalingToDesired" if scaling else "AtDesired",
-        f"{ready} ready of {desired} desired", now,
-    )  # fmt: skip
-    if below:
-        return ("BelowMin" if started else "Pending"), conditions
-    return ("Scaling" if scaling else "Running"), conditions
+def replica_failure(
+    conditions: Sequence[Mapping[str, Any]], failures: Sequence[CreateFailure], now: datetime
+) -> list[dict[str, Any]]:
+    """The ReplicaFailure condition for the objects the job could not create (none: False, if it was set)."""
+    if not failures:
+        return clear_condition(conditions, REPLICA_FAILURE, "Created", "every object the job needs was created", now)
+    ordered = sorted(failures, key=lambda f: f.key)
+    reason = NAME_TAKEN if any(f.reason == NAME_TAKEN for f in ordered) else FAILED_CREATE
+    return set_condition(conditions, REPLICA_FAILURE, True, reason, "; ".join(f.message for f in ordered), now)

@@ -77,7 +77,7 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
     wait_for("a replacement pod", lambda: "cifar-worker-3" in cluster.names("cifar"))
     wait_for("worker-0 deleted", lambda: "cifar-worker-0" not in cluster.names("cifar"))
     status = wait_for("eviction counted", lambda: (s := _status(cluster, "cifar")).get("evictions") == 1 and s)
-    assert status["applicationFailures"] == 0
+    assert status["failures"] == 0
     assert status["restarts"] == 1
     assert wait_for("Evicted event", lambda: cluster.events("Evicted"))
     assert wait_for("Replaced event", lambda: cluster.events("Replaced"))
@@ -120,7 +120,7 @@ def test_application_failures_beyond_max_restarts_fail_the_job(cluster: Cluster)
         cluster.patch("pods", name, {"status": crashed})
         wait_for(f"{name} removed", lambda: name not in cluster.names("crashy"))  # noqa: B023
     status = wait_for("phase Failed", lambda: (s := _status(cluster, "crashy")).get("phase") == "Failed" and s)
-    assert status["applicationFailures"] == 2
+    assert status["failures"] == 2
     failed = _condition(cluster, "crashy", "Failed")
     assert failed is not None
     assert failed["reason"] == "TooManyFailures"

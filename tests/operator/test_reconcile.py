@@ -1,7 +1,10 @@
-"""The pure parts of the operator: builders, conditions and the reconcile plan."""
+"""The pure parts of the operator: builders, conditions, failure rules and the reconcile plan, table-driven."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,26 +13,52 @@ import pytest
 from tests.operator.jobs import good_job
 from torchspot.operator import builders, constants, reconcile, status
 from torchspot.operator.builders import JobRef
-from torchspot.operator.kube import collection
+from torchspot.operator.kube import collection, delete_options
 from torchspot.operator.spec import JobSpec, parse_spec
+from torchspot.operator.status import CreateFailure
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 JOB = JobRef("cifar", "default", "0123456789abcdef")
-ALL_ETCD = frozenset({"Deployment", "Service", "PodDisruptionBudget"})
+_uids = itertools.count(1)
 
 
 def _spec(**fields: Any) -> JobSpec:
-    return parse_spec("cifar", good_job(**fields)["spec"])
+    return parse_spec(good_job(**fields)["spec"])
+
+
+def _etcd(spec: JobSpec | None = None) -> dict[str, Mapping[str, Any]]:
+    """The managed etcd's objects as the API server holds them after the operator made them."""
+    objs = builders.etcd_objects(JOB, spec or _spec())
+    for obj in objs:
+        obj["metadata"]["uid"] = f"etcd-{obj['kind']}"
+    return {obj["kind"]: obj for obj in objs}
+
+
+ALL_ETCD = _etcd()
 
 
 def _pod(
-    index: int, phase: str = "Running", *, ready: bool = True, node: str = "spot-1", **extra: Any
+    index: int, phase: str = "Running", *, ready: bool = True, node: str = "spot-1", uid: str = "", **extra: Any
 ) -> dict[str, Any]:
+    """Worker pod `index` as a kubelet reports it; `extra` goes into its status."""
     pod = builders.worker_pod(JOB, _spec(), index)
-    pod["spec"]["nodeName"] = node
+    pod["metadata"]["uid"] = uid or f"uid-{index}-{next(_uids)}"
+    if node:
+        pod["spec"]["nodeName"] = node
     pod["status"] = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
     pod["status"].update(extra)
     return pod
+
+
+def _exited(index: int, code: int, reason: str = "Error", **extra: Any) -> dict[str, Any]:
+    terminated = {"exitCode": code, "reason": reason}
+    phase = "Succeeded" if code == 0 else "Failed"
+    return _pod(index, phase, ready=False, containerStatuses=[{"state": {"terminated": terminated}}], **extra)
+
+
+def _pending(index: int, message: str = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.") -> dict[str, Any]:
+    scheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    return _pod(index, "Pending", ready=False, node="", conditions=[scheduled])
 
 
 def _node(name: str = "spot-1", *, ready: bool = True, **spec: Any) -> dict[str, Any]:
@@ -40,11 +69,47 @@ def _node(name: str = "spot-1", *, ready: bool = True, **spec: Any) -> dict[str,
     }
 
 
-def _plan(pods: list[dict[str, Any]], *, nodes: dict[str, Any] | None = None, old: dict[str, Any] | None = None,
-          now: datetime = T0, etcd: frozenset[str] = ALL_ETCD, **spec: Any) -> reconcile.Plan:  # fmt: skip
-    nodes = {"spot-1": _node("spot-1"), "spot-2": _node("spot-2")} if nodes is None else nodes
-    seen = reconcile.Observed(JOB, _spec(**spec), old or {}, pods, nodes, etcd, now)
-    return reconcile.plan(seen)
+NODES = {"spot-1": _node("spot-1"), "spot-2": _node("spot-2")}
+
+
+def _seen(
+    pods: list[dict[str, Any]], *, old: Mapping[str, Any] | None = None, now: datetime = T0,
+    etcd: Mapping[str, Mapping[str, Any]] | None = None, nodes: Mapping[str, Any] | None = None,
+    spec: JobSpec | None = None, **fields: Any,
+) -> reconcile.Observed:  # fmt: skip
+    return reconcile.Observed(
+        JOB, spec or _spec(), old or {}, pods, NODES if nodes is None else nodes,
+        ALL_ETCD if etcd is None else etcd, now, **fields,
+    )  # fmt: skip
+
+
+def _plan(pods: list[dict[str, Any]], **kwargs: Any) -> reconcile.Plan:
+    return reconcile.plan(_seen(pods, **kwargs))
+
+
+def _running(**extra: Any) -> dict[str, Any]:
+    """The status of a job that reached its minimum at T0 and trains with 3 workers."""
+    started = status.timestamp(T0 - timedelta(minutes=5))
+    conditions = status.set_condition([], status.RUNNING, True, "Training", "training with 3 worker(s)", T0)
+    return {"phase": "Running", "startTime": started, "reachedMinAt": started, "conditions": conditions, **extra}
+
+
+def _condition(plan: reconcile.Plan, kind: str) -> dict[str, Any]:
+    found = status.find(plan.status["conditions"], kind)
+    assert found is not None, f"no {kind} condition in {plan.status['conditions']}"
+    return dict(found)
+
+
+def _created(plan: reconcile.Plan, kind: str = "Pod") -> list[str]:
+    return [obj["metadata"]["name"] for obj in plan.create if obj["kind"] == kind]
+
+
+def _deleted(plan: reconcile.Plan, kind: str = "Pod") -> list[tuple[str, int | None]]:
+    return [(d.name, d.grace) for d in plan.delete if d.kind == kind]
+
+
+def _reasons(plan: reconcile.Plan) -> list[str]:
+    return [reason for _, reason, _ in plan.events]
 
 
 class TestWorkerPod:
@@ -84,6 +149,11 @@ class TestWorkerPod:
         pod = builders.worker_pod(JOB, _spec(checkpoint={"uri": "az://ckpt/p", "credentialsSecret": "blob"}), 0)
         assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "blob"}}]
 
+    def test_a_resumed_job_gets_a_fresh_rendezvous_id(self) -> None:
+        pod = builders.worker_pod(replace(JOB, resumes=2), _spec(), 0)
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["PET_RDZV_ID"] == "default-cifar-01234567-r2"
+
 
 class TestEtcd:
     def test_on_demand_pool_non_root_never_spot(self) -> None:
@@ -93,8 +163,29 @@ class TestEtcd:
         assert "tolerations" not in pod
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
-        assert builders.etcd_disruption_budget(JOB)["spec"]["minAvailable"] == 1
         assert builders.etcd_service(JOB)["spec"]["ports"][0]["port"] == constants.ETCD_PORT
+
+    def test_each_object_carries_the_hash_of_what_was_built(self) -> None:
+        before = {o["kind"]: o for o in builders.etcd_objects(JOB, _spec())}
+        after = {o["kind"]: o for o in builders.etcd_objects(JOB, _spec(rendezvous={"image": "etcd:v3.5.21"}))}
+        hashes = {kind: (o["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]) for kind, o in before.items()}
+        assert all(len(h) == 16 for h in hashes.values())
+        changed = {k for k in before if after[k]["metadata"]["annotations"] != before[k]["metadata"]["annotations"]}
+        assert changed == {"Deployment"}
+
+    @pytest.mark.parametrize(
+        ("old", "new", "want"),
+        [
+            ({"a": 1, "b": 2}, {"a": 1, "b": 3}, {"b": 3}),
+            ({"a": 1, "b": 2}, {"a": 1}, {"b": None}),
+            ({"m": {"x": 1, "y": 2}}, {"m": {"x": 1}}, {"m": {"y": None}}),
+            ({"l": [1, 2]}, {"l": [2]}, {"l": [2]}),
+            ({}, {"n": {"k": "v"}}, {"n": {"k": "v"}}),
+        ],
+        ids=["changed", "removed", "nested-removed", "list-replaced", "added"],
+    )
+    def test_merge_patch_turns_old_into_new(self, old: dict[str, Any], new: dict[str, Any], want: Any) -> None:
+        assert builders.merge_patch(old, new) == want
 
 
 class TestConditions:
@@ -106,56 +197,203 @@ class TestConditions:
         flipped = status.set_condition(later, "Running", False, "WaitingForWorkers", "0", T0 + timedelta(minutes=9))
         assert flipped[0]["lastTransitionTime"] == status.timestamp(T0 + timedelta(minutes=9))
 
+    def test_replica_failure_names_each_object_and_clears(self) -> None:
+        taken = CreateFailure("Service/cifar-etcd", status.NAME_TAKEN, "Service default/cifar-etcd exists", T0)
+        refused = CreateFailure("Pod/cifar-worker-0", status.FAILED_CREATE, "Pod refused: quota", T0)
+        conditions = status.replica_failure([], [refused, taken], T0)
+        assert conditions == [{
+            "type": "ReplicaFailure", "status": "True", "reason": "NameTaken",
+            "message": "Pod refused: quota; Service default/cifar-etcd exists",
+            "lastTransitionTime": status.timestamp(T0),
+        }]  # fmt: skip
+        cleared = status.replica_failure(conditions, [], T0 + timedelta(minutes=1))
+        assert (cleared[0]["status"], cleared[0]["reason"]) == ("False", "Created")
+        assert status.replica_failure([], [], T0) == []  # never failed: no condition at all
 
-def _names(plan: reconcile.Plan) -> list[str]:
-    return [obj["metadata"]["name"] for obj in plan.create]
+
+CLASSIFY = [
+    # (case, pod, trouble, want kind, want reason)
+    (
+        "disruption target",
+        _pod(
+            0, "Failed", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]
+        ),
+        None,
+        "eviction",
+        "PreemptionByScheduler",
+    ),
+    ("kubelet eviction", _pod(0, "Failed", reason="Evicted"), None, "eviction", "Evicted"),
+    ("node shutdown", _pod(0, "Failed", reason="Terminated"), None, "eviction", "Terminated"),
+    ("killed on a lost node", _exited(0, 137), "node is NotReady", "eviction", "NodeLost"),
+    ("exit 1", _exited(0, 1), None, "failure", "ExitCode"),
+    ("OOMKilled", _exited(0, 137, "OOMKilled"), None, "failure", "OOMKilled"),
+    ("SIGKILL with no disruption", _exited(0, 137), None, "failure", "ExitCode"),
+    ("SIGTERM with no disruption", _exited(0, 143), None, "failure", "ExitCode"),
+    (
+        "admission refused",
+        _pod(0, "Failed", reason="UnexpectedAdmissionError", message="Allocate failed"),
+        None,
+        "failure",
+        "UnexpectedAdmissionError",
+    ),
+    ("failed before running", _pod(0, "Failed"), None, "failure", "AdmissionFailed"),
+]
 
 
-class TestPlan:
-    def test_new_job_gets_etcd_and_max_workers(self) -> None:
-        plan = _plan([], etcd=frozenset())
-        kinds = [obj["kind"] for obj in plan.create]
-        assert kinds.count("Pod") == 3
-        assert {"Deployment", "Service", "PodDisruptionBudget"} <= set(kinds)
+@pytest.mark.parametrize(("case", "pod", "trouble", "kind", "reason"), CLASSIFY, ids=[c[0] for c in CLASSIFY])
+def test_what_the_cluster_says_is_an_eviction_everything_else_a_failure(
+    case: str, pod: dict[str, Any], trouble: str | None, kind: str, reason: str
+) -> None:
+    verdict = reconcile.classify(pod, trouble)
+    assert (verdict.kind, verdict.reason) == (kind, reason), verdict
+
+
+class TestStartAndScale:
+    def test_new_job_gets_etcd_and_max_workers_and_waits_for_capacity(self) -> None:
+        plan = _plan([], etcd={})
+        assert [o["kind"] for o in plan.create].count("Pod") == 3
+        assert set(_created(plan, "Deployment") + _created(plan, "Service")) == {"cifar-etcd"}
         assert plan.status["phase"] == "Pending"
-        assert plan.status["replicas"] == {"desired": 3, "ready": 0, "pending": 0}
-        assert [e[1] for e in plan.events].count("ScaledUp") == 3
+        assert plan.status["startTime"] == status.timestamp(T0)
+        assert plan.status["reachedMinAt"] is None
+        assert _condition(plan, "WaitingForCapacity")["status"] == "True"
+        assert _reasons(plan).count("ScaledUp") == 3
 
-    def test_converged_job_does_nothing(self) -> None:
-        plan = _plan([_pod(0), _pod(1), _pod(2)])
-        assert plan.create == []
-        assert plan.delete == []
-        assert plan.events == []
+    def test_converged_job_does_nothing_and_its_status_is_a_fixed_point(self) -> None:
+        pods = [_pod(0), _pod(1), _pod(2)]
+        plan = _plan(pods, old=_running())
+        assert (plan.create, plan.delete, plan.update, plan.events, plan.accounted) == ([], [], [], [], [])
         assert plan.status["phase"] == "Running"
-        running = next(c for c in plan.status["conditions"] if c["type"] == "Running")
-        assert running["status"] == "True"
+        again = _plan(pods, old=plan.status, now=T0 + timedelta(minutes=10))
+        assert again.status == plan.status  # the timer finds nothing to write: no request
+        assert not again.acts()
 
-    def test_evicted_pod_is_replaced_and_not_counted_as_failure(self) -> None:
-        evicted = _pod(1, "Failed", reason="Evicted")
-        plan = _plan([_pod(0), evicted, _pod(2)])
-        assert [d.name for d in plan.delete] == ["cifar-worker-1"]
-        assert _names(plan) == ["cifar-worker-3"]  # a fresh name: the old one may still be terminating
-        assert plan.status["evictions"] == 1
-        assert plan.status["restarts"] == 1
-        assert plan.status["applicationFailures"] == 0
-        assert {e[1] for e in plan.events} == {"Evicted", "Replaced"}
-
-    @pytest.mark.parametrize("code", [137, 143])
-    def test_killed_by_a_signal_is_an_eviction(self, code: int) -> None:
-        killed = _pod(0, "Failed", containerStatuses=[{"state": {"terminated": {"exitCode": code}}}])
-        plan = _plan([killed, _pod(1), _pod(2)])
-        assert plan.status["evictions"] == 1
-        assert plan.status["applicationFailures"] == 0
-
-    def test_application_failures_beyond_max_restarts_fail_the_job(self) -> None:
-        crashed = _pod(0, "Failed", containerStatuses=[{"state": {"terminated": {"exitCode": 1}}}])
-        plan = _plan([crashed, _pod(1), _pod(2)], old={"applicationFailures": 3}, failurePolicy={"maxRestarts": 3})
-        assert plan.status["phase"] == "Failed"
-        failed = next(c for c in plan.status["conditions"] if c["type"] == "Failed")
-        assert failed["reason"] == "TooManyFailures"
+    def test_pending_replacements_do_not_hold_back_training(self) -> None:
+        plan = _plan([_pod(0), _pending(1), _pending(2)], old=_running())
         assert plan.create == []
-        assert plan.delete_etcd
+        assert plan.status["phase"] == "Scaling"
+        assert plan.status["replicas"] == {"desired": 3, "ready": 1, "pending": 2}
+        assert _condition(plan, "BelowMin")["status"] == "False"
 
+    def test_scale_down_removes_pending_pods_first(self) -> None:
+        plan = _plan([_pod(0), _pending(1), _pod(2)], old=_running(), spec=_spec(replicas=2))
+        assert _deleted(plan) == [("cifar-worker-1", None)]
+        assert _reasons(plan) == ["ScaledDown"]
+
+    def test_names_a_predecessor_still_holds_are_skipped(self) -> None:
+        """A job re-created under its name while the old one's pods are being collected: new names."""
+        plan = _plan([], old=_running(), names_in_use=frozenset({"cifar-worker-0", "cifar-worker-1"}))
+        assert _created(plan) == ["cifar-worker-2", "cifar-worker-3", "cifar-worker-4"]
+
+    def test_a_taken_worker_name_is_skipped(self) -> None:
+        taken = CreateFailure("Pod/cifar-worker-0", status.NAME_TAKEN, "Pod default/cifar-worker-0 exists", T0)
+        plan = _plan([], old=_running(), create_failures=[taken])
+        assert _created(plan) == ["cifar-worker-1", "cifar-worker-2", "cifar-worker-3"]
+        assert _condition(plan, "ReplicaFailure")["reason"] == "NameTaken"
+
+
+class TestSuccess:
+    def test_succeeded_at_once_with_a_pending_replacement_and_a_straggler(self) -> None:
+        pods = [_exited(0, 0), _pod(1), _pending(2)]
+        plan = _plan(pods, old=_running())
+        assert plan.status["phase"] == "Succeeded"
+        assert plan.status["completionTime"] == status.timestamp(T0)
+        assert plan.create == []
+        assert sorted(_deleted(plan)) == [("cifar-worker-1", None), ("cifar-worker-2", None)]  # with their grace
+        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget"}
+        assert _condition(plan, "Succeeded")["status"] == "True"
+        assert _condition(plan, "Running")["status"] == "False"
+        assert "Succeeded" in _reasons(plan)
+
+    def test_success_wins_over_a_failure_in_the_same_observation(self) -> None:
+        plan = _plan(
+            [_exited(0, 0), _exited(1, 1)], old=_running(failures=3), spec=_spec(failurePolicy={"maxRestarts": 3})
+        )
+        assert plan.status["phase"] == "Succeeded"
+
+    def test_a_straggler_after_success_changes_nothing(self) -> None:
+        done = _plan([_exited(0, 0), _pod(1)], old=_running()).status
+        later = _plan([_exited(0, 0), _exited(1, 143)], old=done, spec=_spec(failurePolicy={"maxRestarts": 0}))
+        assert later.status == done
+        assert later.create == []
+        assert _deleted(later) == []  # finished pods stay with cleanPodPolicy Running
+
+    @pytest.mark.parametrize(
+        ("policy", "want"),
+        [
+            ("All", ["cifar-worker-0", "cifar-worker-1", "cifar-worker-2"]),
+            ("Running", ["cifar-worker-1", "cifar-worker-2"]),
+            ("None", ["cifar-worker-2"]),  # pending ones always go: they would buy a spot VM for a finished job
+        ],
+    )
+    def test_clean_pod_policy(self, policy: str, want: list[str]) -> None:
+        plan = _plan([_exited(0, 0), _pod(1), _pending(2)], old=_running(), spec=_spec(cleanPodPolicy=policy))
+        assert sorted(name for name, _ in _deleted(plan)) == want
+
+
+class TestFailureRules:
+    def test_oomkilled_counts_and_its_replacement_backs_off(self) -> None:
+        plan = _plan([_exited(0, 137, "OOMKilled"), _pod(1), _pod(2)], old=_running())
+        assert plan.status["failures"] == 1
+        assert plan.status["evictions"] == 0
+        assert plan.status["lastFailure"] == {
+            "pod": "cifar-worker-0", "reason": "OOMKilled", "message": "out of memory (exit code 137)",
+            "time": status.timestamp(T0),
+        }  # fmt: skip
+        assert plan.status["backoff"] == {
+            "consecutiveFailures": 1, "until": status.timestamp(T0 + timedelta(seconds=10)), "replacements": 1,
+        }  # fmt: skip
+        assert _deleted(plan) == [("cifar-worker-0", 0)]
+        assert plan.create == []
+        assert {"WorkerFailed", "BackOff"} <= set(_reasons(plan))
+
+    def test_the_wait_doubles_with_consecutive_failures_and_resets_after_a_quiet_while(self) -> None:
+        first = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
+        later = T0 + timedelta(seconds=30)
+        second = _plan([_exited(3, 1), _pod(1), _pod(2)], old=first.status, now=later)
+        assert second.status["backoff"]["consecutiveFailures"] == 2
+        assert second.status["backoff"]["until"] == status.timestamp(later + timedelta(seconds=20))
+        quiet = T0 + timedelta(seconds=30 + constants.BACKOFF_RESET_SECONDS)
+        third = _plan([_exited(4, 1), _pod(1), _pod(2)], old=second.status, now=quiet)
+        assert third.status["backoff"]["consecutiveFailures"] == 1
+
+    def test_the_replacement_comes_when_the_wait_is_over(self) -> None:
+        failed = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
+        waiting = _plan([_pod(1), _pod(2)], old=failed.status, now=T0 + timedelta(seconds=9))
+        assert waiting.create == []
+        assert not waiting.acts()
+        done = _plan([_pod(1), _pod(2)], old=failed.status, now=T0 + timedelta(seconds=10))
+        assert _created(done) == ["cifar-worker-0"]
+        assert _reasons(done) == ["Replaced"]
+        assert done.status["restarts"] == 1
+        assert done.status["backoff"]["replacements"] == 0
+
+    def test_evictions_are_replaced_at_once_even_during_a_backoff(self) -> None:
+        failed = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
+        evicted = _pod(1, "Failed", reason="Evicted")
+        plan = _plan([evicted, _pod(2)], old=failed.status, now=T0 + timedelta(seconds=2))
+        assert len(_created(plan)) == 1  # the evicted one's; the failed one's still waits
+        assert plan.status["failures"] == 1
+        assert plan.status["evictions"] == 1
+
+    def test_an_admission_failure_counts(self) -> None:
+        refused = _pod(0, "Failed", reason="UnexpectedAdmissionError", message="Allocate failed due to no devices")
+        plan = _plan([refused, _pod(1), _pod(2)], old=_running())
+        assert plan.status["failures"] == 1
+        assert plan.status["lastFailure"]["reason"] == "UnexpectedAdmissionError"
+
+    def test_failures_beyond_max_restarts_fail_the_job_naming_the_last(self) -> None:
+        plan = _plan([_exited(0, 137, "OOMKilled"), _pod(1), _pod(2)], old=_running(failures=3))
+        assert plan.status["phase"] == "Failed"
+        failed = _condition(plan, "Failed")
+        assert failed["reason"] == "TooManyFailures"
+        assert "4 worker failures exceed failurePolicy.maxRestarts 3" in failed["message"]
+        assert "OOMKilled" in failed["message"]
+        assert plan.create == []
+        assert {d.kind for d in plan.delete} >= {"Deployment", "Service", "PodDisruptionBudget"}
+
+
+class TestEvictions:
     @pytest.mark.parametrize(
         ("node", "why"),
         [
@@ -166,83 +404,189 @@ class TestPlan:
         ],
     )
     def test_workers_on_a_bad_node_are_deleted_with_their_grace_period(self, node: dict[str, Any], why: str) -> None:
-        nodes = {"spot-1": node, "spot-2": _node("spot-2")}
-        plan = _plan([_pod(0, node="spot-1"), _pod(1, node="spot-2")], nodes=nodes)
-        assert [(d.name, d.grace) for d in plan.delete] == [("cifar-worker-0", None)]
-        assert why in plan.delete[0].why
+        plan = _plan([_pod(0, node="spot-1"), _pod(1, node="spot-2")], old=_running(),
+                     nodes={"spot-1": node, "spot-2": _node("spot-2")})  # fmt: skip
+        assert _deleted(plan) == [("cifar-worker-0", None)]
+        assert why in plan.delete[0].why or why in str(plan.events)
         assert plan.status["evictions"] == 1
-
-    def test_with_node_handling_off_only_pods_count(self) -> None:
-        """TORCHSPOT_NODE_HANDLING=off (the stock recipe's controller): a NotReady node's worker stays."""
-        nodes = {"spot-1": _node(ready=False), "spot-2": _node("spot-2")}
-        pods = [_pod(0, node="spot-1"), _pod(1, node="spot-2"), _pod(2, node="gone")]
-        seen = reconcile.Observed(JOB, _spec(), {}, pods, nodes, ALL_ETCD, T0, node_handling=False)
-        plan = reconcile.plan(seen)
-        assert plan.delete == []
-        assert plan.status["evictions"] == 0
-        assert plan.status["replicas"]["ready"] == 3
+        assert plan.status["failures"] == 0
 
     def test_workers_on_a_vanished_node_are_deleted_at_once(self) -> None:
-        plan = _plan([_pod(0, node="gone"), _pod(1), _pod(2)])
-        assert [(d.name, d.grace) for d in plan.delete] == [("cifar-worker-0", 0)]
+        plan = _plan([_pod(0, node="gone"), _pod(1), _pod(2)], old=_running())
+        assert _deleted(plan) == [("cifar-worker-0", 0)]
 
-    def test_pending_replacements_do_not_hold_back_training(self) -> None:
-        plan = _plan([_pod(0), _pod(1, "Pending", ready=False, node=""), _pod(2, "Pending", ready=False, node="")])
-        assert plan.create == []
-        assert plan.status["phase"] == "Scaling"
-        assert plan.status["replicas"] == {"desired": 3, "ready": 1, "pending": 2}
-        below = next(c for c in plan.status["conditions"] if c["type"] == "BelowMin")
-        assert below["status"] == "False"
+    def test_with_node_handling_off_only_pods_count(self) -> None:
+        pods = [_pod(0, node="spot-1"), _pod(1, node="spot-2"), _pod(2, node="gone")]
+        plan = _plan(pods, old=_running(), nodes={"spot-1": _node(ready=False)}, node_handling=False)
+        assert plan.delete == []
+        assert plan.status["evictions"] == 0
 
-    def test_scale_down_removes_pending_pods_first(self) -> None:
-        pods = [_pod(0), _pod(1, "Pending", ready=False, node=""), _pod(2)]
-        plan = _plan(pods, replicas=2)
-        assert [d.name for d in plan.delete] == ["cifar-worker-1"]
-        assert [e[1] for e in plan.events] == ["ScaledDown"]
+    def test_a_pod_deleted_by_a_user_is_an_eviction_counted_once(self) -> None:
+        leaving = _pod(0, uid="user-deleted")
+        leaving["metadata"]["deletionTimestamp"] = status.timestamp(T0)
+        plan = _plan([leaving, _pod(1), _pod(2)], old=_running())
+        assert plan.status["evictions"] == 1
+        assert plan.accounted == ["user-deleted"]
+        assert plan.delete == []  # it is going already
+        assert _created(plan) == ["cifar-worker-3"]  # at once, under a free name
+        again = _plan([leaving, _pod(1), _pod(2), _pending(3)], old=plan.status, accounted=frozenset(plan.accounted))
+        assert again.status["evictions"] == 1
+        assert not again.acts()
 
-    def test_below_min_fails_only_after_the_grace_period(self) -> None:
-        old = {"startedAt": status.timestamp(T0), "belowMinSince": status.timestamp(T0)}
-        pods = [_pod(0, ready=False), _pod(1, ready=False)]
-        early = _plan(pods, old=old, now=T0 + timedelta(seconds=30), failurePolicy={"belowMinGraceSeconds": 60})
-        assert early.status["phase"] == "BelowMin"
-        late = _plan(pods, old=old, now=T0 + timedelta(seconds=61), failurePolicy={"belowMinGraceSeconds": 60})
+    def test_a_pod_that_vanished_without_the_operator_is_an_eviction(self) -> None:
+        gone = _pod(0, uid="vanished")
+        plan = _plan([_pod(1), _pod(2)], old=_running(), vanished=[gone])
+        assert plan.status["evictions"] == 1
+        assert plan.accounted == ["vanished"]
+        assert _created(plan) == ["cifar-worker-0"]
+        assert _reasons(plan) == ["Evicted", "Replaced"]
+
+    def test_pods_the_operator_deleted_are_not_judged_again(self) -> None:
+        leaving = _pod(0, uid="ours")
+        leaving["metadata"]["deletionTimestamp"] = status.timestamp(T0)
+        plan = _plan([leaving, _pod(1), _pod(2)], old=_running(), accounted=frozenset({"ours"}))
+        assert plan.status["evictions"] == 0
+
+
+class TestClocks:
+    def test_waiting_for_capacity_says_what_the_scheduler_says(self) -> None:
+        plan = _plan([_pending(0), _pending(1), _pending(2)], old={"startTime": status.timestamp(T0)})
+        waiting = _condition(plan, "WaitingForCapacity")
+        assert waiting["status"] == "True"
+        assert "0/3 nodes are available: 3 Insufficient nvidia.com/gpu." in waiting["message"]
+        assert plan.status["phase"] == "Pending"
+        assert _condition(plan, "BelowMin")["status"] == "False"  # never reached: not "below" it
+
+    def test_the_start_up_timeout_is_its_own_budget(self) -> None:
+        pods = [_pending(0), _pending(1), _pending(2)]
+        spec = _spec(failurePolicy={"belowMinGraceSeconds": 60, "startupTimeoutSeconds": 900})
+        old = {"startTime": status.timestamp(T0)}
+        assert _plan(pods, old=old, spec=spec, now=T0 + timedelta(seconds=899)).status["phase"] == "Pending"
+        late = _plan(pods, old=old, spec=spec, now=T0 + timedelta(seconds=901))
         assert late.status["phase"] == "Failed"
-        assert "belowMinGraceSeconds" in str(late.status["conditions"]) or "BelowMinTooLong" in str(
-            late.status["conditions"]
+        assert _condition(late, "Failed")["reason"] == "StartupTimeout"
+
+    def test_below_min_counts_from_the_last_time_at_min(self) -> None:
+        spec = _spec(failurePolicy={"belowMinGraceSeconds": 60})
+        running = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), spec=spec)
+        lost = T0 + timedelta(hours=3)  # long after the start: only the time below counts
+        below = _plan([_pod(0, ready=False)], old=running.status, spec=spec, now=lost)
+        assert below.status["phase"] == "BelowMin"
+        assert below.status["belowMinSince"] == status.timestamp(lost)
+        still = _plan([_pod(0, ready=False)], old=below.status, spec=spec, now=lost + timedelta(seconds=59))
+        assert still.status["phase"] == "BelowMin"
+        late = _plan([_pod(0, ready=False)], old=below.status, spec=spec, now=lost + timedelta(seconds=61))
+        assert _condition(late, "Failed")["reason"] == "BelowMinTooLong"
+
+    def test_active_deadline(self) -> None:
+        spec = _spec(activeDeadlineSeconds=3600)
+        old = _running(startTime=status.timestamp(T0))
+        assert (
+            _plan([_pod(0), _pod(1), _pod(2)], old=old, spec=spec, now=T0 + timedelta(seconds=3599)).status["phase"]
+            == "Running"
         )
+        late = _plan([_pod(0), _pod(1), _pod(2)], old=old, spec=spec, now=T0 + timedelta(seconds=3601))
+        assert _condition(late, "Failed")["reason"] == "DeadlineExceeded"
 
-    def test_success_when_a_worker_exits_zero_and_none_is_left(self) -> None:
-        done = [_pod(i, "Succeeded", containerStatuses=[{"state": {"terminated": {"exitCode": 0}}}]) for i in range(2)]
-        finishing = _plan([*done, _pod(2)])
-        assert finishing.create == []
-        assert finishing.status["phase"] == "Running"
-        finished = _plan(done)
-        assert finished.status["phase"] == "Succeeded"
-        assert finished.delete_etcd
-        assert finished.create == []
 
-    @pytest.mark.parametrize(("policy", "deleted"), [("All", 2), ("Running", 0), ("None", 0)])
-    def test_clean_pod_policy(self, policy: str, deleted: int) -> None:
-        done = [_pod(i, "Succeeded", containerStatuses=[{"state": {"terminated": {"exitCode": 0}}}]) for i in range(2)]
-        plan = _plan(done, cleanPodPolicy=policy)
-        assert len(plan.delete) == deleted
+class TestSuspend:
+    def test_suspending_stops_the_workers_with_their_grace_and_the_etcd(self) -> None:
+        plan = _plan([_pod(0), _pod(1), _pending(2)], old=_running(evictions=2), spec=_spec(suspend=True))
+        assert plan.status["phase"] == "Suspended"
+        assert sorted(_deleted(plan)) == [("cifar-worker-0", None), ("cifar-worker-1", None), ("cifar-worker-2", None)]
+        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget"}
+        assert plan.create == []
+        assert _condition(plan, "Suspended")["status"] == "True"
+        assert plan.status["evictions"] == 2  # the record is kept
+        assert (plan.status["startTime"], plan.status["reachedMinAt"]) == (None, None)  # clocks stop
+        assert _reasons(plan) == ["Suspended"]
 
-    def test_the_same_observation_gives_the_same_plan(self) -> None:
-        pods = [_pod(0), _pod(1, "Failed", reason="Evicted")]
-        assert _plan(pods) == _plan(pods)
+    def test_a_job_created_suspended_creates_nothing(self) -> None:
+        plan = _plan([], etcd={}, spec=_spec(suspend=True))
+        assert plan.create == []
+        assert plan.status["phase"] == "Suspended"
+        assert status.find(plan.status["conditions"], "Created") is None
+
+    def test_resuming_starts_a_fresh_run_and_fresh_clocks(self) -> None:
+        suspended = _plan([], etcd={}, spec=_spec(suspend=True), old=_running(resumes=0)).status
+        later = T0 + timedelta(hours=2)
+        plan = _plan([], etcd={}, old=suspended, now=later)
+        assert plan.status["resumes"] == 1
+        assert plan.status["runId"] == "default-cifar-01234567-r1"
+        assert plan.status["startTime"] == status.timestamp(later)
+        assert plan.status["phase"] == "Pending"
+        assert _condition(plan, "Suspended")["status"] == "False"
+        pod = next(o for o in plan.create if o["kind"] == "Pod")
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["PET_RDZV_ID"] == "default-cifar-01234567-r1"
+        assert "Resumed" in _reasons(plan)
+
+    def test_time_suspended_does_not_count_against_the_deadline(self) -> None:
+        spec = _spec(activeDeadlineSeconds=3600)
+        suspended = _plan([], etcd={}, spec=replace(spec, suspend=True), old=_running(startTime=status.timestamp(T0)))
+        resumed = _plan([], old=suspended.status, spec=spec, now=T0 + timedelta(hours=5))
+        assert resumed.status["phase"] != "Failed"
+
+
+class TestManagedEtcd:
+    def test_an_edit_of_the_image_updates_the_deployment_in_place(self) -> None:
+        spec = _spec(rendezvous={"image": "quay.io/coreos/etcd:v3.5.21"})
+        plan = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), spec=spec)
+        assert [(u.kind, u.name) for u in plan.update] == [("Deployment", "cifar-etcd")]
+        patch = plan.update[0].patch
+        assert patch["spec"]["template"]["spec"]["containers"][0]["image"] == "quay.io/coreos/etcd:v3.5.21"
+        assert (
+            patch["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]
+            == builders.etcd_objects(JOB, spec)[0]["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]
+        )
+        assert plan.create == []
+
+    def test_a_removed_node_selector_is_removed(self) -> None:
+        placed = _spec(rendezvous={"nodeSelector": {"agentpool": "system"}})
+        plan = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), etcd=_etcd(placed))
+        assert plan.update[0].patch["spec"]["template"]["spec"]["nodeSelector"] is None
+
+    def test_a_taken_etcd_name_blocks_the_workers_and_is_retried_after_a_while(self) -> None:
+        taken = CreateFailure("Service/cifar-etcd", status.NAME_TAKEN, "Service default/cifar-etcd exists", T0)
+        etcd = {k: v for k, v in ALL_ETCD.items() if k != "Service"}
+        soon = _plan([], old={"startTime": status.timestamp(T0)}, etcd=etcd, create_failures=[taken])
+        assert soon.create == []  # not the Service again yet, and no worker that would reach the wrong one
+        assert soon.status["phase"] == "Pending"
+        assert _condition(soon, "ReplicaFailure")["reason"] == "NameTaken"
+        assert "name is taken" in _condition(soon, "WaitingForCapacity")["message"]
+        later = _plan([], old=soon.status, etcd=etcd, create_failures=[taken],
+                      now=T0 + timedelta(seconds=constants.NAME_RETRY_SECONDS))  # fmt: skip
+        assert _created(later, "Service") == ["cifar-etcd"]
+        assert _created(later) == []
+
+    def test_a_finished_job_deletes_only_the_etcd_objects_it_owns_by_uid(self) -> None:
+        plan = _plan([_exited(0, 0)], old=_running())
+        assert {(d.kind, d.uid) for d in plan.delete if d.kind != "Pod"} == {
+            ("Deployment", "etcd-Deployment"), ("Service", "etcd-Service"),
+            ("PodDisruptionBudget", "etcd-PodDisruptionBudget"),
+        }  # fmt: skip
 
 
 def test_progress_from_etcd_lands_in_the_status_and_survives_gaps() -> None:
     progress = {"round": {"round": 4, "nodes": 3}, "checkpoint": {"step": 1200, "uri": "az://c/p/", "time": "t"}}
-    seen = reconcile.Observed(
-        JOB, _spec(), {}, [_pod(0), _pod(1), _pod(2)], {"spot-1": _node()}, ALL_ETCD, T0, progress
-    )
-    first = reconcile.plan(seen).status
+    first = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), progress=progress).status
     assert first["rendezvousRound"] == 4
     assert first["lastCheckpoint"] == {"step": 1200, "uri": "az://c/p/", "time": "t"}
     later = _plan([_pod(0), _pod(1), _pod(2)], old=first)  # etcd unreachable this time: nothing read
     assert later.status["rendezvousRound"] == 4
     assert later.status["lastCheckpoint"]["step"] == 1200
+
+
+def test_the_same_observation_gives_the_same_plan() -> None:
+    pods = [_pod(0, uid="a"), _pod(1, "Failed", reason="Evicted", uid="b")]
+    assert _plan(pods) == _plan(pods)
+
+
+def test_deletes_carry_the_uid_precondition() -> None:
+    assert delete_options(None, "u-1") == {
+        "kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background", "preconditions": {"uid": "u-1"},
+    }  # fmt: skip
+    assert "preconditions" not in delete_options(0, None)
 
 
 @pytest.mark.parametrize(
