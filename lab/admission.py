@@ -22,10 +22,13 @@ they are imported when the first object is checked.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 RULE_OLD_SELF = "oldSelf"
+
+logging.getLogger("celpy").setLevel(logging.WARNING)  # several debug lines per rule evaluated, otherwise
 
 
 class AdmissionError(ValueError):

@@ -4,10 +4,12 @@ No API server installs here (see the design brief), so the operator runs against
 kmock, kopf's own test emulator, served over real HTTP on a loopback port from a
 background thread. What kmock leaves out, this adds:
 
-- `metadata.uid`, `resourceVersion` and `creationTimestamp` on create (kopf's JSON
-  patches test the resourceVersion; it stays as created, so a patch built from an
-  older read still applies, as the emulator has no conflicts to report), and a name
-  for objects created with `generateName` (kopf's Events);
+- `metadata.uid` and `creationTimestamp` on create, and a new `resourceVersion` on every
+  create and patch, as the API server gives: kopf tells its own writes coming back from
+  stale events by it (without it, kopf handled one creation several times); a JSON patch
+  that cannot apply (kopf's `test` of the resourceVersion, from an older read) is
+  refused with a 422, as the API server refuses it, and kopf tries again on its next
+  cycle; and a name for objects created with `generateName` (kopf's Events);
 - the resources the operator lists and watches, declared up front (kmock serves a
   list only for resources it knows, and learns a CRD's group only if told);
 - a kubeconfig file pointing at it, so kopf logs in as it would to a cluster;
@@ -27,8 +29,8 @@ background thread. What kmock leaves out, this adds:
   benchmark's requests per job.
 
 What it still does not do, the callers must not rely on: label selectors (the operator
-filters again), optimistic concurrency (resourceVersions never change after create),
-graceful pod deletion (a deleted pod is gone at once), controllers (no scheduler,
+filters again), optimistic concurrency beyond JSON patches' tests, graceful pod
+deletion (a deleted pod is gone at once), controllers (no scheduler,
 kubelet or garbage collector: the lab's node agent plays those).
 """
 
@@ -47,6 +49,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import jsonpatch
+import jsonpointer
 import kmock
 import kmock._internal.dicts as kmock_dicts
 import kmock._internal.parsing as kmock_parsing
@@ -140,7 +144,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.admissions: dict[str, Admission] = {}
         """`group/plural` of each custom resource whose CRD was created, and its admission."""
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        """Requests served, by (method, `group/version/plural`), watches counted when they start."""
+        """Requests served, by (method, `group/version/plural[/subresource]`), watches counted when they start."""
 
     async def _handle(self, request: kmock.Request) -> Any:
         # kmock has just logged the request and matches it by identity against its log: a
@@ -149,6 +153,7 @@ class Emulator(kmock.KubernetesEmulator):
         resource = request.resource
         if resource is not None:
             key = f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/")
+            key += f"/{request.subresource}" if request.subresource else ""
             self.counts[(str(request.method.value if request.method else ""), key)] += 1
         if resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
@@ -161,6 +166,7 @@ class Emulator(kmock.KubernetesEmulator):
             if resource is not None:
                 self._admit(request)
                 self._check_preconditions(request)
+                self._version(request)
             return await super()._handle(request)
         finally:  # kmock keeps every request and error; its cost per request grows with them
             self._serving.discard(id(request))
@@ -202,7 +208,10 @@ class Emulator(kmock.KubernetesEmulator):
                 old = self._stored(request)
                 if old is None:
                     return  # kmock answers 404 itself
-                new = dict(kmock_dicts.patch_dict(old, request.data))
+                try:
+                    new = dict(kmock_dicts.patch_dict(old, request.data))
+                except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException):
+                    return  # refused as a patch that cannot apply (`_version`)
                 stored = admission.admit(new, old)
                 if isinstance(request.data, dict):  # store the defaults too, as the API server does
                     patch = merge_patch(old, stored)
@@ -212,6 +221,23 @@ class Emulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(
                 status=422, reason="Invalid", message=str(exc), details={"causes": exc.problems}
             ) from exc
+
+    def _version(self, request: kmock.Request) -> None:
+        """A patch gets a new resourceVersion with it; one that cannot apply is refused (422)."""
+        if request.action != kmock.action.UPDATE or request.data is None:
+            return
+        version = str(next(self._versions))
+        if isinstance(request.data, dict):
+            request.data.setdefault("metadata", {})["resourceVersion"] = version
+            return
+        old = self._stored(request)
+        if old is None:
+            return  # kmock answers 404 itself
+        try:
+            jsonpatch.apply_patch(old, request.data, in_place=False)
+        except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the patch cannot apply: {exc}") from exc
+        request.data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
 
     def _check_preconditions(self, request: kmock.Request) -> None:
         """Refuse a DELETE whose preconditions do not match the object (409), as the API server does."""

@@ -93,6 +93,11 @@ BACKOFF_RESET_SECONDS: Final = 600
 NAME_RETRY_SECONDS: Final = 60
 """How long the operator leaves a name alone once it found it taken by an object the job does not
 own: it tries again after this (the owner may have deleted it), at most once a minute."""
+STALE_AFTER_SECONDS: Final = 20
+"""A job the operator has not looked at for this long while its timer should have run (every few
+seconds) was not looked at because the operator was paused (a standby) or stalled: its watches were
+closed meanwhile and the indices may still hold objects deleted then. The next reconcile reads the
+job's pods and etcd objects from the API once (as on the first reconcile of a job by this process)."""
 EXPECTATION_SECONDS: Final = 30
 """How long a pod the operator created counts as there before its watch event arrives (the
 controller's expectations): longer means the watch lost it, and it is looked for afresh."""

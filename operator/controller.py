@@ -15,8 +15,13 @@ What a reconcile reads, and what it costs:
   same-named object someone else owns is never taken for the job's;
 - nodes: from the node watch's cache (only with node handling on).
 An index lags the operator's own actions by a watch event, so the controller keeps
-*expectations*, as Kubernetes' own controllers do: the pods it created and not yet seen
-are counted as there, and the objects it deleted or counted are not judged again.
+*expectations*, as Kubernetes' own controllers do: the objects it created and not yet seen
+are counted as there, and the objects it deleted or counted are not judged again. An
+index can also hold objects deleted while its watch was closed (kopf closes the watches
+of a paused standby replica and lists afresh when it resumes, which shows no deletion),
+so the first reconcile of a job by this process, and one after a silence longer than
+`STALE_AFTER_SECONDS`, reads the job's pods (one list) and etcd objects from the API,
+and what the index holds beyond that is treated as gone.
 
 The timer (`tick`) re-plans from what the operator already knows and asks the API
 nothing unless that plan has something to do: a running job that nothing happens to
@@ -39,7 +44,7 @@ from torchspot.operator import builders, constants, status
 from torchspot.operator.builders import JobRef
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.progress import ProgressReader
-from torchspot.operator.reconcile import Observed, Plan, plan
+from torchspot.operator.reconcile import ETCD_KINDS, Observed, Plan, plan
 from torchspot.operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 from torchspot.operator.status import CreateFailure
 
@@ -79,11 +84,15 @@ class _Memory:
     accounted: dict[str, float] = field(default_factory=dict)
     """Uids of objects counted or deleted by the operator (monotonic time): never judged twice."""
     created: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
-    """Worker pods created and not yet seen in the index, by name: counted as there meanwhile."""
+    """Objects created and not yet seen in an index, by `Kind/name`: counted as there meanwhile."""
     vanished: list[dict[str, Any]] = field(default_factory=list)
     """Worker pods deleted by someone else (their last body), until a reconcile counts them."""
     failures: dict[str, CreateFailure] = field(default_factory=dict)
     """Objects the operator could not create, by `Kind/name`."""
+    gone: set[str] = field(default_factory=set)
+    """Uids an index still holds that a fresh read from the API no longer found (see the module docstring)."""
+    seen_at: float = 0.0
+    """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
 
 
 class Controller:
@@ -136,7 +145,8 @@ class Controller:
         """
         async with self._lock(namespace, name):
             memory = self._memory.get((namespace, name))
-            if memory is not None and memory.body is not None:
+            if memory is not None and memory.body is not None and not self._stale(memory):
+                memory.seen_at = time.monotonic()
                 try:
                     spec = parse_spec(memory.body.get("spec") or {}, etcd_default=self.etcd_default)
                 except InvalidSpecError:
@@ -145,6 +155,10 @@ class Controller:
                 old = memory.body.get("status") or {}
                 if not dry.acts() and not _changed(old, dry.status):
                     return dry
+                log.debug(
+                    "job %s/%s: the timer found work: acts %s, status keys %s", namespace, name, dry.acts(),
+                    sorted(k for k, v in dry.status.items() if old.get(k) != v),
+                )  # fmt: skip
             body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
             return await self._reconcile(namespace, name, body)
 
@@ -157,6 +171,9 @@ class Controller:
         if memory is None or memory.uid != meta.get("uid", ""):  # a new job, or one re-created under the name
             memory = self._memory[(namespace, name)] = _Memory(str(meta.get("uid", "")))
         memory.body = body
+        if self._stale(memory):
+            await self._read_afresh(namespace, name, memory)
+        memory.seen_at = time.monotonic()
         old: Mapping[str, Any] = body.get("status") or {}
         job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
         now = self.now()
@@ -218,23 +235,60 @@ class Controller:
             names_in_use=frozenset(str(n) for n in self.indexes[NAMES_INDEX].get((namespace, name), [])),
         )  # fmt: skip
 
+    @staticmethod
+    def _stale(memory: _Memory) -> bool:
+        return memory.seen_at == 0.0 or time.monotonic() - memory.seen_at > constants.STALE_AFTER_SECONDS
+
+    async def _read_afresh(self, namespace: str, name: str, memory: _Memory) -> None:
+        """Note the uids the indices hold for this job that the API no longer has (one list, and a get
+        per etcd object)."""
+        labels = {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_WORKER}
+        present = {str(p["metadata"].get("uid", "")) for p in await self.api.list("v1", "Pod", namespace, labels)}
+        for api_version, kind in ETCD_KINDS:
+            found = await self.api.get(api_version, kind, namespace, f"{name}-etcd")
+            if found is not None:
+                present.add(str(found["metadata"].get("uid", "")))
+        indexed = {
+            str(obj.get("metadata", {}).get("uid", ""))
+            for index in (PODS_INDEX, *ETCD_INDEXES.values())
+            for obj in self.indexes[index].get((namespace, memory.uid), [])
+        }
+        memory.gone = indexed - present
+        if memory.gone:
+            log.info("job %s/%s: the watch missed the deletion of %d object(s)", namespace, name, len(memory.gone))
+
+    def _indexed(self, index: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+        """What an index holds for the job, less what a fresh read found gone (forgotten once the index is too)."""
+        held = [dict(o) for o in self.indexes[index].get((namespace, memory.uid), [])]
+        return [o for o in held if str(o.get("metadata", {}).get("uid", "")) not in memory.gone]
+
     def _pods(self, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
         """The job's worker pods: the index's, plus those created and not yet indexed (expectations)."""
-        indexed = [dict(p) for p in self.indexes[PODS_INDEX].get((namespace, memory.uid), [])]
-        names = {p["metadata"]["name"] for p in indexed}
+        indexed = self._indexed(PODS_INDEX, namespace, memory)
+        return [*indexed, *self._expected(memory, "Pod", {p["metadata"]["name"] for p in indexed})]
+
+    @staticmethod
+    def _expected(memory: _Memory, kind: str, indexed: set[str]) -> list[dict[str, Any]]:
+        """Objects of a kind the operator created that the index does not show yet (expectations);
+        forgotten once it does, or after `EXPECTATION_SECONDS` (then the watch lost them)."""
+        found = []
         clock = time.monotonic()
-        for pod_name, (created, at) in list(memory.created.items()):
-            if pod_name in names or clock - at > constants.EXPECTATION_SECONDS:
-                del memory.created[pod_name]
+        for key, (created, at) in list(memory.created.items()):
+            made, name = key.split("/", 1)
+            if made != kind:
+                continue
+            if name in indexed or clock - at > constants.EXPECTATION_SECONDS:
+                del memory.created[key]
             else:
-                indexed.append(created)
-        return indexed
+                found.append(created)
+        return found
 
     def _etcd(self, namespace: str, memory: _Memory) -> dict[str, Mapping[str, Any]]:
         """The managed etcd's objects this job owns, by kind."""
         found: dict[str, Mapping[str, Any]] = {}
         for kind, index in ETCD_INDEXES.items():
-            for obj in self.indexes[index].get((namespace, memory.uid), []):
+            indexed = self._indexed(index, namespace, memory)
+            for obj in [*indexed, *self._expected(memory, kind, {o["metadata"]["name"] for o in indexed})]:
                 found[kind] = obj
         return found
 
@@ -286,12 +340,14 @@ class Controller:
             if exc.status >= 500 or exc.status == 429:
                 raise  # the API's trouble, not the object's: kopf retries the handler
             return CreateFailure(key, status.FAILED_CREATE, f"{kind} {job.namespace}/{name} was refused: {exc}", now)
-        if created is None:  # 409: the name exists, and the index (or our expectation) says it is not this job's
-            message = f"{kind} {job.namespace}/{name} exists and is not owned by this job; rename or delete it"
-            return CreateFailure(key, status.NAME_TAKEN, message, now)
+        if created is None:  # 409: the name exists; the index did not show it as this job's, so ask once
+            existing = await self.api.get(obj["apiVersion"], kind, job.namespace, name)
+            if existing is None or (owner(existing) or ("", ""))[1] != job.uid:
+                message = f"{kind} {job.namespace}/{name} exists and is not owned by this job; rename or delete it"
+                return CreateFailure(key, status.NAME_TAKEN, message, now)
+            created = existing  # ours, made by an earlier reconcile the index has not caught up with
         memory.failures.pop(key, None)
-        if kind == "Pod":
-            memory.created[name] = (created, time.monotonic())
+        memory.created[key] = (created, time.monotonic())
         return None
 
     async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> None:

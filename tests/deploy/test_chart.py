@@ -222,7 +222,11 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
         assert set(rule["verbs"]) <= allowed, rule
     jobs = {(g, res): set(rule["verbs"]) for rule in one(docs, "ClusterRole", "torchspot-jobs")["rules"]
             for g in rule["apiGroups"] for res in rule["resources"]}  # fmt: skip
-    assert jobs[("", "pods")] == {"get", "list", "watch", "create", "delete"}
+    assert jobs[("", "pods")] == {"get", "list", "watch", "create", "delete"}  # no patch or update of pods
+    etcd_verbs = {"get", "list", "watch", "create", "patch", "delete"}
+    for kind in [("", "services"), ("apps", "deployments"), ("policy", "poddisruptionbudgets")]:
+        assert jobs[kind] == etcd_verbs, kind
+    assert jobs[("torchspot.dev", "elasticjobs")] == {"get", "list", "watch", "patch", "delete"}  # delete: the TTL
     assert jobs[("", "events")] == {"create"}
     assert jobs[("torchspot.dev", "elasticjobs/status")] == {"get", "patch"}
 

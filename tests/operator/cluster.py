@@ -11,9 +11,11 @@ import pytest
 from torchspot.lab.kubeapi import KubeApi
 from torchspot.operator import constants
 from torchspot.operator.kube import Kube
+from torchspot.operator.reconcile import ETCD_KINDS
 
 T = TypeVar("T")
 NS = "default"
+JOBS = f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}"
 
 
 class Cluster:
@@ -58,11 +60,36 @@ class Cluster:
         return [e for e in self.api.run(self.kube.list("v1", "Event", NS)) if e.get("reason") == reason]
 
     def etcd_kinds(self, job: str) -> set[str]:
-        kinds = set()
-        for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget")):
-            if self.api.run(self.kube.get(api_version, kind, NS, f"{job}-etcd")) is not None:
-                kinds.add(kind)
-        return kinds
+        return set(self.etcd(job))
+
+    def etcd(self, job: str) -> dict[str, dict[str, Any]]:
+        """The objects named `<job>-etcd` by kind, whoever owns them."""
+        found = {}
+        for api_version, kind in ETCD_KINDS:
+            obj = self.api.run(self.kube.get(api_version, kind, NS, f"{job}-etcd"))
+            if obj is not None:
+                found[kind] = obj
+        return found
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str | None = NS) -> None:
+        self.api.run(self.kube.delete(api_version, kind, namespace, name))
+
+    def requests(self, method: str = "", resource: str = "") -> int:
+        """Requests the API served so far, of one method and resource (`group/version/plural`) if given."""
+        assert self.api.emulator is not None
+        return sum(
+            n for (m, r), n in self.api.emulator.counts.items()
+            if (not method or m == method) and (not resource or r == resource)
+        )  # fmt: skip
+
+    def exit(self, pod: str, code: int, reason: str = "Error") -> None:
+        """What the kubelet reports when the pod's container ended."""
+        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else reason}
+        status = {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "containerStatuses": [{"state": {"terminated": terminated}}],
+        }
+        self.patch("pods", pod, {"status": status})
 
 
 def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) -> T:

@@ -1,8 +1,9 @@
 """The real kopf operator (torchspot.operator.handlers) against the kmock API emulator.
 
 No kubelet or scheduler runs here: the tests play them by patching pod and node
-status through the API, as a real kubelet would report it. Every wait is on a
-condition read back from the API, with a deadline.
+status through the API, as a real kubelet would report it. The emulator has the
+ElasticJob CRD applied, so it defaults and refuses jobs as an API server does. Every
+wait is on a condition read back from the API, with a deadline.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
-from tests.operator.cluster import NS, Cluster, wait_for
+from tests.operator.cluster import JOBS, NS, Cluster, wait_for
 from tests.operator.jobs import good_job, with_path
 from torchspot.lab.etcd import EtcdServer, free_port
 from torchspot.operator import constants
 from torchspot.operator.handlers import RECONCILE_INTERVAL
+from torchspot.operator.kube import ApiError
 from torchspot.trainer.rendezvous import status
 
 OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
@@ -45,12 +47,59 @@ def cluster(api: Cluster) -> Iterator[Cluster]:
 
 
 def _status(cluster: Cluster, job: str) -> dict[str, Any]:
-    status: dict[str, Any] = cluster.job(job).get("status") or {}
-    return status
+    found: dict[str, Any] = cluster.job(job).get("status") or {}
+    return found
 
 
 def _condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any] | None:
     return next((c for c in _status(cluster, job).get("conditions", []) if c["type"] == kind), None)
+
+
+def _phase(cluster: Cluster, job: str, phase: str) -> dict[str, Any]:
+    """Wait for a phase; the status then."""
+    wait_for(f"{job} {phase}", lambda: _status(cluster, job).get("phase") == phase)
+    return _status(cluster, job)
+
+
+def _start(cluster: Cluster, job: str, nodes: list[str]) -> list[str]:
+    """Play scheduler and kubelet: run the job's pods (one per node, in order) until all are Ready."""
+    wait_for(f"{len(nodes)} workers of {job}", lambda: len(cluster.names(job)) == len(nodes))
+    names = cluster.names(job)
+    for name, node in zip(names, nodes, strict=True):
+        cluster.run_pod(name, node)
+    return names
+
+
+def _uids(cluster: Cluster, job: str) -> set[str]:
+    return {p["metadata"]["uid"] for p in cluster.pods(job)}
+
+
+@contextlib.contextmanager
+def _settles(cluster: Cluster) -> Iterator[None]:
+    """Around a change the operator must ignore: after it, wait until the operator has read the job
+    again (its first step), then a moment for anything it would write. The absence of a change has
+    no condition to poll."""
+    seen = cluster.requests("GET", JOBS)
+    yield
+    wait_for("the operator to look at the job", lambda: cluster.requests("GET", JOBS) > seen)
+    time.sleep(0.5)
+
+
+def _quiet(cluster: Cluster) -> dict[tuple[str, str], int]:
+    """Wait until the API has served no request for a second (the operator finished what it was doing);
+    the request counts then."""
+    assert cluster.api.emulator is not None
+    emulator = cluster.api.emulator
+    counts, changed = [dict(emulator.counts)], [time.monotonic()]
+
+    def still() -> bool:
+        now = dict(emulator.counts)
+        if now != counts[0]:
+            counts[0], changed[0] = now, time.monotonic()
+        return time.monotonic() - changed[0] >= 1.0
+
+    wait_for("the API to go quiet", still)
+    return dict(emulator.counts)
 
 
 def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: Cluster) -> None:
@@ -58,31 +107,32 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
     cluster.add_node("spot-2")
     cluster.create(good_job("cifar"))
 
-    # Created: managed etcd on the on-demand pool, three workers on the spot pool.
+    # Created: managed etcd on the on-demand pool, three workers on the spot pool, waiting for capacity.
     wait_for("three worker pods", lambda: len(cluster.pods("cifar")) == 3)
     assert cluster.etcd_kinds("cifar") == {"Deployment", "Service", "PodDisruptionBudget"}
     pod = cluster.pods("cifar")[0]
     assert pod["spec"]["nodeSelector"][constants.SPOT_LABEL] == "spot"
     assert pod["metadata"]["ownerReferences"][0]["kind"] == "ElasticJob"
-    assert wait_for("phase Pending", lambda: _status(cluster, "cifar").get("phase") == "Pending")
+    pending = _phase(cluster, "cifar", "Pending")
+    assert next(c for c in pending["conditions"] if c["type"] == "WaitingForCapacity")["status"] == "True"
 
     # The kubelet starts them: Running, three ready.
-    for name, node in zip(cluster.names("cifar"), ["spot-1", "spot-2", "spot-2"], strict=True):
-        cluster.run_pod(name, node)
-    wait_for("phase Running", lambda: _status(cluster, "cifar").get("phase") == "Running")
-    assert _status(cluster, "cifar")["replicas"] == {"desired": 3, "ready": 3, "pending": 0}
+    _start(cluster, "cifar", ["spot-1", "spot-2", "spot-2"])
+    running = _phase(cluster, "cifar", "Running")
+    assert running["replicas"] == {"desired": 3, "ready": 3, "pending": 0}
+    assert next(c for c in running["conditions"] if c["type"] == "WaitingForCapacity")["status"] == "False"
 
     # A spot eviction fails one pod: it is replaced under a new name, counted as an eviction only.
     cluster.patch("pods", "cifar-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
     wait_for("a replacement pod", lambda: "cifar-worker-3" in cluster.names("cifar"))
     wait_for("worker-0 deleted", lambda: "cifar-worker-0" not in cluster.names("cifar"))
-    status = wait_for("eviction counted", lambda: (s := _status(cluster, "cifar")).get("evictions") == 1 and s)
-    assert status["failures"] == 0
-    assert status["restarts"] == 1
+    evicted = wait_for("eviction counted", lambda: (s := _status(cluster, "cifar")).get("evictions") == 1 and s)
+    assert evicted["failures"] == 0
+    assert evicted["restarts"] == 1
     assert wait_for("Evicted event", lambda: cluster.events("Evicted"))
     assert wait_for("Replaced event", lambda: cluster.events("Replaced"))
     # The replacement is Pending (no spot capacity yet); training goes on with two.
-    wait_for("phase Scaling", lambda: _status(cluster, "cifar").get("phase") == "Scaling")
+    _phase(cluster, "cifar", "Scaling")
     below = _condition(cluster, "cifar", "BelowMin")
     assert below is not None
     assert below["status"] == "False"
@@ -101,53 +151,245 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
     # The run completes: the worker exits 0; the job succeeds and the managed etcd goes.
     (last,) = cluster.names("cifar")
     cluster.run_pod(last, "spot-1")
-    terminated = {"terminated": {"exitCode": 0}}
-    cluster.patch("pods", last, {"status": {"phase": "Succeeded", "containerStatuses": [{"state": terminated}]}})
-    wait_for("phase Succeeded", lambda: _status(cluster, "cifar").get("phase") == "Succeeded")
+    cluster.exit(last, 0)
+    done = _phase(cluster, "cifar", "Succeeded")
+    assert done["completionTime"]
     wait_for("etcd deleted", lambda: not cluster.etcd_kinds("cifar"))
     succeeded = _condition(cluster, "cifar", "Succeeded")
     assert succeeded is not None
     assert succeeded["status"] == "True"
 
 
-def test_application_failures_beyond_max_restarts_fail_the_job(cluster: Cluster) -> None:
+def test_a_run_that_completes_with_a_pending_replacement_succeeds_at_once_and_stays_so(cluster: Cluster) -> None:
+    """No spot capacity after an eviction: the replacement stays Pending. The first worker to exit 0 ends
+    the job there and then: the Pending pod goes (no spot VM bought for a finished job), so does the etcd,
+    nothing is replaced, and a straggler's exit code afterwards changes nothing."""
+    cluster.add_node("spot-1")
+    cluster.create(good_job("done", cleanPodPolicy="None", failurePolicy={"maxRestarts": 0}))
+    _start(cluster, "done", ["spot-1", "spot-1", "spot-1"])
+    _phase(cluster, "done", "Running")
+    cluster.patch("pods", "done-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    wait_for("the Pending replacement", lambda: "done-worker-3" in cluster.names("done"))
+
+    cluster.exit("done-worker-1", 0)
+    finished = _phase(cluster, "done", "Succeeded")
+    wait_for("the Pending replacement deleted", lambda: "done-worker-3" not in cluster.names("done"))
+    wait_for("etcd deleted", lambda: not cluster.etcd_kinds("done"))
+    assert cluster.names("done") == ["done-worker-1", "done-worker-2"]  # cleanPodPolicy None keeps the runner
+    assert wait_for("Succeeded event", lambda: cluster.events("Succeeded"))
+
+    with _settles(cluster):
+        cluster.exit("done-worker-2", 1)  # the straggler, as its etcd went away
+    assert _status(cluster, "done") == finished
+    assert cluster.names("done") == ["done-worker-1", "done-worker-2"]  # nothing replaced, nothing counted
+    assert cluster.events("WorkerFailed") == []
+
+
+def test_oomkilled_and_admission_failures_count_back_off_and_fail_the_job(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OOMKilled and a pod the kubelet refused are failures, not evictions: counted, replaced after a
+    growing wait, and the job fails when they exceed maxRestarts."""
+    monkeypatch.setattr(constants, "BACKOFF_BASE_SECONDS", 1)  # 1 s, 2 s ... instead of 10 s, 20 s
     cluster.add_node("spot-1")
     cluster.create(good_job("crashy", minReplicas=1, maxReplicas=1, failurePolicy={"maxRestarts": 1}))
-    crashed = {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {"exitCode": 1}}}]}
-    for name in ("crashy-worker-0", "crashy-worker-1"):
-        wait_for(f"{name} created", lambda: cluster.names("crashy") == [name])  # noqa: B023 - used at once
-        cluster.run_pod(name, "spot-1")
-        cluster.patch("pods", name, {"status": crashed})
-        wait_for(f"{name} removed", lambda: name not in cluster.names("crashy"))  # noqa: B023
-    status = wait_for("phase Failed", lambda: (s := _status(cluster, "crashy")).get("phase") == "Failed" and s)
-    assert status["failures"] == 2
-    failed = _condition(cluster, "crashy", "Failed")
-    assert failed is not None
-    assert failed["reason"] == "TooManyFailures"
-    assert cluster.pods("crashy") == []
+    (first,) = _start(cluster, "crashy", ["spot-1"])
+    before = _uids(cluster, "crashy")
+    cluster.exit(first, 137, "OOMKilled")
+    failed_at = time.monotonic()
+    counted = wait_for("the failure counted", lambda: (s := _status(cluster, "crashy")).get("failures") == 1 and s)
+    assert counted["lastFailure"]["reason"] == "OOMKilled"
+    assert counted["evictions"] == 0
+    assert counted["backoff"]["consecutiveFailures"] == 1
+    wait_for("the replacement", lambda: _uids(cluster, "crashy") - before, timeout=RECONCILE_INTERVAL + 10)
+    assert time.monotonic() - failed_at >= 1  # not at once: after the backoff
+    assert wait_for("BackOff event", lambda: cluster.events("BackOff"))
+
+    (second,) = cluster.names("crashy")  # the kubelet refuses it: no container ever ran
+    cluster.patch("pods", second, {"spec": {"nodeName": "spot-1"}, "status": {
+        "phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "Allocate failed due to no healthy devices",
+    }})  # fmt: skip
+    failed = _phase(cluster, "crashy", "Failed")
+    assert failed["failures"] == 2
+    reason = _condition(cluster, "crashy", "Failed")
+    assert reason is not None
+    assert reason["reason"] == "TooManyFailures"
+    assert "UnexpectedAdmissionError" in reason["message"]
     assert wait_for("WorkerFailed events", lambda: len(cluster.events("WorkerFailed")) == 2)
 
 
-@pytest.mark.parametrize(
-    ("body", "field"),
-    [
-        (with_path("checkpoint.uri", "s3://bucket/run", name="bad-uri"), "spec.checkpoint.uri"),
-        (with_path("minReplicas", 4, name="bad-range"), "spec.minReplicas"),
-        (with_path("template.spec.containers", [], name="bad-template"), "spec.template.spec.containers"),
-        (with_path("rendezvous.endpoint", "etcd-without-port", name="bad-endpoint"), "spec.rendezvous.endpoint"),
-    ],
-)
-def test_invalid_spec_creates_nothing_and_says_why(cluster: Cluster, body: dict[str, Any], field: str) -> None:
-    """The emulator, like an API server without CEL, lets these through; the operator does not."""
-    name = body["metadata"]["name"]
-    cluster.create(body)
-    condition = wait_for("InvalidSpec", lambda: _condition(cluster, name, "InvalidSpec"))
+def test_suspend_stops_the_workers_and_etcd_and_resume_starts_a_fresh_run(cluster: Cluster) -> None:
+    cluster.add_node("spot-1")
+    cluster.create(good_job("paused"))
+    _start(cluster, "paused", ["spot-1", "spot-1", "spot-1"])
+    running = _phase(cluster, "paused", "Running")
+    old_pods = _uids(cluster, "paused")
+
+    cluster.patch(constants.PLURAL, "paused", {"spec": {"suspend": True}})
+    suspended = _phase(cluster, "paused", "Suspended")
+    wait_for("workers stopped", lambda: cluster.pods("paused") == [])
+    wait_for("etcd stopped", lambda: not cluster.etcd_kinds("paused"))
+    assert suspended["evictions"] == 0  # stopping for a suspension is neither an eviction nor a failure
+    assert "startTime" not in suspended  # its clocks stop
+    condition = _condition(cluster, "paused", "Suspended")
+    assert condition is not None
     assert condition["status"] == "True"
-    assert field in condition["message"]
-    assert _status(cluster, name)["phase"] == "Invalid"
-    assert wait_for("InvalidSpec event", lambda: cluster.events("InvalidSpec"))
-    assert cluster.pods(name) == []
-    assert cluster.etcd_kinds(name) == set()
+    assert wait_for("Suspended event", lambda: cluster.events("Suspended"))
+
+    cluster.patch(constants.PLURAL, "paused", {"spec": {"suspend": False}})
+    wait_for("workers again", lambda: len(cluster.pods("paused")) == 3)
+    assert _uids(cluster, "paused").isdisjoint(old_pods)
+    resumed = wait_for("a fresh run", lambda: (s := _status(cluster, "paused")).get("resumes") == 1 and s)
+    assert resumed["runId"] == running["runId"] + "-r1"
+    env = {e["name"]: e.get("value") for e in cluster.pods("paused")[0]["spec"]["containers"][0]["env"]}
+    assert env["PET_RDZV_ID"] == resumed["runId"]  # a clean rendezvous, also on an external etcd
+    assert env["TORCHSPOT_CHECKPOINT_URI"] == "az://checkpoints/cifar"  # the trainer resumes from its checkpoint
+    assert cluster.etcd_kinds("paused") == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert resumed["phase"] == "Pending"
+
+
+def test_a_job_created_suspended_is_admitted_by_flipping_suspend(cluster: Cluster) -> None:
+    """Kueue's admission: the job is created suspended, nothing runs, then Kueue sets suspend to false."""
+    cluster.create(good_job("queued", suspend=True))
+    _phase(cluster, "queued", "Suspended")  # written by the reconcile that decided to create nothing
+    assert cluster.pods("queued") == []
+    assert cluster.etcd_kinds("queued") == set()
+    cluster.patch(constants.PLURAL, "queued", {"spec": {"suspend": False}})
+    wait_for("workers after admission", lambda: len(cluster.pods("queued")) == 3)
+    assert cluster.etcd_kinds("queued") == {"Deployment", "Service", "PodDisruptionBudget"}
+
+
+def test_ttl_deletes_a_finished_job(cluster: Cluster) -> None:
+    cluster.add_node("spot-1")
+    cluster.create(good_job("short", minReplicas=1, maxReplicas=1, ttlSecondsAfterFinished=1))
+    (name,) = _start(cluster, "short", ["spot-1"])
+    cluster.exit(name, 0)
+    _phase(cluster, "short", "Succeeded")
+    gone = wait_for("the job deleted", lambda: cluster.api.run(
+        cluster.kube.get(constants.API_VERSION, constants.PLURAL, NS, "short")) is None or None)  # fmt: skip
+    del gone
+
+
+def test_active_deadline_fails_the_job(cluster: Cluster) -> None:
+    cluster.add_node("spot-1")
+    cluster.create(good_job("bounded", activeDeadlineSeconds=1))
+    _start(cluster, "bounded", ["spot-1", "spot-1", "spot-1"])
+    failed = _phase(cluster, "bounded", "Failed")
+    assert next(c for c in failed["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
+    wait_for("workers deleted", lambda: cluster.pods("bounded") == [])
+    wait_for("etcd deleted", lambda: not cluster.etcd_kinds("bounded"))
+
+
+def test_a_same_named_object_the_job_does_not_own_is_left_alone(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's own Service named `<job>-etcd`: not taken for the job's, not deleted; the status says the
+    name is taken and no worker is made (it would reach that Service); once it is gone, the job runs."""
+    monkeypatch.setattr(constants, "NAME_RETRY_SECONDS", 1)
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "clash-etcd", "namespace": NS},
+              "spec": {"ports": [{"port": 80}]}}  # fmt: skip
+    cluster.create(theirs)
+    cluster.create(good_job("clash"))
+    taken = wait_for("ReplicaFailure", lambda: _condition(cluster, "clash", "ReplicaFailure"))
+    assert taken["reason"] == "NameTaken"
+    assert "Service default/clash-etcd exists and is not owned by this job" in taken["message"]
+    assert wait_for("NameTaken event", lambda: cluster.events("NameTaken"))
+    assert cluster.pods("clash") == []
+    assert _status(cluster, "clash")["phase"] == "Pending"
+
+    cluster.patch(constants.PLURAL, "clash", {"spec": {"suspend": True}})  # the job's own etcd objects go ...
+    wait_for("the job's Deployment deleted", lambda: "Deployment" not in cluster.etcd_kinds("clash"))
+    service = cluster.etcd("clash")["Service"]  # ... the user's Service stays
+    assert "ownerReferences" not in service["metadata"]
+
+    cluster.delete("v1", "Service", "clash-etcd")
+    cluster.patch(constants.PLURAL, "clash", {"spec": {"suspend": False}})
+    wait_for("workers once the name is free", lambda: len(cluster.pods("clash")) == 3, timeout=RECONCILE_INTERVAL + 20)
+    owned = cluster.etcd("clash")["Service"]["metadata"]["ownerReferences"][0]
+    assert owned["uid"] == cluster.job("clash")["metadata"]["uid"]
+    wait_for(
+        "ReplicaFailure cleared",
+        lambda: (c := _condition(cluster, "clash", "ReplicaFailure")) and c["status"] == "False",
+    )
+
+
+def test_a_recreated_job_never_counts_its_predecessors_pods(cluster: Cluster) -> None:
+    """Deleted and re-created under the same name while the old pods are still there (their garbage
+    collection takes a while on a cluster; the emulator has none): the new job owns only its own."""
+    cluster.add_node("spot-1")
+    cluster.create(good_job("again"))
+    old_names = _start(cluster, "again", ["spot-1", "spot-1", "spot-1"])
+    _phase(cluster, "again", "Running")
+    old_uid = cluster.job("again")["metadata"]["uid"]
+    cluster.delete(constants.API_VERSION, constants.PLURAL, "again")
+    wait_for("the old job gone", lambda: cluster.api.run(
+        cluster.kube.get(constants.API_VERSION, constants.PLURAL, NS, "again")) is None or None)  # fmt: skip
+    for kind in ("Deployment", "Service", "PodDisruptionBudget"):  # the garbage collector's part
+        cluster.delete(
+            {"Deployment": "apps/v1", "Service": "v1", "PodDisruptionBudget": "policy/v1"}[kind], kind, "again-etcd"
+        )
+
+    cluster.create(good_job("again", cleanPodPolicy="All"))
+    new_uid = wait_for("the new job", lambda: (u := cluster.job("again")["metadata"]["uid"]) != old_uid and u)
+    wait_for("its own three workers", lambda: len(cluster.pods("again")) == 6)
+    mine = [p for p in cluster.pods("again") if p["metadata"]["ownerReferences"][0]["uid"] == new_uid]
+    assert sorted(p["metadata"]["name"] for p in mine) == ["again-worker-3", "again-worker-4", "again-worker-5"]
+    status_now = _phase(cluster, "again", "Pending")
+    assert status_now["replicas"]["ready"] == 0  # the old, Ready pods are not its workers
+    assert [e["message"] for e in cluster.events("NameTaken")] == []
+
+    cluster.run_pod("again-worker-3", "spot-1")
+    cluster.exit("again-worker-3", 0)
+    _phase(cluster, "again", "Succeeded")
+    wait_for("its own pods cleaned up", lambda: sorted(cluster.names("again")) == sorted(old_names))
+
+
+def test_an_edit_of_the_rendezvous_image_updates_the_etcd_in_place(cluster: Cluster) -> None:
+    cluster.create(good_job("edited"))
+    before = wait_for("the etcd Deployment", lambda: cluster.etcd("edited").get("Deployment"))
+    cluster.patch(constants.PLURAL, "edited", {"spec": {"rendezvous": {"image": "quay.io/coreos/etcd:v3.5.21"}}})
+
+    def image() -> str:
+        found = cluster.etcd("edited").get("Deployment") or {}
+        return str(found.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("image"))
+
+    wait_for("the new image", lambda: image() == "quay.io/coreos/etcd:v3.5.21")
+    after = cluster.etcd("edited")["Deployment"]
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]  # in place, not re-created
+    hash_key = constants.ANNOTATION_SPEC_HASH
+    assert after["metadata"]["annotations"][hash_key] != before["metadata"]["annotations"][hash_key]
+    assert wait_for("Updated event", lambda: cluster.events("Updated"))
+
+
+def test_kubectl_apply_of_a_bad_or_changed_job_is_refused_naming_the_field(api: Cluster) -> None:
+    """The API server (the emulator with the CRD) refuses at once: no operator needed to say why."""
+    with pytest.raises(ApiError) as refused:
+        api.create(with_path("checkpoint.uri", "s3://bucket/run", name="bad-uri"))
+    assert refused.value.status == 422
+    assert "spec.checkpoint.uri: expected az://CONTAINER/PREFIX" in str(refused.value)
+    api.create(good_job("fixed"))
+    with pytest.raises(ApiError) as immutable:
+        api.patch(constants.PLURAL, "fixed", {"spec": {"maxReplicas": 5}})
+    assert immutable.value.status == 422
+    assert "minReplicas and maxReplicas are immutable" in str(immutable.value)
+
+
+def test_a_spec_no_schema_checked_is_reported_once(cluster: Cluster) -> None:
+    """Stored under an older CRD (the emulator without its admission): InvalidSpec, one event, nothing made."""
+    assert cluster.api.emulator is not None
+    cluster.api.emulator.admissions.clear()
+    cluster.create(with_path("minReplicas", "two", name="old-crd"))
+    condition = wait_for("InvalidSpec", lambda: _condition(cluster, "old-crd", "InvalidSpec"))
+    assert condition["status"] == "True"
+    assert "spec.minReplicas: must be an integer" in condition["message"]
+    assert _status(cluster, "old-crd")["phase"] == "Invalid"
+    writes = cluster.requests("PATCH", f"{JOBS}/status")
+    with _settles(cluster):
+        cluster.patch(constants.PLURAL, "old-crd", {"spec": {"replicas": 2}})  # still invalid: reconciled again
+    assert cluster.requests("PATCH", f"{JOBS}/status") == writes  # the same status: not written again
+    assert len(cluster.events("InvalidSpec")) == 1
+    assert cluster.pods("old-crd") == []
+    assert cluster.etcd_kinds("old-crd") == set()
 
 
 def test_operator_restarted_during_a_scale_change_converges(api: Cluster) -> None:
@@ -168,9 +410,16 @@ def test_operator_restarted_during_a_scale_change_converges(api: Cluster) -> Non
         status = wait_for("desired 1", lambda: (s := _status(api, "resumed"))["replicas"]["desired"] == 1 and s)
         assert status["evictions"] == 1
         assert api.etcd_kinds("resumed") == {"Deployment", "Service", "PodDisruptionBudget"}
-        # Converged means stable: a few timer rounds later nothing else changed.
+        api.run_pod(api.names("resumed")[0], "spot-1")
+        _phase(api, "resumed", "Running")
+        # Converged means stable and quiet: two timer rounds later nothing changed, and the operator asked
+        # the API nothing (its ticks re-plan from what the watches told it).
+        wait_for("one ready", lambda: _status(api, "resumed")["replicas"] == {"desired": 1, "ready": 1, "pending": 0})
         names = api.names("resumed")
-        time.sleep(RECONCILE_INTERVAL + 1)  # one timer round: the absence of change has no condition to poll
+        served = _quiet(api)
+        time.sleep(2 * RECONCILE_INTERVAL + 1)  # two timer rounds: the absence of change has no condition to poll
+        assert api.api.emulator is not None
+        assert dict(api.api.emulator.counts) == served
         assert api.names("resumed") == names
         assert _status(api, "resumed")["evictions"] == 1
 
