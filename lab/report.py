@@ -47,6 +47,9 @@ class Report:
     series: list[dict[str, Any]] = field(default_factory=list)
     """(t, step, world size, samples/s) per progress line, for the plot."""
     agent_errors: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    """The job's objects still in the API when the run ended, `Kind name (phase)`: after a success,
+    finished workers only (cleanPodPolicy); never a Pending worker or the managed etcd."""
     paths: dict[str, str] = field(default_factory=dict)
     submitted: float = 0.0
     """When the job was submitted (Unix time): the zero of every `t` here."""
@@ -70,6 +73,7 @@ class Report:
         ]
         if self.agent_errors:
             lines.append(f"node agent errors    {len(self.agent_errors)}: {self.agent_errors[0]}")
+        lines.append(f"left in the cluster  {', '.join(self.left) or 'nothing'}")
         lines += [f"{key:<20} {value}" for key, value in self.paths.items()]
         return "\n".join(lines)
 
@@ -147,6 +151,7 @@ def build_report(
     trainer_events: list[dict[str, Any]],
     checkpoints: list[int],
     agent_errors: list[str],
+    left: list[str] | None = None,
 ) -> Report:
     """The report of one sandbox run (pure); times are seconds since `submitted`."""
     entries = list(timeline)
@@ -202,6 +207,7 @@ def build_report(
             for e in lines
         ],
         agent_errors=agent_errors,
+        left=list(left or []),
         submitted=submitted,
     )
 

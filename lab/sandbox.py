@@ -32,6 +32,7 @@ from torchspot.lab.report import Report, build_report, read_pod_events
 from torchspot.lab.scenario import Scenario
 from torchspot.operator import constants, handlers
 from torchspot.operator.kube import Kube
+from torchspot.operator.reconcile import ETCD_KINDS
 from torchspot.operator.spec import InvalidSpecError, parse_spec
 from torchspot.trainer.checkpoint import committed_steps
 from torchspot.trainer.data import CIFAR_TARBALL, write_synthetic_cifar10
@@ -172,6 +173,7 @@ def run_sandbox(
             timeline.start = time.time()
             timeline.add("submit", f"ElasticJob {name} submitted ({len(scenario.initial_nodes())} nodes)")
             status = _play(api, kube, name, scenario=scenario, agent=agent, timeline=timeline, say=say)
+            left = _left(api, kube, name)
         finally:
             operator.stop()
             handlers.use_endpoint_resolver(None)
@@ -195,6 +197,7 @@ def run_sandbox(
         trainer_events=read_pod_events(workdir / "pods", timeline.start),
         checkpoints=checkpoints,
         agent_errors=agent.errors,
+        left=left,
     )
     report.write(workdir)
     return report
@@ -221,6 +224,13 @@ def _play(
                 agent.evict(event.node, notice=event.notice)
             elif event.action == "freeze":
                 agent.freeze(event.node)
+            elif event.action == "suspend":
+                api.run(
+                    kube.patch(
+                        constants.API_VERSION, constants.PLURAL, NAMESPACE, name, {"spec": {"suspend": event.suspend}}
+                    )
+                )
+                timeline.add("suspend", f"spec.suspend set to {str(event.suspend).lower()}")
             else:
                 agent.add_spot(event.count)
         body = api.run(kube.get(constants.API_VERSION, constants.PLURAL, NAMESPACE, name)) or {}
@@ -236,6 +246,19 @@ def _play(
             timeline.add("timeout", f"stopped after {scenario.timeout:g} s in phase {status.get('phase')}")
             return {**status, "phase": status.get("phase") or "Unknown", "timedOut": True}
         time.sleep(0.5)
+
+
+def _left(api: KubeApi, kube: Kube, name: str) -> list[str]:
+    """The job's worker pods and managed etcd objects still in the API (`Report.left`)."""
+    found = []
+    for pod in api.run(
+        kube.list("v1", "Pod", NAMESPACE, {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_WORKER})
+    ):
+        found.append(f"Pod {pod['metadata']['name']} ({pod.get('status', {}).get('phase', 'Pending')})")
+    for api_version, kind in ETCD_KINDS:
+        if api.run(kube.get(api_version, kind, NAMESPACE, f"{name}-etcd")) is not None:
+            found.append(f"{kind} {name}-etcd")
+    return found
 
 
 def _progress_line(elapsed: float, status: dict[str, Any]) -> str:

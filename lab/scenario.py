@@ -12,6 +12,8 @@ A scenario file (YAML)::
       - {at: 90, evict: spot-2}                  # hard: everything SIGKILLed at once
       - {at: 120, freeze: spot-1}                # SIGSTOP; NotReady after notReadyAfter
       - {at: 130, addSpot: 2}                    # capacity returns: two new spot nodes
+      - {at: 150, suspend: true}                 # the job's spec.suspend is set (as Kueue would)
+      - {at: 170, suspend: false}                # and cleared again: the job resumes
 
 Nodes are named `ondemand-<n>` and `spot-<n>`, numbered from 1 in the order they
 appear (added spot nodes continue the count). `at` counts seconds from the moment
@@ -28,7 +30,7 @@ from typing import Any
 
 import yaml
 
-ACTIONS = ("evict", "freeze", "addSpot")
+ACTIONS = ("evict", "freeze", "addSpot", "suspend")
 DEFAULT_TIMEOUT = 600.0
 
 
@@ -59,6 +61,8 @@ class Event:
     node: str = ""
     notice: bool = False
     count: int = 0
+    suspend: bool = False
+    """For a `suspend` event: the value spec.suspend is set to."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,10 @@ def _event(raw: Any, path: str, problems: list[str]) -> Event | None:
     at = _number(raw.get("at"), f"{path}.at", problems, low=0)
     if action == "addSpot":
         return Event(at, action, count=_count(raw[action], f"{path}.addSpot", problems, low=1, default=1))
+    if action == "suspend":
+        if not isinstance(raw[action], bool):
+            problems.append(f"{path}.suspend: must be true or false, not {raw[action]!r}")
+        return Event(at, action, suspend=raw[action] is True)
     node = raw[action]
     if not isinstance(node, str) or not node:
         problems.append(f"{path}.{action}: must be a node name such as spot-1")
@@ -145,6 +153,8 @@ def _check_nodes(scenario: Scenario, problems: list[str]) -> None:
         if event.action == "addSpot":
             alive |= {f"spot-{spot_count + i}" for i in range(1, event.count + 1)}
             spot_count += event.count
+        elif event.action == "suspend":
+            continue
         elif event.node not in alive:
             known = ", ".join(sorted(alive)) or "none"
             problems.append(f"events[{index}].{event.action}: no node {event.node} at t={event.at:g} (alive: {known})")

@@ -126,6 +126,8 @@ class Controller:
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._versions: dict[str, str] = {}
+        """The resourceVersion of each watched object (by uid) whose event last led to a reconcile."""
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -367,6 +369,23 @@ class Controller:
         self._nodes_of_job.pop((namespace, name), None)
         if memory is not None and memory.body is not None:
             self.progress.forget(str((memory.body.get("status") or {}).get("runId", "")))
+
+    def news(self, obj: Mapping[str, Any], kind: str | None) -> bool:
+        """Whether a watch event brings a version of an object not seen before (a deletion always does).
+
+        A watch that is re-established without a resourceVersion (a relist after the API
+        server compacted the watch's history; the lab's emulator on every reconnect) replays
+        every object as ADDED: without this, each replay reconciled every job at once.
+        """
+        meta = obj.get("metadata", {})
+        uid, version = str(meta.get("uid", "")), str(meta.get("resourceVersion", ""))
+        if kind == "DELETED":
+            self._versions.pop(uid, None)
+            return True
+        if not version or self._versions.get(uid) != version:
+            self._versions[uid] = version
+            return True
+        return False
 
     def pod_deleted(self, namespace: str, job: str, job_uid: str, pod: Mapping[str, Any]) -> None:
         """A worker pod is gone (its watch's DELETED event): if the operator neither deleted nor counted

@@ -231,7 +231,7 @@ async def job_ttl(
 async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
     """A worker pod changed (scheduled, ready, failed, deleted): reconcile the job that owns it now."""
     found = owner(body)
-    if found is None or not namespace:
+    if found is None or not namespace or not controller().news(body, type):
         return
     if type == "DELETED":
         controller().pod_deleted(namespace, found[0], found[1], dict(body))
@@ -244,7 +244,7 @@ async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | N
 async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:
     """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
     found = owner(body)
-    if found is None or not namespace:
+    if found is None or not namespace or not controller().news(body, type):
         return
     if type == "DELETED":
         controller().object_deleted(namespace, found[0], str(body.get("kind", "")), name)

@@ -9,13 +9,20 @@ its own. In one run:
    until the replacement pod exists, measured by polling the API every 20 ms;
 2. scale: 200 ElasticJobs exist when a fresh operator process starts (as after an
    operator restart); the time until every job has its workers and a status, and that
-   operator's peak resident memory (VmHWM).
+   operator's peak resident memory (VmHWM);
+3. quiet: the same 200 jobs, every worker Running and Ready, nothing happening; the
+   requests the operator makes to the API in a window (`--quiet-window`, 330 s: longer
+   than kopf's 300 s watch cycle, so its watches reconnect inside it, and the emulator
+   replays every object then), per job per minute (counted by the emulator itself, so
+   this script's own reads do not count), and the operator's CPU in that window (its
+   timer ticks).
 
 There is no stock operator to run beside it here (the pytorch/elastic controller and
 Kubeflow's are Go programs that need a real API server), so the targets are absolute:
-median replacement <= 1 s, 200 jobs <= 60 s, peak memory <= 400 MB.
+median replacement <= 1 s, 200 jobs <= 60 s, peak memory <= 400 MB, at most 1 request
+per running job per minute when nothing changes.
 
-Usage: python bench/operator/run.py [--trials 10] [--jobs 200]
+Usage: python bench/operator/run.py [--trials 10] [--jobs 200] [--quiet-window 60]
 """
 
 from __future__ import annotations
@@ -84,6 +91,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10, help="replacements measured per kind of loss")
     parser.add_argument("--jobs", type=int, default=200, help="ElasticJobs in the scale test")
+    parser.add_argument(
+        "--quiet-window", type=float, default=330.0,
+        help="seconds the quiet jobs are watched (longer than kopf's 300 s watch cycle, so a reconnect falls in it)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="torchspot-operator-bench-") as tmp, KubeApi(Path(tmp) / "api") as api:
@@ -128,11 +139,14 @@ def main() -> None:
                     results["operator_peak_rss_mb"] = peak_rss_mb(operator.pid)
                     results["operator_cpu_s"] = _cpu(psutil.Process(operator.pid))
                     results["emulator_cpu_s"] = _cpu(psutil.Process()) - emulator_cpu
+                    print(f"[scale] {args.jobs} jobs reconciled after {results['scale_s']:.1f} s", flush=True)
+                    results.update(
+                        _quiet(args, api, run=run, kube=kube, pods=pods, patch=patch, operator_pid=operator.pid)
+                    )
                 finally:
                     operator.terminate()
                     operator.wait(30)
             results["jobs"] = args.jobs
-            print(f"[scale] {args.jobs} jobs reconciled after {results['scale_s']:.1f} s", flush=True)
         run(kube.close())
 
     pod_median = statistics.median(results["pod_loss_s"])
@@ -152,6 +166,13 @@ def main() -> None:
     print(f"  CPU during the scale test: operator {results['operator_cpu_s']:.1f} s, "
           f"emulator and this script {results['emulator_cpu_s']:.1f} s")  # fmt: skip
     print(f"  operator peak memory {results['operator_peak_rss_mb']:.0f} MB (target <= 400 MB)")  # fmt: skip
+    print(
+        f"  {args.jobs} running jobs, nothing changing, {args.quiet_window:.0f} s: {results['quiet_requests']} API "
+        f"requests, {results['quiet_requests_per_job_minute']:.3f} per job per minute (target <= 1); operator CPU "
+        f"{results['quiet_operator_cpu_percent']:.1f}% of a core"
+    )
+    if results["quiet_by_request"]:
+        print(f"    by request: {results['quiet_by_request']}")
     out = RESULTS_DIR / "operator.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -211,6 +232,64 @@ def _latency(
         print(f"[node {trial + 1}/{args.trials}] replacements after {node_loss[-1] * 1000:.0f} ms", flush=True)
     run(kube.delete(constants.API_VERSION, constants.PLURAL, NS, "latency"))
     return {"pod_loss_s": pod_loss, "node_loss_s": node_loss}
+
+
+def _quiet(
+    args: argparse.Namespace,
+    api: KubeApi,
+    *,
+    run: Callable[[Any], Any],
+    kube: Kube,
+    pods: Callable[..., list[dict[str, Any]]],
+    patch: Callable[[str, str | None, str, dict[str, Any]], None],
+    operator_pid: int,
+) -> dict[str, Any]:
+    """Requests and CPU of the operator while every scale job trains and nothing changes."""
+    ready = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    for index in range(2):  # the latency test left one NotReady
+        patch("Node", None, f"spot-{index}", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    shown = [time.perf_counter()]
+
+    def all_running() -> bool:
+        """Start whichever scale pods are not running yet (the kubelet's part), then look at the jobs."""
+        for index, pod in enumerate(pods()):
+            if pod["metadata"]["labels"].get(constants.LABEL_JOB, "").startswith("scale-") and (
+                pod.get("status", {}).get("phase") != "Running"
+            ):
+                patch("Pod", NS, pod["metadata"]["name"], {"spec": {"nodeName": f"spot-{index % 2}"}, "status": ready})
+        jobs = run(kube.list(constants.API_VERSION, constants.PLURAL, NS))
+        phases = [(j.get("status") or {}).get("phase") for j in jobs if j["metadata"]["name"].startswith("scale-")]
+        if time.perf_counter() - shown[0] > 5:
+            shown[0] = time.perf_counter()
+            print(
+                f"  ... {phases.count('Running')}/{args.jobs} jobs Running ({sorted(set(map(str, phases)))})",
+                flush=True,
+            )
+        return len(phases) == args.jobs and all(phase == "Running" for phase in phases)
+
+    wait("every scale job Running", all_running, 300, poll=2.0)
+    assert api.emulator is not None
+    counts = api.emulator.counts
+    last, changed = [dict(counts)], [time.perf_counter()]
+
+    def quiet_for_5_s() -> bool:
+        if dict(counts) != last[0]:
+            last[0], changed[0] = dict(counts), time.perf_counter()
+        return time.perf_counter() - changed[0] >= 5
+
+    wait("the API to go quiet", quiet_for_5_s, 120, poll=0.5)
+    before, cpu = dict(counts), _cpu(psutil.Process(operator_pid))
+    print(f"[quiet] {args.jobs} jobs running; watching the API for {args.quiet_window:.0f} s", flush=True)
+    time.sleep(args.quiet_window)  # the measurement itself: requests made while nothing happens
+    spent = _cpu(psutil.Process(operator_pid)) - cpu
+    delta = {f"{m} {r}": n - before.get((m, r), 0) for (m, r), n in counts.items() if n != before.get((m, r), 0)}
+    total = sum(delta.values())
+    return {
+        "quiet_requests": total,
+        "quiet_requests_per_job_minute": total / args.jobs / (args.quiet_window / 60),
+        "quiet_by_request": delta,
+        "quiet_operator_cpu_percent": 100 * spent / args.quiet_window,
+    }
 
 
 def _all_reconciled(

@@ -1,6 +1,7 @@
 """The sandbox end to end: the real operator, the node agent's pods as real processes
 (torchspot-run, the trainer, a real etcd), Azurite, and a spot market with an eviction
-with notice, a frozen node, capacity returning and a hard eviction."""
+with notice, a frozen node, capacity returning, a hard eviction after which capacity
+never returns, and a suspension of the job and its resumption."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ MARKET = {
         {"at": 25, "evict": "spot-3", "notice": True},
         {"at": 50, "freeze": "spot-2"},
         {"at": 55, "addSpot": 2},
-        {"at": 85, "evict": "spot-1"},
+        {"at": 85, "evict": "spot-1"},  # capacity never comes back: a replacement stays Pending to the end
+        {"at": 95, "suspend": True},
+        {"at": 105, "suspend": False},
     ],
 }
 
@@ -68,7 +71,7 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert report.final_step == STEPS
     # The operator saw and said it: three workers lost (notice, frozen, hard), each replaced.
     assert report.status["evictions"] >= 3, report.summary()
-    assert report.status["applicationFailures"] == 0
+    assert report.status["failures"] == 0
     texts = [e["text"] for e in report.timeline]
     lost = [t for t in texts if t.startswith("Warning Evicted")]
     # With notice the kubelet reports the pod's end (reason Terminated) before the VM goes; the
@@ -88,12 +91,28 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert from_blob <= committed, (resumed, sorted(committed))
     # The eviction with notice lost nothing: its emergency checkpoint is where the next round began.
     emergency = [e for e in events if e["event"] == "emergency_checkpoint"]
-    # Only the evicted node's notice writes one to Blob: the restarts of the nodes that stay
-    # (for the joiners, after the freeze) keep their state in their snapshots instead.
-    assert len(emergency) == 1, emergency
-    assert emergency[0]["ok"]
+    # The evicted node's notice writes one to Blob (the restarts of the nodes that stay keep their
+    # state in their snapshots instead), and so does the suspension, which stops every worker.
+    assert len(emergency) == 2, emergency
+    assert all(e["ok"] for e in emergency)
     assert report.restarts[1]["step"] == emergency[0]["step"]
     assert report.restarts[1]["lost"] == 0
+    # Suspended, the job kept its record; resumed, it started a fresh run from the suspension's
+    # emergency checkpoint in Blob, redoing no step.
+    suspended_at = next(e["t"] for e in report.timeline if e["text"] == "spec.suspend set to true")
+    after = [r for r in report.restarts if r["t"] > suspended_at]
+    assert after, report.summary()
+    assert (after[0]["from"], after[0]["step"], after[0]["lost"]) == ("checkpoint", emergency[1]["step"], 0)
+    assert report.status["resumes"] == 1
+    assert report.status["runId"].endswith("-r1")
+    assert any(t.startswith("Normal Suspended") for t in texts)
+    assert any(t.startswith("Normal Resumed") for t in texts)
+    # Capacity never came back after the hard eviction: the run finished with a replacement still
+    # Pending. The job Succeeded at the first worker's exit: no worker group formed at the final step,
+    # and neither the Pending worker nor the managed etcd is left behind.
+    assert all(r["step"] < STEPS for r in report.restarts), report.restarts
+    assert not [e for e in events if e["event"] == "start" and e["step"] == STEPS]
+    assert not [x for x in report.left if "Pending" in x or "etcd" in x], report.left
     # Blob holds the final checkpoint; the report and its plot were written.
     assert report.checkpoints[-1] == STEPS
     saved = json.loads((tmp_path / "run" / "report.json").read_text())

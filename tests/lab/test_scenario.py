@@ -25,13 +25,16 @@ def test_a_full_scenario_parses_in_time_order() -> None:
             {"at": 30, "evict": "spot-3", "notice": True},
             {"at": 60, "freeze": "spot-2"},
             {"at": 95, "evict": "spot-5"},
+            {"at": 100, "suspend": True},
+            {"at": 110, "suspend": False},
         ],
     })  # fmt: skip
     assert scenario.spot == Pool(nodes=3, gpus=1)
-    assert [e.at for e in scenario.events] == [30, 60, 90, 95]
+    assert [e.at for e in scenario.events] == [30, 60, 90, 95, 100, 110]
     assert scenario.events[0] == Event(30, "evict", node="spot-3", notice=True)
     assert scenario.events[2] == Event(90, "addSpot", count=2)
     assert scenario.events[3].notice is False  # hard unless said otherwise
+    assert [(e.action, e.suspend) for e in scenario.events[4:]] == [("suspend", True), ("suspend", False)]
     assert scenario.initial_nodes() == [("ondemand-1", False), ("spot-1", True), ("spot-2", True), ("spot-3", True)]
     assert (scenario.not_ready_after, scenario.timeout) == (5.0, 200.0)
 
@@ -42,7 +45,7 @@ BAD = [
     ("unknown-pool", {"pools": {"gpu": {}}}, "pools: unknown keys gpu"),
     ("negative-nodes", {"pools": {"spot": {"nodes": -1}}}, "pools.spot.nodes: must be a whole number >= 0"),
     ("no-on-demand", {"pools": {"onDemand": {"nodes": 0}}}, "pools.onDemand.nodes: at least 1"),
-    ("no-action", {"events": [{"at": 3}]}, "events[0]: needs exactly one of evict, freeze, addSpot"),
+    ("no-action", {"events": [{"at": 3}]}, "events[0]: needs exactly one of evict, freeze, addSpot, suspend"),
     ("two-actions", {"events": [{"at": 3, "evict": "spot-1", "freeze": "spot-2"}]}, "needs exactly one"),
     ("bad-time", {"events": [{"at": "soon", "evict": "spot-1"}]}, "events[0].at: must be a number >= 0"),
     ("missing-time", {"events": [{"evict": "spot-1"}]}, "events[0].at: must be a number"),
@@ -51,6 +54,7 @@ BAD = [
         {"events": [{"at": 1, "evict": "spot-1", "notice": "yes"}]},
         "events[0].notice: must be true or false",
     ),
+    ("suspend-not-bool", {"events": [{"at": 1, "suspend": "yes"}]}, "events[0].suspend: must be true or false"),
     ("notice-on-freeze", {"events": [{"at": 1, "freeze": "spot-1", "notice": True}]}, "unknown keys notice for freeze"),
     ("unknown-node", {"events": [{"at": 1, "evict": "spot-9"}]}, "no node spot-9 at t=1"),
     (

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -359,6 +363,44 @@ def test_an_edit_of_the_rendezvous_image_updates_the_etcd_in_place(cluster: Clus
     hash_key = constants.ANNOTATION_SPEC_HASH
     assert after["metadata"]["annotations"][hash_key] != before["metadata"]["annotations"][hash_key]
     assert wait_for("Updated event", lambda: cluster.events("Updated"))
+
+    # A template edit reaches the workers created after it; the running ones stay as they are.
+    wait_for("three workers", lambda: len(cluster.pods("edited")) == 3)
+    old = {p["metadata"]["uid"] for p in cluster.pods("edited")}
+    trainer = cluster.job("edited")["spec"]["template"]["spec"]["containers"][0]
+    cluster.patch(constants.PLURAL, "edited", {"spec": {"template": {"spec": {"containers": [
+        {**trainer, "image": "ghcr.io/torchspot/trainer:0.2.0"}]}}}})  # fmt: skip
+    cluster.patch("pods", "edited-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    new = wait_for("a replacement", lambda: [p for p in cluster.pods("edited") if p["metadata"]["uid"] not in old])
+    assert new[0]["spec"]["containers"][0]["image"] == "ghcr.io/torchspot/trainer:0.2.0"
+    kept = [p for p in cluster.pods("edited") if p["metadata"]["uid"] in old]
+    assert {p["spec"]["containers"][0]["image"] for p in kept} == {"ghcr.io/torchspot/trainer:0.1.0"}
+
+
+def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api: Cluster, tmp_path: Path) -> None:
+    """TORCHSPOT_NODE_HANDLING=off: no node watch, no node read, and a NotReady node's worker stays.
+
+    The operator runs as its own process: kopf registers handlers per process, and a node
+    watch registered by an earlier test's in-process operator would stay.
+    """
+    api.add_node("spot-1")
+    env = {**os.environ, "KUBECONFIG": str(api.api.kubeconfig), constants.NODE_HANDLING_ENV: "off"}
+    with (tmp_path / "operator.log").open("w") as log, subprocess.Popen(
+        [sys.executable, "-m", "torchspot.operator", "--standalone", "--all-namespaces"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    ) as operator:  # fmt: skip
+        try:
+            api.create(good_job("nodeless"))
+            _start(api, "nodeless", ["spot-1", "spot-1", "spot-1"])
+            _phase(api, "nodeless", "Running")
+            api.patch("nodes", "spot-1", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, None)
+            with _settles(api):
+                api.patch("pods", "nodeless-worker-0", {"metadata": {"labels": {"poke": "1"}}})  # reconcile it
+            assert len(api.pods("nodeless")) == 3
+            assert api.requests(resource="v1/nodes") == 2  # this test's own create and patch
+        finally:
+            operator.terminate()
+            operator.wait(30)
 
 
 def test_kubectl_apply_of_a_bad_or_changed_job_is_refused_naming_the_field(api: Cluster) -> None:
