@@ -147,8 +147,9 @@ def _trainer_events(run: Path) -> list[dict[str, Any]]:
         ({"apiVersion": "torchspot.dev/v1", "kind": "ElasticJob", "metadata": {"name": "x"}}, "apiVersion must be"),
         (
             {"apiVersion": "torchspot.dev/v1alpha1", "kind": "ElasticJob", "metadata": {"name": "x"},
-             "spec": {"minReplicas": 2, "maxReplicas": 1, "template": {"spec": {"containers": []}}}},
-            "spec.minReplicas: 2 exceeds spec.maxReplicas 1",
+             "spec": {"minReplicas": 2, "maxReplicas": 1,
+                      "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]}}}},
+            "spec.minReplicas: minReplicas must not exceed maxReplicas",  # the CRD's CEL rule, as kubectl says
         ),
     ],
     ids=["not-a-job", "wrong-version", "bad-spec"],
