@@ -90,7 +90,7 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     from_blob = {r["step"] for r in resumed if r["from"] == "checkpoint"}
     assert from_blob <= committed, (resumed, sorted(committed))
     # The eviction with notice lost nothing: its emergency checkpoint is where the next round began.
-    emergency = [e for e in events if e["event"] == "emergency_checkpoint"]
+    emergency = sorted((e for e in events if e["event"] == "emergency_checkpoint"), key=lambda e: e["t"])
     # The evicted node's notice writes one to Blob (the restarts of the nodes that stay keep their
     # state in their snapshots instead), and so does the suspension, which stops every worker.
     assert len(emergency) == 2, emergency

@@ -147,6 +147,13 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
     assert wait_for("evictions counted", lambda: _status(cluster, "cifar").get("evictions") == 3)
     wait_for("replacements", lambda: len(cluster.pods("cifar")) == 3)
 
+    # A user deletes a worker (`kubectl delete pod`): an eviction, replaced at once, not a failure.
+    victim = cluster.names("cifar")[0]
+    cluster.delete("v1", "Pod", victim)
+    assert wait_for("the deletion counted", lambda: _status(cluster, "cifar").get("evictions") == 4)
+    wait_for("its replacement", lambda: len(cluster.pods("cifar")) == 3)
+    assert _status(cluster, "cifar")["failures"] == 0
+
     # Scale down through spec.replicas (what kubectl scale sets).
     cluster.patch(constants.PLURAL, "cifar", {"spec": {"replicas": 1}})
     wait_for("one worker left", lambda: len(cluster.pods("cifar")) == 1)
