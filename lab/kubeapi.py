@@ -26,7 +26,12 @@ background thread. What kmock leaves out, this adds:
   does not match the object is refused with a 409, as the API server refuses it, so
   a controller's "delete only what I own" guard can be tested;
 - a count of requests by verb and resource (`Emulator.counts`), for the operator
-  benchmark's requests per job.
+  benchmark's requests per job;
+- Pod Security admission at the `restricted` level (`podsecurity.py`) in namespaces
+  labelled `pod-security.kubernetes.io/enforce: restricted`: a pod that breaks it is
+  refused with a 403 naming each rule, as the API server refuses it; a Deployment is
+  stored, and what its ReplicaSet controller would then report (a `ReplicaFailure`
+  condition with the refusal) is written to its status at once.
 
 What it still does not do, the callers must not rely on: label selectors (the operator
 filters again), optimistic concurrency beyond JSON patches' tests, graceful pod
@@ -57,6 +62,7 @@ import kmock._internal.parsing as kmock_parsing
 import yaml
 
 from torchspot.lab.admission import Admission, AdmissionError
+from torchspot.lab.podsecurity import ENFORCE_LABEL, restricted_violations
 from torchspot.operator.builders import merge_patch
 
 T = TypeVar("T")
@@ -165,6 +171,7 @@ class Emulator(kmock.KubernetesEmulator):
         try:
             if resource is not None:
                 self._admit(request)
+                self._pod_security(request)
                 self._check_preconditions(request)
                 self._version(request)
             return await super()._handle(request)
@@ -221,6 +228,33 @@ class Emulator(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(
                 status=422, reason="Invalid", message=str(exc), details={"causes": exc.problems}
             ) from exc
+
+    def _enforced(self, namespace: str | None) -> bool:
+        """Whether a namespace enforces Pod Security's `restricted` level (its label says so)."""
+        for (resource, _, name), obj in self._objects.items():
+            if resource.plural == "namespaces" and name == namespace and not obj.deleted:
+                return bool(obj.raw.get("metadata", {}).get("labels", {}).get(ENFORCE_LABEL) == "restricted")
+        return False
+
+    def _pod_security(self, request: kmock.Request) -> None:
+        """Refuse a pod that breaks `restricted` (403); mark a Deployment whose pods would be refused."""
+        resource = request.resource
+        if request.action != kmock.action.CREATE or resource is None or not isinstance(request.data, dict):
+            return
+        if resource.plural not in ("pods", "deployments") or not self._enforced(request.namespace):
+            return
+        pod = request.data if resource.plural == "pods" else request.data.get("spec", {}).get("template", {})
+        broken = restricted_violations(pod)
+        if not broken:
+            return
+        name = request.data.get("metadata", {}).get("name", "")
+        if resource.plural == "deployments":  # the ReplicaSet's pods are what is refused
+            name = f"{name}-{uuid.uuid4().hex[:10]}"
+        message = f'pods "{name}" is forbidden: violates PodSecurity "restricted:latest": {", ".join(broken)}'
+        if resource.plural == "pods":
+            raise kmock.KubernetesError(status=403, reason="Forbidden", message=message)
+        condition = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": message}
+        request.data["status"] = {"replicas": 0, "conditions": [condition]}
 
     def _version(self, request: kmock.Request) -> None:
         """A patch gets a new resourceVersion with it; one that cannot apply is refused (422)."""

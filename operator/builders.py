@@ -130,6 +130,27 @@ def _place(pod_spec: dict[str, Any], placement: Placement) -> None:
         pod_spec["affinity"] = placement.affinity
 
 
+def restricted_defaults(pod_spec: dict[str, Any]) -> None:
+    """Fill in what Pod Security's `restricted` profile requires and the user left unset.
+
+    A namespace labelled `pod-security.kubernetes.io/enforce: restricted` (what a shared
+    cluster's platform team sets) refuses any pod without these, and a training process
+    needs none of what they forbid: the pod runs as non-root under the runtime's default
+    seccomp profile, and every container (init containers too) without privilege
+    escalation and with no Linux capabilities. A value the user set explicitly is kept,
+    even one the profile forbids (InfiniBand's IPC_LOCK, say): in a namespace that
+    enforces the profile such a pod is refused, and the job's status says why.
+    """
+    pod_security = pod_spec.setdefault("securityContext", {})
+    pod_security.setdefault("runAsNonRoot", True)
+    pod_security.setdefault("seccompProfile", {"type": "RuntimeDefault"})
+    for key in ("initContainers", "containers"):
+        for container in pod_spec.get(key) or []:
+            security = container.setdefault("securityContext", {})
+            security.setdefault("allowPrivilegeEscalation", False)
+            security.setdefault("capabilities", {"drop": ["ALL"]})
+
+
 def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
     """Worker pod n: the user's template, placed on the spot pool, with the launcher's settings."""
     template = copy.deepcopy(spec.template)
@@ -145,7 +166,7 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
         meta["annotations"] = dict(annotations)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["terminationGracePeriodSeconds"] = spec.termination_grace_seconds
-    pod_spec.setdefault("securityContext", {"runAsNonRoot": True})
+    restricted_defaults(pod_spec)
     _place(pod_spec, spec.placement)
     trainer = pod_spec["containers"][0]
     trainer["env"] = [*trainer.get("env", []), *launcher_env(job, spec)]
@@ -167,7 +188,12 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
     """
     url = f"http://{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
     pod_spec: dict[str, Any] = {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "fsGroup": 65532},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [
             {
                 "name": "etcd",
@@ -228,12 +254,27 @@ def etcd_service(job: JobRef) -> dict[str, Any]:
 
 
 def etcd_disruption_budget(job: JobRef) -> dict[str, Any]:
-    """Keeps a node drain (a voluntary disruption) from taking the rendezvous away mid-run."""
+    """A budget that lets a drain evict the managed etcd, one pod at a time.
+
+    A node drain, an AKS node-image upgrade or the cluster autoscaler's scale-down all
+    evict through the Eviction API, which honours budgets: `minAvailable: 1` on a
+    Deployment of one allows zero disruptions, and every drain of the pool the etcd
+    runs on would hang for as long as any job runs. An evicted etcd comes back empty on
+    another node (its data is in memory): training goes on, since workers do not talk
+    to etcd, and the next membership change starts a fresh round
+    (tests/trainer/test_elastic.py runs both an etcd restart and a data loss under a
+    running job). That is far cheaper than a blocked upgrade. `maxUnavailable: 1` says
+    so explicitly, and `AlwaysAllow` lets an etcd that is not ready be evicted too.
+    """
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": job.metadata(job.etcd_name, constants.ROLE_ETCD),
-        "spec": {"minAvailable": 1, "selector": {"matchLabels": job.labels(constants.ROLE_ETCD)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": job.labels(constants.ROLE_ETCD)},
+        },
     }
 
 

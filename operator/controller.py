@@ -193,7 +193,7 @@ class Controller:
             self.progress.forget(str(old.get("runId", job.run_id)))
         events = await self._act(job, decided, memory, now)
         decided.status["conditions"] = status.replica_failure(
-            decided.status["conditions"], list(memory.failures.values()), now
+            decided.status["conditions"], [*memory.failures.values(), *decided.refused], now
         )
         if _changed(old, decided.status):
             await self._write_status(job, memory, decided.status)  # unchanged: no write, no watch event

@@ -87,6 +87,8 @@ class Plan:
     """(type, reason, message): Normal or Warning Kubernetes Events."""
     accounted: list[str] = field(default_factory=list)
     """Uids of the pods this plan counted or deletes: never judged again."""
+    refused: list[CreateFailure] = field(default_factory=list)
+    """Pods the cluster refuses to the job's managed etcd Deployment (see `etcd_refusal`)."""
 
     def acts(self) -> bool:
         """Whether the plan changes anything in the cluster (creates, deletes, updates or counts)."""
@@ -339,15 +341,8 @@ def plan(seen: Observed) -> Plan:
     clocks = _Clocks.read(old, now, spec, suspended=spec.suspend, resumed=was_suspended and not spec.suspend)
     clocks.observe(census.ready, spec.min_replicas)
     backoff = _Backoff.read(old, now)
-    last_failure = old.get("lastFailure")
+    last_failure = _last_failure(census, old, now)
     if census.failures:
-        name, verdict = census.failures[-1]
-        last_failure = {
-            "pod": name,
-            "reason": verdict.reason,
-            "message": verdict.message,
-            "time": status.timestamp(now),
-        }
         backoff.failed(len(census.failures), previous=old.get("lastFailure"), now=now)
 
     outcome = _outcome(seen, census, counts, clocks, last_failure)
@@ -378,8 +373,9 @@ def plan(seen: Observed) -> Plan:
         backoff.keep(min(held, max(0, spec.desired - len(census.active))))
         if census.failures and held:
             result.events.append(("Warning", "BackOff", backoff.describe(now)))
-        phase, conditions = _active_conditions(conditions, seen, census, clocks, blocked=blocked, now=now)
-    conditions = status.replica_failure(conditions, seen.create_failures, now)
+        why = _refusals(seen, result, blocked=blocked)  # also queues the etcd's refusal, if any
+        phase, conditions = _active_conditions(conditions, seen, census, clocks, why=why, now=now)
+    conditions = status.replica_failure(conditions, [*seen.create_failures, *result.refused], now)
     result.status = {
         "phase": phase,
         "selector": job.selector(),
@@ -569,7 +565,13 @@ def _suspended_conditions(conditions: list[dict[str, Any]], census: _Census, now
 
 
 def _active_conditions(
-    conditions: list[dict[str, Any]], seen: Observed, census: _Census, clocks: _Clocks, *, blocked: bool, now: datetime
+    conditions: list[dict[str, Any]],
+    seen: Observed,
+    census: _Census,
+    clocks: _Clocks,
+    *,
+    why: str | None,
+    now: datetime,
 ) -> tuple[str, list[dict[str, Any]]]:
     """Phase and conditions of a job that is neither finished nor suspended."""
     spec, ready = seen.spec, census.ready
@@ -578,7 +580,7 @@ def _active_conditions(
     )
     conditions = status.clear_condition(conditions, status.SUSPENDED, "JobResumed", "spec.suspend is false", now)
     if clocks.reached_min is None:
-        why = "the managed etcd's name is taken (see ReplicaFailure)" if blocked else _pending_summary(census)
+        why = why or _pending_summary(census)
         message = (
             f"{ready} of minReplicas {spec.min_replicas} worker(s) ready: {why}; the job fails if minReplicas is not "
             f"reached within failurePolicy.startupTimeoutSeconds {spec.startup_timeout_seconds} s of {clocks.start}"
@@ -618,6 +620,46 @@ def _active_conditions(
     if below:
         return status.PHASE_BELOW_MIN, conditions
     return (status.PHASE_SCALING if scaling else status.PHASE_RUNNING), conditions
+
+
+def _last_failure(census: _Census, old: Mapping[str, Any], now: datetime) -> Any:
+    """`status.lastFailure`: the newest failure this reconcile judged, or the one recorded before."""
+    if not census.failures:
+        return old.get("lastFailure")
+    name, verdict = census.failures[-1]
+    return {"pod": name, "reason": verdict.reason, "message": verdict.message, "time": status.timestamp(now)}
+
+
+def _refusals(seen: Observed, result: Plan, *, blocked: bool) -> str | None:
+    """Why the job cannot start, if the cluster refuses its objects (the etcd's pods: an Event once)."""
+    refusal = etcd_refusal(seen.etcd, seen.now)
+    if refusal is not None:
+        result.refused.append(refusal)
+        said = status.find(seen.status.get("conditions") or [], status.REPLICA_FAILURE) or {}
+        if refusal.message not in str(said.get("message", "")):  # said once, not at every reconcile
+            result.events.append(("Warning", refusal.reason, refusal.message))
+    if blocked:
+        return "the managed etcd's name is taken (see ReplicaFailure)"
+    if refusal is not None or any(f.reason == status.FAILED_CREATE for f in seen.create_failures):
+        return "the cluster refuses the job's pods (see ReplicaFailure)"
+    return None
+
+
+def etcd_refusal(etcd: Mapping[str, Mapping[str, Any]], now: datetime) -> CreateFailure | None:
+    """The refusal of the managed etcd's pod, as its Deployment reports it, or None.
+
+    The API server admits a Deployment whose pods a namespace's policy forbids (Pod
+    Security, a quota, an admission webhook); its ReplicaSet's pod creates are what is
+    refused, and the Deployment says so in a `ReplicaFailure` condition. Without this
+    the job would wait for a rendezvous that never starts and say nothing.
+    """
+    deployment = etcd.get("Deployment") or {}
+    said = status.find((deployment.get("status") or {}).get("conditions") or [], status.REPLICA_FAILURE)
+    if said is None or said.get("status") != "True":
+        return None
+    name = deployment.get("metadata", {}).get("name", "")
+    message = f"the managed etcd's pods are refused: {said.get('message') or said.get('reason') or 'no reason given'}"
+    return CreateFailure(f"Deployment/{name}/pods", status.FAILED_CREATE, message, now)
 
 
 def _pending_summary(census: _Census) -> str:

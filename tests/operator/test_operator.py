@@ -282,6 +282,35 @@ def test_ttl_deletes_a_finished_job(cluster: Cluster) -> None:
     assert succeeded[0]["involvedObject"]["name"] == "short"
 
 
+def test_in_a_restricted_namespace_jobs_run_and_a_refused_pod_is_reported(cluster: Cluster) -> None:
+    """Pod Security `restricted` enforced (the emulator refuses violating pods with a 403, as the API
+    server does): the operator's pods pass; a template that adds a forbidden capability gets its
+    refusal, with the API's message, in the job's status and Events instead of a silent Pending."""
+    cluster.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted"}}})  # fmt: skip
+    cluster.add_node("spot-1")
+    cluster.create(good_job("plain", minReplicas=1, maxReplicas=1))
+    _start(cluster, "plain", ["spot-1"])
+    _phase(cluster, "plain", "Running")
+    assert _condition(cluster, "plain", "ReplicaFailure") is None
+    deployment = cluster.etcd("plain")["Deployment"]
+    assert "status" not in deployment  # the emulator marks a Deployment whose pods it would refuse
+
+    ipc = with_path("template.spec.containers[0].securityContext", {"capabilities": {"add": ["IPC_LOCK"]}}, "rdma")
+    cluster.create(ipc)
+    refused = wait_for("ReplicaFailure", lambda: _condition(cluster, "rdma", "ReplicaFailure"))
+    assert refused["reason"] == "FailedCreate"
+    said = 'Pod default/rdma-worker-0 was refused: HTTP 403: pods "rdma-worker-0" is forbidden: violates PodSecurity'
+    assert said in refused["message"]
+    assert "capabilities (drop must include ALL, add only NET_BIND_SERVICE)" in refused["message"]
+    waiting = _condition(cluster, "rdma", "WaitingForCapacity")
+    assert waiting is not None
+    assert "the cluster refuses the job's pods" in waiting["message"]
+    events = wait_for("FailedCreate event", lambda: cluster.events("FailedCreate"))
+    assert "violates PodSecurity" in events[0]["message"]
+    assert cluster.pods("rdma") == []
+
+
 def test_active_deadline_fails_the_job(cluster: Cluster) -> None:
     cluster.add_node("spot-1")
     cluster.create(good_job("bounded", activeDeadlineSeconds=1))

@@ -291,6 +291,25 @@ class TestStartAndScale:
         assert _created(plan) == ["cifar-worker-1", "cifar-worker-2", "cifar-worker-3"]
         assert _condition(plan, "ReplicaFailure")["reason"] == "NameTaken"
 
+    def test_an_etcd_whose_pods_are_refused_is_reported_once(self) -> None:
+        """Pod Security (or a quota) refuses the Deployment's pods; its ReplicaFailure reaches the job's status."""
+        etcd = _etcd()
+        message = 'pods "cifar-etcd-x" is forbidden: violates PodSecurity "restricted:latest": seccompProfile'
+        refused = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": message}
+        etcd["Deployment"] = {**etcd["Deployment"], "status": {"conditions": [refused]}}
+        first = _plan([], etcd=etcd)
+        said = _condition(first, "ReplicaFailure")
+        assert said["reason"] == "FailedCreate"
+        assert said["message"] == f"the managed etcd's pods are refused: {message}"
+        assert "the cluster refuses the job's pods" in _condition(first, "WaitingForCapacity")["message"]
+        assert [(kind, reason) for kind, reason, _ in first.events if reason == "FailedCreate"] == [
+            ("Warning", "FailedCreate")
+        ]
+        again = _plan([], etcd=etcd, old=first.status)
+        assert "FailedCreate" not in _reasons(again)  # an Event once, not at every reconcile
+        fixed = _plan([], etcd=_etcd(), old=again.status)
+        assert _condition(fixed, "ReplicaFailure")["status"] == "False"
+
 
 class TestSuccess:
     def test_succeeded_at_once_with_a_pending_replacement_and_a_straggler(self) -> None:
