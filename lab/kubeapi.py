@@ -27,6 +27,11 @@ background thread. What kmock leaves out, this adds:
   a controller's "delete only what I own" guard can be tested;
 - a count of requests by verb and resource (`Emulator.counts`), for the operator
   benchmark's requests per job;
+- HTTPS and credentials, when asked for (`KubeApi(tls=True, tokens=..., client_certs=True)`):
+  a CA of its own (inline in the kubeconfig, as AKS writes it), bearer tokens it accepts
+  (a set the caller may change mid-run, as a rotation does; anything else gets a 401),
+  a TLS handshake that demands a client certificate its CA signed, and a kubeconfig
+  `user` entry of the caller's choosing (a token file, an exec plugin);
 - Pod Security admission at the `restricted` level (`podsecurity.py`) in namespaces
   labelled `pod-security.kubernetes.io/enforce: restricted`: a pod that breaks it is
   refused with a 403 naming each rule, as the API server refuses it; a Deployment is
@@ -42,10 +47,12 @@ kubelet or garbage collector: the lab's node agent plays those).
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import itertools
 import logging
+import ssl
 import threading
 import uuid
 from collections.abc import Coroutine
@@ -54,6 +61,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import aiohttp.test_utils
 import jsonpatch
 import jsonpointer
 import kmock
@@ -63,6 +71,7 @@ import yaml
 
 from torchspot.lab.admission import Admission, AdmissionError
 from torchspot.lab.podsecurity import ENFORCE_LABEL, restricted_violations
+from torchspot.operator import certs
 from torchspot.operator.builders import merge_patch
 
 T = TypeVar("T")
@@ -84,6 +93,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/namespaces": {"kind": "Namespace", "namespaced": False},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"}},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "events.k8s.io/v1/events": {"kind": "Event", "namespaced": True},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {"kind": "CustomResourceDefinition", "namespaced": False},
     "kopf.dev/v1/clusterkopfpeerings": {"kind": "ClusterKopfPeering", "namespaced": False},
@@ -145,6 +155,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        self.tokens: set[str] | None = None
+        """Bearer tokens accepted (None: no authentication, as a plain lab API)."""
         self._versions = itertools.count(1)
         self._serving: set[int] = set()
         self.admissions: dict[str, Admission] = {}
@@ -156,6 +168,11 @@ class Emulator(kmock.KubernetesEmulator):
         # kmock has just logged the request and matches it by identity against its log: a
         # request being served must stay there (watches for minutes), finished ones may go.
         self._serving.add(id(request))
+        if self.tokens is not None:
+            said = request.headers.get("Authorization", "")
+            if not said.startswith("Bearer ") or said.removeprefix("Bearer ") not in self.tokens:
+                self._serving.discard(id(request))
+                raise kmock.KubernetesError(status=401, reason="Unauthorized", message="Unauthorized")
         resource = request.resource
         if resource is not None:
             key = f"{resource.group}/{resource.version}/{resource.plural}".lstrip("/")
@@ -298,10 +315,27 @@ class KubeApi:
     aiohttp client may live next to the server) and returns its result.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        tls: bool = False,
+        client_certs: bool = False,
+        tokens: set[str] | None = None,
+        user: dict[str, Any] | None = None,
+    ) -> None:
+        """`tls`: serve HTTPS with a CA of its own; `client_certs`: demand a client certificate
+        (the kubeconfig carries one, inline); `tokens`: the bearer tokens accepted; `user`: the
+        kubeconfig's user entry (default: the client certificate, if any, else none)."""
         self.folder = folder
         self.kubeconfig = folder / "kubeconfig"
         self.url = ""
+        self.ca: certs.KeyPair | None = certs.authority("torchspot-lab-api-ca") if tls or client_certs else None
+        self.client: certs.KeyPair | None = None
+        if client_certs and self.ca is not None:
+            self.client = certs.issue(self.ca, "torchspot-lab-user", client=True)
+        self._tokens = tokens
+        self._user = user
         self.emulator: Emulator | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kube-api", daemon=True)
@@ -334,22 +368,56 @@ class KubeApi:
         while not self.url:
             await asyncio.sleep(0.01)
 
+    def _server_context(self) -> ssl.SSLContext | None:
+        """The TLS side: a server certificate for 127.0.0.1 from the emulator's CA; client certificates
+        demanded if asked for."""
+        if self.ca is None:
+            return None
+        served = certs.issue(self.ca, "torchspot-lab-api", hosts=["127.0.0.1", "localhost"], server=True)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        files = self.folder / "tls"
+        files.mkdir(exist_ok=True)
+        (files / "server.crt").write_bytes(served.cert)
+        (files / "server.key").write_bytes(served.key)
+        context.load_cert_chain(files / "server.crt", files / "server.key")
+        if self.client is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=self.ca.cert.decode())
+        return context
+
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        async with Emulator() as emulator, kmock.Server(emulator) as server:
+        context = self._server_context()
+
+        class _Served(aiohttp.test_utils.RawTestServer):
+            async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any) -> None:
+                await super().start_server(loop=loop, ssl=context, **kwargs)
+
+        async with Emulator() as emulator, kmock.Server(emulator, server_cls=_Served) as server:
             for key, info in RESOURCES.items():  # kubectl's resource mapper needs each singular name
                 emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **{"singular": info["kind"].lower(), **info})
+            emulator.tokens = self._tokens
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             await self._stop.wait()
 
     def kubeconfig_data(self) -> dict[str, Any]:
-        """A kubeconfig for kubectl and kopf: one cluster, no credentials (the emulator takes none)."""
+        """A kubeconfig for kubectl, kopf and the operator: one cluster (its CA inline, as AKS writes it),
+        the user entry asked for (by default the client certificate, inline, or no credentials)."""
+        cluster: dict[str, Any] = {"server": self.url}
+        if self.ca is not None:
+            cluster["certificate-authority-data"] = base64.b64encode(self.ca.cert).decode()
+        user = self._user
+        if user is None:
+            user = {}
+            if self.client is not None:
+                user["client-certificate-data"] = base64.b64encode(self.client.cert).decode()
+                user["client-key-data"] = base64.b64encode(self.client.key).decode()
         return {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "torchspot-lab", "cluster": {"server": self.url}}],
-            "users": [{"name": "torchspot-lab", "user": {}}],
+            "clusters": [{"name": "torchspot-lab", "cluster": cluster}],
+            "users": [{"name": "torchspot-lab", "user": user}],
             "contexts": [
                 {
                     "name": "torchspot-lab",

@@ -16,6 +16,7 @@ only when node handling is on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from typing import Any, cast
 import kopf
 
 from torchspot.operator import builders, constants, status
+from torchspot.operator import login as credentials
 from torchspot.operator.controller import INDEXES, Controller, Index, owner
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.reconcile import node_trouble
@@ -94,17 +96,27 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
 
 
-@kopf.on.login()
-async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """The service account in a pod, the kubeconfig outside; our API layer uses the same credentials.
+async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
+    """A login (operator/login.py) off the event loop: an exec plugin may take seconds."""
+    try:
+        return await asyncio.to_thread(credentials.login, trust_env=settings.networking.trust_env)
+    except credentials.LoginError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
 
-    kopf logs in again when credentials expire; the controller (and its per-job state)
-    stays, only its API session is renewed.
+
+@kopf.on.login()
+async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The service account in a pod, the kubeconfig outside (exec plugins included: operator/login.py);
+    our API layer uses the same credentials.
+
+    kopf logs in again when credentials expire (a token read from a file: every few
+    minutes, to pick up the rotated one; an exec plugin's: at its expiry) or the API says
+    401; the controller (and its per-job state) stays, only its API session is renewed.
     """
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    info = await _credentials(settings)
     if info is None:
         return None
-    fresh = Kube.from_connection(info)
+    fresh = Kube.from_connection(info, relogin=lambda: _credentials(settings))
     if "controller" in _state:
         await controller().api.renew(fresh)
     else:

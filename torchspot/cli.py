@@ -158,11 +158,10 @@ KUBECONFIG_HINT = "set KUBECONFIG or ~/.kube/config"
 
 def _kube() -> Kube | None:
     """An API session with the kubeconfig's cluster and credentials (as kubectl uses), or None without one."""
-    import kopf  # noqa: PLC0415
-
     from torchspot.operator.kube import Kube  # noqa: PLC0415
+    from torchspot.operator.login import login_with_kubeconfig  # noqa: PLC0415
 
-    info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    info = login_with_kubeconfig(trust_env=True)  # HTTPS_PROXY and NO_PROXY apply, as for kubectl
     return None if info is None else Kube.from_connection(info)
 
 
@@ -171,8 +170,12 @@ def _provider_id(node: str) -> str:
     import asyncio  # noqa: PLC0415
 
     from torchspot.lab.azure import AzureInputError  # noqa: PLC0415
+    from torchspot.operator.login import LoginError  # noqa: PLC0415
 
-    kube = _kube()
+    try:
+        kube = _kube()
+    except LoginError as exc:
+        raise AzureInputError(str(exc)) from exc
     if kube is None:
         raise AzureInputError(f"no kubeconfig to look the node up with ({KUBECONFIG_HINT})")
 
@@ -197,8 +200,13 @@ def _evict_node(args: argparse.Namespace) -> int:
 
     from torchspot.lab.evict import NodeNotFoundError, evict_node  # noqa: PLC0415
     from torchspot.operator.kube import ApiError  # noqa: PLC0415
+    from torchspot.operator.login import LoginError  # noqa: PLC0415
 
-    kube = _kube()
+    try:
+        kube = _kube()
+    except LoginError as exc:
+        print(f"torchspot evict node: error: {exc}", file=sys.stderr)
+        return 2
     if kube is None:
         print(f"torchspot evict node: error: no kubeconfig ({KUBECONFIG_HINT})", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,13 +13,45 @@ from torchspot.cli import main
 from torchspot.lab.cluster import node_object
 from torchspot.lab.kubeapi import KubeApi
 from torchspot.operator.kube import Kube
+from torchspot.operator.login import login_with_kubeconfig
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[KubeApi, Kube]]:
-    with KubeApi(tmp_path / "api") as api:
+def exec_plugin(folder: Path, token: str) -> dict[str, Any]:
+    """A kubeconfig user whose `exec` plugin prints an ExecCredential (as kubelogin does for AKS with Entra ID)."""
+    script = folder / "plugin.py"
+    folder.mkdir(parents=True, exist_ok=True)
+    credential = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+                  "status": {"token": token, "expirationTimestamp": "2099-01-01T00:00:00Z"}}  # fmt: skip
+    script.write_text(
+        "import json, os, sys\n"
+        "info = json.loads(os.environ['KUBERNETES_EXEC_INFO'])\n"
+        "assert info['kind'] == 'ExecCredential', info\n"
+        f"print(json.dumps({credential!r}))\n"
+    )
+    return {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable, "args": [str(script)]}}
+
+
+LOGINS: dict[str, Any] = {
+    "http": {},
+    "https-inline-ca-client-certificate": {"tls": True, "client_certs": True},
+    "https-exec-plugin": {"tls": True, "tokens": {"from-the-plugin"}},
+}
+"""How `torchspot evict` logs in: a plain lab API; HTTPS whose CA and client certificate are inline in
+the kubeconfig (what `az aks get-credentials` writes for local accounts); HTTPS with an exec plugin."""
+
+
+@pytest.fixture(params=list(LOGINS))
+def cluster(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[KubeApi, Kube]]:
+    options = dict(LOGINS[request.param])
+    if options.get("tokens"):
+        options["user"] = exec_plugin(tmp_path / "plugin", "from-the-plugin")
+    with KubeApi(tmp_path / "api", **options) as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-        kube = Kube(server=api.url, headers={}, ssl_context=True)
+        info = login_with_kubeconfig()
+        assert info is not None
+        kube = Kube.from_connection(info)
         for name in ("spot-1", "spot-2"):
             api.run(kube.create(node_object(name, spot=True, gpus=1, cpu=4)))
         pods = [("w-0", "spot-1", None), ("w-1", "spot-1", None), ("w-2", "spot-2", None),
@@ -69,3 +102,13 @@ def test_evicting_an_unknown_node_names_it(cluster: tuple[KubeApi, Kube], capsys
     assert main(["evict", "node", "spot-9"]) == 2
     assert "node 'spot-9' not found" in capsys.readouterr().err
     assert _pods(api, kube) == ["agent-x", "w-0", "w-1", "w-2"]
+
+
+def test_a_failing_exec_plugin_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
+                     "args": ["-c", "raise SystemExit(3)"]}}  # fmt: skip
+    with KubeApi(tmp_path / "api", tls=True, tokens={"t"}, user=user) as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        assert main(["evict", "node", "spot-1"]) == 2
+    assert f"exec plugin {sys.executable!r} exited with 3" in capsys.readouterr().err

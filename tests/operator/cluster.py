@@ -21,9 +21,9 @@ JOBS = f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}"
 class Cluster:
     """The emulated API plus synchronous helpers that play kubelet and user."""
 
-    def __init__(self, api: KubeApi) -> None:
+    def __init__(self, api: KubeApi, kube: Kube | None = None) -> None:
         self.api = api
-        self.kube = Kube(server=api.url, headers={}, ssl_context=True)
+        self.kube = kube or Kube(server=api.url, headers={}, ssl_context=True)
 
     def job(self, name: str) -> dict[str, Any]:
         found = self.api.run(self.kube.get(constants.API_VERSION, constants.PLURAL, NS, name))

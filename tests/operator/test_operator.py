@@ -8,6 +8,7 @@ wait is on a condition read back from the API, with a deadline.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -22,12 +23,15 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
+from tests.lab.test_evict import exec_plugin
 from tests.operator.cluster import JOBS, NS, Cluster, wait_for
-from tests.operator.jobs import good_job, with_path
+from tests.operator.jobs import crd, good_job, with_path
 from torchspot.lab.etcd import EtcdServer, free_port
+from torchspot.lab.kubeapi import KubeApi
 from torchspot.operator import constants
 from torchspot.operator.handlers import RECONCILE_INTERVAL
-from torchspot.operator.kube import ApiError
+from torchspot.operator.kube import ApiError, Kube
+from torchspot.operator.login import login_with_kubeconfig
 from torchspot.trainer.rendezvous import status
 
 OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
@@ -309,6 +313,37 @@ def test_in_a_restricted_namespace_jobs_run_and_a_refused_pod_is_reported(cluste
     events = wait_for("FailedCreate event", lambda: cluster.events("FailedCreate"))
     assert "violates PodSecurity" in events[0]["message"]
     assert cluster.pods("rdma") == []
+
+
+@pytest.mark.parametrize("login", ["token-file-rotated", "exec-plugin"])
+def test_the_operator_logs_in_over_https_as_users_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, login: str
+) -> None:
+    """An HTTPS API whose CA is inline in the kubeconfig; a token file the kubelet rewrites mid-run (the
+    old token revoked: the operator's next request gets a 401, logs in again, reads the new one), or an
+    exec plugin's credential (kubelogin's way)."""
+    token = tmp_path / "token"
+    token.write_text("first")
+    user = {"tokenFile": str(token)} if login == "token-file-rotated" else exec_plugin(tmp_path, "first")
+    with KubeApi(tmp_path / "api", tls=True, tokens={"first"}, user=user) as server:
+        monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig))
+        info = login_with_kubeconfig()
+        assert info is not None
+        cluster = Cluster(server, Kube.from_connection(info, relogin=lambda: asyncio.to_thread(login_with_kubeconfig)))
+        cluster.create(crd())
+        with operator_running():
+            cluster.add_node("spot-1")
+            cluster.create(good_job("before", minReplicas=1, maxReplicas=1))
+            _start(cluster, "before", ["spot-1"])
+            _phase(cluster, "before", "Running")
+            if login == "token-file-rotated":
+                token.write_text("second")
+                assert server.emulator is not None
+                server.emulator.tokens = {"second"}
+                cluster.create(good_job("after", minReplicas=1, maxReplicas=1))
+                _start(cluster, "after", ["spot-1"])
+                _phase(cluster, "after", "Running")
+        server.run(cluster.kube.close())
 
 
 def test_active_deadline_fails_the_job(cluster: Cluster) -> None:

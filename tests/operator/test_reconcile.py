@@ -13,7 +13,7 @@ import pytest
 from tests.operator.jobs import good_job
 from torchspot.operator import builders, constants, reconcile, status
 from torchspot.operator.builders import JobRef
-from torchspot.operator.kube import collection, delete_options
+from torchspot.operator.kube import delete_options
 from torchspot.operator.spec import JobSpec, parse_spec
 from torchspot.operator.status import CreateFailure
 
@@ -606,24 +606,3 @@ def test_deletes_carry_the_uid_precondition() -> None:
         "kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background", "preconditions": {"uid": "u-1"},
     }  # fmt: skip
     assert "preconditions" not in delete_options(0, None)
-
-
-@pytest.mark.parametrize(
-    ("api_version", "kind", "namespace", "want"),
-    [
-        ("v1", "Pod", "ml", "/api/v1/namespaces/ml/pods"),
-        ("v1", "Node", None, "/api/v1/nodes"),
-        ("v1", "Secret", "ml", "/api/v1/namespaces/ml/secrets"),
-        ("apps/v1", "Deployment", "ml", "/apis/apps/v1/namespaces/ml/deployments"),
-        ("policy/v1", "PodDisruptionBudget", "ml", "/apis/policy/v1/namespaces/ml/poddisruptionbudgets"),
-        ("apiextensions.k8s.io/v1", "CustomResourceDefinition", None,
-         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"),
-        (constants.API_VERSION, constants.KIND, "ml",
-         f"/apis/{constants.API_VERSION}/namespaces/ml/{constants.PLURAL}"),
-        ("v1", "nodes", None, "/api/v1/nodes"),  # a plural passes unchanged
-    ],
-)  # fmt: skip
-def test_collection_paths_of_every_kind_the_project_touches(
-    api_version: str, kind: str, namespace: str | None, want: str
-) -> None:
-    assert collection(api_version, kind, namespace) == want

@@ -1,0 +1,113 @@
+"""X.509 certificates made here: a per-job CA and the certificates it signs. No I/O.
+
+Used for each job's managed etcd (mutual TLS: the etcd serves and trusts only its job's
+CA, so only holders of a certificate the job's CA signed reach the rendezvous) and by
+the lab's HTTPS API emulator. ECDSA P-256 keys: small and quick to make (a job's whole
+set takes milliseconds), accepted by etcd, Go's TLS and Python's `ssl`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID_DAYS: Final = 3650
+"""A job's certificates live as long as the job: they are never renewed, so they must not expire
+under a long run; the Secret holding them goes with the job."""
+BACKDATE: Final = timedelta(minutes=5)
+"""Certificates are valid from a little before now: clocks across nodes are not exact."""
+
+
+_SIGNING_ONLY: Final = x509.KeyUsage(
+    digital_signature=True,
+    key_cert_sign=True,
+    crl_sign=True,
+    content_commitment=False,
+    key_encipherment=False,
+    data_encipherment=False,
+    key_agreement=False,
+    encipher_only=False,
+    decipher_only=False,
+)
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A certificate and its private key, PEM-encoded."""
+
+    cert: bytes
+    key: bytes
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    encoding, form = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    return key.private_bytes(encoding, form, serialization.NoEncryption())
+
+
+def _builder(subject: str, issuer: x509.Name, public: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
+    now = datetime.now(UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(issuer)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + timedelta(days=VALID_DAYS))
+    )
+
+
+def authority(name: str) -> KeyPair:
+    """A self-signed CA that may sign leaf certificates only."""
+    key = _key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert = (
+        _builder(name, subject, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_SIGNING_ONLY, critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+def issue(ca: KeyPair, name: str, *, hosts: Sequence[str] = (), server: bool = False, client: bool = False) -> KeyPair:
+    """A leaf certificate signed by `ca` for `name`: a server's for `hosts` (DNS names or IP
+    addresses), a client's, or both."""
+    ca_cert = x509.load_pem_x509_certificate(ca.cert)
+    if ca_cert.subject == x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]):
+        raise ValueError(f"{name!r} is the CA's own name: TLS would take the certificate for a self-signed one")
+    ca_key = serialization.load_pem_private_key(ca.key, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TypeError("the CA's key is not an EC key made by authority()")
+    key = _key()
+    wanted = {ExtendedKeyUsageOID.SERVER_AUTH: server, ExtendedKeyUsageOID.CLIENT_AUTH: client}
+    usages = [usage for usage, yes in wanted.items() if yes]
+    builder = (
+        _builder(name, ca_cert.subject, key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+    )
+    if hosts:
+        names: list[x509.GeneralName] = []
+        for host in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
