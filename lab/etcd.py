@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from torchspot.lab.service import LocalService
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+from torchspot.operator.certs import CA_FILE, SERVER_CERT_FILE, SERVER_KEY_FILE, EtcdCertificates, secret_files
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
 
 def etcd_binary() -> str:
@@ -50,9 +51,18 @@ class EtcdServer(LocalService):
     :param log_path: file that receives etcd's own log (default: inside data_dir's parent).
     """
 
-    def __init__(self, data_dir: Path, *, enable_v2: bool = False, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        enable_v2: bool = False,
+        log_path: Path | None = None,
+        tls: EtcdCertificates | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.enable_v2 = enable_v2
+        self.tls = tls
+        """With certificates: HTTPS, and only clients with a certificate from their CA (`--client-cert-auth`)."""
         self.port = free_port()
         self.peer_port = free_port()
         self.log_path = log_path or data_dir.with_suffix(".log")
@@ -64,7 +74,7 @@ class EtcdServer(LocalService):
 
     def start(self, timeout: float = 20.0) -> None:
         """Start etcd and wait until it answers."""
-        client_url = f"http://127.0.0.1:{self.port}"
+        client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             etcd_binary(),
@@ -79,10 +89,14 @@ class EtcdServer(LocalService):
         ]  # fmt: skip
         if self.enable_v2:
             cmd.append("--enable-v2")
+        if self.tls is not None:
+            files = self.tls_files()
+            cmd += ["--client-cert-auth", f"--trusted-ca-file={files[CA_FILE]}",
+                    f"--cert-file={files[SERVER_CERT_FILE]}", f"--key-file={files[SERVER_KEY_FILE]}"]  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        client = EtcdClient("127.0.0.1", self.port, request_timeout=1.0)
+        client = EtcdClient("127.0.0.1", self.port, request_timeout=1.0, tls=self.client_tls())
         try:
             client.wait_reachable(timeout)
         except EtcdError:
@@ -102,5 +116,25 @@ class EtcdServer(LocalService):
         self.start()
 
     def client(self) -> EtcdClient:
-        """A client for this server (the caller closes it)."""
-        return EtcdClient("127.0.0.1", self.port, request_timeout=5.0)
+        """A client for this server, with its client certificate if it demands one (the caller closes it)."""
+        return EtcdClient("127.0.0.1", self.port, request_timeout=5.0, tls=self.client_tls())
+
+    def client_tls(self) -> EtcdTls | None:
+        """The TLS a client of this server needs (None: plain)."""
+        if self.tls is None:
+            return None
+        return EtcdTls(self.tls.ca, self.tls.client.cert, self.tls.client.key)
+
+    def tls_files(self) -> dict[str, Path]:
+        """The certificates as files, named as in the job's Secret (`ca.crt`, `tls.crt`, `tls.key`,
+        `client.crt`, `client.key`), for etcd and for `--rdzv-conf cacert=,cert=,key=`."""
+        if self.tls is None:
+            return {}
+        folder = self.data_dir.parent / f"{self.data_dir.name}-tls"
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {}
+        for name, data in secret_files(self.tls).items():
+            path = files[name] = folder / name
+            path.write_bytes(data)
+            path.chmod(0o600)
+        return files

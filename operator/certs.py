@@ -9,7 +9,7 @@ set takes milliseconds), accepted by etcd, Go's TLS and Python's `ssl`.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
@@ -111,3 +111,56 @@ def issue(ca: KeyPair, name: str, *, hosts: Sequence[str] = (), server: bool = F
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+@dataclass(frozen=True)
+class EtcdCertificates:
+    """What a job's managed etcd and its clients need: the CA's certificate (its key is discarded once
+    it signed these two, so nothing can mint more), the server's pair and one client pair."""
+
+    ca: bytes
+    server: KeyPair
+    client: KeyPair
+
+
+def etcd_certificates(service: str, namespace: str) -> EtcdCertificates:
+    """A fresh CA for one job's etcd, a server certificate for its Service's names (and loopback, where
+    the lab reaches it), and the client certificate its workers and the operator present."""
+    ca = authority(f"{namespace}/{service} etcd CA")
+    names = [
+        service,
+        f"{service}.{namespace}",
+        f"{service}.{namespace}.svc",
+        f"{service}.{namespace}.svc.cluster.local",
+    ]
+    server = issue(ca, f"{service}.{namespace}.svc", hosts=[*names, "localhost", "127.0.0.1"], server=True)
+    client = issue(ca, f"{namespace}/{service} client", client=True)
+    return EtcdCertificates(ca.cert, server, client)
+
+
+CA_FILE: Final = "ca.crt"
+SERVER_CERT_FILE: Final = "tls.crt"
+SERVER_KEY_FILE: Final = "tls.key"
+CLIENT_CERT_FILE: Final = "client.crt"
+CLIENT_KEY_FILE: Final = "client.key"
+SERVER_FILES: Final = (CA_FILE, SERVER_CERT_FILE, SERVER_KEY_FILE)
+"""What the etcd pod mounts of the job's Secret."""
+CLIENT_FILES: Final = (CA_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE)
+"""What a worker pod mounts of it (never the server's key)."""
+
+
+def secret_files(bundle: EtcdCertificates) -> dict[str, bytes]:
+    """The job's Secret's data, by file name."""
+    return {
+        CA_FILE: bundle.ca,
+        SERVER_CERT_FILE: bundle.server.cert,
+        SERVER_KEY_FILE: bundle.server.key,
+        CLIENT_CERT_FILE: bundle.client.cert,
+        CLIENT_KEY_FILE: bundle.client.key,
+    }
+
+
+def from_secret_files(files: Mapping[str, bytes]) -> EtcdCertificates:
+    """The bundle back from a Secret's (decoded) data; KeyError names a missing file."""
+    server = KeyPair(files[SERVER_CERT_FILE], files[SERVER_KEY_FILE])
+    return EtcdCertificates(files[CA_FILE], server, KeyPair(files[CLIENT_CERT_FILE], files[CLIENT_KEY_FILE]))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchspot.trainer.rendezvous import status
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot.trainer.rendezvous.settings import parse_endpoint
 
 log = logging.getLogger(__name__)
@@ -35,27 +35,32 @@ class ProgressReader:
         self._cache: dict[str, dict[str, Any]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
 
-    def latest(self, endpoint: str, run_id: str) -> dict[str, Any]:
-        """The records seen so far for a run (maybe none yet), and a refresh started if none runs."""
+    def latest(self, endpoint: str, run_id: str, tls: EtcdTls | None = None) -> dict[str, Any]:
+        """The records seen so far for a run (maybe none yet), and a refresh started if none runs.
+
+        `tls`: the job's client certificate, for its managed etcd (mutual TLS)."""
         task = self._refreshing.get(run_id)
         if task is None or task.done():
-            self._refreshing[run_id] = asyncio.get_running_loop().create_task(self._refresh(endpoint, run_id))
+            refresh = self._refresh(endpoint, run_id, tls)
+            self._refreshing[run_id] = asyncio.get_running_loop().create_task(refresh)
         return dict(self._cache.get(run_id, {}))
 
-    async def _refresh(self, endpoint: str, run_id: str) -> None:
+    async def _refresh(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> None:
         try:
-            found = await asyncio.wait_for(asyncio.to_thread(self._read, endpoint, run_id), status.STATUS_TIMEOUT * 2)
+            read = asyncio.to_thread(self._read, endpoint, run_id, tls)
+            found = await asyncio.wait_for(read, status.STATUS_TIMEOUT * 2)
         except (EtcdError, TimeoutError, ValueError) as exc:
             log.debug("run %s: no progress from etcd at %s yet (%s)", run_id, endpoint, exc)
             return
         self._cache[run_id] = found
 
-    def _read(self, endpoint: str, run_id: str) -> dict[str, Any]:
+    def _read(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> dict[str, Any]:
         address = self._resolve(endpoint)  # may change (a sandbox maps it once the etcd is up): key by it
         client = self._clients.get(address)
         if client is None:
             host, port = parse_endpoint(address)
-            client = self._clients[address] = EtcdClient(host, port, request_timeout=status.STATUS_TIMEOUT)
+            timeout = status.STATUS_TIMEOUT
+            client = self._clients[address] = EtcdClient(host, port, request_timeout=timeout, tls=tls)
         return status.read(client, run_id)
 
     def forget(self, run_id: str) -> None:

@@ -26,7 +26,9 @@ from torchspot.lab.local import (
     resumed_step_after,
     wait_for,
 )
+from torchspot.operator.certs import etcd_certificates
 from torchspot.trainer.rendezvous import status
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
 pytestmark = pytest.mark.slow
 
@@ -257,6 +259,52 @@ def test_etcd_that_lost_its_data_starts_a_fresh_round_on_next_change(
     _await_world(job, 2, fault, RECOVER)
     assert _finish(started[:2]) == [0, 0]
     assert _done(job)["step"] == job.steps
+
+
+def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
+    tmp_path: Path, run_id: str, nodes: NodeFactory
+) -> None:
+    """The operator's managed etcd: its own CA, `--client-cert-auth`. With the job's certificate the
+    launcher forms a group, reports progress and recovers as over plain gRPC; without it, or with a
+    certificate another job's CA signed, a client is refused (the rendezvous state it would read is
+    unpickled by torch: reading or writing it must take the job's credentials)."""
+    bundle = etcd_certificates("tls-etcd", "default")
+    server = EtcdServer(tmp_path / "etcd-data", log_path=tmp_path / "etcd.log", tls=bundle)
+    server.start()
+    try:
+        files = server.tls_files()
+        conf = f"cacert={files['ca.crt']},cert={files['client.crt']},key={files['client.key']}"
+        job = _job(tmp_path, server, run_id, nnodes="1:2", steps=300, rdzv_conf=conf)
+        started = nodes(job, 2)
+        _await_world(job, 2, 0, FORM)
+        client = server.client()
+        try:
+            wait_for(lambda: status.read(client, run_id).get("round", {}).get("nodes") == 2, 10, "round report")
+        finally:
+            client.close()
+        fault = time.time()
+        started[1].kill()
+        _await_world(job, 1, fault, RECOVER)
+        assert _finish(started[:1]) == [0]
+
+        other = etcd_certificates("other-etcd", "default")
+        strangers = {
+            "plain gRPC": None,
+            "TLS without a client certificate": EtcdTls(bundle.ca),
+            "another job's certificate": EtcdTls(bundle.ca, other.client.cert, other.client.key),
+        }
+        for why, tls in strangers.items():
+            stranger = EtcdClient("127.0.0.1", server.port, request_timeout=1.0, tls=tls)
+            try:
+                stranger.wait_reachable(2.0)
+            except EtcdError:
+                pass  # refused, as it must be
+            else:
+                pytest.fail(f"the job's etcd admitted a client with {why}")
+            finally:
+                stranger.close()
+    finally:
+        server.stop()
 
 
 def test_unreachable_endpoint_fails_in_bounded_time_naming_it(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,8 @@ _GOOD = ["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "127.0.0.1:2379", "--rd
         (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "", "--rdzv-id", "j"], "--rdzv-endpoint"),
         ([*_GOOD, "--rdzv-conf", "heartbeat=5"], "--rdzv-conf heartbeat: unknown key"),
         ([*_GOOD, "--rdzv-conf", "lease_ttl"], "--rdzv-conf 'lease_ttl'"),
+        ([*_GOOD, "--rdzv-conf", "cert=/c.crt,key=/c.key"], "--rdzv-conf cert and key need cacert"),
+        ([*_GOOD, "--rdzv-conf", "cacert=/ca.crt,cert=/c.crt"], "--rdzv-conf cert and key: give both"),
     ],
 )
 def test_launcher_rejects_bad_flags(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,3 +164,11 @@ def test_sigterm_is_ours_unless_the_user_left_it_out() -> None:
         assert signal.getsignal(signal.SIGTERM) is leave_then_stop
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_unreadable_tls_file_is_named(tmp_path: Path) -> None:
+    from torchspot.trainer.rendezvous.etcd_client import EtcdTls
+
+    with pytest.raises(ValueError, match=f"--rdzv-conf cacert={tmp_path}/absent.crt: cannot be read"):
+        EtcdTls.from_conf({"cacert": str(tmp_path / "absent.crt")})
+    assert EtcdTls.from_conf({}) is None  # no cacert: plain gRPC

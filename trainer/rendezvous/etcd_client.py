@@ -13,8 +13,9 @@ reconnect backoff capped at one second.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -64,6 +65,46 @@ def _translate(exc: Exception, endpoint: str) -> EtcdError:
 _ERRORS = (grpc.RpcError, etcd_exceptions.Etcd3Exception, ValueError)
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd: the CA that signed its server certificate, and this client's certificate and key
+    (PEM bytes; both or neither). The operator's managed etcd demands a client certificate signed by
+    the job's own CA (`--client-cert-auth`), so only the job's pods and the operator reach it."""
+
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    @classmethod
+    def from_files(cls, cacert: str, cert: str = "", key: str = "") -> EtcdTls:
+        """Read the PEM files `--rdzv-conf cacert=,cert=,key=` name; an unreadable one is named."""
+
+        def read(flag: str, path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"--rdzv-conf {flag}={path}: cannot be read: {exc.strerror}") from exc
+
+        ca = read("cacert", cacert)
+        if ca is None:
+            raise ValueError("--rdzv-conf cert and key need cacert (the CA that signed etcd's certificate)")
+        return cls(ca, read("cert", cert), read("key", key))
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, object]) -> EtcdTls | None:
+        """From `--rdzv-conf` keys `cacert`, `cert` and `key` (None without cacert: plain gRPC)."""
+        if not conf.get("cacert"):
+            return None
+        return cls.from_files(str(conf["cacert"]), str(conf.get("cert") or ""), str(conf.get("key") or ""))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+
 class EtcdClient:
     """A small typed client for one etcd endpoint.
 
@@ -71,13 +112,16 @@ class EtcdClient:
     :param port: etcd client port.
     :param request_timeout: seconds each request may take; bounds every call,
         so a hung server cannot hang the agent's monitor loop.
+    :param tls: TLS settings (None: plain gRPC, as a local etcd speaks).
     """
 
-    def __init__(self, host: str, port: int, *, request_timeout: float) -> None:
+    def __init__(self, host: str, port: int, *, request_timeout: float, tls: EtcdTls | None = None) -> None:
         self.endpoint = f"{host}:{port}"
+        secure = tls is not None
+        creds = tls.credentials() if tls is not None else None
         self._client: Any = MultiEndpointEtcd3Client(
             endpoints=[
-                Endpoint(host, port, secure=False, time_retry=0.0, opts=_GRPC_OPTIONS),
+                Endpoint(host, port, secure=secure, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS),
             ],
             timeout=request_timeout,
         )

@@ -73,7 +73,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torchspot.trainer.eviction import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
 from torchspot.trainer.rendezvous import status
 from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot.trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot.trainer.rendezvous.store import EtcdStore
 
@@ -415,7 +415,8 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     Fails within `connect_timeout` seconds, naming the endpoint, if etcd does not answer.
     """
     settings = parse_settings(params.endpoint, params.run_id, params.config)
-    client = EtcdClient(settings.host, settings.port, request_timeout=settings.request_timeout)
+    tls = EtcdTls.from_conf({"cacert": settings.cacert, "cert": settings.cert, "key": settings.key})
+    client = EtcdClient(settings.host, settings.port, request_timeout=settings.request_timeout, tls=tls)
     try:
         client.wait_reachable(settings.connect_timeout)
     except EtcdError as exc:

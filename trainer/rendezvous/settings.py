@@ -58,6 +58,13 @@ class EtcdV3Settings:
     Abandoned runs (every agent killed) clean themselves up after this long."""
     store_poll_interval: float = 0.02
     """Seconds between polls while the key-value store waits for a key."""
+    cacert: str = ""
+    """PEM file of the CA that signed etcd's server certificate: set, the backend speaks TLS
+    (torch's etcd backends use the same key names)."""
+    cert: str = ""
+    """PEM file of this client's certificate, for an etcd that demands one (`--client-cert-auth`)."""
+    key: str = ""
+    """PEM file of that certificate's private key."""
     state_poll_interval: float = 0.25
     """Seconds between reads of the rendezvous state while an agent waits for other nodes,
     and the longest it serves a cached state. torch reads every 1 s, and a round takes
@@ -107,6 +114,8 @@ def _number(key: str, raw: object, kind: type[float] | type[int], minimum: float
     return value
 
 
+_FILES = ("cacert", "cert", "key")
+"""The `--rdzv-conf` keys that name files (TLS), not numbers."""
 _MINIMUMS: dict[str, float] = {
     "connect_timeout": 0.1,
     "request_timeout": 0.1,
@@ -134,17 +143,25 @@ def parse_settings(endpoint: str, run_id: str, conf: Mapping[str, object]) -> Et
         )
     known = {f.name: f for f in fields(EtcdV3Settings)} | dict.fromkeys(_TORCHRUN_INJECTED)
     values: dict[str, float | int] = {}
+    texts: dict[str, str] = {}
     for key, raw in conf.items():
         if key not in known or key in ("host", "port", "run_id"):
-            allowed = ", ".join(sorted(_MINIMUMS))
+            allowed = ", ".join(sorted([*_MINIMUMS, *_FILES]))
             raise ValueError(f"--rdzv-conf {key}: unknown key for etcd-v3 (known: {allowed})")
         if key == "timeout":
+            continue
+        if key in _FILES:
+            texts[key] = str(raw)
             continue
         kind: type[float] | type[int] = int if key in ("keep_alive_max_attempt", "lease_ttl") else float
         values[key] = _number(key, raw, kind, _MINIMUMS[key])
     if "join_timeout" not in values and "timeout" in conf:
         values["join_timeout"] = _number("timeout", conf["timeout"], float, _MINIMUMS["join_timeout"])
-    settings = EtcdV3Settings(host=host, port=port, run_id=run_id, **values)  # type: ignore[arg-type]
+    settings = EtcdV3Settings(host=host, port=port, run_id=run_id, **values, **texts)  # type: ignore[arg-type]
+    if (settings.cert or settings.key) and not settings.cacert:
+        raise ValueError("--rdzv-conf cert and key need cacert (the CA that signed etcd's certificate)")
+    if bool(settings.cert) != bool(settings.key):
+        raise ValueError("--rdzv-conf cert and key: give both (the client certificate and its key) or neither")
     if settings.lease_ttl < 2 * settings.dead_after:
         raise ValueError(
             f"--rdzv-conf lease_ttl={settings.lease_ttl}: must be at least twice "

@@ -18,7 +18,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot.trainer.rendezvous.settings import BACKEND_NAME, KEY_ROOT, parse_endpoint
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ class CheckpointReporter:
         if env.get("PET_RDZV_BACKEND") != BACKEND_NAME or not env.get("PET_RDZV_ENDPOINT") or not run_id:
             return None
         host, port = parse_endpoint(env["PET_RDZV_ENDPOINT"])
-        return cls(EtcdClient(host, port, request_timeout=STATUS_TIMEOUT), run_id)
+        conf = dict(item.split("=", 1) for item in env.get("PET_RDZV_CONF", "").split(",") if "=" in item)
+        tls = EtcdTls.from_conf({key.strip(): value.strip() for key, value in conf.items()})
+        return cls(EtcdClient(host, port, request_timeout=STATUS_TIMEOUT, tls=tls), run_id)
 
     def report(self, step: int, uri: str) -> None:
         """Record a committed checkpoint (in a daemon thread: etcd may be slow or away)."""
