@@ -44,7 +44,7 @@ from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.kubeapi import KubeApi
 from torchspot.lab.local import signal_tree
 from torchspot.lab.scenario import Scenario
-from torchspot.operator import constants
+from torchspot.operator import certs, constants
 from torchspot.operator.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -483,17 +483,26 @@ class NodeAgent:
         )
         image = str(container.get("image", ""))
         if ETCD_IMAGE.search(image):
-            etcd = EtcdServer(folder / "etcd-data", log_path=running.log_path)
+            tls = None
+            if "--client-cert-auth" in (container.get("command") or []):  # its certificates, from its Secret
+                files = self._secret_files(pod["metadata"]["namespace"], spec, whole=True)  # its client pair too
+                if files is None:
+                    return None  # the Secret is not there yet: try again next round
+                tls = certs.from_secret_files(files)
+            etcd = EtcdServer(folder / "etcd-data", log_path=running.log_path, tls=tls)
             etcd.start()
             running.etcd = etcd
             for port in container.get("ports", []):
                 running.ports[int(port["containerPort"])] = etcd.port
             return running
         command = self._command(container, image)
-        env = self._environment(pod, container, node)
-        if env is None:
-            return None  # a Secret or Service it needs is not there yet: try again next round
         mounts = self._mounts(spec, container, folder)
+        secrets = self._secret_mounts(pod["metadata"]["namespace"], spec, container, folder)
+        env = self._environment(pod, container, node)
+        if env is None or secrets is None:
+            return None  # a Secret or Service it needs is not there yet: try again next round
+        mounts.update(secrets)
+        env = {key: ",".join(self._rewrite(part, mounts) for part in value.split(",")) for key, value in env.items()}
         args = [self._rewrite(expand(str(a), env), mounts) for a in command]
         with running.log_path.open("ab") as out:
             running.process = subprocess.Popen(
@@ -539,6 +548,43 @@ class NodeAgent:
                     return None  # its rendezvous Service has no backend yet (DNS would not answer either)
                 env[key] = value.replace(address, self.services.get(address, address))
         return env
+
+    def _secret_files(
+        self, namespace: str, spec: Mapping[str, Any], volume_name: str = "", *, whole: bool = False
+    ) -> dict[str, bytes] | None:
+        """The files of a pod's Secret volume (the named one, or the first), its items only unless
+        `whole`; None if the Secret is missing."""
+        volumes = [v for v in spec.get("volumes", []) if "secret" in v and volume_name in ("", v["name"])]
+        if not volumes:
+            return {}
+        volume = volumes[0]["secret"]
+        secret = self.api.run(self.kube.get("v1", "secrets", namespace, volume["secretName"]))
+        if secret is None:
+            return None
+        data = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+        items = (None if whole else volume.get("items")) or [{"key": k, "path": k} for k in data]
+        return {item["path"]: data[item["key"]] for item in items if item["key"] in data}
+
+    def _secret_mounts(
+        self, namespace: str, spec: Mapping[str, Any], container: Mapping[str, Any], folder: Path
+    ) -> dict[str, Path] | None:
+        """Secret volumes as a kubelet projects them: their files in a folder of the pod (mount path ->
+        folder); None while a Secret is missing."""
+        secret_volumes = {v["name"] for v in spec.get("volumes", []) if "secret" in v}
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] not in secret_volumes:
+                continue
+            files = self._secret_files(namespace, spec, mount["name"])
+            if files is None:
+                return None
+            local = folder / "volumes" / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                (local / name).write_bytes(data)
+                (local / name).chmod(0o600)
+            mounts[mount["mountPath"].rstrip("/")] = local
+        return mounts
 
     @staticmethod
     def _mounts(spec: Mapping[str, Any], container: Mapping[str, Any], folder: Path) -> dict[str, Path]:

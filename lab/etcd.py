@@ -58,8 +58,11 @@ class EtcdServer(LocalService):
         enable_v2: bool = False,
         log_path: Path | None = None,
         tls: EtcdCertificates | None = None,
+        extra_flags: tuple[str, ...] = (),
     ) -> None:
         self.data_dir = data_dir
+        self.extra_flags = extra_flags
+        """More etcd flags (bench/etcd_soak passes the managed etcd's sizing)."""
         self.enable_v2 = enable_v2
         self.tls = tls
         """With certificates: HTTPS, and only clients with a certificate from their CA (`--client-cert-auth`)."""
@@ -89,6 +92,7 @@ class EtcdServer(LocalService):
         ]  # fmt: skip
         if self.enable_v2:
             cmd.append("--enable-v2")
+        cmd += self.extra_flags
         if self.tls is not None:
             files = self.tls_files()
             cmd += ["--client-cert-auth", f"--trusted-ca-file={files[CA_FILE]}",

@@ -8,6 +8,7 @@ one by one.
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from torchspot.operator import constants
+from torchspot.operator import certs, constants
 from torchspot.operator.spec import JobSpec, Placement
 
 
@@ -37,10 +38,21 @@ class JobRef:
         base = f"{self.namespace}-{self.name}-{self.uid[:8]}"
         return f"{base}-r{self.resumes}" if self.resumes else base
 
+    etcd_tls: bool = True
+    """Whether the managed etcd speaks mutual TLS (False only for a job whose etcd was made before
+    the operator did TLS: its running workers hold no certificate; a resume makes it TLS)."""
+    operator: tuple[str, tuple[tuple[str, str], ...]] | None = None
+    """The operator pod's namespace and labels, which the etcd's NetworkPolicy admits (None: unknown)."""
+
     @property
     def etcd_name(self) -> str:
-        """The managed etcd's Deployment, Service and PodDisruptionBudget."""
+        """The managed etcd's Deployment, Service, PodDisruptionBudget and NetworkPolicy."""
         return f"{self.name}-etcd"
+
+    @property
+    def tls_secret(self) -> str:
+        """The Secret with the managed etcd's CA and certificates (see operator/certs.py)."""
+        return f"{self.name}-etcd-tls"
 
     def worker_name(self, index: int) -> str:
         """Worker pod n."""
@@ -92,6 +104,9 @@ def launcher_env(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
     The node's address is the pod IP: pod host names do not resolve in a cluster.
     """
     conf = f"keep_alive_interval={spec.heartbeat_seconds},keep_alive_max_attempt=3"
+    if _managed_tls(job, spec):
+        files = {"cacert": certs.CA_FILE, "cert": certs.CLIENT_CERT_FILE, "key": certs.CLIENT_KEY_FILE}
+        conf += "".join(f",{key}={constants.WORKER_TLS_DIR}/{name}" for key, name in files.items())
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -112,6 +127,16 @@ def launcher_env(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
             {"name": f"{prefix}KEEP_CHECKPOINTS", "value": str(spec.checkpoint_keep)},
         ]
     return env
+
+
+def _managed_tls(job: JobRef, spec: JobSpec) -> bool:
+    """Whether the job's pods reach a managed etcd over mutual TLS."""
+    return job.etcd_tls and not spec.rdzv_endpoint
+
+
+def _secret_volume(job: JobRef, files: tuple[str, ...], mode: int) -> dict[str, Any]:
+    items = [{"key": name, "path": name} for name in files]
+    return {"name": "etcd-tls", "secret": {"secretName": job.tls_secret, "items": items, "defaultMode": mode}}
 
 
 def _place(pod_spec: dict[str, Any], placement: Placement) -> None:
@@ -172,11 +197,27 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
     trainer["env"] = [*trainer.get("env", []), *launcher_env(job, spec)]
     if spec.credentials_secret:
         trainer["envFrom"] = [*trainer.get("envFrom", []), {"secretRef": {"name": spec.credentials_secret}}]
+    if _managed_tls(job, spec):  # the client side only, never the server's key; 0444: the trainer's uid is the user's
+        pod_spec["volumes"] = [*pod_spec.get("volumes", []), _secret_volume(job, certs.CLIENT_FILES, 0o444)]
+        mount = {"name": "etcd-tls", "mountPath": constants.WORKER_TLS_DIR, "readOnly": True}
+        trainer["volumeMounts"] = [*trainer.get("volumeMounts", []), mount]
     if spec.placement.gpu:
         resources = trainer.setdefault("resources", {})
         for kind in ("limits", "requests"):
             resources.setdefault(kind, {})[constants.GPU_RESOURCE] = spec.nproc_per_node
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+ETCD_SIZING: tuple[str, ...] = (
+    "--auto-compaction-mode=periodic",
+    "--auto-compaction-retention=5m",
+    "--snapshot-count=10000",
+    "--quota-backend-bytes=134217728",
+)
+"""The managed etcd's size limits, set by bench/etcd_soak (see bench/README.md): history is
+compacted every 5 minutes (the rendezvous reads only the latest revision), a snapshot every
+10,000 writes bounds the WAL a restart replays, and a 128 MiB backend quota is far above
+what a day of heartbeats needs, under the 256 MiB memory volume the data lives in."""
 
 
 def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
@@ -186,7 +227,31 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
     lease); losing it costs one re-formation, not training progress, so an emptyDir is
     enough and there is no volume to provision or clean up.
     """
-    url = f"http://{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
+    scheme = "https" if job.etcd_tls else "http"
+    url = f"{scheme}://{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
+    command = [
+        "etcd",
+        "--name=etcd",
+        "--data-dir=/var/lib/etcd/data",
+        f"--listen-client-urls={scheme}://0.0.0.0:{constants.ETCD_PORT}",
+        f"--advertise-client-urls={url}",
+        "--listen-peer-urls=http://127.0.0.1:2380",
+        f"--listen-metrics-urls=http://0.0.0.0:{constants.ETCD_HEALTH_PORT}",
+        *ETCD_SIZING,
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "data", "mountPath": "/var/lib/etcd"}]
+    volumes: list[dict[str, Any]] = [{"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}]
+    if job.etcd_tls:
+        tls = constants.ETCD_TLS_DIR
+        command += [
+            "--client-cert-auth",
+            f"--trusted-ca-file={tls}/{certs.CA_FILE}",
+            f"--cert-file={tls}/{certs.SERVER_CERT_FILE}",
+            f"--key-file={tls}/{certs.SERVER_KEY_FILE}",
+        ]
+        mounts.append({"name": "etcd-tls", "mountPath": tls, "readOnly": True})
+        volumes.append(_secret_volume(job, certs.SERVER_FILES, 0o440))  # group: the pod's fsGroup
+    health = {"path": "/health", "port": constants.ETCD_HEALTH_PORT}
     pod_spec: dict[str, Any] = {
         "securityContext": {
             "runAsNonRoot": True,
@@ -198,32 +263,23 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
             {
                 "name": "etcd",
                 "image": spec.etcd_image,
-                "command": [
-                    "etcd",
-                    "--name=etcd",
-                    "--data-dir=/var/lib/etcd/data",
-                    f"--listen-client-urls=http://0.0.0.0:{constants.ETCD_PORT}",
-                    f"--advertise-client-urls={url}",
-                    "--listen-peer-urls=http://127.0.0.1:2380",
-                    "--auto-compaction-retention=1",
+                "command": command,
+                "ports": [
+                    {"name": "client", "containerPort": constants.ETCD_PORT},
+                    {"name": "health", "containerPort": constants.ETCD_HEALTH_PORT},
                 ],
-                "ports": [{"name": "client", "containerPort": constants.ETCD_PORT}],
-                "readinessProbe": {"httpGet": {"path": "/health", "port": constants.ETCD_PORT}, "periodSeconds": 2},
-                "livenessProbe": {
-                    "httpGet": {"path": "/health", "port": constants.ETCD_PORT},
-                    "periodSeconds": 10,
-                    "failureThreshold": 6,
-                },
+                "readinessProbe": {"httpGet": health, "periodSeconds": 2},
+                "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6},
                 "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,
                     "capabilities": {"drop": ["ALL"]},
                 },
-                "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+                "volumeMounts": mounts,
             }
         ],
-        "volumes": [{"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}],
+        "volumes": volumes,
     }
     _place(pod_spec, spec.etcd_placement)
     labels = job.labels(constants.ROLE_ETCD)
@@ -278,6 +334,43 @@ def etcd_disruption_budget(job: JobRef) -> dict[str, Any]:
     }
 
 
+def etcd_network_policy(job: JobRef) -> dict[str, Any]:
+    """Only the job's own worker pods, and the operator, may open a connection to its etcd.
+
+    The etcd's state is what torch's rendezvous unpickles in every agent, and the workers
+    hold the job's Blob credentials: a pod that could write it could run code there. The
+    certificates (mutual TLS) are the lock; this policy keeps everyone else from even
+    reaching the port, where the cluster's network plugin enforces policies (AKS: Azure
+    NPM, Calico or Cilium). The health port is left to the kubelet's probes, which come
+    from the node.
+    """
+    workers: dict[str, Any] = {"podSelector": {"matchLabels": job.labels(constants.ROLE_WORKER)}}
+    sources = [workers]
+    if job.operator is not None:
+        namespace, labels = job.operator
+        sources.append({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "podSelector": {"matchLabels": dict(labels)},
+        })  # fmt: skip
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": job.metadata(job.etcd_name, constants.ROLE_ETCD),
+        "spec": {
+            "podSelector": {"matchLabels": job.labels(constants.ROLE_ETCD)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": sources, "ports": [{"protocol": "TCP", "port": constants.ETCD_PORT}]}],
+        },
+    }
+
+
+def etcd_secret(job: JobRef, bundle: certs.EtcdCertificates) -> dict[str, Any]:
+    """The Secret holding the job's etcd certificates, owned by the job (deleted with it)."""
+    data = {name: base64.b64encode(value).decode() for name, value in certs.secret_files(bundle).items()}
+    meta = job.metadata(job.tls_secret, constants.ROLE_ETCD)
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": data}
+
+
 def spec_hash(obj: Mapping[str, Any]) -> str:
     """A short hash of what the operator built (`constants.ANNOTATION_SPEC_HASH` holds it)."""
     built = {key: value for key, value in obj.items() if key != "metadata"}
@@ -292,7 +385,8 @@ def _hashed(obj: dict[str, Any]) -> dict[str, Any]:
 
 def etcd_objects(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
     """The managed etcd's objects, each carrying the hash of what was built (for updates in place)."""
-    return [_hashed(etcd_deployment(job, spec)), _hashed(etcd_service(job)), _hashed(etcd_disruption_budget(job))]
+    made = [etcd_deployment(job, spec), etcd_service(job), etcd_disruption_budget(job), etcd_network_policy(job)]
+    return [_hashed(obj) for obj in made]
 
 
 def update_patch(actual: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:

@@ -70,6 +70,19 @@ would give up and be counted as application failures (the lab's sandbox showed i
 crash of the training code itself repeats within the pod until this budget is spent,
 then the pod fails and counts against the job's failurePolicy.maxRestarts."""
 ETCD_PORT: Final = 2379
+ETCD_HEALTH_PORT: Final = 2381
+"""The managed etcd's plain-HTTP /health (`--listen-metrics-urls`) for the kubelet's probes: its
+client port demands a client certificate, which probes cannot present. No NetworkPolicy rule
+admits other pods to it."""
+ETCD_TLS_DIR: Final = "/etc/etcd/tls"
+"""Where the managed etcd's pod mounts its server certificate, key and the job's CA."""
+WORKER_TLS_DIR: Final = "/etc/torchspot/etcd"
+"""Where a worker pod mounts the job's CA and client certificate and key."""
+OPERATOR_NAMESPACE_ENV: Final = "TORCHSPOT_OPERATOR_NAMESPACE"
+OPERATOR_LABELS_ENV: Final = "TORCHSPOT_OPERATOR_LABELS"
+"""The operator pod's namespace and labels (JSON), which the chart sets: each job's NetworkPolicy
+admits the operator (its progress reader) to the etcd by them. Unset (an operator run outside the
+cluster, which cannot reach a job's etcd anyway): only the job's workers are admitted."""
 ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
 RDZV_BACKEND: Final = BACKEND_NAME
 TRAINER_ENV_PREFIX: Final = ENV_PREFIX

@@ -31,6 +31,7 @@ costs no request (bench/operator measures it).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -40,13 +41,14 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot.operator import builders, constants, status
+from torchspot.operator import builders, certs, constants, status
 from torchspot.operator.builders import JobRef
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.progress import ProgressReader
 from torchspot.operator.reconcile import ETCD_KINDS, Observed, Plan, plan
 from torchspot.operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 from torchspot.operator.status import CreateFailure
+from torchspot.trainer.rendezvous.etcd_client import EtcdTls
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,12 @@ PODS_INDEX = "worker_pods"
 NAMES_INDEX = "worker_names"
 """(namespace, job name) -> names of the worker pods with that job's label, whoever owns them: the
 names a re-created job must not reuse while its predecessor's pods are still being collected."""
-ETCD_INDEXES = {"Deployment": "etcd_deployments", "Service": "etcd_services", "PodDisruptionBudget": "etcd_budgets"}
+ETCD_INDEXES = {
+    "Deployment": "etcd_deployments",
+    "Service": "etcd_services",
+    "PodDisruptionBudget": "etcd_budgets",
+    "NetworkPolicy": "etcd_policies",
+}
 """The kopf index of each managed etcd kind (handlers.py registers them under these names)."""
 INDEXES = (PODS_INDEX, NAMES_INDEX, *ETCD_INDEXES.values())
 
@@ -93,6 +100,10 @@ class _Memory:
     """Uids an index still holds that a fresh read from the API no longer found (see the module docstring)."""
     seen_at: float = 0.0
     """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
+    tls: EtcdTls | None = None
+    """The job's etcd client certificate (from its Secret), for the progress reader."""
+    tls_read: bool = False
+    """Whether this process looked for the job's Secret yet."""
 
 
 class Controller:
@@ -114,8 +125,11 @@ class Controller:
         resolve: Callable[[str], str] | None = None,
         node_handling: bool = True,
         indexes: Mapping[str, Index] | None = None,
+        operator: tuple[str, tuple[tuple[str, str], ...]] | None = None,
     ) -> None:
         self.api = api
+        self.operator = operator
+        """This operator's pod namespace and labels, which each job's etcd NetworkPolicy admits."""
         self.node_handling = node_handling
         self.now = now
         self.etcd_default = etcd_default
@@ -188,6 +202,9 @@ class Controller:
             if old.get("phase") != status.PHASE_INVALID:  # said once, not at every reconcile
                 _event(body, "Warning", "InvalidSpec", str(exc))
             return None
+        if not spec.rdzv_endpoint and memory.tls is None and not memory.tls_read:
+            memory.tls_read = True  # once per process: a job made earlier has its Secret already
+            await self._tls(job, memory, now, create=False)
         decided = plan(await self._observe(body, spec, memory, now=now))
         if decided.status.get("phase") in status.FINISHED_PHASES:
             self.progress.forget(str(old.get("runId", job.run_id)))
@@ -211,7 +228,7 @@ class Controller:
         meta = body["metadata"]
         namespace, name = str(meta["namespace"]), str(meta["name"])
         old: Mapping[str, Any] = body.get("status") or {}
-        job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
+        job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)), operator=self.operator)
         pods = self._pods(namespace, memory)
         etcd = self._etcd(namespace, memory)
         self._prune(memory, pods, etcd.values())
@@ -228,7 +245,7 @@ class Controller:
         progress = (
             {}
             if finished
-            else self.progress.latest(builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)))
+            else self.progress.latest(builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls)
         )
         return Observed(
             job, spec, old, pods, nodes, etcd, now or self.now(), progress, self.node_handling,
@@ -310,9 +327,15 @@ class Controller:
         memory.vanished.clear()  # the plan counted them
         events: list[tuple[str, str, str]] = []
         etcd_blocked = False
+        if any(_mounts(obj, job.tls_secret) for obj in decided.create):
+            failure = await self._tls(job, memory, now, create=True)
+            if failure is not None:
+                memory.failures[failure.key] = failure
+                events.append(("Warning", failure.reason, failure.message))
+                etcd_blocked = True
         for obj in decided.create:
             kind = obj["kind"]
-            if kind == "Pod" and etcd_blocked:
+            if etcd_blocked and (kind == "Pod" or _mounts(obj, job.tls_secret)):
                 continue  # the job's rendezvous cannot be made: workers would meet somewhere else
             failure = await self._create(job, obj, memory, now)
             if failure is not None:
@@ -331,6 +354,37 @@ class Controller:
             if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
                 del memory.failures[key]
         return events
+
+    async def _tls(self, job: JobRef, memory: _Memory, now: datetime, *, create: bool) -> CreateFailure | None:
+        """Load the job's etcd certificates from its Secret into memory, making them first if `create`
+        and there are none; what went wrong, if the name is someone else's or the API refused."""
+        if memory.tls is not None:
+            return None
+        key = f"Secret/{job.tls_secret}"
+        found = await self.api.get("v1", "Secret", job.namespace, job.tls_secret)
+        if found is None and create:
+            bundle = await asyncio.to_thread(certs.etcd_certificates, job.etcd_name, job.namespace)
+            failure = await self._create(job, builders.etcd_secret(job, bundle), memory, now)
+            if failure is not None:
+                return failure
+            memory.created.pop(key, None)  # not watched: no index to wait for
+            found = builders.etcd_secret(job, bundle)
+        if found is None:
+            return None
+        if (owner(found) or ("", ""))[1] != job.uid:
+            message = (
+                f"Secret {job.namespace}/{job.tls_secret} exists and is not owned by this job; rename or delete it"
+            )
+            return CreateFailure(key, status.NAME_TAKEN, message, now)
+        try:
+            files = {name: base64.b64decode(value) for name, value in (found.get("data") or {}).items()}
+            bundle = certs.from_secret_files(files)
+        except (KeyError, ValueError) as exc:
+            message = f"Secret {job.namespace}/{job.tls_secret} lacks the etcd certificates ({exc}); delete it"
+            return CreateFailure(key, status.FAILED_CREATE, message, now)
+        memory.failures.pop(key, None)
+        memory.tls = EtcdTls(bundle.ca, bundle.client.cert, bundle.client.key)
+        return None
 
     async def _create(self, job: JobRef, obj: dict[str, Any], memory: _Memory, now: datetime) -> CreateFailure | None:
         """Create one object; what went wrong, if the API refused it or the name is someone else's."""
@@ -427,6 +481,13 @@ class Controller:
 def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     """Whether writing `new` (a merge patch of the status) would change the stored status."""
     return any(old.get(key) != value for key, value in new.items())
+
+
+def _mounts(obj: Mapping[str, Any], secret: str) -> bool:
+    """Whether a pod, or a Deployment's pods, mount the named Secret."""
+    spec = obj.get("spec") or {}
+    pod = (spec.get("template") or {}).get("spec") or {} if obj.get("kind") == "Deployment" else spec
+    return any((v.get("secret") or {}).get("secretName") == secret for v in pod.get("volumes") or [])
 
 
 def _event(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:

@@ -17,6 +17,7 @@ only when node handling is on.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ WATCHED_KINDS: dict[tuple[str, str], str] = {
     ("apps", "deployments"): constants.ROLE_ETCD,
     ("v1", "services"): constants.ROLE_ETCD,
     ("policy", "poddisruptionbudgets"): constants.ROLE_ETCD,
+    ("networking.k8s.io", "networkpolicies"): constants.ROLE_ETCD,
 }
 """What the operator watches besides ElasticJobs (and nodes), and the role label the API server filters by."""
 
@@ -78,6 +80,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
             f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}"
         )
     _state["node_handling"] = mode == "proactive"
+    _state["operator"] = _operator_identity()
     if _state["node_handling"] and not _state.get("node_watch"):
         # Registered here, not at import: with node handling off the operator does not watch
         # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
@@ -104,6 +107,23 @@ async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo |
         raise kopf.PermanentError(str(exc)) from exc
 
 
+def _operator_identity() -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """The operator pod's namespace and labels, from the environment the chart sets; a bad value stops it."""
+    namespace = os.environ.get(constants.OPERATOR_NAMESPACE_ENV, "")
+    text = os.environ.get(constants.OPERATOR_LABELS_ENV, "")
+    if not namespace or not text:
+        return None
+    try:
+        labels = json.loads(text)
+    except ValueError as exc:
+        raise kopf.PermanentError(f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: {exc}") from exc
+    if not isinstance(labels, dict) or not labels or not all(isinstance(v, str) for v in labels.values()):
+        raise kopf.PermanentError(
+            f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: expected a JSON object of label strings"
+        )
+    return namespace, tuple(sorted(labels.items()))
+
+
 @kopf.on.login()
 async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo | None:
     """The service account in a pod, the kubeconfig outside (exec plugins included: operator/login.py);
@@ -126,6 +146,7 @@ async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.Connecti
             resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
             node_handling=bool(_state.get("node_handling", True)),
             indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
+            operator=cast(tuple[str, tuple[tuple[str, str], ...]] | None, _state.get("operator")),
         )
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
@@ -250,7 +271,14 @@ async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | N
     await controller().reconcile(namespace, found[0])
 
 
+@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_policies(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd NetworkPolicies by their job's uid."""
+    return _owned(body, namespace)
+
+
 @kopf.on.event("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
 @kopf.on.event("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
 async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:

@@ -48,8 +48,10 @@ ETCD_KINDS: tuple[tuple[str, str], ...] = (
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
 )
-"""The managed etcd's objects, in the order they are made."""
+"""The managed etcd's objects, in the order they are made (its certificates' Secret is made before
+them, by the controller: see `Controller._tls`)."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +339,7 @@ def plan(seen: Observed) -> Plan:
     spec, now = seen.spec, seen.now
     was_suspended = old.get("phase") == status.PHASE_SUSPENDED
     resumes = int(old.get("resumes", 0)) + (1 if was_suspended and not spec.suspend else 0)
-    job = replace(seen.job, resumes=resumes)
+    job = replace(seen.job, resumes=resumes, etcd_tls=_etcd_tls(seen.etcd))
     clocks = _Clocks.read(old, now, spec, suspended=spec.suspend, resumed=was_suspended and not spec.suspend)
     clocks.observe(census.ready, spec.min_replicas)
     backoff = _Backoff.read(old, now)
@@ -620,6 +622,16 @@ def _active_conditions(
     if below:
         return status.PHASE_BELOW_MIN, conditions
     return (status.PHASE_SCALING if scaling else status.PHASE_RUNNING), conditions
+
+
+def _etcd_tls(etcd: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Mutual TLS for the managed etcd, except where an etcd made without it runs (an operator upgrade
+    under a running job): its workers hold no certificate, so it stays as it is until it is made anew."""
+    deployment = etcd.get("Deployment")
+    if deployment is None:
+        return True
+    containers = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [{}]
+    return "--client-cert-auth" in (containers[0].get("command") or [])
 
 
 def _last_failure(census: _Census, old: Mapping[str, Any], now: datetime) -> Any:

@@ -205,7 +205,8 @@ def test_deployment_args_are_flags_of_the_operators_command_line(case: str, tmp_
 
 
 def test_rbac_is_least_privilege(tmp_path: Path) -> None:
-    """No wildcards, no Secrets, nothing cluster-wide but reading; writes only on what the operator makes."""
+    """No wildcards; Secrets only made and read by name (each job's etcd certificates), never listed or
+    watched; nothing cluster-wide but reading; writes only on what the operator makes."""
     docs = template({"watchNamespaces": ["ml-a"]}, tmp_path)
     operator_roles = [
         r for r in find(docs, "ClusterRole") if r["metadata"]["name"] in ("torchspot-cluster", "torchspot-jobs")
@@ -214,7 +215,9 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
     for role in operator_roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
-            assert "secrets" not in rule["resources"]
+            if "secrets" in rule["resources"]:
+                assert rule["resources"] == ["secrets"], rule
+                assert set(rule["verbs"]) == {"get", "create"}, rule
             assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
     cluster = one(docs, "ClusterRole", "torchspot-cluster")
     for rule in cluster["rules"]:  # cluster-wide: reading, and kopf's peering records
@@ -224,8 +227,12 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
             for g in rule["apiGroups"] for res in rule["resources"]}  # fmt: skip
     assert jobs[("", "pods")] == {"get", "list", "watch", "create", "delete"}  # no patch or update of pods
     etcd_verbs = {"get", "list", "watch", "create", "patch", "delete"}
-    for kind in [("", "services"), ("apps", "deployments"), ("policy", "poddisruptionbudgets")]:
+    etcd_kinds = [("", "services"), ("apps", "deployments"), ("policy", "poddisruptionbudgets"),
+                  ("networking.k8s.io", "networkpolicies")]  # fmt: skip
+    for kind in etcd_kinds:
         assert jobs[kind] == etcd_verbs, kind
+    assert jobs[("", "secrets")] == {"get", "create"}
+    assert "secrets" not in str(one(docs, "ClusterRole", "torchspot-cluster")["rules"])
     assert jobs[("torchspot.dev", "elasticjobs")] == {"get", "list", "watch", "patch", "delete"}  # delete: the TTL
     assert jobs[("", "events")] == {"create"}
     assert jobs[("torchspot.dev", "elasticjobs/status")] == {"get", "patch"}
@@ -233,8 +240,15 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
 
 def test_chart_names_the_operators_environment_variable() -> None:
     """The chart cannot import constants.py: this keeps its copy of the name in step."""
-    env = {e["name"] for e in _operator(template())["env"]}
-    assert env == {constants.ETCD_PLACEMENT_ENV, "POD_ID"}  # POD_ID: kopf's name for the replica
+    docs = template()
+    env = {e["name"]: e for e in _operator(docs)["env"]}
+    names = {constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV}
+    assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
+    # The etcd NetworkPolicies admit the operator by these: they must be the operator pod's own.
+    pod = one(docs, "Deployment", "torchspot")["spec"]["template"]
+    labels = json.loads(env[constants.OPERATOR_LABELS_ENV]["value"])
+    assert labels.items() <= pod["metadata"]["labels"].items()
+    assert env[constants.OPERATOR_NAMESPACE_ENV]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
 BAD_VALUES = [

@@ -32,6 +32,7 @@ from torchspot.operator import constants
 from torchspot.operator.handlers import RECONCILE_INTERVAL
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.login import login_with_kubeconfig
+from torchspot.operator.reconcile import ETCD_KINDS
 from torchspot.trainer.rendezvous import status
 
 OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
@@ -117,8 +118,14 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
 
     # Created: managed etcd on the on-demand pool, three workers on the spot pool, waiting for capacity.
     wait_for("three worker pods", lambda: len(cluster.pods("cifar")) == 3)
-    assert cluster.etcd_kinds("cifar") == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert cluster.etcd_kinds("cifar") == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     pod = cluster.pods("cifar")[0]
+    # The etcd's certificates: made once, in a Secret the job owns, mounted by its pods.
+    secret = cluster.api.run(cluster.kube.get("v1", "Secret", NS, "cifar-etcd-tls"))
+    assert secret is not None
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == cluster.job("cifar")["metadata"]["uid"]
+    assert set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key", "client.crt", "client.key"}
+    assert {v["name"]: v["secret"]["secretName"] for v in pod["spec"]["volumes"]} == {"etcd-tls": "cifar-etcd-tls"}
     assert pod["spec"]["nodeSelector"][constants.SPOT_LABEL] == "spot"
     assert pod["metadata"]["ownerReferences"][0]["kind"] == "ElasticJob"
     pending = _phase(cluster, "cifar", "Pending")
@@ -259,7 +266,7 @@ def test_suspend_stops_the_workers_and_etcd_and_resume_starts_a_fresh_run(cluste
     env = {e["name"]: e.get("value") for e in cluster.pods("paused")[0]["spec"]["containers"][0]["env"]}
     assert env["PET_RDZV_ID"] == resumed["runId"]  # a clean rendezvous, also on an external etcd
     assert env["TORCHSPOT_CHECKPOINT_URI"] == "az://checkpoints/cifar"  # the trainer resumes from its checkpoint
-    assert cluster.etcd_kinds("paused") == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert cluster.etcd_kinds("paused") == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
     assert resumed["phase"] == "Pending"
 
 
@@ -271,7 +278,7 @@ def test_a_job_created_suspended_is_admitted_by_flipping_suspend(cluster: Cluste
     assert cluster.etcd_kinds("queued") == set()
     cluster.patch(constants.PLURAL, "queued", {"spec": {"suspend": False}})
     wait_for("workers after admission", lambda: len(cluster.pods("queued")) == 3)
-    assert cluster.etcd_kinds("queued") == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert cluster.etcd_kinds("queued") == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
 
 
 def test_ttl_deletes_a_finished_job(cluster: Cluster) -> None:
@@ -346,9 +353,25 @@ def test_the_operator_logs_in_over_https_as_users_do(
         server.run(cluster.kube.close())
 
 
+def test_a_same_named_secret_blocks_the_etcd_and_is_left_alone(cluster: Cluster) -> None:
+    """A user's Secret named `<job>-etcd-tls`: never read as the job's certificates, never deleted."""
+    theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "taken-etcd-tls", "namespace": NS},
+              "data": {"ca.crt": "eA=="}}  # fmt: skip
+    cluster.create(theirs)
+    cluster.create(good_job("taken"))
+    said = wait_for("ReplicaFailure", lambda: _condition(cluster, "taken", "ReplicaFailure"))
+    assert said["reason"] == "NameTaken"
+    assert "Secret default/taken-etcd-tls exists and is not owned by this job" in said["message"]
+    assert cluster.pods("taken") == []
+    assert "Deployment" not in cluster.etcd_kinds("taken")
+    kept = cluster.api.run(cluster.kube.get("v1", "Secret", NS, "taken-etcd-tls"))
+    assert kept is not None
+    assert kept["data"] == {"ca.crt": "eA=="}
+
+
 def test_active_deadline_fails_the_job(cluster: Cluster) -> None:
     cluster.add_node("spot-1")
-    cluster.create(good_job("bounded", activeDeadlineSeconds=1))
+    cluster.create(good_job("bounded", activeDeadlineSeconds=3))  # timestamps have whole seconds
     _start(cluster, "bounded", ["spot-1", "spot-1", "spot-1"])
     failed = _phase(cluster, "bounded", "Failed")
     assert next(c for c in failed["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
@@ -400,10 +423,9 @@ def test_a_recreated_job_never_counts_its_predecessors_pods(cluster: Cluster) ->
     cluster.delete(constants.API_VERSION, constants.PLURAL, "again")
     wait_for("the old job gone", lambda: cluster.api.run(
         cluster.kube.get(constants.API_VERSION, constants.PLURAL, NS, "again")) is None or None)  # fmt: skip
-    for kind in ("Deployment", "Service", "PodDisruptionBudget"):  # the garbage collector's part
-        cluster.delete(
-            {"Deployment": "apps/v1", "Service": "v1", "PodDisruptionBudget": "policy/v1"}[kind], kind, "again-etcd"
-        )
+    for api_version, kind in ETCD_KINDS:  # the garbage collector's part
+        cluster.delete(api_version, kind, "again-etcd")
+    cluster.delete("v1", "Secret", "again-etcd-tls")
 
     cluster.create(good_job("again", cleanPodPolicy="All"))
     new_uid = wait_for("the new job", lambda: (u := cluster.job("again")["metadata"]["uid"]) != old_uid and u)
@@ -523,7 +545,7 @@ def test_operator_restarted_during_a_scale_change_converges(api: Cluster) -> Non
         wait_for("one worker", lambda: len(api.pods("resumed")) == 1)
         status = wait_for("desired 1", lambda: (s := _status(api, "resumed"))["replicas"]["desired"] == 1 and s)
         assert status["evictions"] == 1
-        assert api.etcd_kinds("resumed") == {"Deployment", "Service", "PodDisruptionBudget"}
+        assert api.etcd_kinds("resumed") == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
         api.run_pod(api.names("resumed")[0], "spot-1")
         _phase(api, "resumed", "Running")
         # Converged means stable and quiet: two timer rounds later nothing changed, and the operator asked

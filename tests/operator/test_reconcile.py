@@ -165,6 +165,49 @@ class TestEtcd:
         assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
         assert builders.etcd_service(JOB)["spec"]["ports"][0]["port"] == constants.ETCD_PORT
 
+    def test_the_etcd_demands_the_jobs_client_certificate_and_pods_get_only_theirs(self) -> None:
+        deployment = builders.etcd_deployment(JOB, _spec())
+        pod = deployment["spec"]["template"]["spec"]
+        command = pod["containers"][0]["command"]
+        assert "--client-cert-auth" in command
+        assert "--listen-client-urls=https://0.0.0.0:2379" in command
+        assert f"--trusted-ca-file={constants.ETCD_TLS_DIR}/ca.crt" in command
+        (tls,) = [v for v in pod["volumes"] if "secret" in v]
+        assert [i["key"] for i in tls["secret"]["items"]] == ["ca.crt", "tls.crt", "tls.key"]
+        assert pod["containers"][0]["readinessProbe"]["httpGet"]["port"] == constants.ETCD_HEALTH_PORT
+        worker = builders.worker_pod(JOB, _spec(), 0)["spec"]
+        (tls,) = [v for v in worker["volumes"] if "secret" in v]
+        assert tls["secret"]["secretName"] == "cifar-etcd-tls"
+        assert [i["key"] for i in tls["secret"]["items"]] == ["ca.crt", "client.crt", "client.key"]  # never tls.key
+        env = {e["name"]: e.get("value") for e in worker["containers"][0]["env"]}
+        assert env["PET_RDZV_CONF"].endswith(
+            ",cacert=/etc/torchspot/etcd/ca.crt,cert=/etc/torchspot/etcd/client.crt,key=/etc/torchspot/etcd/client.key"
+        )
+        external = builders.worker_pod(JOB, _spec(rendezvous={"endpoint": "etcd.shared:2379"}), 0)["spec"]
+        assert "volumes" not in external  # a user's own etcd: their TLS, if any, is theirs to configure
+
+    def test_only_the_jobs_workers_and_the_operator_reach_the_etcd(self) -> None:
+        operator = ("torchspot", (("app.kubernetes.io/name", "torchspot"),))
+        policy = builders.etcd_network_policy(replace(JOB, operator=operator))["spec"]
+        assert policy["podSelector"]["matchLabels"][constants.LABEL_ROLE] == "etcd"
+        (rule,) = policy["ingress"]
+        assert rule["ports"] == [{"protocol": "TCP", "port": constants.ETCD_PORT}]
+        workers, ours = rule["from"]
+        assert workers == {"podSelector": {"matchLabels": JOB.labels(constants.ROLE_WORKER)}}
+        assert ours["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "torchspot"}}
+        assert ours["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "torchspot"}}
+        assert len(builders.etcd_network_policy(JOB)["spec"]["ingress"][0]["from"]) == 1  # operator unknown
+
+    def test_an_etcd_made_before_tls_stays_plain_for_its_running_workers(self) -> None:
+        """An operator upgrade under a running job: its workers hold no certificate."""
+        legacy = replace(JOB, etcd_tls=False)
+        etcd = {obj["kind"]: obj for obj in builders.etcd_objects(legacy, _spec())}
+        plan = _plan([_pod(0)], etcd=etcd, old=_running())
+        (created,) = [obj for obj in plan.create if obj["kind"] == "Pod"][:1]
+        assert "volumes" not in created["spec"]
+        assert plan.update == []  # nothing to bring in line: the plain etcd stays
+        assert "cacert=" not in str(created)
+
     def test_each_object_carries_the_hash_of_what_was_built(self) -> None:
         before = {o["kind"]: o for o in builders.etcd_objects(JOB, _spec())}
         after = {o["kind"]: o for o in builders.etcd_objects(JOB, _spec(rendezvous={"image": "etcd:v3.5.21"}))}
@@ -319,7 +362,7 @@ class TestSuccess:
         assert plan.status["completionTime"] == status.timestamp(T0)
         assert plan.create == []
         assert sorted(_deleted(plan)) == [("cifar-worker-1", None), ("cifar-worker-2", None)]  # with their grace
-        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget"}
+        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
         assert _condition(plan, "Succeeded")["status"] == "True"
         assert _condition(plan, "Running")["status"] == "False"
         assert "Succeeded" in _reasons(plan)
@@ -409,7 +452,7 @@ class TestFailureRules:
         assert "4 worker failures exceed failurePolicy.maxRestarts 3" in failed["message"]
         assert "OOMKilled" in failed["message"]
         assert plan.create == []
-        assert {d.kind for d in plan.delete} >= {"Deployment", "Service", "PodDisruptionBudget"}
+        assert {d.kind for d in plan.delete} >= {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
 
 
 class TestEvictions:
@@ -513,7 +556,7 @@ class TestSuspend:
         plan = _plan([_pod(0), _pod(1), _pending(2)], old=_running(evictions=2), spec=_spec(suspend=True))
         assert plan.status["phase"] == "Suspended"
         assert sorted(_deleted(plan)) == [("cifar-worker-0", None), ("cifar-worker-1", None), ("cifar-worker-2", None)]
-        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget"}
+        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
         assert plan.create == []
         assert _condition(plan, "Suspended")["status"] == "True"
         assert plan.status["evictions"] == 2  # the record is kept
@@ -582,7 +625,7 @@ class TestManagedEtcd:
         plan = _plan([_exited(0, 0)], old=_running())
         assert {(d.kind, d.uid) for d in plan.delete if d.kind != "Pod"} == {
             ("Deployment", "etcd-Deployment"), ("Service", "etcd-Service"),
-            ("PodDisruptionBudget", "etcd-PodDisruptionBudget"),
+            ("PodDisruptionBudget", "etcd-PodDisruptionBudget"), ("NetworkPolicy", "etcd-NetworkPolicy"),
         }  # fmt: skip
 
 
