@@ -9,7 +9,7 @@ NODE_STAMP = node_modules/.torchspot-installed
 HELM    = $(VENV)/bin/helm
 PYTEST_ARGS ?=
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-goodput clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak clean
 
 all: test
 
@@ -53,7 +53,7 @@ manifests: venv
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
-bench: bench-recovery bench-checkpoint bench-operator bench-goodput
+bench: bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak
 
 bench-recovery: venv
 	$(PY) bench/recovery/run.py
@@ -67,6 +67,9 @@ bench-operator: venv
 
 bench-goodput: venv
 	$(PY) bench/goodput/run.py
+
+bench-etcd-soak: venv
+	$(PY) bench/etcd_soak/run.py
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -32,6 +32,7 @@ from torchspot.lab.report import Report, build_report, read_pod_events
 from torchspot.lab.scenario import Scenario
 from torchspot.operator import constants, handlers
 from torchspot.operator.kube import Kube
+from torchspot.operator.metrics import METRICS_PORT_ENV
 from torchspot.operator.reconcile import ETCD_KINDS
 from torchspot.operator.spec import InvalidSpecError, parse_spec
 from torchspot.trainer.checkpoint import committed_steps
@@ -156,7 +157,8 @@ def run_sandbox(
     timeline = Timeline()
     with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
-        settings = {"KUBECONFIG": str(api.kubeconfig), **(operator_env or {})}  # kopf logs in with the kubeconfig
+        # kopf logs in with the kubeconfig; /metrics on a free port (a fixed one may be taken on this machine)
+        settings = {"KUBECONFIG": str(api.kubeconfig), METRICS_PORT_ENV: "0", **(operator_env or {})}
         previous = {key: os.environ.get(key) for key in settings}
         os.environ.update(settings)
         say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")

@@ -212,12 +212,25 @@ ETCD_SIZING: tuple[str, ...] = (
     "--auto-compaction-mode=periodic",
     "--auto-compaction-retention=5m",
     "--snapshot-count=10000",
-    "--quota-backend-bytes=134217728",
+    "--max-wals=2",
+    "--max-snapshots=2",
+    "--quota-backend-bytes=67108864",
 )
-"""The managed etcd's size limits, set by bench/etcd_soak (see bench/README.md): history is
-compacted every 5 minutes (the rendezvous reads only the latest revision), a snapshot every
-10,000 writes bounds the WAL a restart replays, and a 128 MiB backend quota is far above
-what a day of heartbeats needs, under the 256 MiB memory volume the data lives in."""
+"""The managed etcd's size limits, set by bench/etcd_soak (bench/README.md): a day of an
+8-node job's heartbeats (691,200 state writes) with membership changes. History is
+compacted every 5 minutes (the rendezvous reads only the latest revision), so the backend
+stayed under 10 MiB (etcd's defaults: 1.1 GiB); a snapshot every 10,000 writes and at most
+2 kept WAL files bound the WAL at four 61 MiB segments, the live one and the preallocated
+next included (defaults: 427 MiB and growing with the snapshot interval); the 64 MiB
+backend quota stops a runaway writer long before the volume fills. Peak data directory:
+254 MiB (defaults: 1.5 GiB); resident memory 86 MiB (defaults: 663 MiB)."""
+ETCD_DATA_LIMIT = "384Mi"
+"""The etcd's memory-backed data volume: the soak's 254 MiB peak plus half again. The kubelet
+evicts a pod whose emptyDir exceeds its limit; the old 256Mi with etcd's default WAL
+retention would have been exceeded within hours."""
+ETCD_MEMORY = {"requests": {"cpu": "100m", "memory": "320Mi"}, "limits": {"memory": "512Mi"}}
+"""A memory-backed volume counts against the container's memory: the data (up to 254 MiB)
+plus etcd itself (86 MiB at peak) is what is requested; the limit leaves room above it."""
 
 
 def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
@@ -240,7 +253,7 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
         *ETCD_SIZING,
     ]
     mounts: list[dict[str, Any]] = [{"name": "data", "mountPath": "/var/lib/etcd"}]
-    volumes: list[dict[str, Any]] = [{"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}}]
+    volumes: list[dict[str, Any]] = [{"name": "data", "emptyDir": {"medium": "Memory", "sizeLimit": ETCD_DATA_LIMIT}}]
     if job.etcd_tls:
         tls = constants.ETCD_TLS_DIR
         command += [
@@ -270,7 +283,7 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
                 ],
                 "readinessProbe": {"httpGet": health, "periodSeconds": 2},
                 "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6},
-                "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+                "resources": copy.deepcopy(ETCD_MEMORY),
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,

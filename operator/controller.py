@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot.operator import builders, certs, constants, status
+from torchspot.operator import builders, certs, constants, metrics, status
 from torchspot.operator.builders import JobRef
 from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.progress import ProgressReader
@@ -64,6 +64,9 @@ ETCD_INDEXES = {
 }
 """The kopf index of each managed etcd kind (handlers.py registers them under these names)."""
 INDEXES = (PODS_INDEX, NAMES_INDEX, *ETCD_INDEXES.values())
+
+ACTIVE_PHASES = frozenset({status.PENDING, status.PHASE_RUNNING, status.PHASE_SCALING, status.PHASE_BELOW_MIN})
+"""Phases whose jobs the timer ticks: while any exists, reconciles must keep finishing (`Controller.alive`)."""
 
 Index = Mapping[Any, Iterable[Any]]
 """A kopf index: a key (such as (namespace, owner uid)) -> the values the objects under it gave."""
@@ -142,6 +145,11 @@ class Controller:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._versions: dict[str, str] = {}
         """The resourceVersion of each watched object (by uid) whose event last led to a reconcile."""
+        self.phases: dict[tuple[str, str], str] = {}
+        """Each job's phase as last written (`torchspot_jobs{phase}`)."""
+        self.recoveries = metrics.Recoveries()
+        self.last_progress = time.monotonic()
+        """When a reconcile or a tick last finished (monotonic): the liveness rule's clock."""
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -151,6 +159,24 @@ class Controller:
         async with self._lock(namespace, name):
             body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
             return await self._reconcile(namespace, name, body)
+
+    def alive(self) -> bool:
+        """False when reconciles have stalled (see operator/metrics.py): the liveness probe fails then."""
+        active = sum(1 for phase in self.phases.values() if phase in ACTIVE_PHASES)
+        return not metrics.stalled(active, self.last_progress)
+
+    def _measure(self, key: tuple[str, str], old: Mapping[str, Any], decided: Plan) -> None:
+        """Metrics of one reconcile's outcome (operator/metrics.py)."""
+        new = decided.status
+        self.phases[key] = str(new.get("phase", ""))
+        metrics.EVICTIONS.inc(max(0, int(new.get("evictions", 0)) - int(old.get("evictions", 0))))
+        metrics.FAILURES.inc(max(0, int(new.get("failures", 0)) - int(old.get("failures", 0))))
+        metrics.REPLACEMENTS.inc(sum(1 for _, reason, _ in decided.events if reason == "Replaced"))
+        reached, started = new.get("reachedMinAt"), new.get("startTime")
+        if reached and started and not old.get("reachedMinAt"):
+            waited = status.parse_timestamp(str(reached)) - status.parse_timestamp(str(started))
+            metrics.PENDING.observe(max(0.0, waited.total_seconds()))
+        self.recoveries.update(key, old, new)
 
     async def tick(self, namespace: str, name: str) -> Plan | None:
         """The timer: re-plan from what is known, without asking the API; reconcile only if it is due.
@@ -170,6 +196,7 @@ class Controller:
                 dry = plan(await self._observe(memory.body, spec, memory))
                 old = memory.body.get("status") or {}
                 if not dry.acts() and not _changed(old, dry.status):
+                    self.last_progress = time.monotonic()
                     return dry
                 log.debug(
                     "job %s/%s: the timer found work: acts %s, status keys %s", namespace, name, dry.acts(),
@@ -179,6 +206,17 @@ class Controller:
             return await self._reconcile(namespace, name, body)
 
     async def _reconcile(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
+        started = time.monotonic()
+        try:
+            return await self._reconcile_timed(namespace, name, body)
+        except Exception:
+            metrics.RECONCILE_ERRORS.inc()
+            raise
+        finally:
+            metrics.RECONCILE.observe(time.monotonic() - started)
+            self.last_progress = time.monotonic()
+
+    async def _reconcile_timed(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._forget(namespace, name)
             return None
@@ -201,6 +239,7 @@ class Controller:
                 await self._write_status(job, memory, new)
             if old.get("phase") != status.PHASE_INVALID:  # said once, not at every reconcile
                 _event(body, "Warning", "InvalidSpec", str(exc))
+            self.phases[(namespace, name)] = status.PHASE_INVALID
             return None
         if not spec.rdzv_endpoint and memory.tls is None and not memory.tls_read:
             memory.tls_read = True  # once per process: a job made earlier has its Secret already
@@ -218,6 +257,7 @@ class Controller:
             _event(body, kind, reason, message)
         if decided.status.get("phase") != old.get("phase"):
             log.info("job %s/%s: phase %s", namespace, name, decided.status.get("phase"))
+        self._measure((namespace, name), old, decided)
         return decided
 
     async def _observe(
@@ -418,6 +458,8 @@ class Controller:
             memory.body = {**memory.body, "status": {k: v for k, v in merged.items() if v is not None}}
 
     def _forget(self, namespace: str, name: str) -> None:
+        self.phases.pop((namespace, name), None)
+        self.recoveries.forget((namespace, name))
         memory = self._memory.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
         self._nodes_of_job.pop((namespace, name), None)

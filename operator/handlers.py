@@ -25,8 +25,9 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import kopf
+import prometheus_client
 
-from torchspot.operator import builders, constants, status
+from torchspot.operator import builders, constants, metrics, status
 from torchspot.operator import login as credentials
 from torchspot.operator.controller import INDEXES, Controller, Index, owner
 from torchspot.operator.kube import ApiError, Kube
@@ -81,6 +82,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         )
     _state["node_handling"] = mode == "proactive"
     _state["operator"] = _operator_identity()
+    _serve_metrics()
     if _state["node_handling"] and not _state.get("node_watch"):
         # Registered here, not at import: with node handling off the operator does not watch
         # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
@@ -122,6 +124,33 @@ def _operator_identity() -> tuple[str, tuple[tuple[str, str], ...]] | None:
             f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: expected a JSON object of label strings"
         )
     return namespace, tuple(sorted(labels.items()))
+
+
+def _serve_metrics() -> None:
+    """Serve /metrics once per process (tests start the operator many times in one)."""
+    if "metrics_port" in _state:
+        return
+    text = os.environ.get(metrics.METRICS_PORT_ENV, "") or str(metrics.DEFAULT_METRICS_PORT)
+    if not text.isdigit() or not 0 <= int(text) < 65536:
+        raise kopf.PermanentError(f"invalid operator setting: {metrics.METRICS_PORT_ENV}={text!r}: expected a port")
+    _state["metrics_port"] = int(text)
+    prometheus_client.REGISTRY.register(metrics.Jobs(lambda: controller().phases if "controller" in _state else {}))
+    server, _ = prometheus_client.start_http_server(int(text))
+    _state["metrics_port"] = server.server_port  # 0 asks for a free port (tests)
+
+
+def metrics_port() -> int | None:
+    """The port /metrics is served on in this process (None until the operator has started)."""
+    port = _state.get("metrics_port")
+    return None if port is None else int(port)
+
+
+@kopf.on.probe(id="reconciling")
+def reconciling(**_: Any) -> str:
+    """kopf's liveness endpoint fails (500) while reconciles have stalled (operator/metrics.py)."""
+    if "controller" in _state and not controller().alive():
+        raise kopf.PermanentError(f"no reconcile finished for {metrics.STALL_SECONDS:.0f} s while jobs are active")
+    return "ok"
 
 
 @kopf.on.login()

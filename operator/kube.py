@@ -105,6 +105,7 @@ class Kube:
     session: aiohttp.ClientSession | None = None
     plurals: dict[tuple[str, str], str] = field(default_factory=dict)
     """(apiVersion, kind) -> plural, from discovery."""
+    closed: bool = False
 
     @classmethod
     def from_connection(
@@ -124,6 +125,8 @@ class Kube:
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "") -> Any:
         """One call, retried as the module docstring says; the decoded answer."""
+        if self.closed:  # a handler still finishing while the operator stops: no new session to leak
+            raise ApiError(UNREACHABLE, f"{method} {path}: the API session was closed")
         data = None if body is None else json.dumps(body)
         relogged = False
         attempt = 0
@@ -163,7 +166,11 @@ class Kube:
             return response.status, await response.text(), response.headers.get("Retry-After")
 
     async def close(self) -> None:
-        """Close the HTTP session."""
+        """Close the HTTP session for good: later requests fail instead of opening another."""
+        self.closed = True
+        await self._drop_session()
+
+    async def _drop_session(self) -> None:
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -172,7 +179,7 @@ class Kube:
         """Take new credentials (a new login); the next request opens a new session."""
         self.server, self.headers, self.ssl_context = fresh.server, fresh.headers, fresh.ssl_context
         self.proxy, self.trust_env = fresh.proxy, fresh.trust_env
-        await self.close()
+        await self._drop_session()
 
     async def plural(self, api_version: str, kind_or_plural: str) -> str:
         """A kind's resource name as the API serves it (discovery, read once per group version);

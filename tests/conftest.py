@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,11 @@ import pytest
 from torchspot.lab.azurite import Azurite
 from torchspot.lab.etcd import EtcdServer
 from torchspot.lab.local import JobConfig, LocalNode, NodeFactory
+from torchspot.operator.metrics import METRICS_PORT_ENV
+
+# Every operator these tests start (in-process or as a subprocess) serves /metrics on a free port:
+# several run at once (peering), and a fixed port may be taken on the machine.
+os.environ.setdefault(METRICS_PORT_ENV, "0")
 
 
 @pytest.fixture

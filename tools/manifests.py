@@ -23,7 +23,7 @@ FILES = {
     "crd.yaml": ["crd.yaml"],
     "peering-crd.yaml": ["peering-crd.yaml"],
     "rbac.yaml": ["serviceaccount.yaml", "rbac.yaml"],
-    "operator.yaml": ["deployment.yaml"],
+    "operator.yaml": ["deployment.yaml", "metrics.yaml"],
 }
 """Each plain manifest and the chart templates it is rendered from."""
 

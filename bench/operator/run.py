@@ -44,6 +44,7 @@ import psutil
 from torchspot.lab.kubeapi import KubeApi
 from torchspot.operator import constants
 from torchspot.operator.kube import Kube
+from torchspot.operator.metrics import METRICS_PORT_ENV
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 NS = "default"
@@ -115,7 +116,7 @@ def main() -> None:
         for index in range(2):
             run(kube.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"spot-{index}"}, "spec": {},
                              "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))  # fmt: skip
-        env = {**os.environ, "KUBECONFIG": str(api.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(api.kubeconfig), METRICS_PORT_ENV: "0"}
         cmd = [sys.executable, "-m", "torchspot.operator", "--standalone", "--all-namespaces"]
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         with (RESULTS_DIR / "operator.log").open("w") as log:

@@ -20,6 +20,7 @@ from kopf import cli
 
 from tests.deploy.helm import CHART, NAMESPACE, find, helm, lint, one, template, template_error
 from torchspot.operator import constants
+from torchspot.operator.metrics import METRICS_PORT_ENV
 from torchspot.operator.spec import default_etcd_placement
 
 K8S_VERSION = "1.37.0"
@@ -28,6 +29,7 @@ PEERINGS = "clusterkopfpeerings"
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["ml-a", "ml-b"], "logLevel": "debug", "logFormat": "plain"},
+    "monitored": {"metrics": {"port": 9100, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "no-crd-own-account": {
         "crds": {"enabled": False, "keep": False, "peering": False},
         "serviceAccount": {"create": False, "name": "platform-operator"},
@@ -70,6 +72,8 @@ def test_every_rendered_object_is_valid_kubernetes(case: str, tmp_path: Path) ->
     docs = template(VALUE_SETS[case], tmp_path)
     assert docs
     for doc in docs:
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            continue  # the Prometheus Operator's CRD: not in Kubernetes' schemas (test_metrics_are_exposed checks it)
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -80,7 +84,7 @@ def test_defaults_install_everything_cluster_wide(tmp_path: Path) -> None:
     docs = template()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ServiceAccount", "Deployment"]
+        ["ServiceAccount", "Deployment", "Service"]
         + ["CustomResourceDefinition"] * 2
         + ["ClusterRole"] * 4
         + ["ClusterRoleBinding"] * 2
@@ -238,11 +242,30 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
     assert jobs[("torchspot.dev", "elasticjobs/status")] == {"get", "patch"}
 
 
+def test_metrics_are_exposed(tmp_path: Path) -> None:
+    """The Service reaches the operator's metrics port; the ServiceMonitor selects that Service."""
+    docs = template(VALUE_SETS["monitored"], tmp_path)
+    container = _operator(docs)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[METRICS_PORT_ENV] == "9100"
+    assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+    service = one(docs, "Service", "torchspot-metrics")
+    pod_labels = _deployment(docs)["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"}]
+    monitor = one(docs, "ServiceMonitor", "torchspot")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    assert find(template(), "ServiceMonitor") == []  # off by default: the CRD may not exist
+
+
 def test_chart_names_the_operators_environment_variable() -> None:
     """The chart cannot import constants.py: this keeps its copy of the name in step."""
     docs = template()
     env = {e["name"]: e for e in _operator(docs)["env"]}
-    names = {constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV}
+    names = {constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV,
+             METRICS_PORT_ENV}  # fmt: skip
     assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
     # The etcd NetworkPolicies admit the operator by these: they must be the operator pod's own.
     pod = one(docs, "Deployment", "torchspot")["spec"]["template"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kopf.testing import KopfRunner
 
 from tests.operator.cluster import Cluster
 from tests.operator.jobs import crd
@@ -25,3 +27,23 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
         cluster.create(crd())
         yield cluster
         server.run(cluster.kube.close())
+
+
+OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
+
+
+@contextlib.contextmanager
+def operator_running(*extra: str) -> Iterator[None]:
+    """The real operator (kopf in a background thread of this process) until the block ends."""
+    with KopfRunner([*OPERATOR_ARGS, *extra], timeout=60) as runner:
+        yield
+    failure: BaseException | None = runner.exception  # typed as never None, but None when all went well
+    assert failure is None, runner.output
+    assert runner.exit_code == 0, runner.output
+
+
+@pytest.fixture
+def cluster(api: Cluster) -> Iterator[Cluster]:
+    """The emulated API with the operator running against it."""
+    with operator_running():
+        yield api

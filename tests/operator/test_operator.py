@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from kopf.testing import KopfRunner
 
 from tests.lab.test_evict import exec_plugin
 from tests.operator.cluster import JOBS, NS, Cluster, wait_for
+from tests.operator.conftest import OPERATOR_ARGS, operator_running
 from tests.operator.jobs import crd, good_job, with_path
 from torchspot.lab.etcd import EtcdServer, free_port
 from torchspot.lab.kubeapi import KubeApi
@@ -34,25 +36,6 @@ from torchspot.operator.kube import ApiError, Kube
 from torchspot.operator.login import login_with_kubeconfig
 from torchspot.operator.reconcile import ETCD_KINDS
 from torchspot.trainer.rendezvous import status
-
-OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
-
-
-@contextlib.contextmanager
-def operator_running() -> Iterator[None]:
-    """The real operator (kopf in a background thread of this process) until the block ends."""
-    with KopfRunner(OPERATOR_ARGS, timeout=60) as runner:
-        yield
-    failure: BaseException | None = runner.exception  # typed as never None, but None when all went well
-    assert failure is None, runner.output
-    assert runner.exit_code == 0, runner.output
-
-
-@pytest.fixture
-def cluster(api: Cluster) -> Iterator[Cluster]:
-    """The emulated API with the operator running against it."""
-    with operator_running():
-        yield api
 
 
 def _status(cluster: Cluster, job: str) -> dict[str, Any]:
@@ -367,6 +350,25 @@ def test_a_same_named_secret_blocks_the_etcd_and_is_left_alone(cluster: Cluster)
     kept = cluster.api.run(cluster.kube.get("v1", "Secret", NS, "taken-etcd-tls"))
     assert kept is not None
     assert kept["data"] == {"ca.crt": "eA=="}
+
+
+def test_a_job_left_behind_is_released_by_the_documented_command(api: Cluster) -> None:
+    """The operator is gone and a job keeps kopf's finalizer: operator/README.md's one command (run here
+    with the real kubectl against the emulator) releases it."""
+    with operator_running():
+        api.create(good_job("orphan"))
+        wait_for("kopf's finalizer", lambda: api.job("orphan")["metadata"].get("finalizers"))
+        _phase(api, "orphan", "Pending")
+        _quiet(api)  # the operator stops between reconciles, not in one
+    readme = (Path(__file__).resolve().parents[2] / "operator" / "README.md").read_text()
+    section = readme[readme.index("## Deleting jobs and uninstalling") :]
+    command = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
+    argv = shlex.split(command.replace("NAMESPACE", NS).replace("NAME", "orphan"))
+    assert argv[0] == "kubectl"
+    kubectl = str(Path(sys.executable).parent / "kubectl")  # installed by make venv (tools/kube_tools.py)
+    done = subprocess.run([kubectl, *argv[1:]], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert not api.job("orphan")["metadata"].get("finalizers")
 
 
 def test_active_deadline_fails_the_job(cluster: Cluster) -> None:

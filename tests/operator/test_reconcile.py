@@ -186,6 +186,16 @@ class TestEtcd:
         external = builders.worker_pod(JOB, _spec(rendezvous={"endpoint": "etcd.shared:2379"}), 0)["spec"]
         assert "volumes" not in external  # a user's own etcd: their TLS, if any, is theirs to configure
 
+    def test_the_etcd_is_sized_so_its_memory_volume_cannot_fill(self) -> None:
+        """bench/etcd_soak measured a day: the data directory peaked at 254 MiB with these flags."""
+        pod = builders.etcd_deployment(JOB, _spec())["spec"]["template"]["spec"]
+        etcd = pod["containers"][0]
+        assert set(builders.ETCD_SIZING) <= set(etcd["command"])
+        assert "--max-wals=2" in etcd["command"]
+        (data,) = [v for v in pod["volumes"] if v["name"] == "data"]
+        assert data["emptyDir"] == {"medium": "Memory", "sizeLimit": "384Mi"}
+        assert etcd["resources"]["limits"]["memory"] == "512Mi"  # the volume counts against it
+
     def test_only_the_jobs_workers_and_the_operator_reach_the_etcd(self) -> None:
         operator = ("torchspot", (("app.kubernetes.io/name", "torchspot"),))
         policy = builders.etcd_network_policy(replace(JOB, operator=operator))["spec"]

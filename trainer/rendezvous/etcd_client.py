@@ -206,6 +206,14 @@ class EtcdClient:
         except _ERRORS as exc:
             raise _translate(exc, self.endpoint) from exc
 
+    def compact(self, revision: int) -> None:
+        """Drop the history before `revision` (what `--auto-compaction-*` does on etcd's own clock;
+        bench/etcd_soak calls it on a simulated one)."""
+        try:
+            self._client.compact(revision)
+        except _ERRORS as exc:
+            raise _translate(exc, self.endpoint) from exc
+
     def delete(self, key: str) -> bool:
         """Delete one key; True if it existed."""
         try:
