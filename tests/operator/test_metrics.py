@@ -62,8 +62,12 @@ def test_metrics_count_what_the_operator_does(cluster: Cluster) -> None:
         return len(uids) == 2 and victim not in uids
 
     wait_for("the replacement", replaced)
-    after = wait_for("evictions counted", lambda: (m := _scrape())["torchspot_evictions_total"] > before.get(
-        "torchspot_evictions_total", 0) and m)  # fmt: skip
+
+    def counted() -> dict[str, float] | None:
+        now = _scrape()
+        return now if now["torchspot_evictions_total"] > before.get("torchspot_evictions_total", 0) else None
+
+    after = wait_for("evictions counted", counted)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
