@@ -5,7 +5,10 @@
   `cifar-10-batches-py/` folder), each a dict with `data` (N x 3072 uint8, channel
   planes of 32x32) and `labels`.
 - ImageNet's folder layout: `ROOT/train/<class>/*.JPEG` and `ROOT/val/<class>/*`,
-  decoded with Pillow, resized and center-cropped (random crop and flip for training).
+  decoded with Pillow: RandomResizedCrop and flip for training, resize and centre crop
+  for evaluation (the standard recipe).
+- Augmentation is drawn per sample from (seed, epoch, index) (`sample_generator`), never
+  from a process's random state, so it does not depend on the rank or the world size.
 - scikit-learn's bundled 8x8 digits (real handwriting, shipped inside the package),
   for correctness tests that must not depend on data written here.
 - Generators that write small synthetic sets in the CIFAR and ImageNet formats, with
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import tarfile
 from collections.abc import Mapping, Sequence
@@ -38,10 +42,41 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 
 
-class TensorImages(Dataset[tuple[torch.Tensor, int]]):
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """The random source of one sample's augmentation in one epoch.
+
+    Seeded by (seed, epoch, sample index) alone, so a sample is cropped and flipped the
+    same way whichever rank or data-loader worker draws it, before and after a resume
+    and at any world size: an elastic run sees the data a fixed run sees. (A generator
+    per process, seeded per rank or per worker, made the augmentation depend on how
+    the batch was split, and every rank's worker k draw the same crops.)
+    """
+    mixed = (seed * 1_000_003 + epoch) * 2_654_435_761 + index
+    return torch.Generator().manual_seed(mixed % (2**63 - 1))
+
+
+class SampleRandom:
+    """The epoch a data set draws its augmentation for (`set_epoch`, called before each epoch's
+    loader is made, so its worker processes inherit it), and the run's seed."""
+
+    seed: int = 0
+    epoch: int = 0
+
+    def set_epoch(self, epoch: int, seed: int | None = None) -> None:
+        """Draw augmentations for `epoch` (and, if given, the run's `seed`) from now on."""
+        self.epoch = epoch
+        if seed is not None:
+            self.seed = seed
+
+    def generator(self, index: int) -> torch.Generator:
+        return sample_generator(self.seed, self.epoch, index)
+
+
+class TensorImages(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
     """Images held in memory as uint8 NCHW, normalized per channel on access.
 
-    :param augment: random horizontal flip (and 4-pixel random crop for 32x32).
+    :param augment: random horizontal flip (and 4-pixel random crop for 32x32), drawn per
+        sample (`sample_generator`).
     """
 
     def __init__(
@@ -67,11 +102,12 @@ class TensorImages(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image = self.images[index].float() / 255.0
         if self.augment:
-            if torch.rand(()) < 0.5:
+            random = self.generator(index)
+            if torch.rand((), generator=random) < 0.5:
                 image = image.flip(-1)
             if image.shape[-1] == 32:
                 padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
-                dx, dy = (int(v) for v in torch.randint(0, 9, (2,)))
+                dx, dy = (int(v) for v in torch.randint(0, 9, (2,), generator=random))
                 image = padded[:, dy : dy + 32, dx : dx + 32]
         return (image - self.mean) / self.std, int(self.labels[index])
 
@@ -118,10 +154,45 @@ def load_cifar10(path: Path, *, augment: bool = True) -> tuple[TensorImages, Ten
     )
 
 
-class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
-    """`ROOT/<class>/<image>` decoded with Pillow, resized and cropped to `size`.
+RESIZED_CROP_SCALE = (0.08, 1.0)
+RESIZED_CROP_RATIO = (3 / 4, 4 / 3)
+"""The standard ImageNet training crop (torchvision's RandomResizedCrop defaults, the reference
+recipe of torchvision's classification references and of Goyal et al. 2017): a region of 8% to
+100% of the image's area with an aspect ratio from 3:4 to 4:3, resized to the input size."""
+EVAL_RESIZE = 256 / 224
+"""Evaluation resizes the shorter side to size x 256/224, then takes the centre crop."""
 
-    Classes are the sorted folder names, as in torchvision's ImageFolder.
+
+def resized_crop_box(width: int, height: int, random: torch.Generator) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of a RandomResizedCrop region, as torchvision draws it: ten
+    tries at a random scale and log-uniform ratio, then the centre crop of the clamped ratio."""
+    area = width * height
+    low, high = math.log(RESIZED_CROP_RATIO[0]), math.log(RESIZED_CROP_RATIO[1])
+    for _ in range(10):
+        target = area * float(torch.empty(()).uniform_(*RESIZED_CROP_SCALE, generator=random))
+        ratio = math.exp(float(torch.empty(()).uniform_(low, high, generator=random)))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (), generator=random))
+            left = int(torch.randint(0, width - w + 1, (), generator=random))
+            return left, top, left + w, top + h
+    ratio = width / height
+    if ratio < RESIZED_CROP_RATIO[0]:
+        w, h = width, round(width / RESIZED_CROP_RATIO[0])
+    elif ratio > RESIZED_CROP_RATIO[1]:
+        w, h = round(height * RESIZED_CROP_RATIO[1]), height
+    else:
+        w, h = width, height
+    left, top = (width - w) // 2, (height - h) // 2
+    return left, top, left + w, top + h
+
+
+class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
+    """`ROOT/<class>/<image>` decoded with Pillow: the standard ImageNet transforms.
+
+    Training (`augment`): RandomResizedCrop to `size` and a horizontal flip, drawn per
+    sample (`sample_generator`). Evaluation: the shorter side resized to size x 256/224,
+    then the centre crop. Classes are the sorted folder names, as in torchvision's ImageFolder.
     """
 
     def __init__(self, root: Path, size: int = 224, *, augment: bool = False) -> None:
@@ -151,23 +222,21 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         path, label = self.samples[index]
         with Image.open(path) as img:
             rgb = img.convert("RGB")
-            # Resize the shorter side to size * 8/7 (256 for 224), then crop to size.
-            scale = self.size * 8 / 7 / min(rgb.size)
-            rgb = rgb.resize(
-                (
-                    max(self.size, round(rgb.width * scale)),
-                    max(self.size, round(rgb.height * scale)),
-                )
-            )
+            flip = False
             if self.augment:
-                left = int(torch.randint(0, rgb.width - self.size + 1, ()))
-                top = int(torch.randint(0, rgb.height - self.size + 1, ()))
+                random = self.generator(index)
+                box = resized_crop_box(rgb.width, rgb.height, random)
+                rgb = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+                flip = bool(torch.rand((), generator=random) < 0.5)
             else:
+                scale = self.size * EVAL_RESIZE / min(rgb.size)
+                shape = (max(self.size, round(rgb.width * scale)), max(self.size, round(rgb.height * scale)))
+                rgb = rgb.resize(shape, Image.Resampling.BILINEAR)
                 left, top = (rgb.width - self.size) // 2, (rgb.height - self.size) // 2
-            rgb = rgb.crop((left, top, left + self.size, top + self.size))
+                rgb = rgb.crop((left, top, left + self.size, top + self.size))
             array = np.asarray(rgb, dtype=np.uint8)
         image = torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0
-        if self.augment and torch.rand(()) < 0.5:
+        if flip:
             image = image.flip(-1)
         return (image - self.mean) / self.std, label
 

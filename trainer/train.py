@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot.trainer.config import TrainConfig, ensure_local_data
-from torchspot.trainer.data import load_cifar10, load_digits, load_imagenet
+from torchspot.trainer.data import SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot.trainer.eviction import (
     EvictionNotice,
     Notice,
@@ -454,6 +454,8 @@ class Trainer:
         sampler = run.sampler
         epoch = sampler.epoch
         window = _Window(started=time.perf_counter())
+        if isinstance(run.train_set, SampleRandom):  # before the loader forks its workers, which inherit it
+            run.train_set.set_epoch(epoch, self.config.seed)
         sample_shape = run.train_set[0][0].shape
         for inputs, labels in self._batches(run.train_set, sampler, sample_shape):
             lr = learning_rate(self.config, (epoch * sampler.length + sampler.consumed) / run.total_samples)

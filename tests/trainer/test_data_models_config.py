@@ -15,6 +15,8 @@ from torchspot.trainer.data import (
     load_cifar10,
     load_digits,
     load_imagenet,
+    resized_crop_box,
+    sample_generator,
     write_synthetic_cifar10,
     write_synthetic_imagenet,
 )
@@ -68,6 +70,43 @@ def test_imagenet_folder_decodes_jpeg(tmp_path: Path) -> None:
     image, label = val[0]
     assert image.shape == (3, 32, 32)
     assert label == 0
+
+
+def test_a_sample_is_augmented_the_same_on_any_rank_worker_or_resume(tmp_path: Path) -> None:
+    """The crop and flip of sample i in epoch e come from (seed, e, i) only: a copy of the data set in
+    another process (a rank, a loader worker, a resumed run) draws the same; another epoch differs."""
+    root = write_synthetic_imagenet(tmp_path / "imagenet", classes=2, per_class=4, size=48)
+    one, _ = load_imagenet(root, size=32)
+    other, _ = load_imagenet(root, size=32)  # as another rank or a resumed process would load it
+    torch.manual_seed(1)  # process-level random state: must not matter
+    one.set_epoch(3, seed=7)
+    first = [one[i][0] for i in range(len(one))]
+    torch.manual_seed(2)
+    other.set_epoch(3, seed=7)
+    assert all(torch.equal(a, other[i][0]) for i, a in enumerate(first))
+    other.set_epoch(4, seed=7)
+    assert not all(torch.equal(a, other[i][0]) for i, a in enumerate(first))  # a new epoch, new crops
+    cifar_train, _ = load_cifar10(write_synthetic_cifar10(tmp_path / "cifar.tar.gz", n_train=50, n_test=10))
+    cifar_train.set_epoch(0, seed=7)
+    again = [cifar_train[i][0] for i in range(16)]
+    torch.manual_seed(99)
+    assert all(torch.equal(a, cifar_train[i][0]) for i, a in enumerate(again))
+    assert sample_generator(7, 0, 5).initial_seed() != sample_generator(7, 0, 6).initial_seed()
+
+
+def test_resized_crops_follow_the_standard_recipe() -> None:
+    """RandomResizedCrop's region: 8-100% of the area, aspect 3:4 to 4:3, inside the image."""
+    areas, ratios = [], []
+    for index in range(400):
+        left, top, right, bottom = resized_crop_box(500, 375, sample_generator(0, 0, index))
+        assert 0 <= left < right <= 500
+        assert 0 <= top < bottom <= 375
+        areas.append((right - left) * (bottom - top) / (500 * 375))
+        ratios.append((right - left) / (bottom - top))
+    assert 0.07 < min(areas) < 0.2
+    assert max(areas) > 0.8
+    assert all(0.74 < r < 1.35 for r in ratios)
+    assert resized_crop_box(1000, 100, sample_generator(0, 0, 0))[2] <= 1000  # extreme shapes still fit
 
 
 def test_digits_are_sklearns_bundled_set() -> None:
