@@ -44,6 +44,8 @@ BACKOFF_BASE_SECONDS: Final = 0.5
 BACKOFF_CAP_SECONDS: Final = 10.0
 RETRY_AFTER_CAP_SECONDS: Final = 30.0
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
+SSL_SHUTDOWN_SECONDS: Final = 0.25
+"""aiohttp's advice for a clean TLS close ("Graceful Shutdown" in its client docs)."""
 UNREACHABLE: Final = 0
 """`ApiError.status` of a request that never got an answer (connection refused, reset, timed out)."""
 
@@ -174,6 +176,11 @@ class Kube:
         if self.session is not None:
             await self.session.close()
             self.session = None
+            if isinstance(self.ssl_context, ssl.SSLContext):
+                # aiohttp closes TLS connections without waiting for their shutdown; give the
+                # event loop the moment its documentation asks for, or the loop may end first
+                # and leave the transports open.
+                await asyncio.sleep(SSL_SHUTDOWN_SECONDS)
 
     async def renew(self, fresh: Kube) -> None:
         """Take new credentials (a new login); the next request opens a new session."""
