@@ -288,7 +288,8 @@ class _Judge:
             trouble = node_trouble(seen.nodes.get(node_name)) if node_name and seen.node_handling else None
             if phase == "Failed":
                 verdict = classify(pod, trouble)
-                text = f"({verdict.reason}: {verdict.message})" if verdict.kind == EVICTION else verdict.message
+                said = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
+                text = f"({said})" if verdict.kind == EVICTION else verdict.message
                 self.lose(pod, verdict, 0, text)
             elif trouble is not None:
                 grace = 0 if trouble == "node is gone" else None
