@@ -407,8 +407,8 @@ class Controller:
             failure = await self._create(job, builders.etcd_secret(job, bundle), memory, now)
             if failure is not None:
                 return failure
-            memory.created.pop(key, None)  # not watched: no index to wait for
-            found = builders.etcd_secret(job, bundle)
+            # As stored: ours, or this job's own made meanwhile (a 409), whose certificates are the ones in use.
+            found = memory.created.pop(key)[0]  # not watched: no index to wait for
         if found is None:
             return None
         if (owner(found) or ("", ""))[1] != job.uid:

@@ -133,9 +133,11 @@ def _serve_metrics() -> None:
     text = os.environ.get(metrics.METRICS_PORT_ENV, "") or str(metrics.DEFAULT_METRICS_PORT)
     if not text.isdigit() or not 0 <= int(text) < 65536:
         raise kopf.PermanentError(f"invalid operator setting: {metrics.METRICS_PORT_ENV}={text!r}: expected a port")
-    _state["metrics_port"] = int(text)
+    try:
+        server, _ = prometheus_client.start_http_server(int(text))
+    except OSError as exc:
+        raise kopf.PermanentError(f"cannot serve metrics on port {text} ({metrics.METRICS_PORT_ENV}): {exc}") from exc
     prometheus_client.REGISTRY.register(metrics.Jobs(lambda: controller().phases if "controller" in _state else {}))
-    server, _ = prometheus_client.start_http_server(int(text))
     _state["metrics_port"] = server.server_port  # 0 asks for a free port (tests)
 
 
