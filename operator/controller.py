@@ -433,7 +433,7 @@ class Controller:
         try:
             created = await self.api.create(obj)
         except ApiError as exc:
-            if exc.status >= 500 or exc.status == 429:
+            if exc.transient:
                 raise  # the API's trouble, not the object's: kopf retries the handler
             return CreateFailure(key, status.FAILED_CREATE, f"{kind} {job.namespace}/{name} was refused: {exc}", now)
         if created is None:  # 409: the name exists; the index did not show it as this job's, so ask once

@@ -67,8 +67,9 @@ class ApiError(RuntimeError):
 
     @property
     def transient(self) -> bool:
-        """The API's trouble, not the request's: worth trying again later."""
-        return self.status == UNREACHABLE or self.status in RETRIED_STATUSES
+        """The API's trouble, not the request's (no answer, throttled, a server error): worth trying
+        again later, not a verdict on the object."""
+        return self.status in {UNREACHABLE, 429} or self.status >= 500
 
 
 def group_version_path(api_version: str) -> str:
