@@ -54,6 +54,16 @@ class Report:
     submitted: float = 0.0
     """When the job was submitted (Unix time): the zero of every `t` here."""
 
+    def step_sizes(self) -> str:
+        """What a step meant: one number for a fixed global batch; the sizes in turn when the
+        batch was per worker (the optimisation then changed with the world size)."""
+        sizes = [r["step_samples"] for r in self.restarts if r.get("step_samples")]
+        if not sizes:
+            return "-"
+        if len(set(sizes)) == 1:
+            return f"{sizes[0]} (the same at every world size)"
+        return " -> ".join(map(str, sizes)) + " (per-worker batches: changed with the world size)"
+
     def summary(self) -> str:
         """The human-readable end of a run."""
         lines = [
@@ -61,6 +71,7 @@ class Report:
             f"phase                {self.phase}",
             f"wall time            {self.wall_seconds:.1f} s",
             f"final step           {self.final_step}",
+            f"samples per step     {self.step_sizes()}",
             f"world sizes          {' -> '.join(str(r['world_size']) for r in self.restarts) or '-'}",
             f"steps lost           {self.steps_lost} over {max(len(self.restarts) - 1, 0)} resumptions",
             f"samples/s            {self.samples_per_second:.1f} (mean of progress lines)",
@@ -123,7 +134,7 @@ def _restarts(rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> list
             lost = max(newest - start["step"], 0)
         origin = start.get("resumed_from", "checkpoint" if start["step"] else "start")
         restarts.append({"t": start["t"], "step": start["step"], "world_size": start["world_size"], "lost": lost,
-                         "from": origin})  # fmt: skip
+                         "from": origin, "step_samples": start.get("step_samples")})  # fmt: skip
     return restarts
 
 

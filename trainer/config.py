@@ -13,12 +13,14 @@ import itertools
 import os
 import tempfile
 import textwrap
-from dataclasses import MISSING, dataclass, fields
+import types
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 from torchspot.trainer import ENV_PREFIX
 from torchspot.trainer.models import MODELS
+from torchspot.trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 
 DATASETS = ("cifar10", "imagenet", "digits")
 OPTIMIZERS = ("sgd", "adamw")
@@ -41,14 +43,32 @@ class TrainConfig:
     """Epochs to train (the run ends after this many, or after --max-steps)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: no limit besides --epochs)."""
+    global_batch_size: int = 0
+    """Samples per optimizer step for the whole group, whatever its size: the optimisation is
+    then the same at any world size (0: use --batch-size per worker instead)."""
+    micro_batch_size: int = 0
+    """Most samples a worker runs forward and backward at once; a step accumulates gradients
+    over as many passes as its share needs (0: the whole share at once). A cap on memory that
+    does not change the optimisation."""
     batch_size: int = 128
-    """Samples per worker per step."""
-    lr: float = 0.1
-    """Peak learning rate (scaled by nothing: set it for the largest world size)."""
+    """Samples per worker per step, used when --global-batch-size is 0: the group's batch then
+    grows and shrinks with the world size, and --lr-scaling says how the learning rate follows."""
+    lr: float | None = None
+    """Peak learning rate for a global batch of --lr-batch samples (default: the data set's
+    reference recipe; see the README)."""
+    lr_batch: int | None = None
+    """The global batch --lr is stated for (default: the data set's reference recipe)."""
+    lr_scaling: str = "linear"
+    """How the peak learning rate follows the step's global batch B: linear (lr x B / lr-batch),
+    sqrt (lr x sqrt(B / lr-batch)) or none (lr as given). Recorded in the checkpoint; a resumed
+    run keeps the recorded rule."""
     optimizer: str = "sgd"
     """sgd (momentum 0.9, Nesterov) or adamw."""
-    weight_decay: float = 5e-4
-    """L2 weight decay."""
+    weight_decay: float | None = None
+    """L2 weight decay (default: the data set's reference recipe)."""
+    sync_bn: bool = False
+    """Batch normalisation over the whole group (SyncBatchNorm; GPUs only). Without it, batch
+    statistics are per worker, so they change with how the global batch is split."""
     schedule: str = "cosine"
     """Learning-rate schedule over the whole run: cosine, step (x0.1 at 50% and 75%), constant."""
     warmup: float = 0.0
@@ -61,6 +81,8 @@ class TrainConfig:
     """Local folder that receives an az:// data set ('' = torchspot-data in the temp folder)."""
     workers: int = 2
     """Data-loading processes per worker (0: load in the training process)."""
+    eval_batch_size: int = 256
+    """Samples per worker per evaluation pass."""
     checkpoint_uri: str = ""
     """Where checkpoints go: a folder, file://..., or az://container/prefix ('' = none)."""
     checkpoint_every: int = 200
@@ -112,8 +134,25 @@ class TrainConfig:
             (self.epochs >= 1, f"--epochs {self.epochs}: must be at least 1"),
             (self.max_steps >= 0, f"--max-steps {self.max_steps}: must be 0 or more"),
             (self.batch_size >= 1, f"--batch-size {self.batch_size}: must be at least 1"),
-            (self.lr > 0, f"--lr {self.lr}: must be greater than 0"),
-            (self.weight_decay >= 0, f"--weight-decay {self.weight_decay}: must be 0 or more"),
+            (
+                self.global_batch_size >= 0,
+                f"--global-batch-size {self.global_batch_size}: must be 0 (off) or more",
+            ),
+            (
+                self.micro_batch_size >= 0,
+                f"--micro-batch-size {self.micro_batch_size}: must be 0 (off) or more",
+            ),
+            (self.lr is None or self.lr > 0, f"--lr {self.lr}: must be greater than 0"),
+            (self.lr_batch is None or self.lr_batch >= 1, f"--lr-batch {self.lr_batch}: must be at least 1"),
+            (
+                self.lr_scaling in LR_SCALINGS,
+                f"--lr-scaling {self.lr_scaling!r}: choose one of {', '.join(LR_SCALINGS)}",
+            ),
+            (
+                self.weight_decay is None or self.weight_decay >= 0,
+                f"--weight-decay {self.weight_decay}: must be 0 or more",
+            ),
+            (self.eval_batch_size >= 1, f"--eval-batch-size {self.eval_batch_size}: must be at least 1"),
             (0 <= self.warmup < 1, f"--warmup {self.warmup}: must be a fraction in [0, 1)"),
             (self.image_size >= 32, f"--image-size {self.image_size}: must be at least 32"),
             (self.workers >= 0, f"--workers {self.workers}: must be 0 or more"),
@@ -152,6 +191,27 @@ class TrainConfig:
             if not ok:
                 raise ValueError(message)
 
+    def recipe(self) -> Recipe:
+        """The data set's reference recipe with this run's --lr, --lr-batch and --weight-decay over it."""
+        base = RECIPES[self.dataset]
+        return replace(
+            base,
+            lr=base.lr if self.lr is None else self.lr,
+            lr_batch=base.lr_batch if self.lr_batch is None else self.lr_batch,
+            weight_decay=base.weight_decay if self.weight_decay is None else self.weight_decay,
+        )
+
+    def batch_rule(self) -> BatchRule:
+        """The batch and learning-rate rule these flags give (a checkpoint's may override it)."""
+        recipe = self.recipe()
+        return BatchRule(
+            global_batch_size=self.global_batch_size,
+            batch_size=self.batch_size,
+            lr=recipe.lr,
+            lr_batch=recipe.lr_batch,
+            lr_scaling=self.lr_scaling,
+        )
+
     def scheduled_events_url(self) -> str | None:
         """The endpoint to poll, or None when the watcher is off."""
         from torchspot.trainer.eviction import SCHEDULED_EVENTS_URL  # noqa: PLC0415
@@ -181,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     A flag's default is TORCHSPOT_<FLAG> from the environment when set (for example
     TORCHSPOT_CHECKPOINT_URI): the operator passes the job's settings that way without
-    rewriting the user's command line, and a flag given on it still wins.
+    rewriting the user's command line, and a flag given on it still wins. A field that may
+    be None (`float | None`) is a flag whose default comes from the data set's recipe; a
+    bool field is an on/off switch (`--sync-bn`, `--no-sync-bn`).
     """
     parser = argparse.ArgumentParser(
         prog="python -m torchspot.trainer",
@@ -195,14 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
         kind: Any = hints[item.name]
         kwargs: dict[str, Any] = {"type": kind, "help": docs.get(item.name, "").replace("%", "%%")}
         from_env = os.environ.get(ENV_PREFIX + item.name.upper())
-        if from_env is not None:  # argparse converts a string default with `type`, as if typed
+        if isinstance(kind, types.UnionType):  # X | None: absent means "the recipe's"
+            kwargs["type"] = next(arg for arg in get_args(kind) if arg is not type(None))
+            if from_env is None:
+                kwargs["default"] = argparse.SUPPRESS  # the dataclass's None; --help shows no "None"
+        if kind is bool:
+            del kwargs["type"]
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = item.default if from_env is None else _switch(flag, from_env)
+        elif from_env is not None:  # argparse converts a string default with `type`, as if typed
             kwargs["default"] = from_env
         elif item.default is MISSING:
             kwargs["required"] = True
-        else:
+        elif "default" not in kwargs:
             kwargs["default"] = item.default
         parser.add_argument(flag, **kwargs)
     return parser
+
+
+def _switch(flag: str, value: str) -> bool:
+    """An on/off flag's value from the environment."""
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise SystemExit(f"{ENV_PREFIX}{flag[2:].upper().replace('-', '_')}={value!r} ({flag}): use true or false")
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:

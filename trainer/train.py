@@ -1,24 +1,36 @@
 """The elastic training loop: DDP ResNet training that survives world-size changes.
 
 One public method, `Trainer.train()`. The topology comes from torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK); every start resumes from the newest state a node kept
-on its own disk as its worker stopped (snapshot.py: a survivor of a lost peer holds the
-last completed step) or, if newer or the only one, the newest committed checkpoint. So
-a membership change (which restarts all workers) costs at most the step in flight
-while any node survives with its state, and an eviction with notice costs none:
+(RANK, WORLD_SIZE, LOCAL_RANK). A newcomer finds each concern in its own module:
 
-- every step all ranks share (one tiny all-gather) whether any of them got an
-  eviction notice; if so, the group stops at that step boundary: the lowest rank whose
-  node leaves writes a synchronous emergency checkpoint to Blob (none when every notice
-  is only an agent restarting its workers: no node leaves, and each node's snapshot
-  carries the state), a worker told by SIGTERM keeps its snapshot and exits without
-  waiting for that checkpoint, a Scheduled Event is approved, and the others hold
-  (pinging each other) until the evicted node is gone and the agent re-forms the group,
-  so no step is run twice;
-- rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps),
-  and reports the last committed step in `latest.json` beside them;
-- the learning rate is a function of the fraction of the run's samples consumed, so
-  it does not jump when the world size (and so the step count) changes.
+- the step loop is `Trainer._train_epoch`, below; one step over a worker's micro-batches
+  (gradient accumulation, the loss weighting) is accumulate.py;
+- the batch rule, learning rate and the data sets' recipes are optim.py; which samples
+  each rank uses in each step is sampler.py (exact-once at any world size);
+- resuming (a node's own snapshot, or Blob) is resume.py;
+- eviction notices: the signals are eviction.py, the group's rules notices.py, and what
+  the group does at a boundary `Trainer._after_step` and `Trainer._evict`, below;
+- evaluation (sharded, interruptible by a notice) is evaluate.py.
+
+Every start resumes from the newest state a node kept on its own disk as its worker
+stopped (snapshot.py: a survivor of a lost peer holds the last completed step) or, if
+newer or the only one, the newest committed checkpoint. So a membership change (which
+restarts all workers) costs at most the step in flight while any node survives with its
+state, and an eviction with notice costs none:
+
+- every step (and every evaluation batch) all ranks share whether any of them got an
+  eviction notice; if so, the group stops at that boundary: the lowest rank whose node
+  leaves writes a synchronous emergency checkpoint to Blob (none when every notice is
+  only an agent restarting its workers: no node leaves, and each node's snapshot carries
+  the state), a worker told by SIGTERM keeps its snapshot and exits without waiting for
+  that checkpoint, a Scheduled Event is approved, and the others hold (pinging each
+  other) until the evicted node is gone and the agent re-forms the group, so no step is
+  run twice;
+- rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps), and
+  reports the last committed step in `latest.json` beside them.
+
+With `--global-batch-size` the run computes the same model whatever happens to its nodes
+(up to the order of floating-point reductions; README, "The same model at any world size").
 """
 
 from __future__ import annotations
@@ -27,113 +39,52 @@ import json
 import logging
 import math
 import os
-import random
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
+from torchspot.trainer.accumulate import train_step
 from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot.trainer.config import TrainConfig, ensure_local_data
 from torchspot.trainer.data import SampleRandom, load_cifar10, load_digits, load_imagenet
+from torchspot.trainer.evaluate import evaluate
 from torchspot.trainer.eviction import (
     EvictionNotice,
-    Notice,
     ScheduledEventsWatcher,
     agent_restarting,
     node_leaving,
     reset_sigterm,
     watch_sigterm,
 )
+from torchspot.trainer.group import Group
 from torchspot.trainer.models import MODELS
+from torchspot.trainer.notices import EXIT_EVICTED, EXIT_FAILED, emergency_saver, notice_level
+from torchspot.trainer.optim import BatchRule, build_optimizer, learning_rate
 from torchspot.trainer.rendezvous.status import CheckpointReporter
+from torchspot.trainer.resume import find_state
 from torchspot.trainer.sampler import ElasticSampler
-from torchspot.trainer.snapshot import Held, LocalSnapshot, choose_source, default_path
+from torchspot.trainer.snapshot import LocalSnapshot, default_path
+from torchspot.trainer.state import rng_state, set_rng_state
 from torchspot.trainer.storage import open_storage
 
 log = logging.getLogger(__name__)
 
-EXIT_EVICTED = 128 + signal.SIGTERM
-"""Exit code of a worker that stopped for SIGTERM after its emergency checkpoint."""
-EXIT_FAILED = 1
-"""Exit code of a worker whose training loop raised (a collective failed: a peer left)."""
-NOTICE_RESTART = 1
-NOTICE_LEAVING = 2
-"""A rank's notice, all-gathered after every step: any notice stops the group at this boundary,
-and the lowest leaving rank, if any, writes the emergency checkpoint (`emergency_saver`)."""
 LEAVE_SAVE_WAIT = 5.0
 """Seconds a leaving rank 0 gives its checkpoint save in flight before it exits. The save
 usually holds the newest step and needs a few seconds more; the survivors' agents re-form
 meanwhile, and a round that completes without this node costs only a worker start-up."""
-
-
-def emergency_saver(levels: list[int]) -> int | None:
-    """The rank that writes the emergency checkpoint: the lowest one whose node leaves, or None
-    when no node leaves (every notice is an agent's restart). Pure."""
-    return next((rank for rank, level in enumerate(levels) if level >= NOTICE_LEAVING), None)
-
-
-def notice_level(notice: Notice | None, *, restarting: bool, leaving: bool) -> int:
-    """A rank's notice level at a step boundary. Pure.
-
-    NOTICE_LEAVING when our agent has marked that the node leaves (`leaving`), notice or not:
-    its SIGTERM may reach us after the other nodes have stopped for their restart, and then
-    nobody would write the emergency checkpoint. Otherwise 0 without a notice, NOTICE_RESTART
-    for our agent's SIGTERM to re-form the group (`restarting`: the node stays), and
-    NOTICE_LEAVING for anything else (the node's eviction, a Scheduled Event).
-    """
-    if leaving:
-        return NOTICE_LEAVING
-    if notice is None:
-        return 0
-    if notice.source == "SIGTERM" and restarting:
-        return NOTICE_RESTART
-    return NOTICE_LEAVING
-
-
-def learning_rate(config: TrainConfig, progress: float) -> float:
-    """The learning rate at `progress` (fraction of the run's samples consumed). Pure."""
-    if config.warmup and progress < config.warmup:
-        return config.lr * progress / config.warmup
-    if config.schedule == "constant":
-        return config.lr
-    if config.schedule == "step":
-        return config.lr * (0.1 ** sum(progress >= m for m in (0.5, 0.75)))
-    span = (progress - config.warmup) / (1 - config.warmup)
-    return config.lr * 0.5 * (1 + math.cos(math.pi * min(span, 1.0)))
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states, in a form `torch.load(weights_only=True)` accepts."""
-    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]
-    return {
-        "python": [*random.getstate()[1], random.getstate()[2]],
-        "python_version": random.getstate()[0],
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2])},
-        "torch": torch.get_rng_state(),
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` captured."""
-    values = state["python"]
-    random.setstate((state["python_version"], tuple(values[:-1]), values[-1]))
-    keys = state["numpy"]["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, state["numpy"]["pos"], 0, 0.0))
-    torch.set_rng_state(state["torch"])
 
 
 def choose_device(flag: str, cuda_available: bool, local_rank: int) -> tuple[torch.device, str]:
@@ -149,7 +100,7 @@ def format_progress(record: dict[str, Any]) -> str:
     line = (
         f"step {record['step']:>7} epoch {record['epoch']:>3} world {record['world_size']} "
         f"loss {record['loss']:.4f} acc {record['accuracy']:.3f} {record['samples_per_s']:.0f} samples/s "
-        f"lr {record['lr']:.4g} ckpt {ckpt if ckpt is not None else '-'}"
+        f"lr {record['lr']:.4g} batch {record['step_samples']} ckpt {ckpt if ckpt is not None else '-'}"
     )
     if record["checkpoint_error"]:
         line += f" CHECKPOINT FAILING: {record['checkpoint_error']}"
@@ -164,6 +115,7 @@ class Progress:
     epoch: int
     world_size: int
     loss: float
+    """Mean loss over every sample of the steps since the last record, the whole group's."""
     accuracy: float
     samples_per_s: float
     lr: float
@@ -172,34 +124,8 @@ class Progress:
     trained_samples: int = 0
     """Samples the run has trained on so far, all epochs counted (redone work not counted
     twice): the measure of progress that does not depend on the world size."""
-
-
-@dataclass
-class _Run:
-    """What one training run holds between steps."""
-
-    model: nn.Module
-    ddp: nn.Module
-    optimizer: torch.optim.Optimizer
-    sampler: ElasticSampler
-    train_set: Dataset[Any]
-    test_set: Dataset[Any]
-    total_samples: int
-
-
-@dataclass
-class _Window:
-    """Sums over the steps since the last progress record (this rank's share)."""
-
-    started: float
-    loss: float = 0.0
-    correct: float = 0.0
-    samples: int = 0
-
-    def add(self, loss: float, correct: float, samples: int) -> None:
-        self.loss += loss
-        self.correct += correct
-        self.samples += samples
+    step_samples: int = 0
+    """Samples a full optimizer step averages over (the global batch)."""
 
 
 def process_age() -> float:
@@ -247,6 +173,67 @@ class _Collate:
         return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
 
 
+def _reset_sigterm_in_loader(_worker: int) -> None:
+    """A DataLoader worker leaves SIGTERM to the training process (eviction.reset_sigterm)."""
+    reset_sigterm()
+
+
+def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
+    """Why `--sync-bn` cannot run on `device`, or None. Pure.
+
+    torch's SyncBatchNorm runs its statistics' all-reduce only on GPUs; on CPU its forward pass
+    raises. Said before training starts instead of at the first step."""
+    if sync_bn and device.type != "cuda":
+        return "--sync-bn needs GPUs (torch's SyncBatchNorm does not run on CPU); drop it on CPU nodes"
+    return None
+
+
+def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
+    """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
+    torch.manual_seed(config.seed)
+    model: nn.Module = MODELS[config.model](classes)
+    if config.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+    return model.to(device)
+
+
+@dataclass
+class _Run:
+    """What one training run holds between steps."""
+
+    model: nn.Module
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    sampler: ElasticSampler
+    rule: BatchRule
+    train_set: Dataset[Any]
+    test_set: Dataset[Any]
+    total_samples: int
+    evaluated: tuple[int, float] = (-1, math.nan)
+    """(step, top-1 accuracy) of the last completed evaluation."""
+
+
+@dataclass
+class _Window:
+    """Sums over the steps since the last progress record (this rank's share; on the device,
+    read only when the record is made)."""
+
+    device: torch.device
+    started: float = field(default_factory=time.perf_counter)
+    loss: torch.Tensor = field(init=False)
+    correct: torch.Tensor = field(init=False)
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.correct = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int) -> None:
+        self.loss += loss
+        self.correct += correct
+        self.samples += samples
+
+
 class Trainer:
     """Trains `config.model` on `config.dataset` under torchrun; see the module docstring."""
 
@@ -281,39 +268,9 @@ class Trainer:
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
-    # -- set-up ---------------------------------------------------------------------
-
-    def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
-        config = self.config
-        if config.dataset == "digits":
-            train, test = load_digits(seed=0)
-            return train, test, 10
-        path = ensure_local_data(config)
-        if config.dataset == "cifar10":
-            train, test = load_cifar10(path)
-            return train, test, 10
-        train_folder, val_folder = load_imagenet(path, config.image_size)
-        return train_folder, val_folder, len(train_folder.classes)
-
-    def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
-        """Print one event line (and append it to --events-file): rank 0's, or any rank's
-        with `any_rank` (an event only that rank sees)."""
-        if self.rank != 0 and not any_rank:
-            return
-        record = {"t": time.time(), **record}
-        line = json.dumps(record)
-        print(line, flush=True)
-        if self.config.events_file:
-            with open(self.config.events_file, "a") as out:  # one O_APPEND write per record
-                out.write(line + "\n")
-        if sys.stderr.isatty():
-            text = format_progress(record) if record.get("event") == "progress" else f"[torchspot] {line}"
-            print(text, file=sys.stderr, flush=True)
-
-    def _on_checkpoint(self, report: SaveReport) -> None:
-        self._emit({"event": "checkpoint", **asdict(report)})
-        if report.ok and self._reporter is not None and self.manager is not None:
-            self._reporter.report(report.step, f"{self.manager.storage.describe().rstrip('/')}/{step_dir(report.step)}")
+    @property
+    def group(self) -> Group:
+        return Group(self.rank, self.world, self.device)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -333,6 +290,242 @@ class Trainer:
             self._finish_save_in_flight()
             _leave(EXIT_FAILED)
 
+    def _train(self) -> dict[str, Any]:
+        run = self._setup()
+        self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+                    "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
+                    "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
+                    "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
+        while True:
+            # An epoch's end is evaluated once: also when a notice interrupted its evaluation.
+            if run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step:
+                self._evaluate(run, epoch=run.sampler.epoch - 1)
+            if run.sampler.epoch >= self.config.epochs or self._step_limit_reached():
+                break
+            self._train_epoch(run)
+        if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
+            self._evaluate(run, epoch=run.sampler.epoch)
+        if self.manager is not None and self.rank == 0:
+            self.manager.wait()
+            if self.manager.last_committed != self.step:
+                self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+            self.manager.close()
+        summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+                   "test_accuracy": run.evaluated[1]}  # fmt: skip
+        if self._snapshot is not None:
+            self._snapshot.remove()
+            self._snapshot = None  # the run is over: nothing to carry to a next round
+        self._emit(summary)
+        self._shutdown()
+        return summary
+
+    def _train_epoch(self, run: _Run) -> None:
+        """Train on the rest of the current epoch (or until --max-steps): the step loop."""
+        sampler = run.sampler
+        epoch = sampler.epoch
+        if isinstance(run.train_set, SampleRandom):  # before the loader forks its workers, which inherit it
+            run.train_set.set_epoch(epoch, self.config.seed)
+        plans = list(sampler.epoch_steps(self.rank, self.world))
+        batches = self._loader(run.train_set, [part for plan in plans for part in plan])
+        window = _Window(self.device)
+        for plan in plans:
+            lr = self._set_learning_rate(run)
+            step_samples = len(sampler.step_chunk(self.world))
+            loss, correct = train_step(
+                run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
+                device=self.device, before_update=self._begin_update,
+            )  # fmt: skip
+            sampler.advance(self.world)
+            self.step += 1
+            self._updating = False
+            window.add(loss, correct, step_samples)
+            if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
+                self._log_progress(run, window, lr)
+                window = _Window(self.device)
+            self._after_step(run)
+            if self._step_limit_reached():
+                break
+
+    def _set_learning_rate(self, run: _Run) -> float:
+        """Set the scheduled learning rate for the next step (a function of samples consumed)."""
+        progress = _trained(run.sampler) / run.total_samples
+        lr = learning_rate(
+            run.rule.peak_lr(self.world), schedule=self.config.schedule, warmup=self.config.warmup, progress=progress
+        )
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _begin_update(self) -> None:
+        self._updating = True
+
+    def _step_limit_reached(self) -> bool:
+        return bool(self.config.max_steps) and self.step >= self.config.max_steps
+
+    def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
+        """Sum the window's loss and accuracy over the group, and emit one progress record."""
+        loss, correct = self.group.sums([window.loss, window.correct])
+        samples = max(window.samples, 1)
+        record = Progress(
+            step=self.step,
+            epoch=run.sampler.epoch,
+            world_size=self.world,
+            loss=loss / samples,
+            accuracy=correct / samples,
+            samples_per_s=window.samples / max(time.perf_counter() - window.started, 1e-9),
+            lr=lr,
+            checkpoint_step=self.manager.last_committed if self.manager else None,
+            checkpoint_error=self.manager.last_error if self.manager else None,
+            trained_samples=_trained(run.sampler),
+            step_samples=run.rule.step_batch(self.world),
+        )
+        self._emit({"event": "progress", **asdict(record)})
+        if self._tensorboard is not None:
+            for key in ("loss", "accuracy", "samples_per_s", "lr"):
+                self._tensorboard.add_scalar(key, getattr(record, key), self.step)
+
+    def _evaluate(self, run: _Run, *, epoch: int) -> None:
+        """Evaluate on the test set (sharded; a notice between batches stops the group as after
+        a step), record the result in the state and emit it."""
+        accuracy = evaluate(
+            run.model, run.test_set, self.group, batch_size=self.config.eval_batch_size,
+            workers=self.config.workers, collate=_Collate(run.test_set[0][0].shape),
+            worker_init=_reset_sigterm_in_loader, between=partial(self._agree_on_notices, run),
+        )  # fmt: skip
+        run.evaluated = (self.step, accuracy)
+        self._emit({"event": "eval", "step": self.step, "epoch": epoch, "accuracy": accuracy})
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def _setup(self) -> _Run:
+        """Process group, data, model, optimizer; then resume and start the side channels."""
+        config = self.config
+        self.setup_seconds["process"] = process_age()
+        lap = _lap(self.setup_seconds)
+        refusal = sync_bn_refusal(config.sync_bn, self.device)
+        if refusal:
+            raise ValueError(refusal)
+        dist.init_process_group(self.backend, timeout=timedelta(minutes=10))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        lap("group")
+        train_set, test_set, classes = self._datasets()
+        lap("data")
+        model = build_model(config, classes, self.device)
+        rule = config.batch_rule()
+        run = _Run(
+            model=model,
+            ddp=DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
+            optimizer=build_optimizer(
+                model, config.optimizer, lr=rule.peak_lr(self.world), weight_decay=config.recipe().weight_decay
+            ),
+            sampler=ElasticSampler(
+                len(train_set),  # type: ignore[arg-type]
+                rule.batch_size,
+                seed=config.seed,
+                global_batch=rule.global_batch_size,
+                micro_batch=config.micro_batch_size,
+            ),
+            rule=rule,
+            train_set=train_set,
+            test_set=test_set,
+            total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
+        )
+        if config.checkpoint_uri:
+            if self.rank == 0:
+                self._reporter = CheckpointReporter.from_environment()
+            reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
+            saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
+            self.manager = CheckpointManager(
+                reopen(),
+                CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
+                on_report=self._on_checkpoint,
+                reopen=reopen if saves_in_child else None,
+            )
+            lap("model")
+            mine = self._snapshot.read() if self._snapshot is not None else None
+            self.resumed_from, state = find_state(self.group, self.manager, mine)
+            if state is not None:
+                self._load(run, state)
+            self._base = self.step
+            lap("resume")
+        self._run = run
+        url = config.scheduled_events_url()
+        if url:
+            self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
+        if config.tensorboard and self.rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            except ImportError as exc:
+                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
+            self._tensorboard = SummaryWriter(config.tensorboard)
+        return run
+
+    def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
+        config = self.config
+        if config.dataset == "digits":
+            train, test = load_digits(seed=0)
+            return train, test, 10
+        path = ensure_local_data(config)
+        if config.dataset == "cifar10":
+            train, test = load_cifar10(path)
+            return train, test, 10
+        train_folder, val_folder = load_imagenet(path, config.image_size)
+        return train_folder, val_folder, len(train_folder.classes)
+
+    def _loader(self, dataset: Dataset[Any], batches: list[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches `batches`, loaded in order by --workers processes."""
+        loader = DataLoader(
+            dataset,
+            batch_sampler=batches,
+            num_workers=self.config.workers,
+            collate_fn=_Collate(dataset[0][0].shape),
+            worker_init_fn=_reset_sigterm_in_loader,
+            pin_memory=self.device.type == "cuda",
+        )
+        return iter(loader)
+
+    # -- state ----------------------------------------------------------------------
+
+    def _state(self, run: _Run) -> dict[str, Any]:
+        return {
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "sampler": run.sampler.state_dict(),
+            "step": self.step,
+            "rng": rng_state(),
+            "batch_rule": run.rule.state_dict(),
+            "evaluated": {"step": run.evaluated[0], "accuracy": run.evaluated[1]},
+        }
+
+    def _load(self, run: _Run, state: dict[str, Any]) -> None:
+        """Take over a resumed state. The batch and learning-rate rule it recorded wins over the
+        flags: it is what makes the resumed run the same run (a changed flag is reported)."""
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        if "batch_rule" in state:  # checkpoints from before the rule was recorded used the flags
+            recorded = BatchRule.from_state(state["batch_rule"])
+            changed = run.rule.differences(recorded)
+            if changed:
+                self._emit({"event": "settings_from_checkpoint",
+                            "kept": {key: theirs for key, (_, theirs) in changed.items()},
+                            "ignored_flags": {key: ours for key, (ours, _) in changed.items()}})  # fmt: skip
+            run.rule = recorded
+            run.sampler.global_batch, run.sampler.batch_size = recorded.global_batch_size, recorded.batch_size
+        evaluated = state.get("evaluated", {"step": self.step, "accuracy": math.nan})
+        run.evaluated = (int(evaluated["step"]), float(evaluated["accuracy"]))
+
+    def _meta(self, sampler: ElasticSampler) -> dict[str, Any]:
+        return {
+            "epoch": sampler.epoch,
+            "world_size": self.world,
+            "samples_in_epoch": sampler.consumed,
+        }
+
     def _keep_snapshot(self) -> None:
         """Leave this node's state at the last completed step for the next round (snapshot.py).
 
@@ -351,216 +544,27 @@ class Trainer:
         if took is not None:
             log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, self.step, took)
 
-    def _before_stuck_exit(self) -> None:
-        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
-        SIGTERM watcher: the main thread waits inside the collective, its state at the last
-        completed step, so the snapshot is taken from here."""
-        self._keep_snapshot()
-        self._finish_save_in_flight()
-
-    def _finish_save_in_flight(self) -> None:
-        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
-        if self.manager is None:
-            return
-        self.manager.wait(LEAVE_SAVE_WAIT)
-        if self.manager.in_flight is not None:
-            log.warning("leaving with the save of step %d unfinished", self.manager.in_flight)
-
-    def _train(self) -> dict[str, Any]:
-        run = self._setup()
-        self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
-                    "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
-                    "resumed_from": self.resumed_from,
-                    "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
-        accuracy = float("nan")
-        evaluated_at = -1
-        while run.sampler.epoch < self.config.epochs and not self._step_limit_reached():
-            epoch = run.sampler.epoch
-            self._train_epoch(run)
-            if run.sampler.consumed == 0:
-                accuracy, evaluated_at = self._evaluate(run.model, run.test_set), self.step
-                self._emit({"event": "eval", "step": self.step, "epoch": epoch, "accuracy": accuracy})
-        if evaluated_at != self.step:  # stopped mid-epoch (--max-steps)
-            accuracy = self._evaluate(run.model, run.test_set)
-            self._emit({"event": "eval", "step": self.step, "epoch": run.sampler.epoch, "accuracy": accuracy})
-        if self.manager is not None and self.rank == 0:
-            self.manager.wait()
-            if self.manager.last_committed != self.step:
-                self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
-            self.manager.close()
-        summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
-                   "test_accuracy": accuracy}  # fmt: skip
-        if self._snapshot is not None:
-            self._snapshot.remove()
-            self._snapshot = None  # the run is over: nothing to carry to a next round
-        self._emit(summary)
-        self._shutdown()
-        return summary
-
-    def _step_limit_reached(self) -> bool:
-        return bool(self.config.max_steps) and self.step >= self.config.max_steps
-
-    def _setup(self) -> _Run:
-        """Process group, data, model, optimizer; then resume and start the side channels."""
-        config = self.config
-        self.setup_seconds["process"] = process_age()
-        lap = _lap(self.setup_seconds)
-        dist.init_process_group(self.backend, timeout=timedelta(minutes=10))
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        torch.manual_seed(config.seed)
-        lap("group")
-        train_set, test_set, classes = self._datasets()
-        lap("data")
-        model: nn.Module = MODELS[config.model](classes).to(self.device)
-        run = _Run(
-            model=model,
-            ddp=DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
-            optimizer=self._optimizer(model),
-            sampler=ElasticSampler(len(train_set), config.batch_size, seed=config.seed),  # type: ignore[arg-type]
-            train_set=train_set,
-            test_set=test_set,
-            total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
-        )
-        if config.checkpoint_uri:
-            if self.rank == 0:
-                self._reporter = CheckpointReporter.from_environment()
-            reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
-            saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
-            self.manager = CheckpointManager(
-                reopen(),
-                CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
-                on_report=self._on_checkpoint,
-                reopen=reopen if saves_in_child else None,
-            )
-            lap("model")
-            self._resume(run)
-            lap("resume")
-        self._run = run
-        url = config.scheduled_events_url()
-        if url:
-            self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
-        if config.tensorboard and self.rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-            except ImportError as exc:
-                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
-            self._tensorboard = SummaryWriter(config.tensorboard)
-        return run
-
-    def _train_epoch(self, run: _Run) -> None:
-        """Train on the rest of the current epoch (or until --max-steps)."""
-        sampler = run.sampler
-        epoch = sampler.epoch
-        window = _Window(started=time.perf_counter())
-        if isinstance(run.train_set, SampleRandom):  # before the loader forks its workers, which inherit it
-            run.train_set.set_epoch(epoch, self.config.seed)
-        sample_shape = run.train_set[0][0].shape
-        for inputs, labels in self._batches(run.train_set, sampler, sample_shape):
-            lr = learning_rate(self.config, (epoch * sampler.length + sampler.consumed) / run.total_samples)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            chunk = len(sampler.step_chunk(self.world))
-            loss, correct = self._step(run, inputs.to(self.device), labels.to(self.device), chunk)
-            sampler.advance(self.world)
-            self.step += 1
-            self._updating = False
-            window.add(loss, correct, chunk)
-            self._after_step(run)
-            if self.step % self.config.log_every == 0:
-                self._log_progress(run, window, lr)
-                window = _Window(started=time.perf_counter())
-            if self._step_limit_reached():
-                break
-
-    def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
-        """All-reduce the window's loss and accuracy, and emit one progress record."""
-        totals = torch.tensor([window.loss, window.correct], dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
-        samples = max(window.samples, 1)
-        record = Progress(
-            step=self.step,
-            epoch=run.sampler.epoch,
-            world_size=self.world,
-            loss=float(totals[0]) / samples,
-            accuracy=float(totals[1]) / samples,
-            samples_per_s=window.samples / max(time.perf_counter() - window.started, 1e-9),
-            lr=lr,
-            checkpoint_step=self.manager.last_committed if self.manager else None,
-            checkpoint_error=self.manager.last_error if self.manager else None,
-            trained_samples=_trained(run.sampler),
-        )
-        self._emit({"event": "progress", **asdict(record)})
-        if self._tensorboard is not None:
-            for key in ("loss", "accuracy", "samples_per_s", "lr"):
-                self._tensorboard.add_scalar(key, getattr(record, key), self.step)
-
-    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        if self.config.optimizer == "adamw":
-            return torch.optim.AdamW(model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
-        return torch.optim.SGD(
-            model.parameters(),
-            lr=self.config.lr,
-            momentum=0.9,
-            nesterov=True,
-            weight_decay=self.config.weight_decay,
-        )
-
-    def _batches(
-        self, dataset: Dataset[Any], sampler: ElasticSampler, sample_shape: torch.Size
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        loader = DataLoader(
-            dataset,
-            batch_sampler=list(sampler.epoch_batches(self.rank, self.world)),
-            num_workers=self.config.workers,
-            collate_fn=_Collate(sample_shape),
-            worker_init_fn=lambda _: reset_sigterm(),
-            pin_memory=self.device.type == "cuda",
-        )
-        yield from loader
-
-    def _step(self, run: _Run, inputs: torch.Tensor, labels: torch.Tensor, chunk: int) -> tuple[float, float]:
-        """One optimizer step. The loss is scaled so that DDP's average over ranks equals
-        the mean over the step's `chunk` samples, even when ranks hold unequal shares."""
-        run.ddp.train()
-        run.optimizer.zero_grad(set_to_none=True)
-        logits = run.ddp(inputs)
-        summed = nn.functional.cross_entropy(logits, labels, reduction="sum")
-        (summed * self.world / chunk).backward()  # type: ignore[no-untyped-call]
-        self._updating = True
-        run.optimizer.step()
-        correct = float((logits.argmax(1) == labels).sum()) if len(labels) else 0.0
-        return float(summed.detach()), correct
-
-    def _state(self, run: _Run) -> dict[str, Any]:
-        return {
-            "model": run.model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "sampler": run.sampler.state_dict(),
-            "step": self.step,
-            "rng": rng_state(),
-        }
-
-    def _meta(self, sampler: ElasticSampler) -> dict[str, Any]:
-        return {
-            "epoch": sampler.epoch,
-            "world_size": self.world,
-            "samples_in_epoch": sampler.consumed,
-        }
+    # -- notices and checkpoints at a boundary -----------------------------------------
 
     def _after_step(self, run: _Run) -> None:
         """Agree on eviction notices, and checkpoint on schedule."""
-        self.notice.step_boundary()
-        noticed = [level for (level,) in self._gather_ints([self._notice_level()])]
-        if self.notice.is_set():
-            self.notice.acknowledged.set()
-        if any(noticed):
-            self._evict(run, saver=emergency_saver(noticed))
+        if self._agree_on_notices(run):
             return
         every = self.config.checkpoint_every
         if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
             self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
+
+    def _agree_on_notices(self, run: _Run) -> bool:
+        """Share every rank's notice level (all ranks call this at the same boundary); on any
+        notice, stop the group here (`_evict`). True when there was one."""
+        self.notice.step_boundary()
+        noticed = [level for (level,) in self.group.gather_ints([self._notice_level()])]
+        if self.notice.is_set():
+            self.notice.acknowledged.set()
+        if not any(noticed):
+            return False
+        self._evict(run, saver=emergency_saver(noticed))
+        return True
 
     def _notice_level(self) -> int:
         """notice_level from our notice and our agent's markers (the restart marker is read only
@@ -570,7 +574,7 @@ class Trainer:
         return notice_level(notice, restarting=restarting, leaving=node_leaving())
 
     def _evict(self, run: _Run, *, saver: int | None) -> None:
-        """Emergency checkpoint at this step boundary, then leave (or hold) without training on.
+        """Emergency checkpoint at this boundary, then leave (or hold) without training on.
 
         Rank `saver` (a leaving one: its grace period covers it) writes the checkpoint to Blob;
         nobody does when every notice is an agent's restart (a node joins or a peer is lost, no
@@ -611,89 +615,42 @@ class Trainer:
             self._watcher.stop()
         _leave(EXIT_EVICTED)
 
-    def _resume(self, run: _Run) -> None:
-        """Resume from the newest node-local snapshot a rank holds, else from the newest committed
-        checkpoint; rank 0 chooses, so all ranks load the same state."""
-        assert self.manager is not None
-        mine = self._snapshot.read() if self._snapshot is not None else None
-        held = self._gather_held(None if mine is None else mine[0])
-        choice = torch.tensor([-1, -1], dtype=torch.long, device=self.device)  # [snapshot source, step]
-        loaded = None
-        if self.rank == 0:
-            committed = self.manager.latest_step() if any(held) else None
-            picked = choose_source(held, committed)
-            if picked is not None:
-                choice[0], choice[1] = picked[0], picked[1].step
-                self.manager.last_committed = committed
-            else:
-                loaded = self.manager.load_latest()
-                choice[1] = -1 if loaded is None else loaded.step
-        dist.broadcast(choice, src=0)
-        source, step = int(choice[0]), int(choice[1])
-        if source >= 0:
-            self._load(run, self._state_from(source, held, mine))
-            self.resumed_from = "snapshot"
-        elif step >= 0:
-            if self.rank != 0:
-                loaded = self.manager.load_step(step)
-            if loaded is None:
-                raise RuntimeError(f"rank {self.rank}: checkpoint step {step} chosen by rank 0 is not readable here")
-            self._load(run, loaded.state)
-            self.manager.last_committed = self.step
-            self.resumed_from = "checkpoint"
-        self._base = self.step
+    def _before_stuck_exit(self) -> None:
+        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
+        SIGTERM watcher: the main thread waits inside the collective, its state at the last
+        completed step, so the snapshot is taken from here."""
+        self._keep_snapshot()
+        self._finish_save_in_flight()
 
-    def _gather_ints(self, row: list[int]) -> list[list[int]]:
-        """Every rank's `row` (the same length on all), by rank: one all-gather and one copy
-        to the host (this runs after every step)."""
-        mine = torch.tensor(row, dtype=torch.long, device=self.device)
-        rows = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine)
-        gathered: list[list[int]] = torch.stack(rows).tolist()
-        return gathered
+    def _finish_save_in_flight(self) -> None:
+        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
+        if self.manager is None:
+            return
+        self.manager.wait(LEAVE_SAVE_WAIT)
+        if self.manager.in_flight is not None:
+            log.warning("leaving with the save of step %d unfinished", self.manager.in_flight)
 
-    def _gather_held(self, mine: Held | None) -> list[Held | None]:
-        """Every rank's snapshot (base and step), by rank."""
-        rows = self._gather_ints([0, 0, 0] if mine is None else [1, mine.base, mine.step])
-        return [Held(base, step) if has else None for has, base, step in rows]
+    # -- output ---------------------------------------------------------------------
 
-    def _state_from(
-        self, source: int, held: list[Held | None], mine: tuple[Held, dict[str, Any]] | None
-    ) -> dict[str, Any]:
-        """The chosen snapshot's state: this rank's own copy when it holds the same one, else the
-        source's, sent over the process group (only when some rank lacks it: a joining node;
-        every rank knows from `held` whether one does)."""
-        chosen = held[source]
-        state = mine[1] if mine is not None and mine[0] == chosen else None
-        if any(h != chosen for h in held):
-            box: list[Any] = [state if self.rank == source else None]
-            dist.broadcast_object_list(box, src=source)
-            state = state if state is not None else box[0]
-        assert state is not None
-        return state
+    def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
+        """Print one event line (and append it to --events-file): rank 0's, or any rank's
+        with `any_rank` (an event only that rank sees)."""
+        if self.rank != 0 and not any_rank:
+            return
+        record = {"t": time.time(), **record}
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.config.events_file:
+            with open(self.config.events_file, "a") as out:  # one O_APPEND write per record
+                out.write(line + "\n")
+        if sys.stderr.isatty():
+            text = format_progress(record) if record.get("event") == "progress" else f"[torchspot] {line}"
+            print(text, file=sys.stderr, flush=True)
 
-    def _load(self, run: _Run, state: dict[str, Any]) -> None:
-        run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
-        run.sampler.load_state_dict(state["sampler"])
-        set_rng_state(state["rng"])
-        self.step = int(state["step"])
-
-    def _evaluate(self, model: nn.Module, test_set: Dataset[Any]) -> float:
-        """Top-1 accuracy over the whole test set, each rank scoring every world-th sample."""
-        model.eval()
-        indices = list(range(self.rank, len(test_set), self.world))  # type: ignore[arg-type]
-        correct = total = 0
-        with torch.no_grad():
-            for start in range(0, len(indices), 256):
-                items = [test_set[i] for i in indices[start : start + 256]]
-                inputs = torch.stack([x for x, _ in items]).to(self.device)
-                labels = torch.tensor([y for _, y in items], device=self.device)
-                correct += int((model(inputs).argmax(1) == labels).sum())
-                total += len(items)
-        counts = torch.tensor([correct, total], dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts)
-        return float(counts[0] / counts[1])
+    def _on_checkpoint(self, report: SaveReport) -> None:
+        self._emit({"event": "checkpoint", **asdict(report)})
+        if report.ok and self._reporter is not None and self.manager is not None:
+            self._reporter.report(report.step, f"{self.manager.storage.describe().rstrip('/')}/{step_dir(report.step)}")
 
     def _shutdown(self) -> None:
         if self._reporter is not None:

@@ -31,6 +31,7 @@ def test_steps_lost_and_goodput_count_only_redone_work() -> None:
     assert [r["lost"] for r in report.restarts] == [0, 2, 0]
     assert report.steps_lost == 2
     assert report.final_step == 20
+    assert "samples per step     -" in report.summary()  # the starts here predate step_samples
     # Kept: steps 2-8 of the first group (7 s; step 1 has no earlier line to time it), 10-12 and 14-20 (3 s + 7 s).
     assert report.useful_seconds == pytest.approx(17.0)
     assert report.wall_seconds == 49.0
@@ -48,3 +49,17 @@ def test_operator_events_are_placed_on_the_runs_clock() -> None:
     assert report.timeline == [
         {"t": 30.0, "kind": "k8s", "text": "Warning Evicted: worker pod w-1 on spot-2: node is gone"}
     ]
+
+
+def test_the_report_says_what_a_step_was() -> None:
+    def starts(*sizes: int) -> list[dict[str, Any]]:
+        return [{"t": 10.0 * i, "event": "start", "step": i, "world_size": 2, "step_samples": size}
+                for i, size in enumerate(sizes)]  # fmt: skip
+
+    def line(events: list[dict[str, Any]]) -> str:
+        report = build_report(job="j", submitted=0.0, status={"phase": "Running"}, timeline=[], api_events=[],
+                              trainer_events=events, checkpoints=[], agent_errors=[])  # fmt: skip
+        return next(x for x in report.summary().splitlines() if x.startswith("samples per step"))
+
+    assert line(starts(48, 48, 48)).endswith("48 (the same at every world size)")
+    assert line(starts(48, 32, 48)).endswith("48 -> 32 -> 48 (per-worker batches: changed with the world size)")

@@ -30,8 +30,8 @@ def _small_job(tmp: Path) -> Path:
     """The demo job with smaller steps, so the market's events fall inside the run on 2 cores."""
     job = yaml.safe_load(DEMO_JOB.read_text())
     container = job["spec"]["template"]["spec"]["containers"][0]
-    args = [a for a in container["args"] if not a.startswith(("--epochs", "--batch-size"))]
-    container["args"] = [*args, "--batch-size=4", "--epochs=100", f"--max-steps={STEPS}"]
+    args = [a for a in container["args"] if not a.startswith(("--epochs", "--global-batch-size"))]
+    container["args"] = [*args, "--global-batch-size=12", "--epochs=100", f"--max-steps={STEPS}"]
     job["spec"]["checkpoint"]["intervalSteps"] = 5
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))

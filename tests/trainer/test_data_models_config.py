@@ -22,17 +22,10 @@ from torchspot.trainer.data import (
 )
 from torchspot.trainer.eviction import Notice
 from torchspot.trainer.models import SmallCNN, resnet18, resnet50
-from torchspot.trainer.train import (
-    NOTICE_LEAVING,
-    NOTICE_RESTART,
-    choose_device,
-    emergency_saver,
-    format_progress,
-    learning_rate,
-    notice_level,
-    rng_state,
-    set_rng_state,
-)
+from torchspot.trainer.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
+from torchspot.trainer.optim import RECIPES, BatchRule, learning_rate
+from torchspot.trainer.state import rng_state, set_rng_state
+from torchspot.trainer.train import build_model, choose_device, format_progress, sync_bn_refusal
 
 
 def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
@@ -210,12 +203,75 @@ def test_notice_level_says_leaving_when_the_agent_marked_the_node_leaving(
 
 
 def test_learning_rate_schedules() -> None:
-    config = TrainConfig(data="x", lr=1.0, warmup=0.1)
-    assert learning_rate(config, 0.05) == pytest.approx(0.5)
-    assert learning_rate(config, 0.1) == pytest.approx(1.0)
-    assert learning_rate(config, 1.0) == pytest.approx(0.0, abs=1e-9)
-    step = TrainConfig(data="x", lr=1.0, schedule="step")
-    assert [learning_rate(step, p) for p in (0.2, 0.6, 0.8)] == pytest.approx([1.0, 0.1, 0.01])
+    assert learning_rate(1.0, schedule="cosine", warmup=0.1, progress=0.05) == pytest.approx(0.5)
+    assert learning_rate(1.0, schedule="cosine", warmup=0.1, progress=0.1) == pytest.approx(1.0)
+    assert learning_rate(1.0, schedule="cosine", warmup=0.1, progress=1.0) == pytest.approx(0.0, abs=1e-9)
+    steps = [learning_rate(1.0, schedule="step", warmup=0.0, progress=p) for p in (0.2, 0.6, 0.8)]
+    assert steps == pytest.approx([1.0, 0.1, 0.01])
+
+
+@pytest.mark.parametrize(
+    ("scaling", "world", "peak"),
+    [("none", 4, 0.1), ("linear", 1, 0.05), ("linear", 4, 0.2), ("sqrt", 8, 0.2), ("sqrt", 2, 0.1)],
+)
+def test_per_worker_batches_scale_the_learning_rate_by_the_chosen_rule(scaling: str, world: int, peak: float) -> None:
+    """lr 0.1 is stated for 256 samples; 128 per worker gives 128 x world per step."""
+    rule = BatchRule(global_batch_size=0, batch_size=128, lr=0.1, lr_batch=256, lr_scaling=scaling)
+    assert rule.peak_lr(world) == pytest.approx(peak)
+
+
+@pytest.mark.parametrize("scaling", ["none", "linear", "sqrt"])
+def test_a_global_batch_gives_one_learning_rate_at_every_world_size(scaling: str) -> None:
+    rule = BatchRule(global_batch_size=1024, batch_size=128, lr=0.1, lr_batch=256, lr_scaling=scaling)
+    assert len({rule.peak_lr(world) for world in (1, 2, 3, 8)}) == 1
+    assert {rule.step_batch(world) for world in (1, 3, 8)} == {1024}
+    assert BatchRule.from_state(rule.state_dict()) == rule
+
+
+def test_the_data_sets_reference_recipes_are_the_defaults() -> None:
+    imagenet = TrainConfig(data="x", dataset="imagenet", model="resnet50")
+    assert (imagenet.recipe().lr, imagenet.recipe().lr_batch, imagenet.recipe().weight_decay) == (0.1, 256, 1e-4)
+    assert TrainConfig(data="x", dataset="cifar10").recipe().weight_decay == 5e-4
+    mine = TrainConfig(data="x", dataset="imagenet", lr=0.2, weight_decay=5e-5, lr_batch=512)
+    assert (mine.recipe().lr, mine.recipe().lr_batch, mine.recipe().weight_decay) == (0.2, 512, 5e-5)
+    assert all(recipe.source for recipe in RECIPES.values())
+
+
+def test_recipe_flags_parse_with_no_default_of_their_own(capsys: pytest.CaptureFixture[str]) -> None:
+    config = parse_config(["--dataset", "imagenet", "--data", "d", "--lr", "0.4", "--sync-bn"])
+    assert (config.lr, config.weight_decay, config.lr_batch, config.sync_bn) == (0.4, None, None, True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    shown = capsys.readouterr().out
+    assert "(default: None)" not in shown.split("--lr LR", 1)[1].split("--optimizer", 1)[0]
+    for bad, flag in [("--lr-scaling=cube", "--lr-scaling"), ("--global-batch-size=-1", "--global-batch-size"),
+                      ("--micro-batch-size=-2", "--micro-batch-size"), ("--lr-batch=0", "--lr-batch")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_config(["--dataset", "digits", "--data", "", bad])
+        assert flag in capsys.readouterr().err
+
+
+def test_sync_bn_converts_every_batch_norm_and_is_refused_on_cpu() -> None:
+    config = TrainConfig(data="x", model="resnet18", sync_bn=True)
+    model = build_model(config, 10, torch.device("cpu"))
+    kinds = {type(m) for m in model.modules()}
+    assert torch.nn.SyncBatchNorm in kinds
+    assert torch.nn.BatchNorm2d not in kinds
+    refusal = sync_bn_refusal(True, torch.device("cpu"))
+    assert refusal is not None
+    assert "--sync-bn" in refusal
+    assert sync_bn_refusal(True, torch.device("cuda", 0)) is None
+    assert sync_bn_refusal(False, torch.device("cpu")) is None
+
+
+def test_model_initialisation_is_the_same_on_every_rank() -> None:
+    """Every rank builds the model from --seed, whatever its RNG did before."""
+    config = TrainConfig(data="x", dataset="digits", model="small_cnn", seed=4)
+    first = build_model(config, 10, torch.device("cpu"))
+    torch.rand(1000)  # another rank's generator has moved on
+    second = build_model(config, 10, torch.device("cpu"))
+    for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_rng_state_roundtrips_through_a_safe_load(tmp_path: Path) -> None:
@@ -245,10 +301,10 @@ def test_backend_follows_the_device(flag: str, cuda: bool, want: tuple[str, str]
 def test_progress_line_for_a_terminal() -> None:
     record = {
         "step": 1200, "epoch": 3, "world_size": 2, "loss": 0.51234, "accuracy": 0.8766, "samples_per_s": 1530.2,
-        "lr": 0.0125, "checkpoint_step": 1000, "checkpoint_error": None,
+        "lr": 0.0125, "checkpoint_step": 1000, "checkpoint_error": None, "step_samples": 512,
     }  # fmt: skip
     line = format_progress(record)
-    assert line == "step    1200 epoch   3 world 2 loss 0.5123 acc 0.877 1530 samples/s lr 0.0125 ckpt 1000"
+    assert line == "step    1200 epoch   3 world 2 loss 0.5123 acc 0.877 1530 samples/s lr 0.0125 batch 512 ckpt 1000"
     failing = format_progress({**record, "checkpoint_error": "step 1200: blob unreachable"})
     assert failing.endswith("CHECKPOINT FAILING: step 1200: blob unreachable")
 

@@ -54,12 +54,42 @@ def test_epochs_use_different_orders_and_batches_match_indices() -> None:
     first = sampler.step_chunk(2)
     sampler.epoch = 1
     assert sampler.step_chunk(2) != first
-    batches = list(sampler.epoch_batches(1, 2))
-    assert batches[0] == sampler.rank_indices(1, 2)
-    assert len(batches) == sampler.steps_left_in_epoch(2)
+    steps = list(sampler.epoch_steps(1, 2))
+    assert steps[0] == [sampler.rank_indices(1, 2)]
+    assert len(steps) == sampler.steps_left_in_epoch(2)
 
 
 def test_refuses_a_checkpoint_from_another_data_set() -> None:
     state = ElasticSampler(100, batch_size=4).state_dict()
     with pytest.raises(ValueError, match="100 samples"):
         ElasticSampler(90, batch_size=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_a_global_batch_uses_the_same_samples_per_step_at_any_world_size(world: int) -> None:
+    """With --global-batch-size every step of the group takes the same indices, however many
+    ranks share them: the steps of a 1-rank and a 5-rank run are the same sets of samples."""
+    alone = ElasticSampler(100, batch_size=999, seed=3, global_batch=24)
+    group = ElasticSampler(100, batch_size=999, seed=3, global_batch=24)
+    for _ in range(alone.steps_left_in_epoch(1)):
+        dealt = [i for rank in range(world) for i in group.rank_indices(rank, world)]
+        assert sorted(dealt) == sorted(alone.step_chunk(1))
+        assert alone.advance(1) == group.advance(world)
+    assert (group.epoch, group.consumed) == (1, 0)
+    assert group.steps_left_in_epoch(world) == 5  # 24, 24, 24, 24 and a short 4
+
+
+@pytest.mark.parametrize(("chunk", "world", "micro"), [(24, 3, 3), (24, 5, 2), (4, 3, 1), (7, 2, 0), (2, 4, 3)])
+def test_micro_batches_cover_the_share_once_in_the_same_count_on_every_rank(chunk: int, world: int, micro: int) -> None:
+    sampler = ElasticSampler(chunk, batch_size=1, global_batch=chunk, micro_batch=micro)
+    plans = [sampler.micro_batches(rank, world) for rank in range(world)]
+    assert len({len(plan) for plan in plans}) == 1  # every rank runs as many passes
+    for rank, plan in enumerate(plans):
+        assert [i for part in plan for i in part] == sampler.rank_indices(rank, world)
+        if micro:
+            assert max(len(part) for part in plan) <= micro
+        else:
+            assert len(plan) == 1
+    counts = Counter(i for plan in plans for part in plan for i in part)
+    assert sorted(counts) == sorted(sampler.step_chunk(world))
+    assert set(counts.values()) == {1}

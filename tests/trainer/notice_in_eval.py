@@ -1,0 +1,62 @@
+"""The training program, with a test set that holds its evaluation at one sample until the
+node is told to go: a notice that arrives in the middle of an evaluation at a point the
+test chooses, instead of one raced against a clock.
+
+When sample NOTICE_AT_SAMPLE is loaded (by the rank whose share holds it), this writes the
+node's name to NOTICE_MARK and waits (60 s at most) for the SIGTERM the test then sends the
+node's agent, as the kubelet does on eviction; nothing else about the trainer changes. Only
+the first evaluation is held: the mark stays, and later ones pass.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from torchspot.trainer import train
+from torchspot.trainer.__main__ import main
+from torchspot.trainer.data import TensorImages, load_digits
+
+
+class NoticeAt(Dataset[Any]):
+    """`inner`, holding at sample `index` until this process gets SIGTERM (see the module)."""
+
+    def __init__(self, inner: TensorImages, index: int, mark: Path) -> None:
+        self.inner, self.index, self.mark = inner, index, mark
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.index and not self.mark.exists():
+            got: list[int] = []
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def chained(signum: int, frame: FrameType | None) -> None:
+                got.append(signum)
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(signal.SIGTERM, chained)
+            self.mark.write_text(os.environ.get("TORCHSPOT_NODE", "?"))
+            deadline = time.monotonic() + 60
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)  # interrupted by the signal, whose handler fills `got`
+        return self.inner[index]
+
+
+def _digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorImages, Dataset[Any]]:
+    train_set, test_set = load_digits(test_fraction, seed)
+    return train_set, NoticeAt(test_set, int(os.environ["NOTICE_AT_SAMPLE"]), Path(os.environ["NOTICE_MARK"]))
+
+
+if __name__ == "__main__":
+    train.load_digits = _digits  # type: ignore[attr-defined,assignment]
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Gradient accumulation gives the optimizer the same step as one pass over the whole batch,
+and sharded evaluation counts every test sample once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from torchspot.trainer.accumulate import train_step
+from torchspot.trainer.evaluate import eval_batches
+from torchspot.trainer.models import SmallCNN
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[None]:
+    """A real one-process gloo group (DDP needs one)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _step(inputs: torch.Tensor, labels: torch.Tensor, cuts: list[int]) -> tuple[dict[str, torch.Tensor], float]:
+    torch.manual_seed(0)
+    model = SmallCNN(10)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    parts = [(inputs[a:b], labels[a:b]) for a, b in zip([0, *cuts], [*cuts, len(labels)], strict=True)]
+    loss, _ = train_step(
+        ddp, optimizer, iter(parts), passes=len(parts), step_samples=len(labels), world=1, device=torch.device("cpu")
+    )
+    return {k: v.clone() for k, v in model.state_dict().items()}, float(loss)
+
+
+@pytest.mark.usefixtures("group")
+def test_micro_batches_of_uneven_sizes_make_the_same_step_as_one_pass() -> None:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(11, 1, 8, 8, generator=generator)
+    labels = torch.randint(0, 10, (11,), generator=generator)
+    whole, whole_loss = _step(inputs, labels, [])
+    cut, cut_loss = _step(inputs, labels, [3, 4, 8])  # 3, 1, 4 and 3 samples
+    assert cut_loss == pytest.approx(whole_loss, rel=1e-6)
+    for name, tensor in whole.items():
+        assert torch.allclose(cut[name], tensor, atol=1e-6), name
+    # The step moved the parameters: an accumulation that dropped a pass would not match.
+    torch.manual_seed(0)
+    untouched = SmallCNN(10).state_dict()
+    assert any(not torch.equal(untouched[k], whole[k]) for k in whole)
+    dropped, _ = _step(inputs[:8], labels[:8], [3, 4])
+    assert any(not torch.allclose(dropped[k], whole[k], atol=1e-6) for k in whole)
+
+
+@pytest.mark.parametrize(("length", "world", "size"), [(450, 3, 64), (10, 4, 256), (7, 3, 2)])
+def test_evaluation_shards_cover_the_test_set_once_in_equal_batch_counts(length: int, world: int, size: int) -> None:
+    plans = [eval_batches(length, rank, world, size) for rank in range(world)]
+    assert len({len(plan) for plan in plans}) == 1  # the notice all-gathers between batches line up
+    seen = sorted(i for plan in plans for batch in plan for i in batch)
+    assert seen == list(range(length))
+    assert max(len(batch) for plan in plans for batch in plan) <= size

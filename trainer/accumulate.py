@@ -1,0 +1,58 @@
+"""One optimizer step over a worker's micro-batches: the gradient is the exact mean over
+the step's samples, whatever the world size and however the share is cut.
+
+DDP averages gradients over ranks (divides the all-reduced sum by the world size), so a
+rank's micro-batch contributes `sum of its losses x world / samples in the step`; summed
+over micro-batches and averaged over ranks that is the mean over the step's samples even
+when they do not divide evenly (a short last step, uneven shares). Gradients of all but
+the last micro-batch accumulate locally under `no_sync`, and the last backward pass
+all-reduces them once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def train_step(
+    ddp: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    passes: int,
+    step_samples: int,
+    world: int,
+    device: torch.device,
+    before_update: Callable[[], None] = lambda: None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
+
+    `before_update` runs between the last gradient all-reduce and the optimizer's step: from
+    then until the caller counts the step, the model is between two states. Returns this
+    rank's summed loss and correct predictions as device tensors (read them at log time:
+    no host synchronisation per step).
+    """
+    ddp.train()  # type: ignore[no-untyped-call]
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    scale = world / max(step_samples, 1)
+    for index in range(passes):
+        inputs, labels = next(batches)
+        inputs = inputs.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        last = index == passes - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            logits = ddp(inputs)
+            summed = nn.functional.cross_entropy(logits, labels, reduction="sum")
+            (summed * scale).backward()  # type: ignore[no-untyped-call]
+        loss_sum += summed.detach()
+        correct += (logits.detach().argmax(1) == labels).sum()
+    before_update()
+    optimizer.step()
+    return loss_sum, correct

@@ -1,0 +1,60 @@
+"""Evaluation, sharded over the group and interruptible by an eviction notice.
+
+Each rank scores its share of the test set (every world-th sample) through a DataLoader,
+and the counts are summed over the group. Before each batch `between` runs on every rank
+(the trainer agrees on eviction notices there, an all-gather), so a notice that arrives
+while an ImageNet validation runs (minutes, about the length of a spot notice) takes the
+emergency-checkpoint path at once instead of after it. Every rank runs the same number of
+batches (sampler.split_share), which keeps those all-gathers in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchspot.trainer.group import Group
+from torchspot.trainer.sampler import split_share
+
+
+def eval_batches(length: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """`rank`'s batches of a test set of `length` samples; the same count on every rank. Pure."""
+    return split_share(list(range(length)), rank, world, batch_size)
+
+
+def evaluate(
+    model: nn.Module,
+    dataset: Dataset[Any],
+    group: Group,
+    *,
+    batch_size: int,
+    workers: int,
+    collate: Callable[[list[tuple[torch.Tensor, int]]], tuple[torch.Tensor, torch.Tensor]],
+    worker_init: Callable[[int], None],
+    between: Callable[[], object],
+) -> float:
+    """Top-1 accuracy over the whole of `dataset` (every rank gets the same value)."""
+    batches = eval_batches(len(dataset), group.rank, group.world, batch_size)  # type: ignore[arg-type]
+    loader = DataLoader(
+        dataset,
+        batch_sampler=batches,
+        num_workers=workers,
+        collate_fn=collate,
+        worker_init_fn=worker_init,
+        pin_memory=group.device.type == "cuda",
+    )
+    model.eval()
+    correct = torch.zeros((), dtype=torch.long, device=group.device)
+    total = torch.zeros((), dtype=torch.long, device=group.device)
+    with torch.no_grad():
+        for inputs, labels in loader:
+            between()
+            logits = model(inputs.to(group.device, non_blocking=True))
+            correct += (logits.argmax(1) == labels.to(group.device, non_blocking=True)).sum()
+            total += len(labels)
+    right, seen = group.sums([correct, total])
+    return right / max(seen, 1)
