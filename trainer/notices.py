@@ -1,4 +1,5 @@
-"""The rules for an eviction notice at a step boundary (pure; the trainer acts on them).
+"""What the group does with an eviction notice at a step boundary: the rules (pure) and
+`NoticeStop`, which carries them out.
 
 Every step all ranks share their notice level (one tiny all-gather); any notice stops
 the group at that boundary, and the lowest rank whose node leaves writes the emergency
@@ -7,9 +8,22 @@ checkpoint. The same agreement runs before every evaluation batch.
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import NoReturn
 
-from torchspot.trainer.eviction import Notice
+import torch
+import torch.distributed as dist
+
+from torchspot.trainer.checkpoint import SaveReport
+from torchspot.trainer.eviction import EvictionNotice, Notice, ScheduledEventsWatcher, agent_restarting, node_leaving
+from torchspot.trainer.group import Group
+
+log = logging.getLogger(__name__)
 
 EXIT_EVICTED = 128 + signal.SIGTERM
 """Exit code of a worker that stopped for SIGTERM after its emergency checkpoint."""
@@ -43,3 +57,97 @@ def notice_level(notice: Notice | None, *, restarting: bool, leaving: bool) -> i
     if notice.source == "SIGTERM" and restarting:
         return NOTICE_RESTART
     return NOTICE_LEAVING
+
+
+def leave(code: int) -> NoReturn:
+    """Exit now with `code`, our output flushed: no interpreter shutdown to wait on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class NoticeStop:
+    """Shares notices at each boundary and stops the group on one (`at_boundary`).
+
+    :param notice: this worker's notice (SIGTERM, Scheduled Events).
+    :param hold: seconds the staying ranks wait for the leaving node (--notice-hold).
+    :param emit: the trainer's event output (`any_rank=True` for an event only this rank sees).
+    :param keep_snapshot: leave this node's state for the next round (the trainer's snapshot).
+    """
+
+    def __init__(
+        self,
+        notice: EvictionNotice,
+        *,
+        hold: float,
+        emit: Callable[..., None],
+        keep_snapshot: Callable[[], None],
+    ) -> None:
+        self.notice = notice
+        self.hold = hold
+        self.emit = emit
+        self.keep_snapshot = keep_snapshot
+        self.watcher: ScheduledEventsWatcher | None = None
+        """The Scheduled Events poller, when on: its event is approved once the checkpoint is safe."""
+
+    def level(self) -> int:
+        """notice_level from our notice and our agent's markers (the restart marker is read only
+        for a SIGTERM; the leaving marker at every boundary, a file check of microseconds)."""
+        notice = self.notice.notice if self.notice.is_set() else None
+        restarting = notice is not None and notice.source == "SIGTERM" and agent_restarting()
+        return notice_level(notice, restarting=restarting, leaving=node_leaving())
+
+    def at_boundary(self, group: Group, *, step: int, save: Callable[[], SaveReport] | None) -> bool:
+        """Share every rank's notice level (all ranks call this at the same boundary); on any
+        notice stop the group here (`stop`) and return True. `save` writes the emergency
+        checkpoint of this boundary's state (None: no checkpoints in this run)."""
+        self.notice.step_boundary()
+        noticed = [level for (level,) in group.gather_ints([self.level()])]
+        if self.notice.is_set():
+            self.notice.acknowledged.set()
+        if not any(noticed):
+            return False
+        self.stop(group, step=step, save=save if group.rank == emergency_saver(noticed) else None)
+        return True
+
+    def stop(self, group: Group, *, step: int, save: Callable[[], SaveReport] | None) -> None:
+        """Emergency checkpoint at this boundary, then leave (or hold) without training on.
+
+        The saver (a leaving rank: its grace period covers it) writes the checkpoint to Blob;
+        nobody does when every notice is an agent's restart (a node joins or a peer is lost, no
+        node of ours leaves): each node's snapshot carries the state to the next round. A rank
+        that got its own SIGTERM, or whose agent marked its node leaving, leaves without waiting
+        for the checkpoint (its snapshot holds the same step), so the nodes that stay re-form
+        while the leaving one writes.
+        """
+        if save is not None:
+            report = save()
+            self.emit({"event": "emergency_checkpoint", "step": step, "ok": report.ok, "rank": group.rank,
+                       "seconds": round(report.seconds, 3)}, any_rank=True)  # fmt: skip
+        notice = self.notice.notice
+        if (notice is not None and notice.source == "SIGTERM") or node_leaving():
+            self.keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
+            self.exit_evicted()
+        self.notice.parked = True  # our agent's SIGTERM (the leaving node is gone) ends us at once
+        dist.barrier()  # everyone knows the checkpoint is committed
+        if notice is not None and notice.event_id and self.watcher is not None:
+            self.watcher.approve(notice.event_id)
+        # Hold: ping the group until the evicted node is gone (the ping then fails and
+        # the agent re-forms the group), or until the hold passes (a false alarm).
+        deadline = time.monotonic() + self.hold
+        ping = torch.zeros(1, device=group.device)
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            dist.all_reduce(ping)
+            if self.notice.is_set() and self.notice.notice and self.notice.notice.source == "SIGTERM":
+                self.keep_snapshot()
+                self.exit_evicted()
+        self.emit({"event": "notice_expired", "step": step, "held_s": self.hold})
+        self.notice.parked = False
+        self.notice.clear()
+
+    def exit_evicted(self) -> NoReturn:
+        """Leave at once after the emergency checkpoint; peers see our sockets close."""
+        if self.watcher is not None:
+            self.watcher.stop()
+        leave(EXIT_EVICTED)

@@ -92,10 +92,15 @@ class BatchRule:
         """The rule a checkpoint recorded."""
         return cls(**{key: state[key] for key in ("global_batch_size", "batch_size", "lr", "lr_batch", "lr_scaling")})
 
-    def differences(self, other: BatchRule) -> dict[str, tuple[Any, Any]]:
-        """{field: (ours, other's)} for every field that differs."""
-        ours, theirs = self.state_dict(), other.state_dict()
-        return {key: (ours[key], theirs[key]) for key in ours if ours[key] != theirs[key]}
+    def resumed(self, recorded: dict[str, Any] | None) -> tuple[BatchRule, dict[str, tuple[Any, Any]]]:
+        """The rule a resumed run follows, and {field: (flag's value, recorded value)} for the
+        flags it ignores. The recorded rule wins: it is what makes the resumed run the same
+        run. A checkpoint from before rules were recorded (None) leaves the flags' rule."""
+        if recorded is None:
+            return self, {}
+        kept = BatchRule.from_state(recorded)
+        ours, theirs = self.state_dict(), kept.state_dict()
+        return kept, {key: (ours[key], theirs[key]) for key in ours if ours[key] != theirs[key]}
 
 
 def learning_rate(peak: float, *, schedule: str, warmup: float, progress: float) -> float:

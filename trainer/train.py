@@ -8,8 +8,9 @@ One public method, `Trainer.train()`. The topology comes from torchrun's environ
 - the batch rule, learning rate and the data sets' recipes are optim.py; which samples
   each rank uses in each step is sampler.py (exact-once at any world size);
 - resuming (a node's own snapshot, or Blob) is resume.py;
-- eviction notices: the signals are eviction.py, the group's rules notices.py, and what
-  the group does at a boundary `Trainer._after_step` and `Trainer._evict`, below;
+- eviction notices: the signals are eviction.py; the group's rules and what it does at a
+  boundary (emergency checkpoint, leave or hold) are notices.py, called from
+  `Trainer._after_step` and between evaluation batches;
 - evaluation (sharded, interruptible by a notice) is evaluate.py.
 
 Every start resumes from the newest state a node kept on its own disk as its worker
@@ -47,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,14 +64,12 @@ from torchspot.trainer.evaluate import evaluate
 from torchspot.trainer.eviction import (
     EvictionNotice,
     ScheduledEventsWatcher,
-    agent_restarting,
-    node_leaving,
     reset_sigterm,
     watch_sigterm,
 )
 from torchspot.trainer.group import Group
 from torchspot.trainer.models import MODELS
-from torchspot.trainer.notices import EXIT_EVICTED, EXIT_FAILED, emergency_saver, notice_level
+from torchspot.trainer.notices import EXIT_FAILED, NoticeStop, leave
 from torchspot.trainer.optim import BatchRule, build_optimizer, learning_rate
 from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.resume import find_state
@@ -136,13 +135,6 @@ def process_age() -> float:
     except (OSError, IndexError, ValueError):
         return 0.0
     return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
-
-
-def _leave(code: int) -> NoReturn:
-    """Exit now with `code`, our output flushed: no interpreter shutdown to wait on."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _lap(clock: dict[str, float]) -> Callable[[str], None]:
@@ -240,6 +232,7 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.notice = EvictionNotice()
+        self.stop = NoticeStop(self.notice, hold=config.notice_hold, emit=self._emit, keep_snapshot=self._keep_snapshot)
         self._sigterm_thread = watch_sigterm(
             self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._before_stuck_exit
         )
@@ -249,7 +242,6 @@ class Trainer:
         self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
         self.step = 0
         self._tensorboard: Any = None
-        self._watcher: ScheduledEventsWatcher | None = None
         self.manager: CheckpointManager | None = None
         self._reporter: CheckpointReporter | None = None
         self.setup_seconds: dict[str, float] = {}
@@ -288,7 +280,7 @@ class Trainer:
             log.exception("rank %d: training stopped at step %d", self.rank, self.step)
             self._keep_snapshot()
             self._finish_save_in_flight()
-            _leave(EXIT_FAILED)
+            leave(EXIT_FAILED)
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
@@ -453,7 +445,7 @@ class Trainer:
         self._run = run
         url = config.scheduled_events_url()
         if url:
-            self._watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
+            self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
         if config.tensorboard and self.rank == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
@@ -507,15 +499,12 @@ class Trainer:
         run.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
-        if "batch_rule" in state:  # checkpoints from before the rule was recorded used the flags
-            recorded = BatchRule.from_state(state["batch_rule"])
-            changed = run.rule.differences(recorded)
-            if changed:
-                self._emit({"event": "settings_from_checkpoint",
-                            "kept": {key: theirs for key, (_, theirs) in changed.items()},
-                            "ignored_flags": {key: ours for key, (ours, _) in changed.items()}})  # fmt: skip
-            run.rule = recorded
-            run.sampler.global_batch, run.sampler.batch_size = recorded.global_batch_size, recorded.batch_size
+        run.rule, ignored = run.rule.resumed(state.get("batch_rule"))
+        if ignored:
+            self._emit({"event": "settings_from_checkpoint",
+                        "kept": {key: recorded for key, (_, recorded) in ignored.items()},
+                        "ignored_flags": {key: flag for key, (flag, _) in ignored.items()}})  # fmt: skip
+        run.sampler.global_batch, run.sampler.batch_size = run.rule.global_batch_size, run.rule.batch_size
         evaluated = state.get("evaluated", {"step": self.step, "accuracy": math.nan})
         run.evaluated = (int(evaluated["step"]), float(evaluated["accuracy"]))
 
@@ -544,10 +533,10 @@ class Trainer:
         if took is not None:
             log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, self.step, took)
 
-    # -- notices and checkpoints at a boundary -----------------------------------------
+    # -- at a boundary --------------------------------------------------------------
 
     def _after_step(self, run: _Run) -> None:
-        """Agree on eviction notices, and checkpoint on schedule."""
+        """Agree on eviction notices (notices.py), and checkpoint on schedule."""
         if self._agree_on_notices(run):
             return
         every = self.config.checkpoint_every
@@ -555,65 +544,12 @@ class Trainer:
             self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
 
     def _agree_on_notices(self, run: _Run) -> bool:
-        """Share every rank's notice level (all ranks call this at the same boundary); on any
-        notice, stop the group here (`_evict`). True when there was one."""
-        self.notice.step_boundary()
-        noticed = [level for (level,) in self.group.gather_ints([self._notice_level()])]
-        if self.notice.is_set():
-            self.notice.acknowledged.set()
-        if not any(noticed):
-            return False
-        self._evict(run, saver=emergency_saver(noticed))
-        return True
-
-    def _notice_level(self) -> int:
-        """notice_level from our notice and our agent's markers (the restart marker is read only
-        for a SIGTERM; the leaving marker at every boundary, a file check of microseconds)."""
-        notice = self.notice.notice if self.notice.is_set() else None
-        restarting = notice is not None and notice.source == "SIGTERM" and agent_restarting()
-        return notice_level(notice, restarting=restarting, leaving=node_leaving())
-
-    def _evict(self, run: _Run, *, saver: int | None) -> None:
-        """Emergency checkpoint at this boundary, then leave (or hold) without training on.
-
-        Rank `saver` (a leaving one: its grace period covers it) writes the checkpoint to Blob;
-        nobody does when every notice is an agent's restart (a node joins or a peer is lost, no
-        node of ours leaves): each node's snapshot carries the state to the next round. A rank
-        that got its own SIGTERM, or whose agent marked its node leaving, leaves without waiting
-        for the checkpoint (its snapshot holds the same step), so the nodes that stay re-form
-        while the leaving one writes.
-        """
-        if self.manager is not None and self.rank == saver:
-            report = self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
-            self._emit({"event": "emergency_checkpoint", "step": self.step, "ok": report.ok, "rank": self.rank,
-                        "seconds": round(report.seconds, 3)}, any_rank=True)  # fmt: skip
-        notice = self.notice.notice
-        if (notice is not None and notice.source == "SIGTERM") or node_leaving():
-            self._keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
-            self._exit_evicted()
-        self.notice.parked = True  # our agent's SIGTERM (the leaving node is gone) ends us at once
-        dist.barrier()  # everyone knows the checkpoint is committed
-        if notice is not None and notice.event_id and self._watcher is not None:
-            self._watcher.approve(notice.event_id)
-        # Hold: ping the group until the evicted node is gone (the ping then fails and
-        # the agent re-forms the group), or until notice_hold passes (a false alarm).
-        deadline = time.monotonic() + self.config.notice_hold
-        ping = torch.zeros(1, device=self.device)
-        while time.monotonic() < deadline:
-            time.sleep(0.2)
-            dist.all_reduce(ping)
-            if self.notice.is_set() and self.notice.notice and self.notice.notice.source == "SIGTERM":
-                self._keep_snapshot()
-                self._exit_evicted()
-        self._emit({"event": "notice_expired", "step": self.step, "held_s": self.config.notice_hold})
-        self.notice.parked = False
-        self.notice.clear()
-
-    def _exit_evicted(self) -> None:
-        """Leave at once after the emergency checkpoint; peers see our sockets close."""
-        if self._watcher is not None:
-            self._watcher.stop()
-        _leave(EXIT_EVICTED)
+        """NoticeStop.at_boundary with this boundary's emergency checkpoint; True after a notice."""
+        manager = self.manager
+        save = (
+            None if manager is None else lambda: manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+        )
+        return self.stop.at_boundary(self.group, step=self.step, save=save)
 
     def _before_stuck_exit(self) -> None:
         """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
@@ -655,8 +591,8 @@ class Trainer:
     def _shutdown(self) -> None:
         if self._reporter is not None:
             self._reporter.close()
-        if self._watcher is not None:
-            self._watcher.stop()
+        if self.stop.watcher is not None:
+            self.stop.watcher.stop()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if dist.is_initialized():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import tarfile
 from pathlib import Path
@@ -226,6 +227,26 @@ def test_a_global_batch_gives_one_learning_rate_at_every_world_size(scaling: str
     assert len({rule.peak_lr(world) for world in (1, 2, 3, 8)}) == 1
     assert {rule.step_batch(world) for world in (1, 3, 8)} == {1024}
     assert BatchRule.from_state(rule.state_dict()) == rule
+
+
+def test_a_resumed_run_keeps_the_rule_its_checkpoint_recorded_and_names_the_flags_it_ignores() -> None:
+    """Per-worker batches with linear scaling, recorded at 4 workers and resumed at 2 with other
+    flags: the recorded rule scales the learning rate to the new world size."""
+    recorded = BatchRule(global_batch_size=0, batch_size=64, lr=0.1, lr_batch=256, lr_scaling="linear")
+    flags = BatchRule(global_batch_size=0, batch_size=32, lr=0.1, lr_batch=256, lr_scaling="none")
+    rule, ignored = flags.resumed(torch.load(_saved(recorded.state_dict()), weights_only=True))
+    assert rule == recorded
+    assert ignored == {"batch_size": (32, 64), "lr_scaling": ("none", "linear")}
+    assert rule.peak_lr(2) == pytest.approx(0.05)
+    assert flags.resumed(None) == (flags, {})  # a checkpoint from before rules were recorded
+    assert recorded.resumed(recorded.state_dict()) == (recorded, {})
+
+
+def _saved(state: dict[str, object]) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def test_the_data_sets_reference_recipes_are_the_defaults() -> None:

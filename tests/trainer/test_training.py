@@ -29,13 +29,15 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 8
 GLOBAL_BATCH = 48
-TOLERANCE = 5e-5
+TOLERANCE = 5e-4
 """Largest difference allowed between a parameter of the fixed and of the elastic run: float32
-reduction order only. Measured: 2.8e-6 (fixed 3 nodes against 3 -> 2 -> 1 -> 3 nodes); about 18x
-that, so a real change of the optimisation (0.35 with per-worker batches) cannot pass."""
-LOSS_TOLERANCE = 5e-5
-"""Largest relative difference allowed between the losses two runs log for one step (measured:
-4.8e-6)."""
+reduction order only. Measured on this configuration (largest parameter 0.92): the fixed run
+on 1 node against the fixed run on 3 nodes, every step summed in another order, 1.0e-4; the
+fixed 3-node run against 3 -> 2 -> 1 -> 3, 2.8e-6. Five times the larger, and still 700
+times below what per-worker batches through the same failures change (0.35)."""
+LOSS_TOLERANCE = 5e-4
+"""Largest relative difference allowed between the losses two runs log for one step (measured
+as above: 7.7e-5 between 1 and 3 fixed nodes, 4.8e-6 between the fixed and elastic runs)."""
 
 
 def _job(tmp: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, *, nnodes: str = "1:3", **extra: str) -> JobConfig:
