@@ -13,7 +13,7 @@ run keeps the recorded one (`BatchRule.from_state`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -90,7 +90,7 @@ class BatchRule:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> BatchRule:
         """The rule a checkpoint recorded."""
-        return cls(**{key: state[key] for key in ("global_batch_size", "batch_size", "lr", "lr_batch", "lr_scaling")})
+        return cls(**{item.name: state[item.name] for item in fields(cls)})
 
     def resumed(self, recorded: dict[str, Any] | None) -> tuple[BatchRule, dict[str, tuple[Any, Any]]]:
         """The rule a resumed run follows, and {field: (flag's value, recorded value)} for the

@@ -72,6 +72,10 @@ class ElasticSampler:
         self._cache = (self.epoch, order)
         return order
 
+    def next_step_samples(self, world: int) -> int:
+        """Samples the next step uses: a full step, or what is left of the epoch."""
+        return min(self.step_size(world), self.length - self.consumed)
+
     def step_chunk(self, world: int) -> list[int]:
         """The global indices the next step uses (all ranks together)."""
         order = self._order()
@@ -90,7 +94,7 @@ class ElasticSampler:
 
         Rolls over to the next epoch when the permutation is used up.
         """
-        used = min(self.step_size(world), self.length - self.consumed)
+        used = self.next_step_samples(world)
         self.consumed += used
         if self.consumed >= self.length:
             self.epoch += 1

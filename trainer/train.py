@@ -322,7 +322,7 @@ class Trainer:
         window = _Window(self.device)
         for plan in plans:
             lr = self._set_learning_rate(run)
-            step_samples = len(sampler.step_chunk(self.world))
+            step_samples = sampler.next_step_samples(self.world)
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
                 device=self.device, before_update=self._begin_update,
