@@ -1,0 +1,87 @@
+"""The float32 reduction-order error of a fixed global batch: one configuration on 1, 2 and 3 nodes.
+
+With `--global-batch-size` the same run computes the same model at any world size, up
+to the order in which sums are added (per-worker partial sums, the all-reduce). This
+measures that order's effect when every step is affected: the configuration of
+tests/trainer/test_training.py (digits, small_cnn, 48 samples per step, 8 epochs, real
+agents, etcd and Azurite) on a group that never changes, at 1, 2 and 3 nodes. The
+largest parameter difference and the largest relative difference between the losses
+logged for one step, against the 3-node run, are what that test's tolerance is set from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from torchspot.lab.azurite import Azurite
+from torchspot.lab.etcd import EtcdServer
+from torchspot.lab.local import JobConfig, LocalNode, read_events
+from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager
+from torchspot.trainer.storage import open_storage
+
+PROGRAM = [
+    "-m", "torchspot.trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "", "--epochs", "8",
+    "--global-batch-size", "48", "--lr", "0.05", "--lr-scaling", "none", "--optimizer", "sgd", "--seed", "0",
+    "--workers", "0", "--log-every", "1", "--checkpoint-every", "10", "--scheduled-events", "off",
+]  # fmt: skip
+"""tests/trainer/test_training.py's configuration (without its eviction settings)."""
+
+
+def _run(root: Path, etcd: EtcdServer, blob: Azurite, nodes: int) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
+    """Train on `nodes` fixed nodes; the final parameters and each step's logged loss."""
+    workdir = root / f"fixed-{nodes}"
+    events = workdir / "train-events.jsonl"
+    uri = f"az://ckpt/fixed-{nodes}"
+    job = JobConfig(
+        workdir=workdir, backend="etcd-v3", endpoint=etcd.endpoint, run_id=f"equivalence-{nodes}",
+        nnodes=f"{nodes}:{nodes}", extra_env=blob.env(),
+        program=[*PROGRAM, "--checkpoint-uri", uri, "--events-file", str(events)],
+    )  # fmt: skip
+    started = time.monotonic()
+    group = [LocalNode(f"n{i}", job) for i in range(nodes)]
+    for node in group:
+        node.start()
+    codes = [node.wait(600) for node in group]
+    if codes != [0] * nodes:
+        raise SystemExit(f"{nodes} nodes: exit codes {codes}; see {workdir}")
+    print(f"  {nodes} node(s): {time.monotonic() - started:.0f} s", flush=True)
+    loaded = CheckpointManager(open_storage(uri, blob.env()), CheckpointConfig()).load_latest()
+    assert loaded is not None
+    losses = {e["step"]: e["loss"] for e in read_events(events) if e.get("event") == "progress"}
+    return {name: t.double() for name, t in loaded.state["model"].items()}, losses
+
+
+def main() -> None:
+    """Run the configuration on 3, 2 and 1 nodes and print the differences from the 3-node run."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/equivalence.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="torchspot-equivalence-") as tmp:
+        root = Path(tmp)
+        with EtcdServer(root / "etcd") as etcd, Azurite(root / "azurite") as blob:
+            runs = {nodes: _run(root, etcd, blob, nodes) for nodes in (3, 2, 1)}
+    reference, reference_losses = runs[3]
+    largest = max(float(t.abs().max()) for t in reference.values())
+    rows = []
+    print(f"\nAgainst the 3-node run (largest parameter {largest:.2f}):")
+    for nodes in (2, 1):
+        params, losses = runs[nodes]
+        if sorted(losses) != sorted(reference_losses):
+            raise SystemExit(f"{nodes} nodes logged other steps than 3 nodes")
+        difference = max(float((params[k] - reference[k]).abs().max()) for k in reference)
+        loss = max(abs(losses[s] - reference_losses[s]) / reference_losses[s] for s in reference_losses)
+        rows.append({"nodes": nodes, "parameter_difference": difference, "relative_loss_difference": loss})
+        print(f"  {nodes} node(s): largest parameter difference {difference:.2g}, "
+              f"largest relative loss difference {loss:.2g} over {len(losses)} steps")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"largest_parameter": largest, "against_3_nodes": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
