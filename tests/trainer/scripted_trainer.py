@@ -1,0 +1,87 @@
+"""The training program with two hooks a test turns on through the environment; nothing
+else about the trainer changes, and neither hook changes what it computes.
+
+- STEP_PACE (seconds): each optimizer step takes at least this long, the wait taken
+  before the step begins (the state is whole then). Steps at one node take 40 ms here,
+  a joining node 10-20 s: paced, a run lasts long enough for a test's schedule of
+  failures and joins to happen inside it.
+- NOTICE_AT_SAMPLE and NOTICE_MARK: when the test set's sample NOTICE_AT_SAMPLE is loaded
+  (by the rank whose share holds it), write the node's name to NOTICE_MARK and wait (60 s
+  at most) for the SIGTERM the test then sends the node's agent, as the kubelet does on
+  eviction: a notice that arrives in the middle of an evaluation at a point the test
+  chooses, instead of one raced against a clock. Only the first evaluation is held: the
+  mark stays, and later ones pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from torchspot.trainer import train
+from torchspot.trainer.__main__ import main
+from torchspot.trainer.data import TensorImages, load_digits
+
+
+class NoticeAt(Dataset[Any]):
+    """`inner`, holding at sample `index` until this process gets SIGTERM (see the module)."""
+
+    def __init__(self, inner: TensorImages, index: int, mark: Path) -> None:
+        self.inner, self.index, self.mark = inner, index, mark
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        if index == self.index and not self.mark.exists():
+            got: list[int] = []
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def chained(signum: int, frame: FrameType | None) -> None:
+                got.append(signum)
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(signal.SIGTERM, chained)
+            self.mark.write_text(os.environ.get("TORCHSPOT_NODE", "?"))
+            deadline = time.monotonic() + 60
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)  # interrupted by the signal, whose handler fills `got`
+        return self.inner[index]
+
+
+def _digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorImages, Dataset[Any]]:
+    train_set, test_set = load_digits(test_fraction, seed)
+    return train_set, NoticeAt(test_set, int(os.environ["NOTICE_AT_SAMPLE"]), Path(os.environ["NOTICE_MARK"]))
+
+
+def _paced(step: Callable[..., Any], pace: float) -> Callable[..., Any]:
+    """`step`, started no sooner than `pace` seconds after the previous one started."""
+    last = [0.0]
+
+    @functools.wraps(step)
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        wait = last[0] + pace - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # pacing the workload, not waiting for a condition
+        last[0] = time.monotonic()
+        return step(*args, **kwargs)
+
+    return paced
+
+
+if __name__ == "__main__":
+    if "NOTICE_AT_SAMPLE" in os.environ:
+        train.load_digits = _digits  # type: ignore[attr-defined,assignment]
+    if "STEP_PACE" in os.environ:
+        train.train_step = _paced(train.train_step, float(os.environ["STEP_PACE"]))  # type: ignore[attr-defined]
+    sys.exit(main())
