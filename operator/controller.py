@@ -35,7 +35,7 @@ import base64
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -244,13 +244,17 @@ class Controller:
         if not spec.rdzv_endpoint and memory.tls is None and not memory.tls_read:
             memory.tls_read = True  # once per process: a job made earlier has its Secret already
             await self._tls(job, memory, now, create=False)
-        decided = plan(await self._observe(body, spec, memory, now=now))
+        seen = await self._observe(body, spec, memory, now=now)
+        decided = plan(seen)
         if decided.status.get("phase") in status.FINISHED_PHASES:
             self.progress.forget(str(old.get("runId", job.run_id)))
         events = await self._act(job, decided, memory, now)
-        decided.status["conditions"] = status.replica_failure(
-            decided.status["conditions"], [*memory.failures.values(), *decided.refused], now
-        )
+        failures = list(memory.failures.values())
+        if failures != list(seen.create_failures):
+            # What the API just refused (or forgot) changes more than ReplicaFailure: WaitingForCapacity
+            # says why the job waits. The status is planned again from the same view, so one write says
+            # both; the first plan's creates and deletes are done, this one's are not acted on.
+            decided.status = plan(replace(seen, create_failures=failures)).status
         if _changed(old, decided.status):
             await self._write_status(job, memory, decided.status)  # unchanged: no write, no watch event
         for kind, reason, message in [*decided.events, *events]:
