@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -37,6 +38,8 @@ class FakeImds:
         self.vm_name = vm_name
         self.document: dict[str, Any] = {"DocumentIncarnation": 1, "Events": []}
         self.posts: list[dict[str, Any]] = []
+        self.polls: list[float] = []
+        """When each Scheduled Events request came (time.monotonic())."""
         self.headers_ok = True
         outer = self
 
@@ -55,6 +58,7 @@ class FakeImds:
                 if self.path.startswith("/metadata/instance/compute/name"):
                     self._reply(outer.vm_name.encode())
                 else:
+                    outer.polls.append(time.monotonic())
                     self._reply(json.dumps(outer.document).encode())
 
             def do_POST(self) -> None:

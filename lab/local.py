@@ -56,6 +56,7 @@ class JobConfig:
     :param run_id: `--rdzv-id`.
     :param nnodes: `--nnodes` (MIN:MAX).
     :param launcher: "torchspot" (our launcher) or "torchrun" (stock).
+    :param nproc_per_node: workers per node (`--nproc-per-node`: the GPUs of a node).
     """
 
     workdir: Path
@@ -64,6 +65,7 @@ class JobConfig:
     run_id: str
     nnodes: str
     launcher: str = "torchspot"
+    nproc_per_node: int = 1
     rdzv_conf: str = ""
     max_restarts: int = 100
     steps: int = 200
@@ -89,7 +91,7 @@ class JobConfig:
         cmd = [
             *LAUNCHERS[self.launcher],
             "--nnodes", self.nnodes,
-            "--nproc-per-node", "1",
+            "--nproc-per-node", str(self.nproc_per_node),
             "--rdzv-backend", self.backend,
             "--rdzv-endpoint", self.endpoint,
             "--rdzv-id", self.run_id,

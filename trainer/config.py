@@ -109,6 +109,14 @@ class TrainConfig:
     notice_hold: float = 120.0
     """After an emergency checkpoint, seconds the group waits for the evicted node to go
     before training on (a notice that comes to nothing costs at most this)."""
+    collective_timeout: float = 300.0
+    """Seconds a step (or any wait on the group) may take before the worker counts its group as
+    broken: it writes its node's snapshot, aborts its communicator and exits, and the agents
+    re-form the group. Also the process group's own timeout."""
+    snapshot_every: int = 1
+    """GPUs: steps between host copies of the state, which a node's snapshot is written from (1:
+    the snapshot holds the last completed step; K: a copy costs 1/K as much, and the snapshot may
+    be up to K-1 steps older). On CPUs the live state is host memory and no copy is taken."""
     device: str = "auto"
     """cpu, cuda, or auto (cuda when available). NCCL is used on cuda, gloo on cpu."""
 
@@ -174,6 +182,11 @@ class TrainConfig:
                 f"--stuck-exit-after {self.stuck_exit_after}: must be greater than 0",
             ),
             (self.notice_hold >= 0, f"--notice-hold {self.notice_hold}: must be 0 or more"),
+            (
+                self.collective_timeout >= 1,
+                f"--collective-timeout {self.collective_timeout}: must be at least 1 (seconds)",
+            ),
+            (self.snapshot_every >= 1, f"--snapshot-every {self.snapshot_every}: must be at least 1"),
             (
                 self.device in ("auto", "cpu", "cuda"),
                 f"--device {self.device!r}: choose auto, cpu or cuda",

@@ -1,15 +1,60 @@
-"""The few collectives the training loop itself calls, over the default process group.
+"""The few collectives the training loop itself calls, over the default process group, and how
+a worker ends a group that is broken.
 
-Each one moves a handful of numbers; they are here so the loop reads as what it asks
+Each collective moves a handful of numbers; they are here so the loop reads as what it asks
 ("every rank's notice", "the group's sums") rather than as tensor plumbing.
+
+A broken group (a peer frozen or gone) must end the worker promptly, its snapshot safe, on
+NCCL as on gloo. The two differ: a gloo collective blocks the calling thread and raises when
+a peer's socket closes or its timeout passes; an NCCL collective is only queued on the
+device's stream and returns at once, and a hung one is seen by nothing but NCCL's watchdog,
+which (with its default asynchronous error handling) tears the process down, snapshot or
+not. So:
+
+- NCCL's own error handling is off (`nccl_environment`; torch's documentation asks for
+  that where the program aborts communicators itself), and every path out of a broken group
+  is ours: the agent's SIGTERM for a lost peer (eviction.py), a step that outlasts
+  `--collective-timeout` (`StepWatchdog`), or a collective that raises (gloo). Each writes
+  the node's snapshot from the host copy (hostcopy.py), aborts the communicator
+  (`abort_group`) and exits;
+- a wait that must observe a peer (the notice hold's ping) polls the work's completion with
+  a deadline (`Group.ping`) instead of trusting a call that returns at once.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""torch's switch for the NCCL watchdog's reaction to a failed or timed-out collective."""
+PING_POLL = 0.005
+"""Seconds between looks at a ping's completion."""
+
+
+def nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What to set before an NCCL group is made: the watchdog's error handling off (0), unless the
+    user chose a value. Pure."""
+    return {} if NCCL_ERROR_HANDLING_ENV in environ else {NCCL_ERROR_HANDLING_ENV: "0"}
+
+
+def abort_group() -> None:
+    """Abort the default group's communicators (NCCL: a hung collective's kernels end, and exiting
+    cannot hang on them). Gloo has nothing to abort: its sockets close with the process."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as exc:  # leaving anyway: a failed abort must not keep the worker
+        log.warning("could not abort the NCCL communicator: %s", exc)
 
 
 @dataclass(frozen=True)
@@ -29,9 +74,60 @@ class Group:
         gathered: list[list[int]] = torch.stack(rows).tolist()
         return gathered
 
+    def ping(self, timeout: float) -> bool:
+        """All-reduce a zero and wait for it on the host, at most `timeout` seconds: False when it
+        did not complete (a peer is frozen or gone and the collective hangs, as on NCCL); a
+        collective that failed raises (gloo: a peer's socket closed)."""
+        work = dist.all_reduce(torch.zeros(1, device=self.device), async_op=True)
+        assert work is not None
+        deadline = time.monotonic() + timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(PING_POLL)
+        work.wait()
+        return True
+
     def sums(self, values: list[torch.Tensor]) -> list[float]:
         """The group's sums of these scalars (float64 on the device, one all-reduce)."""
         totals = torch.stack([value.detach().to(self.device, torch.float64).reshape(()) for value in values])
         dist.all_reduce(totals)
         result: list[float] = totals.tolist()
         return result
+
+
+class StepWatchdog:
+    """Ends the worker when the loop has not reached a boundary for `limit` seconds.
+
+    `boundary()` tells when the loop last was at one (the notice's clock, which every step,
+    evaluation batch and hold ping sets); a thread looks once a second. Armed only while the
+    loop trains (`arm`/`disarm`): set-up and the final save are not steps.
+
+    :param on_broken: what to do then (the trainer: snapshot, abort, exit); does not return.
+    """
+
+    def __init__(
+        self, limit: float, boundary: Callable[[], float], on_broken: Callable[[float], None], *, interval: float = 1.0
+    ) -> None:
+        self.limit = limit
+        self.boundary = boundary
+        self.on_broken = on_broken
+        self.interval = interval
+        self.armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-watchdog", daemon=True)
+
+    def start(self) -> StepWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            since = time.monotonic() - self.boundary()
+            if self.armed and since > self.limit:
+                log.error("no step boundary for %.0f s (--collective-timeout): the group is broken", since)
+                self.on_broken(since)
+                return

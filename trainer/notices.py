@@ -4,6 +4,10 @@
 Every step all ranks share their notice level (one tiny all-gather); any notice stops
 the group at that boundary, and the lowest rank whose node leaves writes the emergency
 checkpoint. The same agreement runs before every evaluation batch.
+
+A notice belongs to a node: only one local rank polls Scheduled Events (the metadata
+service allows about 5 requests/s per VM; 8 pollers would pass it), so a rank's level in
+the agreement is the highest of its node's ranks (`node_levels`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-import torch
 import torch.distributed as dist
 
 from torchspot.trainer.checkpoint import SaveReport
@@ -35,10 +38,22 @@ NOTICE_LEAVING = 2
 and the lowest leaving rank, if any, writes the emergency checkpoint (`emergency_saver`)."""
 
 
+class GroupBroken(RuntimeError):
+    """A collective did not complete in time: a peer is frozen or gone (the agents re-form)."""
+
+
 def emergency_saver(levels: list[int]) -> int | None:
     """The rank that writes the emergency checkpoint: the lowest one whose node leaves, or None
     when no node leaves (every notice is an agent's restart). Pure."""
     return next((rank for rank, level in enumerate(levels) if level >= NOTICE_LEAVING), None)
+
+
+def node_levels(rows: list[list[int]]) -> list[int]:
+    """Each rank's level as its node's: `rows[r]` is rank r's [level, node]. Pure."""
+    highest: dict[int, int] = {}
+    for level, node in rows:
+        highest[node] = max(highest.get(node, 0), level)
+    return [highest[node] for _, node in rows]
 
 
 def notice_level(notice: Notice | None, *, restarting: bool, leaving: bool) -> int:
@@ -82,9 +97,15 @@ class NoticeStop:
         hold: float,
         emit: Callable[..., None],
         keep_snapshot: Callable[[], None],
+        node: int = 0,
+        ping_timeout: float = 10.0,
     ) -> None:
         self.notice = notice
         self.hold = hold
+        self.node = node
+        """This rank's node in the group (torchrun's GROUP_RANK)."""
+        self.ping_timeout = ping_timeout
+        """Seconds a hold's ping may take before the group counts as broken (a peer gone)."""
         self.emit = emit
         self.keep_snapshot = keep_snapshot
         self.watcher: ScheduledEventsWatcher | None = None
@@ -102,7 +123,7 @@ class NoticeStop:
         notice stop the group here (`stop`) and return True. `save` writes the emergency
         checkpoint of this boundary's state (None: no checkpoints in this run)."""
         self.notice.step_boundary()
-        noticed = [level for (level,) in group.gather_ints([self.level()])]
+        noticed = node_levels(group.gather_ints([self.level(), self.node]))
         if self.notice.is_set():
             self.notice.acknowledged.set()
         if not any(noticed):
@@ -132,13 +153,15 @@ class NoticeStop:
         dist.barrier()  # everyone knows the checkpoint is committed
         if notice is not None and notice.event_id and self.watcher is not None:
             self.watcher.approve(notice.event_id)
-        # Hold: ping the group until the evicted node is gone (the ping then fails and
-        # the agent re-forms the group), or until the hold passes (a false alarm).
+        # Hold: ping the group until the evicted node is gone (the ping then fails, or does
+        # not complete, and the agent re-forms the group), or until the hold passes (a false
+        # alarm). Each ping is waited for on the host: on NCCL the call itself returns at once.
         deadline = time.monotonic() + self.hold
-        ping = torch.zeros(1, device=group.device)
         while time.monotonic() < deadline:
             time.sleep(0.2)
-            dist.all_reduce(ping)
+            self.notice.step_boundary()
+            if not group.ping(self.ping_timeout):
+                raise GroupBroken(f"a peer did not answer the hold's ping within {self.ping_timeout:.0f} s")
             if self.notice.is_set() and self.notice.notice and self.notice.notice.source == "SIGTERM":
                 self.keep_snapshot()
                 self.exit_evicted()

@@ -2,8 +2,14 @@
 
 Resume from the newest node-local snapshot any rank holds (snapshot.py: the survivors of
 a lost peer hold the last completed step), else from the newest committed checkpoint.
-Rank 0 chooses and tells the others, so every rank loads the same state; a snapshot is
-sent over the process group only to ranks that lack it (a joining node).
+Rank 0 chooses and tells the others, so every rank loads the same state:
+
+- a snapshot is sent over the process group only when some rank lacks it (a joining
+  node), from the lowest rank that holds it;
+- a checkpoint is read from Blob once, by rank 0, and sent to all the others (a Blob read
+  per rank would fetch the same bytes once per GPU).
+
+Both are sent as tensors (wire.py), not as pickled objects.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.distributed as dist
 from torchspot.trainer.checkpoint import CheckpointManager
 from torchspot.trainer.group import Group
 from torchspot.trainer.snapshot import Held, choose_source
+from torchspot.trainer.wire import broadcast_state
 
 
 def find_state(
@@ -23,8 +30,9 @@ def find_state(
 ) -> tuple[str, dict[str, Any] | None]:
     """(`snapshot`, state), (`checkpoint`, state) or (`start`, None); the same on every rank.
 
-    `mine` is this rank's own snapshot (local rank 0 keeps one per node). Sets the manager's
-    last committed step from what rank 0 found, so the first save after the resume knows it.
+    `mine` is this rank's node's snapshot (every local rank reads the node's one file). Sets the
+    manager's last committed step from what rank 0 found, so the first save after the resume
+    knows it.
     """
     held = gather_held(group, None if mine is None else mine[0])
     choice = torch.tensor([-1, -1], dtype=torch.long, device=group.device)  # [snapshot source, step]
@@ -44,12 +52,9 @@ def find_state(
         return "snapshot", _state_from(group, source, held, mine)
     if step < 0:
         return "start", None
-    if group.rank != 0:
-        loaded = manager.load_step(step)
-    if loaded is None:
-        raise RuntimeError(f"rank {group.rank}: checkpoint step {step} chosen by rank 0 is not readable here")
     manager.last_committed = step
-    return "checkpoint", loaded.state
+    state = broadcast_state(None if loaded is None else loaded.state, 0, group.rank, group.device)
+    return "checkpoint", state
 
 
 def gather_held(group: Group, mine: Held | None) -> list[Held | None]:
@@ -67,8 +72,6 @@ def _state_from(
     chosen = held[source]
     state = mine[1] if mine is not None and mine[0] == chosen else None
     if any(h != chosen for h in held):
-        box: list[Any] = [state if group.rank == source else None]
-        dist.broadcast_object_list(box, src=source)
-        state = state if state is not None else box[0]
+        state = broadcast_state(state if group.rank == source else None, source, group.rank, group.device)
     assert state is not None
     return state

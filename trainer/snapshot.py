@@ -4,10 +4,16 @@ Every rank of a DDP job holds the whole model and optimizer state. When a peer i
 without notice (a hard eviction, a frozen node), the survivors' collective fails in the
 middle of a step, their state still at the last completed step; torchrun then restarts
 them, and the new round would go back to the last Blob checkpoint: up to
-`checkpoint_every` steps earlier, read back from Blob by every rank. Instead, each node's
-first worker writes its state here before it leaves (a local `torch.save`, a fraction of
-a second), and the next round resumes from the newest such copy that any surviving node
-holds, sent to the ranks that have none (a joining node) over the process group.
+`checkpoint_every` steps earlier, read back from Blob by every rank. Instead, each node
+writes its state here as its workers stop (a local `torch.save`, a fraction of a second,
+from the host copy of hostcopy.py, so a hung device cannot stop it), and the next round
+resumes from the newest such copy that any surviving node holds, sent to the ranks that
+have none (a joining node) over the process group.
+
+One copy per node, written by whichever of its local ranks gets there first: the ranks of
+a node hold the same state, and all of them may be stopping (or one may be dead). A write
+takes the file's lock; a rank that then finds the file written since its round began
+leaves it as it is. Every local rank of the next round reads the same file.
 
 Which copy wins (`choose_source`): a copy records the step its round started from
 (`base`) besides its own step, and the newest base wins before the newest step, so a
@@ -16,13 +22,14 @@ stale line. A copy older than the newest committed Blob checkpoint is not used. 
 that does not load is reported as absent, so nothing waits for it.
 
 Where: `$TORCHSPOT_SNAPSHOT_DIR` or the system's temporary folder, one file per node
-agent (its process id, stable across its workers' restarts) and run id; a new pod starts
-with none. The file goes when the run finishes.
+agent (its process id, stable across its workers' restarts, and the parent of every local
+rank) and run id; a new pod starts with none. The file goes when the run finishes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import tempfile
@@ -63,32 +70,43 @@ def choose_source(held: list[Held | None], committed: int | None) -> tuple[int, 
     return -negative_rank, Held(base, step)
 
 
-def snapshot_path(folder: Path, run_id: str, agent_pid: int, local_rank: int) -> Path:
-    """One file per node agent, run and local rank (a job's nodes may share a machine in the lab)."""
+def snapshot_path(folder: Path, run_id: str, agent_pid: int) -> Path:
+    """One file per node agent and run (a job's nodes may share a machine in the lab)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id) or "run"
-    return folder / f"torchspot-{safe}-{agent_pid}-{local_rank}.pt"
+    return folder / f"torchspot-{safe}-{agent_pid}.pt"
 
 
-def default_path(environ: dict[str, str] | os._Environ[str], local_rank: int) -> Path:
-    """This worker's snapshot file, from torchrun's environment."""
+def default_path(environ: dict[str, str] | os._Environ[str]) -> Path:
+    """This node's snapshot file, from torchrun's environment (the agent is every worker's parent)."""
     folder = Path(environ.get(SNAPSHOT_DIR_ENV) or tempfile.gettempdir())
-    return snapshot_path(folder, environ.get("TORCHELASTIC_RUN_ID", "run"), os.getppid(), local_rank)
+    return snapshot_path(folder, environ.get("TORCHELASTIC_RUN_ID", "run"), os.getppid())
 
 
 class LocalSnapshot:
-    """Write and read one snapshot file; a failure is logged and reported, never raised."""
+    """Write and read a node's snapshot file; a failure is logged and reported, never raised.
 
-    def __init__(self, path: Path) -> None:
+    :param round_started: when this worker's round began (`time.time()`): a file written since
+        was written by another local rank of this round, and is not written again.
+    """
+
+    def __init__(self, path: Path, round_started: float = 0.0) -> None:
         self.path = path
+        self.round_started = round_started
 
     def write(self, state: dict[str, Any], base: int) -> float | None:
-        """Save `state` (its "step" is the snapshot's step); the seconds it took, None on failure."""
+        """Save `state` (its "step" is the snapshot's step) unless another local rank of this round
+        has; the seconds it took, None when not written (a failure, or written already)."""
         started = time.perf_counter()
-        partial = self.path.with_name(self.path.name + ".partial")
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"base": base, "step": int(state["step"]), "state": state}, partial)
-            os.replace(partial, self.path)  # a reader sees the whole file or the previous one
+            with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its holder dies
+                if self.path.exists() and self.path.stat().st_mtime >= self.round_started:
+                    log.info("the node's snapshot was written by another local rank of this round")
+                    return None
+                torch.save({"base": base, "step": int(state["step"]), "state": state}, partial)
+                os.replace(partial, self.path)  # a reader sees the whole file or the previous one
         except (OSError, RuntimeError) as exc:  # torch reports a full disk as a RuntimeError
             log.warning("no local snapshot (%s): the next round resumes from the last checkpoint", exc)
             with contextlib.suppress(OSError):
@@ -111,3 +129,4 @@ class LocalSnapshot:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+        self.path.with_name(self.path.name + ".lock").unlink(missing_ok=True)

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,8 @@ from torchspot.trainer.eviction import (
     reset_sigterm,
     watch_sigterm,
 )
-from torchspot.trainer.group import Group
+from torchspot.trainer.group import Group, StepWatchdog, abort_group, nccl_environment
+from torchspot.trainer.hostcopy import HostCopy
 from torchspot.trainer.models import MODELS
 from torchspot.trainer.notices import EXIT_FAILED, NoticeStop, leave
 from torchspot.trainer.optim import BatchRule, build_optimizer, learning_rate
@@ -232,7 +233,10 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         self.notice = EvictionNotice()
-        self.stop = NoticeStop(self.notice, hold=config.notice_hold, emit=self._emit, keep_snapshot=self._keep_snapshot)
+        self.stop = NoticeStop(
+            self.notice, hold=config.notice_hold, emit=self._emit, keep_snapshot=self._keep_snapshot,
+            node=int(os.environ.get("GROUP_RANK", "0")),
+        )  # fmt: skip
         self._sigterm_thread = watch_sigterm(
             self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._before_stuck_exit
         )
@@ -246,8 +250,15 @@ class Trainer:
         self._reporter: CheckpointReporter | None = None
         self.setup_seconds: dict[str, float] = {}
         """Where a (re)start's time went: process start-up to here, then each part of `_setup`."""
-        self._snapshot = LocalSnapshot(default_path(os.environ, self.local_rank)) if self.local_rank == 0 else None
-        """This node's copy of the state as its worker stops (see snapshot.py); one per node."""
+        self._snapshot: LocalSnapshot | None = LocalSnapshot(default_path(os.environ), round_started=time.time())
+        """This node's copy of the state as its workers stop (see snapshot.py): one file per node,
+        written by whichever local rank gets there first."""
+        self._host = HostCopy(self.device, every=config.snapshot_every)
+        """The state in host memory at the last step boundary, which the snapshot is written from
+        (hostcopy.py): a hung device cannot stop that write."""
+        self._watchdog = StepWatchdog(
+            config.collective_timeout, lambda: self.notice.boundary, self._broken_group
+        ).start()
         self._run: _Run | None = None
         """Set once the state is whole (after the resume): from then on a snapshot may be taken.
         Kept after the run ends (launch.run_trainer says why)."""
@@ -255,8 +266,6 @@ class Trainer:
         """The step this round resumed from (0: from scratch)."""
         self._snapshot_lock = threading.Lock()
         self._snapshot_taken = False
-        self._updating = False
-        """True from the optimizer's step until the step count moved: the state is not whole then."""
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
@@ -278,9 +287,8 @@ class Trainer:
             return self._train()
         except Exception:
             log.exception("rank %d: training stopped at step %d", self.rank, self.step)
-            self._keep_snapshot()
-            self._finish_save_in_flight()
-            leave(EXIT_FAILED)
+            self._leave_broken_group()
+            raise  # not reached: _leave_broken_group exits
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
@@ -288,6 +296,8 @@ class Trainer:
                     "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
                     "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
                     "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
+        self.notice.step_boundary()
+        self._watchdog.armed = True
         while True:
             # An epoch's end is evaluated once: also when a notice interrupted its evaluation.
             if run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step:
@@ -297,6 +307,7 @@ class Trainer:
             self._train_epoch(run)
         if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
             self._evaluate(run, epoch=run.sampler.epoch)
+        self._watchdog.armed = False  # the final save is not a step
         if self.manager is not None and self.rank == 0:
             self.manager.wait()
             if self.manager.last_committed != self.step:
@@ -329,7 +340,7 @@ class Trainer:
             )  # fmt: skip
             sampler.advance(self.world)
             self.step += 1
-            self._updating = False
+            self._host.capture(self._state(run), self.step)
             window.add(loss, correct, step_samples)
             if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
                 self._log_progress(run, window, lr)
@@ -349,7 +360,7 @@ class Trainer:
         return lr
 
     def _begin_update(self) -> None:
-        self._updating = True
+        self._host.before_update()
 
     def _step_limit_reached(self) -> bool:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
@@ -397,7 +408,9 @@ class Trainer:
         refusal = sync_bn_refusal(config.sync_bn, self.device)
         if refusal:
             raise ValueError(refusal)
-        dist.init_process_group(self.backend, timeout=timedelta(minutes=10))
+        if self.backend == "nccl":
+            os.environ.update(nccl_environment(os.environ))
+        dist.init_process_group(self.backend, timeout=timedelta(seconds=config.collective_timeout))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -443,8 +456,9 @@ class Trainer:
             self._base = self.step
             lap("resume")
         self._run = run
+        self._host.capture(self._state(run), self.step)  # a snapshot of the resumed state, before any step
         url = config.scheduled_events_url()
-        if url:
+        if url and self.local_rank == 0:  # one poller per node (notices.node_levels shares its notice)
             self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
         if config.tensorboard and self.rank == 0:
             try:
@@ -516,22 +530,36 @@ class Trainer:
         }
 
     def _keep_snapshot(self) -> None:
-        """Leave this node's state at the last completed step for the next round (snapshot.py).
-
-        Only once the state is whole: a failed collective inside a step leaves the model and
-        optimizer at the last completed step (the optimizer steps after the gradients'
-        all-reduce; `self.step` and the sampler advance after it).
-        """
+        """Leave this node's state at the last completed step (or the last host copy, with
+        --snapshot-every) for the next round (snapshot.py), written from the host copy, so it
+        never waits on the device."""
         with self._snapshot_lock:  # the main thread and the SIGTERM watcher may both get here
-            if self._snapshot is None or self._run is None or self._snapshot_taken:
-                return
-            if self._updating:
-                log.warning("rank %d: no local snapshot: stopped inside an optimizer step", self.rank)
+            snapshot = self._snapshot
+            if snapshot is None or self._run is None or self._snapshot_taken:
                 return
             self._snapshot_taken = True
-            took = self._snapshot.write(self._state(self._run), self._base)
+            base = self._base
+
+            def write(state: dict[str, Any] | None) -> tuple[int, float | None]:
+                return (-1, None) if state is None else (int(state["step"]), snapshot.write(state, base))
+
+            step, took = self._host.write_from(write)
         if took is not None:
-            log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, self.step, took)
+            log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, step, took)
+
+    def _leave_broken_group(self) -> NoReturn:
+        """The group is broken (a collective failed or hung): keep the snapshot, give the save in
+        flight its chance, abort the communicator and exit; the agents re-form the group."""
+        self._keep_snapshot()
+        self._finish_save_in_flight()
+        abort_group()
+        leave(EXIT_FAILED)
+
+    def _broken_group(self, _since: float) -> None:
+        """The step watchdog's verdict: no boundary for --collective-timeout seconds."""
+        self._emit({"event": "collective_timeout", "step": self.step, "limit_s": self.config.collective_timeout},
+                   any_rank=True)  # fmt: skip
+        self._leave_broken_group()
 
     # -- at a boundary --------------------------------------------------------------
 
@@ -557,6 +585,7 @@ class Trainer:
         completed step, so the snapshot is taken from here."""
         self._keep_snapshot()
         self._finish_save_in_flight()
+        abort_group()
 
     def _finish_save_in_flight(self) -> None:
         """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
@@ -589,6 +618,7 @@ class Trainer:
             self._reporter.report(report.step, f"{self.manager.storage.describe().rstrip('/')}/{step_dir(report.step)}")
 
     def _shutdown(self) -> None:
+        self._watchdog.stop()
         if self._reporter is not None:
             self._reporter.close()
         if self.stop.watcher is not None:

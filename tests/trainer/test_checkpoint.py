@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -261,6 +264,27 @@ def test_data_set_is_copied_from_a_blob_prefix(azurite: Azurite, tmp_path: Path)
     assert (cache / "cifar-10-python.tar.gz").read_bytes() == archive.read_bytes()
     train, test = load_cifar10(cache / "cifar-10-python.tar.gz")
     assert (len(train), len(test)) == (20, 5)
+
+
+def test_the_local_ranks_of_a_node_copy_a_data_set_once(azurite: Azurite, tmp_path: Path) -> None:
+    """Four processes (a node's local ranks) fetch the same prefix into one cache at once: one
+    copies, the others wait for it and find it complete; no partial file is left."""
+    prefix = f"az://datasets/{uuid.uuid4().hex}"
+    storage = open_storage(prefix, azurite.env())
+    for i in range(20):
+        storage.put(f"train/c{i % 2}/{i}.bin", bytes([i]) * 50_000)
+    cache = tmp_path / "cache"
+    code = (
+        "import sys; from pathlib import Path; from torchspot.trainer.data import fetch_prefix; "
+        "fetch_prefix(sys.argv[1], Path(sys.argv[2]))"
+    )
+    env = {**os.environ, **azurite.env()}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, prefix, str(cache)], env=env) for _ in range(4)]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0, 0, 0]
+    (marker,) = cache.glob(".complete-*")
+    assert marker.read_text() == f"{prefix}\n20 objects fetched\n"  # one copier fetched all; the others none
+    assert sorted(p.name for p in cache.rglob("*.bin")) == sorted(f"{i}.bin" for i in range(20))
+    assert not list(cache.rglob("*.partial"))
 
 
 def test_sas_token_credentials(azurite: Azurite) -> None:

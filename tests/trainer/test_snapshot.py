@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,8 +66,31 @@ def test_an_unwritable_folder_costs_the_snapshot_only(tmp_path: Path) -> None:
 def test_paths_differ_per_agent_and_run_and_take_the_folder_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert snapshot_path(tmp_path, "job-a", 100, 0) != snapshot_path(tmp_path, "job-a", 101, 0)
-    assert snapshot_path(tmp_path, "job-a", 100, 0) != snapshot_path(tmp_path, "job-b", 100, 0)
-    assert snapshot_path(tmp_path, "../x", 1, 0).parent == tmp_path  # a run id cannot leave the folder
+    assert snapshot_path(tmp_path, "job-a", 100) != snapshot_path(tmp_path, "job-a", 101)
+    assert snapshot_path(tmp_path, "job-a", 100) != snapshot_path(tmp_path, "job-b", 100)
+    assert snapshot_path(tmp_path, "../x", 1).parent == tmp_path  # a run id cannot leave the folder
     environ = {"TORCHSPOT_SNAPSHOT_DIR": str(tmp_path), "TORCHELASTIC_RUN_ID": "r1"}
-    assert default_path(environ, 0).parent == tmp_path
+    assert default_path(environ).parent == tmp_path
+
+
+def test_a_node_keeps_one_copy_written_by_the_first_of_its_local_ranks(tmp_path: Path) -> None:
+    """Eight local ranks stopping at once (threads: `flock` locks of separate opens exclude each
+    other as processes' do) write one file, once; the next round's ranks write it anew."""
+    path = tmp_path / "node.pt"
+    round_started = time.time()
+    ranks = [LocalSnapshot(path, round_started=round_started) for _ in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        took = list(pool.map(lambda s: s[1].write(_state(30 + s[0]), base=20), enumerate(ranks)))
+    assert sum(t is not None for t in took) == 1
+    written = next(i for i, t in enumerate(took) if t is not None)
+    read = ranks[5].read()  # every local rank reads the node's one file
+    assert read is not None
+    assert read[0] == Held(20, 30 + written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node.pt", "node.pt.lock"]
+    next_round = LocalSnapshot(path, round_started=time.time() + 1)
+    assert next_round.write(_state(44), base=30) is not None
+    again = next_round.read()
+    assert again is not None
+    assert again[0] == Held(30, 44)
+    next_round.remove()
+    assert list(tmp_path.iterdir()) == []

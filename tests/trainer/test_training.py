@@ -249,26 +249,33 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
     """A Preempt event for this VM (from a stand-in metadata server: IMDS cannot run
-    here) makes the trainer checkpoint at once and then approve the event."""
+    here) makes the trainer checkpoint at once and then approve the event. The node runs two
+    workers: one of them polls (about once a second, not twice), and its notice stops both."""
     imds = FakeImds()
     try:
         job = _job(tmp_path, etcd, azurite, run_id, nnodes="1:1", scheduled_events=imds.events_url,
-                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="3",
+                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="6",
                    tensorboard=str(tmp_path / "tb"))  # fmt: skip
+        job.nproc_per_node = 2
+        _scripted(job, STEP_PACE="0.1")  # 174 steps over 17 s or more: room for six polls before the notice
         events_path = tmp_path / "train-events.jsonl"
         (node,) = nodes(job, 1)
         wait_for(lambda: any(e.get("event") == "progress" and e["step"] >= 15 for e in read_events(events_path)), 120,
                  "15 steps")  # fmt: skip
+        wait_for(lambda: len(imds.polls) >= 6, 60, "six polls")  # one poller: 5 s or more; two: about half
+        polls = list(imds.polls)
+        assert (len(polls) - 1) / (polls[-1] - polls[0]) < 1.5, polls  # one poller: at most 1/s
         imds.preempt("EV-7")
         wait_for(lambda: imds.posts, 60, "the approval of the event")
         assert node.wait(180) == 0  # nobody evicted the VM: after the hold, training finished
     finally:
         imds.close()
     events = read_events(events_path)
+    assert {e["world_size"] for e in _progress(events)} == {2}
     emergency = [e for e in events if e.get("event") == "emergency_checkpoint"]
     assert len(emergency) == 1
     assert emergency[0]["ok"]
-    assert imds.posts == [{"StartRequests": [{"EventId": "EV-7"}]}]
+    assert imds.posts == [{"StartRequests": [{"EventId": "EV-7"}]}]  # approved once, by the one poller
     approved_after = [e for e in events if e.get("event") == "notice_expired"]
     assert approved_after
     assert approved_after[0]["step"] == emergency[0]["step"]
@@ -313,3 +320,73 @@ def test_a_notice_during_evaluation_writes_the_emergency_checkpoint_and_the_eval
     after = [e for e in events if e.get("event") == "start" and e["t"] > noticed_at]
     assert (after[0]["step"], after[0]["world_size"]) == (epoch_end, 1)
     assert _final(events)["epoch"] == 2
+
+
+def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
+    tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
+) -> None:
+    """Nodes of two workers each (`--nproc-per-node 2`, as a node of GPUs runs): node A stays,
+    B leaves with notice, C joins and is lost hard, D joins and freezes. Each time A's two
+    workers keep one snapshot (one writes it, the other finds it written) and resume from it."""
+    job = _job(tmp_path, etcd, azurite, run_id, nnodes="1:2", epochs="40", max_steps="900")
+    job.nproc_per_node = 2
+    job.extra_env["TORCHSPOT_SNAPSHOT_DIR"] = str(tmp_path / "snapshots")
+    _scripted(job, STEP_PACE="0.1")
+    events_path = tmp_path / "train-events.jsonl"
+
+    def at_world(world: int, since: float) -> list[dict[str, Any]]:
+        return [e for e in _progress(read_events(events_path)) if e["world_size"] == world and e["t"] > since]
+
+    def newest() -> int:
+        return max((e["step"] for e in _progress(read_events(events_path))), default=0)
+
+    def started_after(since: float) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            starts = [e for e in read_events(events_path) if e.get("event") == "start" and e["t"] > since]
+            return next((e for e in starts if e["world_size"] == 2), None)
+
+        started: dict[str, Any] = wait_for(found, 90, "a round of one node")
+        return started
+
+    a, b = nodes(job, 2)
+    wait_for(lambda: at_world(4, 0), 120, "training at world size 4")
+
+    notice_at = time.time()
+    b.terminate(grace=30)
+    resumed = started_after(notice_at)
+    emergency = wait_for(lambda: [e for e in read_events(events_path) if e.get("event") == "emergency_checkpoint"],
+                         30, "the leaving node's emergency checkpoint")  # fmt: skip
+    assert emergency[0]["ok"]
+    assert emergency[0]["rank"] == 2  # the lowest rank of the leaving node (B's first worker)
+    assert resumed["step"] == emergency[0]["step"]
+
+    joined_at = time.time()
+    (c,) = nodes(job, 1)
+    wait_for(lambda: at_world(4, joined_at), 120, "training at world size 4 with C")
+    last_before = newest()
+    hard_at = time.time()
+    c.kill()
+    after_hard = started_after(hard_at)
+    assert after_hard["resumed_from"] == "snapshot", after_hard
+    assert after_hard["step"] >= last_before
+
+    joined_at = time.time()
+    (d,) = nodes(job, 1)
+    wait_for(lambda: at_world(4, joined_at), 120, "training at world size 4 with D")
+    target = newest() + 5
+    wait_for(lambda: newest() >= target, 60, "5 more steps")
+    last_before = newest()
+    frozen_at = time.time()
+    d.freeze()
+    after_freeze = started_after(frozen_at)
+    assert after_freeze["resumed_from"] == "snapshot", after_freeze
+    assert after_freeze["step"] >= last_before
+    wait_for(lambda: at_world(2, frozen_at), 60, "training on after the freeze")
+    a.stop()
+
+    # Every round A's workers ended (the notice's, both joins', the hard loss's, the freeze's):
+    # one of them wrote the node's snapshot, the other found it written.
+    log = a.log_path.read_text(errors="replace")
+    written = log.count("local snapshot of step")
+    assert written >= 4, log[-3000:]
+    assert log.count("the node's snapshot was written by another local rank of this round") == written

@@ -1,0 +1,58 @@
+"""One rank of bench/snapshot's joiner measurement: `receiver.py HOW RANK STORE OUT`.
+
+Rank 0 holds ResNet-50's training state and sends it; rank 1 (the joiner) receives it with
+`wire.broadcast_state` (HOW=tensors) or `broadcast_object_list` (HOW=pickle) and writes the
+seconds it took and its peak resident memory above what it had before to OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchspot.trainer.models import resnet50
+from torchspot.trainer.wire import broadcast_state
+
+
+def resnet50_state() -> dict[str, Any]:
+    """ResNet-50's model and SGD momentum (one step taken), as bench/checkpoint measures it."""
+    model = resnet50()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
+
+
+def main(how: str, rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))  # fmt: skip
+    state = resnet50_state() if rank == 0 else None
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    dist.barrier()
+    started = time.perf_counter()
+    if how == "tensors":
+        got = broadcast_state(state, 0, rank, torch.device("cpu"))
+    else:
+        box: list[Any] = [state]
+        dist.broadcast_object_list(box, src=0)
+        got = box[0]
+    seconds = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert got is not None
+    Path(out).write_text(json.dumps({"seconds": seconds, "peak_mib": (peak - before) / 1024}))
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

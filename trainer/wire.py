@@ -1,0 +1,148 @@
+"""Moving a training state between ranks as tensors: a JSON skeleton and one flat buffer per dtype.
+
+A restart that brings a joining node (no snapshot of its own) or resumes from Blob must give
+every rank the same state. `broadcast_object_list` would pickle the whole state on the source,
+send the bytes, and unpickle them on every receiver: the state held twice on each side, CPU
+tensors only, and a receiver that runs whatever the pickle says. Here the source sends:
+
+1. the state's structure as JSON (`flatten`): dicts, lists, numbers, strings, and for each
+   tensor its dtype, shape and place in its dtype's buffer. A receiver parses it; nothing in
+   it runs;
+2. per dtype, all tensors of that dtype concatenated into one flat buffer, broadcast once
+   (on the group's device: NCCL moves only device tensors).
+
+The receivers cut their buffers into the tensors again (`unflatten`; views, no copy on the
+host). The state the trainer checkpoints (checkpoint.py, `torch.load(weights_only=True)`)
+has only these kinds of values, so whatever can be checkpointed can be sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_TENSOR = "__tensor__"
+_DICT = "__dict__"
+_TUPLE = "__tuple__"
+_FLOAT = "__float__"
+
+
+class WireError(ValueError):
+    """A state that cannot be sent as tensors (a value of a kind a checkpoint cannot hold)."""
+
+
+def flatten(state: Any) -> tuple[str, dict[str, list[torch.Tensor]]]:
+    """(the JSON skeleton, the tensors by dtype name, in the skeleton's order). Pure."""
+    tensors: dict[str, list[torch.Tensor]] = {}
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            dtype = str(value.dtype).removeprefix("torch.")
+            group = tensors.setdefault(dtype, [])
+            group.append(value)
+            return {_TENSOR: [dtype, len(group) - 1, list(value.shape)]}
+        if isinstance(value, Mapping):  # keys keep their type (the optimizer's state is keyed by int)
+            return {_DICT: [[key, walk(item, f"{where}.{key}")] for key, item in value.items()]}
+        if isinstance(value, tuple):
+            return {_TUPLE: [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        if isinstance(value, float) and not math.isfinite(value):
+            return {_FLOAT: repr(value)}  # JSON has no NaN or infinity
+        if value is None or isinstance(value, bool | int | float | str):
+            return value
+        raise WireError(f"{where or 'the state'}: a {type(value).__name__} cannot be sent as tensors")
+
+    skeleton = json.dumps(walk(state, ""), allow_nan=False)
+    return skeleton, tensors
+
+
+def unflatten(skeleton: str, buffers: Mapping[str, torch.Tensor]) -> Any:
+    """The state again: `buffers[dtype]` is that dtype's flat buffer (`flatten`'s tensors, concatenated).
+    The tensors are views of the buffers. Pure."""
+    offsets = dict.fromkeys(buffers, 0)
+
+    def build(value: Any) -> Any:
+        if isinstance(value, list):
+            return [build(item) for item in value]
+        if not isinstance(value, dict):
+            return value
+        if _TENSOR in value:
+            dtype, _index, shape = value[_TENSOR]
+            count = math.prod(shape)
+            start = offsets[dtype]
+            offsets[dtype] = start + count
+            return buffers[dtype][start : start + count].view(shape)
+        if _DICT in value:
+            return {key: build(item) for key, item in value[_DICT]}
+        if _TUPLE in value:
+            return tuple(build(item) for item in value[_TUPLE])
+        if _FLOAT in value:
+            return float(value[_FLOAT])
+        raise WireError(f"not a state skeleton: {sorted(value)}")
+
+    return build(json.loads(skeleton))
+
+
+def _dtype(name: str) -> torch.dtype:
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise WireError(f"unknown dtype {name!r} in a state skeleton")
+    return found
+
+
+def broadcast_state(state: Any, src: int, rank: int, device: torch.device) -> Any:
+    """`state` from rank `src` to every rank of the default group (the others pass None); the
+    receivers' tensors end up in host memory. One broadcast for the skeleton's length, one for
+    the skeleton, one per dtype."""
+    if rank == src:
+        skeleton, tensors = flatten(state)
+        encoded = torch.frombuffer(bytearray(skeleton.encode()), dtype=torch.uint8)
+        size = torch.tensor([encoded.numel()], dtype=torch.long, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.long, device=device)
+    dist.broadcast(size, src=src)
+    text = encoded.to(device) if rank == src else torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(text, src=src)
+    if rank != src:
+        skeleton = text.cpu().numpy().tobytes().decode()
+        tensors = _shapes(skeleton)
+    buffers: dict[str, torch.Tensor] = {}
+    for dtype in sorted(tensors):
+        parts = tensors[dtype]
+        if rank == src:
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in parts]) if parts else None
+        else:
+            total = sum(math.prod(t.shape) for t in parts)
+            flat = torch.empty(total, dtype=_dtype(dtype), device=device)
+        assert flat is not None
+        dist.broadcast(flat, src=src)
+        buffers[dtype] = flat
+    if rank == src:
+        return state
+    return unflatten(skeleton, {dtype: flat.cpu() for dtype, flat in buffers.items()})
+
+
+def _shapes(skeleton: str) -> dict[str, list[torch.Tensor]]:
+    """Empty stand-ins for the skeleton's tensors, by dtype (their shapes tell the buffers' sizes)."""
+    found: dict[str, list[torch.Tensor]] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            if _TENSOR in value:
+                dtype, _index, shape = value[_TENSOR]
+                found.setdefault(dtype, []).append(torch.empty(shape, dtype=_dtype(dtype), device="meta"))
+            else:
+                for item in value.values():
+                    walk(item)
+
+    walk(json.loads(skeleton))
+    return found
