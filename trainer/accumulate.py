@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from torchspot.trainer.precision import Precision
+
 
 def train_step(
     ddp: DistributedDataParallel,
@@ -29,14 +31,17 @@ def train_step(
     world: int,
     device: torch.device,
     before_update: Callable[[], None] = lambda: None,
+    precision: Precision | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
 
     `before_update` runs between the last gradient all-reduce and the optimizer's step: from
     then until the caller counts the step, the model is between two states. Returns this
     rank's summed loss and correct predictions as device tensors (read them at log time:
-    no host synchronisation per step).
+    no host synchronisation per step). `precision` (default fp32) runs the forward passes
+    under its autocast and steps through its gradient scaler.
     """
+    precision = precision or Precision("fp32", device)
     ddp.train()  # type: ignore[no-untyped-call]
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
@@ -44,15 +49,16 @@ def train_step(
     scale = world / max(step_samples, 1)
     for index in range(passes):
         inputs, labels = next(batches)
-        inputs = inputs.to(device, non_blocking=True)
+        inputs = precision.inputs(inputs.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         last = index == passes - 1
         with contextlib.nullcontext() if last else ddp.no_sync():
-            logits = ddp(inputs)
-            summed = nn.functional.cross_entropy(logits, labels, reduction="sum")
-            (summed * scale).backward()  # type: ignore[no-untyped-call]
+            with precision.autocast():
+                logits = ddp(inputs)
+            summed = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+            precision.backward(summed * scale)
         loss_sum += summed.detach()
         correct += (logits.detach().argmax(1) == labels).sum()
     before_update()
-    optimizer.step()
+    precision.step(optimizer)
     return loss_sum, correct

@@ -21,6 +21,7 @@ from typing import Any, get_args, get_type_hints
 from torchspot.trainer import ENV_PREFIX
 from torchspot.trainer.models import MODELS
 from torchspot.trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
+from torchspot.trainer.precision import PRECISIONS
 
 DATASETS = ("cifar10", "imagenet", "digits")
 OPTIMIZERS = ("sgd", "adamw")
@@ -109,6 +110,9 @@ class TrainConfig:
     notice_hold: float = 120.0
     """After an emergency checkpoint, seconds the group waits for the evicted node to go
     before training on (a notice that comes to nothing costs at most this)."""
+    precision: str = "fp32"
+    """Forward passes in fp32, bf16 (autocast) or fp16 (autocast with a gradient scaler). On GPUs
+    the model also runs channels_last with cuDNN's algorithm search."""
     collective_timeout: float = 300.0
     """Seconds a step (or any wait on the group) may take before the worker counts its group as
     broken: it writes its node's snapshot, aborts its communicator and exits, and the agents
@@ -182,6 +186,10 @@ class TrainConfig:
                 f"--stuck-exit-after {self.stuck_exit_after}: must be greater than 0",
             ),
             (self.notice_hold >= 0, f"--notice-hold {self.notice_hold}: must be 0 or more"),
+            (
+                self.precision in PRECISIONS,
+                f"--precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}",
+            ),
             (
                 self.collective_timeout >= 1,
                 f"--collective-timeout {self.collective_timeout}: must be at least 1 (seconds)",

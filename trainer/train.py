@@ -72,6 +72,7 @@ from torchspot.trainer.hostcopy import HostCopy
 from torchspot.trainer.models import MODELS
 from torchspot.trainer.notices import EXIT_FAILED, NoticeStop, leave
 from torchspot.trainer.optim import BatchRule, build_optimizer, learning_rate
+from torchspot.trainer.precision import Precision
 from torchspot.trainer.rendezvous.status import CheckpointReporter
 from torchspot.trainer.resume import find_state
 from torchspot.trainer.sampler import ElasticSampler
@@ -244,6 +245,7 @@ class Trainer:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
+        self.precision = Precision(config.precision, self.device)
         self.step = 0
         self._tensorboard: Any = None
         self.manager: CheckpointManager | None = None
@@ -336,7 +338,7 @@ class Trainer:
             step_samples = sampler.next_step_samples(self.world)
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
-                device=self.device, before_update=self._begin_update,
+                device=self.device, before_update=self._begin_update, precision=self.precision,
             )  # fmt: skip
             sampler.advance(self.world)
             self.step += 1
@@ -417,7 +419,7 @@ class Trainer:
         lap("group")
         train_set, test_set, classes = self._datasets()
         lap("data")
-        model = build_model(config, classes, self.device)
+        model = self.precision.prepare(build_model(config, classes, self.device))
         rule = config.batch_rule()
         run = _Run(
             model=model,
@@ -503,6 +505,7 @@ class Trainer:
             "rng": rng_state(),
             "batch_rule": run.rule.state_dict(),
             "evaluated": {"step": run.evaluated[0], "accuracy": run.evaluated[1]},
+            "grad_scaler": self.precision.state_dict(),
         }
 
     def _load(self, run: _Run, state: dict[str, Any]) -> None:
@@ -512,6 +515,7 @@ class Trainer:
         run.optimizer.load_state_dict(state["optimizer"])
         run.sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
+        self.precision.load_state_dict(state.get("grad_scaler") or {})
         self.step = int(state["step"])
         run.rule, ignored = run.rule.resumed(state.get("batch_rule"))
         if ignored:

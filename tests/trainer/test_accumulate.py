@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchspot.trainer.accumulate import train_step
 from torchspot.trainer.evaluate import eval_batches
 from torchspot.trainer.models import SmallCNN
+from torchspot.trainer.precision import Precision
 
 
 @pytest.fixture
@@ -26,16 +27,53 @@ def group(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _step(inputs: torch.Tensor, labels: torch.Tensor, cuts: list[int]) -> tuple[dict[str, torch.Tensor], float]:
+def _step(
+    inputs: torch.Tensor, labels: torch.Tensor, cuts: list[int], precision: str = "fp32"
+) -> tuple[dict[str, torch.Tensor], float]:
     torch.manual_seed(0)
     model = SmallCNN(10)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     parts = [(inputs[a:b], labels[a:b]) for a, b in zip([0, *cuts], [*cuts, len(labels)], strict=True)]
+    cpu = torch.device("cpu")
     loss, _ = train_step(
-        ddp, optimizer, iter(parts), passes=len(parts), step_samples=len(labels), world=1, device=torch.device("cpu")
-    )
+        ddp, optimizer, iter(parts), passes=len(parts), step_samples=len(labels), world=1, device=cpu,
+        precision=Precision(precision, cpu),
+    )  # fmt: skip
     return {k: v.clone() for k, v in model.state_dict().items()}, float(loss)
+
+
+@pytest.mark.usefixtures("group")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_step_in_reduced_precision_is_near_the_fp32_step_and_not_equal_to_it(precision: str) -> None:
+    """Autocast really ran (the step differs from fp32's) and the loss stayed float32-scaled: the
+    parameters land within reduced precision's error of the fp32 step. fp16 goes through the
+    gradient scaler, whose scale must be undone exactly (a wrong unscale is off by 65536x)."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(16, 1, 8, 8, generator=generator)
+    labels = torch.randint(0, 10, (16,), generator=generator)
+    reference, reference_loss = _step(inputs, labels, [8])
+    reduced, reduced_loss = _step(inputs, labels, [8], precision)
+    assert reduced_loss == pytest.approx(reference_loss, rel=2e-2)
+    assert any(not torch.equal(reduced[k], reference[k]) for k in reference)
+    for name, tensor in reference.items():
+        assert torch.allclose(reduced[name], tensor, atol=2e-2), name
+    torch.manual_seed(0)
+    untouched = SmallCNN(10).state_dict()  # the step was taken (a scaler that saw inf would skip it)
+    moved = max(float((reduced[k] - untouched[k]).abs().max()) for k in untouched)
+    assert moved > 10 * max(float((reduced[k] - reference[k]).abs().max()) for k in reference)
+
+
+def test_precision_names_are_checked_and_fp16_keeps_its_scale_in_the_state() -> None:
+    with pytest.raises(ValueError, match="--precision 'fp8'"):
+        Precision("fp8", torch.device("cpu"))
+    assert Precision("bf16", torch.device("cpu")).state_dict() == {}
+    scaled = Precision("fp16", torch.device("cpu"))
+    state = scaled.state_dict()
+    assert state["scale"] == 65536.0
+    resumed = Precision("fp16", torch.device("cpu"))
+    resumed.load_state_dict({**state, "scale": 1024.0})
+    assert resumed.state_dict()["scale"] == 1024.0
 
 
 @pytest.mark.usefixtures("group")
