@@ -46,7 +46,7 @@ def state_bytes(state: Any) -> int:
 def host_copy_ms(state: dict[str, Any], every: int, steps: int) -> float:
     """Mean milliseconds per step of HostCopy.capture over `steps` steps (the first copy, which
     allocates the buffers, not counted)."""
-    copy = HostCopy(torch.device("cpu"), every=every)
+    copy = HostCopy(torch.device("cpu"), every=every, copy=True)
     copy.capture(state, 0)
     started = time.perf_counter()
     for step in range(1, steps + 1):
