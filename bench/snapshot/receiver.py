@@ -17,18 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchspot.trainer.models import resnet50
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.checkpoint
+
+from bench.checkpoint.run import resnet50_state
 from torchspot.trainer.wire import broadcast_state
-
-
-def resnet50_state() -> dict[str, Any]:
-    """ResNet-50's model and SGD momentum (one step taken), as bench/checkpoint measures it."""
-    model = resnet50()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 1}
 
 
 def high_water_mib() -> float:

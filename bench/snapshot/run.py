@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from receiver import resnet50_state  # type: ignore[import-not-found]  # beside this file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.checkpoint
+
+from bench.checkpoint.run import resnet50_state
 from torchspot.trainer.hostcopy import HostCopy
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"

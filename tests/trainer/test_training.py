@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -362,27 +363,24 @@ def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     assert emergency[0]["rank"] == 2  # the lowest rank of the leaving node (B's first worker)
     assert resumed["step"] == emergency[0]["step"]
 
-    joined_at = time.time()
-    (c,) = nodes(job, 1)
-    wait_for(lambda: at_world(4, joined_at), 120, "training at world size 4 with C")
-    last_before = newest()
-    hard_at = time.time()
-    c.kill()
-    after_hard = started_after(hard_at)
-    assert after_hard["resumed_from"] == "snapshot", after_hard
-    assert after_hard["step"] >= last_before
+    def join_then_lose(name: str, lose: Callable[[LocalNode], None]) -> float:
+        """A node joins A, trains at world size 4 for 5 steps, then `lose` ends it: A resumes alone
+        from its own snapshot, at the last step it logged or later. When it was lost."""
+        joined_at = time.time()
+        (node,) = nodes(job, 1)
+        wait_for(lambda: at_world(4, joined_at), 120, f"training at world size 4 with {name}")
+        target = newest() + 5
+        wait_for(lambda: newest() >= target, 60, "5 more steps")
+        last_before = newest()
+        lost_at = time.time()
+        lose(node)
+        after = started_after(lost_at)
+        assert after["resumed_from"] == "snapshot", after
+        assert after["step"] >= last_before
+        return lost_at
 
-    joined_at = time.time()
-    (d,) = nodes(job, 1)
-    wait_for(lambda: at_world(4, joined_at), 120, "training at world size 4 with D")
-    target = newest() + 5
-    wait_for(lambda: newest() >= target, 60, "5 more steps")
-    last_before = newest()
-    frozen_at = time.time()
-    d.freeze()
-    after_freeze = started_after(frozen_at)
-    assert after_freeze["resumed_from"] == "snapshot", after_freeze
-    assert after_freeze["step"] >= last_before
+    join_then_lose("C", LocalNode.kill)  # a hard loss
+    frozen_at = join_then_lose("D", LocalNode.freeze)
     wait_for(lambda: at_world(2, frozen_at), 60, "training on after the freeze")
     a.stop()
 
