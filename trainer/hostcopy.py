@@ -101,7 +101,9 @@ class HostCopy:
         self.device = device
         self.every = every
         self.cuda = device.type == "cuda"
-        self.copying = self.cuda if copy is None else copy or self.cuda
+        self.copying = self.cuda or bool(copy)
+        self._live: Callable[[], dict[str, Any]] | None = None
+        """Without copies: what builds the live state, set at the last boundary."""
         self._updating = False
         self._slots = [_Slot(), _Slot()] if self.cuda else [_Slot()]
         self._next = 0
@@ -113,16 +115,19 @@ class HostCopy:
         """True when `capture` at this step would take a copy."""
         return step % self.every == 0
 
-    def capture(self, state: dict[str, Any], step: int) -> None:
-        """Copy `state` (the live one: device tensors) to the host, if a copy is due at `step`.
+    def capture(self, step: int, build: Callable[[], dict[str, Any]]) -> None:
+        """Copy the state `build()` returns (the live one: device tensors) to the host, if a copy is
+        due at `step`. Without copies, keep `build` to call when a snapshot is written: nothing
+        is built or copied per step.
 
         Call at a step boundary, from the training loop's thread."""
         if not self.copying:
             with self._lock:
-                self._slots[0].state, self._slots[0].step, self._updating = state, step, False
+                self._live, self._updating = build, False
             return
         if not self.due(step):
             return
+        state = build()
         live = _tensors(state)
         with self._lock:  # a snapshot being written from a slot keeps it until done
             slot = self._slots[self._next]
@@ -163,8 +168,8 @@ class HostCopy:
     def latest(self) -> dict[str, Any] | None:
         """The newest whole copy (its "step" says which), without touching the device; None before
         the first. Held under the lock while `write` runs (see `write_from`)."""
-        if self._updating:
-            return None
+        if not self.copying:
+            return None if self._updating or self._live is None else self._live()
         whole = [slot for slot in self._slots if slot.whole()]
         return max(whole, key=lambda s: s.step).state if whole else None
 

@@ -290,7 +290,6 @@ class Trainer:
         except Exception:
             log.exception("rank %d: training stopped at step %d", self.rank, self.step)
             self._leave_broken_group()
-            raise  # not reached: _leave_broken_group exits
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
@@ -342,7 +341,7 @@ class Trainer:
             )  # fmt: skip
             sampler.advance(self.world)
             self.step += 1
-            self._host.capture(self._state(run), self.step)
+            self._host.capture(self.step, partial(self._state, run))
             window.add(loss, correct, step_samples)
             if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
                 self._log_progress(run, window, lr)
@@ -458,7 +457,7 @@ class Trainer:
             self._base = self.step
             lap("resume")
         self._run = run
-        self._host.capture(self._state(run), self.step)  # a snapshot of the resumed state, before any step
+        self._host.capture(self.step, partial(self._state, run))  # a snapshot of the resumed state, before any step
         url = config.scheduled_events_url()
         if url and self.local_rank == 0:  # one poller per node (notices.node_levels shares its notice)
             self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()

@@ -49,10 +49,10 @@ def host_copy_ms(state: dict[str, Any], every: int, steps: int) -> float:
     """Mean milliseconds per step of HostCopy.capture over `steps` steps (the first copy, which
     allocates the buffers, not counted)."""
     copy = HostCopy(torch.device("cpu"), every=every, copy=True)
-    copy.capture(state, 0)
+    copy.capture(0, lambda: state)
     started = time.perf_counter()
     for step in range(1, steps + 1):
-        copy.capture(state, step)
+        copy.capture(step, lambda: state)
     return (time.perf_counter() - started) * 1000 / steps
 
 

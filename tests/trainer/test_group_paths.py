@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def test_the_host_copy_keeps_the_last_boundary_while_training_changes_the_live_s
     def state(step: int) -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
 
-    copy.capture(state(0), 0)
+    copy.capture(0, lambda: state(0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model(torch.ones(4, 3)).sum().backward()
     copy.before_update()
@@ -109,7 +110,7 @@ def test_the_host_copy_keeps_the_last_boundary_while_training_changes_the_live_s
     assert held["step"] == 0
     assert all(torch.equal(held["model"][k], before[k]) for k in before)
     assert not torch.equal(model.weight.detach(), before["weight"])
-    copy.capture(state(1), 1)
+    copy.capture(1, lambda: state(1))
     held = copy.latest()
     assert held is not None
     assert held["step"] == 1
@@ -123,13 +124,20 @@ def test_the_host_copy_keeps_the_last_boundary_while_training_changes_the_live_s
 def test_a_host_copy_every_k_steps_holds_the_last_multiple_of_k() -> None:
     weight = torch.zeros(2)
     copy = HostCopy(torch.device("cpu"), every=3, copy=True)
+    built: list[int] = []
+
+    def build(step: int) -> dict[str, Any]:
+        built.append(step)
+        return {"w": weight, "step": step}
+
     for step in range(1, 8):
         weight += 1
-        copy.capture({"w": weight, "step": step}, step)
+        copy.capture(step, partial(build, step))
     held = copy.latest()
     assert held is not None
     assert (held["step"], held["w"].tolist()) == (6, [6.0, 6.0])
     assert copy.copies == 2
+    assert built == [3, 6]  # the state is built only when a copy is due
     with pytest.raises(ValueError, match="every 0 steps"):
         HostCopy(torch.device("cpu"), every=0)
 
@@ -138,14 +146,14 @@ def test_without_copies_a_cpu_snapshot_is_the_live_state_except_during_an_update
     weight = torch.zeros(2)
     kept = HostCopy(torch.device("cpu"))
     assert not kept.copying
-    kept.capture({"w": weight, "step": 4}, 4)
+    kept.capture(4, lambda: {"w": weight, "step": 4})
     held = kept.latest()
     assert held is not None
     assert held["w"] is weight  # no copy, no cost per step
     kept.before_update()
     assert kept.latest() is None  # half-updated: no snapshot rather than a torn one
     weight += 1
-    kept.capture({"w": weight, "step": 5}, 5)
+    kept.capture(5, lambda: {"w": weight, "step": 5})
     assert kept.latest() == {"w": weight, "step": 5}
 
 
