@@ -176,6 +176,23 @@ def restricted_defaults(pod_spec: dict[str, Any]) -> None:
             security.setdefault("capabilities", {"drop": ["ALL"]})
 
 
+def _shared_memory(pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
+    """Mount a memory-backed emptyDir at /dev/shm, unless the template mounts something there.
+
+    Data-loader workers pass batches through shared memory, and the runtime's 64 MiB default
+    fails a loader of ImageNet batches with "No space left on device" (or a bus error). The
+    volume has no size limit of its own: what it holds counts against the container's memory
+    limit, as any of its memory does, and a size limit would have the kubelet evict the pod.
+    """
+    if any(m.get("mountPath") == constants.SHM_DIR for m in trainer.get("volumeMounts", [])):
+        return
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), {"name": "torchspot-shm", "emptyDir": {"medium": "Memory"}}]
+    trainer["volumeMounts"] = [
+        *trainer.get("volumeMounts", []),
+        {"name": "torchspot-shm", "mountPath": constants.SHM_DIR},
+    ]
+
+
 def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
     """Worker pod n: the user's template, placed on the spot pool, with the launcher's settings."""
     template = copy.deepcopy(spec.template)
@@ -201,6 +218,7 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), _secret_volume(job, certs.CLIENT_FILES, 0o444)]
         mount = {"name": "etcd-tls", "mountPath": constants.WORKER_TLS_DIR, "readOnly": True}
         trainer["volumeMounts"] = [*trainer.get("volumeMounts", []), mount]
+    _shared_memory(pod_spec, trainer)
     if spec.placement.gpu:
         resources = trainer.setdefault("resources", {})
         for kind in ("limits", "requests"):

@@ -78,6 +78,10 @@ ETCD_TLS_DIR: Final = "/etc/etcd/tls"
 """Where the managed etcd's pod mounts its server certificate, key and the job's CA."""
 WORKER_TLS_DIR: Final = "/etc/torchspot/etcd"
 """Where a worker pod mounts the job's CA and client certificate and key."""
+SHM_DIR: Final = "/dev/shm"  # noqa: S108 - a mount path in the pod, not a file we write
+"""Where DataLoader workers hand batches to the trainer (shared memory). A container runtime
+gives a pod 64 MiB there; one uint8 ImageNet batch of 256 is 37 MiB, and each loader worker
+keeps several in flight."""
 OPERATOR_NAMESPACE_ENV: Final = "TORCHSPOT_OPERATOR_NAMESPACE"
 OPERATOR_LABELS_ENV: Final = "TORCHSPOT_OPERATOR_LABELS"
 """The operator pod's namespace and labels (JSON), which the chart sets: each job's NetworkPolicy

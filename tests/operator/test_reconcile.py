@@ -145,6 +145,21 @@ class TestWorkerPod:
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["PET_RDZV_ENDPOINT"] == "etcd.shared:2379"
 
+    def test_loader_workers_get_shared_memory_unless_the_template_mounts_its_own(self) -> None:
+        pod = builders.worker_pod(JOB, _spec(), 0)["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        volume = next(v for v in pod["volumes"] if v["name"] == mounts[constants.SHM_DIR])
+        assert volume["emptyDir"] == {"medium": "Memory"}  # the runtime's default is 64 MiB
+        spec = _spec()
+        own = {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
+        spec.template["spec"]["volumes"] = [own]
+        spec.template["spec"]["containers"][0]["volumeMounts"] = [{"name": "big-shm", "mountPath": "/dev/shm"}]
+        kept = builders.worker_pod(JOB, spec, 0)["spec"]
+        assert [v for v in kept["volumes"] if "emptyDir" in v] == [own]
+        assert [m for m in kept["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"] == [
+            {"name": "big-shm", "mountPath": "/dev/shm"}
+        ]
+
     def test_credentials_come_from_the_secret_not_the_spec(self) -> None:
         pod = builders.worker_pod(JOB, _spec(checkpoint={"uri": "az://ckpt/p", "credentialsSecret": "blob"}), 0)
         assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "blob"}}]
@@ -184,7 +199,7 @@ class TestEtcd:
             ",cacert=/etc/torchspot/etcd/ca.crt,cert=/etc/torchspot/etcd/client.crt,key=/etc/torchspot/etcd/client.key"
         )
         external = builders.worker_pod(JOB, _spec(rendezvous={"endpoint": "etcd.shared:2379"}), 0)["spec"]
-        assert "volumes" not in external  # a user's own etcd: their TLS, if any, is theirs to configure
+        assert not [v for v in external["volumes"] if "secret" in v]  # a user's own etcd: their TLS is theirs
 
     def test_the_etcd_is_sized_so_its_memory_volume_cannot_fill(self) -> None:
         """bench/etcd_soak measured a day: the data directory peaked at 254 MiB with these flags."""
@@ -214,7 +229,7 @@ class TestEtcd:
         etcd = {obj["kind"]: obj for obj in builders.etcd_objects(legacy, _spec())}
         plan = _plan([_pod(0)], etcd=etcd, old=_running())
         (created,) = [obj for obj in plan.create if obj["kind"] == "Pod"][:1]
-        assert "volumes" not in created["spec"]
+        assert not [v for v in created["spec"]["volumes"] if "secret" in v]
         assert plan.update == []  # nothing to bring in line: the plain etcd stays
         assert "cacert=" not in str(created)
 
