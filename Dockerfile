@@ -44,10 +44,15 @@ FROM ${TRAINER_BASE} AS trainer
 # The rendezvous handler relies on torch 2.13.0 internals: keep this pin in step with
 # pyproject.toml.
 ARG TORCH_VERSION=2.13.0
+# --decode gpu decodes JPEGs with nvJPEG through torchvision: the release built for TORCH_VERSION
+# (the PyTorch base images carry it already; the `gpu` extra pins the same).
+ARG TORCHVISION_VERSION=0.28.0
 COPY requirements/trainer.txt /tmp/requirements.txt
 COPY --from=build /wheels /wheels
 RUN python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '${TORCH_VERSION}')" \
         || pip install --no-cache-dir "torch==${TORCH_VERSION}" \
+    && python -c "import torchvision, sys; sys.exit(torchvision.__version__.split('+')[0] != '${TORCHVISION_VERSION}')" \
+        || pip install --no-cache-dir --no-deps "torchvision==${TORCHVISION_VERSION}" \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && pip install --no-cache-dir --no-deps /wheels/*.whl \
     && rm -rf /wheels /tmp/requirements.txt \

@@ -9,7 +9,7 @@ NODE_STAMP = node_modules/.torchspot-installed
 HELM    = $(VENV)/bin/helm
 PYTEST_ARGS ?=
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak bench-equivalence bench-snapshot clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input clean
 
 all: test
 
@@ -53,7 +53,7 @@ manifests: venv
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
-bench: bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak bench-equivalence bench-snapshot
+bench: bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input
 
 bench-recovery: venv
 	$(PY) bench/recovery/run.py
@@ -76,6 +76,9 @@ bench-equivalence: venv
 
 bench-snapshot: venv
 	$(PY) bench/snapshot/run.py --reps 3
+
+bench-input: venv
+	$(PY) bench/input/run.py --reps 3
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

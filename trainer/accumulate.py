@@ -32,6 +32,7 @@ def train_step(
     device: torch.device,
     before_update: Callable[[], None] = lambda: None,
     precision: Precision | None = None,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
 
@@ -39,7 +40,8 @@ def train_step(
     then until the caller counts the step, the model is between two states. Returns this
     rank's summed loss and correct predictions as device tensors (read them at log time:
     no host synchronisation per step). `precision` (default fp32) runs the forward passes
-    under its autocast and steps through its gradient scaler.
+    under its autocast and steps through its gradient scaler. `normalize` turns the loader's
+    uint8 batch into the model's float input after the copy to the device (data.Normalize).
     """
     precision = precision or Precision("fp32", device)
     ddp.train()  # type: ignore[no-untyped-call]
@@ -49,7 +51,9 @@ def train_step(
     scale = world / max(step_samples, 1)
     for index in range(passes):
         inputs, labels = next(batches)
-        inputs = precision.inputs(inputs.to(device, non_blocking=True))
+        inputs = precision.inputs(inputs.to(device, non_blocking=True))  # channels_last while still uint8
+        if normalize is not None:
+            inputs = normalize(inputs)
         labels = labels.to(device, non_blocking=True)
         last = index == passes - 1
         with contextlib.nullcontext() if last else ddp.no_sync():

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from torchspot.trainer import ENV_PREFIX
+from torchspot.trainer.loader import DECODERS
 from torchspot.trainer.models import MODELS
 from torchspot.trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 from torchspot.trainer.precision import PRECISIONS
@@ -81,7 +82,12 @@ class TrainConfig:
     data_cache: str = ""
     """Local folder that receives an az:// data set ('' = torchspot-data in the temp folder)."""
     workers: int = 2
-    """Data-loading processes per worker (0: load in the training process)."""
+    """Data-loading processes per worker (0: load in the training process). They last for the
+    run (train and test set each have theirs) and keep 4 batches each ready."""
+    decode: str = "cpu"
+    """Where ImageNet JPEGs are decoded: cpu (libjpeg-turbo in the loader workers) or gpu (nvJPEG
+    through torchvision, which the `gpu` extra and the trainer image install; the workers then
+    only read files). The GPU's decode competes with the model for the GPU: not measured here."""
     eval_batch_size: int = 256
     """Samples per worker per evaluation pass."""
     checkpoint_uri: str = ""
@@ -193,6 +199,11 @@ class TrainConfig:
             (
                 self.collective_timeout >= 1,
                 f"--collective-timeout {self.collective_timeout}: must be at least 1 (seconds)",
+            ),
+            (self.decode in DECODERS, f"--decode {self.decode!r}: choose one of {', '.join(DECODERS)}"),
+            (
+                self.decode == "cpu" or self.dataset == "imagenet",
+                f"--decode {self.decode}: only JPEG folders (--dataset imagenet) are decoded; {self.dataset} is not",
             ),
             (self.snapshot_every >= 1, f"--snapshot-every {self.snapshot_every}: must be at least 1"),
             (

@@ -1,6 +1,6 @@
 """Evaluation, sharded over the group and interruptible by an eviction notice.
 
-Each rank scores its share of the test set (every world-th sample) through a DataLoader,
+Each rank scores its share of the test set (every world-th sample) through the trainer's loader,
 and the counts are summed over the group. Before each batch `between` runs on every rank
 (the trainer agrees on eviction notices there, an all-gather), so a notice that arrives
 while an ImageNet validation runs (minutes, about the length of a spot notice) takes the
@@ -10,12 +10,10 @@ batches (sampler.split_share), which keeps those all-gathers in step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
 from torchspot.trainer.group import Group
 from torchspot.trainer.sampler import split_share
@@ -28,32 +26,26 @@ def eval_batches(length: int, rank: int, world: int, batch_size: int) -> list[li
 
 def evaluate(
     model: nn.Module,
-    dataset: Dataset[Any],
+    length: int,
     group: Group,
     *,
     batch_size: int,
-    workers: int,
-    collate: Callable[[list[tuple[torch.Tensor, int]]], tuple[torch.Tensor, torch.Tensor]],
-    worker_init: Callable[[int], None],
+    load: Callable[[list[list[int]]], Iterator[tuple[torch.Tensor, torch.Tensor]]],
+    prepare: Callable[[torch.Tensor], torch.Tensor],
     between: Callable[[], object],
 ) -> float:
-    """Top-1 accuracy over the whole of `dataset` (every rank gets the same value)."""
-    batches = eval_batches(len(dataset), group.rank, group.world, batch_size)  # type: ignore[arg-type]
-    loader = DataLoader(
-        dataset,
-        batch_sampler=batches,
-        num_workers=workers,
-        collate_fn=collate,
-        worker_init_fn=worker_init,
-        pin_memory=group.device.type == "cuda",
-    )
+    """Top-1 accuracy over a test set of `length` samples (every rank gets the same value).
+
+    `load` yields the batches of the given sample indices (the trainer's persistent test
+    loader); `prepare` makes a loaded batch the model's input on the device.
+    """
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=group.device)
     total = torch.zeros((), dtype=torch.long, device=group.device)
     with torch.no_grad():
-        for inputs, labels in loader:
+        for inputs, labels in load(eval_batches(length, group.rank, group.world, batch_size)):
             between()
-            logits = model(inputs.to(group.device, non_blocking=True))
+            logits = model(prepare(inputs))
             correct += (logits.argmax(1) == labels.to(group.device, non_blocking=True)).sum()
             total += len(labels)
     right, seen = group.sums([correct, total])

@@ -54,12 +54,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from torchspot.trainer.accumulate import train_step
 from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot.trainer.config import TrainConfig, ensure_local_data
-from torchspot.trainer.data import SampleRandom, load_cifar10, load_digits, load_imagenet
+from torchspot.trainer.data import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot.trainer.evaluate import evaluate
 from torchspot.trainer.eviction import (
     EvictionNotice,
@@ -69,6 +69,7 @@ from torchspot.trainer.eviction import (
 )
 from torchspot.trainer.group import Group, StepWatchdog, abort_group, nccl_environment
 from torchspot.trainer.hostcopy import HostCopy
+from torchspot.trainer.loader import DeviceDecoder, EpochLoader, gpu_decoder
 from torchspot.trainer.models import MODELS
 from torchspot.trainer.notices import EXIT_FAILED, NoticeStop, leave
 from torchspot.trainer.optim import BatchRule, build_optimizer, learning_rate
@@ -155,21 +156,16 @@ def _trained(sampler: ElasticSampler) -> int:
     return sampler.epoch * sampler.length + sampler.consumed
 
 
-class _Collate:
-    """Stack (image, label) pairs; an empty batch (a short last step) keeps its shape."""
-
-    def __init__(self, sample_shape: torch.Size) -> None:
-        self.sample_shape = sample_shape
-
-    def __call__(self, items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not items:
-            return torch.empty((0, *self.sample_shape)), torch.empty(0, dtype=torch.long)
-        return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
-
-
 def _reset_sigterm_in_loader(_worker: int) -> None:
     """A DataLoader worker leaves SIGTERM to the training process (eviction.reset_sigterm)."""
     reset_sigterm()
+
+
+def decode_refusal(decode: str, device: torch.device) -> str | None:
+    """Why --decode cannot run on this worker's device, or None. Pure."""
+    if decode == "gpu" and device.type != "cuda":
+        return f"--decode gpu needs a CUDA device, and this worker runs on {device.type}"
+    return None
 
 
 def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
@@ -202,6 +198,9 @@ class _Run:
     rule: BatchRule
     train_set: Dataset[Any]
     test_set: Dataset[Any]
+    train_loader: EpochLoader
+    test_loader: EpochLoader
+    normalize: Normalize
     total_samples: int
     evaluated: tuple[int, float] = (-1, math.nan)
     """(step, top-1 accuracy) of the last completed evaluation."""
@@ -246,6 +245,12 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
         self.precision = Precision(config.precision, self.device)
+        self._decoder = (
+            DeviceDecoder(gpu_decoder(), self.device, config.image_size)
+            if config.decode == "gpu" and self.device.type == "cuda"
+            else None
+        )
+        """--decode gpu: the batch's JPEGs are decoded, cropped and resized on the GPU (loader.py)."""
         self.step = 0
         self._tensorboard: Any = None
         self.manager: CheckpointManager | None = None
@@ -327,10 +332,8 @@ class Trainer:
         """Train on the rest of the current epoch (or until --max-steps): the step loop."""
         sampler = run.sampler
         epoch = sampler.epoch
-        if isinstance(run.train_set, SampleRandom):  # before the loader forks its workers, which inherit it
-            run.train_set.set_epoch(epoch, self.config.seed)
         plans = list(sampler.epoch_steps(self.rank, self.world))
-        batches = self._loader(run.train_set, [part for plan in plans for part in plan])
+        batches = self._batches(run.train_loader.epoch(epoch, [part for plan in plans for part in plan]))
         window = _Window(self.device)
         for plan in plans:
             lr = self._set_learning_rate(run)
@@ -338,6 +341,7 @@ class Trainer:
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
                 device=self.device, before_update=self._begin_update, precision=self.precision,
+                normalize=run.normalize,
             )  # fmt: skip
             sampler.advance(self.world)
             self.step += 1
@@ -392,9 +396,10 @@ class Trainer:
         """Evaluate on the test set (sharded; a notice between batches stops the group as after
         a step), record the result in the state and emit it."""
         accuracy = evaluate(
-            run.model, run.test_set, self.group, batch_size=self.config.eval_batch_size,
-            workers=self.config.workers, collate=_Collate(run.test_set[0][0].shape),
-            worker_init=_reset_sigterm_in_loader, between=partial(self._agree_on_notices, run),
+            run.model, len(run.test_set), self.group, batch_size=self.config.eval_batch_size,  # type: ignore[arg-type]
+            load=lambda batches: self._batches(run.test_loader.epoch(0, batches)),
+            prepare=lambda inputs: run.normalize(self.precision.inputs(inputs.to(self.device, non_blocking=True))),
+            between=partial(self._agree_on_notices, run),
         )  # fmt: skip
         run.evaluated = (self.step, accuracy)
         self._emit({"event": "eval", "step": self.step, "epoch": epoch, "accuracy": accuracy})
@@ -406,7 +411,7 @@ class Trainer:
         config = self.config
         self.setup_seconds["process"] = process_age()
         lap = _lap(self.setup_seconds)
-        refusal = sync_bn_refusal(config.sync_bn, self.device)
+        refusal = sync_bn_refusal(config.sync_bn, self.device) or decode_refusal(config.decode, self.device)
         if refusal:
             raise ValueError(refusal)
         if self.backend == "nccl":
@@ -417,6 +422,8 @@ class Trainer:
             torch.cuda.set_device(self.device)
         lap("group")
         train_set, test_set, classes = self._datasets()
+        if isinstance(train_set, SampleRandom):  # before the loader forks its workers, which keep it
+            train_set.set_epoch(0, config.seed)
         lap("data")
         model = self.precision.prepare(build_model(config, classes, self.device))
         rule = config.batch_rule()
@@ -436,6 +443,9 @@ class Trainer:
             rule=rule,
             train_set=train_set,
             test_set=test_set,
+            train_loader=self._loader(train_set),
+            test_loader=self._loader(test_set),
+            normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
         if config.checkpoint_uri:
@@ -481,17 +491,16 @@ class Trainer:
         train_folder, val_folder = load_imagenet(path, config.image_size)
         return train_folder, val_folder, len(train_folder.classes)
 
-    def _loader(self, dataset: Dataset[Any], batches: list[list[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The micro-batches `batches`, loaded in order by --workers processes."""
-        loader = DataLoader(
-            dataset,
-            batch_sampler=batches,
-            num_workers=self.config.workers,
-            collate_fn=_Collate(dataset[0][0].shape),
-            worker_init_fn=_reset_sigterm_in_loader,
-            pin_memory=self.device.type == "cuda",
-        )
-        return iter(loader)
+    def _loader(self, dataset: Dataset[Any]) -> EpochLoader:
+        """`dataset`'s loader for the run: --workers processes that persist from epoch to epoch."""
+        return EpochLoader(
+            dataset, workers=self.config.workers, pin_memory=self.device.type == "cuda",
+            worker_init=_reset_sigterm_in_loader, encode=self._decoder is not None,
+        )  # fmt: skip
+
+    def _batches(self, loaded: Iterator[tuple[Any, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Loaded batches as uint8 image tensors: decoded on the GPU first with --decode gpu."""
+        return loaded if self._decoder is None else map(self._decoder, loaded)
 
     # -- state ----------------------------------------------------------------------
 
@@ -622,6 +631,9 @@ class Trainer:
 
     def _shutdown(self) -> None:
         self._watchdog.stop()
+        if self._run is not None:
+            self._run.train_loader.close()
+            self._run.test_loader.close()
         if self._reporter is not None:
             self._reporter.close()
         if self.stop.watcher is not None:

@@ -48,7 +48,7 @@ def _evaluate(model: nn.Module, test_set: TensorImages, rank: int, world: int) -
             items = [test_set[i] for i in indices[start : start + 256]]
             inputs = torch.stack([x for x, _ in items])
             labels = torch.tensor([y for _, y in items])
-            correct += int((model(inputs).argmax(1) == labels).sum())
+            correct += int((model(test_set.normalize(inputs)).argmax(1) == labels).sum())
             total += len(items)
     counts = torch.tensor([correct, total], dtype=torch.float64)
     dist.all_reduce(counts)
@@ -91,7 +91,7 @@ def main() -> None:
         for inputs, labels in DataLoader(train_set, batch_size=args.batch_size, sampler=sampler):
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(ddp(inputs), labels)
+            loss = nn.functional.cross_entropy(ddp(train_set.normalize(inputs)), labels)
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             step += 1

@@ -1,0 +1,234 @@
+"""The input path: uint8 samples normalised on the device, JPEG decoding through libjpeg-turbo
+with the crop cut before the resize, the persistent loader, and the GPU decoder's mechanism.
+
+The GPU decoder (`--decode gpu`) calls torchvision's nvJPEG, which cannot run here (no GPU,
+and no CPU build of torchvision): its test hands `DeviceDecoder` a libjpeg-turbo stand-in
+with the same contract, on the CPU, so everything around the decode call is what runs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import simplejpeg
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from torchspot.trainer.config import TrainConfig
+from torchspot.trainer.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageFolder,
+    Normalize,
+    TensorImages,
+    decode_reduction,
+    decode_region,
+    eval_crop_box,
+    resized_crop_box,
+    sample_generator,
+    write_synthetic_imagenet,
+)
+from torchspot.trainer.loader import Collate, DeviceDecoder, EpochLoader, encode
+from torchspot.trainer.train import decode_refusal
+
+
+def _photo(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """A smooth colour field with texture, as a photo compresses (HWC uint8)."""
+    rng = np.random.default_rng(seed)
+    field = Image.fromarray((rng.random((height // 16 + 2, width // 16 + 2, 3)) * 255).astype(np.uint8))
+    pixels = np.asarray(field.resize((width, height), Image.Resampling.BICUBIC)).astype(np.float32)
+    pixels += rng.normal(0, 4, pixels.shape)
+    return np.clip(pixels, 0, 255).astype(np.uint8)
+
+
+def _jpeg(pixels: np.ndarray, mode: str = "RGB") -> bytes:
+    buffer = io.BytesIO()
+    image = Image.fromarray(pixels)
+    (image if mode == "RGB" else image.convert(mode)).save(buffer, "JPEG", quality=92)
+    return buffer.getvalue()
+
+
+def _pillow_region(data: bytes, box: tuple[int, int, int, int], size: int) -> torch.Tensor:
+    """The recipe as it was: Pillow decodes and resizes the box to size x size (bilinear)."""
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=box)
+        return torch.from_numpy(np.array(rgb)).permute(2, 0, 1)
+
+
+def test_normalize_on_uint8_equals_the_float_formula_and_keeps_the_memory_format() -> None:
+    images = torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    normalize = Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    got = normalize(images)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    want = (images.float() / 255.0 - mean) / std
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-5)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(TypeError, match="uint8"):
+        normalize(images.float())
+    copied = pickle.loads(pickle.dumps(normalize))  # as a loader worker receives it: numbers only
+    assert (copied.mean, copied.std) == (normalize.mean, normalize.std)
+    assert torch.allclose(copied(images), got)
+
+
+def test_data_sets_yield_uint8_a_quarter_of_the_float_bytes(tmp_path: Path) -> None:
+    root = write_synthetic_imagenet(tmp_path / "imagenet", classes=2, per_class=4, size=96)
+    folder = ImageFolder(root / "train", 64, augment=True)
+    image, _ = folder[0]
+    assert (image.dtype, image.shape) == (torch.uint8, (3, 64, 64))
+    batch, labels = Collate(image.shape)([folder[i] for i in range(4)])
+    assert batch.dtype == torch.uint8  # type: ignore[union-attr]
+    assert batch.nbytes * 4 == folder.normalize(batch).nbytes  # type: ignore[union-attr,arg-type]
+    assert labels.tolist() == [0, 0, 0, 0]
+    empty, _ = Collate(image.shape)([])
+    assert (empty.shape, empty.dtype) == ((0, 3, 64, 64), torch.uint8)  # type: ignore[union-attr]
+    cifar = TensorImages(
+        torch.full((8, 3, 32, 32), 200, dtype=torch.uint8), [0] * 8, (0.5,) * 3, (0.5,) * 3, augment=True
+    )
+    crops = [cifar[i][0] for i in range(8)]
+    assert all(x.dtype == torch.uint8 and x.shape == (3, 32, 32) for x in crops)
+    assert any((x == 0).any() for x in crops)  # the 4-pixel crop pads black, as before Normalize
+    with pytest.raises(TypeError, match="uint8"):
+        TensorImages(torch.zeros(1, 3, 32, 32), [0], (0.5,) * 3, (0.5,) * 3)
+
+
+def test_the_crop_is_the_recipe_pillow_computed(tmp_path: Path) -> None:
+    """decode_region (libjpeg-turbo, torch's uint8 resize of the box) against the pipeline it
+    replaced (Pillow's decode and bilinear resize of the box) on the same boxes: the same
+    image up to resampling rounding, and the eval crop is resize-shorter-side-then-centre."""
+    data = _jpeg(_photo(500, 375))
+    for index in range(8):
+        box = resized_crop_box(500, 375, sample_generator(0, 0, index))
+        ours = decode_region(data, lambda w, h, box=box: box, 224)  # type: ignore[misc]
+        theirs = _pillow_region(data, box, 224)
+        difference = (ours.int() - theirs.int()).abs()
+        assert ours.shape == (3, 224, 224)
+        assert difference.float().mean() < 1.0, index
+        assert difference.max() <= 16, index
+    left, top, right, bottom = eval_crop_box(500, 375, 224)
+    assert (right - left, bottom - top) == (328, 328)  # 375 / (256/224)
+    assert (left + right) // 2 == 250
+    assert (top + bottom) // 2 == 187
+
+
+def test_large_jpegs_are_shrunk_while_decoding_and_keep_their_crop() -> None:
+    assert decode_reduction((0, 0, 500, 375), 224) == 1
+    assert decode_reduction((0, 0, 1000, 800), 224) == 2
+    assert decode_reduction((0, 0, 1000, 900), 224) == 4  # 900 / 4 still covers 224
+    assert decode_reduction((0, 0, 4000, 3000), 224) == 8
+    assert decode_reduction((0, 0, 9000, 9000), 224) == 8  # libjpeg-turbo's largest power of two
+    data = _jpeg(_photo(1800, 1400, seed=3))
+    box = (100, 200, 1300, 1300)  # 1200 x 1100: decoded at a quarter, still 275 px across
+    shrunk = decode_region(data, lambda w, h: box, 224)
+    full = _pillow_region(data, box, 224)
+    assert (shrunk.int() - full.int()).abs().float().mean() < 2.0
+
+
+def test_png_gray_and_cmyk_files_decode_as_rgb(tmp_path: Path) -> None:
+    pixels = _photo(120, 90)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, "PNG")
+    for data in (png.getvalue(), _jpeg(pixels, "L"), _jpeg(pixels, "CMYK")):
+        image = decode_region(data, lambda w, h: (0, 0, w, h), 32)
+        assert (image.dtype, image.shape) == (torch.uint8, (3, 32, 32))
+    gray = decode_region(_jpeg(pixels, "L"), lambda w, h: (0, 0, w, h), 32)
+    assert torch.equal(gray[0], gray[1])
+    assert torch.equal(gray[1], gray[2])
+
+
+class _Pids(Dataset[tuple[torch.Tensor, int]]):
+    """`inner`'s images, labelled with the pid of the process that loaded them."""
+
+    def __init__(self, inner: TensorImages) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.inner[index][0], os.getpid()
+
+
+def _cifar_like(n: int = 24) -> TensorImages:
+    images = torch.randint(0, 256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    return TensorImages(images, list(range(n)), (0.5,) * 3, (0.5,) * 3, augment=True)
+
+
+def test_the_loader_keeps_its_workers_across_epochs_and_draws_each_epochs_augmentation() -> None:
+    """Persistent workers (the same pids in both epochs) still crop and flip as the epoch
+    says (`EpochView`); an epoch dropped halfway leaves no stale prefetched batch."""
+    reference = _cifar_like()
+    reference.set_epoch(0, seed=5)
+    dataset = _cifar_like()
+    dataset.set_epoch(0, seed=5)
+    loader = EpochLoader(dataset, workers=2, pin_memory=False, worker_init=lambda _: None)
+    batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    try:
+        first = list(loader.epoch(0, batches))
+        for (images, labels), batch in zip(first, batches, strict=True):
+            assert labels.tolist() == batch
+            assert torch.equal(images, torch.stack([reference[i][0] for i in batch]))
+        half = loader.epoch(1, batches)
+        next(half)  # dropped after one batch, with the rest prefetched
+        second = list(loader.epoch(2, [[3, 2], [1, 0]]))
+        reference.set_epoch(2)
+        assert [labels.tolist() for _, labels in second] == [[3, 2], [1, 0]]
+        assert torch.equal(second[0][0], torch.stack([reference[3][0], reference[2][0]]))
+        assert not torch.equal(second[0][0][0], first[0][0][3])  # epoch 2 draws new crops
+    finally:
+        loader.close()
+    pids = _Pids(_cifar_like())
+    loader = EpochLoader(pids, workers=2, pin_memory=False, worker_init=lambda _: None)
+    try:
+        seen = {int(p) for epoch in range(3) for _, labels in loader.epoch(epoch, batches) for p in labels}
+    finally:
+        loader.close()
+    assert len(seen) == 2  # two workers served all three epochs
+    assert os.getpid() not in seen
+
+
+def _stand_in_decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """torchvision.io.decode_jpeg's contract (1-D uint8 files -> (3, H, W) uint8 RGB on
+    `device`), by libjpeg-turbo on the CPU: nvJPEG needs a GPU and torchvision."""
+    return [torch.from_numpy(simplejpeg.decode_jpeg(f.numpy().tobytes())).permute(2, 0, 1).to(device) for f in files]
+
+
+def test_the_gpu_decoder_crops_resizes_and_flips_as_the_cpu_path(tmp_path: Path) -> None:
+    root = tmp_path / "train"
+    for label in range(2):
+        (root / f"c{label}").mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(_photo(320, 240, seed=label * 10 + i)).save(root / f"c{label}" / f"{i}.jpg", quality=92)
+    Image.fromarray(_photo(200, 150, seed=99)).save(root / "c1" / "z.png")  # decoded by the worker
+    folder = ImageFolder(root, 128, augment=True)  # no crop of 320 x 240 is 256 px: full-size decodes
+    folder.set_epoch(1, seed=3)
+    items: list[tuple[Any, int]] = [encode(folder, i) for i in range(len(folder))]
+    samples, labels = Collate(torch.Size((3, 128, 128)))(items)
+    assert isinstance(samples, list)
+    assert sum(isinstance(s, torch.Tensor) for s in samples) == 1  # the PNG
+    decoded, same_labels = DeviceDecoder(_stand_in_decode, torch.device("cpu"), 128)((samples, labels))
+    assert torch.equal(same_labels, labels)
+    expected = torch.stack([folder[i][0] for i in range(len(folder))])
+    assert (decoded.dtype, decoded.shape) == (torch.uint8, expected.shape)
+    difference = (decoded.int() - expected.int()).abs()
+    assert difference.max() <= 2  # float resize rounded vs the uint8 kernel
+    flipped = [i for i in range(len(folder)) if folder.region(i, 320, 240)[1]]
+    assert 0 < len(flipped) < len(folder)  # both ways occur, and each matched above
+    ready = torch.stack([folder[0][0]])
+    assert torch.equal(DeviceDecoder(_stand_in_decode, torch.device("cpu"), 128)((ready, labels[:1]))[0], ready)
+
+
+def test_decode_gpu_is_refused_where_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="--decode 'nvjpeg'"):
+        TrainConfig(dataset="imagenet", data="x", decode="nvjpeg")
+    with pytest.raises(ValueError, match="--decode gpu: only JPEG folders"):
+        TrainConfig(dataset="cifar10", data="x", decode="gpu")
+    assert decode_refusal("gpu", torch.device("cpu")) == "--decode gpu needs a CUDA device, and this worker runs on cpu"
+    assert decode_refusal("cpu", torch.device("cpu")) is None
