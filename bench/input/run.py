@@ -1,0 +1,202 @@
+"""Input-pipeline benchmark: ImageNet JPEGs through the shipped loader against the pipeline it
+replaced, in the same run, on CPU.
+
+Data: JPEGs of ImageNet's most common size (500 x 375, quality 90, a photo-like mix of smooth
+colour and texture; the mean file size is printed), in ImageNet's folder layout. Both
+pipelines train-augment them to 224 x 224 (RandomResizedCrop and flip), in batches of 32,
+with the same number of loader worker processes:
+
+- stock: the loader before this change, which is torchvision's reference recipe: Pillow
+  decodes, Pillow resizes the crop, the worker converts to float32 and normalises
+  (ToTensor + Normalize), a new DataLoader per epoch.
+- ours: `ImageFolder` + `EpochLoader` as the trainer uses them: libjpeg-turbo decodes
+  (simplejpeg), the crop is resized by torch's uint8 antialiased kernel, batches stay uint8
+  (normalised on the device), and the workers persist from epoch to epoch.
+- ours + host normalise: ours with `Normalize` run in the training process, as on a CPU
+  worker; on a GPU it runs on the device.
+
+Each run is a child process; its CPU time includes its loader workers' (RUSAGE_CHILDREN after
+they are joined). Images per CPU-second is the per-core figure; bytes per sample is what
+crosses the workers' shared memory and, on a GPU, the host-to-device copy.
+
+Usage: python bench/input/run.py [--images 256] [--epochs 3] [--workers 2] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torchspot.trainer.data import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ImageFolder,
+    resized_crop_box,
+)
+from torchspot.trainer.loader import EpochLoader
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+SIZE = 224
+BATCH = 32
+WIDTH, HEIGHT = 500, 375
+PIPELINES = ("stock", "ours", "ours + host normalise")
+
+
+def write_photos(root: Path, count: int, classes: int = 4, seed: int = 0) -> float:
+    """`count` photo-like JPEGs in `classes` folders; returns the mean file size in KiB."""
+    from PIL import Image  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    sizes = []
+    for index in range(count):
+        folder = root / f"n{index % classes:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        field = rng.random((HEIGHT // 16 + 2, WIDTH // 16 + 2, 3)) * 255
+        smooth = np.asarray(Image.fromarray(field.astype(np.uint8)).resize((WIDTH, HEIGHT), Image.Resampling.BICUBIC))
+        texture = rng.random((HEIGHT // 2 + 1, WIDTH // 2 + 1)) * 255
+        detail = np.asarray(
+            Image.fromarray(texture.astype(np.uint8)).resize((WIDTH, HEIGHT), Image.Resampling.BILINEAR)
+        )
+        pixels = smooth * 0.5 + detail[..., None] * 0.45 + rng.normal(0, 8, smooth.shape)
+        path = folder / f"img{index:05d}.JPEG"
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, quality=90)
+        sizes.append(path.stat().st_size)
+    return float(np.mean(sizes)) / 1024
+
+
+class StockFolder(ImageFolder):
+    """The pipeline before this change (and torchvision's recipe): Pillow decode and resize,
+    float32 normalised in the loader worker."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image  # noqa: PLC0415
+
+        path, label = self.samples[index]
+        random = self.generator(index)
+        with Image.open(path) as img:
+            rgb = img.convert("RGB")
+            box = resized_crop_box(rgb.width, rgb.height, random)
+            rgb = rgb.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+            flip = bool(torch.rand((), generator=random) < 0.5)
+            array = np.asarray(rgb, dtype=np.uint8)
+        image = torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0
+        if flip:
+            image = image.flip(-1)
+        mean = torch.tensor(IMAGENET_MEAN).view(-1, 1, 1)
+        std = torch.tensor(IMAGENET_STD).view(-1, 1, 1)
+        return (image - mean) / std, label
+
+
+def _stack(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+def _stock_epochs(dataset: StockFolder, batches: list[list[int]], epochs: int, workers: int) -> Iterator[Any]:
+    for epoch in range(epochs):
+        dataset.set_epoch(epoch, seed=0)  # before the epoch's loader forks its workers
+        loader: DataLoader[Any] = DataLoader(dataset, batch_sampler=batches, num_workers=workers, collate_fn=_stack)
+        yield from loader
+
+
+def child(pipeline: str, root: Path, epochs: int, workers: int) -> dict[str, Any]:
+    """Load `epochs` epochs of `root` through `pipeline`; CPU seconds include the workers'."""
+    torch.set_num_threads(1)
+    length = sum(1 for _ in root.rglob("*.JPEG"))
+    batches = [list(range(i, min(i + BATCH, length))) for i in range(0, length, BATCH)]
+    started_cpu = _cpu_seconds()
+    started = time.perf_counter()
+    images = 0
+    bytes_per_sample = 0.0
+    if pipeline == "stock":
+        dataset: Dataset[Any] = StockFolder(root, SIZE, augment=True)
+        for inputs, labels in _stock_epochs(dataset, batches, epochs, workers):  # type: ignore[arg-type]
+            images += len(labels)
+            bytes_per_sample = inputs.nbytes / len(labels)
+    else:
+        folder = ImageFolder(root, SIZE, augment=True)
+        folder.set_epoch(0, seed=0)
+        loader = EpochLoader(folder, workers=workers, pin_memory=False, worker_init=lambda _: None)
+        for epoch in range(epochs):
+            for inputs, labels in loader.epoch(epoch, batches):
+                if pipeline == "ours + host normalise":
+                    folder.normalize(inputs)
+                images += len(labels)
+                bytes_per_sample = inputs.nbytes / len(labels)
+        loader.close()
+    wall = time.perf_counter() - started
+    cpu = _cpu_seconds() - started_cpu
+    return {"pipeline": pipeline, "images": images, "wall_s": wall, "cpu_s": cpu, "bytes_per_sample": bytes_per_sample}
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # loader workers, once joined
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--child", choices=PIPELINES, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.root, args.epochs, args.workers)))
+        return
+    with tempfile.TemporaryDirectory(prefix="torchspot-input-") as tmp:
+        root = Path(tmp) / "train"
+        print(f"writing {args.images} JPEGs of {WIDTH} x {HEIGHT} ...", flush=True)
+        kib = write_photos(root, args.images)
+        print(f"mean file size {kib:.0f} KiB; {args.epochs} epochs, {args.workers} workers, {args.reps} trials")
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PIPELINES}
+        for trial in range(args.reps):
+            for name in PIPELINES:  # interleaved, so drift in the machine hits every pipeline
+                command = [sys.executable, __file__, "--child", name, "--root", str(root),
+                           "--epochs", str(args.epochs), "--workers", str(args.workers)]  # fmt: skip
+                result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+                runs[name].append(result)
+                print(f"  trial {trial + 1} {name}: {result['images'] / result['cpu_s']:.0f} images per CPU-s, "
+                      f"{result['images'] / result['wall_s']:.0f} images/s", flush=True)  # fmt: skip
+    summary = {}
+    for name, results in runs.items():
+        summary[name] = {
+            "images_per_cpu_s": statistics.median(r["images"] / r["cpu_s"] for r in results),
+            "images_per_s": statistics.median(r["images"] / r["wall_s"] for r in results),
+            "bytes_per_sample": results[0]["bytes_per_sample"],
+        }
+    stock = summary["stock"]
+    print(f"\n| pipeline | images per CPU-second | images/s ({args.workers} workers) | bytes per sample |")
+    print("| --- | --- | --- | --- |")
+    for name, row in summary.items():
+        per_core = row["images_per_cpu_s"] / stock["images_per_cpu_s"]
+        wall = row["images_per_s"] / stock["images_per_s"]
+        fewer = stock["bytes_per_sample"] / row["bytes_per_sample"]
+        print(f"| {name} | {row['images_per_cpu_s']:.0f} ({per_core:.2f}x) | {row['images_per_s']:.0f} ({wall:.2f}x) "
+              f"| {row['bytes_per_sample']:,.0f} ({fewer:.1f}x fewer) |")  # fmt: skip
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = RESULTS_DIR / "input.json"
+    out.write_text(json.dumps({"mean_file_kib": kib, "args": vars(args) | {"root": None}, "runs": runs,
+                               "summary": summary}, indent=2, default=str))  # fmt: skip
+    print(f"\nraw results: {out}")
+
+
+if __name__ == "__main__":
+    main()
