@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,13 +66,18 @@ class Group:
     rank: int
     world: int
     device: torch.device
+    control: Any = None
+    """A gloo group of the same ranks for the agreements at every step boundary (`control_group`),
+    or None: they use the default group (gloo already, on CPUs)."""
 
     def gather_ints(self, row: list[int]) -> list[list[int]]:
-        """Every rank's `row` (the same length on all), by rank: one all-gather and one copy to
-        the host (this runs after every step)."""
-        mine = torch.tensor(row, dtype=torch.long, device=self.device)
+        """Every rank's `row` (the same length on all), by rank: one all-gather (this runs after
+        every step). Through the control group where there is one: host memory over TCP, so the
+        host never waits for the device's queue of work, as a read of an NCCL result would."""
+        device = torch.device("cpu") if self.control is not None else self.device
+        mine = torch.tensor(row, dtype=torch.long, device=device)
         rows = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(rows, mine)
+        dist.all_gather(rows, mine, group=self.control)
         gathered: list[list[int]] = torch.stack(rows).tolist()
         return gathered
 
@@ -94,6 +101,19 @@ class Group:
         dist.all_reduce(totals)
         result: list[float] = totals.tolist()
         return result
+
+
+def control_group(backend: str, timeout: float) -> Any:
+    """A gloo group beside an NCCL one, for the small agreements the loop makes at every step
+    boundary (eviction notices, resume sources); None on gloo, which is host-side already.
+
+    On NCCL, reading an all-gather's result on the host waits for everything queued on the
+    device before it: one host synchronisation per step, which stops the host from queueing
+    the next step while the GPU runs this one. Every rank must call this, in the same order.
+    """
+    if backend != "nccl":
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
 
 
 class StepWatchdog:

@@ -67,7 +67,7 @@ from torchspot.trainer.eviction import (
     reset_sigterm,
     watch_sigterm,
 )
-from torchspot.trainer.group import Group, StepWatchdog, abort_group, nccl_environment
+from torchspot.trainer.group import Group, StepWatchdog, abort_group, control_group, nccl_environment
 from torchspot.trainer.hostcopy import HostCopy
 from torchspot.trainer.loader import DeviceDecoder, EpochLoader, gpu_decoder
 from torchspot.trainer.models import MODELS
@@ -266,6 +266,8 @@ class Trainer:
         self._watchdog = StepWatchdog(
             config.collective_timeout, lambda: self.notice.boundary, self._broken_group
         ).start()
+        self._control: Any = None
+        """The gloo group for the per-step agreements beside an NCCL group (group.control_group)."""
         self._run: _Run | None = None
         """Set once the state is whole (after the resume): from then on a snapshot may be taken.
         Kept after the run ends (launch.run_trainer says why)."""
@@ -278,7 +280,7 @@ class Trainer:
 
     @property
     def group(self) -> Group:
-        return Group(self.rank, self.world, self.device)
+        return Group(self.rank, self.world, self.device, self._control)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -417,6 +419,7 @@ class Trainer:
         if self.backend == "nccl":
             os.environ.update(nccl_environment(os.environ))
         dist.init_process_group(self.backend, timeout=timedelta(seconds=config.collective_timeout))
+        self._control = control_group(self.backend, config.collective_timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -3,6 +3,9 @@
 - broadcast: rank 1 holds a training state (a model and an SGD optimizer after one step, RNG
   states, a NaN); it is sent to every rank with wire.broadcast_state; each rank saves what it
   got to OUT.
+- control: every rank makes a second (gloo) group with group.control_group's call and gathers
+  [rank, 10 x rank] through it from a Group whose device is `meta` (no memory at all): the
+  per-step agreement must not touch the device. Each rank writes what it gathered to OUT.
 - ping: rank 0 pings with a 1 s timeout while rank 1 (a frozen peer) never joins the
   collective; rank 0 writes the ping's result and the seconds it took to OUT.
 """
@@ -49,6 +52,11 @@ def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
     if scenario == "broadcast":
         state = broadcast_state(training_state() if rank == 1 else None, 1, rank, group.device)
         torch.save(state, out)
+    elif scenario == "control":
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        agreed = Group(rank, world, torch.device("meta"), control).gather_ints([rank, 10 * rank])
+        with open(out, "w") as file:
+            json.dump(agreed, file)
     elif scenario == "ping":
         if rank == 0:
             started = time.monotonic()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchspot.trainer.group import NCCL_ERROR_HANDLING_ENV, StepWatchdog, nccl_environment
+from torchspot.trainer.group import NCCL_ERROR_HANDLING_ENV, StepWatchdog, control_group, nccl_environment
 from torchspot.trainer.hostcopy import HostCopy
 from torchspot.trainer.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, node_levels
 from torchspot.trainer.wire import WireError, flatten, unflatten
@@ -79,6 +79,15 @@ def test_a_joiner_gets_the_state_as_tensors_over_a_real_group(tmp_path: Path) ->
     expected = training_state()  # the RNG states are the source process's own
     for key in ("model", "optimizer", "evaluated", "pair"):
         assert _same(expected[key], got[0][key]), key
+
+
+def test_the_per_step_agreement_goes_through_the_control_group_never_the_device(tmp_path: Path) -> None:
+    """On NCCL the boundary's all-gather runs in a gloo group beside it (group.control_group), so
+    reading its result does not wait for the GPU's queue. Three gloo ranks whose Group device is
+    `meta` (any tensor made there has no data to gather) agree through a second group."""
+    outs = _group(tmp_path, "control", 3)
+    assert [json.loads(out.read_text()) for out in outs] == [[[0, 0], [1, 10], [2, 20]]] * 3
+    assert control_group("gloo", 10.0) is None  # gloo is host-side already: no second group
 
 
 def test_a_ping_gives_up_on_a_frozen_peer_within_its_timeout(tmp_path: Path) -> None:
