@@ -21,6 +21,19 @@ from torch.nn.parallel import DistributedDataParallel
 from torchspot.trainer.precision import Precision
 
 
+def model_inputs(
+    batch: torch.Tensor,
+    device: torch.device,
+    precision: Precision,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A loaded batch as the model's input: copied to the device, in the model's memory format
+    while still uint8 (a quarter of the bytes to permute), then normalised (data.Normalize).
+    Training and evaluation both prepare their batches here."""
+    inputs = precision.inputs(batch.to(device, non_blocking=True))
+    return inputs if normalize is None else normalize(inputs)
+
+
 def train_step(
     ddp: DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
@@ -51,9 +64,7 @@ def train_step(
     scale = world / max(step_samples, 1)
     for index in range(passes):
         inputs, labels = next(batches)
-        inputs = precision.inputs(inputs.to(device, non_blocking=True))  # channels_last while still uint8
-        if normalize is not None:
-            inputs = normalize(inputs)
+        inputs = model_inputs(inputs, device, precision, normalize)
         labels = labels.to(device, non_blocking=True)
         last = index == passes - 1
         with contextlib.nullcontext() if last else ddp.no_sync():

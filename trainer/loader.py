@@ -118,7 +118,8 @@ class EpochLoader:
     :param workers: loader processes (0: load in the training process). They persist for
         the loader's life, holding `PREFETCH_BATCHES` batches each.
     :param worker_init: run in each worker as it starts (the trainer leaves SIGTERM to itself).
-    :param encode: hand JPEGs to the GPU undecoded (`--decode gpu`).
+    :param decoder: `--decode gpu`: the workers hand JPEGs over undecoded, and each batch goes
+        through this on its way out.
     """
 
     def __init__(
@@ -128,9 +129,11 @@ class EpochLoader:
         workers: int,
         pin_memory: bool,
         worker_init: Callable[[int], None],
-        encode: bool = False,
+        decoder: DeviceDecoder | None = None,
     ) -> None:
         self._batches = _Batches()
+        self._decoder = decoder
+        encode = decoder is not None
         shape = dataset[0][0].shape
         self._loader = DataLoader(
             EpochView(dataset, encode),
@@ -143,14 +146,16 @@ class EpochLoader:
             prefetch_factor=PREFETCH_BATCHES if workers > 0 else None,
         )
 
-    def epoch(self, epoch: int, batches: Sequence[Sequence[int]]) -> Iterator[tuple[Any, torch.Tensor]]:
-        """The batches of sample indices `batches`, loaded in order, augmented as in `epoch`.
+    def epoch(self, epoch: int, batches: Sequence[Sequence[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of sample indices `batches`, loaded in order, augmented as in `epoch`:
+        uint8 images (decoded on the device first, with a decoder) and their labels.
 
         The previous epoch's iteration, finished or not, is dropped; the workers discard
         what they had prefetched for it.
         """
         self._batches.batches = [[(epoch, index) for index in batch] for batch in batches]
-        return iter(self._loader)
+        loaded = iter(self._loader)
+        return loaded if self._decoder is None else map(self._decoder, loaded)
 
     def close(self) -> None:
         """Stop the workers (they also stop when the training process exits)."""

@@ -43,7 +43,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -56,7 +56,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from torchspot.trainer.accumulate import train_step
+from torchspot.trainer.accumulate import model_inputs, train_step
 from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot.trainer.config import TrainConfig, ensure_local_data
 from torchspot.trainer.data import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
@@ -245,12 +245,6 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
         self.precision = Precision(config.precision, self.device)
-        self._decoder = (
-            DeviceDecoder(gpu_decoder(), self.device, config.image_size)
-            if config.decode == "gpu" and self.device.type == "cuda"
-            else None
-        )
-        """--decode gpu: the batch's JPEGs are decoded, cropped and resized on the GPU (loader.py)."""
         self.step = 0
         self._tensorboard: Any = None
         self.manager: CheckpointManager | None = None
@@ -335,7 +329,7 @@ class Trainer:
         sampler = run.sampler
         epoch = sampler.epoch
         plans = list(sampler.epoch_steps(self.rank, self.world))
-        batches = self._batches(run.train_loader.epoch(epoch, [part for plan in plans for part in plan]))
+        batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
         window = _Window(self.device)
         for plan in plans:
             lr = self._set_learning_rate(run)
@@ -399,8 +393,8 @@ class Trainer:
         a step), record the result in the state and emit it."""
         accuracy = evaluate(
             run.model, len(run.test_set), self.group, batch_size=self.config.eval_batch_size,  # type: ignore[arg-type]
-            load=lambda batches: self._batches(run.test_loader.epoch(0, batches)),
-            prepare=lambda inputs: run.normalize(self.precision.inputs(inputs.to(self.device, non_blocking=True))),
+            load=partial(run.test_loader.epoch, 0),
+            prepare=partial(model_inputs, device=self.device, precision=self.precision, normalize=run.normalize),
             between=partial(self._agree_on_notices, run),
         )  # fmt: skip
         run.evaluated = (self.step, accuracy)
@@ -416,6 +410,9 @@ class Trainer:
         refusal = sync_bn_refusal(config.sync_bn, self.device) or decode_refusal(config.decode, self.device)
         if refusal:
             raise ValueError(refusal)
+        # --decode gpu: the batch's JPEGs are decoded, cropped and resized on the GPU (loader.py); without
+        # torchvision this stops here, before the group forms.
+        decoder = DeviceDecoder(gpu_decoder(), self.device, config.image_size) if config.decode == "gpu" else None
         if self.backend == "nccl":
             os.environ.update(nccl_environment(os.environ))
         dist.init_process_group(self.backend, timeout=timedelta(seconds=config.collective_timeout))
@@ -446,8 +443,8 @@ class Trainer:
             rule=rule,
             train_set=train_set,
             test_set=test_set,
-            train_loader=self._loader(train_set),
-            test_loader=self._loader(test_set),
+            train_loader=self._loader(train_set, decoder),
+            test_loader=self._loader(test_set, decoder),
             normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
@@ -494,16 +491,12 @@ class Trainer:
         train_folder, val_folder = load_imagenet(path, config.image_size)
         return train_folder, val_folder, len(train_folder.classes)
 
-    def _loader(self, dataset: Dataset[Any]) -> EpochLoader:
+    def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None) -> EpochLoader:
         """`dataset`'s loader for the run: --workers processes that persist from epoch to epoch."""
         return EpochLoader(
             dataset, workers=self.config.workers, pin_memory=self.device.type == "cuda",
-            worker_init=_reset_sigterm_in_loader, encode=self._decoder is not None,
+            worker_init=_reset_sigterm_in_loader, decoder=decoder,
         )  # fmt: skip
-
-    def _batches(self, loaded: Iterator[tuple[Any, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Loaded batches as uint8 image tensors: decoded on the GPU first with --decode gpu."""
-        return loaded if self._decoder is None else map(self._decoder, loaded)
 
     # -- state ----------------------------------------------------------------------
 

@@ -221,6 +221,11 @@ def test_the_gpu_decoder_crops_resizes_and_flips_as_the_cpu_path(tmp_path: Path)
     assert difference.max() <= 2  # float resize rounded vs the uint8 kernel
     flipped = [i for i in range(len(folder)) if folder.region(i, 320, 240)[1]]
     assert 0 < len(flipped) < len(folder)  # both ways occur, and each matched above
+    decoder = DeviceDecoder(_stand_in_decode, torch.device("cpu"), 128)
+    loader = EpochLoader(folder, workers=0, pin_memory=False, worker_init=lambda _: None, decoder=decoder)
+    ((through, through_labels),) = list(loader.epoch(1, [list(range(len(folder)))]))  # the trainer's way in
+    assert torch.equal(through, decoded)
+    assert torch.equal(through_labels, labels)
     ready = torch.stack([folder[0][0]])
     assert torch.equal(DeviceDecoder(_stand_in_decode, torch.device("cpu"), 128)((ready, labels[:1]))[0], ready)
 
