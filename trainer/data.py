@@ -341,8 +341,8 @@ class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
         box = resized_crop_box(width, height, random)
         return box, bool(torch.rand((), generator=random) < 0.5)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
+    def decoded(self, index: int, data: bytes) -> torch.Tensor:
+        """Sample `index` from its file's bytes `data`: cropped, resized and flipped, uint8."""
         flips: list[bool] = []
 
         def box_of(width: int, height: int) -> Box:
@@ -350,8 +350,12 @@ class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
             flips.append(flip)
             return box
 
-        image = decode_region(path.read_bytes(), box_of, self.size)
-        return (image.flip(-1) if flips[0] else image), label
+        image = decode_region(data, box_of, self.size)
+        return image.flip(-1) if flips[0] else image
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        return self.decoded(index, path.read_bytes()), label
 
 
 def load_imagenet(root: Path, size: int = 224) -> tuple[ImageFolder, ImageFolder]:

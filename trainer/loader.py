@@ -77,7 +77,7 @@ def encode(folder: ImageFolder, index: int) -> tuple[Sample, int]:
     data = path.read_bytes()
     dimensions = jpeg_size(data)
     if dimensions is None:
-        return folder[index]
+        return folder.decoded(index, data), label
     box, flip = folder.region(index, *dimensions)
     return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip), label
 
