@@ -121,7 +121,7 @@ class StepWatchdog:
 
     `boundary()` tells when the loop last was at one (the notice's clock, which every step,
     evaluation batch and hold ping sets); a thread looks once a second. Armed only while the
-    loop trains (`arm`/`disarm`): set-up and the final save are not steps.
+    loop trains (the trainer sets `armed`): set-up and the final save are not steps.
 
     :param on_broken: what to do then (the trainer: snapshot, abort, exit); does not return.
     """

@@ -109,18 +109,17 @@ def broadcast_state(state: Any, src: int, rank: int, device: torch.device) -> An
     dist.broadcast(size, src=src)
     text = encoded.to(device) if rank == src else torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(text, src=src)
-    if rank != src:
+    if rank == src:
+        sizes = {dtype: sum(t.numel() for t in parts) for dtype, parts in tensors.items()}
+    else:
         skeleton = text.cpu().numpy().tobytes().decode()
-        tensors = _shapes(skeleton)
+        sizes = _sizes(skeleton)
     buffers: dict[str, torch.Tensor] = {}
-    for dtype in sorted(tensors):
-        parts = tensors[dtype]
+    for dtype in sorted(sizes):
         if rank == src:
-            flat = torch.cat([t.detach().reshape(-1).to(device) for t in parts]) if parts else None
+            flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors[dtype]])
         else:
-            total = sum(math.prod(t.shape) for t in parts)
-            flat = torch.empty(total, dtype=_dtype(dtype), device=device)
-        assert flat is not None
+            flat = torch.empty(sizes[dtype], dtype=_dtype(dtype), device=device)
         dist.broadcast(flat, src=src)
         buffers[dtype] = flat
     if rank == src:
@@ -128,9 +127,9 @@ def broadcast_state(state: Any, src: int, rank: int, device: torch.device) -> An
     return unflatten(skeleton, {dtype: flat.cpu() for dtype, flat in buffers.items()})
 
 
-def _shapes(skeleton: str) -> dict[str, list[torch.Tensor]]:
-    """Empty stand-ins for the skeleton's tensors, by dtype (their shapes tell the buffers' sizes)."""
-    found: dict[str, list[torch.Tensor]] = {}
+def _sizes(skeleton: str) -> dict[str, int]:
+    """Elements per dtype in the skeleton's tensors: the sizes of the buffers to receive."""
+    found: dict[str, int] = {}
 
     def walk(value: Any) -> None:
         if isinstance(value, list):
@@ -139,7 +138,8 @@ def _shapes(skeleton: str) -> dict[str, list[torch.Tensor]]:
         elif isinstance(value, dict):
             if _TENSOR in value:
                 dtype, _index, shape = value[_TENSOR]
-                found.setdefault(dtype, []).append(torch.empty(shape, dtype=_dtype(dtype), device="meta"))
+                _dtype(dtype)  # an unknown dtype is refused before anything is received
+                found[dtype] = found.get(dtype, 0) + math.prod(shape)
             else:
                 for item in value.values():
                     walk(item)
