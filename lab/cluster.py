@@ -45,7 +45,7 @@ from torchspot.lab.kubeapi import KubeApi
 from torchspot.lab.local import signal_tree
 from torchspot.lab.scenario import Scenario
 from torchspot.operator import certs, constants
-from torchspot.operator.kube import Kube
+from torchspot.operator.kube import ApiError, Kube
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +409,14 @@ class NodeAgent:
                 continue  # stays Pending: the autoscaler's signal
             chosen = min(candidates, key=lambda n: (count.get(n, 0), n))
             meta = pod["metadata"]
-            self.api.run(self.kube.patch("v1", "pods", meta["namespace"], meta["name"], {"spec": {"nodeName": chosen}}))
+            try:
+                self.api.run(
+                    self.kube.patch("v1", "pods", meta["namespace"], meta["name"], {"spec": {"nodeName": chosen}})
+                )
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                continue  # deleted since the list (the operator replaced it, or its job ended): nothing to bind
             pod.setdefault("spec", {})["nodeName"] = chosen
             used[chosen] = used.get(chosen, 0) + gpus_requested(pod)
             count[chosen] = count.get(chosen, 0) + 1

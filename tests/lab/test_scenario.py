@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from torchspot.lab.cluster import expand, fits, gpus_requested, node_object, tolerates
+from torchspot.lab.cluster import NodeAgent, expand, fits, gpus_requested, node_object, tolerates
+from torchspot.lab.kubeapi import KubeApi
 from torchspot.lab.scenario import Event, Pool, ScenarioError, load_scenario, parse_scenario
 from torchspot.operator import constants
 
@@ -160,3 +161,23 @@ def test_the_demo_job_is_the_example_made_small() -> None:
     example_flags = {a.split("=")[0] for a in example_container["args"]}
     # --sync-bn needs GPUs; the sandbox's workers run on CPU.
     assert demo_flags - {"--log-every"} == example_flags - {"--sync-bn"}
+
+
+def test_a_pod_deleted_between_the_list_and_its_binding_is_skipped(tmp_path: Path) -> None:
+    """The sandbox's scheduler binds what it listed; the operator may delete a pod meanwhile (a
+    CI run failed on that 404). A real scheduler's binding gets NotFound and moves on: so does ours,
+    and the pods after it are still bound."""
+    scenario = parse_scenario({})
+    with KubeApi(tmp_path / "api") as api:
+        agent = NodeAgent(api, tmp_path / "work", scenario)
+        agent._add_node("ondemand-1", spot=False)
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "live", "namespace": "default"},
+                "spec": {"containers": [{"name": "c", "image": "i"}]}}  # fmt: skip
+        api.run(agent.kube.create(body))
+        gone = {**body, "metadata": {"name": "gone", "namespace": "default", "creationTimestamp": "0"}}
+        listed = [gone, *api.run(agent.kube.list("v1", "Pod", None))]  # "gone" was listed, then deleted
+        nodes = {n["metadata"]["name"]: n for n in api.run(agent.kube.list("v1", "Node", None))}
+        agent._schedule(listed, nodes)
+        (live,) = api.run(agent.kube.list("v1", "Pod", None))
+        assert live["spec"]["nodeName"] == "ondemand-1"
+        api.run(agent.kube.close())
