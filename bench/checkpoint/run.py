@@ -31,10 +31,10 @@ from typing import Any
 import psutil
 import torch
 
-from torchspot.lab.azurite import Azurite
-from torchspot.trainer.checkpoint import CheckpointManager
-from torchspot.trainer.models import resnet50
-from torchspot.trainer.storage import BlobStorage, open_storage
+from torchspot_lab.azurite import Azurite
+from torchspot_trainer.checkpoint.manager import CheckpointManager
+from torchspot_trainer.checkpoint.storage import BlobStorage, open_storage
+from torchspot_trainer.models import resnet50
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 

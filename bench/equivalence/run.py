@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from torchspot.lab.azurite import Azurite
-from torchspot.lab.etcd import EtcdServer
-from torchspot.lab.local import JobConfig, LocalNode, read_events
-from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager
-from torchspot.trainer.storage import open_storage
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import JobConfig, LocalNode, read_events
+from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager
+from torchspot_trainer.checkpoint.storage import open_storage
 
 PROGRAM = [
-    "-m", "torchspot.trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "", "--epochs", "8",
+    "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "", "--epochs", "8",
     "--global-batch-size", "48", "--lr", "0.05", "--lr-scaling", "none", "--optimizer", "sgd", "--seed", "0",
     "--workers", "0", "--log-every", "1", "--checkpoint-every", "10", "--scheduled-events", "off",
 ]  # fmt: skip

@@ -41,9 +41,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from torchspot.lab.etcd import EtcdServer  # noqa: E402
-from torchspot.operator.builders import ETCD_SIZING  # noqa: E402
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient  # noqa: E402
+from torchspot_lab.etcd import EtcdServer  # noqa: E402
+from torchspot_operator.builders import ETCD_SIZING  # noqa: E402
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient  # noqa: E402
 
 
 def state_payload(nodes: int, round_: int, now: float) -> bytes:

@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchspot.lab import goodput
-from torchspot.lab.etcd import EtcdServer
-from torchspot.lab.report import read_pod_events
-from torchspot.lab.sandbox import run_sandbox
-from torchspot.lab.scenario import Pool, Scenario, load_scenario
-from torchspot.operator import constants
-from torchspot.trainer.data import CIFAR_TARBALL, write_synthetic_cifar10
+from torchspot_lab import goodput
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.report import read_pod_events
+from torchspot_lab.sandbox import run_sandbox
+from torchspot_lab.scenario import Pool, Scenario, load_scenario
+from torchspot_operator import constants
+from torchspot_trainer.data.datasets import CIFAR_TARBALL, write_synthetic_cifar10
 
 HERE = Path(__file__).resolve().parent
 BATCH = 16

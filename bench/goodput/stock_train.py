@@ -9,7 +9,7 @@ epoch; SIGTERM is not handled (a worker told to stop dies at once).
 
 What it shares with torchspot's trainer, so that the benchmark compares the recipes
 and not the models: the data (the same synthetic CIFAR-10 tarball), the model
-(ResNet-18 from `torchspot.trainer.models`), batch size, optimizer and learning rate,
+(ResNet-18 from `torchspot_trainer.models`), batch size, optimizer and learning rate,
 one evaluation at the end of each epoch. Instrumentation only: rank 0 prints the same
 JSON event lines as torchspot's trainer (start, progress, checkpoint, eval), so one
 report reads both runs.
@@ -30,8 +30,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from torchspot.trainer.data import CIFAR_TARBALL, TensorImages, load_cifar10
-from torchspot.trainer.models import MODELS
+from torchspot_trainer.data.datasets import CIFAR_TARBALL, TensorImages, load_cifar10
+from torchspot_trainer.models import MODELS
 
 
 def _emit(rank: int, record: dict[str, Any]) -> None:

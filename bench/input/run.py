@@ -42,13 +42,13 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchspot.trainer.data import (
+from torchspot_trainer.data.datasets import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     ImageFolder,
     resized_crop_box,
 )
-from torchspot.trainer.loader import EpochLoader
+from torchspot_trainer.data.loader import EpochLoader
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SIZE = 224

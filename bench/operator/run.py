@@ -1,6 +1,6 @@
 """Operator benchmark: replacement latency and scale, against the kmock API emulator.
 
-The operator runs as its own process (`python -m torchspot.operator run --standalone
+The operator runs as its own process (`python -m torchspot_operator run --standalone
 --all-namespaces`), logged in through a kubeconfig to the emulator, so its memory is
 its own. In one run:
 
@@ -41,10 +41,10 @@ from typing import Any
 
 import psutil
 
-from torchspot.lab.kubeapi import KubeApi
-from torchspot.operator import constants
-from torchspot.operator.kube import Kube
-from torchspot.operator.metrics import METRICS_PORT_ENV
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_operator import constants
+from torchspot_operator.kube import Kube
+from torchspot_operator.metrics import METRICS_PORT_ENV
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 NS = "default"
@@ -117,7 +117,7 @@ def main() -> None:
             run(kube.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"spot-{index}"}, "spec": {},
                              "status": {"conditions": [{"type": "Ready", "status": "True"}]}}))  # fmt: skip
         env = {**os.environ, "KUBECONFIG": str(api.kubeconfig), METRICS_PORT_ENV: "0"}
-        cmd = [sys.executable, "-m", "torchspot.operator", "--standalone", "--all-namespaces"]
+        cmd = [sys.executable, "-m", "torchspot_operator", "--standalone", "--all-namespaces"]
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         with (RESULTS_DIR / "operator.log").open("w") as log:
             with subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as operator:

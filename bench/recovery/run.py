@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchspot.lab.etcd import EtcdServer, free_port
-from torchspot.lab.local import (
+from torchspot_lab.etcd import EtcdServer, free_port
+from torchspot_lab.local import (
     JobConfig,
     LocalNode,
     first_step_at,

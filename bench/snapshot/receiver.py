@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.checkpoint
 
 from bench.checkpoint.run import resnet50_state
-from torchspot.trainer.wire import broadcast_state
+from torchspot_trainer.recovery.wire import broadcast_state
 
 
 def high_water_mib() -> float:

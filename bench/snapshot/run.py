@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.checkpoint
 
 from bench.checkpoint.run import resnet50_state
-from torchspot.trainer.hostcopy import HostCopy
+from torchspot_trainer.recovery.hostcopy import HostCopy
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 RECEIVER = Path(__file__).with_name("receiver.py")

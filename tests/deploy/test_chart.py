@@ -19,9 +19,9 @@ from click import Command
 from kopf import cli
 
 from tests.deploy.helm import CHART, NAMESPACE, find, helm, lint, one, template, template_error
-from torchspot.operator import constants
-from torchspot.operator.metrics import METRICS_PORT_ENV
-from torchspot.operator.spec import default_etcd_placement
+from torchspot_operator import constants
+from torchspot_operator.metrics import METRICS_PORT_ENV
+from torchspot_operator.spec import default_etcd_placement
 
 K8S_VERSION = "1.37.0"
 PEERINGS = "clusterkopfpeerings"

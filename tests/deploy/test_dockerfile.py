@@ -134,7 +134,7 @@ def test_operator_requirements_cover_what_the_operator_imports() -> None:
     """Import the operator as its image runs it and list the distributions that got loaded."""
     probe = (
         "import sys, json, importlib.metadata as md\n"
-        "import torchspot.operator.handlers, torchspot.operator.__main__\n"
+        "import torchspot_operator.handlers, torchspot_operator.__main__\n"
         "owners = md.packages_distributions()\n"
         "print(json.dumps(sorted({d for m in list(sys.modules) for d in owners.get(m.split('.')[0], [])})))\n"
     )

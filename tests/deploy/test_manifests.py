@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.resources
 import re
 import subprocess
 import sys
@@ -17,11 +18,12 @@ from torch.distributed.run import get_args_parser
 from tests.deploy.helm import ROOT, helm_binary, one, template
 from tests.operator.jobs import crd
 from tools.manifests import render
-from torchspot.lab.admission import Admission, AdmissionError
-from torchspot.operator.builders import JobRef, worker_pod
-from torchspot.operator.spec import parse_spec
-from torchspot.trainer.config import parse_config
-from torchspot.trainer.launch import check_args
+from torchspot_lab.kubeapi.admission import Admission, AdmissionError
+from torchspot_lab.sandbox import CRD_RESOURCE
+from torchspot_operator.builders import JobRef, worker_pod
+from torchspot_operator.spec import parse_spec
+from torchspot_trainer.config import parse_config
+from torchspot_trainer.launch import check_args
 
 MANIFESTS = ROOT / "manifests"
 EXAMPLES = MANIFESTS / "examples"
@@ -47,6 +49,12 @@ def test_plain_manifests_are_the_chart_rendered() -> None:
 def test_chart_crd_and_manifests_crd_are_identical() -> None:
     in_chart = one(template(), "CustomResourceDefinition", "elasticjobs.torchspot.dev")
     assert in_chart == _load(MANIFESTS / "crd.yaml")
+
+
+def test_the_packaged_crd_is_the_shipped_one() -> None:
+    """The wheel's CRD (what an installed sandbox admits jobs with) is manifests/crd.yaml, byte for byte."""
+    packaged = importlib.resources.files("torchspot_operator").joinpath(CRD_RESOURCE).read_text()
+    assert packaged == (MANIFESTS / "crd.yaml").read_text(), "the packaged CRD differs: run `make manifests`"
 
 
 def test_plain_manifests_pass_kubernetes_validate_strict() -> None:
@@ -88,7 +96,7 @@ def test_example_worker_pods_are_valid_and_their_command_launches(name: str, mon
     launcher = get_args_parser().parse_args(container["args"])  # reads PET_* as torchrun does
     assert check_args(launcher) is None
     assert launcher.module
-    assert launcher.training_script == "torchspot.trainer"
+    assert launcher.training_script == "torchspot_trainer"
     assert launcher.nnodes == f"{spec.min_replicas}:{spec.max_replicas}"
     config = parse_config(launcher.training_script_args)  # reads TORCHSPOT_* as the trainer does
     assert config.checkpoint_uri == spec.checkpoint_uri

@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from torchspot.cli import main
-from torchspot.lab.azure import (
+from torchspot_lab.azure import (
     AKS_API_VERSION,
     COMPUTE_API_VERSION,
     AzureInputError,

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from torchspot.cli import main
-from torchspot.lab.cluster import node_object
-from torchspot.lab.kubeapi import KubeApi
-from torchspot.operator.kube import Kube
-from torchspot.operator.login import login_with_kubeconfig
+from torchspot_lab.cluster import node_object
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_operator.kube import Kube
+from torchspot_operator.login import login_with_kubeconfig
 
 
 def exec_plugin(folder: Path, token: str) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from torchspot.lab import goodput
-from torchspot.lab.scenario import parse_scenario
+from torchspot_lab import goodput
+from torchspot_lab.scenario import parse_scenario
 
 MARKET = parse_scenario(
     {

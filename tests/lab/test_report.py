@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from torchspot.lab.report import build_report
+from torchspot_lab.report import build_report
 
 
 def _progress(t: float, step: int, world: int = 2) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from torchspot.cli import main
-from torchspot.lab.sandbox import run_sandbox
-from torchspot.lab.scenario import parse_scenario
+from torchspot_lab.sandbox import run_sandbox
+from torchspot_lab.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_JOB = ROOT / "lab" / "jobs" / "cifar10-demo.yaml"

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
-from torchspot.lab.cluster import NodeAgent, expand, fits, gpus_requested, node_object, tolerates
-from torchspot.lab.kubeapi import KubeApi
-from torchspot.lab.scenario import Event, Pool, ScenarioError, load_scenario, parse_scenario
-from torchspot.operator import constants
+from torchspot_lab.cluster import NodeAgent, expand, fits, gpus_requested, node_object, tolerates
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_lab.scenario import Event, Pool, ScenarioError, load_scenario, parse_scenario
+from torchspot_operator import constants
 
 ROOT = Path(__file__).resolve().parents[2]
 

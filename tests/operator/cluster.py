@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from torchspot.lab.kubeapi import KubeApi
-from torchspot.operator import constants
-from torchspot.operator.kube import Kube
-from torchspot.operator.reconcile import ETCD_KINDS
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_operator import constants
+from torchspot_operator.kube import Kube
+from torchspot_operator.reconcile import ETCD_KINDS
 
 T = TypeVar("T")
 NS = "default"

@@ -11,7 +11,7 @@ from kopf.testing import KopfRunner
 
 from tests.operator.cluster import Cluster
 from tests.operator.jobs import crd
-from torchspot.lab.kubeapi import KubeApi
+from torchspot_lab.kubeapi import KubeApi
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
         server.run(cluster.kube.close())
 
 
-OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot.operator.handlers"]
+OPERATOR_ARGS = ["run", "--standalone", "--all-namespaces", "-m", "torchspot_operator.handlers"]
 
 
 @contextlib.contextmanager

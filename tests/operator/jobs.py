@@ -34,7 +34,7 @@ def good_job(name: str = "cifar", **spec: Any) -> dict[str, Any]:
                         {
                             "name": "trainer",
                             "image": "ghcr.io/torchspot/trainer:0.1.0",
-                            "args": ["python", "-m", "torchspot.trainer", "--data", "/data/cifar"],
+                            "args": ["python", "-m", "torchspot_trainer", "--data", "/data/cifar"],
                         }
                     ]
                 }

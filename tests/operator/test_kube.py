@@ -18,10 +18,10 @@ import yaml
 from aiohttp import web
 
 from tests.operator.cluster import Cluster
-from torchspot.lab.kubeapi import KubeApi
-from torchspot.operator import constants, kube
-from torchspot.operator.kube import UNREACHABLE, ApiError, Kube, backoff_seconds, collection
-from torchspot.operator.login import LoginError, login_with_kubeconfig, login_with_service_account
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_operator import constants, kube
+from torchspot_operator.kube import UNREACHABLE, ApiError, Kube, backoff_seconds, collection
+from torchspot_operator.login import LoginError, login_with_kubeconfig, login_with_service_account
 
 Answer = Callable[[web.BaseRequest], web.StreamResponse]
 

@@ -15,9 +15,9 @@ from tests.operator.cluster import Cluster, wait_for
 from tests.operator.conftest import operator_running
 from tests.operator.jobs import good_job
 from tests.operator.test_operator import _phase, _start
-from torchspot.lab.etcd import free_port
-from torchspot.operator import handlers, metrics
-from torchspot.operator.controller import Controller
+from torchspot_lab.etcd import free_port
+from torchspot_operator import handlers, metrics
+from torchspot_operator.controller import Controller
 
 
 def test_a_stall_needs_active_jobs_and_silence() -> None:

@@ -1,4 +1,4 @@
-"""The real kopf operator (torchspot.operator.handlers) against the kmock API emulator.
+"""The real kopf operator (torchspot_operator.handlers) against the kmock API emulator.
 
 No kubelet or scheduler runs here: the tests play them by patching pod and node
 status through the API, as a real kubelet would report it. The emulator has the
@@ -28,14 +28,14 @@ from tests.lab.test_evict import exec_plugin
 from tests.operator.cluster import JOBS, NS, Cluster, wait_for
 from tests.operator.conftest import OPERATOR_ARGS, operator_running
 from tests.operator.jobs import crd, good_job, with_path
-from torchspot.lab.etcd import EtcdServer, free_port
-from torchspot.lab.kubeapi import KubeApi
-from torchspot.operator import constants
-from torchspot.operator.handlers import RECONCILE_INTERVAL
-from torchspot.operator.kube import ApiError, Kube
-from torchspot.operator.login import login_with_kubeconfig
-from torchspot.operator.reconcile import ETCD_KINDS
-from torchspot.trainer.rendezvous import status
+from torchspot_lab.etcd import EtcdServer, free_port
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_operator import constants
+from torchspot_operator.handlers import RECONCILE_INTERVAL
+from torchspot_operator.kube import ApiError, Kube
+from torchspot_operator.login import login_with_kubeconfig
+from torchspot_operator.reconcile import ETCD_KINDS
+from torchspot_trainer.rendezvous import progress
 
 
 def _status(cluster: Cluster, job: str) -> dict[str, Any]:
@@ -483,7 +483,7 @@ def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api
     api.add_node("spot-1")
     env = {**os.environ, "KUBECONFIG": str(api.api.kubeconfig), constants.NODE_HANDLING_ENV: "off"}
     with (tmp_path / "operator.log").open("w") as log, subprocess.Popen(
-        [sys.executable, "-m", "torchspot.operator", "--standalone", "--all-namespaces"],
+        [sys.executable, "-m", "torchspot_operator", "--standalone", "--all-namespaces"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     ) as operator:  # fmt: skip
         try:
@@ -571,9 +571,9 @@ def test_round_and_checkpoint_reported_by_the_run_reach_the_status(cluster: Clus
     run_id = _status(cluster, "reported")["runId"]
     client = etcd.client()
     try:
-        status.write(client, run_id, status.ROUND, {"round": 2, "nodes": 3}, lease=None)
+        progress.write(client, run_id, progress.ROUND, {"round": 2, "nodes": 3}, lease=None)
         record = {"step": 800, "uri": "az://checkpoints/cifar/step-0000000800/"}
-        status.write(client, run_id, status.CHECKPOINT, record, lease=None)
+        progress.write(client, run_id, progress.CHECKPOINT, record, lease=None)
     finally:
         client.close()
     reported = wait_for(
@@ -660,7 +660,7 @@ def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster) -> No
     def workers(namespace: str) -> list[dict[str, Any]]:
         return api.api.run(api.kube.list("v1", "Pod", namespace, labels))
 
-    args = ["run", "--standalone", "--namespace=ml-a", "-m", "torchspot.operator.handlers"]
+    args = ["run", "--standalone", "--namespace=ml-a", "-m", "torchspot_operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
         api.create(watched)
         api.create(ignored)

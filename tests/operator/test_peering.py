@@ -22,7 +22,7 @@ import pytest
 
 from tests.operator.cluster import NS, Cluster, wait_for
 from tests.operator.jobs import good_job
-from torchspot.operator import constants
+from torchspot_operator import constants
 
 PEERING = "torchspot-test"
 RESUMED = "Resuming operations after the pause"
@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Replica:
-    """`python -m torchspot.operator --peering ...` as its own process, logging to a file."""
+    """`python -m torchspot_operator --peering ...` as its own process, logging to a file."""
 
     def __init__(self, cluster: Cluster, folder: Path, priority: int) -> None:
         self.identity = f"operator-{priority}"
         self.log = folder / f"{self.identity}.log"
         env = {**os.environ, "KUBECONFIG": str(cluster.api.kubeconfig), "POD_ID": self.identity}
-        command = [sys.executable, "-m", "torchspot.operator", f"--peering={PEERING}", f"--priority={priority}"]
+        command = [sys.executable, "-m", "torchspot_operator", f"--peering={PEERING}", f"--priority={priority}"]
         with self.log.open("w") as out:
             self.process = subprocess.Popen(
                 [*command, "--all-namespaces", "--verbose"], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT

@@ -11,11 +11,11 @@ import yaml
 
 from tests.operator.cluster import Cluster
 from tests.operator.jobs import good_job
-from torchspot.lab.podsecurity import restricted_violations
-from torchspot.operator import builders
-from torchspot.operator.builders import JobRef
-from torchspot.operator.kube import ApiError
-from torchspot.operator.spec import parse_spec
+from torchspot_lab.kubeapi.podsecurity import restricted_violations
+from torchspot_operator import builders
+from torchspot_operator.builders import JobRef
+from torchspot_operator.kube import ApiError
+from torchspot_operator.spec import parse_spec
 
 JOB = JobRef("cifar", "default", "0123456789abcdef")
 EXAMPLES = Path(__file__).resolve().parents[2] / "manifests" / "examples"

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from tests.operator.jobs import good_job
-from torchspot.operator import builders, constants, reconcile, status
-from torchspot.operator.builders import JobRef
-from torchspot.operator.kube import delete_options
-from torchspot.operator.spec import JobSpec, parse_spec
-from torchspot.operator.status import CreateFailure
+from torchspot_operator import builders, conditions, constants, reconcile
+from torchspot_operator.builders import JobRef
+from torchspot_operator.conditions import CreateFailure
+from torchspot_operator.kube import delete_options
+from torchspot_operator.spec import JobSpec, parse_spec
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 JOB = JobRef("cifar", "default", "0123456789abcdef")
@@ -89,13 +89,13 @@ def _plan(pods: list[dict[str, Any]], **kwargs: Any) -> reconcile.Plan:
 
 def _running(**extra: Any) -> dict[str, Any]:
     """The status of a job that reached its minimum at T0 and trains with 3 workers."""
-    started = status.timestamp(T0 - timedelta(minutes=5))
-    conditions = status.set_condition([], status.RUNNING, True, "Training", "training with 3 worker(s)", T0)
-    return {"phase": "Running", "startTime": started, "reachedMinAt": started, "conditions": conditions, **extra}
+    started = conditions.timestamp(T0 - timedelta(minutes=5))
+    conds = conditions.set_condition([], conditions.RUNNING, True, "Training", "training with 3 worker(s)", T0)
+    return {"phase": "Running", "startTime": started, "reachedMinAt": started, "conditions": conds, **extra}
 
 
 def _condition(plan: reconcile.Plan, kind: str) -> dict[str, Any]:
-    found = status.find(plan.status["conditions"], kind)
+    found = conditions.find(plan.status["conditions"], kind)
     assert found is not None, f"no {kind} condition in {plan.status['conditions']}"
     return dict(found)
 
@@ -258,34 +258,32 @@ class TestEtcd:
 
 class TestConditions:
     def test_transition_time_moves_only_when_the_status_flips(self) -> None:
-        first = status.set_condition([], "Running", True, "Training", "3 workers", T0)
-        later = status.set_condition(first, "Running", True, "Training", "2 workers", T0 + timedelta(minutes=5))
+        first = conditions.set_condition([], "Running", True, "Training", "3 workers", T0)
+        later = conditions.set_condition(first, "Running", True, "Training", "2 workers", T0 + timedelta(minutes=5))
         assert later[0]["lastTransitionTime"] == first[0]["lastTransitionTime"]
         assert later[0]["message"] == "2 workers"
-        flipped = status.set_condition(later, "Running", False, "WaitingForWorkers", "0", T0 + timedelta(minutes=9))
-        assert flipped[0]["lastTransitionTime"] == status.timestamp(T0 + timedelta(minutes=9))
+        flipped = conditions.set_condition(later, "Running", False, "WaitingForWorkers", "0", T0 + timedelta(minutes=9))
+        assert flipped[0]["lastTransitionTime"] == conditions.timestamp(T0 + timedelta(minutes=9))
 
     def test_replica_failure_names_each_object_and_clears(self) -> None:
-        taken = CreateFailure("Service/cifar-etcd", status.NAME_TAKEN, "Service default/cifar-etcd exists", T0)
-        refused = CreateFailure("Pod/cifar-worker-0", status.FAILED_CREATE, "Pod refused: quota", T0)
-        conditions = status.replica_failure([], [refused, taken], T0)
-        assert conditions == [{
+        taken = CreateFailure("Service/cifar-etcd", conditions.NAME_TAKEN, "Service default/cifar-etcd exists", T0)
+        refused = CreateFailure("Pod/cifar-worker-0", conditions.FAILED_CREATE, "Pod refused: quota", T0)
+        conds = conditions.replica_failure([], [refused, taken], T0)
+        assert conds == [{
             "type": "ReplicaFailure", "status": "True", "reason": "NameTaken",
             "message": "Pod refused: quota; Service default/cifar-etcd exists",
-            "lastTransitionTime": status.timestamp(T0),
+            "lastTransitionTime": conditions.timestamp(T0),
         }]  # fmt: skip
-        cleared = status.replica_failure(conditions, [], T0 + timedelta(minutes=1))
+        cleared = conditions.replica_failure(conds, [], T0 + timedelta(minutes=1))
         assert (cleared[0]["status"], cleared[0]["reason"]) == ("False", "Created")
-        assert status.replica_failure([], [], T0) == []  # never failed: no condition at all
+        assert conditions.replica_failure([], [], T0) == []  # never failed: no condition at all
 
 
 CLASSIFY = [
     # (case, pod, trouble, want kind, want reason)
     (
         "disruption target",
-        _pod(
-            0, "Failed", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]
-        ),
+        _pod(0, "Failed", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]),
         None,
         "eviction",
         "PreemptionByScheduler",
@@ -322,7 +320,7 @@ class TestStartAndScale:
         assert [o["kind"] for o in plan.create].count("Pod") == 3
         assert set(_created(plan, "Deployment") + _created(plan, "Service")) == {"cifar-etcd"}
         assert plan.status["phase"] == "Pending"
-        assert plan.status["startTime"] == status.timestamp(T0)
+        assert plan.status["startTime"] == conditions.timestamp(T0)
         assert plan.status["reachedMinAt"] is None
         assert _condition(plan, "WaitingForCapacity")["status"] == "True"
         assert _reasons(plan).count("ScaledUp") == 3
@@ -354,7 +352,7 @@ class TestStartAndScale:
         assert _created(plan) == ["cifar-worker-2", "cifar-worker-3", "cifar-worker-4"]
 
     def test_a_taken_worker_name_is_skipped(self) -> None:
-        taken = CreateFailure("Pod/cifar-worker-0", status.NAME_TAKEN, "Pod default/cifar-worker-0 exists", T0)
+        taken = CreateFailure("Pod/cifar-worker-0", conditions.NAME_TAKEN, "Pod default/cifar-worker-0 exists", T0)
         plan = _plan([], old=_running(), create_failures=[taken])
         assert _created(plan) == ["cifar-worker-1", "cifar-worker-2", "cifar-worker-3"]
         assert _condition(plan, "ReplicaFailure")["reason"] == "NameTaken"
@@ -384,7 +382,7 @@ class TestSuccess:
         pods = [_exited(0, 0), _pod(1), _pending(2)]
         plan = _plan(pods, old=_running())
         assert plan.status["phase"] == "Succeeded"
-        assert plan.status["completionTime"] == status.timestamp(T0)
+        assert plan.status["completionTime"] == conditions.timestamp(T0)
         assert plan.create == []
         assert sorted(_deleted(plan)) == [("cifar-worker-1", None), ("cifar-worker-2", None)]  # with their grace
         assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
@@ -425,10 +423,10 @@ class TestFailureRules:
         assert plan.status["evictions"] == 0
         assert plan.status["lastFailure"] == {
             "pod": "cifar-worker-0", "reason": "OOMKilled", "message": "out of memory (exit code 137)",
-            "time": status.timestamp(T0),
+            "time": conditions.timestamp(T0),
         }  # fmt: skip
         assert plan.status["backoff"] == {
-            "consecutiveFailures": 1, "until": status.timestamp(T0 + timedelta(seconds=10)), "replacements": 1,
+            "consecutiveFailures": 1, "until": conditions.timestamp(T0 + timedelta(seconds=10)), "replacements": 1,
         }  # fmt: skip
         assert _deleted(plan) == [("cifar-worker-0", 0)]
         assert plan.create == []
@@ -439,7 +437,7 @@ class TestFailureRules:
         later = T0 + timedelta(seconds=30)
         second = _plan([_exited(3, 1), _pod(1), _pod(2)], old=first.status, now=later)
         assert second.status["backoff"]["consecutiveFailures"] == 2
-        assert second.status["backoff"]["until"] == status.timestamp(later + timedelta(seconds=20))
+        assert second.status["backoff"]["until"] == conditions.timestamp(later + timedelta(seconds=20))
         quiet = T0 + timedelta(seconds=30 + constants.BACKOFF_RESET_SECONDS)
         third = _plan([_exited(4, 1), _pod(1), _pod(2)], old=second.status, now=quiet)
         assert third.status["backoff"]["consecutiveFailures"] == 1
@@ -510,7 +508,7 @@ class TestEvictions:
 
     def test_a_pod_deleted_by_a_user_is_an_eviction_counted_once(self) -> None:
         leaving = _pod(0, uid="user-deleted")
-        leaving["metadata"]["deletionTimestamp"] = status.timestamp(T0)
+        leaving["metadata"]["deletionTimestamp"] = conditions.timestamp(T0)
         plan = _plan([leaving, _pod(1), _pod(2)], old=_running())
         assert plan.status["evictions"] == 1
         assert plan.accounted == ["user-deleted"]
@@ -530,14 +528,14 @@ class TestEvictions:
 
     def test_pods_the_operator_deleted_are_not_judged_again(self) -> None:
         leaving = _pod(0, uid="ours")
-        leaving["metadata"]["deletionTimestamp"] = status.timestamp(T0)
+        leaving["metadata"]["deletionTimestamp"] = conditions.timestamp(T0)
         plan = _plan([leaving, _pod(1), _pod(2)], old=_running(), accounted=frozenset({"ours"}))
         assert plan.status["evictions"] == 0
 
 
 class TestClocks:
     def test_waiting_for_capacity_says_what_the_scheduler_says(self) -> None:
-        plan = _plan([_pending(0), _pending(1), _pending(2)], old={"startTime": status.timestamp(T0)})
+        plan = _plan([_pending(0), _pending(1), _pending(2)], old={"startTime": conditions.timestamp(T0)})
         waiting = _condition(plan, "WaitingForCapacity")
         assert waiting["status"] == "True"
         assert "0/3 nodes are available: 3 Insufficient nvidia.com/gpu." in waiting["message"]
@@ -547,7 +545,7 @@ class TestClocks:
     def test_the_start_up_timeout_is_its_own_budget(self) -> None:
         pods = [_pending(0), _pending(1), _pending(2)]
         spec = _spec(failurePolicy={"belowMinGraceSeconds": 60, "startupTimeoutSeconds": 900})
-        old = {"startTime": status.timestamp(T0)}
+        old = {"startTime": conditions.timestamp(T0)}
         assert _plan(pods, old=old, spec=spec, now=T0 + timedelta(seconds=899)).status["phase"] == "Pending"
         late = _plan(pods, old=old, spec=spec, now=T0 + timedelta(seconds=901))
         assert late.status["phase"] == "Failed"
@@ -559,7 +557,7 @@ class TestClocks:
         lost = T0 + timedelta(hours=3)  # long after the start: only the time below counts
         below = _plan([_pod(0, ready=False)], old=running.status, spec=spec, now=lost)
         assert below.status["phase"] == "BelowMin"
-        assert below.status["belowMinSince"] == status.timestamp(lost)
+        assert below.status["belowMinSince"] == conditions.timestamp(lost)
         still = _plan([_pod(0, ready=False)], old=below.status, spec=spec, now=lost + timedelta(seconds=59))
         assert still.status["phase"] == "BelowMin"
         late = _plan([_pod(0, ready=False)], old=below.status, spec=spec, now=lost + timedelta(seconds=61))
@@ -567,7 +565,7 @@ class TestClocks:
 
     def test_active_deadline(self) -> None:
         spec = _spec(activeDeadlineSeconds=3600)
-        old = _running(startTime=status.timestamp(T0))
+        old = _running(startTime=conditions.timestamp(T0))
         assert (
             _plan([_pod(0), _pod(1), _pod(2)], old=old, spec=spec, now=T0 + timedelta(seconds=3599)).status["phase"]
             == "Running"
@@ -592,7 +590,7 @@ class TestSuspend:
         plan = _plan([], etcd={}, spec=_spec(suspend=True))
         assert plan.create == []
         assert plan.status["phase"] == "Suspended"
-        assert status.find(plan.status["conditions"], "Created") is None
+        assert conditions.find(plan.status["conditions"], "Created") is None
 
     def test_resuming_starts_a_fresh_run_and_fresh_clocks(self) -> None:
         suspended = _plan([], etcd={}, spec=_spec(suspend=True), old=_running(resumes=0)).status
@@ -600,7 +598,7 @@ class TestSuspend:
         plan = _plan([], etcd={}, old=suspended, now=later)
         assert plan.status["resumes"] == 1
         assert plan.status["runId"] == "default-cifar-01234567-r1"
-        assert plan.status["startTime"] == status.timestamp(later)
+        assert plan.status["startTime"] == conditions.timestamp(later)
         assert plan.status["phase"] == "Pending"
         assert _condition(plan, "Suspended")["status"] == "False"
         pod = next(o for o in plan.create if o["kind"] == "Pod")
@@ -610,7 +608,9 @@ class TestSuspend:
 
     def test_time_suspended_does_not_count_against_the_deadline(self) -> None:
         spec = _spec(activeDeadlineSeconds=3600)
-        suspended = _plan([], etcd={}, spec=replace(spec, suspend=True), old=_running(startTime=status.timestamp(T0)))
+        suspended = _plan(
+            [], etcd={}, spec=replace(spec, suspend=True), old=_running(startTime=conditions.timestamp(T0))
+        )
         resumed = _plan([], old=suspended.status, spec=spec, now=T0 + timedelta(hours=5))
         assert resumed.status["phase"] != "Failed"
 
@@ -634,9 +634,9 @@ class TestManagedEtcd:
         assert plan.update[0].patch["spec"]["template"]["spec"]["nodeSelector"] is None
 
     def test_a_taken_etcd_name_blocks_the_workers_and_is_retried_after_a_while(self) -> None:
-        taken = CreateFailure("Service/cifar-etcd", status.NAME_TAKEN, "Service default/cifar-etcd exists", T0)
+        taken = CreateFailure("Service/cifar-etcd", conditions.NAME_TAKEN, "Service default/cifar-etcd exists", T0)
         etcd = {k: v for k, v in ALL_ETCD.items() if k != "Service"}
-        soon = _plan([], old={"startTime": status.timestamp(T0)}, etcd=etcd, create_failures=[taken])
+        soon = _plan([], old={"startTime": conditions.timestamp(T0)}, etcd=etcd, create_failures=[taken])
         assert soon.create == []  # not the Service again yet, and no worker that would reach the wrong one
         assert soon.status["phase"] == "Pending"
         assert _condition(soon, "ReplicaFailure")["reason"] == "NameTaken"

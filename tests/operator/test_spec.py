@@ -1,6 +1,6 @@
 """What the ElasticJob CRD refuses at admission (schema, CEL, transition rules), and what the operator still checks.
 
-Each bad spec goes through `torchspot.lab.admission`, which applies the shipped CRD's
+Each bad spec goes through `torchspot_lab.kubeapi.admission`, which applies the shipped CRD's
 defaults, OpenAPI schema (jsonschema) and CEL rules (cel-python) the way the API server
 does; the same admission runs in the lab's API emulator, so the operator's integration
 tests meet a server that refuses these too.
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.operator.jobs import BAD, IMMUTABLE, MUTABLE, crd, good_job, with_path
-from torchspot.lab.admission import Admission, AdmissionError, apply_defaults
-from torchspot.operator.spec import InvalidSpecError, JobSpec, default_etcd_placement, parse_spec
+from torchspot_lab.kubeapi.admission import Admission, AdmissionError, apply_defaults
+from torchspot_operator.spec import InvalidSpecError, JobSpec, default_etcd_placement, parse_spec
 
 ADMISSION = Admission(crd())
 

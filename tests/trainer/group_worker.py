@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchspot.trainer.group import Group
-from torchspot.trainer.state import rng_state
-from torchspot.trainer.wire import broadcast_state
+from torchspot_trainer.recovery.group import Group
+from torchspot_trainer.recovery.rng import rng_state
+from torchspot_trainer.recovery.wire import broadcast_state
 
 
 def training_state() -> dict[str, Any]:

@@ -27,9 +27,9 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from torchspot.trainer import train
-from torchspot.trainer.__main__ import main
-from torchspot.trainer.data import TensorImages, load_digits
+from torchspot_trainer import train
+from torchspot_trainer.__main__ import main
+from torchspot_trainer.data.datasets import TensorImages, load_digits
 
 
 class NoticeAt(Dataset[Any]):

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from torchspot.trainer.accumulate import train_step
-from torchspot.trainer.evaluate import eval_batches
-from torchspot.trainer.models import SmallCNN
-from torchspot.trainer.precision import Precision
+from torchspot_trainer.evaluate import eval_batches
+from torchspot_trainer.models import SmallCNN
+from torchspot_trainer.precision import Precision
+from torchspot_trainer.step import train_step
 
 
 @pytest.fixture

@@ -19,13 +19,13 @@ from torch._C._distributed_c10d import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from torchspot.lab.etcd import EtcdServer
-from torchspot.lab.local import wait_for
-from torchspot.trainer.eviction import LEAVING_MARKER, PEER_LOST_ENV, marker_beside, node_leaving
-from torchspot.trainer.rendezvous import status
-from torchspot.trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient
-from torchspot.trainer.rendezvous.handler import (
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import wait_for
+from torchspot_trainer.recovery.signals import LEAVING_MARKER, PEER_LOST_ENV, marker_beside, node_leaving
+from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient
+from torchspot_trainer.rendezvous.handler import (
     EtcdV3RendezvousHandler,
     complete_early,
     create_handler,
@@ -34,9 +34,9 @@ from torchspot.trainer.rendezvous.handler import (
     membership_changed,
     name_peer_lost_marker,
 )
-from torchspot.trainer.rendezvous.settings import EtcdV3Settings
-from torchspot.trainer.rendezvous.status import CheckpointReporter
-from torchspot.trainer.rendezvous.store import EtcdStore
+from torchspot_trainer.rendezvous.progress import CheckpointReporter
+from torchspot_trainer.rendezvous.settings import EtcdV3Settings
+from torchspot_trainer.rendezvous.store import EtcdStore
 
 
 def _backend(etcd: EtcdServer, run_id: str, **overrides: Any) -> tuple[EtcdV3RendezvousBackend, EtcdClient]:
@@ -250,7 +250,7 @@ def _try_get(backend: EtcdV3RendezvousBackend) -> tuple[bytes, Any] | None:
 
 
 def test_unreachable_endpoint_fails_fast_naming_it(run_id: str) -> None:
-    from torchspot.lab.etcd import free_port
+    from torchspot_lab.etcd import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     params = RendezvousParameters("etcd-v3", endpoint, run_id, 1, 2, connect_timeout="1.5")
@@ -437,12 +437,12 @@ def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:
     client = etcd.client()
     try:
         reporter.report(400, "az://ckpt/run/step-0000000400/")
-        record = wait_for(lambda: status.read(client, "run-progress").get("checkpoint"), 10, "the report")
+        record = wait_for(lambda: progress.read(client, "run-progress").get("checkpoint"), 10, "the report")
         assert record["step"] == 400
         assert record["uri"].endswith("step-0000000400/")
         assert record["time"].endswith("Z")
-        client.put(status.status_prefix("run-progress") + "round", b"not json", lease=None)
-        assert "round" not in status.read(client, "run-progress")  # skipped, not fatal
+        client.put(progress.status_prefix("run-progress") + "round", b"not json", lease=None)
+        assert "round" not in progress.read(client, "run-progress")  # skipped, not fatal
     finally:
         reporter.close()
         client.close()

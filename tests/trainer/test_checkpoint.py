@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from torchspot.lab.azurite import Azurite
-from torchspot.lab.local import wait_for
-from torchspot.trainer.checkpoint import (
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.local import wait_for
+from torchspot_trainer.checkpoint.manager import (
     COMMIT_OBJECT,
     STATE_OBJECT,
     CheckpointConfig,
@@ -28,7 +28,7 @@ from torchspot.trainer.checkpoint import (
     snapshot,
     step_dir,
 )
-from torchspot.trainer.storage import CheckpointStorage, LocalStorage, StorageError, open_storage
+from torchspot_trainer.checkpoint.storage import CheckpointStorage, LocalStorage, StorageError, open_storage
 
 
 @pytest.fixture(params=["local", "blob"])
@@ -254,7 +254,7 @@ def test_describe_never_shows_the_key(azurite: Azurite) -> None:
 
 
 def test_data_set_is_copied_from_a_blob_prefix(azurite: Azurite, tmp_path: Path) -> None:
-    from torchspot.trainer.data import fetch_prefix, load_cifar10, write_synthetic_cifar10
+    from torchspot_trainer.data.datasets import fetch_prefix, load_cifar10, write_synthetic_cifar10
 
     archive = write_synthetic_cifar10(tmp_path / "src" / "cifar-10-python.tar.gz", n_train=20, n_test=5)
     prefix = f"az://datasets/{uuid.uuid4().hex}"
@@ -275,7 +275,7 @@ def test_the_local_ranks_of_a_node_copy_a_data_set_once(azurite: Azurite, tmp_pa
         storage.put(f"train/c{i % 2}/{i}.bin", bytes([i]) * 50_000)
     cache = tmp_path / "cache"
     code = (
-        "import sys; from pathlib import Path; from torchspot.trainer.data import fetch_prefix; "
+        "import sys; from pathlib import Path; from torchspot_trainer.data.datasets import fetch_prefix; "
         "fetch_prefix(sys.argv[1], Path(sys.argv[2]))"
     )
     env = {**os.environ, **azurite.env()}
@@ -293,7 +293,7 @@ def test_sas_token_credentials(azurite: Azurite) -> None:
 
     from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 
-    from torchspot.lab.azurite import ACCOUNT, DEV_KEY
+    from torchspot_lab.azurite import ACCOUNT, DEV_KEY
 
     container = f"sas{uuid.uuid4().hex[:12]}"
     BlobServiceClient.from_connection_string(azurite.connection_string).create_container(container)

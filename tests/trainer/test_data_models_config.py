@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchspot.trainer.config import TrainConfig, build_parser, parse_config
-from torchspot.trainer.data import (
+from torchspot_trainer.config import TrainConfig, build_parser, parse_config
+from torchspot_trainer.data.datasets import (
     CIFAR_FOLDER,
     load_cifar10,
     load_digits,
@@ -21,12 +21,12 @@ from torchspot.trainer.data import (
     write_synthetic_cifar10,
     write_synthetic_imagenet,
 )
-from torchspot.trainer.eviction import Notice
-from torchspot.trainer.models import SmallCNN, resnet18, resnet50
-from torchspot.trainer.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
-from torchspot.trainer.optim import RECIPES, BatchRule, learning_rate
-from torchspot.trainer.state import rng_state, set_rng_state
-from torchspot.trainer.train import build_model, choose_device, format_progress, sync_bn_refusal
+from torchspot_trainer.models import SmallCNN, resnet18, resnet50
+from torchspot_trainer.optim import RECIPES, BatchRule, learning_rate
+from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
+from torchspot_trainer.recovery.rng import rng_state, set_rng_state
+from torchspot_trainer.recovery.signals import Notice
+from torchspot_trainer.train import build_model, choose_device, format_progress, sync_bn_refusal
 
 
 def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:

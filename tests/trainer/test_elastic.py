@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from torchspot.lab.etcd import EtcdServer, free_port
-from torchspot.lab.local import (
+from torchspot_lab.etcd import EtcdServer, free_port
+from torchspot_lab.local import (
     JobConfig,
     LocalNode,
     NodeFactory,
@@ -26,9 +26,9 @@ from torchspot.lab.local import (
     resumed_step_after,
     wait_for,
 )
-from torchspot.operator.certs import etcd_certificates
-from torchspot.trainer.rendezvous import status
-from torchspot.trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_operator.certs import etcd_certificates
+from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +121,9 @@ def test_forms_group_assigns_ranks_and_admits_late_joiner(
     # Rank 0's agent reports each round where the operator reads it.
     client = etcd.client()
     try:
-        reported = wait_for(lambda: status.read(client, run_id).get("round", {}).get("nodes") == 3, 10, "round report")
+        reported = wait_for(
+            lambda: progress.read(client, run_id).get("round", {}).get("nodes") == 3, 10, "round report"
+        )
     finally:
         client.close()
     assert reported
@@ -279,7 +281,7 @@ def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
         _await_world(job, 2, 0, FORM)
         client = server.client()
         try:
-            wait_for(lambda: status.read(client, run_id).get("round", {}).get("nodes") == 2, 10, "round report")
+            wait_for(lambda: progress.read(client, run_id).get("round", {}).get("nodes") == 2, 10, "round report")
         finally:
             client.close()
         fault = time.time()
@@ -310,9 +312,9 @@ def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
 def test_unreachable_endpoint_fails_in_bounded_time_naming_it(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = [
-        sys.executable, "-m", "torchspot.trainer.launch", "--nnodes", "1:2",
+        sys.executable, "-m", "torchspot_trainer.launch", "--nnodes", "1:2",
         "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "unreachable",
-        "--rdzv-conf", "connect_timeout=2", "-m", "torchspot.lab.toy_train",
+        "--rdzv-conf", "connect_timeout=2", "-m", "torchspot_lab.toy_train",
         "--ckpt-dir", str(tmp_path), "--events", str(tmp_path / "e.jsonl"),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)

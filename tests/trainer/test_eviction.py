@@ -1,6 +1,6 @@
 """Eviction notices: Azure Scheduled Events and SIGTERM.
 
-The Azure instance metadata service cannot run here: `torchspot.lab.imds.FakeImds`, a
+The Azure instance metadata service cannot run here: `torchspot_lab.imds.FakeImds`, a
 local HTTP server, stands in for it, returning the documented response shapes and
 recording the approval POST. It is the one stand-in the project uses for Azure's data plane.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from torchspot.lab.imds import FakeImds, scheduled_event
-from torchspot.lab.local import wait_for
-from torchspot.trainer.eviction import (
+from torchspot_lab.imds import FakeImds, scheduled_event
+from torchspot_lab.local import wait_for
+from torchspot_trainer.recovery.signals import (
     LEAVING_MARKER,
     PEER_LOST_ENV,
     PEER_LOST_GRACE,
@@ -104,7 +104,7 @@ def _blocked_worker(stuck_exit_after: float, *, parked: bool = False) -> str:
     return textwrap.dedent(
         f"""
         import os
-        from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+        from torchspot_trainer.recovery.signals import EvictionNotice, watch_sigterm
         notice = EvictionNotice()
         watch_sigterm(notice, stuck_exit_after={stuck_exit_after}, before_exit=lambda: print("before exit", flush=True))
         notice.parked = {parked}
@@ -197,7 +197,7 @@ def test_node_leaving_reads_the_leaving_marker_beside_the_peer_lost_one(tmp_path
 _ACKED = textwrap.dedent(
     """
     import time
-    from torchspot.trainer.eviction import EvictionNotice, watch_sigterm
+    from torchspot_trainer.recovery.signals import EvictionNotice, watch_sigterm
     notice = EvictionNotice()
     watch_sigterm(notice, stuck_exit_after=2.0)
     print("ready", flush=True)

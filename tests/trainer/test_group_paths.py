@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from torchspot.trainer.group import NCCL_ERROR_HANDLING_ENV, StepWatchdog, control_group, nccl_environment
-from torchspot.trainer.hostcopy import HostCopy
-from torchspot.trainer.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, node_levels
-from torchspot.trainer.wire import WireError, flatten, unflatten
+from torchspot_trainer.recovery.group import NCCL_ERROR_HANDLING_ENV, StepWatchdog, control_group, nccl_environment
+from torchspot_trainer.recovery.hostcopy import HostCopy
+from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, node_levels
+from torchspot_trainer.recovery.wire import WireError, flatten, unflatten
 
 WORKER = Path(__file__).with_name("group_worker.py")
 sys.path.insert(0, str(WORKER.parent))

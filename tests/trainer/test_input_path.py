@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from torchspot.trainer.config import TrainConfig
-from torchspot.trainer.data import (
+from torchspot_trainer.config import TrainConfig
+from torchspot_trainer.data.datasets import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     ImageFolder,
@@ -35,8 +35,8 @@ from torchspot.trainer.data import (
     sample_generator,
     write_synthetic_imagenet,
 )
-from torchspot.trainer.loader import Collate, DeviceDecoder, EpochLoader, encode
-from torchspot.trainer.train import decode_refusal
+from torchspot_trainer.data.loader import Collate, DeviceDecoder, EpochLoader, encode
+from torchspot_trainer.train import decode_refusal
 
 
 def _photo(width: int, height: int, seed: int = 0) -> np.ndarray:

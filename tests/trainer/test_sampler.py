@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from torchspot.trainer.sampler import ElasticSampler
+from torchspot_trainer.data.sampler import ElasticSampler
 
 
 def _run_steps(sampler: ElasticSampler, world: int, steps: int) -> list[int]:

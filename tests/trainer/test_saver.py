@@ -13,11 +13,11 @@ import psutil
 import pytest
 import torch
 
-from torchspot.lab.azurite import Azurite
-from torchspot.lab.local import wait_for
-from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, SaveReport
-from torchspot.trainer.saver import ALIGN, TensorRef, fill, plan, unpack
-from torchspot.trainer.storage import LocalStorage, open_storage
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.local import wait_for
+from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport
+from torchspot_trainer.checkpoint.saver import ALIGN, TensorRef, fill, plan, unpack
+from torchspot_trainer.checkpoint.storage import LocalStorage, open_storage
 
 
 def _state(value: float) -> dict[str, Any]:

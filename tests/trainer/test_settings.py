@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from torchspot.trainer.launch import (
+from torchspot_trainer.launch import (
     FORK_ENV,
     check_args,
     forks_our_trainer,
@@ -16,7 +16,7 @@ from torchspot.trainer.launch import (
     main,
     parse_rdzv_conf,
 )
-from torchspot.trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
+from torchspot_trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
 
 
 @pytest.mark.parametrize(
@@ -129,7 +129,7 @@ def test_check_args_accepts_torchrun_flags() -> None:
 @pytest.mark.parametrize(
     ("argv", "forked"),
     [
-        (["-m", "torchspot.trainer", "--epochs", "1"], True),
+        (["-m", "torchspot_trainer", "--epochs", "1"], True),
         (["train.py"], False),  # any other program starts as torchrun starts it
         (["-m", "other.module"], False),
         (["--no-python", "torchspot-trainer"], False),
@@ -142,7 +142,7 @@ def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: lis
     assert forks_our_trainer(args, {}) is forked  # by default
     assert forks_our_trainer(args, {FORK_ENV: "1"}) is forked
     assert forks_our_trainer(args, {FORK_ENV: "0"}) is False  # opted out
-    stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot.trainer"])
+    stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot_trainer"])
     assert forks_our_trainer(stock, {FORK_ENV: "1"}) is False
 
 
@@ -167,7 +167,7 @@ def test_sigterm_is_ours_unless_the_user_left_it_out() -> None:
 
 
 def test_an_unreadable_tls_file_is_named(tmp_path: Path) -> None:
-    from torchspot.trainer.rendezvous.etcd_client import EtcdTls
+    from torchspot_trainer.rendezvous.etcd_client import EtcdTls
 
     with pytest.raises(ValueError, match=f"--rdzv-conf cacert={tmp_path}/absent.crt: cannot be read"):
         EtcdTls.from_conf({"cacert": str(tmp_path / "absent.crt")})

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchspot.trainer.snapshot import Held, LocalSnapshot, choose_source, default_path, snapshot_path
+from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, choose_source, default_path, snapshot_path
 
 CHOICES = [
     ("nobody holds one", [None, None], 40, None),

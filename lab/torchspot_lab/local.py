@@ -1,0 +1,248 @@
+"""Simulated nodes on one machine: each is a launcher agent and its workers.
+
+A node's faults are applied to its whole process tree, as a real node loss would:
+`kill()` SIGKILLs the agent and every worker at once (a pod or VM that vanishes);
+`freeze()` SIGSTOPs them (a hung VM or a network partition: sockets stay open);
+`thaw()` resumes them. torch starts each worker in a session of its own, so we walk
+the tree (psutil) instead of signalling a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+TOY_MODULE = "torchspot_lab.toy_train"
+LAUNCHERS = {
+    "torchspot": [sys.executable, "-m", "torchspot_trainer.launch"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+}
+
+
+def signal_tree(pid: int, sig: signal.Signals) -> int:
+    """Send `sig` to a process and all its descendants; return how many got it."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    sent = 0
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+            sent += 1
+        except psutil.NoSuchProcess:
+            continue
+    return sent
+
+
+@dataclass
+class JobConfig:
+    """What every node of one local job shares.
+
+    :param workdir: folder for checkpoints, the event file and logs.
+    :param backend: `--rdzv-backend` (etcd-v3, etcd-v2, c10d).
+    :param endpoint: `--rdzv-endpoint`.
+    :param run_id: `--rdzv-id`.
+    :param nnodes: `--nnodes` (MIN:MAX).
+    :param launcher: "torchspot" (our launcher) or "torchrun" (stock).
+    :param nproc_per_node: workers per node (`--nproc-per-node`: the GPUs of a node).
+    """
+
+    workdir: Path
+    backend: str
+    endpoint: str
+    run_id: str
+    nnodes: str
+    launcher: str = "torchspot"
+    nproc_per_node: int = 1
+    rdzv_conf: str = ""
+    max_restarts: int = 100
+    steps: int = 200
+    ckpt_every: int = 10
+    step_time: float = 0.05
+    monitor_interval: float = 0.2
+    extra_env: dict[str, str] = field(default_factory=dict)
+    program: list[str] = field(default_factory=list)
+    """The worker program and its arguments (default: the toy program with the fields above)."""
+
+    @property
+    def events(self) -> Path:
+        """The JSON-lines event file rank 0 appends to."""
+        return self.workdir / "events.jsonl"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        """Where the toy program keeps its checkpoints."""
+        return self.workdir / "ckpt"
+
+    def command(self) -> list[str]:
+        """The launcher command line for one node (pure)."""
+        cmd = [
+            *LAUNCHERS[self.launcher],
+            "--nnodes", self.nnodes,
+            "--nproc-per-node", str(self.nproc_per_node),
+            "--rdzv-backend", self.backend,
+            "--rdzv-endpoint", self.endpoint,
+            "--rdzv-id", self.run_id,
+            "--max-restarts", str(self.max_restarts),
+            "--monitor-interval", str(self.monitor_interval),
+            "--local-addr", "127.0.0.1",
+        ]  # fmt: skip
+        if self.rdzv_conf:
+            cmd += ["--rdzv-conf", self.rdzv_conf]
+        if self.program:
+            return [*cmd, *self.program]
+        return [
+            *cmd,
+            "-m", TOY_MODULE,
+            "--steps", str(self.steps),
+            "--ckpt-dir", str(self.ckpt_dir),
+            "--ckpt-every", str(self.ckpt_every),
+            "--step-time", str(self.step_time),
+            "--events", str(self.events),
+        ]  # fmt: skip
+
+
+class LocalNode:
+    """One simulated node: an agent process tree with its own log file."""
+
+    def __init__(self, name: str, job: JobConfig) -> None:
+        self.name = name
+        self.job = job
+        self.log_path = job.workdir / f"node-{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the agent (which starts its workers)."""
+        self.job.workdir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "TORCHSPOT_NODE": self.name,
+            "PYTHONUNBUFFERED": "1",
+            **self.job.extra_env,
+        }
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                self.job.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        """The agent's process id."""
+        if self.proc is None:
+            raise RuntimeError(f"node {self.name} was never started")
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """Hard loss: SIGKILL the whole tree at once."""
+        signal_tree(self.pid, signal.SIGKILL)
+        self.wait(10)
+
+    def terminate(self, grace: float) -> None:
+        """Eviction with notice: SIGTERM to the agent (as the kubelet sends it), then
+        SIGKILL to whatever of the tree is left after `grace` seconds."""
+        os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.wait(grace)
+        except subprocess.TimeoutExpired:
+            signal_tree(self.pid, signal.SIGKILL)
+            self.wait(10)
+
+    def freeze(self) -> None:
+        """Freeze: SIGSTOP the whole tree; its sockets stay open."""
+        signal_tree(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Resume a frozen node."""
+        signal_tree(self.pid, signal.SIGCONT)
+
+    def poll(self) -> int | None:
+        """The agent's exit code, or None while it runs."""
+        return None if self.proc is None else self.proc.poll()
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the agent to exit and return its exit code."""
+        if self.proc is None:
+            raise RuntimeError(f"node {self.name} was never started")
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        """Clean-up: kill whatever is left of the tree (thawing it first)."""
+        if self.proc is not None and self.proc.poll() is None:
+            signal_tree(self.pid, signal.SIGCONT)
+            signal_tree(self.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the node's log, for failure messages."""
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+NodeFactory = Callable[[JobConfig, int], list[LocalNode]]
+"""Starts `n` more nodes of a job and returns them (the tests' `nodes` fixture)."""
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All events so far (a partially written last line is ignored)."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll `condition` until it returns something truthy; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def ranks_of_group(events: Sequence[dict[str, Any]], group: str) -> dict[int, str]:
+    """Rank -> node name for one worker group, from the `joined` events its ranks wrote."""
+    return {e["rank"]: e["node"] for e in events if e["event"] == "joined" and e["group"] == group}
+
+
+def first_step_at(events: Sequence[dict[str, Any]], world: int, after: float) -> dict[str, Any] | None:
+    """The first completed step at world size `world` after time `after`."""
+    for event in events:
+        if event["event"] == "step" and event["world"] == world and event["t"] > after:
+            return event
+    return None
+
+
+def last_step_before(events: Sequence[dict[str, Any]], before: float) -> int:
+    """The highest step completed before time `before` (0 if none)."""
+    steps = [e["step"] for e in events if e["event"] == "step" and e["t"] <= before]
+    return max(steps, default=0)
+
+
+def resumed_step_after(events: Sequence[dict[str, Any]], after: float) -> int | None:
+    """The step the first worker group started after time `after` resumed from."""
+    for event in events:
+        if event["event"] == "start" and event["t"] > after:
+            return int(event["step"])
+    return None

@@ -1,0 +1,292 @@
+"""`torchspot lab run JOB.yaml [--scenario SCENARIO.yaml]`: an ElasticJob end to end on one machine.
+
+What runs, all real except the cloud: the Kubernetes API emulator (kmock, with our
+additions) and a kubeconfig for it; the operator, the same kopf handlers as in a
+cluster, in a thread of this process; the node agent (`cluster.py`), which plays
+scheduler, kubelet and cloud and runs the job's pods as processes (the trainer under
+`torchspot-run`, the managed etcd as a real etcd); Azurite as the job's Blob storage,
+with the Secret the job names filled in with Azurite's connection string and, for
+`az://datasets/...` data, a synthetic CIFAR-10 uploaded there. The scenario's spot
+market is played against it; the run ends when the job Succeeds or Fails, or at the
+scenario's timeout, and writes the report (`report.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kopf
+import yaml
+
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.cluster import NodeAgent
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_lab.kubeapi.admission import Admission, AdmissionError
+from torchspot_lab.report import Report, build_report, read_pod_events
+from torchspot_lab.scenario import Scenario
+from torchspot_operator import constants, handlers
+from torchspot_operator.kube import Kube
+from torchspot_operator.metrics import METRICS_PORT_ENV
+from torchspot_operator.reconcile import ETCD_KINDS
+from torchspot_operator.spec import InvalidSpecError, parse_spec
+from torchspot_trainer.checkpoint.manager import committed_steps
+from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.data.datasets import CIFAR_TARBALL, write_synthetic_cifar10
+
+NAMESPACE = "default"
+PROGRESS_EVERY = 5.0
+"""Seconds between two progress lines."""
+CRD_RESOURCE = "crd.yaml"
+"""The ElasticJob CRD as shipped, package data of torchspot_operator (manifests/crd.yaml, byte for byte):
+the sandbox installs it as a cluster would, from a checkout or an installed wheel alike."""
+SYNTHETIC_IMAGES = 1200
+"""Training images in the synthetic CIFAR-10 (small enough for a demo on 2 cores)."""
+DATASETS = "datasets"
+"""The Blob container the sandbox fills with synthetic data for `az://datasets/...` job data."""
+
+
+def shipped_crd() -> dict[str, Any]:
+    """The ElasticJob CRD the operator package ships."""
+    text = importlib.resources.files("torchspot_operator").joinpath(CRD_RESOURCE).read_text()
+    crd: dict[str, Any] = yaml.safe_load(text)
+    return crd
+
+
+class JobFileError(ValueError):
+    """A job file the sandbox cannot run, with the reason."""
+
+
+def load_job(path: Path) -> dict[str, Any]:
+    """Read an ElasticJob file and check it as the API server and the operator would; name the problem."""
+    try:
+        body: Any = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise JobFileError(f"{path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise JobFileError(f"{path}: not YAML: {exc}") from exc
+    if not isinstance(body, dict) or body.get("kind") != constants.KIND:
+        raise JobFileError(f"{path}: expected one {constants.KIND} (kind: {constants.KIND})")
+    if body.get("apiVersion") != constants.API_VERSION:
+        raise JobFileError(f"{path}: apiVersion must be {constants.API_VERSION}, not {body.get('apiVersion')!r}")
+    name = (body.get("metadata") or {}).get("name")
+    if not isinstance(name, str) or not name:
+        raise JobFileError(f"{path}: metadata.name is required")
+    try:
+        body = Admission(shipped_crd()).admit(body)  # refused as `kubectl apply` would refuse it
+        parse_spec(body.get("spec") or {})
+    except (AdmissionError, InvalidSpecError) as exc:
+        raise JobFileError(f"{path}: {exc}") from exc
+    body["metadata"]["namespace"] = NAMESPACE
+    loaded: dict[str, Any] = body
+    return loaded
+
+
+@dataclass
+class Timeline:
+    """What happened when, in seconds since the job was submitted (thread-safe appends)."""
+
+    start: float = field(default_factory=time.time)
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, kind: str, text: str, at: float | None = None) -> None:
+        with self._lock:
+            self.entries.append({"t": round((at or time.time()) - self.start, 2), "kind": kind, "text": text})
+
+
+class _Operator:
+    """The operator's kopf loop in a thread of this process, stopped with a flag."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="operator", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        import asyncio  # noqa: PLC0415 - the thread's own event loop
+
+        try:
+            asyncio.run(kopf.operator(clusterwide=True, standalone=True, stop_flag=self._stop))
+        except BaseException as exc:  # reported by the sandbox
+            self.error = exc
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _prepare_blob(
+    job: dict[str, Any], azurite: Azurite, kube: Kube, api: KubeApi, workdir: Path, *, images: int
+) -> None:
+    """The job's credentials Secret (Azurite's connection string) and, if it reads az://datasets, the data."""
+    spec = job["spec"]
+    secret = (spec.get("checkpoint") or {}).get("credentialsSecret")
+    if secret:
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": NAMESPACE},
+                "type": "Opaque", "stringData": azurite.env()}  # fmt: skip
+        api.run(kube.create(body))
+    args = " ".join(str(a) for c in spec["template"]["spec"]["containers"] for a in c.get("args", []))
+    if f"az://{DATASETS}/" in args:
+        tarball = write_synthetic_cifar10(workdir / "data" / CIFAR_TARBALL, n_train=images, n_test=300)
+        prefix = args.split(f"az://{DATASETS}/", 1)[1].split()[0].rstrip("/")
+        storage = open_storage(f"az://{DATASETS}/{prefix}", azurite.env())
+        storage.put(tarball.name, tarball.read_bytes())
+
+
+def run_sandbox(
+    job_path: Path,
+    scenario: Scenario,
+    workdir: Path,
+    say: Callable[[str], None] = print,
+    *,
+    synthetic_images: int = SYNTHETIC_IMAGES,
+    operator_env: Mapping[str, str] | None = None,
+) -> Report:
+    """Run the job through the scenario; write report.json and report.png into `workdir`.
+
+    :param synthetic_images: training images in the synthetic CIFAR-10 for `az://datasets/...`.
+    :param operator_env: the operator's settings (its environment variables) for this run.
+    """
+    job = load_job(job_path)
+    name = job["metadata"]["name"]
+    if workdir.exists() and any(workdir.iterdir()):
+        raise JobFileError(f"{workdir}: not empty (a run's folder holds its Blob data and logs): pick a new one")
+    workdir.mkdir(parents=True, exist_ok=True)
+    timeline = Timeline()
+    with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
+        kube = Kube(server=api.url, headers={}, ssl_context=True)
+        # kopf logs in with the kubeconfig; /metrics on a free port (a fixed one may be taken on this machine)
+        settings = {"KUBECONFIG": str(api.kubeconfig), METRICS_PORT_ENV: "0", **(operator_env or {})}
+        previous = {key: os.environ.get(key) for key in settings}
+        os.environ.update(settings)
+        say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")
+        api.run(kube.create(shipped_crd()))  # the CRD object: its schema admits jobs, as on a cluster
+        _prepare_blob(job, azurite, kube, api, workdir, images=synthetic_images)
+        agent = NodeAgent(api, workdir, scenario, on_action=timeline.add)
+        handlers.use_endpoint_resolver(agent.resolve)
+        operator = _Operator()
+        agent.start()
+        operator.start()
+        try:
+            api.run(kube.create(job))
+            timeline.start = time.time()
+            timeline.add("submit", f"ElasticJob {name} submitted ({len(scenario.initial_nodes())} nodes)")
+            status = _play(api, kube, name, scenario=scenario, agent=agent, timeline=timeline, say=say)
+            left = _left(api, kube, name)
+        finally:
+            operator.stop()
+            handlers.use_endpoint_resolver(None)
+            events = api.run(kube.list("v1", "Event", NAMESPACE))
+            checkpoints = _committed_checkpoints(job, azurite)
+            agent.stop()
+            api.run(kube.close())
+            for key, value in previous.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    if operator.error is not None:
+        raise RuntimeError(f"the operator stopped: {operator.error}") from operator.error
+    report = build_report(
+        job=name,
+        submitted=timeline.start,
+        status=status,
+        timeline=timeline.entries,
+        api_events=[e for e in events if e.get("involvedObject", {}).get("name") == name],
+        trainer_events=read_pod_events(workdir / "pods", timeline.start),
+        checkpoints=checkpoints,
+        agent_errors=agent.errors,
+        left=left,
+    )
+    report.write(workdir)
+    return report
+
+
+def _play(
+    api: KubeApi,
+    kube: Kube,
+    name: str,
+    *,
+    scenario: Scenario,
+    agent: NodeAgent,
+    timeline: Timeline,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Apply the scenario's events on time and print progress until the job ends or time runs out."""
+    pending = list(scenario.events)
+    next_line = 0.0
+    while True:
+        elapsed = time.time() - timeline.start
+        while pending and pending[0].at <= elapsed:
+            event = pending.pop(0)
+            if event.action == "evict":
+                agent.evict(event.node, notice=event.notice)
+            elif event.action == "freeze":
+                agent.freeze(event.node)
+            elif event.action == "suspend":
+                api.run(
+                    kube.patch(
+                        constants.API_VERSION, constants.PLURAL, NAMESPACE, name, {"spec": {"suspend": event.suspend}}
+                    )
+                )
+                timeline.add("suspend", f"spec.suspend set to {str(event.suspend).lower()}")
+            else:
+                agent.add_spot(event.count)
+        body = api.run(kube.get(constants.API_VERSION, constants.PLURAL, NAMESPACE, name)) or {}
+        status: dict[str, Any] = body.get("status") or {}
+        if elapsed >= next_line:
+            next_line = elapsed + PROGRESS_EVERY
+            say(_progress_line(elapsed, status))
+        if status.get("phase") in ("Succeeded", "Failed", "Invalid") and not pending:
+            say(_progress_line(elapsed, status))
+            timeline.add("end", f"job {status['phase']}")
+            return status
+        if elapsed > scenario.timeout:
+            timeline.add("timeout", f"stopped after {scenario.timeout:g} s in phase {status.get('phase')}")
+            return {**status, "phase": status.get("phase") or "Unknown", "timedOut": True}
+        time.sleep(0.5)
+
+
+def _left(api: KubeApi, kube: Kube, name: str) -> list[str]:
+    """The job's worker pods and managed etcd objects still in the API (`Report.left`)."""
+    found = []
+    for pod in api.run(
+        kube.list("v1", "Pod", NAMESPACE, {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_WORKER})
+    ):
+        found.append(f"Pod {pod['metadata']['name']} ({pod.get('status', {}).get('phase', 'Pending')})")
+    for api_version, kind in ETCD_KINDS:
+        if api.run(kube.get(api_version, kind, NAMESPACE, f"{name}-etcd")) is not None:
+            found.append(f"{kind} {name}-etcd")
+    return found
+
+
+def _progress_line(elapsed: float, status: dict[str, Any]) -> str:
+    replicas = status.get("replicas") or {}
+    checkpoint = (status.get("lastCheckpoint") or {}).get("step", "-")
+    ready = f"{replicas.get('ready', 0)}/{replicas.get('desired', '?')}"
+    return (
+        f"[{elapsed:6.1f}s] {status.get('phase', 'Pending'):<9} ready {ready}  pending {replicas.get('pending', 0)}"
+        f"  round {status.get('rendezvousRound', '-')}  checkpoint {checkpoint}  evictions {status.get('evictions', 0)}"
+    )
+
+
+def _committed_checkpoints(job: dict[str, Any], azurite: Azurite) -> list[int]:
+    """Steps with a COMMIT marker under the job's checkpoint URI in Azurite."""
+    uri = (job["spec"].get("checkpoint") or {}).get("uri", "")
+    if not uri.startswith("az://"):
+        return []
+    try:
+        names = open_storage(uri, azurite.env(), create_container=False).list("step-")
+    except Exception:  # no container yet: nothing was committed
+        return []
+    return committed_steps(names)

@@ -1,0 +1,544 @@
+"""One reconcile of one ElasticJob: read, plan (pure), act, then write the status once.
+
+Order matters: objects are created, deleted and updated first, the status is written in
+one patch at the end, and the Kubernetes Events go out only after that patch succeeded
+(the JobSet controller's rule), so an event never reports something the status does
+not show. One lock per job keeps the many triggers (create, update, timer, pod, etcd
+object and node events) from reconciling the same job at the same time.
+
+What a reconcile reads, and what it costs:
+- the job: one GET, so the status it starts from is the one last written (a watch's
+  copy may not show our own last write yet);
+- the job's worker pods and managed etcd objects: from kopf indices, fed by watches
+  that the API server filters by label, keyed by the owning job's uid. No list per
+  reconcile; a re-created job (a new uid) never sees its predecessor's pods, and a
+  same-named object someone else owns is never taken for the job's;
+- nodes: from the node watch's cache (only with node handling on).
+An index lags the operator's own actions by a watch event, so the controller keeps
+*expectations*, as Kubernetes' own controllers do: the objects it created and not yet seen
+are counted as there, and the objects it deleted or counted are not judged again. An
+index can also hold objects deleted while its watch was closed (kopf closes the watches
+of a paused standby replica and lists afresh when it resumes, which shows no deletion),
+so the first reconcile of a job by this process, and one after a silence longer than
+`STALE_AFTER_SECONDS`, reads the job's pods (one list) and etcd objects from the API,
+and what the index holds beyond that is treated as gone.
+
+The timer (`tick`) re-plans from what the operator already knows and asks the API
+nothing unless that plan has something to do: a running job that nothing happens to
+costs no request (bench/operator measures it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import kopf
+
+from torchspot_operator import builders, certs, conditions, constants, metrics
+from torchspot_operator.builders import JobRef
+from torchspot_operator.conditions import CreateFailure
+from torchspot_operator.kube import ApiError, Kube
+from torchspot_operator.progress import ProgressReader
+from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, plan
+from torchspot_operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
+from torchspot_trainer.rendezvous.etcd_client import EtcdTls
+
+log = logging.getLogger(__name__)
+
+PODS_INDEX = "worker_pods"
+NAMES_INDEX = "worker_names"
+"""(namespace, job name) -> names of the worker pods with that job's label, whoever owns them: the
+names a re-created job must not reuse while its predecessor's pods are still being collected."""
+ETCD_INDEXES = {
+    "Deployment": "etcd_deployments",
+    "Service": "etcd_services",
+    "PodDisruptionBudget": "etcd_budgets",
+    "NetworkPolicy": "etcd_policies",
+}
+"""The kopf index of each managed etcd kind (handlers.py registers them under these names)."""
+INDEXES = (PODS_INDEX, NAMES_INDEX, *ETCD_INDEXES.values())
+
+ACTIVE_PHASES = frozenset(
+    {conditions.PENDING, conditions.PHASE_RUNNING, conditions.PHASE_SCALING, conditions.PHASE_BELOW_MIN}
+)
+"""Phases whose jobs the timer ticks: while any exists, reconciles must keep finishing (`Controller.alive`)."""
+
+Index = Mapping[Any, Iterable[Any]]
+"""A kopf index: a key (such as (namespace, owner uid)) -> the values the objects under it gave."""
+
+
+def owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(name, uid) of the ElasticJob that controls an object, from its ownerReferences; None if none does."""
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if (
+            ref.get("controller")
+            and ref.get("kind") == constants.KIND
+            and ref.get("apiVersion") == constants.API_VERSION
+        ):
+            return str(ref.get("name", "")), str(ref.get("uid", ""))
+    return None
+
+
+@dataclass
+class _Memory:
+    """What the controller knows about one incarnation (uid) of a job between reconciles."""
+
+    uid: str
+    body: dict[str, Any] | None = None
+    """The job as last read, with the status written since: what the timer re-plans from."""
+    accounted: dict[str, float] = field(default_factory=dict)
+    """Uids of objects counted or deleted by the operator (monotonic time): never judged twice."""
+    created: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
+    """Objects created and not yet seen in an index, by `Kind/name`: counted as there meanwhile."""
+    vanished: list[dict[str, Any]] = field(default_factory=list)
+    """Worker pods deleted by someone else (their last body), until a reconcile counts them."""
+    failures: dict[str, CreateFailure] = field(default_factory=dict)
+    """Objects the operator could not create, by `Kind/name`."""
+    gone: set[str] = field(default_factory=set)
+    """Uids an index still holds that a fresh read from the API no longer found (see the module docstring)."""
+    seen_at: float = 0.0
+    """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
+    tls: EtcdTls | None = None
+    """The job's etcd client certificate (from its Secret), for the progress reader."""
+    tls_read: bool = False
+    """Whether this process looked for the job's Secret yet."""
+
+
+class Controller:
+    """Reconciles jobs through one API session; `now` is injectable for tests of time.
+
+    :param etcd_default: where managed etcds go when a job says nothing (the chart's
+        `etcd.defaultPlacement`); None: wherever the scheduler puts them.
+    :param resolve: maps a rendezvous address to a reachable one (see `ProgressReader`).
+    :param node_handling: move workers off bad nodes at once (`constants.NODE_HANDLING_ENV`).
+    :param indexes: kopf's indices by name (`INDEXES`); empty ones when None (tests of parts).
+    """
+
+    def __init__(
+        self,
+        api: Kube,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        *,
+        etcd_default: Placement | None = None,
+        resolve: Callable[[str], str] | None = None,
+        node_handling: bool = True,
+        indexes: Mapping[str, Index] | None = None,
+        operator: tuple[str, tuple[tuple[str, str], ...]] | None = None,
+    ) -> None:
+        self.api = api
+        self.operator = operator
+        """This operator's pod namespace and labels, which each job's etcd NetworkPolicy admits."""
+        self.node_handling = node_handling
+        self.now = now
+        self.etcd_default = etcd_default
+        self.progress = ProgressReader(resolve) if resolve is not None else ProgressReader()
+        self.indexes: Mapping[str, Index] = indexes or {name: {} for name in INDEXES}
+        self.nodes: dict[str, Mapping[str, Any]] = {}
+        """Nodes as the node watch last saw them (reconciles read these instead of asking each time)."""
+        self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
+        self._memory: dict[tuple[str, str], _Memory] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._versions: dict[str, str] = {}
+        """The resourceVersion of each watched object (by uid) whose event last led to a reconcile."""
+        self.phases: dict[tuple[str, str], str] = {}
+        """Each job's phase as last written (`torchspot_jobs{phase}`)."""
+        self.recoveries = metrics.Recoveries()
+        self.last_progress = time.monotonic()
+        """When a reconcile or a tick last finished (monotonic): the liveness rule's clock."""
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def reconcile(self, namespace: str, name: str) -> Plan | None:
+        """Bring one job's objects and status in line with its spec; None if the job is gone or invalid."""
+        async with self._lock(namespace, name):
+            body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
+            return await self._reconcile(namespace, name, body)
+
+    def alive(self) -> bool:
+        """False when reconciles have stalled (see metrics.py): the liveness probe fails then."""
+        active = sum(1 for phase in self.phases.values() if phase in ACTIVE_PHASES)
+        return not metrics.stalled(active, self.last_progress)
+
+    def _measure(self, key: tuple[str, str], old: Mapping[str, Any], decided: Plan) -> None:
+        """Metrics of one reconcile's outcome (metrics.py)."""
+        new = decided.status
+        self.phases[key] = str(new.get("phase", ""))
+        metrics.EVICTIONS.inc(max(0, int(new.get("evictions", 0)) - int(old.get("evictions", 0))))
+        metrics.FAILURES.inc(max(0, int(new.get("failures", 0)) - int(old.get("failures", 0))))
+        metrics.REPLACEMENTS.inc(sum(1 for _, reason, _ in decided.events if reason == "Replaced"))
+        reached, started = new.get("reachedMinAt"), new.get("startTime")
+        if reached and started and not old.get("reachedMinAt"):
+            waited = conditions.parse_timestamp(str(reached)) - conditions.parse_timestamp(str(started))
+            metrics.PENDING.observe(max(0.0, waited.total_seconds()))
+        self.recoveries.update(key, old, new)
+
+    async def tick(self, namespace: str, name: str) -> Plan | None:
+        """The timer: re-plan from what is known, without asking the API; reconcile only if it is due.
+
+        Clocks (the start-up timeout, the below-minimum grace, a deadline, a backoff) and
+        the run's progress reports change the plan without any event; a job they leave
+        as it was costs nothing here.
+        """
+        async with self._lock(namespace, name):
+            memory = self._memory.get((namespace, name))
+            if memory is not None and memory.body is not None and not self._stale(memory):
+                memory.seen_at = time.monotonic()
+                try:
+                    spec = parse_spec(memory.body.get("spec") or {}, etcd_default=self.etcd_default)
+                except InvalidSpecError:
+                    return None
+                dry = plan(await self._observe(memory.body, spec, memory))
+                old = memory.body.get("status") or {}
+                if not dry.acts() and not _changed(old, dry.status):
+                    self.last_progress = time.monotonic()
+                    return dry
+                log.debug(
+                    "job %s/%s: the timer found work: acts %s, status keys %s", namespace, name, dry.acts(),
+                    sorted(k for k, v in dry.status.items() if old.get(k) != v),
+                )  # fmt: skip
+            body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
+            return await self._reconcile(namespace, name, body)
+
+    async def _reconcile(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
+        started = time.monotonic()
+        try:
+            return await self._reconcile_timed(namespace, name, body)
+        except Exception:
+            metrics.RECONCILE_ERRORS.inc()
+            raise
+        finally:
+            metrics.RECONCILE.observe(time.monotonic() - started)
+            self.last_progress = time.monotonic()
+
+    async def _reconcile_timed(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self._forget(namespace, name)
+            return None
+        meta = body["metadata"]
+        memory = self._memory.get((namespace, name))
+        if memory is None or memory.uid != meta.get("uid", ""):  # a new job, or one re-created under the name
+            memory = self._memory[(namespace, name)] = _Memory(str(meta.get("uid", "")))
+        memory.body = body
+        if self._stale(memory):
+            await self._read_afresh(namespace, name, memory)
+        memory.seen_at = time.monotonic()
+        old: Mapping[str, Any] = body.get("status") or {}
+        job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
+        now = self.now()
+        try:
+            spec = parse_spec(body.get("spec") or {}, etcd_default=self.etcd_default)
+        except InvalidSpecError as exc:
+            new = conditions.invalid(old.get("conditions") or [], exc.problems, now)
+            if _changed(old, new):
+                await self._write_status(job, memory, new)
+            if old.get("phase") != conditions.PHASE_INVALID:  # said once, not at every reconcile
+                _event(body, "Warning", "InvalidSpec", str(exc))
+            self.phases[(namespace, name)] = conditions.PHASE_INVALID
+            return None
+        if not spec.rdzv_endpoint and memory.tls is None and not memory.tls_read:
+            memory.tls_read = True  # once per process: a job made earlier has its Secret already
+            await self._tls(job, memory, now, create=False)
+        seen = await self._observe(body, spec, memory, now=now)
+        decided = plan(seen)
+        if decided.status.get("phase") in conditions.FINISHED_PHASES:
+            self.progress.forget(str(old.get("runId", job.run_id)))
+        events = await self._act(job, decided, memory, now)
+        failures = list(memory.failures.values())
+        if failures != list(seen.create_failures):
+            # What the API just refused (or forgot) changes more than ReplicaFailure: WaitingForCapacity
+            # says why the job waits. The status is planned again from the same view, so one write says
+            # both; the first plan's creates and deletes are done, this one's are not acted on.
+            decided.status = plan(replace(seen, create_failures=failures)).status
+        if _changed(old, decided.status):
+            await self._write_status(job, memory, decided.status)  # unchanged: no write, no watch event
+        for kind, reason, message in [*decided.events, *events]:
+            _event(body, kind, reason, message)
+        if decided.status.get("phase") != old.get("phase"):
+            log.info("job %s/%s: phase %s", namespace, name, decided.status.get("phase"))
+        self._measure((namespace, name), old, decided)
+        return decided
+
+    async def _observe(
+        self, body: Mapping[str, Any], spec: JobSpec, memory: _Memory, *, now: datetime | None = None
+    ) -> Observed:
+        """What the plan sees: the job, the pods and etcd objects it owns (indices plus expectations), nodes,
+        progress. Reads no API but, with node handling on, a node the watch has not shown (yet)."""
+        meta = body["metadata"]
+        namespace, name = str(meta["namespace"]), str(meta["name"])
+        old: Mapping[str, Any] = body.get("status") or {}
+        job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)), operator=self.operator)
+        pods = self._pods(namespace, memory)
+        etcd = self._etcd(namespace, memory)
+        self._prune(memory, pods, etcd.values())
+        bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
+        self._nodes_of_job[(namespace, name)] = bound
+        nodes: dict[str, Mapping[str, Any]] = {}
+        for node_name in bound if self.node_handling else ():
+            node = self.nodes.get(node_name)
+            if node is None:  # not seen by the node watch (yet; or gone): ask, never guess "gone"
+                node = await self.api.get("v1", "Node", None, node_name)
+            if node is not None:
+                nodes[node_name] = node
+        finished = old.get("phase") in conditions.FINISHED_PHASES
+        progress = (
+            {}
+            if finished
+            else self.progress.latest(builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls)
+        )
+        return Observed(
+            job, spec, old, pods, nodes, etcd, now or self.now(), progress, self.node_handling,
+            accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
+            create_failures=list(memory.failures.values()),
+            names_in_use=frozenset(str(n) for n in self.indexes[NAMES_INDEX].get((namespace, name), [])),
+        )  # fmt: skip
+
+    @staticmethod
+    def _stale(memory: _Memory) -> bool:
+        return memory.seen_at == 0.0 or time.monotonic() - memory.seen_at > constants.STALE_AFTER_SECONDS
+
+    async def _read_afresh(self, namespace: str, name: str, memory: _Memory) -> None:
+        """Note the uids the indices hold for this job that the API no longer has (one list, and a get
+        per etcd object)."""
+        labels = {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_WORKER}
+        present = {str(p["metadata"].get("uid", "")) for p in await self.api.list("v1", "Pod", namespace, labels)}
+        for api_version, kind in ETCD_KINDS:
+            found = await self.api.get(api_version, kind, namespace, f"{name}-etcd")
+            if found is not None:
+                present.add(str(found["metadata"].get("uid", "")))
+        indexed = {
+            str(obj.get("metadata", {}).get("uid", ""))
+            for index in (PODS_INDEX, *ETCD_INDEXES.values())
+            for obj in self.indexes[index].get((namespace, memory.uid), [])
+        }
+        memory.gone = indexed - present
+        if memory.gone:
+            log.info("job %s/%s: the watch missed the deletion of %d object(s)", namespace, name, len(memory.gone))
+
+    def _indexed(self, index: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+        """What an index holds for the job, less what a fresh read found gone (forgotten once the index is too)."""
+        held = [dict(o) for o in self.indexes[index].get((namespace, memory.uid), [])]
+        return [o for o in held if str(o.get("metadata", {}).get("uid", "")) not in memory.gone]
+
+    def _pods(self, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+        """The job's worker pods: the index's, plus those created and not yet indexed (expectations)."""
+        indexed = self._indexed(PODS_INDEX, namespace, memory)
+        return [*indexed, *self._expected(memory, "Pod", {p["metadata"]["name"] for p in indexed})]
+
+    @staticmethod
+    def _expected(memory: _Memory, kind: str, indexed: set[str]) -> list[dict[str, Any]]:
+        """Objects of a kind the operator created that the index does not show yet (expectations);
+        forgotten once it does, or after `EXPECTATION_SECONDS` (then the watch lost them)."""
+        found = []
+        clock = time.monotonic()
+        for key, (created, at) in list(memory.created.items()):
+            made, name = key.split("/", 1)
+            if made != kind:
+                continue
+            if name in indexed or clock - at > constants.EXPECTATION_SECONDS:
+                del memory.created[key]
+            else:
+                found.append(created)
+        return found
+
+    def _etcd(self, namespace: str, memory: _Memory) -> dict[str, Mapping[str, Any]]:
+        """The managed etcd's objects this job owns, by kind."""
+        found: dict[str, Mapping[str, Any]] = {}
+        for kind, index in ETCD_INDEXES.items():
+            indexed = self._indexed(index, namespace, memory)
+            for obj in [*indexed, *self._expected(memory, kind, {o["metadata"]["name"] for o in indexed})]:
+                found[kind] = obj
+        return found
+
+    @staticmethod
+    def _prune(memory: _Memory, pods: Iterable[Mapping[str, Any]], etcd: Iterable[Mapping[str, Any]]) -> None:
+        """Forget counted or deleted objects that are gone from the indices (and the counted vanished pods)."""
+        present = {str(o.get("metadata", {}).get("uid", "")) for o in [*pods, *etcd]}
+        clock = time.monotonic()
+        for uid, at in list(memory.accounted.items()):
+            if uid not in present and clock - at > constants.EXPECTATION_SECONDS:
+                del memory.accounted[uid]
+
+    async def _act(self, job: JobRef, decided: Plan, memory: _Memory, now: datetime) -> list[tuple[str, str, str]]:
+        """Create, delete and update as planned; the events of what could not be created."""
+        clock = time.monotonic()
+        memory.accounted.update({uid: clock for uid in decided.accounted})  # before any request: see pod_deleted
+        memory.vanished.clear()  # the plan counted them
+        events: list[tuple[str, str, str]] = []
+        etcd_blocked = False
+        if any(_mounts(obj, job.tls_secret) for obj in decided.create):
+            failure = await self._tls(job, memory, now, create=True)
+            if failure is not None:
+                memory.failures[failure.key] = failure
+                events.append(("Warning", failure.reason, failure.message))
+                etcd_blocked = True
+        for obj in decided.create:
+            kind = obj["kind"]
+            if etcd_blocked and (kind == "Pod" or _mounts(obj, job.tls_secret)):
+                continue  # the job's rendezvous cannot be made: workers would meet somewhere else
+            failure = await self._create(job, obj, memory, now)
+            if failure is not None:
+                memory.failures[failure.key] = failure
+                events.append(("Warning", failure.reason, failure.message))
+                etcd_blocked = etcd_blocked or kind != "Pod"
+        for delete in decided.delete:
+            log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)
+            await self.api.delete(
+                delete.api_version, delete.kind, job.namespace, delete.name, delete.grace, uid=delete.uid or None
+            )
+        for update in decided.update:
+            log.info("updating %s %s/%s in place", update.kind, job.namespace, update.name)
+            await self.api.patch(update.api_version, update.kind, job.namespace, update.name, update.patch)
+        for key, failure in list(memory.failures.items()):  # a taken pod name is tried again after a while
+            if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
+                del memory.failures[key]
+        return events
+
+    async def _tls(self, job: JobRef, memory: _Memory, now: datetime, *, create: bool) -> CreateFailure | None:
+        """Load the job's etcd certificates from its Secret into memory, making them first if `create`
+        and there are none; what went wrong, if the name is someone else's or the API refused."""
+        if memory.tls is not None:
+            return None
+        key = f"Secret/{job.tls_secret}"
+        found = await self.api.get("v1", "Secret", job.namespace, job.tls_secret)
+        if found is None and create:
+            bundle = await asyncio.to_thread(certs.etcd_certificates, job.etcd_name, job.namespace)
+            failure = await self._create(job, builders.etcd_secret(job, bundle), memory, now)
+            if failure is not None:
+                return failure
+            # As stored: ours, or this job's own made meanwhile (a 409), whose certificates are the ones in use.
+            found = memory.created.pop(key)[0]  # not watched: no index to wait for
+        if found is None:
+            return None
+        if (owner(found) or ("", ""))[1] != job.uid:
+            message = (
+                f"Secret {job.namespace}/{job.tls_secret} exists and is not owned by this job; rename or delete it"
+            )
+            return CreateFailure(key, conditions.NAME_TAKEN, message, now)
+        try:
+            files = {name: base64.b64decode(value) for name, value in (found.get("data") or {}).items()}
+            bundle = certs.from_secret_files(files)
+        except (KeyError, ValueError) as exc:
+            message = f"Secret {job.namespace}/{job.tls_secret} lacks the etcd certificates ({exc}); delete it"
+            return CreateFailure(key, conditions.FAILED_CREATE, message, now)
+        memory.failures.pop(key, None)
+        memory.tls = EtcdTls(bundle.ca, bundle.client.cert, bundle.client.key)
+        return None
+
+    async def _create(self, job: JobRef, obj: dict[str, Any], memory: _Memory, now: datetime) -> CreateFailure | None:
+        """Create one object; what went wrong, if the API refused it or the name is someone else's."""
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        key = f"{kind}/{name}"
+        try:
+            created = await self.api.create(obj)
+        except ApiError as exc:
+            if exc.transient:
+                raise  # the API's trouble, not the object's: kopf retries the handler
+            return CreateFailure(
+                key, conditions.FAILED_CREATE, f"{kind} {job.namespace}/{name} was refused: {exc}", now
+            )
+        if created is None:  # 409: the name exists; the index did not show it as this job's, so ask once
+            existing = await self.api.get(obj["apiVersion"], kind, job.namespace, name)
+            if existing is None or (owner(existing) or ("", ""))[1] != job.uid:
+                message = f"{kind} {job.namespace}/{name} exists and is not owned by this job; rename or delete it"
+                return CreateFailure(key, conditions.NAME_TAKEN, message, now)
+            created = existing  # ours, made by an earlier reconcile the index has not caught up with
+        memory.failures.pop(key, None)
+        memory.created[key] = (created, time.monotonic())
+        return None
+
+    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> None:
+        try:
+            await self.api.patch_status(constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new))
+        except ApiError as exc:
+            if exc.status != 404:  # the job was deleted meanwhile
+                raise
+            return
+        if memory.body is not None:  # what the timer re-plans from: the status as now stored
+            merged = {**(memory.body.get("status") or {}), **new}
+            memory.body = {**memory.body, "status": {k: v for k, v in merged.items() if v is not None}}
+
+    def _forget(self, namespace: str, name: str) -> None:
+        self.phases.pop((namespace, name), None)
+        self.recoveries.forget((namespace, name))
+        memory = self._memory.pop((namespace, name), None)
+        self._locks.pop((namespace, name), None)
+        self._nodes_of_job.pop((namespace, name), None)
+        if memory is not None and memory.body is not None:
+            self.progress.forget(str((memory.body.get("status") or {}).get("runId", "")))
+
+    def news(self, obj: Mapping[str, Any], kind: str | None) -> bool:
+        """Whether a watch event brings a version of an object not seen before (a deletion always does).
+
+        A watch that is re-established without a resourceVersion (a relist after the API
+        server compacted the watch's history; the lab's emulator on every reconnect) replays
+        every object as ADDED: without this, each replay reconciled every job at once.
+        """
+        meta = obj.get("metadata", {})
+        uid, version = str(meta.get("uid", "")), str(meta.get("resourceVersion", ""))
+        if kind == "DELETED":
+            self._versions.pop(uid, None)
+            return True
+        if not version or self._versions.get(uid) != version:
+            self._versions[uid] = version
+            return True
+        return False
+
+    def pod_deleted(self, namespace: str, job: str, job_uid: str, pod: Mapping[str, Any]) -> None:
+        """A worker pod is gone (its watch's DELETED event): if the operator neither deleted nor counted
+        it, someone else did, and the next reconcile counts it as an eviction."""
+        memory = self._memory.get((namespace, job))
+        uid = str(pod.get("metadata", {}).get("uid", ""))
+        if memory is not None and memory.uid == job_uid and uid not in memory.accounted:
+            memory.vanished.append(dict(pod))
+
+    def object_deleted(self, namespace: str, job: str, kind: str, name: str) -> None:
+        """A managed etcd object of a job of this name went (a predecessor's, collected): if its name was
+        found taken, try again at once instead of after `NAME_RETRY_SECONDS`."""
+        memory = self._memory.get((namespace, job))
+        if memory is not None:
+            memory.failures.pop(f"{kind}/{name}", None)
+
+    async def expire(self, namespace: str, name: str, uid: str) -> None:
+        """Delete a finished job whose ttlSecondsAfterFinished ran out (only this incarnation: by uid)."""
+        log.info("job %s/%s: ttlSecondsAfterFinished reached, deleting it", namespace, name)
+        await self.api.delete(constants.API_VERSION, constants.PLURAL, namespace, name, uid=uid)
+
+    def observe_node(self, node: Mapping[str, Any], *, deleted: bool) -> None:
+        """Keep the node cache that reconciles read (fed by the node watch)."""
+        name = node.get("metadata", {}).get("name", "")
+        if deleted:
+            self.nodes.pop(name, None)
+        else:
+            self.nodes[name] = node
+
+    def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
+        """(namespace, job) of the jobs whose workers were on a node when last reconciled.
+
+        An index kept by reconcile rather than a cluster-wide pod list: it needs no
+        API call and no permission beyond the watched namespaces.
+        """
+        return {key for key, nodes in self._nodes_of_job.items() if node_name in nodes}
+
+
+def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether writing `new` (a merge patch of the status) would change the stored status."""
+    return any(old.get(key) != value for key, value in new.items())
+
+
+def _mounts(obj: Mapping[str, Any], secret: str) -> bool:
+    """Whether a pod, or a Deployment's pods, mount the named Secret."""
+    spec = obj.get("spec") or {}
+    pod = (spec.get("template") or {}).get("spec") or {} if obj.get("kind") == "Deployment" else spec
+    return any((v.get("secret") or {}).get("secretName") == secret for v in pod.get("volumes") or [])
+
+
+def _event(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message)

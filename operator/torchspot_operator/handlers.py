@@ -1,0 +1,337 @@
+"""kopf registrations, and nothing else: every trigger leads to the same level-based reconcile.
+
+Run it with `kopf run -m torchspot_operator.handlers` (or `python -m torchspot_operator`).
+Triggers: an ElasticJob is created, its spec changes, the operator resumes, the timer
+fires (every `RECONCILE_INTERVAL` seconds, for jobs that are neither finished, invalid
+nor suspended; it asks the API nothing unless something is due), one of its worker pods
+or managed etcd objects changes, or a node carrying its workers turns bad. Whatever
+fired, `Controller.reconcile` reads the job afresh and converges; so a missed or
+repeated trigger costs nothing but latency.
+
+What the operator watches, it watches narrowly: pods, Deployments, Services and
+PodDisruptionBudgets only with the operator's role label (the API server filters them:
+`settings.watching.label_selectors`), indexed by the uid of the job that owns them; nodes
+only when node handling is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import kopf
+import prometheus_client
+
+from torchspot_operator import builders, conditions, constants, metrics
+from torchspot_operator import login as credentials
+from torchspot_operator.controller import INDEXES, Controller, Index, owner
+from torchspot_operator.kube import ApiError, Kube
+from torchspot_operator.reconcile import node_trouble
+from torchspot_operator.spec import InvalidSpecError, Placement, default_etcd_placement
+
+RECONCILE_INTERVAL = 5.0
+"""Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
+the start-up timeout, activeDeadlineSeconds, a failure backoff) or a progress report is acted on.
+A tick that finds nothing due makes no API request."""
+WATCHED_KINDS: dict[tuple[str, str], str] = {
+    ("v1", "pods"): constants.ROLE_WORKER,
+    ("apps", "deployments"): constants.ROLE_ETCD,
+    ("v1", "services"): constants.ROLE_ETCD,
+    ("policy", "poddisruptionbudgets"): constants.ROLE_ETCD,
+    ("networking.k8s.io", "networkpolicies"): constants.ROLE_ETCD,
+}
+"""What the operator watches besides ElasticJobs (and nodes), and the role label the API server filters by."""
+
+_state: dict[str, Any] = {}
+
+
+def use_endpoint_resolver(resolve: Callable[[str], str] | None) -> None:
+    """Reach each job's etcd through `resolve` (the lab's sandbox: Service names to loopback ports).
+
+    Call it before the operator starts (None: back to plain names, which DNS resolves in a cluster).
+    """
+    if resolve is None:
+        _state.pop("resolve", None)
+    else:
+        _state["resolve"] = resolve
+
+
+def controller() -> Controller:
+    """The controller of this operator process (made at login, when the credentials are known)."""
+    return cast(Controller, _state["controller"])
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events; watch
+    only our own objects; read the operator's own settings from its environment (a bad one stops it)."""
+    try:
+        _state["etcd_default"] = default_etcd_placement(os.environ.get(constants.ETCD_PLACEMENT_ENV, ""))
+    except InvalidSpecError as exc:
+        raise kopf.PermanentError(f"invalid operator setting: {exc}") from exc
+    mode = os.environ.get(constants.NODE_HANDLING_ENV, "") or constants.NODE_HANDLING_MODES[0]
+    if mode not in constants.NODE_HANDLING_MODES:
+        choices = " or ".join(constants.NODE_HANDLING_MODES)
+        raise kopf.PermanentError(
+            f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}"
+        )
+    _state["node_handling"] = mode == "proactive"
+    _state["operator"] = _operator_identity()
+    _serve_metrics()
+    if _state["node_handling"] and not _state.get("node_watch"):
+        # Registered here, not at import: with node handling off the operator does not watch
+        # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
+        kopf.on.event("v1", "nodes")(node_event)
+        _state["node_watch"] = True
+    for (group, plural), role in WATCHED_KINDS.items():
+        settings.watching.label_selectors[group, plural] = f"{constants.LABEL_ROLE}={role}"
+    if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
+        settings.peering.clusterwide = True
+        settings.peering.lifetime = constants.PEERING_LIFETIME
+        _state["peering"] = settings.peering.name
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+
+
+async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
+    """A login (login.py) off the event loop: an exec plugin may take seconds."""
+    try:
+        return await asyncio.to_thread(credentials.login, trust_env=settings.networking.trust_env)
+    except credentials.LoginError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+
+
+def _operator_identity() -> tuple[str, tuple[tuple[str, str], ...]] | None:
+    """The operator pod's namespace and labels, from the environment the chart sets; a bad value stops it."""
+    namespace = os.environ.get(constants.OPERATOR_NAMESPACE_ENV, "")
+    text = os.environ.get(constants.OPERATOR_LABELS_ENV, "")
+    if not namespace or not text:
+        return None
+    try:
+        labels = json.loads(text)
+    except ValueError as exc:
+        raise kopf.PermanentError(f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: {exc}") from exc
+    if not isinstance(labels, dict) or not labels or not all(isinstance(v, str) for v in labels.values()):
+        raise kopf.PermanentError(
+            f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: expected a JSON object of label strings"
+        )
+    return namespace, tuple(sorted(labels.items()))
+
+
+def _serve_metrics() -> None:
+    """Serve /metrics once per process (tests start the operator many times in one)."""
+    if "metrics_port" in _state:
+        return
+    text = os.environ.get(metrics.METRICS_PORT_ENV, "") or str(metrics.DEFAULT_METRICS_PORT)
+    if not text.isdigit() or not 0 <= int(text) < 65536:
+        raise kopf.PermanentError(f"invalid operator setting: {metrics.METRICS_PORT_ENV}={text!r}: expected a port")
+    try:
+        server, _ = prometheus_client.start_http_server(int(text))
+    except OSError as exc:
+        raise kopf.PermanentError(f"cannot serve metrics on port {text} ({metrics.METRICS_PORT_ENV}): {exc}") from exc
+    prometheus_client.REGISTRY.register(metrics.Jobs(lambda: controller().phases if "controller" in _state else {}))
+    _state["metrics_port"] = server.server_port  # 0 asks for a free port (tests)
+
+
+def metrics_port() -> int | None:
+    """The port /metrics is served on in this process (None until the operator has started)."""
+    port = _state.get("metrics_port")
+    return None if port is None else int(port)
+
+
+@kopf.on.probe(id="reconciling")
+def reconciling(**_: Any) -> str:
+    """kopf's liveness endpoint fails (500) while reconciles have stalled (metrics.py)."""
+    if "controller" in _state and not controller().alive():
+        raise kopf.PermanentError(f"no reconcile finished for {metrics.STALL_SECONDS:.0f} s while jobs are active")
+    return "ok"
+
+
+@kopf.on.login()
+async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The service account in a pod, the kubeconfig outside (exec plugins included: login.py);
+    our API layer uses the same credentials.
+
+    kopf logs in again when credentials expire (a token read from a file: every few
+    minutes, to pick up the rotated one; an exec plugin's: at its expiry) or the API says
+    401; the controller (and its per-job state) stays, only its API session is renewed.
+    """
+    info = await _credentials(settings)
+    if info is None:
+        return None
+    fresh = Kube.from_connection(info, relogin=lambda: _credentials(settings))
+    if "controller" in _state:
+        await controller().api.renew(fresh)
+    else:
+        _state["controller"] = Controller(
+            fresh,
+            etcd_default=cast(Placement | None, _state.get("etcd_default")),
+            resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
+            node_handling=bool(_state.get("node_handling", True)),
+            indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
+            operator=cast(tuple[str, tuple[tuple[str, str], ...]] | None, _state.get("operator")),
+        )
+        if _state.get("peering"):
+            await _ensure_peering(str(_state["peering"]))
+    return info
+
+
+async def _ensure_peering(name: str) -> None:
+    """Create the peering object if no replica has yet, before kopf starts using it.
+
+    kopf starts a `--peering` operator paused and only resumes it once the object tells
+    it that no replica of higher priority lives; an object that never appears would keep
+    it paused for ever, so a missing CRD or permission stops the operator instead.
+    """
+    try:
+        await controller().api.create(builders.peering(name))
+    except ApiError as exc:
+        raise kopf.PermanentError(
+            f"--peering={name}: cannot create {constants.PEERING_KIND} {name!r} ({exc}); install its CRD "
+            "(the chart does, crds.peering) and allow the operator to create it, or run with --standalone"
+        ) from exc
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    """Close our HTTP session with the operator."""
+    done = _state.pop("controller", None)
+    if done is not None:
+        done.progress.close()
+        await done.api.close()
+
+
+def _owned(body: kopf.Body, namespace: str | None) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """An index entry: (namespace, uid of the job that controls the object) -> the object."""
+    found = owner(body)
+    return None if found is None or not namespace else {(namespace, found[1]): dict(body)}
+
+
+@kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
+def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Worker pods by their job's uid (`controller.PODS_INDEX`)."""
+    return _owned(body, namespace)
+
+
+@kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
+def worker_names(name: str, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], str] | None:
+    """Worker pod names by (namespace, job name), whoever owns them (`controller.NAMES_INDEX`)."""
+    job = labels.get(constants.LABEL_JOB)
+    return {(namespace, job): name} if job and namespace else None
+
+
+@kopf.index("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_deployments(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd Deployments by their job's uid."""
+    return _owned(body, namespace)
+
+
+@kopf.index("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_services(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd Services by their job's uid."""
+    return _owned(body, namespace)
+
+
+@kopf.index("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_budgets(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd PodDisruptionBudgets by their job's uid."""
+    return _owned(body, namespace)
+
+
+@kopf.on.create(constants.GROUP, constants.VERSION, constants.PLURAL)
+@kopf.on.update(constants.GROUP, constants.VERSION, constants.PLURAL, field="spec")
+@kopf.on.resume(constants.GROUP, constants.VERSION, constants.PLURAL)
+async def job_changed(name: str, namespace: str | None, **_: Any) -> None:
+    """A job appeared, changed its spec (suspend included), or was already there when the operator started."""
+    await controller().reconcile(namespace or "default", name)
+
+
+def _active(body: kopf.Body, **_: Any) -> bool:
+    """A job whose clocks run: not finished, not invalid, not suspended (those are never polled)."""
+    phase = (body.get("status") or {}).get("phase")
+    inactive = (*conditions.FINISHED_PHASES, conditions.PHASE_INVALID)
+    return phase not in inactive and not (body.get("spec") or {}).get("suspend", False)
+
+
+@kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL, when=_active)
+async def job_timer(name: str, namespace: str | None, **_: Any) -> None:
+    """Act on clocks and progress reports when no event comes; free when nothing is due."""
+    await controller().tick(namespace or "default", name)
+
+
+def _expiring(body: kopf.Body, **_: Any) -> bool:
+    """A finished job with a ttlSecondsAfterFinished: its daemon deletes it when that runs out."""
+    finished = (body.get("status") or {}).get("phase") in conditions.FINISHED_PHASES
+    return finished and (body.get("spec") or {}).get("ttlSecondsAfterFinished") is not None
+
+
+@kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, when=_expiring)
+async def job_ttl(
+    name: str, namespace: str | None, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    """Delete a finished job `ttlSecondsAfterFinished` after its completion (waits, never polls the API)."""
+    while not stopped:
+        job_status: Mapping[str, Any] = body.get("status") or {}
+        ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
+        finished = job_status.get("completionTime")
+        if ttl is None or finished is None:
+            return
+        left = ttl - (datetime.now(UTC) - conditions.parse_timestamp(finished)).total_seconds()
+        if left <= 0:
+            await controller().expire(namespace or "default", name, uid)
+            return
+        await stopped.wait(left)  # the body is live: an edited ttl is read again after the wait
+
+
+@kopf.on.event("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
+async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
+    """A worker pod changed (scheduled, ready, failed, deleted): reconcile the job that owns it now."""
+    found = owner(body)
+    if found is None or not namespace or not controller().news(body, type):
+        return
+    if type == "DELETED":
+        controller().pod_deleted(namespace, found[0], found[1], dict(body))
+    await controller().reconcile(namespace, found[0])
+
+
+@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+def etcd_policies(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
+    """Managed etcd NetworkPolicies by their job's uid."""
+    return _owned(body, namespace)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+@kopf.on.event("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
+async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:
+    """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
+    found = owner(body)
+    if found is None or not namespace or not controller().news(body, type):
+        return
+    if type == "DELETED":
+        controller().object_deleted(namespace, found[0], str(body.get("kind", "")), name)
+    await controller().reconcile(namespace, found[0])
+
+
+async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
+    """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now.
+
+    Registered at startup only with node handling on (`configure`).
+    """
+    if not controller().node_handling:
+        return
+    gone = type == "DELETED"
+    controller().observe_node(dict(body), deleted=gone)
+    if not gone and node_trouble(dict(body)) is None:
+        return
+    for namespace, job in controller().jobs_on_node(name):
+        await controller().reconcile(namespace, job)

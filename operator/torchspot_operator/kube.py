@@ -1,0 +1,331 @@
+"""The one thin layer that talks to the Kubernetes API (aiohttp, the client kopf itself uses).
+
+It knows URLs, verbs and status codes, nothing about ElasticJobs. Two tolerances are
+deliberate: a create that finds the object already there (409) and a delete that finds
+it gone (404) both count as done, because reconcile is level-based and may repeat a
+step that an earlier pass (or a restarted operator) already took.
+
+What a shared cluster's API server does to a client, it survives:
+- every request has a deadline (`REQUEST_TIMEOUT_SECONDS`), so a half-open connection
+  cannot hang a reconcile;
+- 429 (API Priority and Fairness throttling; its Retry-After is honoured), 5xx and
+  connection failures are retried with capped exponential backoff, `RETRIES` times;
+  a create retried after a lost answer finds its object there (409), which counts as done;
+- a 401 (a token rotated or expired) makes it log in again once (`relogin`) and retry;
+- resource paths come from the API's discovery (a kind's plural is whatever the server
+  says, read once per group version), not a spelling rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Self
+
+import aiohttp
+import kopf
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_SECONDS: Final = 30.0
+"""The deadline of one request (connect, send, whole answer). Every call here is a small
+object read or write; the API server's own limit for such calls is 60 s."""
+CONNECT_TIMEOUT_SECONDS: Final = 10.0
+RETRIES: Final = 5
+"""Tries after the first, for 429, 5xx and connection failures: with the backoff below about
+half a minute in all, which covers an API server's restart or an AKS control-plane upgrade's
+failover, after which the caller (a reconcile) fails and kopf retries it later."""
+BACKOFF_BASE_SECONDS: Final = 0.5
+BACKOFF_CAP_SECONDS: Final = 10.0
+RETRY_AFTER_CAP_SECONDS: Final = 30.0
+RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
+SSL_SHUTDOWN_SECONDS: Final = 0.25
+"""aiohttp's advice for a clean TLS close ("Graceful Shutdown" in its client docs)."""
+UNREACHABLE: Final = 0
+"""`ApiError.status` of a request that never got an answer (connection refused, reset, timed out)."""
+
+
+def _field(obj: Mapping[str, Any], path: str) -> str:
+    """A dotted field of an object as a field selector sees it ('' when absent)."""
+    value: Any = obj
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return "" if value is None else str(value)
+
+
+class ApiError(RuntimeError):
+    """A Kubernetes API call failed; `status` is the HTTP status (`UNREACHABLE`: no answer at all)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}" if status != UNREACHABLE else message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """The API's trouble, not the request's (no answer, throttled, a server error): worth trying
+        again later, not a verdict on the object."""
+        return self.status in {UNREACHABLE, 429} or self.status >= 500
+
+
+def group_version_path(api_version: str) -> str:
+    """/api/v1 for the core group, /apis/GROUP/VERSION otherwise."""
+    return "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+
+
+def collection(api_version: str, plural: str, namespace: str | None) -> str:
+    """The URL path of a collection: /api/v1/..., /apis/group/version/..., namespaced or not."""
+    root = group_version_path(api_version)
+    return f"{root}/namespaces/{namespace}/{plural}" if namespace else f"{root}/{plural}"
+
+
+def backoff_seconds(attempt: int, retry_after: str | None = None) -> float:
+    """How long to wait before try `attempt` + 1: the server's Retry-After if it gave one (capped),
+    else capped exponential backoff with jitter (many operator replicas must not retry in step)."""
+    if retry_after:
+        try:
+            return min(max(float(retry_after), 0.0), RETRY_AFTER_CAP_SECONDS)
+        except ValueError:
+            pass  # an HTTP date: rare from an API server; fall back to our own backoff
+    return float(min(BACKOFF_BASE_SECONDS * 2**attempt, BACKOFF_CAP_SECONDS) * random.uniform(0.5, 1.0))
+
+
+@dataclass
+class Kube:
+    """An API session: server URL, headers (credentials) and TLS settings from a login."""
+
+    server: str
+    headers: dict[str, str]
+    ssl_context: ssl.SSLContext | bool
+    proxy: str | None = None
+    trust_env: bool = False
+    relogin: Callable[[], Awaitable[kopf.ConnectionInfo | None]] | None = None
+    """Fresh credentials when the API says 401 (a rotated or expired token); None: no second try."""
+    session: aiohttp.ClientSession | None = None
+    plurals: dict[tuple[str, str], str] = field(default_factory=dict)
+    """(apiVersion, kind) -> plural, from discovery."""
+    closed: bool = False
+
+    @classmethod
+    def from_connection(
+        cls, info: kopf.ConnectionInfo, relogin: Callable[[], Awaitable[kopf.ConnectionInfo | None]] | None = None
+    ) -> Self:
+        """Use the credentials of a login (login.py), with kopf's own helpers: its SSL
+        context (inline CA and client certificate data decoded) and its Authorization header."""
+        context: ssl.SSLContext | bool = info.as_ssl_context() if info.server.startswith("https") else True
+        return cls(
+            server=info.server.rstrip("/"),
+            headers=info.as_http_headers(),
+            ssl_context=context,
+            proxy=info.proxy_url,
+            trust_env=info.trust_env,
+            relogin=relogin,
+        )
+
+    async def _request(self, method: str, path: str, body: Any = None, content_type: str = "") -> Any:
+        """One call, retried as the module docstring says; the decoded answer."""
+        if self.closed:  # a handler still finishing while the operator stops: no new session to leak
+            raise ApiError(UNREACHABLE, f"{method} {path}: the API session was closed")
+        data = None if body is None else json.dumps(body)
+        relogged = False
+        attempt = 0
+        while True:
+            try:
+                status, text, retry_after = await self._send(method, path, data, content_type)
+            except aiohttp.ClientSSLError as exc:  # a wrong CA or certificate: trying again changes nothing
+                raise ApiError(UNREACHABLE, f"{method} {self.server}{path}: TLS failed: {exc}") from exc
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+                if attempt >= RETRIES:
+                    raise ApiError(UNREACHABLE, f"{method} {self.server}{path}: no answer: {exc!r}") from exc
+                status, text, retry_after = UNREACHABLE, "", None
+            if status == 401 and self.relogin is not None and not relogged:
+                relogged = True
+                fresh = await self.relogin()
+                if fresh is not None:
+                    await self.renew(Kube.from_connection(fresh, self.relogin))
+                    continue
+            if status == UNREACHABLE or (status in RETRIED_STATUSES and attempt < RETRIES):
+                delay = backoff_seconds(attempt, retry_after)
+                log.info("%s %s: %s; trying again in %.1f s", method, path, status or "no answer", delay)
+                attempt += 1
+                await asyncio.sleep(delay)
+                continue
+            if status >= 400:
+                raise ApiError(status, _message(text))
+            return json.loads(text) if text else {}
+
+    async def _send(self, method: str, path: str, data: str | None, content_type: str) -> tuple[int, str, str | None]:
+        if self.session is None or self.session.closed:
+            timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
+            self.session = aiohttp.ClientSession(headers=self.headers, timeout=timeout, trust_env=self.trust_env)
+        headers = {"Content-Type": content_type or "application/json"}
+        async with self.session.request(
+            method, self.server + path, data=data, headers=headers, ssl=self.ssl_context, proxy=self.proxy
+        ) as response:
+            return response.status, await response.text(), response.headers.get("Retry-After")
+
+    async def close(self) -> None:
+        """Close the HTTP session for good: later requests fail instead of opening another."""
+        self.closed = True
+        await self._drop_session()
+
+    async def _drop_session(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+            if isinstance(self.ssl_context, ssl.SSLContext):
+                # aiohttp closes TLS connections without waiting for their shutdown; give the
+                # event loop the moment its documentation asks for, or the loop may end first
+                # and leave the transports open.
+                await asyncio.sleep(SSL_SHUTDOWN_SECONDS)
+
+    async def renew(self, fresh: Kube) -> None:
+        """Take new credentials (a new login); the next request opens a new session."""
+        self.server, self.headers, self.ssl_context = fresh.server, fresh.headers, fresh.ssl_context
+        self.proxy, self.trust_env = fresh.proxy, fresh.trust_env
+        await self._drop_session()
+
+    async def plural(self, api_version: str, kind_or_plural: str) -> str:
+        """A kind's resource name as the API serves it (discovery, read once per group version);
+        a lower-case name is taken as the plural already."""
+        if not kind_or_plural[:1].isupper():
+            return kind_or_plural
+        key = (api_version, kind_or_plural)
+        if key not in self.plurals:
+            try:
+                found = await self._request("GET", group_version_path(api_version))
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                found = {}  # the group version is not served at all
+            for resource in found.get("resources") or []:
+                if "/" not in str(resource.get("name", "")):  # not a subresource
+                    self.plurals.setdefault((api_version, str(resource.get("kind"))), str(resource["name"]))
+            if key not in self.plurals:
+                served = f"the API serves no kind {kind_or_plural!r} in {api_version}"
+                raise ApiError(404, f"{served} (is its CRD installed?)")
+        return self.plurals[key]
+
+    async def _collection(self, api_version: str, kind: str, namespace: str | None) -> str:
+        return collection(api_version, await self.plural(api_version, kind), namespace)
+
+    async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """One object, or None if it does not exist."""
+        try:
+            path = f"{await self._collection(api_version, kind, namespace)}/{name}"
+            found: dict[str, Any] = await self._request("GET", path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return found
+
+    async def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        labels: Mapping[str, str] | None = None,
+        *,
+        fields: Mapping[str, str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Objects of a kind, filtered by labels and fields (`spec.nodeName`) here too: some
+        API emulators ignore the selectors."""
+        path = await self._collection(api_version, kind, namespace)
+        query = []
+        if labels:
+            query.append("labelSelector=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+        if fields:
+            query.append("fieldSelector=" + ",".join(f"{k}={v}" for k, v in fields.items()))
+        if query:
+            path += "?" + "&".join(query)
+        items: list[dict[str, Any]] = (await self._request("GET", path)).get("items", [])
+        if labels:
+            items = [
+                item
+                for item in items
+                if all(item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in labels.items())
+            ]
+        if fields:
+            items = [item for item in items if all(_field(item, k) == v for k, v in fields.items())]
+        return items
+
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create an object and return it as stored; None if one of that name existed already (409)."""
+        meta = obj["metadata"]
+        path = await self._collection(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        try:
+            created: dict[str, Any] = await self._request("POST", path, obj)
+        except ApiError as exc:
+            if exc.status == 409:
+                log.info("%s %s exists already; continuing", obj["kind"], meta["name"])
+                return None
+            raise
+        return created
+
+    async def delete(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        name: str,
+        grace: int | None = None,
+        *,
+        uid: str | None = None,
+    ) -> bool:
+        """Delete an object (with `grace` seconds, or its own period); False if it was gone (404).
+
+        With `uid`, only that object: the API refuses (409) to delete a same-named object
+        that replaced it, and that counts as gone too.
+        """
+        body = delete_options(grace, uid)
+        try:
+            await self._request("DELETE", f"{await self._collection(api_version, kind, namespace)}/{name}", body)
+        except ApiError as exc:
+            if exc.status == 404 or (exc.status == 409 and uid is not None):
+                return False
+            raise
+        return True
+
+    async def patch(
+        self, api_version: str, kind: str, namespace: str | None, name: str, patch: Any, *, subresource: str = ""
+    ) -> None:
+        """Merge-patch an object (or one of its subresources, such as `status`)."""
+        path = f"{await self._collection(api_version, kind, namespace)}/{name}"
+        path += f"/{subresource}" if subresource else ""
+        await self._request("PATCH", path, patch, "application/merge-patch+json")
+
+    async def patch_status(self, api_version: str, plural: str, namespace: str, name: str, status: Any) -> None:
+        """Merge-patch an object's status through its status subresource.
+
+        Falls back to patching the object itself where the subresource is not served
+        (an API emulator); a real API server with the subresource serves the first.
+        """
+        try:
+            await self.patch(api_version, plural, namespace, name, {"status": status}, subresource="status")
+        except ApiError as exc:
+            if exc.status not in (404, 405):
+                raise
+            await self.patch(api_version, plural, namespace, name, {"status": status})
+
+
+def delete_options(grace: int | None, uid: str | None) -> dict[str, Any]:
+    """The DeleteOptions body: dependents go in the background, a grace period and a uid precondition if given."""
+    body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+    if grace is not None:
+        body["gracePeriodSeconds"] = grace
+    if uid is not None:
+        body["preconditions"] = {"uid": uid}
+    return body
+
+
+def _message(text: str) -> str:
+    """The API's own error message (a Status object), or the raw body."""
+    try:
+        return str(json.loads(text).get("message", text))
+    except (ValueError, AttributeError):
+        return text[:500]

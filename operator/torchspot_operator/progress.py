@@ -1,0 +1,79 @@
+"""What the run itself reports (rendezvous round, last committed checkpoint), read from the job's etcd.
+
+The agents and trainer rank 0 write two small keys (trainer/torchspot_trainer/rendezvous/progress.py).
+Reading them must never slow a reconcile: the etcd client is synchronous, the
+managed etcd may not be up yet, and a name may not resolve. So `latest()` answers at
+once from a cache and starts at most one background refresh per job; the next
+reconcile (the timer's, within seconds) writes what it found into the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_trainer.rendezvous.settings import parse_endpoint
+
+log = logging.getLogger(__name__)
+
+
+class ProgressReader:
+    """Caches each run's status records; refreshes them in the background.
+
+    :param resolve: turns a job's rendezvous address into one this process can reach.
+        In a cluster the Service name resolves by DNS and this is the identity; the lab's
+        sandbox, which runs each etcd on a loopback port, passes its own mapping.
+    """
+
+    def __init__(self, resolve: Callable[[str], str] = lambda endpoint: endpoint) -> None:
+        self._resolve = resolve
+        self._clients: dict[str, EtcdClient] = {}
+        self._cache: dict[str, dict[str, Any]] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}
+
+    def latest(self, endpoint: str, run_id: str, tls: EtcdTls | None = None) -> dict[str, Any]:
+        """The records seen so far for a run (maybe none yet), and a refresh started if none runs.
+
+        `tls`: the job's client certificate, for its managed etcd (mutual TLS)."""
+        task = self._refreshing.get(run_id)
+        if task is None or task.done():
+            refresh = self._refresh(endpoint, run_id, tls)
+            self._refreshing[run_id] = asyncio.get_running_loop().create_task(refresh)
+        return dict(self._cache.get(run_id, {}))
+
+    async def _refresh(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> None:
+        try:
+            read = asyncio.to_thread(self._read, endpoint, run_id, tls)
+            found = await asyncio.wait_for(read, progress.STATUS_TIMEOUT * 2)
+        except (EtcdError, TimeoutError, ValueError) as exc:
+            log.debug("run %s: no progress from etcd at %s yet (%s)", run_id, endpoint, exc)
+            return
+        self._cache[run_id] = found
+
+    def _read(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> dict[str, Any]:
+        address = self._resolve(endpoint)  # may change (a sandbox maps it once the etcd is up): key by it
+        client = self._clients.get(address)
+        if client is None:
+            host, port = parse_endpoint(address)
+            timeout = progress.STATUS_TIMEOUT
+            client = self._clients[address] = EtcdClient(host, port, request_timeout=timeout, tls=tls)
+        return progress.read(client, run_id)
+
+    def forget(self, run_id: str) -> None:
+        """Drop a finished run's cache."""
+        self._cache.pop(run_id, None)
+        task = self._refreshing.pop(run_id, None)
+        if task is not None:
+            task.cancel()
+
+    def close(self) -> None:
+        """Close every etcd connection."""
+        for task in self._refreshing.values():
+            task.cancel()
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

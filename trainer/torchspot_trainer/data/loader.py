@@ -1,0 +1,220 @@
+"""The input path from a data set to the device: one persistent loader per run, uint8 batches,
+normalisation on the device, and (`--decode gpu`) JPEG decoding on the GPU.
+
+- `EpochLoader` builds its DataLoader once. Its worker processes persist from epoch to
+  epoch and keep `prefetch` batches each in flight, so a new epoch, or evaluation after
+  it, does not wait for workers to fork and fill. Each index carries its epoch
+  (`EpochView`), which is how a persistent worker draws the new epoch's augmentation
+  (`SampleRandom`).
+- Batches stay uint8 until the device: the data set's `Normalize` runs after the copy.
+- With `--decode gpu` (`gpu_decoder`), the workers only read the file and draw the crop
+  (`Encoded`), and the main process decodes a whole batch with nvJPEG through
+  torchvision, then crops, resizes and flips it on the GPU (`DeviceDecoder`). Files
+  libjpeg-turbo cannot read (PNG, CMYK) are decoded by the worker as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from torchspot_trainer.data.datasets import Box, ImageFolder, SampleRandom, jpeg_size
+
+PREFETCH_BATCHES = 4
+"""Batches each loader worker keeps ready (DataLoader's `prefetch_factor`; its default is 2).
+A step that takes a slow sample (a large JPEG) then eats into a queue instead of stalling."""
+
+DECODERS = ("cpu", "gpu")
+
+Key = tuple[int, int]
+"""(epoch, sample index): what the loader's sampler hands a worker."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A JPEG's bytes, its crop region and flip, for the GPU to decode."""
+
+    data: torch.Tensor  # uint8, 1-D: the file
+    box: Box
+    flip: bool
+
+
+Sample = torch.Tensor | Encoded
+
+
+class EpochView(Dataset[tuple[Any, int]]):
+    """`dataset` indexed by (epoch, index): sets the epoch of this process's copy first.
+
+    Persistent workers keep the data set they forked with, so the epoch cannot be set in the
+    main process as before each new loader; it travels with every index instead.
+    """
+
+    def __init__(self, dataset: Dataset[tuple[Any, int]], encode: bool = False) -> None:
+        self.dataset = dataset
+        self.encode = encode
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Key) -> tuple[Any, int]:
+        epoch, index = key
+        if isinstance(self.dataset, SampleRandom) and self.dataset.epoch != epoch:
+            self.dataset.set_epoch(epoch)
+        if self.encode and isinstance(self.dataset, ImageFolder):
+            return encode(self.dataset, index)
+        return self.dataset[index]
+
+
+def encode(folder: ImageFolder, index: int) -> tuple[Sample, int]:
+    """Sample `index` of `folder` for the GPU: the file and its crop (`Encoded`), decoding
+    nothing; a file libjpeg-turbo cannot read is decoded here, as on the CPU path."""
+    path, label = folder.samples[index]
+    data = path.read_bytes()
+    dimensions = jpeg_size(data)
+    if dimensions is None:
+        return folder.decoded(index, data), label
+    box, flip = folder.region(index, *dimensions)
+    return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip), label
+
+
+class Collate:
+    """Stack (image, label) pairs into a uint8 batch; encoded samples stay a list (the GPU
+    decodes them). An empty batch (a short last step) keeps its shape."""
+
+    def __init__(self, sample_shape: torch.Size) -> None:
+        self.sample_shape = sample_shape
+
+    def __call__(self, items: list[tuple[Sample, int]]) -> tuple[torch.Tensor | list[Sample], torch.Tensor]:
+        labels = torch.tensor([y for _, y in items], dtype=torch.long)
+        if not items:
+            return torch.empty((0, *self.sample_shape), dtype=torch.uint8), labels
+        samples = [x for x, _ in items]
+        if any(isinstance(x, Encoded) for x in samples):
+            return samples, labels
+        return torch.stack(samples), labels  # type: ignore[arg-type]
+
+
+class _Batches:
+    """The loader's batch sampler: the current epoch's batches, replaced before each epoch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Key]] = []
+
+    def __iter__(self) -> Iterator[list[Key]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class EpochLoader:
+    """One DataLoader for a run's data set; `epoch(e, batches)` iterates that epoch's batches.
+
+    :param workers: loader processes (0: load in the training process). They persist for
+        the loader's life, holding `PREFETCH_BATCHES` batches each.
+    :param worker_init: run in each worker as it starts (the trainer leaves SIGTERM to itself).
+    :param decoder: `--decode gpu`: the workers hand JPEGs over undecoded, and each batch goes
+        through this on its way out.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[tuple[Any, int]],
+        *,
+        workers: int,
+        pin_memory: bool,
+        worker_init: Callable[[int], None],
+        decoder: DeviceDecoder | None = None,
+    ) -> None:
+        self._batches = _Batches()
+        self._decoder = decoder
+        encode = decoder is not None
+        shape = dataset[0][0].shape
+        self._loader = DataLoader(
+            EpochView(dataset, encode),
+            batch_sampler=self._batches,
+            num_workers=workers,
+            collate_fn=Collate(shape),
+            worker_init_fn=worker_init,
+            pin_memory=pin_memory and not encode,
+            persistent_workers=workers > 0,
+            prefetch_factor=PREFETCH_BATCHES if workers > 0 else None,
+        )
+
+    def epoch(self, epoch: int, batches: Sequence[Sequence[int]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of sample indices `batches`, loaded in order, augmented as in `epoch`:
+        uint8 images (decoded on the device first, with a decoder) and their labels.
+
+        The previous epoch's iteration, finished or not, is dropped; the workers discard
+        what they had prefetched for it.
+        """
+        self._batches.batches = [[(epoch, index) for index in batch] for batch in batches]
+        loaded = iter(self._loader)
+        return loaded if self._decoder is None else map(self._decoder, loaded)
+
+    def close(self) -> None:
+        """Stop the workers (they also stop when the training process exits)."""
+        iterator = getattr(self._loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+            self._loader._iterator = None
+
+
+JpegDecoder = Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
+"""Decode JPEG files (1-D uint8 tensors) to (3, H, W) uint8 RGB tensors on a device."""
+
+
+class DeviceDecoder:
+    """Turn a batch of `Encoded` samples into a uint8 (N, 3, size, size) batch on `device`:
+    decode every JPEG of the batch in one call, then crop, resize (antialiased bilinear, as
+    the CPU path) and flip each on the device. Samples the worker decoded pass through."""
+
+    def __init__(self, decode: JpegDecoder, device: torch.device, size: int) -> None:
+        self.decode = decode
+        self.device = device
+        self.size = size
+
+    def __call__(self, batch: tuple[torch.Tensor | list[Sample], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        samples, labels = batch
+        if isinstance(samples, torch.Tensor):
+            return samples.to(self.device, non_blocking=True), labels
+        encoded = [s for s in samples if isinstance(s, Encoded)]
+        images = iter(self.decode([s.data for s in encoded], self.device))
+        out = torch.empty((len(samples), 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+        for slot, sample in enumerate(samples):
+            if isinstance(sample, Encoded):
+                out[slot] = self._region(next(images), sample)
+            else:
+                out[slot] = sample.to(self.device, non_blocking=True)
+        return out, labels
+
+    def _region(self, image: torch.Tensor, sample: Encoded) -> torch.Tensor:
+        left, top, right, bottom = sample.box
+        region = image[:, top:bottom, left:right].unsqueeze(0).float()
+        resized = F.interpolate(region, size=(self.size, self.size), mode="bilinear", antialias=True)
+        pixels = resized[0].round_().clamp_(0, 255).to(torch.uint8)
+        return pixels.flip(-1) if sample.flip else pixels
+
+
+def gpu_decoder() -> JpegDecoder:
+    """torchvision's batched nvJPEG decode (the `gpu` extra; the trainer image has it)."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415
+    except ImportError as exc:
+        raise SystemExit(
+            "--decode gpu: torchvision is not installed; install the `gpu` extra "
+            "(pip install 'torchspot[gpu]') or use the trainer image"
+        ) from exc
+
+    def decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        if not files:
+            return []
+        decoded = decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+        return list(decoded)
+
+    return decode

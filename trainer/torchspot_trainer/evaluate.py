@@ -1,0 +1,52 @@
+"""Evaluation, sharded over the group and interruptible by an eviction notice.
+
+Each rank scores its share of the test set (every world-th sample) through the trainer's loader,
+and the counts are summed over the group. Before each batch `between` runs on every rank
+(the trainer agrees on eviction notices there, an all-gather), so a notice that arrives
+while an ImageNet validation runs (minutes, about the length of a spot notice) takes the
+emergency-checkpoint path at once instead of after it. Every rank runs the same number of
+batches (sampler.split_share), which keeps those all-gathers in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from torchspot_trainer.data.sampler import split_share
+from torchspot_trainer.recovery.group import Group
+
+
+def eval_batches(length: int, rank: int, world: int, batch_size: int) -> list[list[int]]:
+    """`rank`'s batches of a test set of `length` samples; the same count on every rank. Pure."""
+    return split_share(list(range(length)), rank, world, batch_size)
+
+
+def evaluate(
+    model: nn.Module,
+    length: int,
+    group: Group,
+    *,
+    batch_size: int,
+    load: Callable[[list[list[int]]], Iterator[tuple[torch.Tensor, torch.Tensor]]],
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    between: Callable[[], object],
+) -> float:
+    """Top-1 accuracy over a test set of `length` samples (every rank gets the same value).
+
+    `load` yields the batches of the given sample indices (the trainer's persistent test
+    loader); `prepare` makes a loaded batch the model's input on the device.
+    """
+    model.eval()
+    correct = torch.zeros((), dtype=torch.long, device=group.device)
+    total = torch.zeros((), dtype=torch.long, device=group.device)
+    with torch.no_grad():
+        for inputs, labels in load(eval_batches(length, group.rank, group.world, batch_size)):
+            between()
+            logits = model(prepare(inputs))
+            correct += (logits.argmax(1) == labels.to(group.device, non_blocking=True)).sum()
+            total += len(labels)
+    right, seen = group.sums([correct, total])
+    return right / max(seen, 1)

@@ -1,0 +1,217 @@
+"""`torchspot-run`: a drop-in `torchrun` with the `etcd-v3` rendezvous backend.
+
+Every torchrun flag parses and behaves as in torchrun (we use torch's own parser and
+`run`). Before anything starts we check the flags torchrun would only reject deep
+inside the agent (or never), so a bad value stops the launcher with a message that
+names the flag.
+
+Usage::
+
+    torchspot-run --nnodes 1:4 --nproc-per-node 1 --max-restarts 100 \\
+        --rdzv-backend etcd-v3 --rdzv-endpoint etcd:2379 --rdzv-id job-7f3a \\
+        train.py --epochs 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from types import FrameType
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser, get_use_env
+from torch.distributed.run import run as torchrun_run
+
+from torchspot_trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
+from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
+
+PROG = "torchspot-run"
+TRAINER_MODULE = "torchspot_trainer"
+FORK_ENV = "TORCHSPOT_FORK_WORKERS"
+"""Set to 0 to start each worker as a new interpreter, as torchrun does, instead of forking it
+from a warm server (FORK_PRELOAD). Forked by default: a restart at every membership change then
+costs about 0.1 s of process start instead of 1.3-2.9 s, and 0.2-0.5 s of model set-up instead
+of 1.3-2.6 s. Early measurements (bench/README.md, run 6) had forked workers 9-16% slower per
+step; side by side without a market they are not (0.756 against 0.737 s at 2 nodes, 1.194
+against 1.266 s at 3)."""
+FORK_PRELOAD = ("torch._dynamo", "torchspot_trainer.train", "azure.storage.blob")
+"""What the fork server imports once, so that a worker restarted at every membership change
+does not: torch and our trainer (about 1.3 s alone, 2-3 s on a busy node), torch._dynamo, which
+DistributedDataParallel imports on first use (another 1.5-2.5 s), and the Blob SDK (0.2 s;
+skipped where it is not installed). Measured in the trainer's start line (`setup_s`)."""
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+_TORCHRUN_DEFAULT_RUN_ID = "none"
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """Parse `k1=v1,k2=v2` with torchrun's own parser (so we accept exactly what it will),
+    raising ValueError that names `--rdzv-conf`."""
+    try:
+        return _parse_rendezvous_config(text)
+    except ValueError as exc:
+        raise ValueError(f"--rdzv-conf {text!r}: {exc}") from None
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Return a message naming the first bad flag, or None if the flags are usable.
+
+    Pure: inspects the parsed namespace only.
+    """
+    parts = str(args.nnodes).split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        return f"--nnodes {args.nnodes!r}: expected N or MIN:MAX with whole numbers"
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1:
+        return f"--nnodes {args.nnodes!r}: the minimum must be at least 1"
+    if low > high:
+        return f"--nnodes {args.nnodes!r}: MIN ({low}) is larger than MAX ({high})"
+    nproc = str(args.nproc_per_node)
+    if nproc not in _NPROC_WORDS and not (nproc.isdigit() and int(nproc) >= 1):
+        words = ", ".join(_NPROC_WORDS)
+        return f"--nproc-per-node {nproc!r}: expected a positive integer or one of {words}"
+    if args.max_restarts < 0:
+        return f"--max-restarts {args.max_restarts}: must be 0 or more"
+    if args.monitor_interval <= 0:
+        return f"--monitor-interval {args.monitor_interval}: must be greater than 0"
+    try:
+        conf = parse_rdzv_conf(args.rdzv_conf)
+        if args.rdzv_backend == BACKEND_NAME and not args.standalone:
+            if args.rdzv_id == _TORCHRUN_DEFAULT_RUN_ID:
+                return (
+                    "--rdzv-id is required with --rdzv-backend etcd-v3: give each job "
+                    "incarnation its own id (torchrun's default 'none' shares state between jobs)"
+                )
+            parse_settings(args.rdzv_endpoint, args.rdzv_id, conf)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+_FINISHED: list[object] = []
+"""Trainers whose run ended, kept until the forked worker exits (see run_trainer)."""
+
+
+def run_trainer(*argv: str) -> int:
+    """The worker's entry point when the agent forks it (module-level: the fork server pickles it by name).
+
+    The finished trainer (which keeps its run) stays referenced: freeing DDP's reducer destroys its
+    gloo process group, and in a forked worker that destructor waited for ever joining a gloo
+    thread (py-spy: ~ProcessGroupGloo in std::thread::join), so the agents never saw the run
+    end. A forked worker ends with os._exit, which frees nothing.
+    """
+    from torchspot_trainer.__main__ import build  # noqa: PLC0415 - imported in the fork server already
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_start_fork_server)
+    trainer = build(list(argv))
+    trainer.train()
+    _FINISHED.append(trainer)
+    return 0
+
+
+def _warm() -> None:
+    """A worker that does nothing: forking it waits until the server has imported FORK_PRELOAD."""
+
+
+def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether to fork the workers from a warm server: our trainer under our rendezvous, unless
+    FORK_ENV=0 says not to. Pure."""
+    return bool(
+        environ.get(FORK_ENV, "1") != "0"
+        and args.module
+        and args.training_script == TRAINER_MODULE
+        and args.rdzv_backend == BACKEND_NAME
+        and not args.standalone
+        and not args.no_python
+        and not args.run_path
+        and get_use_env(args)
+    )
+
+
+def _start_fork_server() -> None:
+    """Start the fork server and wait until it has imported FORK_PRELOAD.
+
+    It ignores SIGTERM (the disposition survives its exec): a SIGTERM sent to every process
+    of the pod must leave it to the agent to stop the workers. The agent hears of a worker's
+    exit through the server, so a server killed first reads as every worker gone at once,
+    and the agent would leave while its workers still write their emergency checkpoint.
+    """
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
+        warm.start()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    warm.join()
+
+
+def _launch_forked(args: argparse.Namespace) -> None:
+    """torchrun's launch with the trainer as a function, each worker forked from a server that preloaded it."""
+    config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
+    config.start_method = "forkserver"
+    multiprocessing.set_forkserver_preload(list(FORK_PRELOAD))
+    # Start it, and wait for its imports, before joining the rendezvous: a node that joins a
+    # running job makes everyone restart, and its first worker would hold up the new group
+    # while it imported torch; the group trains on meanwhile instead. It copies this
+    # environment now: whatever workers read must be set before.
+    name_peer_lost_marker()
+    _start_fork_server()
+    elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
+
+
+def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM: take our node out of the rendezvous, then what torch's handler does (raise
+    SignalException, so the agent stops its workers and exits). The other nodes re-form at
+    once instead of when our workers are done with their emergency checkpoint."""
+    leave_rendezvous()
+    raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def handle_sigterm_ourselves(args: argparse.Namespace) -> None:
+    """Take SIGTERM from torch's agent (`--signals-to-handle`, which it registers whenever it
+    starts workers) and install leave_then_stop for it; a list without SIGTERM stays as given."""
+    signals = [name.strip() for name in str(args.signals_to_handle).split(",") if name.strip()]
+    if "SIGTERM" not in signals:
+        return
+    args.signals_to_handle = ",".join(name for name in signals if name != "SIGTERM")
+    signal.signal(signal.SIGTERM, leave_then_stop)
+
+
+@record
+def _launch(args: argparse.Namespace) -> None:
+    if args.rdzv_backend == BACKEND_NAME:
+        handle_sigterm_ourselves(args)
+    try:
+        if forks_our_trainer(args):
+            _launch_forked(args)
+        else:
+            torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    except RendezvousConnectionError as exc:
+        raise SystemExit(f"{PROG}: error: {exc}") from None
+    except SignalException:
+        # Our node is going (the agent has stopped its workers): let the others re-form now.
+        leave_rendezvous()
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse torchrun's flags, check them, register `etcd-v3`, and run the agent."""
+    parser = get_args_parser()
+    parser.prog = PROG
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    problem = check_args(args)
+    if problem is not None:
+        parser.error(problem)
+    register()
+    _launch(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,454 @@
+"""The `etcd-v3` rendezvous handler and its registration with torchrun.
+
+We reuse torch's `DynamicRendezvousHandler` (its join, wait-list, heartbeat and
+round logic is sound) and change three things it gets wrong for spot nodes:
+
+1. **A lost peer ends the round.** torch's agent only restarts its workers when a
+   *new* node waits to join. A peer that froze (SIGSTOP, hung VM, partition) keeps
+   its sockets open, so the survivors sit in a collective until it times out
+   (minutes with NCCL). Here `num_nodes_waiting()` also reports a change when a
+   member of our round stopped heartbeating or the round moved on, so the agent
+   restarts its workers and the survivors re-form within `dead_after` seconds.
+   Before it does, it leaves a marker (`eviction.PEER_LOST_ENV`) telling its workers
+   not to wait for a step boundary that cannot come. Whenever it reports a change
+   (a joiner waits, or a member is gone) it also leaves `eviction.RESTART_MARKER`
+   beside it: the SIGTERM its workers get next is a restart, not their node's
+   eviction, so they keep their state on the node instead of writing to Blob. An
+   agent stopped by a signal leaves `eviction.LEAVING_MARKER` instead, before it
+   leaves the rendezvous (point 4): its workers write the emergency checkpoint
+   even if its SIGTERM reaches them after the other nodes' restart has begun.
+2. **The worker store follows rank 0.** torch caches the first round's master
+   address across rounds and lets the workers use rank 0's agent store; when that
+   node dies the survivors dial a dead host. We disable that sharing, so every
+   round publishes a fresh MASTER_ADDR/PORT through the etcd store.
+3. **etcd trouble is not a membership change.** While etcd is unreachable the
+   agent keeps training (workers do not need etcd) instead of crashing, and a
+   finished run deletes its keys when the last agent leaves.
+4. **Rounds form promptly.** torch re-reads the state once a second while it waits
+   for other nodes, and a round of fewer than `max_nodes` always waits out its last
+   call. Here an agent re-reads every `state_poll_interval` (0.25 s), and a round
+   completes as soon as every member of the previous round has joined it or is
+   known to be gone (`complete_early`); the last call still bounds the wait for
+   anyone slower. An agent stopped by a signal (its node leaves) takes itself out
+   of the rendezvous (`leave_rendezvous`) instead of leaving the others to wait
+   until its heartbeats expire, and says so under `<run prefix>departed/`; a node
+   whose heartbeats expired is known gone to every agent that read the state then.
+   torch's state cannot tell either from a member that left the old round and has
+   not joined the new one yet.
+
+This subclass reads and replaces attributes of torch's handler (`_state_holder`,
+`_heartbeat_lock`, `_op_executor`, `_this_node`), extends its state holder's
+`_sanitize` (reading `_dead_nodes`), and runs torch's op executor with its own
+ops; torch is pinned to 2.13.0 and the tests exercise all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+    _Action,
+    _BackendRendezvousStateHolder,
+    _DistributedRendezvousOpExecutor,
+    _RendezvousContext,
+    _RendezvousJoinOp,
+)
+
+from torchspot_trainer.recovery.signals import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
+from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
+from torchspot_trainer.rendezvous.store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_WARN_EVERY = 10.0
+_LEFT_COUNTER = "torchspot.agents_left"
+_DEPARTED = "departed/"
+"""Under the run prefix: one key per node that left, valued with the round it left."""
+
+
+def membership_changed(joined_round: int, joined_members: frozenset[Any], state: Any) -> tuple[bool, str]:
+    """Decide whether the round this node trains in has ended.
+
+    Pure: takes the round we joined, its members, and torch's current
+    (sanitized) rendezvous state. Returns (changed, reason).
+
+    A state that is entirely empty (round 0, nobody in it) means etcd lost its
+    data; that alone is no reason to stop a job that trains fine, so the next
+    real membership change starts a fresh round instead.
+    """
+    pristine = (
+        state.round == 0 and not state.participants and not state.wait_list and not state.complete and not state.closed
+    )
+    if pristine:
+        return False, ""
+    if state.round != joined_round:
+        return True, f"round {joined_round} ended (now {state.round})"
+    lost = [str(node) for node in joined_members if node not in state.participants]
+    if lost:
+        return True, f"member(s) {', '.join(sorted(lost))} stopped heartbeating"
+    return False, ""
+
+
+def lost_members(joined_members: frozenset[Any], state: Any) -> list[str]:
+    """Members of our round that stopped heartbeating (torch's sync drops dead nodes'
+    heartbeats), whatever round the state has moved on to. Pure."""
+    return sorted(str(node) for node in joined_members if node not in state.last_heartbeats)
+
+
+def complete_early(
+    previous: frozenset[Any], node: Any, state: Any, min_nodes: int, gone: frozenset[str] = frozenset()
+) -> bool:
+    """Whether `node` may complete the forming round now instead of at its last call.
+
+    Pure. Yes when the round is still open, has `min_nodes`, holds `node`, no node waits
+    for a later round, and every member of the previous round (`previous`) has joined it
+    or is known to be gone (its name is in `gone`): whoever else might come is a stranger,
+    and strangers join the next round anyway. No for a first round (nobody to expect).
+    A missing member that is not known gone is waited for until the last call, even if it
+    has no heartbeat: a member between leaving the old round and joining the new one has
+    none either (bench run 10 formed a round of one that way).
+    """
+    if state.complete or state.closed or not previous or state.wait_list:
+        return False
+    if node not in state.participants or len(state.participants) < min_nodes:
+        return False
+    return all(member in state.participants or str(member) in gone for member in previous)
+
+
+def departed_since(records: dict[str, bytes], prefix: str, round_: int) -> frozenset[str]:
+    """The nodes of `records` (the keys under `prefix`, valued with a round) that left in
+    round `round_` or later. Pure; a value that is not a round is ignored.
+
+    The round matters because a name can come back: torch names a node by host name and
+    agent pid, and a replacement pod may get both. Once it is in a later round, leaving
+    that round for a restart is no departure. (The nodes found dead are filtered the same
+    way, for a frozen node that thaws.)
+    """
+    names = set()
+    for key, value in records.items():
+        try:
+            left = int(value)
+        except ValueError:
+            continue
+        if key.startswith(prefix) and left >= round_:
+            names.add(key[len(prefix) :])
+    return frozenset(names)
+
+
+class _WatchfulStateHolder(_BackendRendezvousStateHolder):
+    """torch's state holder, remembering the nodes its reads found dead, with the round.
+
+    torch drops a dead node from the state it read and does not say so; the first agent
+    that writes the state afterwards erases the evidence for the others.
+    """
+
+    def __init__(self, backend: Any, settings: Any, cache_duration: float) -> None:
+        super().__init__(backend, settings, cache_duration)  # type: ignore[arg-type]  # torch annotates int, compares as float
+        self.found_dead: dict[str, int] = {}
+
+    def _sanitize(self) -> None:
+        super()._sanitize()
+        for node in self._dead_nodes:
+            self.found_dead.setdefault(str(node), self._state.round)
+
+
+class _LeaveOp:
+    """Take this node out of the rendezvous, whatever list it is in (torch's exit op only
+    knows the participants)."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if time.monotonic() > deadline:
+            return _Action.ERROR_TIMEOUT
+        if ctx.node in ctx.state.participants:
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        if ctx.node in ctx.state.wait_list:
+            return _Action.REMOVE_FROM_WAIT_LIST
+        if ctx.node in ctx.state.redundancy_list:
+            return _Action.REMOVE_FROM_REDUNDANCY_LIST
+        return _Action.FINISH
+
+
+class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
+    """torch's op executor, except while it waits for other nodes (module docstring, point 4).
+
+    torch sleeps 1 s whenever an op answers "wait"; here the op is asked again after
+    `poll` seconds against a fresh state, and a join that `ready` approves completes
+    the round at once.
+    """
+
+    def __init__(self, node: Any, state_holder: Any, settings: Any, poll: float, ready: Callable[[Any], bool]) -> None:
+        super().__init__(node, state_holder, settings)
+        self._poll = poll
+        self._ready = ready
+
+    def run(
+        self,
+        state_handler: Callable[[_RendezvousContext, float], _Action],
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """Run `state_handler` to its end, as torch does, re-reading the state every `poll` seconds."""
+        joining = isinstance(state_handler, _RendezvousJoinOp)
+
+        def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
+            while True:
+                action = state_handler(ctx, deadline)
+                if action != _Action.SYNC:
+                    return action
+                if joining and self._ready(ctx.state):
+                    return _Action.MARK_RENDEZVOUS_COMPLETE
+                time.sleep(self._poll)
+                self._state_holder.sync()
+                self._state = self._state_holder.state  # the state torch's actions then change
+                ctx = _RendezvousContext(self._node, self._state, self._settings)
+
+        super().run(prompt, deadline, update_deadline)
+
+
+_ACTIVE: list[EtcdV3RendezvousHandler] = []
+"""This process's handlers, for leave_rendezvous (torch gives the launcher no handle on them)."""
+
+
+def leave_rendezvous() -> None:
+    """Take this agent out of its rendezvous: it was stopped by a signal (its pod is deleted).
+
+    torch's launcher deliberately leaves the rendezvous open then (closing it would end
+    the job for everyone); this only removes our node, so the others re-form at once
+    instead of after our heartbeats expire.
+    """
+    for handler in _ACTIVE:
+        handler.leave()
+
+
+class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
+
+    _etcd: EtcdClient
+    _etcd_settings: EtcdV3Settings
+    _lease: RunLease
+    _backend: EtcdV3RendezvousBackend
+    _joined: tuple[int, frozenset[Any]] | None
+    _previous: tuple[int, frozenset[Any]]
+    _watch: _WatchfulStateHolder
+    _left: bool
+    _last_warning: float
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Workers bootstrap from their own rank 0 each round, never from a cached agent."""
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and remember who is in it."""
+        self._previous = (0, frozenset()) if self._joined is None else self._joined
+        self._joined = None
+        _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
+        _marker(RESTART_MARKER).unlink(missing_ok=True)
+        info = super().next_rendezvous()
+        state = self._state_holder.state
+        self._joined = (state.round, frozenset(state.participants))
+        if info.rank == 0:  # one writer per round
+            record = {"round": state.round, "nodes": info.world_size}
+            try:
+                lease = self._lease.id()
+            except EtcdError as exc:
+                log.warning("rendezvous %s: round not reported (%s)", self._settings.run_id, exc)
+            else:
+                progress.write(self._etcd, self._settings.run_id, progress.ROUND, record, lease=lease)
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join, or 1 if our round lost a member (so the agent re-forms)."""
+        try:
+            with self._heartbeat_lock:
+                self._state_holder.sync()
+                state = self._state_holder.state
+        except RendezvousConnectionError as exc:
+            self._warn(f"etcd unreachable, training continues at the current size: {exc}")
+            return 0
+        waiting = len(state.wait_list)
+        if self._joined is not None:
+            changed, reason = membership_changed(*self._joined, state)
+            if changed:
+                log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
+                if lost_members(self._joined[1], state):
+                    _peer_lost_marker().touch()
+                _marker(RESTART_MARKER).touch()
+                return max(waiting, 1)
+        if waiting:  # the agent restarts its workers for the joiners next
+            _marker(RESTART_MARKER).touch()
+        return waiting
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous; the last agent to leave deletes the run's keys.
+
+        Deleting earlier would pull the exit barrier's keys from under agents that
+        are still in it; an agent that never gets here leaves keys that expire by lease.
+        """
+        closed = super().shutdown()
+        settings = self._etcd_settings
+        try:
+            members = max(len(self._state_holder.state.participants), 1)
+            left = EtcdStore(self._etcd, settings, self._lease).add(_LEFT_COUNTER, 1)
+            if left >= members:
+                self._etcd.delete_prefix(settings.run_prefix)
+                log.info("rendezvous %s: last agent out, keys deleted", settings.run_id)
+        except (EtcdError, RendezvousConnectionError) as exc:
+            log.warning("rendezvous %s: keys not deleted (%s); they expire by lease", settings.run_id, exc)
+        return closed
+
+    def leave(self) -> None:
+        """Stop heartbeating and take this node out of the rendezvous (see leave_rendezvous).
+
+        With a state holder and executor of its own: it may run in a signal handler, on top
+        of the main thread's own use of the handler's. Once left, a second call (the
+        launcher's fallback after the agent stops) does nothing.
+        """
+        if self._left:
+            return
+        _marker(LEAVING_MARKER).touch()  # before anyone can see us gone
+        self._stop_heartbeats()
+        deadline = time.monotonic() + self._etcd_settings.request_timeout
+        holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
+        try:
+            holder.sync()  # said before we go, so nobody sees us missing and not gone
+            key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{self._this_node}"
+            self._etcd.put(key, str(holder.state.round).encode(), lease=self._lease.id())
+            _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(_LeaveOp(), deadline)
+        except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
+            log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
+        else:
+            self._left = True
+            log.warning("rendezvous %s: left it (this node is going)", self._settings.run_id)
+
+    def bind_etcd(
+        self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease, backend: EtcdV3RendezvousBackend
+    ) -> None:
+        """Attach the etcd connection (torch's `from_backend` fixes the constructor's arguments),
+        and the prompt state reads of point 4 of the module docstring."""
+        self._etcd = client
+        self._etcd_settings = settings
+        self._lease = lease
+        self._backend = backend
+        self._joined = None
+        self._previous = (0, frozenset())
+        self._left = False
+        self._last_warning = 0.0
+        poll = settings.state_poll_interval
+        self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
+        self._state_holder = self._watch
+        self._op_executor = _PromptOpExecutor(self._this_node, self._watch, self._settings, poll, self._round_ready)
+        _ACTIVE.append(self)
+
+    def _round_ready(self, state: Any) -> bool:
+        """complete_early for the forming round; etcd is asked who departed only while a
+        member of the previous round is missing and not already known dead here."""
+        round_, members = self._previous
+        if not complete_early(members, self._this_node, state, self._settings.min_nodes, frozenset(map(str, members))):
+            return False  # not ready, whoever is gone
+        dead = {name for name, at in self._watch.found_dead.items() if at >= round_}
+        missing = {str(member) for member in members if member not in state.participants} - dead
+        if not missing:
+            return True
+        prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
+        try:
+            return missing <= departed_since(self._etcd.get_prefix(prefix), prefix, round_)
+        except EtcdError:
+            return False  # the last call completes it
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY:
+            self._last_warning = now
+            log.warning("rendezvous %s: %s", self._settings.run_id, message)
+
+
+def _peer_lost_marker() -> Path:
+    return Path(os.environ[PEER_LOST_ENV])
+
+
+def _marker(name: str) -> Path:
+    """This agent's marker `name` (eviction.RESTART_MARKER, eviction.LEAVING_MARKER)."""
+    return Path(marker_beside(os.environ[PEER_LOST_ENV], name))
+
+
+_MARKER_NAMED: list[str] = []
+"""The marker this process chose (name_peer_lost_marker), once chosen."""
+
+
+def name_peer_lost_marker() -> None:
+    """Choose this agent's peer-lost marker file (module docstring, point 1), once per process.
+
+    Workers learn its name from the environment, so it must be set before the first one
+    (or the fork server they come from) starts. A name inherited from a parent process is
+    replaced: it is the parent's (agents started by one test process shared one, and one
+    agent's restart marker made another's leaving worker skip its emergency checkpoint).
+    """
+    if not _MARKER_NAMED:
+        _MARKER_NAMED.append(str(Path(tempfile.mkdtemp(prefix="torchspot-agent-")) / "peer-lost"))
+    os.environ[PEER_LOST_ENV] = _MARKER_NAMED[0]
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the `etcd-v3` handler from torchrun's rendezvous parameters.
+
+    Fails within `connect_timeout` seconds, naming the endpoint, if etcd does not answer.
+    """
+    settings = parse_settings(params.endpoint, params.run_id, params.config)
+    tls = EtcdTls.from_conf({"cacert": settings.cacert, "cert": settings.cert, "key": settings.key})
+    client = EtcdClient(settings.host, settings.port, request_timeout=settings.request_timeout, tls=tls)
+    try:
+        client.wait_reachable(settings.connect_timeout)
+    except EtcdError as exc:
+        client.close()
+        raise RendezvousConnectionError(str(exc)) from exc
+    # See the module docstring, point 2. Workers do not read this variable.
+    os.environ[_DISABLE_SHARED_STORE] = "1"
+    name_peer_lost_marker()
+    lease = RunLease(client, settings.lease_ttl)
+    backend = EtcdV3RendezvousBackend(client, settings, lease)
+    store = EtcdStore(client, settings, lease)
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=settings.join_timeout),
+        last_call=timedelta(seconds=settings.last_call_timeout),
+        close=timedelta(seconds=settings.close_timeout),
+        heartbeat=timedelta(seconds=settings.heartbeat_timeout),
+    )
+    handler: EtcdV3RendezvousHandler = EtcdV3RendezvousHandler.from_backend(
+        run_id=settings.run_id,
+        store=store,
+        backend=backend,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        local_addr=params.local_addr,
+        timeout=timeout,
+        keep_alive_interval=settings.keep_alive_interval,  # type: ignore[arg-type]
+        keep_alive_max_attempt=settings.keep_alive_max_attempt,
+    )
+    handler.bind_etcd(client, settings, lease, backend)
+    return handler
+
+
+def register() -> None:
+    """Make `--rdzv-backend etcd-v3` available to torchrun in this process."""
+    rendezvous_handler_registry.register(BACKEND_NAME, create_handler)

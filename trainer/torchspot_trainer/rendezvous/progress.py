@@ -1,0 +1,107 @@
+"""A run's progress as the operator reads it: two small JSON keys beside the rendezvous state.
+
+    <KEY_ROOT>/<run id>/status/round        {"round": 7, "world": 3, "time": ...}   (the agents)
+    <KEY_ROOT>/<run id>/status/checkpoint   {"step": 1200, "uri": ..., "time": ...} (trainer rank 0)
+
+Why etcd: the operator can always reach the job's etcd (it runs it), while reading
+the checkpoints' `latest.json` would need the job's Blob credentials. The keys sit
+under the run's prefix, so the last agent out deletes them with the rest; the
+operator keeps the last values it saw in the job's status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_trainer.rendezvous.settings import BACKEND_NAME, KEY_ROOT, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+ROUND = "round"
+CHECKPOINT = "checkpoint"
+STATUS_TIMEOUT = 2.0
+"""Seconds one status write or read may take; progress reports never wait longer."""
+REPORT_TTL = 600
+"""Seconds a trainer's checkpoint report lives without a newer one (it has no run lease of its
+own; the operator keeps the last value it saw in the job's status after the key is gone)."""
+
+
+def status_prefix(run_id: str) -> str:
+    """Where a run's status keys live."""
+    return f"{KEY_ROOT}/{run_id}/status/"
+
+
+def now() -> str:
+    """UTC time as Kubernetes writes it."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any], *, lease: int | None) -> None:
+    """Put one status record on a lease; a failure is logged, never raised (it is only a report).
+
+    The lease matters: an abandoned run's keys must all expire, these included.
+    """
+    try:
+        if lease is None:
+            lease = client.grant_lease(REPORT_TTL)
+        client.put(status_prefix(run_id) + name, json.dumps({**record, "time": now()}).encode(), lease=lease)
+    except EtcdError as exc:
+        log.warning("could not report %s to etcd: %s", name, exc)
+
+
+def read(client: EtcdClient, run_id: str) -> dict[str, Any]:
+    """Every status record of a run, by name (a record that is not JSON is skipped)."""
+    prefix = status_prefix(run_id)
+    records: dict[str, Any] = {}
+    for key, value in client.get_prefix(prefix).items():
+        try:
+            records[key[len(prefix) :]] = json.loads(value)
+        except ValueError:
+            log.warning("ignoring status key %s: not JSON", key)
+    return records
+
+
+class CheckpointReporter:
+    """Trainer side: tell the job's etcd about each committed checkpoint, off the training thread.
+
+    Built from the environment torchrun and the operator give a worker: the backend,
+    the endpoint (PET_RDZV_*) and the run id (TORCHELASTIC_RUN_ID). Without them
+    (plain torchrun, another backend) it reports nothing.
+    """
+
+    def __init__(self, client: EtcdClient, run_id: str) -> None:
+        self._client = client
+        self._run_id = run_id
+
+    @classmethod
+    def from_environment(cls, env: dict[str, str] | None = None) -> CheckpointReporter | None:
+        """A reporter when this worker runs under the etcd-v3 backend, else None."""
+        env = dict(os.environ) if env is None else env
+        run_id = env.get("TORCHELASTIC_RUN_ID", "")
+        if env.get("PET_RDZV_BACKEND") != BACKEND_NAME or not env.get("PET_RDZV_ENDPOINT") or not run_id:
+            return None
+        host, port = parse_endpoint(env["PET_RDZV_ENDPOINT"])
+        conf = dict(item.split("=", 1) for item in env.get("PET_RDZV_CONF", "").split(",") if "=" in item)
+        tls = EtcdTls.from_conf({key.strip(): value.strip() for key, value in conf.items()})
+        return cls(EtcdClient(host, port, request_timeout=STATUS_TIMEOUT, tls=tls), run_id)
+
+    def report(self, step: int, uri: str) -> None:
+        """Record a committed checkpoint (in a daemon thread: etcd may be slow or away)."""
+        record = {"step": step, "uri": uri}
+        threading.Thread(
+            target=write,
+            args=(self._client, self._run_id, CHECKPOINT, record),
+            kwargs={"lease": None},
+            name="checkpoint-report",
+            daemon=True,
+        ).start()
+
+    def close(self) -> None:
+        """Close the etcd connection."""
+        self._client.close()

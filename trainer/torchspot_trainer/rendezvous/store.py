@@ -1,0 +1,138 @@
+"""The key-value store the agents share, kept in etcd instead of in a worker.
+
+torch's agents exchange the workers' master address and port, rank assignments and
+the exit barrier through a c10d `Store`. With the `c10d` backend that store is a
+TCPStore inside one agent, so losing that node loses it. Here every key lives in
+etcd under `<run prefix>store/`, attached to the writer's lease.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from torch._C._distributed_c10d import Store
+from torch.distributed import DistStoreError
+
+from torchspot_trainer.rendezvous.backend import RunLease, with_lease
+from torchspot_trainer.rendezvous.etcd_client import CasResult, EtcdClient, EtcdError
+from torchspot_trainer.rendezvous.settings import EtcdV3Settings
+
+_MAX_POLL = 0.1
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(Store):
+    """A c10d Store on etcd v3. Blocking reads poll with a short, growing interval.
+
+    :param client: the etcd client (owned by the caller).
+    :param settings: backend settings; keys go under `<run prefix>store/`.
+    :param lease: the lease writes are attached to, so abandoned keys expire.
+    """
+
+    def __init__(self, client: EtcdClient, settings: EtcdV3Settings, lease: RunLease) -> None:
+        super().__init__()  # required by the pybind trampoline
+        self._client = client
+        self._lease = lease
+        self._prefix = f"{settings.run_prefix}store/"
+        self._poll = settings.store_poll_interval
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Write a key."""
+        data = _as_bytes(value)
+        with_lease(self._lease, lambda lease: self._client.put(self._key(key), data, lease=lease))
+
+    def get(self, key: str) -> bytes:
+        """Return a key's value, waiting up to the store timeout for it to appear."""
+        return self._wait_for([key], self._timeout())[key]
+
+    def add(self, key: str, value: int) -> int:
+        """Atomically add `value` to an integer key (created at 0) and return the result."""
+        full = self._key(key)
+        while True:
+            kv = self._client.get(full)
+            current = int(kv.value) if kv else 0
+            new = str(current + value).encode()
+            expected = kv.mod_revision if kv else None
+
+            def write(lease: int, new: bytes = new, expected: int | None = expected) -> CasResult:
+                return self._client.compare_and_swap(full, new, expected_revision=expected, lease=lease)
+
+            if with_lease(self._lease, write).succeeded:
+                return current + value
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """Set `key` to `desired_value` if it holds `expected_value` (or is absent and
+        `expected_value` is empty); return the value the key holds afterwards."""
+        full = self._key(key)
+        expected = _as_bytes(expected_value)
+        desired = _as_bytes(desired_value)
+        while True:
+            kv = self._client.get(full)
+            if kv is None and expected:
+                return expected
+            if kv is not None and kv.value != expected:
+                return kv.value
+            revision = None if kv is None else kv.mod_revision
+
+            def write(lease: int, revision: int | None = revision) -> CasResult:
+                return self._client.compare_and_swap(full, desired, expected_revision=revision, lease=lease)
+
+            if with_lease(self._lease, write).succeeded:
+                return desired
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists, or raise DistStoreError after the timeout."""
+        self._wait_for(keys, timeout or self._timeout())
+
+    def check(self, keys: list[str]) -> bool:
+        """True if every key exists now."""
+        return all(self._client.get(self._key(k)) is not None for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete a key; True if it existed."""
+        return self._client.delete(self._key(key))
+
+    def num_keys(self) -> int:
+        """The number of keys in this run's store."""
+        return len(self._client.get_prefix(self._prefix))
+
+    # torch's pybind trampoline looks these up by their C++ names when the store is
+    # wrapped (PrefixStore), so expose them under both names.
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+    def _timeout(self) -> timedelta:
+        """The store timeout torch set (`Store.timeout` exists at run time; the stub omits it)."""
+        value: timedelta = self.timeout  # type: ignore[attr-defined]
+        return value
+
+    def _wait_for(self, keys: list[str], timeout: timedelta) -> dict[str, bytes]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        found: dict[str, bytes] = {}
+        delay = self._poll
+        while True:
+            try:
+                for key in keys:
+                    if key not in found:
+                        kv = self._client.get(self._key(key))
+                        if kv is not None:
+                            found[key] = kv.value
+            except EtcdError:
+                pass  # etcd briefly unreachable: keep waiting until the deadline
+            if len(found) == len(keys):
+                return found
+            if time.monotonic() >= deadline:
+                missing = sorted(set(keys) - set(found))
+                raise DistStoreError(
+                    f"timed out after {timeout.total_seconds():g} s waiting for keys {missing} "
+                    f"in the etcd store at {self._client.endpoint}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 1.5, _MAX_POLL)

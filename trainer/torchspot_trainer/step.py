@@ -1,0 +1,79 @@
+"""One optimizer step over a worker's micro-batches: the gradient is the exact mean over
+the step's samples, whatever the world size and however the share is cut.
+
+DDP averages gradients over ranks (divides the all-reduced sum by the world size), so a
+rank's micro-batch contributes `sum of its losses x world / samples in the step`; summed
+over micro-batches and averaged over ranks that is the mean over the step's samples even
+when they do not divide evenly (a short last step, uneven shares). Gradients of all but
+the last micro-batch accumulate locally under `no_sync`, and the last backward pass
+all-reduces them once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torchspot_trainer.precision import Precision
+
+
+def model_inputs(
+    batch: torch.Tensor,
+    device: torch.device,
+    precision: Precision,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A loaded batch as the model's input: copied to the device, in the model's memory format
+    while still uint8 (a quarter of the bytes to permute), then normalised (data.Normalize).
+    Training and evaluation both prepare their batches here."""
+    inputs = precision.inputs(batch.to(device, non_blocking=True))
+    return inputs if normalize is None else normalize(inputs)
+
+
+def train_step(
+    ddp: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    passes: int,
+    step_samples: int,
+    world: int,
+    device: torch.device,
+    before_update: Callable[[], None] = lambda: None,
+    precision: Precision | None = None,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
+
+    `before_update` runs between the last gradient all-reduce and the optimizer's step: from
+    then until the caller counts the step, the model is between two states. Returns this
+    rank's summed loss and correct predictions as device tensors (read them at log time:
+    no host synchronisation per step). `precision` (default fp32) runs the forward passes
+    under its autocast and steps through its gradient scaler. `normalize` turns the loader's
+    uint8 batch into the model's float input after the copy to the device (data.Normalize).
+    """
+    precision = precision or Precision("fp32", device)
+    ddp.train()  # type: ignore[no-untyped-call]
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    scale = world / max(step_samples, 1)
+    for index in range(passes):
+        inputs, labels = next(batches)
+        inputs = model_inputs(inputs, device, precision, normalize)
+        labels = labels.to(device, non_blocking=True)
+        last = index == passes - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            with precision.autocast():
+                logits = ddp(inputs)
+            summed = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+            precision.backward(summed * scale)
+        loss_sum += summed.detach()
+        correct += (logits.detach().argmax(1) == labels).sum()
+    before_update()
+    precision.step(optimizer)
+    return loss_sum, correct

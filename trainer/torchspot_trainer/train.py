@@ -1,0 +1,640 @@
+"""The elastic training loop: DDP ResNet training that survives world-size changes.
+
+One public method, `Trainer.train()`. The topology comes from torchrun's environment
+(RANK, WORLD_SIZE, LOCAL_RANK). A newcomer finds each concern in its own module:
+
+- the step loop is `Trainer._train_epoch`, below; one step over a worker's micro-batches
+  (gradient accumulation, the loss weighting) is accumulate.py;
+- the batch rule, learning rate and the data sets' recipes are optim.py; which samples
+  each rank uses in each step is sampler.py (exact-once at any world size);
+- resuming (a node's own snapshot, or Blob) is resume.py;
+- eviction notices: the signals are eviction.py; the group's rules and what it does at a
+  boundary (emergency checkpoint, leave or hold) are notices.py, called from
+  `Trainer._after_step` and between evaluation batches;
+- evaluation (sharded, interruptible by a notice) is evaluate.py.
+
+Every start resumes from the newest state a node kept on its own disk as its worker
+stopped (snapshot.py: a survivor of a lost peer holds the last completed step) or, if
+newer or the only one, the newest committed checkpoint. So a membership change (which
+restarts all workers) costs at most the step in flight while any node survives with its
+state, and an eviction with notice costs none:
+
+- every step (and every evaluation batch) all ranks share whether any of them got an
+  eviction notice; if so, the group stops at that boundary: the lowest rank whose node
+  leaves writes a synchronous emergency checkpoint to Blob (none when every notice is
+  only an agent restarting its workers: no node leaves, and each node's snapshot carries
+  the state), a worker told by SIGTERM keeps its snapshot and exits without waiting for
+  that checkpoint, a Scheduled Event is approved, and the others hold (pinging each
+  other) until the evicted node is gone and the agent re-forms the group, so no step is
+  run twice;
+- rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps), and
+  reports the last committed step in `latest.json` beside them.
+
+With `--global-batch-size` the run computes the same model whatever happens to its nodes
+(up to the order of floating-point reductions; README, "The same model at any world size").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
+from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.config import TrainConfig, ensure_local_data
+from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
+from torchspot_trainer.data.loader import DeviceDecoder, EpochLoader, gpu_decoder
+from torchspot_trainer.data.sampler import ElasticSampler
+from torchspot_trainer.evaluate import evaluate
+from torchspot_trainer.models import MODELS
+from torchspot_trainer.optim import BatchRule, build_optimizer, learning_rate
+from torchspot_trainer.precision import Precision
+from torchspot_trainer.recovery.group import Group, StepWatchdog, abort_group, control_group, nccl_environment
+from torchspot_trainer.recovery.hostcopy import HostCopy
+from torchspot_trainer.recovery.notices import EXIT_FAILED, NoticeStop, leave
+from torchspot_trainer.recovery.resume import find_state
+from torchspot_trainer.recovery.rng import rng_state, set_rng_state
+from torchspot_trainer.recovery.signals import (
+    EvictionNotice,
+    ScheduledEventsWatcher,
+    reset_sigterm,
+    watch_sigterm,
+)
+from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
+from torchspot_trainer.rendezvous.progress import CheckpointReporter
+from torchspot_trainer.step import model_inputs, train_step
+
+log = logging.getLogger(__name__)
+
+LEAVE_SAVE_WAIT = 5.0
+"""Seconds a leaving rank 0 gives its checkpoint save in flight before it exits. The save
+usually holds the newest step and needs a few seconds more; the survivors' agents re-form
+meanwhile, and a round that completes without this node costs only a worker start-up."""
+
+
+def choose_device(flag: str, cuda_available: bool, local_rank: int) -> tuple[torch.device, str]:
+    """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure."""
+    if flag == "cuda" or (flag == "auto" and cuda_available):
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def format_progress(record: dict[str, Any]) -> str:
+    """The human-readable progress line shown on a terminal. Pure."""
+    ckpt = record["checkpoint_step"]
+    line = (
+        f"step {record['step']:>7} epoch {record['epoch']:>3} world {record['world_size']} "
+        f"loss {record['loss']:.4f} acc {record['accuracy']:.3f} {record['samples_per_s']:.0f} samples/s "
+        f"lr {record['lr']:.4g} batch {record['step_samples']} ckpt {ckpt if ckpt is not None else '-'}"
+    )
+    if record["checkpoint_error"]:
+        line += f" CHECKPOINT FAILING: {record['checkpoint_error']}"
+    return line
+
+
+@dataclass
+class Progress:
+    """One progress record (a JSON line on stdout)."""
+
+    step: int
+    epoch: int
+    world_size: int
+    loss: float
+    """Mean loss over every sample of the steps since the last record, the whole group's."""
+    accuracy: float
+    samples_per_s: float
+    lr: float
+    checkpoint_step: int | None
+    checkpoint_error: str | None
+    trained_samples: int = 0
+    """Samples the run has trained on so far, all epochs counted (redone work not counted
+    twice): the measure of progress that does not depend on the world size."""
+    step_samples: int = 0
+    """Samples a full optimizer step averages over (the global batch)."""
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; 0.0 elsewhere): the interpreter's and imports' share."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+def _lap(clock: dict[str, float]) -> Callable[[str], None]:
+    """A stopwatch that records, under each name it is called with, the time since its previous call."""
+    last = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        clock[name], last = now - last, now
+
+    return lap
+
+
+def _trained(sampler: ElasticSampler) -> int:
+    return sampler.epoch * sampler.length + sampler.consumed
+
+
+def _reset_sigterm_in_loader(_worker: int) -> None:
+    """A DataLoader worker leaves SIGTERM to the training process (eviction.reset_sigterm)."""
+    reset_sigterm()
+
+
+def decode_refusal(decode: str, device: torch.device) -> str | None:
+    """Why --decode cannot run on this worker's device, or None. Pure."""
+    if decode == "gpu" and device.type != "cuda":
+        return f"--decode gpu needs a CUDA device, and this worker runs on {device.type}"
+    return None
+
+
+def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
+    """Why `--sync-bn` cannot run on `device`, or None. Pure.
+
+    torch's SyncBatchNorm runs its statistics' all-reduce only on GPUs; on CPU its forward pass
+    raises. Said before training starts instead of at the first step."""
+    if sync_bn and device.type != "cuda":
+        return "--sync-bn needs GPUs (torch's SyncBatchNorm does not run on CPU); drop it on CPU nodes"
+    return None
+
+
+def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
+    """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
+    torch.manual_seed(config.seed)
+    model: nn.Module = MODELS[config.model](classes)
+    if config.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+    return model.to(device)
+
+
+@dataclass
+class _Run:
+    """What one training run holds between steps."""
+
+    model: nn.Module
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    sampler: ElasticSampler
+    rule: BatchRule
+    train_set: Dataset[Any]
+    test_set: Dataset[Any]
+    train_loader: EpochLoader
+    test_loader: EpochLoader
+    normalize: Normalize
+    total_samples: int
+    evaluated: tuple[int, float] = (-1, math.nan)
+    """(step, top-1 accuracy) of the last completed evaluation."""
+
+
+@dataclass
+class _Window:
+    """Sums over the steps since the last progress record (this rank's share; on the device,
+    read only when the record is made)."""
+
+    device: torch.device
+    started: float = field(default_factory=time.perf_counter)
+    loss: torch.Tensor = field(init=False)
+    correct: torch.Tensor = field(init=False)
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.correct = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int) -> None:
+        self.loss += loss
+        self.correct += correct
+        self.samples += samples
+
+
+class Trainer:
+    """Trains `config.model` on `config.dataset` under torchrun; see the module docstring."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.notice = EvictionNotice()
+        self.stop = NoticeStop(
+            self.notice, hold=config.notice_hold, emit=self._emit, keep_snapshot=self._keep_snapshot,
+            node=int(os.environ.get("GROUP_RANK", "0")),
+        )  # fmt: skip
+        self._sigterm_thread = watch_sigterm(
+            self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._before_stuck_exit
+        )
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
+        self.precision = Precision(config.precision, self.device)
+        self.step = 0
+        self._tensorboard: Any = None
+        self.manager: CheckpointManager | None = None
+        self._reporter: CheckpointReporter | None = None
+        self.setup_seconds: dict[str, float] = {}
+        """Where a (re)start's time went: process start-up to here, then each part of `_setup`."""
+        self._snapshot: LocalSnapshot | None = LocalSnapshot(default_path(os.environ), round_started=time.time())
+        """This node's copy of the state as its workers stop (see snapshot.py): one file per node,
+        written by whichever local rank gets there first."""
+        self._host = HostCopy(self.device, every=config.snapshot_every)
+        """The state in host memory at the last step boundary, which the snapshot is written from
+        (hostcopy.py): a hung device cannot stop that write."""
+        self._watchdog = StepWatchdog(
+            config.collective_timeout, lambda: self.notice.boundary, self._broken_group
+        ).start()
+        self._control: Any = None
+        """The gloo group for the per-step agreements beside an NCCL group (group.control_group)."""
+        self._run: _Run | None = None
+        """Set once the state is whole (after the resume): from then on a snapshot may be taken.
+        Kept after the run ends (launch.run_trainer says why)."""
+        self._base = 0
+        """The step this round resumed from (0: from scratch)."""
+        self._snapshot_lock = threading.Lock()
+        self._snapshot_taken = False
+        self.resumed_from = "start"
+        """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
+
+    @property
+    def group(self) -> Group:
+        return Group(self.rank, self.world, self.device, self._control)
+
+    # -- the loop -------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Run (or resume) training to the end; return the final summary (rank 0's view).
+
+        If the loop raises (a collective failed because a peer left, or a bug), the
+        worker leaves at once with EXIT_FAILED after its traceback: a normal interpreter
+        exit would wait on the process group and background threads, and every second
+        spent here delays the agents' next round.
+        """
+        try:
+            return self._train()
+        except Exception:
+            log.exception("rank %d: training stopped at step %d", self.rank, self.step)
+            self._leave_broken_group()
+
+    def _train(self) -> dict[str, Any]:
+        run = self._setup()
+        self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+                    "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
+                    "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
+                    "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
+        self.notice.step_boundary()
+        self._watchdog.armed = True
+        while True:
+            # An epoch's end is evaluated once: also when a notice interrupted its evaluation.
+            if run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step:
+                self._evaluate(run, epoch=run.sampler.epoch - 1)
+            if run.sampler.epoch >= self.config.epochs or self._step_limit_reached():
+                break
+            self._train_epoch(run)
+        if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
+            self._evaluate(run, epoch=run.sampler.epoch)
+        self._watchdog.armed = False  # the final save is not a step
+        if self.manager is not None and self.rank == 0:
+            self.manager.wait()
+            if self.manager.last_committed != self.step:
+                self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+            self.manager.close()
+        summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+                   "test_accuracy": run.evaluated[1]}  # fmt: skip
+        if self._snapshot is not None:
+            self._snapshot.remove()
+            self._snapshot = None  # the run is over: nothing to carry to a next round
+        self._emit(summary)
+        self._shutdown()
+        return summary
+
+    def _train_epoch(self, run: _Run) -> None:
+        """Train on the rest of the current epoch (or until --max-steps): the step loop."""
+        sampler = run.sampler
+        epoch = sampler.epoch
+        plans = list(sampler.epoch_steps(self.rank, self.world))
+        batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
+        window = _Window(self.device)
+        for plan in plans:
+            lr = self._set_learning_rate(run)
+            step_samples = sampler.next_step_samples(self.world)
+            loss, correct = train_step(
+                run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
+                device=self.device, before_update=self._begin_update, precision=self.precision,
+                normalize=run.normalize,
+            )  # fmt: skip
+            sampler.advance(self.world)
+            self.step += 1
+            self._host.capture(self.step, partial(self._state, run))
+            window.add(loss, correct, step_samples)
+            if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
+                self._log_progress(run, window, lr)
+                window = _Window(self.device)
+            self._after_step(run)
+            if self._step_limit_reached():
+                break
+
+    def _set_learning_rate(self, run: _Run) -> float:
+        """Set the scheduled learning rate for the next step (a function of samples consumed)."""
+        progress = _trained(run.sampler) / run.total_samples
+        lr = learning_rate(
+            run.rule.peak_lr(self.world), schedule=self.config.schedule, warmup=self.config.warmup, progress=progress
+        )
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _begin_update(self) -> None:
+        self._host.before_update()
+
+    def _step_limit_reached(self) -> bool:
+        return bool(self.config.max_steps) and self.step >= self.config.max_steps
+
+    def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
+        """Sum the window's loss and accuracy over the group, and emit one progress record."""
+        loss, correct = self.group.sums([window.loss, window.correct])
+        samples = max(window.samples, 1)
+        record = Progress(
+            step=self.step,
+            epoch=run.sampler.epoch,
+            world_size=self.world,
+            loss=loss / samples,
+            accuracy=correct / samples,
+            samples_per_s=window.samples / max(time.perf_counter() - window.started, 1e-9),
+            lr=lr,
+            checkpoint_step=self.manager.last_committed if self.manager else None,
+            checkpoint_error=self.manager.last_error if self.manager else None,
+            trained_samples=_trained(run.sampler),
+            step_samples=run.rule.step_batch(self.world),
+        )
+        self._emit({"event": "progress", **asdict(record)})
+        if self._tensorboard is not None:
+            for key in ("loss", "accuracy", "samples_per_s", "lr"):
+                self._tensorboard.add_scalar(key, getattr(record, key), self.step)
+
+    def _evaluate(self, run: _Run, *, epoch: int) -> None:
+        """Evaluate on the test set (sharded; a notice between batches stops the group as after
+        a step), record the result in the state and emit it."""
+        accuracy = evaluate(
+            run.model, len(run.test_set), self.group, batch_size=self.config.eval_batch_size,  # type: ignore[arg-type]
+            load=partial(run.test_loader.epoch, 0),
+            prepare=partial(model_inputs, device=self.device, precision=self.precision, normalize=run.normalize),
+            between=partial(self._agree_on_notices, run),
+        )  # fmt: skip
+        run.evaluated = (self.step, accuracy)
+        self._emit({"event": "eval", "step": self.step, "epoch": epoch, "accuracy": accuracy})
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def _setup(self) -> _Run:
+        """Process group, data, model, optimizer; then resume and start the side channels."""
+        config = self.config
+        self.setup_seconds["process"] = process_age()
+        lap = _lap(self.setup_seconds)
+        refusal = sync_bn_refusal(config.sync_bn, self.device) or decode_refusal(config.decode, self.device)
+        if refusal:
+            raise ValueError(refusal)
+        # --decode gpu: the batch's JPEGs are decoded, cropped and resized on the GPU (loader.py); without
+        # torchvision this stops here, before the group forms.
+        decoder = DeviceDecoder(gpu_decoder(), self.device, config.image_size) if config.decode == "gpu" else None
+        if self.backend == "nccl":
+            os.environ.update(nccl_environment(os.environ))
+        dist.init_process_group(self.backend, timeout=timedelta(seconds=config.collective_timeout))
+        self._control = control_group(self.backend, config.collective_timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        lap("group")
+        train_set, test_set, classes = self._datasets()
+        if isinstance(train_set, SampleRandom):  # before the loader forks its workers, which keep it
+            train_set.set_epoch(0, config.seed)
+        lap("data")
+        model = self.precision.prepare(build_model(config, classes, self.device))
+        rule = config.batch_rule()
+        run = _Run(
+            model=model,
+            ddp=DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
+            optimizer=build_optimizer(
+                model, config.optimizer, lr=rule.peak_lr(self.world), weight_decay=config.recipe().weight_decay
+            ),
+            sampler=ElasticSampler(
+                len(train_set),  # type: ignore[arg-type]
+                rule.batch_size,
+                seed=config.seed,
+                global_batch=rule.global_batch_size,
+                micro_batch=config.micro_batch_size,
+            ),
+            rule=rule,
+            train_set=train_set,
+            test_set=test_set,
+            train_loader=self._loader(train_set, decoder),
+            test_loader=self._loader(test_set, decoder),
+            normalize=train_set.normalize,  # type: ignore[attr-defined]
+            total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
+        )
+        if config.checkpoint_uri:
+            if self.rank == 0:
+                self._reporter = CheckpointReporter.from_environment()
+            reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
+            saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
+            self.manager = CheckpointManager(
+                reopen(),
+                CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
+                on_report=self._on_checkpoint,
+                reopen=reopen if saves_in_child else None,
+            )
+            lap("model")
+            mine = self._snapshot.read() if self._snapshot is not None else None
+            self.resumed_from, state = find_state(self.group, self.manager, mine)
+            if state is not None:
+                self._load(run, state)
+            self._base = self.step
+            lap("resume")
+        self._run = run
+        self._host.capture(self.step, partial(self._state, run))  # a snapshot of the resumed state, before any step
+        url = config.scheduled_events_url()
+        if url and self.local_rank == 0:  # one poller per node (notices.node_levels shares its notice)
+            self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
+        if config.tensorboard and self.rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            except ImportError as exc:
+                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
+            self._tensorboard = SummaryWriter(config.tensorboard)
+        return run
+
+    def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
+        config = self.config
+        if config.dataset == "digits":
+            train, test = load_digits(seed=0)
+            return train, test, 10
+        path = ensure_local_data(config)
+        if config.dataset == "cifar10":
+            train, test = load_cifar10(path)
+            return train, test, 10
+        train_folder, val_folder = load_imagenet(path, config.image_size)
+        return train_folder, val_folder, len(train_folder.classes)
+
+    def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None) -> EpochLoader:
+        """`dataset`'s loader for the run: --workers processes that persist from epoch to epoch."""
+        return EpochLoader(
+            dataset, workers=self.config.workers, pin_memory=self.device.type == "cuda",
+            worker_init=_reset_sigterm_in_loader, decoder=decoder,
+        )  # fmt: skip
+
+    # -- state ----------------------------------------------------------------------
+
+    def _state(self, run: _Run) -> dict[str, Any]:
+        return {
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "sampler": run.sampler.state_dict(),
+            "step": self.step,
+            "rng": rng_state(),
+            "batch_rule": run.rule.state_dict(),
+            "evaluated": {"step": run.evaluated[0], "accuracy": run.evaluated[1]},
+            "grad_scaler": self.precision.state_dict(),
+        }
+
+    def _load(self, run: _Run, state: dict[str, Any]) -> None:
+        """Take over a resumed state. The batch and learning-rate rule it recorded wins over the
+        flags: it is what makes the resumed run the same run (a changed flag is reported)."""
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        self.precision.load_state_dict(state.get("grad_scaler") or {})
+        self.step = int(state["step"])
+        run.rule, ignored = run.rule.resumed(state.get("batch_rule"))
+        if ignored:
+            self._emit({"event": "settings_from_checkpoint",
+                        "kept": {key: recorded for key, (_, recorded) in ignored.items()},
+                        "ignored_flags": {key: flag for key, (flag, _) in ignored.items()}})  # fmt: skip
+        run.sampler.global_batch, run.sampler.batch_size = run.rule.global_batch_size, run.rule.batch_size
+        evaluated = state.get("evaluated", {"step": self.step, "accuracy": math.nan})
+        run.evaluated = (int(evaluated["step"]), float(evaluated["accuracy"]))
+
+    def _meta(self, sampler: ElasticSampler) -> dict[str, Any]:
+        return {
+            "epoch": sampler.epoch,
+            "world_size": self.world,
+            "samples_in_epoch": sampler.consumed,
+        }
+
+    def _keep_snapshot(self) -> None:
+        """Leave this node's state at the last completed step (or the last host copy, with
+        --snapshot-every) for the next round (snapshot.py), written from the host copy, so it
+        never waits on the device."""
+        with self._snapshot_lock:  # the main thread and the SIGTERM watcher may both get here
+            snapshot = self._snapshot
+            if snapshot is None or self._run is None or self._snapshot_taken:
+                return
+            self._snapshot_taken = True
+            base = self._base
+
+            def write(state: dict[str, Any] | None) -> tuple[int, float | None]:
+                return (-1, None) if state is None else (int(state["step"]), snapshot.write(state, base))
+
+            step, took = self._host.write_from(write)
+        if took is not None:
+            log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, step, took)
+
+    def _leave_broken_group(self) -> NoReturn:
+        """The group is broken (a collective failed or hung): keep the snapshot, give the save in
+        flight its chance, abort the communicator and exit; the agents re-form the group."""
+        self._keep_snapshot()
+        self._finish_save_in_flight()
+        abort_group()
+        leave(EXIT_FAILED)
+
+    def _broken_group(self, _since: float) -> None:
+        """The step watchdog's verdict: no boundary for --collective-timeout seconds."""
+        self._emit({"event": "collective_timeout", "step": self.step, "limit_s": self.config.collective_timeout},
+                   any_rank=True)  # fmt: skip
+        self._leave_broken_group()
+
+    # -- at a boundary --------------------------------------------------------------
+
+    def _after_step(self, run: _Run) -> None:
+        """Agree on eviction notices (notices.py), and checkpoint on schedule."""
+        if self._agree_on_notices(run):
+            return
+        every = self.config.checkpoint_every
+        if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
+            self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
+
+    def _agree_on_notices(self, run: _Run) -> bool:
+        """NoticeStop.at_boundary with this boundary's emergency checkpoint; True after a notice."""
+        manager = self.manager
+        save = (
+            None if manager is None else lambda: manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+        )
+        return self.stop.at_boundary(self.group, step=self.step, save=save)
+
+    def _before_stuck_exit(self) -> None:
+        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
+        SIGTERM watcher: the main thread waits inside the collective, its state at the last
+        completed step, so the snapshot is taken from here."""
+        self._keep_snapshot()
+        self._finish_save_in_flight()
+        abort_group()
+
+    def _finish_save_in_flight(self) -> None:
+        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
+        if self.manager is None:
+            return
+        self.manager.wait(LEAVE_SAVE_WAIT)
+        if self.manager.in_flight is not None:
+            log.warning("leaving with the save of step %d unfinished", self.manager.in_flight)
+
+    # -- output ---------------------------------------------------------------------
+
+    def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
+        """Print one event line (and append it to --events-file): rank 0's, or any rank's
+        with `any_rank` (an event only that rank sees)."""
+        if self.rank != 0 and not any_rank:
+            return
+        record = {"t": time.time(), **record}
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.config.events_file:
+            with open(self.config.events_file, "a") as out:  # one O_APPEND write per record
+                out.write(line + "\n")
+        if sys.stderr.isatty():
+            text = format_progress(record) if record.get("event") == "progress" else f"[torchspot] {line}"
+            print(text, file=sys.stderr, flush=True)
+
+    def _on_checkpoint(self, report: SaveReport) -> None:
+        self._emit({"event": "checkpoint", **asdict(report)})
+        if report.ok and self._reporter is not None and self.manager is not None:
+            self._reporter.report(report.step, f"{self.manager.storage.describe().rstrip('/')}/{step_dir(report.step)}")
+
+    def _shutdown(self) -> None:
+        self._watchdog.stop()
+        if self._run is not None:
+            self._run.train_loader.close()
+            self._run.test_loader.close()
+        if self._reporter is not None:
+            self._reporter.close()
+        if self.stop.watcher is not None:
+            self.stop.watcher.stop()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
