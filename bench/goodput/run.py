@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from torchspot_lab import goodput
+from torchspot_lab.datasets import write_synthetic_cifar10
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.report import read_pod_events
 from torchspot_lab.sandbox import run_sandbox
 from torchspot_lab.scenario import Pool, Scenario, load_scenario
 from torchspot_operator import constants
-from torchspot_trainer.data.datasets import CIFAR_TARBALL, write_synthetic_cifar10
+from torchspot_trainer.data.datasets import CIFAR_TARBALL
 
 HERE = Path(__file__).resolve().parent
 BATCH = 16

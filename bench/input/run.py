@@ -42,12 +42,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torchspot_trainer.data.datasets import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ImageFolder,
-    resized_crop_box,
-)
+from torchspot_trainer.data.datasets import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
+from torchspot_trainer.data.imaging import resized_crop_box
 from torchspot_trainer.data.loader import EpochLoader
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"

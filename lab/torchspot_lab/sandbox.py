@@ -26,7 +26,8 @@ import kopf
 import yaml
 
 from torchspot_lab.azurite import Azurite
-from torchspot_lab.cluster import NodeAgent
+from torchspot_lab.cluster.agent import NodeAgent
+from torchspot_lab.datasets import write_synthetic_cifar10
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.kubeapi.admission import Admission, AdmissionError
 from torchspot_lab.report import Report, build_report, read_pod_events
@@ -38,7 +39,7 @@ from torchspot_operator.reconcile import ETCD_KINDS
 from torchspot_operator.spec import InvalidSpecError, parse_spec
 from torchspot_trainer.checkpoint.manager import committed_steps
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.data.datasets import CIFAR_TARBALL, write_synthetic_cifar10
+from torchspot_trainer.data.datasets import CIFAR_TARBALL
 
 NAMESPACE = "default"
 PROGRESS_EVERY = 5.0

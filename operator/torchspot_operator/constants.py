@@ -85,7 +85,7 @@ keeps several in flight."""
 OPERATOR_NAMESPACE_ENV: Final = "TORCHSPOT_OPERATOR_NAMESPACE"
 OPERATOR_LABELS_ENV: Final = "TORCHSPOT_OPERATOR_LABELS"
 """The operator pod's namespace and labels (JSON), which the chart sets: each job's NetworkPolicy
-admits the operator (its progress reader) to the etcd by them. Unset (an operator run outside the
+admits the operator (its milestone reader) to the etcd by them. Unset (an operator run outside the
 cluster, which cannot reach a job's etcd anyway): only the job's workers are admitted."""
 ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
 RDZV_BACKEND: Final = BACKEND_NAME

@@ -45,7 +45,7 @@ from torchspot_operator import builders, certs, conditions, constants, metrics
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
-from torchspot_operator.progress import ProgressReader
+from torchspot_operator.milestones import MilestoneReader
 from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, plan
 from torchspot_operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 from torchspot_trainer.rendezvous.etcd_client import EtcdTls
@@ -106,7 +106,7 @@ class _Memory:
     seen_at: float = 0.0
     """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
     tls: EtcdTls | None = None
-    """The job's etcd client certificate (from its Secret), for the progress reader."""
+    """The job's etcd client certificate (from its Secret), for the milestone reader."""
     tls_read: bool = False
     """Whether this process looked for the job's Secret yet."""
 
@@ -116,7 +116,7 @@ class Controller:
 
     :param etcd_default: where managed etcds go when a job says nothing (the chart's
         `etcd.defaultPlacement`); None: wherever the scheduler puts them.
-    :param resolve: maps a rendezvous address to a reachable one (see `ProgressReader`).
+    :param resolve: maps a rendezvous address to a reachable one (see `MilestoneReader`).
     :param node_handling: move workers off bad nodes at once (`constants.NODE_HANDLING_ENV`).
     :param indexes: kopf's indices by name (`INDEXES`); empty ones when None (tests of parts).
     """
@@ -138,7 +138,7 @@ class Controller:
         self.node_handling = node_handling
         self.now = now
         self.etcd_default = etcd_default
-        self.progress = ProgressReader(resolve) if resolve is not None else ProgressReader()
+        self.milestones = MilestoneReader(resolve) if resolve is not None else MilestoneReader()
         self.indexes: Mapping[str, Index] = indexes or {name: {} for name in INDEXES}
         self.nodes: dict[str, Mapping[str, Any]] = {}
         """Nodes as the node watch last saw them (reconciles read these instead of asking each time)."""
@@ -150,7 +150,7 @@ class Controller:
         self.phases: dict[tuple[str, str], str] = {}
         """Each job's phase as last written (`torchspot_jobs{phase}`)."""
         self.recoveries = metrics.Recoveries()
-        self.last_progress = time.monotonic()
+        self.last_reconcile = time.monotonic()
         """When a reconcile or a tick last finished (monotonic): the liveness rule's clock."""
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -165,7 +165,7 @@ class Controller:
     def alive(self) -> bool:
         """False when reconciles have stalled (see metrics.py): the liveness probe fails then."""
         active = sum(1 for phase in self.phases.values() if phase in ACTIVE_PHASES)
-        return not metrics.stalled(active, self.last_progress)
+        return not metrics.stalled(active, self.last_reconcile)
 
     def _measure(self, key: tuple[str, str], old: Mapping[str, Any], decided: Plan) -> None:
         """Metrics of one reconcile's outcome (metrics.py)."""
@@ -184,7 +184,7 @@ class Controller:
         """The timer: re-plan from what is known, without asking the API; reconcile only if it is due.
 
         Clocks (the start-up timeout, the below-minimum grace, a deadline, a backoff) and
-        the run's progress reports change the plan without any event; a job they leave
+        the run's milestones change the plan without any event; a job they leave
         as it was costs nothing here.
         """
         async with self._lock(namespace, name):
@@ -198,7 +198,7 @@ class Controller:
                 dry = plan(await self._observe(memory.body, spec, memory))
                 old = memory.body.get("status") or {}
                 if not dry.acts() and not _changed(old, dry.status):
-                    self.last_progress = time.monotonic()
+                    self.last_reconcile = time.monotonic()
                     return dry
                 log.debug(
                     "job %s/%s: the timer found work: acts %s, status keys %s", namespace, name, dry.acts(),
@@ -216,7 +216,7 @@ class Controller:
             raise
         finally:
             metrics.RECONCILE.observe(time.monotonic() - started)
-            self.last_progress = time.monotonic()
+            self.last_reconcile = time.monotonic()
 
     async def _reconcile_timed(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -249,7 +249,7 @@ class Controller:
         seen = await self._observe(body, spec, memory, now=now)
         decided = plan(seen)
         if decided.status.get("phase") in conditions.FINISHED_PHASES:
-            self.progress.forget(str(old.get("runId", job.run_id)))
+            self.milestones.forget(str(old.get("runId", job.run_id)))
         events = await self._act(job, decided, memory, now)
         failures = list(memory.failures.values())
         if failures != list(seen.create_failures):
@@ -288,13 +288,15 @@ class Controller:
             if node is not None:
                 nodes[node_name] = node
         finished = old.get("phase") in conditions.FINISHED_PHASES
-        progress = (
+        milestones = (
             {}
             if finished
-            else self.progress.latest(builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls)
+            else self.milestones.latest(
+                builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls
+            )
         )
         return Observed(
-            job, spec, old, pods, nodes, etcd, now or self.now(), progress, self.node_handling,
+            job, spec, old, pods, nodes, etcd, now or self.now(), milestones, self.node_handling,
             accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
             create_failures=list(memory.failures.values()),
             names_in_use=frozenset(str(n) for n in self.indexes[NAMES_INDEX].get((namespace, name), [])),
@@ -472,7 +474,7 @@ class Controller:
         self._locks.pop((namespace, name), None)
         self._nodes_of_job.pop((namespace, name), None)
         if memory is not None and memory.body is not None:
-            self.progress.forget(str((memory.body.get("status") or {}).get("runId", "")))
+            self.milestones.forget(str((memory.body.get("status") or {}).get("runId", "")))
 
     def news(self, obj: Mapping[str, Any], kind: str | None) -> bool:
         """Whether a watch event brings a version of an object not seen before (a deletion always does).

@@ -1,4 +1,4 @@
-"""kopf registrations, and nothing else: every trigger leads to the same level-based reconcile.
+"""kopf registrations, and the process state they share: every trigger leads to the same level-based reconcile.
 
 Run it with `kopf run -m torchspot_operator.handlers` (or `python -m torchspot_operator`).
 Triggers: an ElasticJob is created, its spec changes, the operator resumes, the timer
@@ -17,7 +17,6 @@ only when node handling is on.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -31,12 +30,12 @@ from torchspot_operator import builders, conditions, constants, metrics
 from torchspot_operator import login as credentials
 from torchspot_operator.controller import INDEXES, Controller, Index, owner
 from torchspot_operator.kube import ApiError, Kube
-from torchspot_operator.reconcile import node_trouble
-from torchspot_operator.spec import InvalidSpecError, Placement, default_etcd_placement
+from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
+from torchspot_operator.verdicts import node_trouble
 
 RECONCILE_INTERVAL = 5.0
 """Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
-the start-up timeout, activeDeadlineSeconds, a failure backoff) or a progress report is acted on.
+the start-up timeout, activeDeadlineSeconds, a failure backoff) or a milestone is acted on.
 A tick that finds nothing due makes no API request."""
 WATCHED_KINDS: dict[tuple[str, str], str] = {
     ("v1", "pods"): constants.ROLE_WORKER,
@@ -69,21 +68,14 @@ def controller() -> Controller:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events; watch
-    only our own objects; read the operator's own settings from its environment (a bad one stops it)."""
+    only our own objects; read the operator's own settings (settings.py: a bad one stops it)."""
     try:
-        _state["etcd_default"] = default_etcd_placement(os.environ.get(constants.ETCD_PLACEMENT_ENV, ""))
-    except InvalidSpecError as exc:
-        raise kopf.PermanentError(f"invalid operator setting: {exc}") from exc
-    mode = os.environ.get(constants.NODE_HANDLING_ENV, "") or constants.NODE_HANDLING_MODES[0]
-    if mode not in constants.NODE_HANDLING_MODES:
-        choices = " or ".join(constants.NODE_HANDLING_MODES)
-        raise kopf.PermanentError(
-            f"invalid operator setting: {constants.NODE_HANDLING_ENV}={mode!r}: expected {choices}"
-        )
-    _state["node_handling"] = mode == "proactive"
-    _state["operator"] = _operator_identity()
-    _serve_metrics()
-    if _state["node_handling"] and not _state.get("node_watch"):
+        ours = read_settings(os.environ)
+    except SettingsError as exc:
+        raise kopf.PermanentError(str(exc)) from exc
+    _state["settings"] = ours
+    _serve_metrics(ours.metrics_port)
+    if ours.node_handling and not _state.get("node_watch"):
         # Registered here, not at import: with node handling off the operator does not watch
         # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
         kopf.on.event("v1", "nodes")(node_event)
@@ -109,34 +101,14 @@ async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo |
         raise kopf.PermanentError(str(exc)) from exc
 
 
-def _operator_identity() -> tuple[str, tuple[tuple[str, str], ...]] | None:
-    """The operator pod's namespace and labels, from the environment the chart sets; a bad value stops it."""
-    namespace = os.environ.get(constants.OPERATOR_NAMESPACE_ENV, "")
-    text = os.environ.get(constants.OPERATOR_LABELS_ENV, "")
-    if not namespace or not text:
-        return None
-    try:
-        labels = json.loads(text)
-    except ValueError as exc:
-        raise kopf.PermanentError(f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: {exc}") from exc
-    if not isinstance(labels, dict) or not labels or not all(isinstance(v, str) for v in labels.values()):
-        raise kopf.PermanentError(
-            f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: expected a JSON object of label strings"
-        )
-    return namespace, tuple(sorted(labels.items()))
-
-
-def _serve_metrics() -> None:
+def _serve_metrics(port: int) -> None:
     """Serve /metrics once per process (tests start the operator many times in one)."""
     if "metrics_port" in _state:
         return
-    text = os.environ.get(metrics.METRICS_PORT_ENV, "") or str(metrics.DEFAULT_METRICS_PORT)
-    if not text.isdigit() or not 0 <= int(text) < 65536:
-        raise kopf.PermanentError(f"invalid operator setting: {metrics.METRICS_PORT_ENV}={text!r}: expected a port")
     try:
-        server, _ = prometheus_client.start_http_server(int(text))
+        server, _ = prometheus_client.start_http_server(port)
     except OSError as exc:
-        raise kopf.PermanentError(f"cannot serve metrics on port {text} ({metrics.METRICS_PORT_ENV}): {exc}") from exc
+        raise kopf.PermanentError(f"cannot serve metrics on port {port} ({metrics.METRICS_PORT_ENV}): {exc}") from exc
     prometheus_client.REGISTRY.register(metrics.Jobs(lambda: controller().phases if "controller" in _state else {}))
     _state["metrics_port"] = server.server_port  # 0 asks for a free port (tests)
 
@@ -171,13 +143,14 @@ async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.Connecti
     if "controller" in _state:
         await controller().api.renew(fresh)
     else:
+        ours = cast(OperatorSettings, _state.get("settings") or OperatorSettings())
         _state["controller"] = Controller(
             fresh,
-            etcd_default=cast(Placement | None, _state.get("etcd_default")),
+            etcd_default=ours.etcd_default,
             resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
-            node_handling=bool(_state.get("node_handling", True)),
+            node_handling=ours.node_handling,
             indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
-            operator=cast(tuple[str, tuple[tuple[str, str], ...]] | None, _state.get("operator")),
+            operator=ours.identity,
         )
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
@@ -205,7 +178,7 @@ async def close(**_: Any) -> None:
     """Close our HTTP session with the operator."""
     done = _state.pop("controller", None)
     if done is not None:
-        done.progress.close()
+        done.milestones.close()
         await done.api.close()
 
 
@@ -263,7 +236,7 @@ def _active(body: kopf.Body, **_: Any) -> bool:
 
 @kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL, when=_active)
 async def job_timer(name: str, namespace: str | None, **_: Any) -> None:
-    """Act on clocks and progress reports when no event comes; free when nothing is due."""
+    """Act on clocks and milestones when no event comes; free when nothing is due."""
     await controller().tick(namespace or "default", name)
 
 

@@ -100,7 +100,7 @@ class Recoveries:
         self._since.pop(job, None)
 
 
-def stalled(active: int, last_progress: float, now: float | None = None) -> bool:
+def stalled(active: int, last_reconcile: float, now: float | None = None) -> bool:
     """Whether reconciles have stalled: jobs wait for them, and none finished for `STALL_SECONDS`."""
     now = time.monotonic() if now is None else now
-    return active > 0 and now - last_progress > STALL_SECONDS
+    return active > 0 and now - last_reconcile > STALL_SECONDS

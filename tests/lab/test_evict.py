@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from torchspot.cli import main
-from torchspot_lab.cluster import node_object
+from torchspot_lab.cluster.cloud import node_object
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator.kube import Kube
 from torchspot_operator.login import login_with_kubeconfig

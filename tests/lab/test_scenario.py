@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
-from torchspot_lab.cluster import NodeAgent, expand, fits, gpus_requested, node_object, tolerates
+from torchspot_lab.cluster.agent import NodeAgent
+from torchspot_lab.cluster.cloud import node_object
+from torchspot_lab.cluster.kubelet import expand
+from torchspot_lab.cluster.scheduler import bind_pending, fits, gpus_requested, tolerates
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.scenario import Event, Pool, ScenarioError, load_scenario, parse_scenario
 from torchspot_operator import constants
@@ -170,14 +173,14 @@ def test_a_pod_deleted_between_the_list_and_its_binding_is_skipped(tmp_path: Pat
     scenario = parse_scenario({})
     with KubeApi(tmp_path / "api") as api:
         agent = NodeAgent(api, tmp_path / "work", scenario)
-        agent._add_node("ondemand-1", spot=False)
+        agent.cloud.add_node("ondemand-1", spot=False)
         body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "live", "namespace": "default"},
                 "spec": {"containers": [{"name": "c", "image": "i"}]}}  # fmt: skip
         api.run(agent.kube.create(body))
         gone = {**body, "metadata": {"name": "gone", "namespace": "default", "creationTimestamp": "0"}}
         listed = [gone, *api.run(agent.kube.list("v1", "Pod", None))]  # "gone" was listed, then deleted
         nodes = {n["metadata"]["name"]: n for n in api.run(agent.kube.list("v1", "Node", None))}
-        agent._schedule(listed, nodes)
+        bind_pending(api, agent.kube, listed, agent.nodes, nodes)
         (live,) = api.run(agent.kube.list("v1", "Pod", None))
         assert live["spec"]["nodeName"] == "ondemand-1"
         api.run(agent.kube.close())

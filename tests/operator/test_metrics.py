@@ -21,9 +21,9 @@ from torchspot_operator.controller import Controller
 
 
 def test_a_stall_needs_active_jobs_and_silence() -> None:
-    assert not metrics.stalled(0, last_progress=0.0, now=10_000.0)  # idle is not stalled
-    assert not metrics.stalled(3, last_progress=100.0, now=100.0 + metrics.STALL_SECONDS)
-    assert metrics.stalled(3, last_progress=100.0, now=100.0 + metrics.STALL_SECONDS + 1)
+    assert not metrics.stalled(0, last_reconcile=0.0, now=10_000.0)  # idle is not stalled
+    assert not metrics.stalled(3, last_reconcile=100.0, now=100.0 + metrics.STALL_SECONDS)
+    assert metrics.stalled(3, last_reconcile=100.0, now=100.0 + metrics.STALL_SECONDS + 1)
 
 
 def test_recovery_runs_from_the_eviction_to_the_next_round() -> None:

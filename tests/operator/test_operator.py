@@ -35,7 +35,7 @@ from torchspot_operator.handlers import RECONCILE_INTERVAL
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.login import login_with_kubeconfig
 from torchspot_operator.reconcile import ETCD_KINDS
-from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous import milestones
 
 
 def _status(cluster: Cluster, job: str) -> dict[str, Any]:
@@ -571,9 +571,9 @@ def test_round_and_checkpoint_reported_by_the_run_reach_the_status(cluster: Clus
     run_id = _status(cluster, "reported")["runId"]
     client = etcd.client()
     try:
-        progress.write(client, run_id, progress.ROUND, {"round": 2, "nodes": 3}, lease=None)
+        milestones.write(client, run_id, milestones.ROUND, {"round": 2, "nodes": 3}, lease=None)
         record = {"step": 800, "uri": "az://checkpoints/cifar/step-0000000800/"}
-        progress.write(client, run_id, progress.CHECKPOINT, record, lease=None)
+        milestones.write(client, run_id, milestones.CHECKPOINT, record, lease=None)
     finally:
         client.close()
     reported = wait_for(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.operator.jobs import good_job
-from torchspot_operator import builders, conditions, constants, reconcile
+from torchspot_operator import builders, conditions, constants, reconcile, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import delete_options
@@ -283,7 +283,9 @@ CLASSIFY = [
     # (case, pod, trouble, want kind, want reason)
     (
         "disruption target",
-        _pod(0, "Failed", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]),
+        _pod(
+            0, "Failed", conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]
+        ),
         None,
         "eviction",
         "PreemptionByScheduler",
@@ -310,7 +312,7 @@ CLASSIFY = [
 def test_what_the_cluster_says_is_an_eviction_everything_else_a_failure(
     case: str, pod: dict[str, Any], trouble: str | None, kind: str, reason: str
 ) -> None:
-    verdict = reconcile.classify(pod, trouble)
+    verdict = verdicts.classify(pod, trouble)
     assert (verdict.kind, verdict.reason) == (kind, reason), verdict
 
 
@@ -654,9 +656,9 @@ class TestManagedEtcd:
         }  # fmt: skip
 
 
-def test_progress_from_etcd_lands_in_the_status_and_survives_gaps() -> None:
-    progress = {"round": {"round": 4, "nodes": 3}, "checkpoint": {"step": 1200, "uri": "az://c/p/", "time": "t"}}
-    first = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), progress=progress).status
+def test_milestones_from_etcd_land_in_the_status_and_survive_gaps() -> None:
+    milestones = {"round": {"round": 4, "nodes": 3}, "checkpoint": {"step": 1200, "uri": "az://c/p/", "time": "t"}}
+    first = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), milestones=milestones).status
     assert first["rendezvousRound"] == 4
     assert first["lastCheckpoint"] == {"step": 1200, "uri": "az://c/p/", "time": "t"}
     later = _plan([_pod(0), _pod(1), _pod(2)], old=first)  # etcd unreachable this time: nothing read

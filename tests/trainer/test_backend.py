@@ -21,20 +21,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
-from torchspot_trainer.recovery.signals import LEAVING_MARKER, PEER_LOST_ENV, marker_beside, node_leaving
-from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, marker_beside, node_leaving
+from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient
-from torchspot_trainer.rendezvous.handler import (
-    EtcdV3RendezvousHandler,
-    complete_early,
-    create_handler,
-    departed_since,
-    lost_members,
-    membership_changed,
-    name_peer_lost_marker,
-)
-from torchspot_trainer.rendezvous.progress import CheckpointReporter
+from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler, name_peer_lost_marker
+from torchspot_trainer.rendezvous.milestones import CheckpointReporter
+from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 from torchspot_trainer.rendezvous.store import EtcdStore
 
@@ -437,12 +430,12 @@ def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:
     client = etcd.client()
     try:
         reporter.report(400, "az://ckpt/run/step-0000000400/")
-        record = wait_for(lambda: progress.read(client, "run-progress").get("checkpoint"), 10, "the report")
+        record = wait_for(lambda: milestones.read(client, "run-progress").get("checkpoint"), 10, "the report")
         assert record["step"] == 400
         assert record["uri"].endswith("step-0000000400/")
         assert record["time"].endswith("Z")
-        client.put(progress.status_prefix("run-progress") + "round", b"not json", lease=None)
-        assert "round" not in progress.read(client, "run-progress")  # skipped, not fatal
+        client.put(milestones.milestone_prefix("run-progress") + "round", b"not json", lease=None)
+        assert "round" not in milestones.read(client, "run-progress")  # skipped, not fatal
     finally:
         reporter.close()
         client.close()

@@ -254,7 +254,9 @@ def test_describe_never_shows_the_key(azurite: Azurite) -> None:
 
 
 def test_data_set_is_copied_from_a_blob_prefix(azurite: Azurite, tmp_path: Path) -> None:
-    from torchspot_trainer.data.datasets import fetch_prefix, load_cifar10, write_synthetic_cifar10
+    from torchspot_lab.datasets import write_synthetic_cifar10
+    from torchspot_trainer.data.datasets import load_cifar10
+    from torchspot_trainer.data.fetch import fetch_prefix
 
     archive = write_synthetic_cifar10(tmp_path / "src" / "cifar-10-python.tar.gz", n_train=20, n_test=5)
     prefix = f"az://datasets/{uuid.uuid4().hex}"
@@ -275,7 +277,7 @@ def test_the_local_ranks_of_a_node_copy_a_data_set_once(azurite: Azurite, tmp_pa
         storage.put(f"train/c{i % 2}/{i}.bin", bytes([i]) * 50_000)
     cache = tmp_path / "cache"
     code = (
-        "import sys; from pathlib import Path; from torchspot_trainer.data.datasets import fetch_prefix; "
+        "import sys; from pathlib import Path; from torchspot_trainer.data.fetch import fetch_prefix; "
         "fetch_prefix(sys.argv[1], Path(sys.argv[2]))"
     )
     env = {**os.environ, **azurite.env()}

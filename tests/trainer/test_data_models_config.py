@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchspot_lab.datasets import write_synthetic_cifar10, write_synthetic_imagenet
 from torchspot_trainer.config import TrainConfig, build_parser, parse_config
-from torchspot_trainer.data.datasets import (
-    CIFAR_FOLDER,
-    load_cifar10,
-    load_digits,
-    load_imagenet,
-    resized_crop_box,
-    sample_generator,
-    write_synthetic_cifar10,
-    write_synthetic_imagenet,
-)
+from torchspot_trainer.data.datasets import CIFAR_FOLDER, load_cifar10, load_digits, load_imagenet, sample_generator
+from torchspot_trainer.data.imaging import resized_crop_box
 from torchspot_trainer.models import SmallCNN, resnet18, resnet50
 from torchspot_trainer.optim import RECIPES, BatchRule, learning_rate
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level

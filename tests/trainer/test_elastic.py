@@ -27,7 +27,7 @@ from torchspot_lab.local import (
     wait_for,
 )
 from torchspot_operator.certs import etcd_certificates
-from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
 pytestmark = pytest.mark.slow
@@ -122,7 +122,7 @@ def test_forms_group_assigns_ranks_and_admits_late_joiner(
     client = etcd.client()
     try:
         reported = wait_for(
-            lambda: progress.read(client, run_id).get("round", {}).get("nodes") == 3, 10, "round report"
+            lambda: milestones.read(client, run_id).get("round", {}).get("nodes") == 3, 10, "round report"
         )
     finally:
         client.close()
@@ -281,7 +281,7 @@ def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
         _await_world(job, 2, 0, FORM)
         client = server.client()
         try:
-            wait_for(lambda: progress.read(client, run_id).get("round", {}).get("nodes") == 2, 10, "round report")
+            wait_for(lambda: milestones.read(client, run_id).get("round", {}).get("nodes") == 2, 10, "round report")
         finally:
             client.close()
         fault = time.time()

@@ -20,17 +20,19 @@ import pytest
 
 from torchspot_lab.imds import FakeImds, scheduled_event
 from torchspot_lab.local import wait_for
-from torchspot_trainer.recovery.signals import (
+from torchspot_trainer.markers import (
     LEAVING_MARKER,
     PEER_LOST_ENV,
-    PEER_LOST_GRACE,
     RESTART_MARKER,
-    EvictionNotice,
-    ScheduledEventsWatcher,
     agent_restarting,
-    evicting_events,
     node_leaving,
     peer_lost,
+)
+from torchspot_trainer.recovery.signals import (
+    PEER_LOST_GRACE,
+    EvictionNotice,
+    ScheduledEventsWatcher,
+    evicting_events,
     stuck_wait,
 )
 

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from torchspot_lab.datasets import write_synthetic_imagenet
 from torchspot_trainer.config import TrainConfig
 from torchspot_trainer.data.datasets import (
     IMAGENET_MEAN,
@@ -28,13 +29,9 @@ from torchspot_trainer.data.datasets import (
     ImageFolder,
     Normalize,
     TensorImages,
-    decode_reduction,
-    decode_region,
-    eval_crop_box,
-    resized_crop_box,
     sample_generator,
-    write_synthetic_imagenet,
 )
+from torchspot_trainer.data.imaging import decode_reduction, decode_region, eval_crop_box, resized_crop_box
 from torchspot_trainer.data.loader import Collate, DeviceDecoder, EpochLoader, encode
 from torchspot_trainer.train import decode_refusal
 

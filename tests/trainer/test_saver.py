@@ -16,7 +16,7 @@ import torch
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.local import wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport
-from torchspot_trainer.checkpoint.saver import ALIGN, TensorRef, fill, plan, unpack
+from torchspot_trainer.checkpoint.saver import ALIGN, TensorRef, buffer_layout, fill, unpack
 from torchspot_trainer.checkpoint.storage import LocalStorage, open_storage
 
 
@@ -51,7 +51,7 @@ def _assert_same(a: Any, b: Any) -> None:
 
 def test_plan_fill_unpack_roundtrip_keeps_every_dtype_and_aligns() -> None:
     state = _state(2.5)
-    skeleton, size = plan(state)
+    skeleton, size = buffer_layout(state)
     refs = [skeleton["model"]["w"], skeleton["model"]["mask"], skeleton["model"]["bf"], skeleton["scalar"]]
     assert all(isinstance(ref, TensorRef) and ref.offset % ALIGN == 0 for ref in refs)
     assert skeleton["step"] == 2

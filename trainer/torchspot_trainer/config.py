@@ -328,7 +328,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 def ensure_local_data(config: TrainConfig) -> Path:
     """The data set as a local path, copying an az:// prefix to the cache first."""
-    from torchspot_trainer.data.datasets import fetch_prefix  # noqa: PLC0415
+    from torchspot_trainer.data.fetch import fetch_prefix  # noqa: PLC0415
 
     if config.data.startswith("az://"):
         cache = Path(config.data_cache) if config.data_cache else Path(tempfile.gettempdir()) / "torchspot-data"

@@ -78,7 +78,7 @@ from torchspot_trainer.recovery.signals import (
     watch_sigterm,
 )
 from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
-from torchspot_trainer.rendezvous.progress import CheckpointReporter
+from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.step import model_inputs, train_step
 
 log = logging.getLogger(__name__)

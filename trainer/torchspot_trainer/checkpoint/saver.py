@@ -82,7 +82,7 @@ def map_nested(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     return leaf(obj)
 
 
-def plan(state: Any, start: int = 0) -> tuple[Any, int]:
+def buffer_layout(state: Any, start: int = 0) -> tuple[Any, int]:
     """The skeleton of `state` (tensors replaced by `TensorRef`s) and the buffer size it needs.
 
     Pure: nothing is copied. Strided tensors are laid out one after another, each at an
@@ -173,7 +173,7 @@ class SaverProcess:
         with self._lock:
             if self._pending is not None and not self._pending.done():
                 raise RuntimeError("a checkpoint save is still in flight; wait for it first")
-            skeleton, size = plan(state)
+            skeleton, size = buffer_layout(state)
             if self._buffer is None or self._buffer.numel() < size:
                 self._buffer = torch.empty(max(size, 1), dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
                 self._conn.send(("buffer", self._buffer))

@@ -1,4 +1,4 @@
-"""Data sets: CIFAR-10 (python batches), ImageNet-style folders, digits, and synthetic sets.
+"""Data sets: CIFAR-10 (python batches), ImageNet-style folders and digits.
 
 - CIFAR-10 in its "python version" format: the pickled `data_batch_1..5` and
   `test_batch` inside `cifar-10-python.tar.gz` (or the extracted
@@ -6,8 +6,7 @@
   planes of 32x32) and `labels`.
 - ImageNet's folder layout: `ROOT/train/<class>/*.JPEG` and `ROOT/val/<class>/*`:
   RandomResizedCrop and flip for training, resize and centre crop for evaluation (the
-  standard recipe). JPEGs are decoded by libjpeg-turbo through simplejpeg (Pillow for
-  anything else), cropped, and resized by torch's uint8 antialiased bilinear kernel.
+  standard recipe). The crop boxes and the JPEG decoding are imaging.py's.
 - Every data set yields uint8 images (a quarter of float32's bytes through the loader,
   its shared memory and the copy to the GPU) and names its `Normalize`, which the trainer
   applies on the device.
@@ -15,20 +14,16 @@
   from a process's random state, so it does not depend on the rank or the world size.
 - scikit-learn's bundled 8x8 digits (real handwriting, shipped inside the package),
   for correctness tests that must not depend on data written here.
-- Generators that write small synthetic sets in the CIFAR and ImageNet formats, with
-  a learnable class signal, for the tests and the demo.
-- `fetch_prefix` copies a Blob prefix (`az://container/prefix`) to a local cache.
+
+Small synthetic sets in these formats, for the tests, benchmarks and demo, are written by
+the lab (torchspot_lab/datasets.py); a Blob prefix is copied to the node by fetch.py.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import io
-import math
 import pickle
 import tarfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.data.imaging import Box, decode_region, eval_crop_box, resized_crop_box
 
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TARBALL = "cifar-10-python.tar.gz"
@@ -195,114 +190,6 @@ def load_cifar10(path: Path, *, augment: bool = True) -> tuple[TensorImages, Ten
     )
 
 
-RESIZED_CROP_SCALE = (0.08, 1.0)
-RESIZED_CROP_RATIO = (3 / 4, 4 / 3)
-"""The standard ImageNet training crop (torchvision's RandomResizedCrop defaults, the reference
-recipe of torchvision's classification references and of Goyal et al. 2017): a region of 8% to
-100% of the image's area with an aspect ratio from 3:4 to 4:3, resized to the input size."""
-EVAL_RESIZE = 256 / 224
-"""Evaluation resizes the shorter side to size x 256/224, then takes the centre crop."""
-
-
-def resized_crop_box(width: int, height: int, random: torch.Generator) -> tuple[int, int, int, int]:
-    """(left, top, right, bottom) of a RandomResizedCrop region, as torchvision draws it: ten
-    tries at a random scale and log-uniform ratio, then the centre crop of the clamped ratio."""
-    area = width * height
-    low, high = math.log(RESIZED_CROP_RATIO[0]), math.log(RESIZED_CROP_RATIO[1])
-    for _ in range(10):
-        target = area * float(torch.empty(()).uniform_(*RESIZED_CROP_SCALE, generator=random))
-        ratio = math.exp(float(torch.empty(()).uniform_(low, high, generator=random)))
-        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(torch.randint(0, height - h + 1, (), generator=random))
-            left = int(torch.randint(0, width - w + 1, (), generator=random))
-            return left, top, left + w, top + h
-    ratio = width / height
-    if ratio < RESIZED_CROP_RATIO[0]:
-        w, h = width, round(width / RESIZED_CROP_RATIO[0])
-    elif ratio > RESIZED_CROP_RATIO[1]:
-        w, h = round(height * RESIZED_CROP_RATIO[1]), height
-    else:
-        w, h = width, height
-    left, top = (width - w) // 2, (height - h) // 2
-    return left, top, left + w, top + h
-
-
-Box = tuple[int, int, int, int]
-"""(left, top, right, bottom) of a region of an image, in pixels."""
-
-
-def eval_crop_box(width: int, height: int, size: int) -> Box:
-    """The evaluation crop as a region of the original image: resizing the shorter side to
-    size x 256/224 and taking the centre size x size is the centre square of side
-    shorter / (256/224), resized to size."""
-    side = max(1, round(min(width, height) / EVAL_RESIZE))
-    left, top = (width - side) // 2, (height - side) // 2
-    return left, top, left + side, top + side
-
-
-def decode_reduction(box: Box, size: int) -> int:
-    """How many times smaller (1, 2, 4 or 8) libjpeg-turbo may decode an image, in the DCT
-    domain, and still leave the crop `box` at least `size` pixels on each side: the resize
-    after it then still only shrinks. Saves most of the work on images several times the
-    input size; at ImageNet's usual 500 x 375 it is 1. Pure."""
-    shorter = min(box[2] - box[0], box[3] - box[1])
-    factor = 1
-    while factor < 8 and shorter >= 2 * factor * size:
-        factor *= 2
-    return factor
-
-
-def scale_box(box: Box, sx: float, sy: float) -> Box:
-    """`box` in an image scaled by (sx, sy): the pixels it covers, never empty. Pure."""
-    left, top = math.floor(box[0] * sx), math.floor(box[1] * sy)
-    return left, top, max(math.ceil(box[2] * sx), left + 1), max(math.ceil(box[3] * sy), top + 1)
-
-
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's header, or None if libjpeg-turbo cannot decode it to RGB
-    (not a JPEG, or a CMYK one): those go through Pillow."""
-    import simplejpeg  # noqa: PLC0415 - the trainer's dependency; imported where images are read
-
-    try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return None
-    return (width, height) if colorspace in ("Gray", "YCbCr", "RGB") else None
-
-
-def decode_region(data: bytes, box_of: Callable[[int, int], Box], size: int) -> torch.Tensor:
-    """Decode an image file's bytes and return the region `box_of(width, height)` resized to
-    size x size: uint8, (3, size, size).
-
-    JPEGs are decoded by libjpeg-turbo (simplejpeg), shrunk while decoding where the crop
-    allows (`decode_reduction`); anything else by Pillow. The region is resized by torch's
-    uint8 antialiased bilinear kernel, Pillow's filter vectorised: about a third of the
-    CPU time of Pillow's resize here.
-    """
-    import simplejpeg  # noqa: PLC0415
-
-    dimensions = jpeg_size(data)
-    if dimensions is not None:
-        box = box_of(*dimensions)
-        factor = decode_reduction(box, size)
-        width, height = dimensions
-        pixels = simplejpeg.decode_jpeg(
-            data, colorspace="RGB", min_width=-(-width // factor), min_height=-(-height // factor), min_factor=factor
-        )
-        box = scale_box(box, pixels.shape[1] / width, pixels.shape[0] / height)
-    else:
-        from PIL import Image  # noqa: PLC0415
-
-        with Image.open(io.BytesIO(data)) as img:
-            pixels = np.array(img.convert("RGB"), dtype=np.uint8)
-        box = box_of(pixels.shape[1], pixels.shape[0])
-    left, top, right, bottom = box
-    region = torch.from_numpy(pixels[top:bottom, left:right]).permute(2, 0, 1).unsqueeze(0)
-    resized = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return resized[0].contiguous()
-
-
 class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
     """`ROOT/<class>/<image>`: the standard ImageNet transforms, yielded as uint8 (3, size, size).
 
@@ -378,100 +265,3 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorImage
         TensorImages(images[train], [labels[i] for i in train], mean, std),
         TensorImages(images[test], [labels[i] for i in test], mean, std),
     )
-
-
-def _synthetic_images(n: int, classes: int, size: int, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
-    """Images whose class shows as a color and a stripe frequency, plus noise."""
-    labels = rng.integers(0, classes, n)
-    yy, xx = np.mgrid[0:size, 0:size] / size
-    images = np.empty((n, 3, size, size), dtype=np.uint8)
-    for i, label in enumerate(labels):
-        hue = np.array([np.cos(label), np.sin(label * 1.3), np.cos(label * 0.7)]) * 0.35 + 0.5
-        stripes = 0.5 + 0.5 * np.sin((label + 2) * np.pi * (xx + yy))
-        base = hue[:, None, None] * (0.6 + 0.4 * stripes)[None]
-        noisy = base + rng.normal(0, 0.12, base.shape)
-        images[i] = np.clip(noisy * 255, 0, 255).astype(np.uint8)
-    return images, [int(v) for v in labels]
-
-
-def write_synthetic_cifar10(path: Path, n_train: int = 5000, n_test: int = 1000, seed: int = 0) -> Path:
-    """Write `cifar-10-python.tar.gz` with synthetic 32x32 images in the real format."""
-    rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    per_batch = -(-n_train // 5)
-    with tarfile.open(path, "w:gz") as tar:
-
-        def add(name: str, payload: object) -> None:
-            blob = pickle.dumps(payload, protocol=2)
-            info = tarfile.TarInfo(f"{CIFAR_FOLDER}/{name}")
-            info.size = len(blob)
-            tar.addfile(info, io.BytesIO(blob))
-
-        remaining = n_train
-        for name in CIFAR_TRAIN:
-            count = min(per_batch, remaining)
-            remaining -= count
-            images, labels = _synthetic_images(count, 10, 32, rng)
-            add(
-                name,
-                {
-                    b"batch_label": name.encode(),
-                    b"labels": labels,
-                    b"data": images.reshape(count, -1),
-                },
-            )
-        images, labels = _synthetic_images(n_test, 10, 32, rng)
-        add(
-            CIFAR_TEST,
-            {b"batch_label": b"test", b"labels": labels, b"data": images.reshape(n_test, -1)},
-        )
-        add("batches.meta", {b"label_names": [f"class{i}".encode() for i in range(10)]})
-    return path
-
-
-def write_synthetic_imagenet(root: Path, classes: int = 4, per_class: int = 8, size: int = 64, seed: int = 0) -> Path:
-    """Write `ROOT/{train,val}/<class>/*.JPEG` with synthetic images."""
-    from PIL import Image  # noqa: PLC0415
-
-    rng = np.random.default_rng(seed)
-    for split, count in (("train", per_class), ("val", max(1, per_class // 4))):
-        for label in range(classes):
-            folder = root / split / f"n{label:08d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            images, _ = _synthetic_images(count, classes, size, rng)
-            for i in range(count):
-                # Force the class signal of `label` on every image of this folder.
-                forced, _ = _synthetic_images(1, classes, size, np.random.default_rng(seed * 1000 + label))
-                pixels = ((images[i].astype(np.uint16) + forced[0]) // 2).astype(np.uint8)
-                Image.fromarray(pixels.transpose(1, 2, 0)).save(folder / f"img{i:05d}.JPEG", quality=90)
-    return root
-
-
-def fetch_prefix(uri: str, cache: Path, env: Mapping[str, str] | None = None) -> Path:
-    """Copy every object under `uri` (az://container/prefix or a folder) into `cache`, once per node.
-
-    The local ranks of a node all call this at start-up: the first takes the cache's lock and
-    copies, the others wait for the lock and then find the copy complete (a marker named after
-    `uri`), so a data set is fetched once per node and no two processes write the same file.
-    Objects already in the cache are not fetched again (an interrupted copy resumes); each is
-    written to a temporary name and renamed, so an interrupted copy never looks complete.
-    """
-    cache.mkdir(parents=True, exist_ok=True)
-    marker = cache / f".complete-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
-    with open(cache / ".torchspot-fetch.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its holder dies
-        if marker.exists():
-            return cache
-        storage = open_storage(uri, env, create_container=False)
-        fetched = 0
-        for name in storage.list():
-            target = cache / name
-            if target.exists():
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.partial")
-            tmp.write_bytes(storage.get(name))
-            tmp.replace(target)
-            fetched += 1
-        marker.write_text(f"{uri}\n{fetched} objects fetched\n")
-    return cache

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from torchspot_trainer.data.datasets import Box, ImageFolder, SampleRandom, jpeg_size
+from torchspot_trainer.data.datasets import ImageFolder, SampleRandom
+from torchspot_trainer.data.imaging import Box, jpeg_size
 
 PREFETCH_BATCHES = 4
 """Batches each loader worker keeps ready (DataLoader's `prefetch_factor`; its default is 2).

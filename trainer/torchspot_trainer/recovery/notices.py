@@ -23,14 +23,9 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import SaveReport
+from torchspot_trainer.markers import agent_restarting, node_leaving
 from torchspot_trainer.recovery.group import Group
-from torchspot_trainer.recovery.signals import (
-    EvictionNotice,
-    Notice,
-    ScheduledEventsWatcher,
-    agent_restarting,
-    node_leaving,
-)
+from torchspot_trainer.recovery.signals import EvictionNotice, Notice, ScheduledEventsWatcher
 
 log = logging.getLogger(__name__)
 

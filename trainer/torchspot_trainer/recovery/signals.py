@@ -29,9 +29,11 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from torchspot_trainer.markers import peer_lost
 
 log = logging.getLogger(__name__)
 
@@ -45,56 +47,6 @@ PEER_LOST_GRACE = 2.0
 next: a peer that was only slow to heartbeat (a starved node) lets the step finish. Counted from
 the boundary, not from the SIGTERM: a peer is declared lost only after seconds without a
 heartbeat, and a worker stuck with it since then has nothing more to wait for."""
-PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
-"""Environment variable naming the file whose existence means: this node's agent stops its
-workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
-
-
-RESTART_MARKER = "restart"
-"""File beside the peer-lost marker whose existence means: this node's agent is stopping its
-workers to re-form the group (a node joins, or a peer is lost); the node itself stays."""
-
-
-LEAVING_MARKER = "leaving"
-"""File beside the peer-lost marker whose existence means: this node's agent was told to stop (its
-pod is deleted) and takes the node out of the rendezvous. The agent writes it before the other
-nodes can see the node gone, so its workers know at their next step boundary that their node
-leaves and one of them writes the emergency checkpoint, even when the agent's SIGTERM reaches
-them only after the other nodes' agents have restarted their workers (a CI run lost the emergency
-checkpoint to that race)."""
-
-
-def marker_beside(peer_lost_marker: str, name: str) -> str:
-    """The path of marker `name` (RESTART_MARKER, LEAVING_MARKER): beside the peer-lost marker,
-    so one environment variable names them all."""
-    return os.path.join(os.path.dirname(peer_lost_marker), name)
-
-
-def _agent_marked(name: str, environ: Mapping[str, str]) -> bool:
-    path = environ.get(PEER_LOST_ENV, "")
-    return path != "" and os.path.exists(marker_beside(path, name))
-
-
-def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when this node's agent has marked that it restarts its workers for a new round.
-
-    A SIGTERM then is not the node's eviction: the worker's own snapshot carries its state to
-    the next round, and no emergency checkpoint to Blob is needed (a node that is really
-    leaving gets its SIGTERM without this marker, and then the checkpoint is written).
-    """
-    return _agent_marked(RESTART_MARKER, environ)
-
-
-def node_leaving(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when this node's agent has marked that the node leaves (LEAVING_MARKER), whether or
-    not its SIGTERM has reached this worker yet."""
-    return _agent_marked(LEAVING_MARKER, environ)
-
-
-def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when this node's agent has marked the current round as having lost a peer."""
-    path = environ.get(PEER_LOST_ENV, "")
-    return path != "" and os.path.exists(path)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The `etcd-v3` rendezvous handler and its registration with torchrun.
+"""The `etcd-v3` rendezvous handler and its registration with torchrun. The rules it applies to a
+round (when it ended, who is lost, when it may complete early) are pure, in rounds.py.
 
 We reuse torch's `DynamicRendezvousHandler` (its join, wait-list, heartbeat and
 round logic is sound) and change three things it gets wrong for spot nodes:
@@ -70,10 +71,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from torchspot_trainer.recovery.signals import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
-from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
+from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot_trainer.rendezvous.store import EtcdStore
 
@@ -84,75 +86,6 @@ _WARN_EVERY = 10.0
 _LEFT_COUNTER = "torchspot.agents_left"
 _DEPARTED = "departed/"
 """Under the run prefix: one key per node that left, valued with the round it left."""
-
-
-def membership_changed(joined_round: int, joined_members: frozenset[Any], state: Any) -> tuple[bool, str]:
-    """Decide whether the round this node trains in has ended.
-
-    Pure: takes the round we joined, its members, and torch's current
-    (sanitized) rendezvous state. Returns (changed, reason).
-
-    A state that is entirely empty (round 0, nobody in it) means etcd lost its
-    data; that alone is no reason to stop a job that trains fine, so the next
-    real membership change starts a fresh round instead.
-    """
-    pristine = (
-        state.round == 0 and not state.participants and not state.wait_list and not state.complete and not state.closed
-    )
-    if pristine:
-        return False, ""
-    if state.round != joined_round:
-        return True, f"round {joined_round} ended (now {state.round})"
-    lost = [str(node) for node in joined_members if node not in state.participants]
-    if lost:
-        return True, f"member(s) {', '.join(sorted(lost))} stopped heartbeating"
-    return False, ""
-
-
-def lost_members(joined_members: frozenset[Any], state: Any) -> list[str]:
-    """Members of our round that stopped heartbeating (torch's sync drops dead nodes'
-    heartbeats), whatever round the state has moved on to. Pure."""
-    return sorted(str(node) for node in joined_members if node not in state.last_heartbeats)
-
-
-def complete_early(
-    previous: frozenset[Any], node: Any, state: Any, min_nodes: int, gone: frozenset[str] = frozenset()
-) -> bool:
-    """Whether `node` may complete the forming round now instead of at its last call.
-
-    Pure. Yes when the round is still open, has `min_nodes`, holds `node`, no node waits
-    for a later round, and every member of the previous round (`previous`) has joined it
-    or is known to be gone (its name is in `gone`): whoever else might come is a stranger,
-    and strangers join the next round anyway. No for a first round (nobody to expect).
-    A missing member that is not known gone is waited for until the last call, even if it
-    has no heartbeat: a member between leaving the old round and joining the new one has
-    none either (bench run 10 formed a round of one that way).
-    """
-    if state.complete or state.closed or not previous or state.wait_list:
-        return False
-    if node not in state.participants or len(state.participants) < min_nodes:
-        return False
-    return all(member in state.participants or str(member) in gone for member in previous)
-
-
-def departed_since(records: dict[str, bytes], prefix: str, round_: int) -> frozenset[str]:
-    """The nodes of `records` (the keys under `prefix`, valued with a round) that left in
-    round `round_` or later. Pure; a value that is not a round is ignored.
-
-    The round matters because a name can come back: torch names a node by host name and
-    agent pid, and a replacement pod may get both. Once it is in a later round, leaving
-    that round for a restart is no departure. (The nodes found dead are filtered the same
-    way, for a frozen node that thaws.)
-    """
-    names = set()
-    for key, value in records.items():
-        try:
-            left = int(value)
-        except ValueError:
-            continue
-        if key.startswith(prefix) and left >= round_:
-            names.add(key[len(prefix) :])
-    return frozenset(names)
 
 
 class _WatchfulStateHolder(_BackendRendezvousStateHolder):
@@ -274,7 +207,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             except EtcdError as exc:
                 log.warning("rendezvous %s: round not reported (%s)", self._settings.run_id, exc)
             else:
-                progress.write(self._etcd, self._settings.run_id, progress.ROUND, record, lease=lease)
+                milestones.write(self._etcd, self._settings.run_id, milestones.ROUND, record, lease=lease)
         return info
 
     def num_nodes_waiting(self) -> int:

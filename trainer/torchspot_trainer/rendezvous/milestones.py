@@ -1,4 +1,5 @@
-"""A run's progress as the operator reads it: two small JSON keys beside the rendezvous state.
+"""A run's milestones as the operator reads them: the last round formed and the last checkpoint
+committed, two small JSON keys beside the rendezvous state.
 
     <KEY_ROOT>/<run id>/status/round        {"round": 7, "world": 3, "time": ...}   (the agents)
     <KEY_ROOT>/<run id>/status/checkpoint   {"step": 1200, "uri": ..., "time": ...} (trainer rank 0)
@@ -7,6 +8,9 @@ Why etcd: the operator can always reach the job's etcd (it runs it), while readi
 the checkpoints' `latest.json` would need the job's Blob credentials. The keys sit
 under the run's prefix, so the last agent out deletes them with the rest; the
 operator keeps the last values it saw in the job's status.
+
+The keys keep the path `status/` they had before these were called milestones: an operator
+upgraded under a running job still reads what its older trainers write.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ log = logging.getLogger(__name__)
 
 ROUND = "round"
 CHECKPOINT = "checkpoint"
-STATUS_TIMEOUT = 2.0
-"""Seconds one status write or read may take; progress reports never wait longer."""
+MILESTONE_TIMEOUT = 2.0
+"""Seconds one milestone write or read may take; training never waits longer for one."""
 REPORT_TTL = 600
 """Seconds a trainer's checkpoint report lives without a newer one (it has no run lease of its
 own; the operator keeps the last value it saw in the job's status after the key is gone)."""
 
 
-def status_prefix(run_id: str) -> str:
+def milestone_prefix(run_id: str) -> str:
     """Where a run's status keys live."""
     return f"{KEY_ROOT}/{run_id}/status/"
 
@@ -50,14 +54,14 @@ def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any], *,
     try:
         if lease is None:
             lease = client.grant_lease(REPORT_TTL)
-        client.put(status_prefix(run_id) + name, json.dumps({**record, "time": now()}).encode(), lease=lease)
+        client.put(milestone_prefix(run_id) + name, json.dumps({**record, "time": now()}).encode(), lease=lease)
     except EtcdError as exc:
         log.warning("could not report %s to etcd: %s", name, exc)
 
 
 def read(client: EtcdClient, run_id: str) -> dict[str, Any]:
     """Every status record of a run, by name (a record that is not JSON is skipped)."""
-    prefix = status_prefix(run_id)
+    prefix = milestone_prefix(run_id)
     records: dict[str, Any] = {}
     for key, value in client.get_prefix(prefix).items():
         try:
@@ -89,7 +93,7 @@ class CheckpointReporter:
         host, port = parse_endpoint(env["PET_RDZV_ENDPOINT"])
         conf = dict(item.split("=", 1) for item in env.get("PET_RDZV_CONF", "").split(",") if "=" in item)
         tls = EtcdTls.from_conf({key.strip(): value.strip() for key, value in conf.items()})
-        return cls(EtcdClient(host, port, request_timeout=STATUS_TIMEOUT, tls=tls), run_id)
+        return cls(EtcdClient(host, port, request_timeout=MILESTONE_TIMEOUT, tls=tls), run_id)
 
     def report(self, step: int, uri: str) -> None:
         """Record a committed checkpoint (in a daemon thread: etcd may be slow or away)."""

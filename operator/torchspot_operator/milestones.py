@@ -1,6 +1,6 @@
 """What the run itself reports (rendezvous round, last committed checkpoint), read from the job's etcd.
 
-The agents and trainer rank 0 write two small keys (trainer/torchspot_trainer/rendezvous/progress.py).
+The agents and trainer rank 0 write two small keys (trainer/torchspot_trainer/rendezvous/milestones.py).
 Reading them must never slow a reconcile: the etcd client is synchronous, the
 managed etcd may not be up yet, and a name may not resolve. So `latest()` answers at
 once from a cache and starts at most one background refresh per job; the next
@@ -14,14 +14,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from torchspot_trainer.rendezvous import progress
+from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot_trainer.rendezvous.settings import parse_endpoint
 
 log = logging.getLogger(__name__)
 
 
-class ProgressReader:
+class MilestoneReader:
     """Caches each run's status records; refreshes them in the background.
 
     :param resolve: turns a job's rendezvous address into one this process can reach.
@@ -48,9 +48,9 @@ class ProgressReader:
     async def _refresh(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> None:
         try:
             read = asyncio.to_thread(self._read, endpoint, run_id, tls)
-            found = await asyncio.wait_for(read, progress.STATUS_TIMEOUT * 2)
+            found = await asyncio.wait_for(read, milestones.MILESTONE_TIMEOUT * 2)
         except (EtcdError, TimeoutError, ValueError) as exc:
-            log.debug("run %s: no progress from etcd at %s yet (%s)", run_id, endpoint, exc)
+            log.debug("run %s: no milestones from etcd at %s yet (%s)", run_id, endpoint, exc)
             return
         self._cache[run_id] = found
 
@@ -59,9 +59,9 @@ class ProgressReader:
         client = self._clients.get(address)
         if client is None:
             host, port = parse_endpoint(address)
-            timeout = progress.STATUS_TIMEOUT
+            timeout = milestones.MILESTONE_TIMEOUT
             client = self._clients[address] = EtcdClient(host, port, request_timeout=timeout, tls=tls)
-        return progress.read(client, run_id)
+        return milestones.read(client, run_id)
 
     def forget(self, run_id: str) -> None:
         """Drop a finished run's cache."""

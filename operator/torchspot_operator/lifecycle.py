@@ -1,0 +1,264 @@
+"""The job's lifecycle: the clocks its rules count from, the backoff after worker failures, when
+it finishes (success, or which failure rule), and its phase and conditions. Pure.
+
+Written down for users in operator/README.md ("Lifecycle"). Conditions follow the training
+operator's and JobSet's rules (conditions.py): one typed constant per condition, a
+Reason/Message pair, and `lastTransitionTime` moved only when the status flips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from torchspot_operator import conditions, constants, verdicts
+from torchspot_operator.spec import JobSpec
+
+
+@dataclass
+class Clocks:
+    """The times the lifecycle's rules count from (each is in the status; None: not running).
+
+    - `start`: when the current active period began (creation, or the last resume);
+      activeDeadlineSeconds and the start-up timeout count from it;
+    - `reached_min`: the first time in this period the job had minReplicas ready; until
+      then it is Pending and WaitingForCapacity;
+    - `below_since`: when ready workers last fell below minReplicas after reaching it;
+      the below-minimum grace counts from it.
+    """
+
+    start: str | None
+    reached_min: str | None
+    below_since: str | None
+    completion: str | None
+    now: datetime
+
+    @classmethod
+    def read(cls, old: Mapping[str, Any], now: datetime, spec: JobSpec, *, suspended: bool, resumed: bool) -> Clocks:
+        if suspended:
+            return cls(None, None, None, None, now)
+        if resumed:
+            return cls(conditions.timestamp(now), None, None, None, now)
+        return cls(
+            old.get("startTime") or conditions.timestamp(now),
+            old.get("reachedMinAt"),
+            old.get("belowMinSince"),
+            None,
+            now,
+        )
+
+    def observe(self, ready: int, minimum: int) -> None:
+        if self.start is None:
+            return
+        if ready >= minimum:
+            self.reached_min = self.reached_min or conditions.timestamp(self.now)
+            self.below_since = None
+        elif self.reached_min is not None and self.below_since is None:
+            self.below_since = conditions.timestamp(self.now)
+
+    def since(self, stamp: str | None) -> float:
+        return 0.0 if stamp is None else (self.now - conditions.parse_timestamp(stamp)).total_seconds()
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "startTime": self.start,
+            "reachedMinAt": self.reached_min,
+            "belowMinSince": self.below_since,
+            "completionTime": self.completion,
+        }
+
+
+@dataclass
+class Backoff:
+    """Replacements held back after consecutive worker failures (`status.backoff`)."""
+
+    streak: int
+    until: datetime | None
+    replacements: int
+    released: int = 0
+    """Replacements whose wait ended in this reconcile: they are created now, as replacements."""
+
+    @classmethod
+    def read(cls, old: Mapping[str, Any], now: datetime) -> Backoff:
+        """The backoff in the status; a streak with nothing held is forgotten `BACKOFF_RESET_SECONDS` after
+        the last failure."""
+        raw = old.get("backoff") or {}
+        until = conditions.parse_timestamp(raw["until"]) if raw.get("until") else None
+        held = int(raw.get("replacements", 0))
+        last = (old.get("lastFailure") or {}).get("time")
+        if not held and (
+            last is None or (now - conditions.parse_timestamp(last)).total_seconds() >= constants.BACKOFF_RESET_SECONDS
+        ):
+            return cls(0, None, 0)
+        return cls(int(raw.get("consecutiveFailures", 0)), until, held)
+
+    def failed(self, count: int, *, previous: Mapping[str, Any] | None, now: datetime) -> None:
+        """`count` new failures: the streak grows (or starts again after a quiet while) and so does the wait."""
+        last = conditions.parse_timestamp(previous["time"]) if previous and previous.get("time") else None
+        quiet = last is None or (now - last).total_seconds() >= constants.BACKOFF_RESET_SECONDS
+        self.streak = (0 if quiet else self.streak) + count
+        delay = min(constants.BACKOFF_BASE_SECONDS * 2 ** (self.streak - 1), constants.BACKOFF_CAP_SECONDS)
+        self.until = now + timedelta(seconds=delay)
+        self.replacements += count
+
+    def hold(self, now: datetime) -> int:
+        """How many replacements wait now; those whose wait is over are released."""
+        if self.replacements and self.until is not None and now < self.until:
+            return self.replacements
+        self.released, self.replacements = self.replacements, 0
+        return 0
+
+    def keep(self, held: int) -> None:
+        self.replacements = held
+
+    def describe(self, now: datetime) -> str:
+        wait = 0 if self.until is None else round((self.until - now).total_seconds())
+        return (
+            f"replacing {self.replacements} failed worker pod(s) in {wait} s "
+            f"({self.streak} consecutive failure(s); evictions are replaced at once)"
+        )
+
+    def record(self) -> dict[str, Any] | None:
+        if not self.streak:
+            return None
+        return {
+            "consecutiveFailures": self.streak,
+            "until": None if self.until is None else conditions.timestamp(self.until),
+            "replacements": self.replacements,
+        }
+
+
+def outcome(
+    spec: JobSpec, census: verdicts.Census, failures: int, clocks: Clocks, last_failure: Mapping[str, Any] | None
+) -> tuple[str, str, str] | None:
+    """(phase, reason, message) if the job finishes in this reconcile: success first, then failure rules;
+    `failures` is the job's count so far, this reconcile's included."""
+    if census.succeeded:
+        names = ", ".join(sorted(verdicts.pod_name(p) for p in census.succeeded))
+        return conditions.PHASE_SUCCEEDED, "RunCompleted", f"the run completed: worker pod {names} exited 0"
+    if failures > spec.max_restarts:
+        last = (
+            f" (last: {last_failure['pod']}, {last_failure['reason']}: {last_failure['message']})"
+            if last_failure
+            else ""
+        )
+        message = f"{failures} worker failures exceed failurePolicy.maxRestarts {spec.max_restarts}{last}"
+        return conditions.PHASE_FAILED, conditions.TOO_MANY_FAILURES, message
+    if clocks.start is None:  # suspended: no clock runs
+        return None
+    if spec.active_deadline_seconds is not None and clocks.since(clocks.start) > spec.active_deadline_seconds:
+        message = f"active for more than activeDeadlineSeconds {spec.active_deadline_seconds} s since {clocks.start}"
+        return conditions.PHASE_FAILED, conditions.DEADLINE_EXCEEDED, message
+    if clocks.reached_min is None and clocks.since(clocks.start) > spec.startup_timeout_seconds:
+        message = (
+            f"minReplicas {spec.min_replicas} not reached within failurePolicy.startupTimeoutSeconds "
+            f"{spec.startup_timeout_seconds} s of {clocks.start} ({census.ready} ready)"
+        )
+        return conditions.PHASE_FAILED, conditions.STARTUP_TIMEOUT, message
+    if clocks.below_since is not None and clocks.since(clocks.below_since) > spec.below_min_grace_seconds:
+        message = (
+            f"ready workers stayed below minReplicas {spec.min_replicas} for more than "
+            f"failurePolicy.belowMinGraceSeconds {spec.below_min_grace_seconds} s (since {clocks.below_since})"
+        )
+        return conditions.PHASE_FAILED, conditions.BELOW_MIN_TOO_LONG, message
+    return None
+
+
+def finished_conditions(
+    conds: list[dict[str, Any]], phase: str, reason: str, message: str, now: datetime
+) -> list[dict[str, Any]]:
+    done = "the job succeeded" if phase == conditions.PHASE_SUCCEEDED else "the job failed"
+    conds = conditions.set_condition(conds, phase, True, reason, message, now)
+    for kind in (conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY):
+        conds = conditions.clear_condition(conds, kind, reason, done, now)
+    return conds
+
+
+def suspended_conditions(conds: list[dict[str, Any]], census: verdicts.Census, now: datetime) -> list[dict[str, Any]]:
+    stopping = f"; {len(census.active)} worker pod(s) stopping" if census.active else ""
+    conds = conditions.set_condition(
+        conds,
+        conditions.SUSPENDED,
+        True,
+        "JobSuspended",
+        f"spec.suspend is true: no workers, no managed etcd{stopping}",
+        now,
+    )
+    for kind in (conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY):
+        conds = conditions.clear_condition(conds, kind, "JobSuspended", "the job is suspended", now)
+    return conds
+
+
+def active_conditions(
+    conds: list[dict[str, Any]],
+    spec: JobSpec,
+    census: verdicts.Census,
+    clocks: Clocks,
+    *,
+    why: str | None,
+    now: datetime,
+) -> tuple[str, list[dict[str, Any]]]:
+    """Phase and conditions of a job that is neither finished nor suspended."""
+    ready = census.ready
+    conds = conditions.set_condition(
+        conds, conditions.CREATED, True, "ObjectsCreated", "the job's objects were created", now
+    )
+    conds = conditions.clear_condition(conds, conditions.SUSPENDED, "JobResumed", "spec.suspend is false", now)
+    if clocks.reached_min is None:
+        why = why or pending_summary(census)
+        message = (
+            f"{ready} of minReplicas {spec.min_replicas} worker(s) ready: {why}; the job fails if minReplicas is not "
+            f"reached within failurePolicy.startupTimeoutSeconds {spec.startup_timeout_seconds} s of {clocks.start}"
+        )
+        conds = conditions.set_condition(
+            conds, conditions.WAITING_FOR_CAPACITY, True, "MinReplicasNotReached", message, now
+        )
+    else:
+        conds = conditions.clear_condition(
+            conds,
+            conditions.WAITING_FOR_CAPACITY,
+            "MinReplicasReached",
+            f"minReplicas reached at {clocks.reached_min}",
+            now,
+        )
+    below = ready < spec.min_replicas
+    if clocks.reached_min is None:  # not "below" a minimum it never reached: WaitingForCapacity says it
+        conds = conditions.set_condition(
+            conds, conditions.BELOW_MIN, False, "NotStarted", "minReplicas not reached yet since the start", now
+        )
+    else:
+        conds = conditions.set_condition(
+            conds, conditions.BELOW_MIN, below, "NotEnoughWorkers" if below else "EnoughWorkers",
+            f"{ready} ready worker(s), minReplicas {spec.min_replicas}", now,
+        )  # fmt: skip
+    conds = conditions.set_condition(
+        conds, conditions.RUNNING, not below, "Training" if not below else "WaitingForWorkers",
+        f"training with {ready} worker(s)" if not below else f"{ready} of at least {spec.min_replicas} ready", now,
+    )  # fmt: skip
+    scaling = ready != spec.desired
+    conds = conditions.set_condition(
+        conds, conditions.SCALING, scaling, "ScalingToDesired" if scaling else "AtDesired",
+        f"{ready} ready of {spec.desired} desired", now,
+    )  # fmt: skip
+    if clocks.reached_min is None:
+        return conditions.PENDING, conds
+    if below:
+        return conditions.PHASE_BELOW_MIN, conds
+    return (conditions.PHASE_SCALING if scaling else conditions.PHASE_RUNNING), conds
+
+
+def last_failure(census: verdicts.Census, old: Mapping[str, Any], now: datetime) -> Any:
+    """`status.lastFailure`: the newest failure this reconcile judged, or the one recorded before."""
+    if not census.failures:
+        return old.get("lastFailure")
+    name, verdict = census.failures[-1]
+    return {"pod": name, "reason": verdict.reason, "message": verdict.message, "time": conditions.timestamp(now)}
+
+
+def pending_summary(census: verdicts.Census) -> str:
+    if not census.pending:
+        return "no worker pod yet"
+    first = sorted(census.pending, key=verdicts.pod_name)[0]
+    return f"{len(census.pending)} pending, {verdicts.pod_name(first)}: {verdicts.waiting_reason(first)}"

@@ -1,0 +1,43 @@
+"""The operator's settings from its environment: defaults, and a bad value named."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchspot_operator import constants, metrics
+from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
+
+
+def test_an_empty_environment_gives_the_defaults() -> None:
+    assert read_settings({}) == OperatorSettings()
+
+
+def test_each_setting_is_read() -> None:
+    got = read_settings({
+        constants.NODE_HANDLING_ENV: "off",
+        metrics.METRICS_PORT_ENV: "0",
+        constants.OPERATOR_NAMESPACE_ENV: "torchspot",
+        constants.OPERATOR_LABELS_ENV: '{"b": "2", "a": "1"}',
+        constants.ETCD_PLACEMENT_ENV: '{"nodeSelector": {"pool": "cpu"}}',
+    })  # fmt: skip
+    assert (got.node_handling, got.metrics_port) == (False, 0)
+    assert got.identity == ("torchspot", (("a", "1"), ("b", "2")))
+    assert got.etcd_default is not None
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        (constants.NODE_HANDLING_ENV, "sometimes"),
+        (metrics.METRICS_PORT_ENV, "80000"),
+        (metrics.METRICS_PORT_ENV, "http"),
+        (constants.OPERATOR_LABELS_ENV, "[1, 2]"),
+        (constants.OPERATOR_LABELS_ENV, "{not json"),
+        (constants.ETCD_PLACEMENT_ENV, '{"nodeSelector": 3}'),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_variable(variable: str, value: str) -> None:
+    environ = {variable: value, constants.OPERATOR_NAMESPACE_ENV: "torchspot"}
+    with pytest.raises(SettingsError, match="invalid operator setting") as caught:
+        read_settings(environ)
+    assert variable in str(caught.value) or "etcd" in str(caught.value).lower()

@@ -1,0 +1,65 @@
+"""Files through which a node's agent tells its workers why they stop: the one contract between the
+agent side (launch.py, rendezvous/) and the worker side, which import nothing else of each other.
+
+The agent writes them; a worker reads them at a step boundary or as its SIGTERM arrives, which is
+how it tells a node that leaves (emergency checkpoint) from a group that re-forms (its snapshot
+is enough) and from a lost peer (no boundary will come). Files, not signals: a worker blocked in
+a collective cannot run a handler, and a file written before the agent acts is there whenever the
+worker looks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
+"""Environment variable naming the file whose existence means: this node's agent stops its
+workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
+
+
+RESTART_MARKER = "restart"
+"""File beside the peer-lost marker whose existence means: this node's agent is stopping its
+workers to re-form the group (a node joins, or a peer is lost); the node itself stays."""
+
+
+LEAVING_MARKER = "leaving"
+"""File beside the peer-lost marker whose existence means: this node's agent was told to stop (its
+pod is deleted) and takes the node out of the rendezvous. The agent writes it before the other
+nodes can see the node gone, so its workers know at their next step boundary that their node
+leaves and one of them writes the emergency checkpoint, even when the agent's SIGTERM reaches
+them only after the other nodes' agents have restarted their workers (a CI run lost the emergency
+checkpoint to that race)."""
+
+
+def marker_beside(peer_lost_marker: str, name: str) -> str:
+    """The path of marker `name` (RESTART_MARKER, LEAVING_MARKER): beside the peer-lost marker,
+    so one environment variable names them all."""
+    return os.path.join(os.path.dirname(peer_lost_marker), name)
+
+
+def _agent_marked(name: str, environ: Mapping[str, str]) -> bool:
+    path = environ.get(PEER_LOST_ENV, "")
+    return path != "" and os.path.exists(marker_beside(path, name))
+
+
+def agent_restarting(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when this node's agent has marked that it restarts its workers for a new round.
+
+    A SIGTERM then is not the node's eviction: the worker's own snapshot carries its state to
+    the next round, and no emergency checkpoint to Blob is needed (a node that is really
+    leaving gets its SIGTERM without this marker, and then the checkpoint is written).
+    """
+    return _agent_marked(RESTART_MARKER, environ)
+
+
+def node_leaving(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when this node's agent has marked that the node leaves (LEAVING_MARKER), whether or
+    not its SIGTERM has reached this worker yet."""
+    return _agent_marked(LEAVING_MARKER, environ)
+
+
+def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:
+    """True when this node's agent has marked the current round as having lost a peer."""
+    path = environ.get(PEER_LOST_ENV, "")
+    return path != "" and os.path.exists(path)
