@@ -21,3 +21,14 @@ def test_every_rendezvous_setting_is_in_the_readme() -> None:
     keys = [f.name for f in fields(EtcdV3Settings) if f.name not in ("host", "port", "run_id")]
     missing = [k for k in keys if f"| `{k}` |" not in README]
     assert missing == []
+
+
+def test_the_readme_layout_names_every_package_folder() -> None:
+    """The layout is one tree in the README: a package folder added without a line there fails here."""
+    layout = README[README.index("## Layout") : README.index("## Development")]
+    root = Path(__file__).resolve().parents[1]
+    sources = ("torchspot", "operator", "trainer", "lab")
+    folders = {p.parent.name for source in sources for p in (root / source).glob("**/__init__.py")}
+    missing = sorted(name for name in folders if f"{name}/" not in layout)
+    assert folders >= {"torchspot_operator", "torchspot_trainer", "torchspot_lab", "rendezvous", "cluster"}
+    assert missing == []

@@ -1,8 +1,8 @@
 """torchspot: elastic PyTorch training on Kubernetes GPU spot node pools.
 
-The import names map to the repository's top-level folders through symlinks in
-this folder: `torchspot_operator` is `operator/` (the standard library owns the
-bare name `operator`), `torchspot_trainer` is `trainer/`, `torchspot_lab` is `lab/`.
+This package is the `torchspot` command (cli.py). The operator, the trainer and the lab are
+the packages `torchspot_operator`, `torchspot_trainer` and `torchspot_lab`, each in the
+top-level folder of the same purpose (`operator/`, `trainer/`, `lab/`).
 """
 
 __version__ = "0.1.0"

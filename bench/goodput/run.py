@@ -16,7 +16,7 @@ In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in 
    started with --enable-v2, stock_train.py's synchronous checkpoint once per epoch to a
    shared folder, no notice handling) through the same market, with the operator's node
    handling off (TORCHSPOT_NODE_HANDLING=off).
-Then goodput (torchspot/lab/goodput.py) for both over the same window, their ratio,
+Then goodput (lab/torchspot_lab/goodput.py) for both over the same window, their ratio,
 work lost per resumption and recovery per market event; results in DIR/goodput.json,
 the plot in DIR/goodput.png. Azurite's blobs (every checkpoint of every run, 4-6 GB)
 are deleted at the end unless --keep-blobs. Both recipes train the same model on the same synthetic

@@ -89,6 +89,9 @@ class EtcdServer(LocalService):
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"default={peer_url}",
             "--log-level", "warn",
+            # One member on loopback: it elects itself after one election timeout (1 s by default,
+            # randomised up to 2 s) and has no follower to lose, so a short one costs nothing.
+            "--heartbeat-interval", "50", "--election-timeout", "250",
         ]  # fmt: skip
         if self.enable_v2:
             cmd.append("--enable-v2")
@@ -100,14 +103,30 @@ class EtcdServer(LocalService):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        self._wait_listening(deadline)
         client = EtcdClient("127.0.0.1", self.port, request_timeout=1.0, tls=self.client_tls())
         try:
-            client.wait_reachable(timeout)
+            client.wait_reachable(max(0.0, deadline - time.monotonic()), max_delay=0.05)  # it elects itself
         except EtcdError:
             self.stop()
             raise
         finally:
             client.close()
+
+    def _wait_listening(self, deadline: float) -> None:
+        """Until the client port accepts a connection (or the process exits, or `deadline` passes).
+
+        A gRPC client that dials before etcd listens waits out its reconnect backoff (a second)
+        before it tries again; a plain TCP connect every 20 ms sees the port open at once.
+        """
+        while time.monotonic() < deadline and self._proc is not None and self._proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            except OSError:
+                time.sleep(0.02)
+            else:
+                return
 
     def restart(self, *, wipe: bool = False, down_for: float = 0.0) -> None:
         """Stop, optionally delete all data (an etcd that lost its disk), and start again

@@ -2,7 +2,7 @@
 
 What runs, all real except the cloud: the Kubernetes API emulator (kmock, with our
 additions) and a kubeconfig for it; the operator, the same kopf handlers as in a
-cluster, in a thread of this process; the node agent (`cluster.py`), which plays
+cluster, in a thread of this process; the node agent (`cluster/`), which plays
 scheduler, kubelet and cloud and runs the job's pods as processes (the trainer under
 `torchspot-run`, the managed etcd as a real etcd); Azurite as the job's Blob storage,
 with the Secret the job names filled in with Azurite's connection string and, for

@@ -1,4 +1,4 @@
-"""The goodput arithmetic of bench/goodput (torchspot/lab/goodput.py): pure, table-driven."""
+"""The goodput arithmetic of bench/goodput (lab/torchspot_lab/goodput.py): pure, table-driven."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _start(t: float, samples: int, world: int = 3) -> dict[str, Any]:
     return {"event": "start", "t": t, "trained_samples": samples, "world_size": world}
 
 
-def _milestones(t: float, samples: int, world: int = 3) -> dict[str, Any]:
+def _progress(t: float, samples: int, world: int = 3) -> dict[str, Any]:
     return {"event": "progress", "t": t, "trained_samples": samples, "world_size": world}
 
 
@@ -46,26 +46,26 @@ def test_expected_samples_integrates_the_rate_of_each_size(start: float, end: fl
 
 
 def test_useful_samples_counts_redone_work_once_and_stops_at_the_end() -> None:
-    events = [_start(5, 0), _milestones(10, 300), _milestones(18, 540), _start(30, 480, 2), _milestones(35, 600, 2)]
+    events = [_start(5, 0), _progress(10, 300), _progress(18, 540), _start(30, 480, 2), _progress(35, 600, 2)]
     assert goodput.useful_samples(events, 100) == 600
     assert goodput.useful_samples(events, 32) == 480  # resumed from 480: the 60 samples past it were lost
     assert goodput.useful_samples(events, 4) == 0
 
 
 def test_resumptions_give_the_lost_work_in_samples_and_in_the_old_groups_steps() -> None:
-    events = [_start(5, 0), _milestones(18, 540), _start(30, 480, 2), _milestones(35, 600, 2), _start(50, 600, 3)]
+    events = [_start(5, 0), _progress(18, 540), _start(30, 480, 2), _progress(35, 600, 2), _start(50, 600, 3)]
     found = goodput.resumptions(events, 100, batch=16)
     assert [(r.t, r.world_size, r.resumed_from, r.lost_samples) for r in found] == [(30, 2, 480, 60), (50, 3, 600, 0)]
     assert found[0].lost_steps == pytest.approx(60 / (16 * 3))
 
 
 def test_rate_of_an_uninterrupted_run_is_measured_from_its_first_start() -> None:
-    assert goodput.rate([_start(10, 0), _milestones(20, 200), _milestones(30, 400), _milestones(90, 9999)], 40) == 20.0
+    assert goodput.rate([_start(10, 0), _progress(20, 200), _progress(30, 400), _progress(90, 9999)], 40) == 20.0
     assert goodput.rate([_start(10, 0)], 40) == 0.0
 
 
 def test_recovery_is_the_time_until_a_group_started_after_the_event_trains() -> None:
-    events = [_start(5, 0), _milestones(19, 500), _milestones(21, 520), _start(28, 520, 2), _milestones(30, 560, 2)]
+    events = [_start(5, 0), _progress(19, 500), _progress(21, 520), _start(28, 520, 2), _progress(30, 560, 2)]
     got = goodput.recoveries(MARKET, events, 100)
     at, what, took = got[0]
     assert (at, what, took) == (20.0, "evict spot-1 (notice)", 10.0)  # the progress line at 21 s is the old group's

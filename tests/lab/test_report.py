@@ -9,21 +9,21 @@ import pytest
 from torchspot_lab.report import build_report
 
 
-def _milestones(t: float, step: int, world: int = 2) -> dict[str, Any]:
+def _progress(t: float, step: int, world: int = 2) -> dict[str, Any]:
     return {"t": t, "event": "progress", "step": step, "world_size": world, "samples_per_s": 10.0 * world}
 
 
 def test_steps_lost_and_goodput_count_only_redone_work() -> None:
     events = [
         {"t": 10.0, "event": "start", "step": 0, "world_size": 2},
-        *[_milestones(10.0 + s, s) for s in range(1, 11)],  # steps 1-10, one per second
+        *[_progress(10.0 + s, s) for s in range(1, 11)],  # steps 1-10, one per second
         # hard loss: the next group resumes from the checkpoint at step 8; steps 9 and 10 are redone
         {"t": 30.0, "event": "start", "step": 8, "world_size": 1},
-        *[_milestones(30.0 + s, 8 + s, 1) for s in range(1, 5)],  # steps 9-12
+        *[_progress(30.0 + s, 8 + s, 1) for s in range(1, 5)],  # steps 9-12
         # notice: resumes exactly where it stopped (12): nothing redone
         {"t": 40.0, "event": "start", "step": 12, "world_size": 2},
         {"t": 40.0, "event": "emergency_checkpoint", "step": 12, "ok": True},
-        *[_milestones(40.0 + s, 12 + s) for s in range(1, 9)],  # steps 13-20
+        *[_progress(40.0 + s, 12 + s) for s in range(1, 9)],  # steps 13-20
         {"t": 49.0, "event": "done", "step": 20, "world_size": 2},
     ]
     report = build_report(job="j", submitted=0.0, status={"phase": "Succeeded"}, timeline=[], api_events=[],

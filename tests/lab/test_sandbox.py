@@ -53,6 +53,7 @@ MARKET = {
 }
 
 
+@pytest.mark.slow(seconds=130)
 def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Path) -> None:
     lines: list[str] = []
     seen: dict[str, Any] = {}

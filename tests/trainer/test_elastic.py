@@ -104,6 +104,7 @@ def _assert_same_group_trains_on(job: JobConfig, formed: dict[str, Any], *, sinc
     assert groups_after == {formed["group"]}, why
 
 
+@pytest.mark.slow(seconds=28)
 def test_forms_group_assigns_ranks_and_admits_late_joiner(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -134,6 +135,7 @@ def test_forms_group_assigns_ranks_and_admits_late_joiner(
     assert _done(job)["world"] == 3
 
 
+@pytest.mark.slow(seconds=35)
 def test_hard_loss_survivors_reform_and_resume_from_checkpoint(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -154,6 +156,7 @@ def test_hard_loss_survivors_reform_and_resume_from_checkpoint(
     assert _done(job)["step"] == job.steps
 
 
+@pytest.mark.slow(seconds=35)
 def test_losing_the_rank0_node_loses_no_rendezvous_state(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -168,6 +171,7 @@ def test_losing_the_rank0_node_loses_no_rendezvous_state(
     assert _done(job)["step"] == job.steps
 
 
+@pytest.mark.slow(seconds=50)
 def test_frozen_node_is_detected_by_heartbeat_and_fenced_out(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -226,6 +230,7 @@ def test_abandoned_run_keys_expire_by_lease(tmp_path: Path, etcd: EtcdServer, ru
     wait_for(lambda: not client.get_prefix(prefix), 30, "the abandoned run's keys to expire")
 
 
+@pytest.mark.slow(seconds=45)
 def test_etcd_restart_keeps_the_job_running_and_next_change_succeeds(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -243,6 +248,7 @@ def test_etcd_restart_keeps_the_job_running_and_next_change_succeeds(
     assert _finish(started[:2]) == [0, 0]
 
 
+@pytest.mark.slow(seconds=40)
 def test_etcd_that_lost_its_data_starts_a_fresh_round_on_next_change(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -263,6 +269,7 @@ def test_etcd_that_lost_its_data_starts_a_fresh_round_on_next_change(
     assert _done(job)["step"] == job.steps
 
 
+@pytest.mark.slow(seconds=30)
 def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
     tmp_path: Path, run_id: str, nodes: NodeFactory
 ) -> None:

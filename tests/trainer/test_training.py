@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def _scripted(job: JobConfig, **hooks: str) -> None:
     job.extra_env.update(hooks)
 
 
-def _milestones(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _progress(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == "progress"]
 
 
@@ -102,16 +103,16 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     _scripted(job, STEP_PACE=str(STEP_PACE))
 
     def newest() -> int:
-        return max((e["step"] for e in _milestones(read_events(events_path))), default=0)
+        return max((e["step"] for e in _progress(read_events(events_path))), default=0)
 
     started = nodes(job, 3)
-    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 3 for e in _milestones(read_events(events_path))),
+    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 3 for e in _progress(read_events(events_path))),
              120, "25 steps at world size 3")  # fmt: skip
 
     # Eviction with notice: the kubelet's SIGTERM to the node, SIGKILL after 30 s.
     notice_at = time.time()
     started[2].terminate(grace=30)
-    wait_for(lambda: any(e["world_size"] == 2 and e["t"] > notice_at for e in _milestones(read_events(events_path))),
+    wait_for(lambda: any(e["world_size"] == 2 and e["t"] > notice_at for e in _progress(read_events(events_path))),
              90, "training at world size 2")  # fmt: skip
     # The leaving node writes it while the others re-form: it may come after their first step.
     emergency = wait_for(lambda: [e for e in read_events(events_path) if e.get("event") == "emergency_checkpoint"],
@@ -128,7 +129,7 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     last_before = newest()
     hard_at = time.time()
     started[1].kill()
-    wait_for(lambda: any(e["world_size"] == 1 and e["t"] > hard_at for e in _milestones(read_events(events_path))),
+    wait_for(lambda: any(e["world_size"] == 1 and e["t"] > hard_at for e in _progress(read_events(events_path))),
              90, "training at world size 1")  # fmt: skip
     # The survivor resumed from its own copy of the state at its last completed step, not from
     # the last Blob checkpoint up to 10 steps back: at most the step in flight is redone.
@@ -139,7 +140,7 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     # Capacity returns: two nodes join the survivor (training at world size 1, seen above).
     joined_at = time.time()
     joined = nodes(job, 2)
-    wait_for(lambda: any(e["world_size"] == 3 and e["t"] > joined_at for e in _milestones(read_events(events_path))),
+    wait_for(lambda: any(e["world_size"] == 3 and e["t"] > joined_at for e in _progress(read_events(events_path))),
              120, "training at world size 3 again")  # fmt: skip
     assert _wait_exit([started[0], *joined]) == [0, 0, 0]
     sizes = [e["world_size"] for e in read_events(events_path) if e.get("event") == "start"]
@@ -151,7 +152,7 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
 
 def _losses(events: list[dict[str, Any]]) -> dict[int, float]:
     """Each logged step's loss (a step redone after the hard loss: its last run)."""
-    return {e["step"]: e["loss"] for e in _milestones(events)}
+    return {e["step"]: e["loss"] for e in _progress(events)}
 
 
 def _final_parameters(uri: str, azurite: Azurite) -> dict[str, torch.Tensor]:
@@ -164,6 +165,7 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
+@pytest.mark.slow(seconds=140)
 def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -175,12 +177,20 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     assert _wait_exit(nodes(fixed, 3)) == [0, 0, 0]
     fixed_events = read_events(tmp_path / "fixed" / "train-events.jsonl")
     assert _final(fixed_events)["test_accuracy"] > 0.9  # the model learned: the comparison means something
-    assert {e["step_samples"] for e in _milestones(fixed_events)} == {GLOBAL_BATCH}
+    assert {e["step_samples"] for e in _progress(fixed_events)} == {GLOBAL_BATCH}
 
+    # The same schedule of failures twice, side by side (each run is paced and mostly waits): with
+    # --global-batch-size, and with --batch-size per worker, where the group's batch (and so the
+    # optimisation) follows the world size and the model is another one.
     elastic = _job(tmp_path / "elastic", etcd, azurite, run_id + "-elastic")
-    happened = _elastic_run(elastic, nodes)
+    per_worker = _job(tmp_path / "per-worker", etcd, azurite, run_id + "-per-worker",
+                      global_batch_size="0", batch_size=str(GLOBAL_BATCH // 3))  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_elastic_run, job, nodes) for job in (elastic, per_worker)]
+    happened, _ = (run.result() for run in runs)
+
     elastic_events = read_events(tmp_path / "elastic" / "train-events.jsonl")
-    steps = Counter(e["step"] for e in _milestones(elastic_events))
+    steps = Counter(e["step"] for e in _progress(elastic_events))
     redone = [s for s, n in steps.items() if n > 1]
     assert all(s > happened["emergency_step"] for s in redone), "a step ran twice after an eviction with notice"
     assert len(redone) <= 2, redone  # at most the step in flight at the hard loss (and at the join)
@@ -199,11 +209,6 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     assert latest is not None
     assert latest["step"] == _final(elastic_events)["step"]
 
-    # The same schedule of failures with --batch-size per worker: the group's batch (and so the
-    # optimisation) follows the world size, and the model is another one.
-    per_worker = _job(tmp_path / "per-worker", etcd, azurite, run_id + "-per-worker",
-                      global_batch_size="0", batch_size=str(GLOBAL_BATCH // 3))  # fmt: skip
-    _elastic_run(per_worker, nodes)
     diverged = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-per-worker", azurite))
     print(f"fixed vs per-worker batches: largest parameter difference {diverged:.3g}")
     assert diverged > 30 * TOLERANCE
@@ -226,10 +231,10 @@ def test_blob_outage_during_training_does_not_stop_it(
         outage = time.time()
         wait_for(lambda: any(e.get("event") == "checkpoint" and not e["ok"] and e["t"] > outage
                              for e in read_events(events_path)), 120, "a failed save")  # fmt: skip
-        failed_at = max(e["step"] for e in _milestones(read_events(events_path)))
-        wait_for(lambda: max(e["step"] for e in _milestones(read_events(events_path))) >= failed_at + 15, 60,
+        failed_at = max(e["step"] for e in _progress(read_events(events_path)))
+        wait_for(lambda: max(e["step"] for e in _progress(read_events(events_path))) >= failed_at + 15, 60,
                  "training to continue during the outage")  # fmt: skip
-        errors = [e["checkpoint_error"] for e in _milestones(read_events(events_path)) if e["t"] > outage]
+        errors = [e["checkpoint_error"] for e in _progress(read_events(events_path)) if e["t"] > outage]
         assert any(errors), "the progress line never reported the failing save"
         skipped = [
             e for e in read_events(events_path) if e.get("event") == "checkpoint" and "skipped" in (e["error"] or "")
@@ -248,6 +253,7 @@ def test_blob_outage_during_training_does_not_stop_it(
     assert latest["step"] > failed_at
 
 
+@pytest.mark.slow(seconds=28)
 def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -274,7 +280,7 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     finally:
         imds.close()
     events = read_events(events_path)
-    assert {e["world_size"] for e in _milestones(events)} == {2}
+    assert {e["world_size"] for e in _progress(events)} == {2}
     emergency = [e for e in events if e.get("event") == "emergency_checkpoint"]
     assert len(emergency) == 1
     assert emergency[0]["ok"]
@@ -288,6 +294,7 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "--tensorboard wrote no event file"
 
 
+@pytest.mark.slow(seconds=30)
 def test_a_notice_during_evaluation_writes_the_emergency_checkpoint_and_the_evaluation_is_redone(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -312,7 +319,7 @@ def test_a_notice_during_evaluation_writes_the_emergency_checkpoint_and_the_eval
     emergency = [e for e in events if e.get("event") == "emergency_checkpoint"]
     assert len(emergency) == 1
     assert emergency[0]["ok"]
-    epoch_end = max(e["step"] for e in _milestones(events) if e["t"] < noticed_at)  # none is logged while evaluating
+    epoch_end = max(e["step"] for e in _progress(events) if e["t"] < noticed_at)  # none is logged while evaluating
     assert epoch_end == -(-1347 // GLOBAL_BATCH)  # digits' 1,347 training samples: epoch 0's last step
     assert emergency[0]["step"] == epoch_end  # the boundary the evaluation began at: nothing lost
     print(f"notice during evaluation: emergency checkpoint {emergency[0]['t'] - noticed_at:.2f} s after SIGTERM")
@@ -325,6 +332,7 @@ def test_a_notice_during_evaluation_writes_the_emergency_checkpoint_and_the_eval
     assert _final(events)["epoch"] == 2
 
 
+@pytest.mark.slow(seconds=45)
 def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -338,10 +346,10 @@ def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     events_path = tmp_path / "train-events.jsonl"
 
     def at_world(world: int, since: float) -> list[dict[str, Any]]:
-        return [e for e in _milestones(read_events(events_path)) if e["world_size"] == world and e["t"] > since]
+        return [e for e in _progress(read_events(events_path)) if e["world_size"] == world and e["t"] > since]
 
     def newest() -> int:
-        return max((e["step"] for e in _milestones(read_events(events_path))), default=0)
+        return max((e["step"] for e in _progress(read_events(events_path))), default=0)
 
     def started_after(since: float) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:

@@ -4,17 +4,17 @@ One public method, `Trainer.train()`. The topology comes from torchrun's environ
 (RANK, WORLD_SIZE, LOCAL_RANK). A newcomer finds each concern in its own module:
 
 - the step loop is `Trainer._train_epoch`, below; one step over a worker's micro-batches
-  (gradient accumulation, the loss weighting) is accumulate.py;
+  (gradient accumulation, the loss weighting) is step.py;
 - the batch rule, learning rate and the data sets' recipes are optim.py; which samples
-  each rank uses in each step is sampler.py (exact-once at any world size);
-- resuming (a node's own snapshot, or Blob) is resume.py;
-- eviction notices: the signals are eviction.py; the group's rules and what it does at a
-  boundary (emergency checkpoint, leave or hold) are notices.py, called from
+  each rank uses in each step is data/sampler.py (exact-once at any world size);
+- resuming (a node's own snapshot, or Blob) is recovery/resume.py;
+- eviction notices: the signals are recovery/signals.py; the group's rules and what it does at a
+  boundary (emergency checkpoint, leave or hold) are recovery/notices.py, called from
   `Trainer._after_step` and between evaluation batches;
 - evaluation (sharded, interruptible by a notice) is evaluate.py.
 
 Every start resumes from the newest state a node kept on its own disk as its worker
-stopped (snapshot.py: a survivor of a lost peer holds the last completed step) or, if
+stopped (recovery/snapshot.py: a survivor of a lost peer holds the last completed step) or, if
 newer or the only one, the newest committed checkpoint. So a membership change (which
 restarts all workers) costs at most the step in flight while any node survives with its
 state, and an eviction with notice costs none:

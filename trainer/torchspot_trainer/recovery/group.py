@@ -13,7 +13,7 @@ not. So:
 
 - NCCL's own error handling is off (`nccl_environment`; torch's documentation asks for
   that where the program aborts communicators itself), and every path out of a broken group
-  is ours: the agent's SIGTERM for a lost peer (eviction.py), a step that outlasts
+  is ours: the agent's SIGTERM for a lost peer (signals.py), a step that outlasts
   `--collective-timeout` (`StepWatchdog`), or a collective that raises (gloo). Each writes
   the node's snapshot from the host copy (hostcopy.py), aborts the communicator
   (`abort_group`) and exits;

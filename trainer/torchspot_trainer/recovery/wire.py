@@ -12,7 +12,7 @@ tensors only, and a receiver that runs whatever the pickle says. Here the source
    (on the group's device: NCCL moves only device tensors).
 
 The receivers cut their buffers into the tensors again (`unflatten`; views, no copy on the
-host). The state the trainer checkpoints (checkpoint.py, `torch.load(weights_only=True)`)
+host). The state the trainer checkpoints (checkpoint/manager.py, `torch.load(weights_only=True)`)
 has only these kinds of values, so whatever can be checkpointed can be sent.
 """
 

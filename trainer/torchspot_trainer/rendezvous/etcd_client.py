@@ -131,13 +131,14 @@ class EtcdClient:
         """Close the gRPC channel."""
         self._client.close()
 
-    def wait_reachable(self, timeout: float) -> None:
+    def wait_reachable(self, timeout: float, *, max_delay: float = 1.0) -> None:
         """Block until etcd answers a status request, or raise after `timeout` seconds.
 
-        The error names the endpoint, so a typo in `--rdzv-endpoint` is obvious.
+        The error names the endpoint, so a typo in `--rdzv-endpoint` is obvious. Tries again after
+        0.05 s, doubling up to `max_delay` (a server started on this machine: keep it short).
         """
         deadline = time.monotonic() + timeout
-        delay = 0.05
+        delay = min(0.05, max_delay)
         last: Exception | None = None
         while True:
             try:
@@ -149,7 +150,7 @@ class EtcdClient:
             if time.monotonic() + delay > deadline:
                 break
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, max_delay)
         raise EtcdError(
             f"etcd at {self.endpoint} is unreachable: no answer within {timeout:g} s "
             f"(last error: {_translate(last, self.endpoint) if last else 'none'})"
