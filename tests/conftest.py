@@ -3,6 +3,7 @@ which the suite's tests are handed to its workers."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import uuid
@@ -18,34 +19,81 @@ from torchspot_operator.metrics import METRICS_PORT_ENV
 
 SLOW_DEFAULT_SECONDS = 10.0
 """What a `slow` test without `seconds=` is taken to last, for the order below."""
+QUICK_SECONDS = 0.3
+"""What any other test is taken to last (about 590 of them take about 180 s in one process)."""
+HEAVY_TIMEOUT = 600
+"""pytest-timeout's limit for a CPU-heavy test, which may first wait for another to finish."""
 
 
 def expected_seconds(item: pytest.Item) -> float:
-    """How long a test is expected to run: its `slow` marker's `seconds`, 10 for another slow test, else 0."""
+    """How long a test is expected to run: its `slow` marker's `seconds` (10 without), else QUICK_SECONDS."""
     marker = item.get_closest_marker("slow")
     if marker is None:
-        return 0.0
+        return QUICK_SECONDS
     return float(marker.kwargs.get("seconds", SLOW_DEFAULT_SECONDS))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first, longest first, each followed by a quick one; then the other quick tests.
+def cpu_heavy(item: pytest.Item) -> bool:
+    """A test marked `slow(cpu_heavy=True)`: several real trainers computing at once. Two of them side
+    by side on two cores slow each other by a third and more, past what their timelines allow (a CI
+    run failed the sandbox's that way), so they never overlap (`_one_cpu_heavy_test_at_a_time`)."""
+    marker = item.get_closest_marker("slow")
+    return marker is not None and bool(marker.kwargs.get("cpu_heavy", False))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The order in which the workers take the tests: CPU-heavy ones longest first, each followed by a
+    quick one and then enough other tests to keep the other workers busy while it runs; the other
+    slow tests longest first, each followed by a quick one; then the rest.
 
     `make test` runs the suite on pytest-xdist workers that each hold the test they run and the
-    next one (`--maxschedchunk 1`), and take the next test in this order as they finish one. Longest
-    first keeps the end of the run from waiting on one long test that started late; the quick test
-    after each slow one keeps two slow tests from queueing on one worker while another is idle.
-    Serially, the order changes nothing: each test sets up and cleans up its own processes.
+    next one (`--maxschedchunk 1`), and take the next test in this order as they finish one. So:
+    longest first keeps the end of the run from waiting on one long test that started late; a quick
+    test after each slow one keeps two slow ones from queueing on one worker while another idles;
+    and the next CPU-heavy test comes up about when the last one ends (if it comes up earlier, its
+    worker waits for the lock). Serially the order changes nothing: each test cleans up after itself.
     """
-    slow = sorted((i for i in items if expected_seconds(i) > 0), key=expected_seconds, reverse=True)
-    quick = [i for i in items if expected_seconds(i) == 0]
-    ordered: list[pytest.Item] = []
+    workers = int(config.getoption("numprocesses", default=None) or 1)
+    heavy = sorted((i for i in items if cpu_heavy(i)), key=expected_seconds, reverse=True)
+    slow = sorted((i for i in items if i.get_closest_marker("slow") and not cpu_heavy(i)), key=expected_seconds,
+                  reverse=True)  # fmt: skip
+    quick = [i for i in items if not i.get_closest_marker("slow")]
+    light: list[pytest.Item] = []
     for index, item in enumerate(slow):
-        ordered.append(item)
+        light.append(item)
         if index < len(quick):
-            ordered.append(quick[index])
-    ordered.extend(quick[len(slow) :])
+            light.append(quick[index])
+    light.extend(quick[len(slow) :])
+    ordered: list[pytest.Item] = []
+    for item in heavy:
+        item.add_marker(pytest.mark.timeout(HEAVY_TIMEOUT))
+        ordered.append(item)
+        quick_next = next((i for i in light if not i.get_closest_marker("slow")), None)
+        if quick_next is not None:  # what its worker holds next waits for it: something short
+            light.remove(quick_next)
+            ordered.append(quick_next)
+        budget = expected_seconds(item) * max(workers - 1, 1)
+        while budget > 0 and light:
+            filler = light.pop(0)
+            ordered.append(filler)
+            budget -= expected_seconds(filler)
+    ordered.extend(light)
     items[:] = ordered
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_heavy_test_at_a_time(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """A CPU-heavy test runs only while no other one does, on any worker: a lock file in the folder
+    the run's workers share (each worker's temp folder is one below it)."""
+    if not cpu_heavy(request.node):
+        yield
+        return
+    lock = tmp_path_factory.getbasetemp().parent / "cpu-heavy.lock"
+    with lock.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        yield
 
 
 # Every operator these tests start (in-process or as a subprocess) serves /metrics on a free port:

@@ -53,7 +53,7 @@ MARKET = {
 }
 
 
-@pytest.mark.slow(seconds=130)
+@pytest.mark.slow(seconds=130, cpu_heavy=True)
 def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Path) -> None:
     lines: list[str] = []
     seen: dict[str, Any] = {}
@@ -100,9 +100,11 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert report.restarts[1]["step"] == emergency[0]["step"]
     assert report.restarts[1]["lost"] == 0
     # Suspended, the job kept its record; resumed, it started a fresh run from the suspension's
-    # emergency checkpoint in Blob, redoing no step.
-    suspended_at = next(e["t"] for e in report.timeline if e["text"] == "spec.suspend set to true")
-    after = [r for r in report.restarts if r["t"] > suspended_at]
+    # emergency checkpoint in Blob, redoing no step. Counted from the resume: a round re-formed after
+    # the hard eviction may start between the suspend order and the suspension stopping the workers
+    # (a CI run saw the recovery from 85 s start after the order at 95 s, from a node's snapshot).
+    resumed_at = next(e["t"] for e in report.timeline if e["text"] == "spec.suspend set to false")
+    after = [r for r in report.restarts if r["t"] > resumed_at]
     assert after, report.summary()
     assert (after[0]["from"], after[0]["step"], after[0]["lost"]) == ("checkpoint", emergency[1]["step"], 0)
     assert report.status["resumes"] == 1

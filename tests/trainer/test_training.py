@@ -165,7 +165,7 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-@pytest.mark.slow(seconds=140)
+@pytest.mark.slow(seconds=140, cpu_heavy=True)
 def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -332,7 +332,7 @@ def test_a_notice_during_evaluation_writes_the_emergency_checkpoint_and_the_eval
     assert _final(events)["epoch"] == 2
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=45, cpu_heavy=True)
 def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
