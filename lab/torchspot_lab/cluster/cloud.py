@@ -16,7 +16,7 @@ from typing import Any
 
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.scenario import Scenario
-from torchspot_operator import constants
+from torchspot_operator import conditions, constants
 from torchspot_operator.kube import Kube
 
 POD_GC_DELAY = 5.0
@@ -24,11 +24,6 @@ POD_GC_DELAY = 5.0
 AGENT_POOL = "kubernetes.azure.com/agentpool"
 SYSTEM_MODE = "kubernetes.azure.com/mode"
 UNREACHABLE_TAINT = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
-
-
-def now_stamp() -> str:
-    """The API's timestamp format, to the second."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def node_object(name: str, *, spot: bool, gpus: int, cpu: int) -> dict[str, Any]:
@@ -135,7 +130,7 @@ class Cloud:
             if node.state == "frozen" and not node.marked_not_ready and time.monotonic() >= due:
                 node.marked_not_ready = True
                 status = {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"}]}
-                taint = {**UNREACHABLE_TAINT, "timeAdded": now_stamp()}
+                taint = {**UNREACHABLE_TAINT, "timeAdded": conditions.timestamp(datetime.now(UTC))}
                 taints = (bodies.get(node.name) or {}).get("spec", {}).get("taints") or []
                 patch = {"spec": {"taints": [*taints, taint]}, "status": status}
                 self.api.run(self.kube.patch("v1", "nodes", None, node.name, patch))

@@ -26,14 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from torchspot_lab.cluster.cloud import SimNode, now_stamp
+from torchspot_lab.cluster.cloud import SimNode
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.local import signal_tree
-from torchspot_operator import certs, constants
+from torchspot_operator import certs, conditions, constants
 from torchspot_operator.kube import Kube
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ POD_IP = "127.0.0.1"
 DISRUPTED = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _SERVICE_ADDRESS = re.compile(r"[a-z0-9][-a-z0-9.]*\.svc(?:\.cluster\.local)?:\d+")
+
+
+def _now() -> str:
+    return conditions.timestamp(datetime.now(UTC))
 
 
 def expand(value: str, env: Mapping[str, str]) -> str:
@@ -146,13 +151,13 @@ class Kubelet:
                     "phase": "Running",
                     "podIP": POD_IP,
                     "hostIP": POD_IP,
-                    "startTime": now_stamp(),
+                    "startTime": _now(),
                     "conditions": [{"type": "Ready", "status": "True"}],
                     "containerStatuses": [
                         {
                             "name": spec["containers"][0]["name"],
                             "ready": True,
-                            "state": {"running": {"startedAt": now_stamp()}},
+                            "state": {"running": {"startedAt": _now()}},
                         }
                     ],
                 }
@@ -169,7 +174,7 @@ class Kubelet:
             terminated = {
                 "exitCode": exit_code,
                 "reason": "Completed" if exit_code == 0 else "Error",
-                "finishedAt": now_stamp(),
+                "finishedAt": _now(),
             }
             status: dict[str, Any] = {
                 "phase": "Succeeded" if exit_code == 0 else "Failed",

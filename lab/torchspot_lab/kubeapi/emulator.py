@@ -51,6 +51,7 @@ import kmock._internal.parsing as kmock_parsing
 
 from torchspot_lab.kubeapi.admission import Admission, AdmissionError
 from torchspot_lab.kubeapi.podsecurity import ENFORCE_LABEL, restricted_violations
+from torchspot_operator import conditions
 from torchspot_operator.builders import merge_patch
 
 REQUEST_LOG = 8
@@ -160,7 +161,7 @@ class Emulator(kmock.KubernetesEmulator):
             if not meta.get("name") and meta.get("generateName"):  # kopf names its Events so
                 meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:10]}"
             meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta.setdefault("creationTimestamp", conditions.timestamp(datetime.now(UTC)))
             meta["resourceVersion"] = str(next(self._versions))
         try:
             if resource is not None:
