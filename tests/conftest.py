@@ -21,6 +21,8 @@ SLOW_DEFAULT_SECONDS = 10.0
 """What a `slow` test without `seconds=` is taken to last, for the order below."""
 QUICK_SECONDS = 0.3
 """What any other test is taken to last (about 590 of them take about 180 s in one process)."""
+XDIST_WORKER_ENV = "PYTEST_XDIST_WORKER"
+"""Set by pytest-xdist in each of its worker processes (gw0, gw1...)."""
 HEAVY_TIMEOUT = 600
 """pytest-timeout's limit for a CPU-heavy test, which may first wait for another to finish."""
 
@@ -85,9 +87,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _one_cpu_heavy_test_at_a_time(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """A CPU-heavy test runs only while no other one does, on any worker: a lock file in the folder
-    the run's workers share (each worker's temp folder is one below it)."""
-    if not cpu_heavy(request.node):
+    """A CPU-heavy test runs only while no other one does, on any xdist worker: a lock file in the
+    folder the run's workers share (each worker's temp folder is one below it). One process runs
+    one test at a time anyway, and its temp folder's parent is shared with other runs: no lock."""
+    if not cpu_heavy(request.node) or XDIST_WORKER_ENV not in os.environ:
         yield
         return
     lock = tmp_path_factory.getbasetemp().parent / "cpu-heavy.lock"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
+from tests.layout import package_folders
 from torchspot_trainer.config import build_parser
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 
@@ -26,9 +27,7 @@ def test_every_rendezvous_setting_is_in_the_readme() -> None:
 def test_the_readme_layout_names_every_package_folder() -> None:
     """The layout is one tree in the README: a package folder added without a line there fails here."""
     layout = README[README.index("## Layout") : README.index("## Development")]
-    root = Path(__file__).resolve().parents[1]
-    sources = ("torchspot", "operator", "trainer", "lab")
-    folders = {p.parent.name for source in sources for p in (root / source).glob("**/__init__.py")}
+    folders = {Path(folder).name for folder in package_folders()}
     missing = sorted(name for name in folders if f"{name}/" not in layout)
     assert folders >= {"torchspot_operator", "torchspot_trainer", "torchspot_lab", "rendezvous", "cluster"}
     assert missing == []
