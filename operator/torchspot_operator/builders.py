@@ -176,17 +176,26 @@ def restricted_defaults(pod_spec: dict[str, Any]) -> None:
             security.setdefault("capabilities", {"drop": ["ALL"]})
 
 
+SHM_FALLBACK_SIZE = "16Gi"
+"""The shared-memory volume's size for a trainer container that states no memory limit or request."""
+
+
 def _shared_memory(pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
     """Mount a memory-backed emptyDir at /dev/shm, unless the template mounts something there.
 
     Data-loader workers pass batches through shared memory, and the runtime's 64 MiB default
     fails a loader of ImageNet batches with "No space left on device" (or a bus error). The
-    volume has no size limit of its own: what it holds counts against the container's memory
-    limit, as any of its memory does, and a size limit would have the kubelet evict the pod.
+    volume is sized: its pages count against the container's memory, so it gets the
+    container's memory limit (else its request, else `SHM_FALLBACK_SIZE`). Unsized, it could
+    grow to the node's memory and get the pod evicted under node memory pressure, a disruption
+    the job itself caused; sized, overfilling it is a limit eviction, which counts as a failure.
     """
     if any(m.get("mountPath") == constants.SHM_DIR for m in trainer.get("volumeMounts", [])):
         return
-    pod_spec["volumes"] = [*pod_spec.get("volumes", []), {"name": "torchspot-shm", "emptyDir": {"medium": "Memory"}}]
+    resources = trainer.get("resources") or {}
+    size = (resources.get("limits") or {}).get("memory") or (resources.get("requests") or {}).get("memory")
+    volume = {"name": "torchspot-shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(size or SHM_FALLBACK_SIZE)}}
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), volume]
     trainer["volumeMounts"] = [
         *trainer.get("volumeMounts", []),
         {"name": "torchspot-shm", "mountPath": constants.SHM_DIR},
@@ -198,14 +207,11 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
     template = copy.deepcopy(spec.template)
     pod_spec: dict[str, Any] = template["spec"]
     meta = job.metadata(job.worker_name(index), constants.ROLE_WORKER)
-    meta["labels"] = {
-        **template.get("metadata", {}).get("labels", {}),
-        **meta["labels"],
-        constants.LABEL_INDEX: str(index),
+    meta["labels"] = {**template.get("metadata", {}).get("labels", {}), **meta["labels"]}
+    meta["annotations"] = {
+        **(template.get("metadata", {}).get("annotations") or {}),
+        constants.ANNOTATION_INDEX: str(index),
     }
-    annotations = template.get("metadata", {}).get("annotations")
-    if annotations:
-        meta["annotations"] = dict(annotations)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["terminationGracePeriodSeconds"] = spec.termination_grace_seconds
     restricted_defaults(pod_spec)
@@ -312,6 +318,8 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
         ],
         "volumes": volumes,
     }
+    if spec.etcd_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.etcd_pull_secrets]
     _place(pod_spec, spec.etcd_placement)
     labels = job.labels(constants.ROLE_ETCD)
     return {

@@ -26,6 +26,12 @@ SUSPENDED: Final = "Suspended"
 SUCCEEDED: Final = "Succeeded"
 FAILED: Final = "Failed"
 INVALID_SPEC: Final = "InvalidSpec"
+STALLED: Final = "Stalled"
+"""The job has its workers but makes no progress: no rendezvous round, step or checkpoint for
+`failurePolicy.stallTimeoutSeconds`; the message names the likeliest cause."""
+EVICTION_BUDGET: Final = "EvictionBudgetExceeded"
+"""More evictions in a window than spot capacity explains, or the same suspect kind repeating:
+replacements wait the failure backoff."""
 REPLICA_FAILURE: Final = "ReplicaFailure"
 """An object the job needs could not be created: its name is taken by an object the job does not
 own (reason NameTaken), or the API refused it (reason FailedCreate, with the API's message).
@@ -49,6 +55,7 @@ TOO_MANY_FAILURES: Final = "TooManyFailures"
 BELOW_MIN_TOO_LONG: Final = "BelowMinTooLong"
 STARTUP_TIMEOUT: Final = "StartupTimeout"
 DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
+STALLED_TOO_LONG: Final = "Stalled"
 # Reasons of the ReplicaFailure condition.
 NAME_TAKEN: Final = "NameTaken"
 FAILED_CREATE: Final = "FailedCreate"

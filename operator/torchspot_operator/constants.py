@@ -17,8 +17,13 @@ LABEL_JOB: Final = f"{GROUP}/job"
 """On every object the operator makes for a job: the job's name (pods are found by it)."""
 LABEL_ROLE: Final = f"{GROUP}/role"
 """`worker` or `etcd`."""
-LABEL_INDEX: Final = f"{GROUP}/index"
-"""A worker pod's number n (its name is `<job>-worker-<n>`)."""
+ANNOTATION_INDEX: Final = f"{GROUP}/index"
+"""A worker pod's number n (its name is `<job>-worker-<n>` too). An annotation, not a label: a label
+unique to each pod makes one network security identity per pod on Cilium (which leaves Job's
+completion index out of identities for that reason); labels stay job-scoped."""
+ANNOTATION_ACCOUNTED: Final = f"{GROUP}/accounted"
+"""On a failed worker pod the operator keeps (for `kubectl logs`): the verdict it was counted under,
+so no operator process counts it again (the count lives in the status, the mark on the pod)."""
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 MANAGER: Final = "torchspot"
 ROLE_WORKER: Final = "worker"
@@ -30,20 +35,43 @@ SPOT_VALUE: Final = "spot"
 SPOT_TOLERATION: Final = {"key": SPOT_LABEL, "operator": "Equal", "value": SPOT_VALUE, "effect": "NoSchedule"}
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 
-EVICTION_TAINTS: Final = frozenset(
+DRAIN_TAINTS: Final = frozenset(
     {
-        "node.kubernetes.io/not-ready",
-        "node.kubernetes.io/unreachable",
-        "node.kubernetes.io/unschedulable",
         "ToBeDeletedByClusterAutoscaler",
-        "DeletionCandidateOfClusterAutoscaler",
-        "kubernetes.azure.com/scalesetpriority-eviction",
+        "remediator.kubernetes.azure.com/unschedulable",
+        "remediator.aks.microsoft.com/unschedulable",
+        "node.cloudprovider.kubernetes.io/shutdown",
     }
 )
-"""Node taints that mean the node's pods are about to go (the autoscaler's and AKS's
-spot-eviction taints among them): the operator deletes its workers there at once, so the
-survivors re-form without waiting for heartbeats or timeouts."""
+"""Node taints that say for certain that the node's pods are about to go: the operator moves its
+workers off such a node at once (with their grace period, so the emergency checkpoint is written).
 
+- `ToBeDeletedByClusterAutoscaler`: the cluster autoscaler's hard taint on a node it is removing
+  (kubernetes/autoscaler, cluster-autoscaler/utils/taints). Its soft `DeletionCandidateOfClusterAutoscaler`
+  (PreferNoSchedule, "maybe unneeded") is not one: the node may well stay.
+- `remediator.kubernetes.azure.com/unschedulable`: AKS node auto-drain's taint when a scheduled event
+  (a spot *Preempt*, a Redeploy, a Terminate) is about to take the VM; it then cordons and drains the
+  node (learn.microsoft.com/azure/aks/node-auto-drain). Older AKS documentation spells it
+  `remediator.aks.microsoft.com/unschedulable`; both are listed.
+- `node.cloudprovider.kubernetes.io/shutdown`: the cloud node lifecycle controller's taint on a node
+  whose VM the cloud reports shut down.
+The `kubernetes.azure.com/scalesetpriority-eviction` taint once listed here does not exist."""
+NOT_READY_TAINT: Final = "node.kubernetes.io/not-ready"
+UNREACHABLE_TAINT: Final = "node.kubernetes.io/unreachable"
+"""The node lifecycle controller's NoExecute taints for Ready False and Ready Unknown: a pod's
+tolerations of them (`tolerationSeconds`) say how long it may stay on such a node."""
+DEFAULT_NOT_READY_TOLERATION_SECONDS: Final = 300
+"""What the API server's DefaultTolerationSeconds admission plugin gives every pod for both taints:
+the grace a NotReady node's workers get when their tolerations say nothing."""
+FULL_DISRUPTION_SHARE: Final = 0.55
+"""More than this share of the watched nodes NotReady (with more than two of them), or every one:
+the operator moves no worker off a NotReady node. That many nodes failing at once is the control
+plane's or the network's trouble, not theirs (the node lifecycle controller's
+`--unhealthy-zone-threshold`, 0.55, and its full-disruption rule)."""
+NODE_EVICTION_RATE: Final = 0.1
+"""NotReady nodes per second whose workers the operator may move off, cluster-wide (the node
+lifecycle controller's `--node-eviction-rate`, 0.1): a wave of NotReady nodes is acted on slowly
+enough for the full-disruption guard to see it coming."""
 ETCD_PLACEMENT_ENV: Final = "TORCHSPOT_ETCD_PLACEMENT"
 """The operator's environment variable with the default placement of managed etcds (JSON:
 nodeSelector, tolerations, affinity); the chart sets it from `etcd.defaultPlacement`."""
@@ -53,6 +81,17 @@ default: a worker's node that turns bad has its pods deleted at once) or `off` (
 failures and deletions count, as with controllers that do not watch nodes; the goodput
 benchmark runs the stock recipe so)."""
 NODE_HANDLING_MODES: Final = ("proactive", "off")
+NODE_GRACE_ENV: Final = "TORCHSPOT_NODE_GRACE_SECONDS"
+"""How long a worker may stay on a NotReady node before the operator moves it off (seconds).
+Unset: each pod's own toleration of the not-ready or unreachable taint (300 s by default, as
+the taint manager reads it)."""
+CORDON_HANDLING_ENV: Final = "TORCHSPOT_CORDON_HANDLING"
+"""`on`: a cordoned node's workers are moved off too (rate-limited as NotReady ones are). Off by
+default: an admin's cordon stops new scheduling and nothing more."""
+FULL_DISRUPTION_ENV: Final = "TORCHSPOT_FULL_DISRUPTION_SHARE"
+"""Overrides `FULL_DISRUPTION_SHARE` (a number between 0 and 1)."""
+NODE_EVICTION_RATE_ENV: Final = "TORCHSPOT_NODE_EVICTION_RATE"
+"""Overrides `NODE_EVICTION_RATE` (NotReady nodes per second)."""
 PEERING_API_VERSION: Final = "kopf.dev/v1"
 PEERING_KIND: Final = "ClusterKopfPeering"
 """Where replicas of the operator find each other (kopf's peering): one cluster-scoped
@@ -88,6 +127,12 @@ OPERATOR_LABELS_ENV: Final = "TORCHSPOT_OPERATOR_LABELS"
 admits the operator (its milestone reader) to the etcd by them. Unset (an operator run outside the
 cluster, which cannot reach a job's etcd anyway): only the job's workers are admitted."""
 ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
+ETCD_IMAGE_ENV: Final = "TORCHSPOT_ETCD_IMAGE"
+"""The operator's environment variable with the managed etcd's image for the whole cluster (the chart's
+`etcd.image`); a job's `spec.rendezvous.image` still wins."""
+ETCD_PULL_SECRETS_ENV: Final = "TORCHSPOT_ETCD_PULL_SECRETS"
+"""Comma-separated image pull Secrets for the managed etcd's pods (the chart's `etcd.imagePullSecrets`),
+each in the job's namespace."""
 RDZV_BACKEND: Final = BACKEND_NAME
 TRAINER_ENV_PREFIX: Final = ENV_PREFIX
 
@@ -115,6 +160,45 @@ STALE_AFTER_SECONDS: Final = 20
 seconds) was not looked at because the operator was paused (a standby) or stalled: its watches were
 closed meanwhile and the indices may still hold objects deleted then. The next reconcile reads the
 job's pods and etcd objects from the API once (as on the first reconcile of a job by this process)."""
-EXPECTATION_SECONDS: Final = 30
+EXPECTATION_SECONDS: Final = 300
 """How long a pod the operator created counts as there before its watch event arrives (the
-controller's expectations): longer means the watch lost it, and it is looked for afresh."""
+controller's expectations; client-go's `ExpectationsTimeout` is 5 minutes too): longer means the
+watch lost it, and it is looked for afresh. Shorter made an extra pod under watch lag."""
+VERIFY_SECONDS: Final = 300
+"""Each job's pods and etcd objects are read from the API (one labelled list) at least this often,
+and after any relist of a watch: kopf's indices drop an object only on its DELETED event, so one
+deleted while a watch was down would stay in them for ever (client-go's informers synthesise
+those deletions on relist; this is the same check)."""
+REFUSAL_BACKOFF_BASE: Final = 5.0
+REFUSAL_BACKOFF_CAP: Final = 600.0
+"""After the API refuses a job's create (a quota, a policy webhook, Pod Security, a bad template),
+the job's creates wait 5 s, doubling per refusal up to 10 minutes; a create that succeeds resets it
+(the workqueue's per-item exponential requeue). Each retry is a slow-start batch: 1 pod, then 2, 4 ...
+as the ReplicaSet and Job controllers create, so a full quota costs one refused request per wait."""
+EVICTION_BUDGET: Final = 6
+EVICTION_WINDOW_SECONDS: Final = 600
+"""More than this many evictions of one job within this window, or `EVICTION_REPEAT` of the same
+kind in a row, is no longer the cloud taking spot capacity but something about the job (its pods
+evicted for memory pressure they cause, a node fault that follows it): further replacements wait
+the failure backoff, and the EvictionBudgetExceeded condition says so."""
+EVICTION_REPEAT: Final = 3
+FAILED_PODS_KEPT: Final = 5
+"""Failed worker pods kept per job (the newest), so `kubectl logs` can read a crashed or OOMKilled
+worker, as Job, JobSet and Kubeflow keep theirs; older ones are deleted. All go with the job."""
+PERMANENT_WAIT_SECONDS: Final = 120
+"""A worker waiting with a reason that does not fix itself (a bad image name, a missing Secret or
+ConfigMap, a root image under runAsNonRoot) this long is failed and replaced: it counts against
+maxRestarts, so a broken template fails the job instead of waiting for ever."""
+PERMANENT_WAIT_REASONS: Final = frozenset(
+    {"InvalidImageName", "CreateContainerConfigError", "CreateContainerError", "ErrImageNeverPull"}
+)
+"""Container waiting reasons that retrying does not cure. ImagePullBackOff and ErrImagePull are not
+among them (a registry blip, an egress rule being fixed); they are shown in the status."""
+NODE_FAULT_REASONS: Final = ("UnexpectedAdmissionError", "OutOf")
+"""A pod the kubelet refused for a reason that is the node's, not the job's: its device plugin not
+registered yet on a fresh spot VM (`UnexpectedAdmissionError`, `OutOfnvidia.com/gpu`). An eviction,
+subject to the eviction budget, not a failure."""
+STALL_SECONDS: Final = 900
+"""No new rendezvous round and no new checkpoint for this long, while the job had workers ready and
+had reported one before: the Stalled condition (the job's `failurePolicy.stallTimeoutSeconds`
+overrides it; the job fails after it once more)."""

@@ -33,19 +33,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import kopf
 
-from torchspot_operator import builders, certs, conditions, constants, metrics
+from torchspot_operator import builders, certs, conditions, constants, metrics, nodes
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.milestones import MilestoneReader
+from torchspot_operator.nodes import NodePolicy, RateLimiter
 from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, plan
 from torchspot_operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 from torchspot_trainer.rendezvous.etcd_client import EtcdTls
@@ -70,6 +72,9 @@ ACTIVE_PHASES = frozenset(
 )
 """Phases whose jobs the timer ticks: while any exists, reconciles must keep finishing (`Controller.alive`)."""
 
+ETCD_POD_READ_SECONDS = 60.0
+"""How often a job's etcd pods are read while its Deployment has none available (the Stalled cause)."""
+
 Index = Mapping[Any, Iterable[Any]]
 """A kopf index: a key (such as (namespace, owner uid)) -> the values the objects under it gave."""
 
@@ -84,6 +89,28 @@ def owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
         ):
             return str(ref.get("name", "")), str(ref.get("uid", ""))
     return None
+
+
+@dataclass
+class _Refusal:
+    """Creates of one job the API refused in a row: the backoff before the next try, and what was said.
+
+    One per job, not per object: the next try is one object (a slow-start batch of 1), under the
+    same name; its outcome resets the backoff or doubles it. The status says how many, not which.
+    """
+
+    count: int
+    message: str
+    until: datetime
+    said_at: datetime | None = None
+    said: str = ""
+
+    def failure(self) -> CreateFailure:
+        """The ReplicaFailure entry: a count and the API's last word, no growing list of names."""
+        message = (
+            f"{self.count} create(s) refused in a row, next try at {conditions.timestamp(self.until)}: {self.message}"
+        )
+        return CreateFailure("refused", conditions.FAILED_CREATE, message, self.until)
 
 
 @dataclass
@@ -105,6 +132,13 @@ class _Memory:
     """Uids an index still holds that a fresh read from the API no longer found (see the module docstring)."""
     seen_at: float = 0.0
     """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
+    verified_at: float = 0.0
+    """When the job's objects were last read from the API (monotonic); 0: never (`constants.VERIFY_SECONDS`)."""
+    refusal: _Refusal | None = None
+    """The API's refusals of this job's creates, and the backoff they earned."""
+    etcd_pods: list[dict[str, Any]] = field(default_factory=list)
+    etcd_pods_at: float = 0.0
+    """The managed etcd's pods, read while its Deployment has none available (at most once a minute)."""
     tls: EtcdTls | None = None
     """The job's etcd client certificate (from its Secret), for the milestone reader."""
     tls_read: bool = False
@@ -129,10 +163,21 @@ class Controller:
         etcd_default: Placement | None = None,
         resolve: Callable[[str], str] | None = None,
         node_handling: bool = True,
+        node_policy: NodePolicy | None = None,
+        etcd_image: str = constants.ETCD_IMAGE,
+        etcd_pull_secrets: tuple[str, ...] = (),
         indexes: Mapping[str, Index] | None = None,
         operator: tuple[str, tuple[tuple[str, str], ...]] | None = None,
     ) -> None:
         self.api = api
+        self.node_policy = node_policy or NodePolicy()
+        self.etcd_image = etcd_image
+        self.etcd_pull_secrets = etcd_pull_secrets
+        self._node_limiter = RateLimiter(self.node_policy.eviction_rate)
+        self._admitted: set[str] = set()
+        """NotReady nodes the rate limiter let through (until they are Ready again)."""
+        self.relisted_at = 0.0
+        """When a watch of the operator's objects last listed afresh (monotonic): every job is verified after."""
         self.operator = operator
         """This operator's pod namespace and labels, which each job's etcd NetworkPolicy admits."""
         self.node_handling = node_handling
@@ -141,7 +186,8 @@ class Controller:
         self.milestones = MilestoneReader(resolve) if resolve is not None else MilestoneReader()
         self.indexes: Mapping[str, Index] = indexes or {name: {} for name in INDEXES}
         self.nodes: dict[str, Mapping[str, Any]] = {}
-        """Nodes as the node watch last saw them (reconciles read these instead of asking each time)."""
+        """Nodes as the node watch last saw them (reconciles read these instead of asking each time); a
+        Ready condition without a transition time gets the time the operator first saw its status."""
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -152,6 +198,15 @@ class Controller:
         self.recoveries = metrics.Recoveries()
         self.last_reconcile = time.monotonic()
         """When a reconcile or a tick last finished (monotonic): the liveness rule's clock."""
+
+    def _spec(self, body: Mapping[str, Any]) -> JobSpec:
+        """The job's spec with the operator's defaults (etcd placement, image, pull secrets)."""
+        return parse_spec(
+            body.get("spec") or {},
+            etcd_default=self.etcd_default,
+            etcd_image=self.etcd_image,
+            etcd_pull_secrets=self.etcd_pull_secrets,
+        )
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -192,7 +247,7 @@ class Controller:
             if memory is not None and memory.body is not None and not self._stale(memory):
                 memory.seen_at = time.monotonic()
                 try:
-                    spec = parse_spec(memory.body.get("spec") or {}, etcd_default=self.etcd_default)
+                    spec = self._spec(memory.body)
                 except InvalidSpecError:
                     return None
                 dry = plan(await self._observe(memory.body, spec, memory))
@@ -218,14 +273,23 @@ class Controller:
             metrics.RECONCILE.observe(time.monotonic() - started)
             self.last_reconcile = time.monotonic()
 
+    def _remember(self, namespace: str, name: str, uid: str) -> _Memory:
+        """The memory of this incarnation of the job: new for a new job, or one re-created under the name
+        (its predecessor's etcd client, which holds the predecessor's certificate, is closed)."""
+        memory = self._memory.get((namespace, name))
+        if memory is None or memory.uid != uid:
+            if memory is not None:
+                self.milestones.close_job(memory.uid)
+            memory = self._memory[(namespace, name)] = _Memory(uid)
+        return memory
+
     async def _reconcile_timed(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._forget(namespace, name)
             return None
         meta = body["metadata"]
         memory = self._memory.get((namespace, name))
-        if memory is None or memory.uid != meta.get("uid", ""):  # a new job, or one re-created under the name
-            memory = self._memory[(namespace, name)] = _Memory(str(meta.get("uid", "")))
+        memory = self._remember(namespace, name, str(meta.get("uid", "")))
         memory.body = body
         if self._stale(memory):
             await self._read_afresh(namespace, name, memory)
@@ -234,7 +298,7 @@ class Controller:
         job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
         now = self.now()
         try:
-            spec = parse_spec(body.get("spec") or {}, etcd_default=self.etcd_default)
+            spec = self._spec(body)
         except InvalidSpecError as exc:
             new = conditions.invalid(old.get("conditions") or [], exc.problems, now)
             if _changed(old, new):
@@ -251,7 +315,7 @@ class Controller:
         if decided.status.get("phase") in conditions.FINISHED_PHASES:
             self.milestones.forget(str(old.get("runId", job.run_id)))
         events = await self._act(job, decided, memory, now)
-        failures = list(memory.failures.values())
+        failures = self._failures(memory)
         if failures != list(seen.create_failures):
             # What the API just refused (or forgot) changes more than ReplicaFailure: WaitingForCapacity
             # says why the job waits. The status is planned again from the same view, so one write says
@@ -280,31 +344,101 @@ class Controller:
         self._prune(memory, pods, etcd.values())
         bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
         self._nodes_of_job[(namespace, name)] = bound
-        nodes: dict[str, Mapping[str, Any]] = {}
+        seen_nodes: dict[str, Mapping[str, Any]] = {}
         for node_name in bound if self.node_handling else ():
             node = self.nodes.get(node_name)
             if node is None:  # not seen by the node watch (yet; or gone): ask, never guess "gone"
                 node = await self.api.get("v1", "Node", None, node_name)
+                if node is not None:
+                    self.observe_node(node, deleted=False)
+                    node = self.nodes[node_name]
             if node is not None:
-                nodes[node_name] = node
+                seen_nodes[node_name] = node
+        admitted = self._admit(pods, seen_nodes, now or self.now())
         finished = old.get("phase") in conditions.FINISHED_PHASES
         milestones = (
             {}
             if finished
             else self.milestones.latest(
-                builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls
+                builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls, job=memory.uid
             )
         )
+        if not finished and not spec.rdzv_endpoint and not spec.suspend:
+            await self._read_etcd_pods(namespace, name, etcd.get("Deployment"), memory)
+        refusal = memory.refusal
         return Observed(
-            job, spec, old, pods, nodes, etcd, now or self.now(), milestones, self.node_handling,
+            job, spec, old, pods, seen_nodes, etcd, now or self.now(), milestones, self.node_handling,
+            node_policy=self.node_policy, admitted_nodes=frozenset(admitted),
+            creates_held_until=None if refusal is None else refusal.until,
+            etcd_pods=list(memory.etcd_pods),
             accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
-            create_failures=list(memory.failures.values()),
+            create_failures=self._failures(memory),
             names_in_use=frozenset(str(n) for n in self.indexes[NAMES_INDEX].get((namespace, name), [])),
         )  # fmt: skip
 
     @staticmethod
-    def _stale(memory: _Memory) -> bool:
-        return memory.seen_at == 0.0 or time.monotonic() - memory.seen_at > constants.STALE_AFTER_SECONDS
+    def _failures(memory: _Memory) -> list[CreateFailure]:
+        """What the status's ReplicaFailure says: names taken, and the refusals (one entry, a count)."""
+        found = list(memory.failures.values())
+        return found if memory.refusal is None else [*found, memory.refusal.failure()]
+
+    def _admit(
+        self, pods: Iterable[Mapping[str, Any]], bound: Mapping[str, Mapping[str, Any]], now: datetime
+    ) -> set[str]:
+        """The NotReady (or cordoned) nodes of these pods the plan may act on (nodes.py): none in a full
+        disruption; a node whose grace is over for one of its pods only if the cluster-wide rate allows."""
+        if not self.node_handling:
+            return set()
+        policy = self.node_policy
+        troubled = {name for name, node in bound.items() if nodes.soft(node, policy) is not None}
+        self._admitted &= {name for name, node in self.nodes.items() if nodes.soft(node, policy) is not None}
+        if not troubled:
+            return set()
+        if nodes.full_disruption(self.nodes.values(), policy.full_disruption_share):
+            bad = sum(nodes.ready_status(n)[0] != "True" for n in self.nodes.values())
+            log.warning(
+                "%d of %d nodes NotReady: no worker is moved off a NotReady node meanwhile", bad, len(self.nodes)
+            )
+            return set()
+        for pod in pods:
+            name = str(pod.get("spec", {}).get("nodeName") or "")
+            if name in troubled and name not in self._admitted and nodes.due(pod, bound[name], policy, now):
+                if self._node_limiter.admit():
+                    self._admitted.add(name)
+                else:
+                    log.info("node %s: NotReady past the grace; waiting for the node eviction rate", name)
+        return troubled & self._admitted
+
+    async def _read_etcd_pods(
+        self, namespace: str, name: str, deployment: Mapping[str, Any] | None, memory: _Memory
+    ) -> None:
+        """Read the managed etcd's pods while its Deployment has none available (at most once a minute),
+        so a stall can name why: an image pull refused, a pod unschedulable..."""
+        available = int(((deployment or {}).get("status") or {}).get("availableReplicas") or 0)
+        if deployment is None or available >= 1:
+            memory.etcd_pods = []
+            return
+        if time.monotonic() - memory.etcd_pods_at < ETCD_POD_READ_SECONDS:
+            return
+        memory.etcd_pods_at = time.monotonic()
+        labels = {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_ETCD}
+        memory.etcd_pods = await self.api.list("v1", "Pod", namespace, labels)
+
+    def _stale(self, memory: _Memory) -> bool:
+        """Whether the indices must be checked against the API for this job: never done by this process,
+        a silence (a paused standby), `VERIFY_SECONDS` since the last check, or a watch relisted since."""
+        clock = time.monotonic()
+        return (
+            memory.seen_at == 0.0
+            or clock - memory.seen_at > constants.STALE_AFTER_SECONDS
+            or clock - memory.verified_at > constants.VERIFY_SECONDS
+            or memory.verified_at < self.relisted_at
+        )
+
+    def relisted(self) -> None:
+        """A watch of pods or etcd objects listed afresh (a start, or a relist after a 410): kopf keeps in
+        its indices what the new list no longer has, so every job is checked against the API next."""
+        self.relisted_at = time.monotonic()
 
     async def _read_afresh(self, namespace: str, name: str, memory: _Memory) -> None:
         """Note the uids the indices hold for this job that the API no longer has (one list, and a get
@@ -321,8 +455,12 @@ class Controller:
             for obj in self.indexes[index].get((namespace, memory.uid), [])
         }
         memory.gone = indexed - present
+        memory.verified_at = time.monotonic()
         if memory.gone:
             log.info("job %s/%s: the watch missed the deletion of %d object(s)", namespace, name, len(memory.gone))
+            for pod in self.indexes[PODS_INDEX].get((namespace, memory.uid), []):  # counted as deleted by others
+                if str(pod.get("metadata", {}).get("uid", "")) in memory.gone:
+                    self.pod_deleted(namespace, name, memory.uid, pod)
 
     def _indexed(self, index: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
         """What an index holds for the job, less what a fresh read found gone (forgotten once the index is too)."""
@@ -369,7 +507,13 @@ class Controller:
                 del memory.accounted[uid]
 
     async def _act(self, job: JobRef, decided: Plan, memory: _Memory, now: datetime) -> list[tuple[str, str, str]]:
-        """Create, delete and update as planned; the events of what could not be created."""
+        """Create, delete, update and mark as planned; the events of what could not be created.
+
+        Creates go in slow-start batches (1, 2, 4 ... objects, as the ReplicaSet and Job
+        controllers make pods) and stop at the first refusal: a namespace out of quota costs
+        one refused request, not one per missing pod. A refusal backs the job's creates off
+        (`_refused`); a success resets that.
+        """
         clock = time.monotonic()
         memory.accounted.update({uid: clock for uid in decided.accounted})  # before any request: see pod_deleted
         memory.vanished.clear()  # the plan counted them
@@ -378,18 +522,24 @@ class Controller:
         if any(_mounts(obj, job.tls_secret) for obj in decided.create):
             failure = await self._tls(job, memory, now, create=True)
             if failure is not None:
-                memory.failures[failure.key] = failure
-                events.append(("Warning", failure.reason, failure.message))
                 etcd_blocked = True
+                events += self._failed(memory, failure, now)
+        batch, done, refused = 1, 0, False
         for obj in decided.create:
             kind = obj["kind"]
-            if etcd_blocked and (kind == "Pod" or _mounts(obj, job.tls_secret)):
-                continue  # the job's rendezvous cannot be made: workers would meet somewhere else
+            if refused or (etcd_blocked and (kind == "Pod" or _mounts(obj, job.tls_secret))):
+                continue  # refused: wait for the backoff; blocked: workers would meet somewhere else
             failure = await self._create(job, obj, memory, now)
             if failure is not None:
-                memory.failures[failure.key] = failure
-                events.append(("Warning", failure.reason, failure.message))
+                refused = failure.reason == conditions.FAILED_CREATE
                 etcd_blocked = etcd_blocked or kind != "Pod"
+                events += self._failed(memory, failure, now)
+                continue
+            memory.refusal = None
+            done += 1
+            if done == batch:  # the next batch is twice as large
+                batch, done = batch * 2, 0
+        await self._keep(job, decided)
         for delete in decided.delete:
             log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)
             await self.api.delete(
@@ -402,6 +552,38 @@ class Controller:
             if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
                 del memory.failures[key]
         return events
+
+    def _failed(self, memory: _Memory, failure: CreateFailure, now: datetime) -> list[tuple[str, str, str]]:
+        """Note what could not be created: a taken name by its key; a refusal as the job's refusal backoff.
+        The events to post: a taken name once; a refusal when its message is new or the last one was said
+        longer than the cap ago (one Event per distinct refusal per backoff period)."""
+        if failure.reason != conditions.FAILED_CREATE:
+            memory.failures[failure.key] = failure
+            return [("Warning", failure.reason, failure.message)]
+        old = memory.refusal
+        count = 1 if old is None else old.count + 1
+        wait = min(constants.REFUSAL_BACKOFF_BASE * 2 ** (count - 1), constants.REFUSAL_BACKOFF_CAP)
+        refusal = _Refusal(count, failure.message, now + timedelta(seconds=wait))
+        if old is not None:
+            refusal.said_at, refusal.said = old.said_at, old.said
+        memory.refusal = refusal
+        said = _without_names(failure.message)
+        quiet = refusal.said_at is None or (now - refusal.said_at).total_seconds() >= constants.REFUSAL_BACKOFF_CAP
+        log.info("%s (refusal %d in a row; next try in %.0f s)", failure.message, count, wait)
+        if said != refusal.said or quiet:
+            refusal.said_at, refusal.said = now, said
+            return [("Warning", failure.reason, f"{failure.message} (creates back off: next try in {wait:.0f} s)")]
+        return []
+
+    async def _keep(self, job: JobRef, decided: Plan) -> None:
+        """Mark the failed pods the plan keeps, so no later reconcile (of any replica) counts them again."""
+        for kept in decided.keep:
+            patch = {"metadata": {"annotations": {constants.ANNOTATION_ACCOUNTED: kept.verdict}}}
+            try:
+                await self.api.patch("v1", "Pod", job.namespace, kept.name, patch)
+            except ApiError as exc:
+                if exc.status != 404:  # gone meanwhile: nothing to keep
+                    raise
 
     async def _tls(self, job: JobRef, memory: _Memory, now: datetime, *, create: bool) -> CreateFailure | None:
         """Load the job's etcd certificates from its Secret into memory, making them first if `create`
@@ -473,6 +655,8 @@ class Controller:
         memory = self._memory.pop((namespace, name), None)
         self._locks.pop((namespace, name), None)
         self._nodes_of_job.pop((namespace, name), None)
+        if memory is not None:
+            self.milestones.close_job(memory.uid)
         if memory is not None and memory.body is not None:
             self.milestones.forget(str((memory.body.get("status") or {}).get("runId", "")))
 
@@ -514,12 +698,28 @@ class Controller:
         await self.api.delete(constants.API_VERSION, constants.PLURAL, namespace, name, uid=uid)
 
     def observe_node(self, node: Mapping[str, Any], *, deleted: bool) -> None:
-        """Keep the node cache that reconciles read (fed by the node watch)."""
+        """Keep the node cache that reconciles read (fed by the node watch).
+
+        A Ready condition that says no transition time (some test clusters, older kubelets) gets
+        the time the operator first saw that status, so a NotReady node's grace counts from there."""
         name = node.get("metadata", {}).get("name", "")
         if deleted:
             self.nodes.pop(name, None)
-        else:
-            self.nodes[name] = node
+            return
+        status, since = nodes.ready_status(node)
+        if since is None:
+            before = self.nodes.get(name)
+            known = nodes.ready_status(before) if before is not None else None
+            stamp = known[1] if known is not None and known[0] == status and known[1] else None
+            stamp = stamp or conditions.timestamp(self.now())
+            conds = [
+                {**c, "lastTransitionTime": stamp} if c.get("type") == "Ready" else c
+                for c in node.get("status", {}).get("conditions") or []
+            ]
+            if not any(c.get("type") == "Ready" for c in conds):
+                conds.append({"type": "Ready", "status": status, "lastTransitionTime": stamp})
+            node = {**node, "status": {**(node.get("status") or {}), "conditions": conds}}
+        self.nodes[name] = node
 
     def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
         """(namespace, job) of the jobs whose workers were on a node when last reconciled.
@@ -528,6 +728,11 @@ class Controller:
         API call and no permission beyond the watched namespaces.
         """
         return {key for key, nodes in self._nodes_of_job.items() if node_name in nodes}
+
+
+def _without_names(message: str) -> str:
+    """An API refusal's message without the object's name, to tell one refusal from another."""
+    return re.sub(r'"[^"]*"', '""', message)
 
 
 def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

@@ -26,12 +26,11 @@ from typing import Any, cast
 import kopf
 import prometheus_client
 
-from torchspot_operator import builders, conditions, constants, metrics
+from torchspot_operator import builders, conditions, constants, metrics, nodes
 from torchspot_operator import login as credentials
 from torchspot_operator.controller import INDEXES, Controller, Index, owner
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
-from torchspot_operator.verdicts import node_trouble
 
 RECONCILE_INTERVAL = 5.0
 """Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
@@ -149,6 +148,9 @@ async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.Connecti
             etcd_default=ours.etcd_default,
             resolve=cast(Callable[[str], str] | None, _state.get("resolve")),
             node_handling=ours.node_handling,
+            node_policy=ours.nodes,
+            etcd_image=ours.etcd_image,
+            etcd_pull_secrets=ours.etcd_pull_secrets,
             indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
             operator=ours.identity,
         )
@@ -267,6 +269,8 @@ async def job_ttl(
 @kopf.on.event("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
 async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
     """A worker pod changed (scheduled, ready, failed, deleted): reconcile the job that owns it now."""
+    if type is None:  # listed, not watched: a start or a relist, after which the indices may lie
+        controller().relisted()
     found = owner(body)
     if found is None or not namespace or not controller().news(body, type):
         return
@@ -287,6 +291,8 @@ def etcd_policies(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tupl
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
 async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:
     """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
+    if type is None:  # listed: see worker_pod_event
+        controller().relisted()
     found = owner(body)
     if found is None or not namespace or not controller().news(body, type):
         return
@@ -296,7 +302,9 @@ async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, t
 
 
 async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
-    """A node went bad (NotReady, cordoned, tainted for eviction, deleted): move its workers off now.
+    """A node changed: if it is gone, drained or NotReady (nodes.py), its jobs are reconciled now (a
+    definite signal moves their workers off at once; NotReady only after the grace, which the jobs'
+    timers then watch).
 
     Registered at startup only with node handling on (`configure`).
     """
@@ -304,7 +312,8 @@ async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> 
         return
     gone = type == "DELETED"
     controller().observe_node(dict(body), deleted=gone)
-    if not gone and node_trouble(dict(body)) is None:
+    policy = controller().node_policy
+    if not gone and nodes.definite(dict(body)) is None and nodes.soft(dict(body), policy) is None:
         return
     for namespace, job in controller().jobs_on_node(name):
         await controller().reconcile(namespace, job)

@@ -130,8 +130,179 @@ class Backoff:
         }
 
 
+SUSPECT_EVICTIONS = ("TerminationByKubelet", "UnexpectedAdmissionError", "OutOf")
+"""Eviction reasons that may be the job's own doing or follow it: the kubelet's node-pressure evictions
+(memory the job uses) and node faults at admission. Repeated, they exhaust the eviction budget."""
+
+
+@dataclass
+class EvictionBudget:
+    """Evictions of the job in the current window (`status.evictionWindow`).
+
+    Spot evictions are the cloud's and cost the job nothing but a re-formation, so they are
+    replaced at once. But more of them in `EVICTION_WINDOW_SECONDS` than twice the job's desired
+    workers (at least `EVICTION_BUDGET`), or `EVICTION_REPEAT` suspect ones of the same reason in
+    a row, are not the cloud: replacements then wait the failure backoff, and the
+    EvictionBudgetExceeded condition says why (a Job's podFailurePolicy would have counted them).
+    """
+
+    since: datetime | None
+    count: int
+    last_reason: str
+    repeats: int
+    limit: int
+    now: datetime
+
+    @classmethod
+    def read(cls, old: Mapping[str, Any], now: datetime, spec: JobSpec) -> EvictionBudget:
+        raw = old.get("evictionWindow") or {}
+        limit = max(constants.EVICTION_BUDGET, 2 * spec.desired)
+        since = conditions.parse_timestamp(raw["since"]) if raw.get("since") else None
+        if since is None or (now - since).total_seconds() > constants.EVICTION_WINDOW_SECONDS:
+            return cls(None, 0, "", 0, limit, now)
+        return cls(
+            since, int(raw.get("count", 0)), str(raw.get("lastReason", "")), int(raw.get("repeats", 0)), limit, now
+        )
+
+    def add(self, evictions: list[verdicts.Verdict]) -> None:
+        """Count this reconcile's evictions into the window."""
+        for verdict in evictions:
+            self.since = self.since or self.now
+            self.count += 1
+            self.repeats = self.repeats + 1 if verdict.reason == self.last_reason else 1
+            self.last_reason = verdict.reason
+
+    def exceeded(self) -> bool:
+        repeated = self.last_reason.startswith(SUSPECT_EVICTIONS) and self.repeats >= constants.EVICTION_REPEAT
+        return self.since is not None and (self.count > self.limit or repeated)
+
+    def previous(self) -> dict[str, Any] | None:
+        """The window's start as a failure record: the backoff streak counts from it."""
+        return None if self.since is None else {"time": conditions.timestamp(self.since)}
+
+    def condition(self, conds: list[dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
+        if self.exceeded():
+            message = (
+                f"{self.count} evictions since {conditions.timestamp(self.since or now)} (budget {self.limit} in "
+                f"{constants.EVICTION_WINDOW_SECONDS} s; last {self.last_reason} x{self.repeats}): replacements wait "
+                "the failure backoff"
+            )
+            return conditions.set_condition(conds, conditions.EVICTION_BUDGET, True, "TooManyEvictions", message, now)
+        return conditions.clear_condition(
+            conds, conditions.EVICTION_BUDGET, "WithinBudget", "evictions within the budget", now
+        )
+
+    def record(self) -> dict[str, Any] | None:
+        if self.since is None:
+            return None
+        return {
+            "since": conditions.timestamp(self.since), "count": self.count,
+            "lastReason": self.last_reason, "repeats": self.repeats,
+        }  # fmt: skip
+
+
+@dataclass
+class Progress:
+    """The run's last progress as the operator saw it (`status.progress`): the rendezvous round, the
+    step and the checkpoint step its milestones reported, and when one of them last moved."""
+
+    round: int | None
+    step: int | None
+    checkpoint: int | None
+    at: str | None
+
+    @classmethod
+    def read(cls, old: Mapping[str, Any], milestones: Mapping[str, Any], now: datetime, *, resumed: bool) -> Progress:
+        raw = {} if resumed else (old.get("progress") or {})
+        before = cls(raw.get("round"), raw.get("step"), raw.get("checkpoint"), raw.get("at"))
+
+        def number(name: str, key: str) -> int | None:
+            value = (milestones.get(name) or {}).get(key)
+            return value if isinstance(value, int) else None
+
+        seen = (number("round", "round"), number("step", "step"), number("checkpoint", "step"))
+        if all(v is None for v in seen) or seen == (before.round, before.step, before.checkpoint):
+            return before
+        merged = [
+            new if new is not None else was
+            for new, was in zip(seen, (before.round, before.step, before.checkpoint), strict=True)
+        ]
+        if (merged[0], merged[1], merged[2]) == (before.round, before.step, before.checkpoint):
+            return before
+        return cls(merged[0], merged[1], merged[2], conditions.timestamp(now))
+
+    def record(self) -> dict[str, Any] | None:
+        if self.at is None:
+            return None
+        return {"round": self.round, "step": self.step, "checkpoint": self.checkpoint, "at": self.at}
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A job with its workers and no progress: why, and whether the job fails of it now."""
+
+    message: str
+    fail: bool
+    reason: str
+
+
+def stall(  # noqa: PLR0917 - each input of the rule
+    spec: JobSpec,
+    census: verdicts.Census,
+    clocks: Clocks,
+    progress: Progress,
+    milestones: Mapping[str, Any],
+    etcd_state: str | None,
+) -> Stall | None:
+    """Whether the job is stalled: minReplicas ready, and no round, step or checkpoint for
+    `stallTimeoutSeconds` (since minReplicas was reached, if it never reported one).
+
+    The cause, likeliest first: the operator reads the job's etcd, so it serves, and the run does
+    not move (or never formed a round: the workers do not join); the etcd is not serving (its pod's
+    waiting reason: an image pull refused by an egress firewall...); or the operator cannot read
+    it (a NetworkPolicy, DNS) and cannot tell. The job fails when the cause is known and the stall
+    lasted twice the timeout, or no round formed within the start-up timeout; never on a guess.
+    """
+    if clocks.start is None or clocks.reached_min is None or census.ready < spec.min_replicas:
+        return None
+    quiet_since = progress.at or clocks.reached_min
+    quiet = clocks.since(quiet_since)
+    no_round = progress.round is None
+    late_start = no_round and clocks.since(clocks.start) > spec.startup_timeout_seconds
+    if quiet <= spec.stall_timeout_seconds and not late_start:
+        return None
+    if milestones.get("reachable"):
+        known = True
+        if no_round:
+            cause = "no rendezvous round formed: the workers do not join the rendezvous (read their logs)"
+        else:
+            cause = f"no new rendezvous round, step or checkpoint since {quiet_since}"
+    elif etcd_state is not None:
+        known = True
+        cause = f"the managed etcd is not serving: {etcd_state}"
+    else:
+        known = False
+        cause = "the operator cannot read the job's etcd (a NetworkPolicy or DNS?), so cannot tell whether it trains"
+    message = f"{census.ready} worker(s) ready, no progress since {quiet_since}: {cause}"
+    fail = known and (late_start or quiet > 2 * spec.stall_timeout_seconds)
+    reason = conditions.STARTUP_TIMEOUT if late_start else conditions.STALLED_TOO_LONG
+    return Stall(message, fail, reason)
+
+
+def stalled_condition(conds: list[dict[str, Any]], found: Stall | None, now: datetime) -> list[dict[str, Any]]:
+    if found is None:
+        return conditions.clear_condition(conds, conditions.STALLED, "Progressing", "the run makes progress", now)
+    return conditions.set_condition(conds, conditions.STALLED, True, "NoProgress", found.message, now)
+
+
 def outcome(
-    spec: JobSpec, census: verdicts.Census, failures: int, clocks: Clocks, last_failure: Mapping[str, Any] | None
+    spec: JobSpec,
+    census: verdicts.Census,
+    failures: int,
+    clocks: Clocks,
+    last_failure: Mapping[str, Any] | None,
+    *,
+    stalled: Stall | None = None,
 ) -> tuple[str, str, str] | None:
     """(phase, reason, message) if the job finishes in this reconcile: success first, then failure rules;
     `failures` is the job's count so far, this reconcile's included."""
@@ -157,6 +328,13 @@ def outcome(
             f"{spec.startup_timeout_seconds} s of {clocks.start} ({census.ready} ready)"
         )
         return conditions.PHASE_FAILED, conditions.STARTUP_TIMEOUT, message
+    if stalled is not None and stalled.fail:
+        limit = (
+            spec.startup_timeout_seconds
+            if stalled.reason == conditions.STARTUP_TIMEOUT
+            else 2 * spec.stall_timeout_seconds
+        )
+        return conditions.PHASE_FAILED, stalled.reason, f"stalled for more than {limit} s: {stalled.message}"
     if clocks.below_since is not None and clocks.since(clocks.below_since) > spec.below_min_grace_seconds:
         message = (
             f"ready workers stayed below minReplicas {spec.min_replicas} for more than "
@@ -171,7 +349,10 @@ def finished_conditions(
 ) -> list[dict[str, Any]]:
     done = "the job succeeded" if phase == conditions.PHASE_SUCCEEDED else "the job failed"
     conds = conditions.set_condition(conds, phase, True, reason, message, now)
-    for kind in (conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY):
+    for kind in (
+        conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY,
+        conditions.STALLED, conditions.EVICTION_BUDGET,
+    ):  # fmt: skip
         conds = conditions.clear_condition(conds, kind, reason, done, now)
     return conds
 
@@ -186,7 +367,10 @@ def suspended_conditions(conds: list[dict[str, Any]], census: verdicts.Census, n
         f"spec.suspend is true: no workers, no managed etcd{stopping}",
         now,
     )
-    for kind in (conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY):
+    for kind in (
+        conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY,
+        conditions.STALLED,
+    ):  # fmt: skip
         conds = conditions.clear_condition(conds, kind, "JobSuspended", "the job is suspended", now)
     return conds
 
@@ -238,9 +422,10 @@ def active_conditions(
         f"training with {ready} worker(s)" if not below else f"{ready} of at least {spec.min_replicas} ready", now,
     )  # fmt: skip
     scaling = ready != spec.desired
+    waiting = f"; {why or pending_summary(census)}" if scaling and (why or census.pending) else ""
     conds = conditions.set_condition(
         conds, conditions.SCALING, scaling, "ScalingToDesired" if scaling else "AtDesired",
-        f"{ready} ready of {spec.desired} desired", now,
+        f"{ready} ready of {spec.desired} desired{waiting}", now,
     )  # fmt: skip
     if clocks.reached_min is None:
         return conditions.PENDING, conds

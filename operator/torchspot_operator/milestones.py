@@ -31,37 +31,46 @@ class MilestoneReader:
 
     def __init__(self, resolve: Callable[[str], str] = lambda endpoint: endpoint) -> None:
         self._resolve = resolve
-        self._clients: dict[str, EtcdClient] = {}
+        self._clients: dict[tuple[str, str], EtcdClient] = {}
+        """By (job uid, address): a job re-created under its name has a new CA and certificate."""
         self._cache: dict[str, dict[str, Any]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
 
-    def latest(self, endpoint: str, run_id: str, tls: EtcdTls | None = None) -> dict[str, Any]:
+    def latest(self, endpoint: str, run_id: str, tls: EtcdTls | None = None, *, job: str = "") -> dict[str, Any]:
         """The records seen so far for a run (maybe none yet), and a refresh started if none runs.
 
-        `tls`: the job's client certificate, for its managed etcd (mutual TLS)."""
+        `tls`: the job's client certificate, for its managed etcd (mutual TLS); `job`: the job's uid,
+        which the etcd client is kept under. The records carry `reachable`: whether the last read
+        reached the etcd (None before the first read ended)."""
         task = self._refreshing.get(run_id)
         if task is None or task.done():
-            refresh = self._refresh(endpoint, run_id, tls)
+            refresh = self._refresh(endpoint, run_id, tls, job)
             self._refreshing[run_id] = asyncio.get_running_loop().create_task(refresh)
         return dict(self._cache.get(run_id, {}))
 
-    async def _refresh(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> None:
+    async def _refresh(self, endpoint: str, run_id: str, tls: EtcdTls | None, job: str) -> None:
         try:
-            read = asyncio.to_thread(self._read, endpoint, run_id, tls)
+            read = asyncio.to_thread(self._read, endpoint, run_id, tls, job)
             found = await asyncio.wait_for(read, milestones.MILESTONE_TIMEOUT * 2)
         except (EtcdError, TimeoutError, ValueError) as exc:
             log.debug("run %s: no milestones from etcd at %s yet (%s)", run_id, endpoint, exc)
+            self._cache[run_id] = {**self._cache.get(run_id, {}), "reachable": False}
             return
-        self._cache[run_id] = found
+        self._cache[run_id] = {**found, "reachable": True}
 
-    def _read(self, endpoint: str, run_id: str, tls: EtcdTls | None) -> dict[str, Any]:
+    def _read(self, endpoint: str, run_id: str, tls: EtcdTls | None, job: str) -> dict[str, Any]:
         address = self._resolve(endpoint)  # may change (a sandbox maps it once the etcd is up): key by it
-        client = self._clients.get(address)
+        client = self._clients.get((job, address))
         if client is None:
             host, port = parse_endpoint(address)
             timeout = milestones.MILESTONE_TIMEOUT
-            client = self._clients[address] = EtcdClient(host, port, request_timeout=timeout, tls=tls)
+            client = self._clients[job, address] = EtcdClient(host, port, request_timeout=timeout, tls=tls)
         return milestones.read(client, run_id)
+
+    def close_job(self, job: str) -> None:
+        """Close the etcd clients of a job (by uid) that is gone or was re-created."""
+        for key in [k for k in self._clients if k[0] == job]:
+            self._clients.pop(key).close()
 
     def forget(self, run_id: str) -> None:
         """Drop a finished run's cache."""

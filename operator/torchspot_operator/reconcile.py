@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from torchspot_operator import builders, conditions, constants, lifecycle, verdicts
+from torchspot_operator import builders, conditions, constants, lifecycle, nodes, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
+from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import JobSpec
 
 ETCD_KINDS: tuple[tuple[str, str], ...] = (
@@ -55,6 +56,15 @@ class Update:
     patch: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Keep:
+    """Mark a failed worker pod as counted and keep it for its logs (`constants.ANNOTATION_ACCOUNTED`)."""
+
+    name: str
+    uid: str
+    verdict: str
+
+
 @dataclass
 class Plan:
     """What one reconcile decided."""
@@ -62,6 +72,7 @@ class Plan:
     create: list[dict[str, Any]] = field(default_factory=list)
     delete: list[Delete] = field(default_factory=list)
     update: list[Update] = field(default_factory=list)
+    keep: list[Keep] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     """(type, reason, message): Normal or Warning Kubernetes Events."""
@@ -72,7 +83,7 @@ class Plan:
 
     def acts(self) -> bool:
         """Whether the plan changes anything in the cluster (creates, deletes, updates or counts)."""
-        return bool(self.create or self.delete or self.update or self.accounted)
+        return bool(self.create or self.delete or self.update or self.keep or self.accounted)
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,15 @@ class Observed:
     """The run's milestones from its etcd: the last `round` formed and `checkpoint` committed (milestones.py)."""
     node_handling: bool = True
     """False: a bad node is not a reason to move its workers (`constants.NODE_HANDLING_ENV`)."""
+    node_policy: NodePolicy = field(default_factory=NodePolicy)
+    admitted_nodes: frozenset[str] = frozenset()
+    """NotReady (or cordoned) nodes the controller let the plan act on: not a full disruption, and the
+    cluster-wide rate limit had room (nodes.py). A worker there whose grace is over is moved off."""
+    creates_held_until: datetime | None = None
+    """The API refused this job's creates lately: nothing is created before this time (the refusal
+    backoff, `constants.REFUSAL_BACKOFF_BASE`)."""
+    etcd_pods: Sequence[Mapping[str, Any]] = ()
+    """The managed etcd's pods, read only while its Deployment has none available (the Stalled cause)."""
     accounted: frozenset[str] = frozenset()
     """Pod uids already counted or deleted by the operator (terminating ones are skipped)."""
     vanished: Sequence[Mapping[str, Any]] = ()
@@ -126,7 +146,9 @@ class _Judge:
 
     def all(self) -> verdicts.Census:
         for pod in self.seen.pods:
-            if verdicts.pod_uid(pod) not in self.seen.accounted:  # else counted or deleted by the operator already
+            if verdicts.kept(pod):
+                self.census.kept.append(pod)
+            elif verdicts.pod_uid(pod) not in self.seen.accounted:  # else counted or deleted by the operator already
                 self.pod(pod)
         if not self.finished:
             for pod in self.seen.vanished:
@@ -139,54 +161,89 @@ class _Judge:
 
     def pod(self, pod: Mapping[str, Any]) -> None:
         phase = pod.get("status", {}).get("phase", "Pending")
-        if phase == "Succeeded":
+        deleting = bool(pod.get("metadata", {}).get("deletionTimestamp"))
+        if phase == "Succeeded" and not self.finished and (deleting or verdicts.disruption_target(pod)):
+            # A wrapper that exits 0 on SIGTERM in a drain: the cluster stopped it, the run is not over.
+            self.gone(pod, "exited 0 while being stopped by the cluster")
+        elif phase == "Succeeded":
             self.census.succeeded.append(pod)
         elif self.finished:
             self.census.active.append(pod)  # only the clean-up looks at it
-        elif pod.get("metadata", {}).get("deletionTimestamp"):  # deleted, not by us: a user, the eviction API...
+        elif deleting:  # deleted, not by us: a user, the eviction API...
             disruption = verdicts.disruption_target(pod)
             reason = str(disruption.get("reason")) if disruption else "deleted by someone other than the operator"
             self.gone(pod, f"is being deleted ({reason})")
         else:
-            node_name = pod.get("spec", {}).get("nodeName")
-            seen = self.seen
-            trouble = verdicts.node_trouble(seen.nodes.get(node_name)) if node_name and seen.node_handling else None
-            if phase == "Failed":
-                verdict = verdicts.classify(pod, trouble)
-                said = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
-                text = f"({said})" if verdict.kind == verdicts.EVICTION else verdict.message
-                self.lose(pod, verdict, 0, text)
-            elif trouble is not None:
-                grace = 0 if trouble == "node is gone" else None
-                self.lose(
-                    pod, verdicts.Verdict(verdicts.EVICTION, "NodeLost", trouble), grace, f"on {node_name}: {trouble}"
-                )
-            else:
-                self.census.active.append(pod)
-                if verdicts.is_ready(pod):
-                    self.census.ready += 1
-                else:
-                    self.census.pending.append(pod)
+            self.judge(pod, phase)
 
-    def lose(self, pod: Mapping[str, Any], verdict: verdicts.Verdict, grace: int | None, text: str) -> None:
-        """A pod evicted or failed: counted, deleted, owed a replacement."""
+    def judge(self, pod: Mapping[str, Any], phase: str) -> None:
+        """A live worker pod (not finished, not being deleted): what its state and its node say."""
+        seen = self.seen
+        node_name = str(pod.get("spec", {}).get("nodeName") or "")
+        node = seen.nodes.get(node_name)
+        definite = nodes.definite(node) if node_name and seen.node_handling else None
+        if phase == "Failed":
+            verdict = verdicts.classify(pod, definite)
+            said = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
+            text = f"({said})" if verdict.kind == verdicts.EVICTION else verdict.message
+            self.lose(pod, verdict, None, text, keep=True)
+            return
+        if definite is not None:
+            grace = 0 if definite == "node is gone" else None
+            verdict = verdicts.Verdict(verdicts.EVICTION, "NodeLost", definite)
+            self.lose(pod, verdict, grace, f"on {node_name}: {definite}")
+            return
+        soft = nodes.soft(node, seen.node_policy) if node is not None and seen.node_handling else None
+        if (
+            soft is not None
+            and node_name in seen.admitted_nodes
+            and nodes.due(pod, node or {}, seen.node_policy, seen.now)
+        ):
+            verdict = verdicts.Verdict(verdicts.EVICTION, "NodeNotReady", soft)
+            self.lose(pod, verdict, None, f"on {node_name}: {soft}, past the pod's grace")
+            return
+        stuck = verdicts.permanent_wait(pod)
+        since = verdicts.waiting_since(pod)
+        if stuck is not None and since is not None:
+            waited = (seen.now - conditions.parse_timestamp(since)).total_seconds()
+            if waited >= constants.PERMANENT_WAIT_SECONDS:
+                verdict = verdicts.Verdict(verdicts.FAILURE, stuck[0], stuck[1])
+                self.lose(pod, verdict, None, f"{stuck[1]} (for {constants.PERMANENT_WAIT_SECONDS} s)")
+                return
+        self.census.active.append(pod)
+        if verdicts.is_ready(pod):
+            self.census.ready += 1
+        else:
+            self.census.pending.append(pod)
+
+    def lose(
+        self, pod: Mapping[str, Any], verdict: verdicts.Verdict, grace: int | None, text: str, *, keep: bool = False
+    ) -> None:
+        """A pod evicted or failed: counted, owed a replacement; deleted, or (a Failed one) kept for its logs."""
         name, uid = verdicts.pod_name(pod), verdicts.pod_uid(pod)
         if verdict.kind == verdicts.EVICTION:
             self.counts.evictions += 1
+            self.census.evictions.append(verdict)
             self.result.events.append(("Warning", "Evicted", f"worker pod {name} {text}"))
         else:
             self.counts.failures += 1
             self.census.failures.append((name, verdict))
+            kept = f"; kept for its logs: kubectl logs {name}" if keep else ""
             self.result.events.append(
-                ("Warning", "WorkerFailed", f"worker pod {name} failed: {verdict.reason}, {text}")
+                ("Warning", "WorkerFailed", f"worker pod {name} failed: {verdict.reason}, {text}{kept}")
             )
-        self.result.delete.append(Delete("v1", "Pod", name, uid, grace, f"{verdict.kind}: {verdict.reason}"))
+        if keep:
+            self.result.keep.append(Keep(name, uid, f"{verdict.kind}: {verdict.reason}"))
+            self.census.kept.append(pod)
+        else:
+            self.result.delete.append(Delete("v1", "Pod", name, uid, grace, f"{verdict.kind}: {verdict.reason}"))
         self.result.accounted.append(uid)
         self.census.lost += 1
 
     def gone(self, pod: Mapping[str, Any], text: str) -> None:
         """A pod someone else deleted: an eviction, owed a replacement (it goes by itself)."""
         self.counts.evictions += 1
+        self.census.evictions.append(verdicts.Verdict(verdicts.EVICTION, "Deleted", text))
         self.result.events.append(("Warning", "Evicted", f"worker pod {verdicts.pod_name(pod)} {text}"))
         self.result.accounted.append(verdicts.pod_uid(pod))
         self.census.lost += 1
@@ -199,8 +256,10 @@ def plan(seen: Observed) -> Plan:
     counts = _Counts(old)
     finished = old.get("phase") in conditions.FINISHED_PHASES
     census = _Judge(seen, counts, result, finished).all()
+    _delete(result, _surplus_kept(census))
     if finished:
-        _delete(result, [*_cleanup(seen, census), *_etcd_deletes(seen, "job finished")])
+        _delete(result, _cleanup(seen, census, result))
+        _delete(result, _etcd_deletes(seen, result, "job finished"))
         result.status = dict(old)  # frozen at the end: nothing after it changes the record
         return result
 
@@ -212,10 +271,16 @@ def plan(seen: Observed) -> Plan:
     clocks.observe(census.ready, spec.min_replicas)
     backoff = lifecycle.Backoff.read(old, now)
     last_failure = lifecycle.last_failure(census, old, now)
+    budget = lifecycle.EvictionBudget.read(old, now, spec)
+    budget.add(census.evictions)
     if census.failures:
         backoff.failed(len(census.failures), previous=old.get("lastFailure"), now=now)
+    if census.evictions and budget.exceeded():  # evictions the job seems to cause: wait as after failures
+        backoff.failed(len(census.evictions), previous=old.get("lastFailure") or budget.previous(), now=now)
+    progress = lifecycle.Progress.read(old, seen.milestones, now, resumed=was_suspended and not spec.suspend)
+    stall = lifecycle.stall(spec, census, clocks, progress, seen.milestones, _etcd_state(seen))
 
-    outcome = lifecycle.outcome(spec, census, counts.failures, clocks, last_failure)
+    outcome = lifecycle.outcome(spec, census, counts.failures, clocks, last_failure, stalled=stall)
     conds = list(old.get("conditions") or [])
     conds = conditions.set_condition(conds, conditions.INVALID_SPEC, False, "SpecValid", "the spec is valid", now)
     if outcome is not None:  # Succeeded or Failed, now
@@ -223,7 +288,8 @@ def plan(seen: Observed) -> Plan:
         clocks.completion = conditions.timestamp(now)
         conds = lifecycle.finished_conditions(conds, phase, reason, message, now)
         result.events.append(("Normal" if phase == conditions.PHASE_SUCCEEDED else "Warning", phase, message))
-        _delete(result, [*_cleanup(seen, census), *_etcd_deletes(seen, "job finished")])
+        _delete(result, _cleanup(seen, census, result))
+        _delete(result, _etcd_deletes(seen, result, "job finished"))
     elif spec.suspend:
         phase = conditions.PHASE_SUSPENDED
         conds = lifecycle.suspended_conditions(conds, census, now)
@@ -231,23 +297,14 @@ def plan(seen: Observed) -> Plan:
             Delete("v1", "Pod", verdicts.pod_name(pod), verdicts.pod_uid(pod), None, "job suspended")
             for pod in census.active
         ]
-        _delete(result, [*stopping, *_etcd_deletes(seen, "job suspended")])
+        _delete(result, stopping)
+        _delete(result, _etcd_deletes(seen, result, "job suspended"))
         if not was_suspended:
             result.events.append(
-                ("Normal", "Suspended", f"stopping {len(census.active)} worker pod(s) and the managed etcd")
+                ("Normal", "Suspended", f"stopping {len(census.active)} worker pod(s), then the managed etcd")
             )
     else:
-        if was_suspended:
-            result.events.append(("Normal", "Resumed", f"starting again as run {job.run_id}"))
-        blocked = _ensure_etcd(seen, job, result)
-        held = backoff.hold(now)
-        if not blocked:
-            _scale(seen, job, census, counts, result, held=held, released=backoff.released)
-        backoff.keep(min(held, max(0, spec.desired - len(census.active))))
-        if census.failures and held:
-            result.events.append(("Warning", "BackOff", backoff.describe(now)))
-        why = _refusals(seen, result, blocked=blocked)  # also queues the etcd's refusal, if any
-        phase, conds = lifecycle.active_conditions(conds, spec, census, clocks, why=why, now=now)
+        phase, conds = _active(seen, job, census, counts, result, conds, clocks, backoff, budget, stall)
     conds = conditions.replica_failure(conds, [*seen.create_failures, *result.refused], now)
     result.status = {
         "phase": phase,
@@ -260,11 +317,80 @@ def plan(seen: Observed) -> Plan:
         "failures": counts.failures,
         "lastFailure": last_failure,
         "backoff": backoff.record(),
+        "evictionWindow": budget.record(),
+        "progress": progress.record(),
         **_milestones(seen.milestones, old),
         **clocks.record(),
         "conditions": conds,
     }
     return result
+
+
+def _active(  # noqa: PLR0917 - the plan's state, passed along
+    seen: Observed,
+    job: JobRef,
+    census: verdicts.Census,
+    counts: _Counts,
+    result: Plan,
+    conds: list[dict[str, Any]],
+    clocks: lifecycle.Clocks,
+    backoff: lifecycle.Backoff,
+    budget: lifecycle.EvictionBudget,
+    stall: lifecycle.Stall | None,
+) -> tuple[str, list[dict[str, Any]]]:
+    """A job neither finished nor suspended: the etcd, scaling, and its phase and conditions."""
+    spec, now = seen.spec, seen.now
+    if seen.status.get("phase") == conditions.PHASE_SUSPENDED:
+        result.events.append(("Normal", "Resumed", f"starting again as run {job.run_id}"))
+    held_creates = seen.creates_held_until is not None and now < seen.creates_held_until
+    blocked = _ensure_etcd(seen, job, result, held=held_creates)
+    held = backoff.hold(now)
+    if not blocked:
+        _scale(seen, job, census, counts, result, held=held, released=backoff.released, refused=held_creates)
+    backoff.keep(min(held, max(0, spec.desired - len(census.active))))
+    if (census.failures or (census.evictions and budget.exceeded())) and held:
+        result.events.append(("Warning", "BackOff", backoff.describe(now)))
+    why = _refusals(seen, result, blocked=blocked)  # also queues the etcd's refusal, if any
+    phase, conds = lifecycle.active_conditions(conds, spec, census, clocks, why=why, now=now)
+    conds = lifecycle.stalled_condition(conds, stall, now)
+    return phase, budget.condition(conds, now)
+
+
+def _etcd_state(seen: Observed) -> str | None:
+    """Why the managed etcd is not serving, in the cluster's words, or None if it is (or is external)."""
+    if seen.spec.rdzv_endpoint:
+        return None
+    deployment = seen.etcd.get("Deployment")
+    if deployment is None:
+        return "its Deployment does not exist"
+    if int((deployment.get("status") or {}).get("availableReplicas") or 0) >= 1:
+        return None
+    for pod in seen.etcd_pods:
+        reason = verdicts.waiting_reason(pod)
+        if reason not in ("starting", "not scheduled yet"):
+            return f"its pod {verdicts.pod_name(pod)} is not running: {reason}"
+    return "its Deployment has no available pod"
+
+
+def _surplus_kept(census: verdicts.Census) -> list[Delete]:
+    """The failed pods kept beyond `FAILED_PODS_KEPT` (the oldest go first)."""
+
+    def age(pod: Mapping[str, Any]) -> tuple[str, int]:
+        return str(pod.get("metadata", {}).get("creationTimestamp") or ""), verdicts.pod_index(pod)
+
+    live = [p for p in census.kept if not p.get("metadata", {}).get("deletionTimestamp")]
+    surplus = sorted(live, key=age)[: max(0, len(live) - constants.FAILED_PODS_KEPT)]
+    return [
+        Delete(
+            "v1",
+            "Pod",
+            verdicts.pod_name(p),
+            verdicts.pod_uid(p),
+            None,
+            f"only the newest {constants.FAILED_PODS_KEPT} failed pods are kept",
+        )
+        for p in surplus
+    ]
 
 
 def _etcd_tls(etcd: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -335,12 +461,13 @@ def _taken(seen: Observed, key: str) -> CreateFailure | None:
     return next((f for f in seen.create_failures if f.key == key), None)
 
 
-def _ensure_etcd(seen: Observed, job: JobRef, result: Plan) -> bool:
+def _ensure_etcd(seen: Observed, job: JobRef, result: Plan, *, held: bool = False) -> bool:
     """Create the managed etcd's missing objects and update changed ones; True while one's name is taken.
 
     A name taken by an object the job does not own is left alone and tried again every
     `NAME_RETRY_SECONDS`; meanwhile no worker is made, as workers would reach that
-    object (a Service of the same name) instead of their own rendezvous.
+    object (a Service of the same name) instead of their own rendezvous. While the
+    job's creates are `held` (the API refused one lately), nothing is created.
     """
     if seen.spec.rdzv_endpoint:
         return False
@@ -354,7 +481,8 @@ def _ensure_etcd(seen: Observed, job: JobRef, result: Plan) -> bool:
                 blocked = True
                 if (seen.now - taken.at).total_seconds() < constants.NAME_RETRY_SECONDS:
                     continue
-            result.create.append(desired)
+            if not held:
+                result.create.append(desired)
             continue
         wanted = desired["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]
         if (actual.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH) != wanted:
@@ -363,8 +491,15 @@ def _ensure_etcd(seen: Observed, job: JobRef, result: Plan) -> bool:
     return blocked
 
 
-def _etcd_deletes(seen: Observed, why: str) -> list[Delete]:
-    """Delete the managed etcd's objects the job owns (by uid: a same-named object of someone else stays)."""
+def _etcd_deletes(seen: Observed, result: Plan, why: str) -> list[Delete]:
+    """Delete the managed etcd's objects the job owns (by uid: a same-named object of someone else stays),
+    once no worker the operator stopped is still leaving: their agents leave the rendezvous on the way out
+    (an emergency checkpoint's report included), which needs the etcd."""
+    stopping = {d.uid for d in result.delete if d.kind == "Pod"}
+    for pod in seen.pods:
+        leaving = pod.get("metadata", {}).get("deletionTimestamp") or verdicts.pod_uid(pod) in stopping
+        if leaving and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
+            return []
     deletes = []
     for api_version, kind in ETCD_KINDS:
         actual = seen.etcd.get(kind)
@@ -375,21 +510,34 @@ def _etcd_deletes(seen: Observed, why: str) -> list[Delete]:
 
 
 def _scale(
-    seen: Observed, job: JobRef, census: verdicts.Census, counts: _Counts, result: Plan, *, held: int, released: int
+    seen: Observed,
+    job: JobRef,
+    census: verdicts.Census,
+    counts: _Counts,
+    result: Plan,
+    *,
+    held: int,
+    released: int,
+    refused: bool = False,
 ) -> None:
-    """Create pods up to `desired` (lowest free indices), less those held back by the failure backoff;
-    or delete the surplus (pending first, then the highest indices)."""
+    """Create pods up to `desired` (lowest free indices), less those held back by the failure backoff
+    (none while the refusal backoff holds: `refused`); or delete the surplus (pending first, then the
+    highest indices)."""
     desired = seen.spec.desired
     taken = {verdicts.pod_index(pod) for pod in seen.pods}
-    names = [
+    names = [  # a name someone else holds is skipped; a refused one is tried again (the same index)
         *seen.names_in_use,
-        *(f.key.removeprefix("Pod/") for f in seen.create_failures if f.key.startswith("Pod/")),
+        *(
+            f.key.removeprefix("Pod/")
+            for f in seen.create_failures
+            if f.key.startswith("Pod/") and f.reason == conditions.NAME_TAKEN
+        ),
     ]
     prefix = f"{job.name}-worker-"
     taken |= {int(n.removeprefix(prefix)) for n in names if n.startswith(prefix) and n.removeprefix(prefix).isdigit()}
     missing = desired - len(census.active)
     if missing > 0:
-        creating = missing - min(held, missing)
+        creating = 0 if refused else missing - min(held, missing)
         owed = max(0, census.lost + released - held)
         index = 0
         for _ in range(creating):
@@ -412,7 +560,7 @@ def _scale(
             result.events.append(("Normal", "ScaledDown", f"deleted worker pod {name} (desired {desired})"))
 
 
-def _cleanup(seen: Observed, census: verdicts.Census) -> list[Delete]:
+def _cleanup(seen: Observed, census: verdicts.Census, result: Plan) -> list[Delete]:
     """Worker pods to delete when the job finished.
 
     Pending ones always (they never ran; kept, they would make the cluster autoscaler buy a
@@ -420,9 +568,10 @@ def _cleanup(seen: Observed, census: verdicts.Census) -> list[Delete]:
     grace period), finished ones only with `All`. Already-deleted ones are not asked again.
     """
     policy = seen.spec.clean_pod_policy
+    deleting = {d.uid for d in result.delete}
     chosen = []
-    for pod in [*census.active, *census.succeeded]:
-        if pod.get("metadata", {}).get("deletionTimestamp"):
+    for pod in [*census.active, *census.succeeded, *census.kept]:
+        if pod.get("metadata", {}).get("deletionTimestamp") or verdicts.pod_uid(pod) in deleting:
             continue
         phase = pod.get("status", {}).get("phase", "Pending")
         running = phase == "Running"

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchspot_operator import constants, metrics
+from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import InvalidSpecError, Placement, default_etcd_placement
 
 
@@ -35,6 +36,16 @@ class OperatorSettings:
     """The operator pod's namespace and sorted labels (`constants.OPERATOR_NAMESPACE_ENV`,
     `constants.OPERATOR_LABELS_ENV`): each job's NetworkPolicy admits the operator's progress reader
     to its etcd by them. None outside a cluster, where no job's etcd is reachable anyway."""
+    nodes: NodePolicy = field(default_factory=NodePolicy)
+    """How NotReady and cordoned nodes are judged (nodes.py): the grace
+    (`constants.NODE_GRACE_ENV`), cordon handling (`constants.CORDON_HANDLING_ENV`), the
+    full-disruption share (`constants.FULL_DISRUPTION_ENV`) and the rate
+    (`constants.NODE_EVICTION_RATE_ENV`)."""
+    etcd_image: str = constants.ETCD_IMAGE
+    """The managed etcd's image unless a job says (`constants.ETCD_IMAGE_ENV`, the chart's `etcd.image`):
+    a cluster whose egress admits only its own registry mirrors it there."""
+    etcd_pull_secrets: tuple[str, ...] = ()
+    """Image pull Secrets of the managed etcd's pods (`constants.ETCD_PULL_SECRETS_ENV`, comma-separated)."""
     metrics_port: int = metrics.DEFAULT_METRICS_PORT
     """Where /metrics is served (`metrics.METRICS_PORT_ENV`); 0 asks for a free port (tests, which
     start several operators on one machine)."""
@@ -53,11 +64,46 @@ def read_settings(environ: Mapping[str, str]) -> OperatorSettings:
     port = environ.get(metrics.METRICS_PORT_ENV, "") or str(metrics.DEFAULT_METRICS_PORT)
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise SettingsError(f"invalid operator setting: {metrics.METRICS_PORT_ENV}={port!r}: expected a port")
+    image = environ.get(constants.ETCD_IMAGE_ENV, "").strip() or constants.ETCD_IMAGE
+    if any(c.isspace() for c in image):
+        raise SettingsError(f"invalid operator setting: {constants.ETCD_IMAGE_ENV}={image!r}: expected an image")
+    secrets = tuple(n.strip() for n in environ.get(constants.ETCD_PULL_SECRETS_ENV, "").split(",") if n.strip())
     return OperatorSettings(
         etcd_default=etcd_default,
         node_handling=mode == "proactive",
         identity=_identity(environ),
+        nodes=_node_policy(environ),
+        etcd_image=image,
+        etcd_pull_secrets=secrets,
         metrics_port=int(port),
+    )
+
+
+def _number(environ: Mapping[str, str], name: str, low: float, high: float) -> float | None:
+    """A number setting within [low, high]; None if unset."""
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not low <= value <= high:
+        raise SettingsError(f"invalid operator setting: {name}={text!r}: expected a number from {low:g} to {high:g}")
+    return value
+
+
+def _node_policy(environ: Mapping[str, str]) -> NodePolicy:
+    cordon = environ.get(constants.CORDON_HANDLING_ENV, "").strip() or "off"
+    if cordon not in ("on", "off"):
+        raise SettingsError(f"invalid operator setting: {constants.CORDON_HANDLING_ENV}={cordon!r}: expected on or off")
+    share = _number(environ, constants.FULL_DISRUPTION_ENV, 0.0, 1.0)
+    rate = _number(environ, constants.NODE_EVICTION_RATE_ENV, 0.0, 1000.0)
+    return NodePolicy(
+        grace_seconds=_number(environ, constants.NODE_GRACE_ENV, 0.0, 86400.0),
+        cordon=cordon == "on",
+        full_disruption_share=constants.FULL_DISRUPTION_SHARE if share is None else share,
+        eviction_rate=constants.NODE_EVICTION_RATE if rate is None else rate,
     )
 
 

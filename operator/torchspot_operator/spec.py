@@ -58,6 +58,8 @@ class JobSpec:
     rdzv_endpoint: str = ""
     """An external etcd (host:port); '' = the operator runs a managed one for the job."""
     etcd_image: str = constants.ETCD_IMAGE
+    etcd_pull_secrets: tuple[str, ...] = ()
+    """Image pull Secrets of the managed etcd's pods (the operator's setting, for the whole cluster)."""
     etcd_placement: Placement = field(default_factory=lambda: Placement(spot=False, gpu=False))
     heartbeat_seconds: int = 1
     placement: Placement = field(default_factory=Placement)
@@ -67,6 +69,9 @@ class JobSpec:
     credentials_secret: str = ""
     below_min_grace_seconds: int = 600
     startup_timeout_seconds: int = 3600
+    stall_timeout_seconds: int = constants.STALL_SECONDS
+    """No new rendezvous round or checkpoint for this long while workers are ready: Stalled; as long
+    again: Failed (lifecycle.py)."""
     max_restarts: int = 3
     termination_grace_seconds: int = 90
     clean_pod_policy: str = "Running"
@@ -154,12 +159,20 @@ class _Reader:
         )
 
 
-def parse_spec(spec: Mapping[str, Any], *, etcd_default: Placement | None = None) -> JobSpec:
+def parse_spec(
+    spec: Mapping[str, Any],
+    *,
+    etcd_default: Placement | None = None,
+    etcd_image: str = constants.ETCD_IMAGE,
+    etcd_pull_secrets: tuple[str, ...] = (),
+) -> JobSpec:
     """The job's spec, defaulted; raises `InvalidSpecError` naming every field of a wrong type.
 
     :param etcd_default: the operator's placement for managed etcds (the chart's
         `etcd.defaultPlacement`), used when the job's rendezvous names no nodeSelector,
         tolerations or affinity of its own.
+    :param etcd_image: the operator's managed etcd image (the chart's `etcd.image`), used when the
+        job's rendezvous names none; `etcd_pull_secrets` go with it.
     """
     if not isinstance(spec, Mapping):
         raise InvalidSpecError(["spec: must be an object"])
@@ -182,7 +195,8 @@ def parse_spec(spec: Mapping[str, Any], *, etcd_default: Placement | None = None
         ttl_seconds_after_finished=read.optional_int(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished"),
         active_deadline_seconds=read.optional_int(spec, "activeDeadlineSeconds", "spec.activeDeadlineSeconds"),
         rdzv_endpoint=read.str_(rdzv, "endpoint", "spec.rendezvous.endpoint"),
-        etcd_image=read.str_(rdzv, "image", "spec.rendezvous.image", constants.ETCD_IMAGE) or constants.ETCD_IMAGE,
+        etcd_image=read.str_(rdzv, "image", "spec.rendezvous.image", etcd_image) or etcd_image,
+        etcd_pull_secrets=etcd_pull_secrets,
         etcd_placement=etcd_placement,
         heartbeat_seconds=read.int_(rdzv, "heartbeatSeconds", "spec.rendezvous.heartbeatSeconds", 1),
         placement=read.placement(read.obj(spec, "placement", "spec.placement"), "spec.placement", spot=True, gpu=True),
@@ -195,6 +209,9 @@ def parse_spec(spec: Mapping[str, Any], *, etcd_default: Placement | None = None
         ),
         startup_timeout_seconds=read.int_(
             failure, "startupTimeoutSeconds", "spec.failurePolicy.startupTimeoutSeconds", 3600
+        ),
+        stall_timeout_seconds=read.int_(
+            failure, "stallTimeoutSeconds", "spec.failurePolicy.stallTimeoutSeconds", constants.STALL_SECONDS
         ),
         max_restarts=read.int_(failure, "maxRestarts", "spec.failurePolicy.maxRestarts", 3),
         termination_grace_seconds=read.int_(

@@ -1,24 +1,28 @@
 """Each worker pod judged: eviction, failure, success or active. Pure.
 
 How a worker pod is judged, in the spirit of Kubernetes Job's podFailurePolicy:
-- *eviction*: what the cluster says is one: a `DisruptionTarget` condition (preemption,
-  the taint manager, the eviction API, pod GC, the kubelet), a disruption reason on the
-  pod (Evicted, Terminated, NodeShutdown...), its node gone, NotReady, cordoned, being
-  deleted or tainted for eviction (the operator deletes such workers at once, with
-  their grace period, so torchrun's SIGTERM path writes the emergency checkpoint), or a
-  deletion by anyone but the operator (a user's `kubectl delete pod`). Replaced at once;
-  never counted against `failurePolicy.maxRestarts`.
-- *failure*: a non-zero exit, OOMKilled, or a pod the kubelet refused before it ran
-  (UnexpectedAdmissionError, OutOf...). Counted against `failurePolicy.maxRestarts`;
-  replacements after consecutive failures back off (10 s doubling, capped at 5 min).
-- *success*: a worker that exited 0. torchrun's agent exits 0 only after every agent of
+- *eviction*: what the cluster says is one: a `DisruptionTarget` condition (any of its
+  reasons: preemption, the taint manager, the eviction API, pod GC, the kubelet under node
+  pressure), a node reason (graceful node shutdown, preemption), a node fault at admission
+  (the device plugin of a fresh spot VM not registered yet), its node gone, being deleted
+  or drained (nodes.py; a NotReady node only after the pod's grace), or a deletion by
+  anyone but the operator (a user's `kubectl delete pod`). Replaced at once and not
+  counted against `failurePolicy.maxRestarts`, within the eviction budget (lifecycle.py).
+- *failure*: a non-zero exit, OOMKilled, a kubelet limit eviction (`Evicted` with no
+  DisruptionTarget: the pod's own emptyDir or ephemeral-storage limit), a container that
+  waits for what retrying cannot fix, or a pod the kubelet refused before it ran for a
+  reason of its own. Counted against `failurePolicy.maxRestarts`; replacements after
+  consecutive failures back off (10 s doubling, capped at 5 min). Failed pods are kept
+  for their logs (the newest `FAILED_PODS_KEPT`), marked as counted.
+- *success*: the trainer exited 0. torchrun's agent exits 0 only after every agent of
   the group reached its exit barrier with its workers done, so one success means the run
-  is complete: the job is Succeeded in that same reconcile, whatever else is going on.
+  is complete: the job is Succeeded in that same reconcile. A pod that exited 0 while
+  being deleted or disrupted (a wrapper that exits 0 on SIGTERM) is an eviction instead.
 - *active*: anything else; Ready ones train, the rest are pending (unscheduled pods are
   the cluster autoscaler's signal to add spot nodes: they are kept, and training goes on
   at the size that is Ready).
 Each pod is judged once: the controller passes the uids it already counted or deleted
-(`accounted`), and the plan returns those it counts now.
+(`accounted`), kept failed pods carry their mark, and the plan returns those it counts now.
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ from typing import Any
 
 from torchspot_operator import conditions, constants
 
-DISRUPTED_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "Shutdown", "Terminated", "NodeShutdown"})
+NODE_REASONS = frozenset({"Preempting", "Shutdown", "Terminated", "NodeShutdown"})
+"""Pod reasons of a node's doing (scheduler preemption, graceful node shutdown): evictions even from
+a kubelet too old to add a DisruptionTarget condition. `Evicted` is not among them: with no
+DisruptionTarget it is the kubelet enforcing the pod's own limits (an emptyDir's sizeLimit, its
+ephemeral storage), which Kubernetes counts as the pod's fault."""
 
 
 EVICTION = "eviction"
@@ -47,30 +55,22 @@ class Verdict:
     message: str
 
 
-def node_trouble(node: Mapping[str, Any] | None) -> str | None:
-    """Why a node's pods should leave now, or None if it is healthy."""
-    if node is None:
-        return "node is gone"
-    if node.get("metadata", {}).get("deletionTimestamp"):
-        return "node is being deleted"
-    spec = node.get("spec", {})
-    if spec.get("unschedulable"):
-        return "node is cordoned"
-    for taint in spec.get("taints") or []:
-        if taint.get("key") in constants.EVICTION_TAINTS:
-            return f"node has taint {taint['key']}"
-    for condition in node.get("status", {}).get("conditions") or []:
-        if condition.get("type") == "Ready" and condition.get("status") != "True":
-            return "node is NotReady"
-    return None
+def trainer_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The status of the pod's trainer container (the template's first container), found by its name:
+    sidecars (a service mesh's proxy, a log shipper) report their own containers beside it."""
+    containers = pod.get("spec", {}).get("containers") or [{}]
+    name = containers[0].get("name")
+    statuses = pod.get("status", {}).get("containerStatuses") or []
+    found = next((c for c in statuses if c.get("name") == name), None)
+    if found is None and statuses and (name is None or all("name" not in c for c in statuses)):
+        return dict(statuses[0])  # a status without names (an old record): the only one there is
+    return None if found is None else dict(found)
 
 
 def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    for container in pod.get("status", {}).get("containerStatuses") or []:
-        terminated = (container.get("state") or {}).get("terminated")
-        if terminated is not None:
-            return dict(terminated)
-    return None
+    status = trainer_status(pod)
+    terminated = ((status or {}).get("state") or {}).get("terminated")
+    return None if terminated is None else dict(terminated)
 
 
 def disruption_target(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -80,27 +80,51 @@ def disruption_target(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def classify(pod: Mapping[str, Any], trouble: str | None = None) -> Verdict:
-    """Why a Failed worker pod ended: an eviction if the cluster says so (or its node is in
-    `trouble`), else a failure: OOMKilled, an exit code, or refused before it ran."""
+    """Why a Failed worker pod ended: an eviction if the cluster says so (a DisruptionTarget, a node
+    reason, a node fault at admission, or its node gone: `trouble`), else a failure: a limit
+    eviction, OOMKilled, an exit code, or refused before it ran."""
     pod_status = pod.get("status", {})
     disruption = disruption_target(pod)
     if disruption is not None:
         return Verdict(
             EVICTION, str(disruption.get("reason") or "DisruptionTarget"), str(disruption.get("message", ""))
         )
-    if pod_status.get("reason") in DISRUPTED_REASONS:
-        return Verdict(EVICTION, str(pod_status["reason"]), str(pod_status.get("message", "")))
+    reason = str(pod_status.get("reason") or "")
+    message = str(pod_status.get("message") or "")
+    if reason in NODE_REASONS:
+        return Verdict(EVICTION, reason, message)
     if trouble is not None:
         return Verdict(EVICTION, "NodeLost", trouble)
+    if reason == "Evicted":  # no DisruptionTarget: the kubelet enforced the pod's own limit
+        return Verdict(FAILURE, "LimitEvicted", message or "evicted by the kubelet for exceeding a limit of its own")
     terminated = _terminated(pod)
-    if terminated is None:  # never ran: the kubelet refused it (device plugin, resources, affinity)
-        reason = str(pod_status.get("reason") or "AdmissionFailed")
-        return Verdict(FAILURE, reason, str(pod_status.get("message") or "the pod failed before its container ran"))
+    if terminated is None:  # never ran: the kubelet refused it
+        if reason.startswith(constants.NODE_FAULT_REASONS):  # the node's device plugin, not the job
+            return Verdict(EVICTION, reason, message or "the node refused the pod")
+        return Verdict(FAILURE, reason or "AdmissionFailed", message or "the pod failed before its container ran")
     code = terminated.get("exitCode")
     if terminated.get("reason") == "OOMKilled":
         return Verdict(FAILURE, "OOMKilled", f"out of memory (exit code {code})")
     detail = f" ({terminated['reason']})" if terminated.get("reason") not in (None, "Error") else ""
     return Verdict(FAILURE, "ExitCode", f"exit code {code}{detail}")
+
+
+def permanent_wait(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) if the trainer container waits for something retrying will not fix."""
+    waiting = ((trainer_status(pod) or {}).get("state") or {}).get("waiting") or {}
+    reason = str(waiting.get("reason") or "")
+    if reason in constants.PERMANENT_WAIT_REASONS:
+        return reason, str(waiting.get("message") or reason)
+    return None
+
+
+def waiting_since(pod: Mapping[str, Any]) -> str | None:
+    """When the pod was bound to its node (its PodScheduled condition), else when it was created."""
+    scheduled = conditions.find(pod.get("status", {}).get("conditions") or [], "PodScheduled")
+    if scheduled is not None and scheduled.get("status") == "True" and scheduled.get("lastTransitionTime"):
+        return str(scheduled["lastTransitionTime"])
+    created = pod.get("metadata", {}).get("creationTimestamp")
+    return None if created is None else str(created)
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:
@@ -109,10 +133,17 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def pod_index(pod: Mapping[str, Any]) -> int:
-    try:
-        return int(pod.get("metadata", {}).get("labels", {}).get(constants.LABEL_INDEX, "-1"))
-    except ValueError:
-        return -1
+    """The worker's number: its annotation, or the end of its name (`<job>-worker-<n>`); -1 if neither."""
+    meta = pod.get("metadata", {})
+    said = (meta.get("annotations") or {}).get(constants.ANNOTATION_INDEX) or str(meta.get("name", "")).rsplit("-", 1)[
+        -1
+    ]
+    return int(said) if said.isdigit() else -1
+
+
+def kept(pod: Mapping[str, Any]) -> bool:
+    """A failed pod the operator counted and keeps for its logs (`constants.ANNOTATION_ACCOUNTED`)."""
+    return constants.ANNOTATION_ACCOUNTED in (pod.get("metadata", {}).get("annotations") or {})
 
 
 def pod_name(pod: Mapping[str, Any]) -> str:
@@ -130,10 +161,9 @@ def waiting_reason(pod: Mapping[str, Any]) -> str:
     scheduled = conditions.find(pod_status.get("conditions") or [], "PodScheduled")
     if scheduled is not None and scheduled.get("status") == "False":
         return str(scheduled.get("message") or scheduled.get("reason") or "not scheduled")
-    for container in pod_status.get("containerStatuses") or []:
-        waiting = (container.get("state") or {}).get("waiting")
-        if waiting:
-            return f"{waiting.get('reason', 'waiting')}: {waiting.get('message', '')}".rstrip(": ")
+    waiting = ((trainer_status(pod) or {}).get("state") or {}).get("waiting")
+    if waiting:
+        return f"{waiting.get('reason', 'waiting')}: {waiting.get('message', '')}".rstrip(": ")
     return "not scheduled yet" if not pod.get("spec", {}).get("nodeName") else "starting"
 
 
@@ -145,7 +175,11 @@ class Census:
     ready: int = 0
     pending: list[Mapping[str, Any]] = field(default_factory=list)
     succeeded: list[Mapping[str, Any]] = field(default_factory=list)
+    kept: list[Mapping[str, Any]] = field(default_factory=list)
+    """Failed pods counted before and kept for their logs (`constants.FAILED_PODS_KEPT` at most)."""
     lost: int = 0
     """Pods lost in this observation (evicted or failed), each owed a replacement."""
+    evictions: list[Verdict] = field(default_factory=list)
+    """The evictions counted in this observation (for the eviction budget)."""
     failures: list[tuple[str, Verdict]] = field(default_factory=list)
     """(pod, verdict) of the failures counted in this observation."""

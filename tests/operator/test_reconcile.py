@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from tests.operator.jobs import good_job
-from torchspot_operator import builders, conditions, constants, reconcile, verdicts
+from torchspot_operator import builders, conditions, constants, nodes, reconcile, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import delete_options
+from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import JobSpec, parse_spec
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
@@ -31,6 +32,8 @@ def _etcd(spec: JobSpec | None = None) -> dict[str, Mapping[str, Any]]:
     objs = builders.etcd_objects(JOB, spec or _spec())
     for obj in objs:
         obj["metadata"]["uid"] = f"etcd-{obj['kind']}"
+        if obj["kind"] == "Deployment":
+            obj["status"] = {"availableReplicas": 1}  # serving
     return {obj["kind"]: obj for obj in objs}
 
 
@@ -117,7 +120,9 @@ class TestWorkerPod:
         pod = builders.worker_pod(JOB, _spec(nprocPerNode=2), 4)
         assert pod["metadata"]["name"] == "cifar-worker-4"
         assert pod["metadata"]["ownerReferences"][0]["uid"] == JOB.uid
-        assert pod["metadata"]["labels"][constants.LABEL_INDEX] == "4"
+        assert pod["metadata"]["annotations"][constants.ANNOTATION_INDEX] == "4"
+        # Labels stay job-scoped: a label unique to each pod would be one Cilium identity per pod.
+        assert set(pod["metadata"]["labels"]) == {constants.LABEL_JOB, constants.LABEL_ROLE, constants.LABEL_MANAGED_BY}
         spec = pod["spec"]
         assert spec["nodeSelector"] == {constants.SPOT_LABEL: "spot"}
         assert constants.SPOT_TOLERATION in spec["tolerations"]
@@ -149,7 +154,16 @@ class TestWorkerPod:
         pod = builders.worker_pod(JOB, _spec(), 0)["spec"]
         mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
         volume = next(v for v in pod["volumes"] if v["name"] == mounts[constants.SHM_DIR])
-        assert volume["emptyDir"] == {"medium": "Memory"}  # the runtime's default is 64 MiB
+        # Sized (the runtime's default is 64 MiB; unsized, it could grow to the node's memory and get
+        # the pod evicted under node pressure): from the memory limit, else the request, else a fallback.
+        assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": builders.SHM_FALLBACK_SIZE}
+        limited = _spec()
+        limited.template["spec"]["containers"][0]["resources"] = {
+            "requests": {"memory": "12Gi"},
+            "limits": {"memory": "24Gi"},
+        }
+        pod = builders.worker_pod(JOB, limited, 0)["spec"]
+        assert next(v for v in pod["volumes"] if v["name"] == "torchspot-shm")["emptyDir"]["sizeLimit"] == "24Gi"
         spec = _spec()
         own = {"name": "big-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}
         spec.template["spec"]["volumes"] = [own]
@@ -290,7 +304,26 @@ CLASSIFY = [
         "eviction",
         "PreemptionByScheduler",
     ),
-    ("kubelet eviction", _pod(0, "Failed", reason="Evicted"), None, "eviction", "Evicted"),
+    (
+        "node-pressure eviction",
+        _pod(
+            0,
+            "Failed",
+            reason="Evicted",
+            conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}],
+        ),
+        None,
+        "eviction",
+        "TerminationByKubelet",
+    ),
+    (
+        "kubelet limit eviction",
+        _pod(0, "Failed", reason="Evicted", message='Usage of EmptyDir volume "cache" exceeds the limit "2Gi".'),
+        None,
+        "failure",
+        "LimitEvicted",
+    ),
+    ("limit eviction on a NotReady node", _pod(0, "Failed", reason="Evicted"), None, "failure", "LimitEvicted"),
     ("node shutdown", _pod(0, "Failed", reason="Terminated"), None, "eviction", "Terminated"),
     ("killed on a lost node", _exited(0, 137), "node is NotReady", "eviction", "NodeLost"),
     ("exit 1", _exited(0, 1), None, "failure", "ExitCode"),
@@ -298,11 +331,33 @@ CLASSIFY = [
     ("SIGKILL with no disruption", _exited(0, 137), None, "failure", "ExitCode"),
     ("SIGTERM with no disruption", _exited(0, 143), None, "failure", "ExitCode"),
     (
-        "admission refused",
+        "device plugin not ready",
         _pod(0, "Failed", reason="UnexpectedAdmissionError", message="Allocate failed"),
         None,
-        "failure",
+        "eviction",
         "UnexpectedAdmissionError",
+    ),
+    (
+        "no GPU on the node yet",
+        _pod(0, "Failed", reason="OutOfnvidia.com/gpu"),
+        None,
+        "eviction",
+        "OutOfnvidia.com/gpu",
+    ),
+    ("refused for its affinity", _pod(0, "Failed", reason="NodeAffinity"), None, "failure", "NodeAffinity"),
+    (
+        "a sidecar's exit is not the trainer's",
+        _pod(
+            0,
+            "Failed",
+            containerStatuses=[
+                {"name": "istio-proxy", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}},
+                {"name": "trainer", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}},
+            ],
+        ),
+        None,
+        "failure",
+        "OOMKilled",
     ),
     ("failed before running", _pod(0, "Failed"), None, "failure", "AdmissionFailed"),
 ]
@@ -387,7 +442,14 @@ class TestSuccess:
         assert plan.status["completionTime"] == conditions.timestamp(T0)
         assert plan.create == []
         assert sorted(_deleted(plan)) == [("cifar-worker-1", None), ("cifar-worker-2", None)]  # with their grace
-        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+        # The etcd stays while the stopped workers leave its rendezvous; it goes once they are gone.
+        assert {d.kind for d in plan.delete} == {"Pod"}
+        leaving = _pod(1)
+        leaving["metadata"]["deletionTimestamp"] = conditions.timestamp(T0)
+        accounted = frozenset(plan.accounted)
+        assert {d.kind for d in _plan([_exited(0, 0), leaving], old=plan.status, accounted=accounted).delete} == set()
+        gone = _plan([_exited(0, 0)], old=plan.status, accounted=accounted)
+        assert {d.kind for d in gone.delete} == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
         assert _condition(plan, "Succeeded")["status"] == "True"
         assert _condition(plan, "Running")["status"] == "False"
         assert "Succeeded" in _reasons(plan)
@@ -430,9 +492,11 @@ class TestFailureRules:
         assert plan.status["backoff"] == {
             "consecutiveFailures": 1, "until": conditions.timestamp(T0 + timedelta(seconds=10)), "replacements": 1,
         }  # fmt: skip
-        assert _deleted(plan) == [("cifar-worker-0", 0)]
+        assert _deleted(plan) == []  # kept for `kubectl logs`, marked as counted
+        assert plan.keep == [reconcile.Keep("cifar-worker-0", plan.accounted[0], "failure: OOMKilled")]
         assert plan.create == []
         assert {"WorkerFailed", "BackOff"} <= set(_reasons(plan))
+        assert "kubectl logs cifar-worker-0" in str(plan.events)
 
     def test_the_wait_doubles_with_consecutive_failures_and_resets_after_a_quiet_while(self) -> None:
         first = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
@@ -457,17 +521,72 @@ class TestFailureRules:
 
     def test_evictions_are_replaced_at_once_even_during_a_backoff(self) -> None:
         failed = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
-        evicted = _pod(1, "Failed", reason="Evicted")
+        disrupted = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+        evicted = _pod(1, "Failed", reason="Evicted", conditions=disrupted)
         plan = _plan([evicted, _pod(2)], old=failed.status, now=T0 + timedelta(seconds=2))
         assert len(_created(plan)) == 1  # the evicted one's; the failed one's still waits
         assert plan.status["failures"] == 1
         assert plan.status["evictions"] == 1
 
-    def test_an_admission_failure_counts(self) -> None:
-        refused = _pod(0, "Failed", reason="UnexpectedAdmissionError", message="Allocate failed due to no devices")
+    def test_an_admission_failure_counts_unless_it_is_the_nodes(self) -> None:
+        refused = _pod(0, "Failed", reason="NodeAffinity", message="Predicate NodeAffinity failed")
         plan = _plan([refused, _pod(1), _pod(2)], old=_running())
         assert plan.status["failures"] == 1
-        assert plan.status["lastFailure"]["reason"] == "UnexpectedAdmissionError"
+        assert plan.status["lastFailure"]["reason"] == "NodeAffinity"
+        fresh_vm = _pod(0, "Failed", reason="UnexpectedAdmissionError", message="Allocate failed due to no devices")
+        plan = _plan([fresh_vm, _pod(1), _pod(2)], old=_running())
+        assert (plan.status["failures"], plan.status["evictions"]) == (0, 1)  # not maxRestarts' business
+        assert _created(plan) == ["cifar-worker-3"]
+
+    def test_a_limit_eviction_is_a_failure_with_backoff_not_a_free_eviction(self) -> None:
+        said = 'Usage of EmptyDir volume "cache" exceeds the limit "2Gi".'
+        status = _running()
+        for round_ in range(3):  # the review's loop: evictions 1, 2, 3 and no backoff
+            pods = [_pod(0, "Failed", reason="Evicted", message=said), _pod(1), _pod(2)]
+            plan = _plan(pods, old=status, now=T0 + timedelta(seconds=round_))
+            status = plan.status
+        assert (status["evictions"], status["failures"]) == (0, 3)
+        assert status["lastFailure"]["reason"] == "LimitEvicted"
+        assert status["backoff"]["consecutiveFailures"] == 3
+        assert plan.create == []  # the replacement waits
+
+    def test_a_failed_pod_kept_for_its_logs_is_never_counted_again(self) -> None:
+        first = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
+        kept = _exited(0, 1, uid=first.accounted[0])
+        kept["metadata"]["annotations"][constants.ANNOTATION_ACCOUNTED] = "failure: ExitCode"
+        # Another operator process (no memory of what was counted) sees the mark.
+        again = _plan([kept, _pod(1), _pod(2)], old=first.status, now=T0 + timedelta(seconds=20))
+        assert again.status["failures"] == 1
+        assert again.keep == []
+        assert _created(again) == ["cifar-worker-3"]  # the kept pod holds its name
+
+    def test_only_the_newest_failed_pods_are_kept(self) -> None:
+        kept = []
+        for index in range(constants.FAILED_PODS_KEPT + 2):
+            pod = _exited(index, 1)
+            pod["metadata"]["creationTimestamp"] = conditions.timestamp(T0 + timedelta(minutes=index))
+            pod["metadata"]["annotations"][constants.ANNOTATION_ACCOUNTED] = "failure: ExitCode"
+            kept.append(pod)
+        plan = _plan([*kept, _pod(10)], old=_running(failures=7, failurePolicy={}),
+                     spec=_spec(failurePolicy={"maxRestarts": 10}))  # fmt: skip
+        assert sorted(_deleted(plan)) == [("cifar-worker-0", None), ("cifar-worker-1", None)]
+
+    def test_a_permanent_waiting_reason_fails_the_pod_after_a_grace(self) -> None:
+        waiting = {"reason": "CreateContainerConfigError", "message": 'secret "blob" not found'}
+        scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": conditions.timestamp(T0)}
+        stuck = _pod(0, "Pending", ready=False, conditions=[scheduled],
+                     containerStatuses=[{"name": "trainer", "state": {"waiting": waiting}}])  # fmt: skip
+        early = _plan([stuck, _pod(1), _pod(2)], old=_running(), now=T0 + timedelta(seconds=10))
+        assert early.delete == []
+        assert 'CreateContainerConfigError: secret "blob" not found' in _condition(early, "Scaling")["message"]
+        late = _plan(
+            [stuck, _pod(1), _pod(2)], old=_running(), now=T0 + timedelta(seconds=constants.PERMANENT_WAIT_SECONDS)
+        )
+        assert _deleted(late) == [("cifar-worker-0", None)]
+        assert late.status["lastFailure"]["reason"] == "CreateContainerConfigError"
+        pull = [{"name": "trainer", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]
+        pulling = _pod(0, "Pending", ready=False, conditions=[scheduled], containerStatuses=pull)
+        assert _plan([pulling, _pod(1), _pod(2)], old=_running(), now=T0 + timedelta(hours=1)).delete == []
 
     def test_failures_beyond_max_restarts_fail_the_job_naming_the_last(self) -> None:
         plan = _plan([_exited(0, 137, "OOMKilled"), _pod(1), _pod(2)], old=_running(failures=3))
@@ -477,16 +596,15 @@ class TestFailureRules:
         assert "4 worker failures exceed failurePolicy.maxRestarts 3" in failed["message"]
         assert "OOMKilled" in failed["message"]
         assert plan.create == []
-        assert {d.kind for d in plan.delete} >= {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+        assert sorted(_deleted(plan)) == [("cifar-worker-1", None), ("cifar-worker-2", None)]
 
 
 class TestEvictions:
     @pytest.mark.parametrize(
         ("node", "why"),
         [
-            (_node(ready=False), "NotReady"),
-            (_node(unschedulable=True), "cordoned"),
             (_node(taints=[{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]), "taint"),
+            (_node(taints=[{"key": "remediator.kubernetes.azure.com/unschedulable", "effect": "NoSchedule"}]), "taint"),
             ({**_node(), "metadata": {"name": "spot-1", "deletionTimestamp": "2026-11-22T12:00:00Z"}}, "deleted"),
         ],
     )
@@ -508,6 +626,50 @@ class TestEvictions:
         assert plan.delete == []
         assert plan.status["evictions"] == 0
 
+    @pytest.mark.parametrize(
+        "node",
+        [
+            _node(ready=False),  # a NotReady node, not yet past the grace, or not admitted
+            _node(unschedulable=True),  # an admin's cordon: new scheduling stops, nothing more
+            _node(taints=[{"key": "DeletionCandidateOfClusterAutoscaler", "effect": "PreferNoSchedule"}]),  # maybe
+        ],
+    )
+    def test_soft_signals_do_not_move_a_worker_at_once(self, node: dict[str, Any]) -> None:
+        both = {"spot-1": node, "spot-2": _node("spot-2")}
+        pods = [_pod(0, node="spot-1"), _pod(1, node="spot-2")]
+        plan = _plan(pods, old=_running(), nodes=both, admitted_nodes=frozenset({"spot-1"}))
+        assert plan.delete == []
+        assert plan.status["evictions"] == 0
+
+    def test_a_not_ready_worker_leaves_after_its_toleration_once_admitted(self) -> None:
+        since = conditions.timestamp(T0)
+        node = _node(ready=False)
+        node["status"]["conditions"][0]["lastTransitionTime"] = since
+        pod = _pod(0, node="spot-1")
+        both = {"spot-1": node, "spot-2": _node("spot-2")}
+        pods = [pod, _pod(1, node="spot-2")]
+        admitted = frozenset({"spot-1"})
+        default = float(constants.DEFAULT_NOT_READY_TOLERATION_SECONDS)
+        assert _plan(pods, old=_running(), nodes=both, admitted_nodes=admitted,
+                     now=T0 + timedelta(seconds=default - 1)).delete == []  # fmt: skip
+        due = _plan(pods, old=_running(), nodes=both, admitted_nodes=admitted, now=T0 + timedelta(seconds=default))
+        assert _deleted(due) == [("cifar-worker-0", None)]
+        assert due.status["evictions"] == 1
+        assert _plan(pods, old=_running(), nodes=both, now=T0 + timedelta(seconds=default)).delete == []  # not admitted
+        # The pod's own toleration of the taint says how long; the operator's setting overrides it.
+        pod["spec"]["tolerations"] = [{"key": constants.NOT_READY_TAINT, "operator": "Exists", "effect": "NoExecute",
+                                       "tolerationSeconds": 30}]  # fmt: skip
+        assert _deleted(
+            _plan(pods, old=_running(), nodes=both, admitted_nodes=admitted, now=T0 + timedelta(seconds=30))
+        )
+        policy = NodePolicy(grace_seconds=600)
+        assert not _plan(pods, old=_running(), nodes=both, admitted_nodes=admitted, node_policy=policy,
+                         now=T0 + timedelta(seconds=300)).delete  # fmt: skip
+        # Cordon handling is opt-in; on, a cordoned node's worker leaves once admitted.
+        cordoned = {"spot-1": _node(unschedulable=True), "spot-2": _node("spot-2")}
+        on = NodePolicy(cordon=True)
+        assert _deleted(_plan(pods, old=_running(), nodes=cordoned, admitted_nodes=admitted, node_policy=on))
+
     def test_a_pod_deleted_by_a_user_is_an_eviction_counted_once(self) -> None:
         leaving = _pod(0, uid="user-deleted")
         leaving["metadata"]["deletionTimestamp"] = conditions.timestamp(T0)
@@ -527,6 +689,44 @@ class TestEvictions:
         assert plan.accounted == ["vanished"]
         assert _created(plan) == ["cifar-worker-0"]
         assert _reasons(plan) == ["Evicted", "Replaced"]
+
+    def test_a_worker_that_exits_0_while_being_stopped_is_not_a_success(self) -> None:
+        wrapper = _exited(0, 0)
+        wrapper["metadata"]["deletionTimestamp"] = conditions.timestamp(T0)
+        plan = _plan([wrapper, _pod(1), _pod(2)], old=_running())
+        assert plan.status["phase"] == "Scaling"  # not Succeeded: a replacement is on its way
+        assert plan.status["evictions"] == 1
+        drained = _exited(
+            0, 0, conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+        )
+        assert _plan([drained, _pod(1), _pod(2)], old=_running()).status["phase"] == "Scaling"
+
+    def test_the_eviction_budget_backs_off_what_spot_does_not_explain(self) -> None:
+        pressure = [{"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                     "message": "The node was low on resource: memory."}]  # fmt: skip
+        status = _running()
+        plans = []
+        for round_ in range(constants.EVICTION_REPEAT):
+            pods = [_pod(0, "Failed", reason="Evicted", conditions=pressure), _pod(1), _pod(2)]
+            plans.append(_plan(pods, old=status, now=T0 + timedelta(seconds=round_)))
+            status = plans[-1].status
+        assert [len(_created(p)) for p in plans[:-1]] == [1, 1]  # replaced at once, within the budget
+        assert _created(plans[-1]) == []  # the third in a row waits the failure backoff
+        assert _condition(plans[-1], "EvictionBudgetExceeded")["status"] == "True"
+        assert status["failures"] == 0  # still evictions: maxRestarts is not spent on them
+        later = _plan(
+            [_pod(1), _pod(2)], old=status, now=T0 + timedelta(seconds=constants.EVICTION_WINDOW_SECONDS + 10)
+        )
+        assert _condition(later, "EvictionBudgetExceeded")["status"] == "False"
+        # Spot preemptions of different pods: many more before the budget (twice the desired workers, >= 6).
+        spot = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+        status = _running()
+        for round_ in range(constants.EVICTION_BUDGET):
+            plan = _plan(
+                [_pod(0, "Failed", conditions=spot), _pod(1), _pod(2)], old=status, now=T0 + timedelta(seconds=round_)
+            )
+            assert len(_created(plan)) == 1
+            status = plan.status
 
     def test_pods_the_operator_deleted_are_not_judged_again(self) -> None:
         leaving = _pod(0, uid="ours")
@@ -581,12 +781,14 @@ class TestSuspend:
         plan = _plan([_pod(0), _pod(1), _pending(2)], old=_running(evictions=2), spec=_spec(suspend=True))
         assert plan.status["phase"] == "Suspended"
         assert sorted(_deleted(plan)) == [("cifar-worker-0", None), ("cifar-worker-1", None), ("cifar-worker-2", None)]
-        assert {d.kind for d in plan.delete} == {"Pod", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+        assert {d.kind for d in plan.delete} == {"Pod"}  # the etcd goes once they have left it
         assert plan.create == []
         assert _condition(plan, "Suspended")["status"] == "True"
         assert plan.status["evictions"] == 2  # the record is kept
         assert (plan.status["startTime"], plan.status["reachedMinAt"]) == (None, None)  # clocks stop
         assert _reasons(plan) == ["Suspended"]
+        gone = _plan([], old=plan.status, spec=_spec(suspend=True))
+        assert {d.kind for d in gone.delete} == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
 
     def test_a_job_created_suspended_creates_nothing(self) -> None:
         plan = _plan([], etcd={}, spec=_spec(suspend=True))
@@ -676,3 +878,75 @@ def test_deletes_carry_the_uid_precondition() -> None:
         "kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background", "preconditions": {"uid": "u-1"},
     }  # fmt: skip
     assert "preconditions" not in delete_options(0, None)
+
+
+class TestNodes:
+    def test_full_disruption_is_every_node_or_most_of_many(self) -> None:
+        def fleet(bad: int, good: int) -> list[dict[str, Any]]:
+            return [_node(f"b{i}", ready=False) for i in range(bad)] + [_node(f"g{i}") for i in range(good)]
+
+        share = constants.FULL_DISRUPTION_SHARE
+        assert nodes.full_disruption(fleet(1, 0), share)  # the only node: the control plane's view
+        assert not nodes.full_disruption(fleet(1, 2), share)  # one frozen spot VM of three: act
+        assert not nodes.full_disruption(fleet(2, 1), share)  # two is not "more than two"
+        assert nodes.full_disruption(fleet(6, 4), share)
+        assert not nodes.full_disruption(fleet(5, 5), share)
+        assert not nodes.full_disruption([], share)
+
+    def test_the_rate_limiter_admits_one_node_per_interval(self) -> None:
+        clock = [0.0]
+        limiter = nodes.RateLimiter(0.1, clock=lambda: clock[0])
+        assert limiter.admit()
+        assert not limiter.admit()
+        clock[0] = 9.9
+        assert not limiter.admit()
+        clock[0] = 10.0
+        assert limiter.admit()
+        assert not nodes.RateLimiter(0.0).admit()  # rate 0: never
+
+
+class TestStall:
+    SPEC = _spec(failurePolicy={"stallTimeoutSeconds": 600})
+
+    def _ready(
+        self, now: datetime, old: Mapping[str, Any], milestones: Mapping[str, Any], **kwargs: Any
+    ) -> reconcile.Plan:
+        return _plan([_pod(0), _pod(1), _pod(2)], old=old, spec=self.SPEC, now=now, milestones=milestones, **kwargs)
+
+    def test_workers_that_never_form_a_round_stall_then_fail(self) -> None:
+        old = _running()  # minReplicas reached 5 minutes before T0, no round since
+        reachable = {"reachable": True}
+        assert conditions.find(self._ready(T0, old, reachable).status["conditions"], "Stalled") is None
+        stalled = self._ready(T0 + timedelta(minutes=6), old, reachable)
+        said = _condition(stalled, "Stalled")
+        assert said["status"] == "True"
+        assert "no rendezvous round formed" in said["message"]
+        assert stalled.status["phase"] == "Running"
+        failed = self._ready(T0 + timedelta(minutes=16), stalled.status, reachable)
+        assert _condition(failed, "Failed")["reason"] == "Stalled"
+
+    def test_progress_clears_it_and_the_cause_names_the_etcd_pod(self) -> None:
+        old = _running()
+        moving = self._ready(T0, old, {"reachable": True, "round": {"round": 1}, "step": {"step": 10}})
+        assert moving.status["progress"]["at"] == conditions.timestamp(T0)
+        later = T0 + timedelta(minutes=9)
+        still = self._ready(later, moving.status, {"reachable": True, "round": {"round": 1}, "step": {"step": 900}})
+        assert conditions.find(still.status["conditions"], "Stalled") is None
+        assert still.status["progress"]["at"] == conditions.timestamp(later)
+        # The etcd's image cannot be pulled (an egress firewall): the cause is the etcd pod's waiting reason.
+        etcd = _etcd()
+        etcd["Deployment"] = {**etcd["Deployment"], "status": {}}
+        waiting = {"reason": "ImagePullBackOff", "message": "quay.io/coreos/etcd: i/o timeout"}
+        pulling = {
+            "metadata": {"name": "cifar-etcd-7d9"},
+            "spec": {"nodeName": "sys-1", "containers": [{"name": "etcd"}]},
+            "status": {"containerStatuses": [{"name": "etcd", "state": {"waiting": waiting}}]},
+        }
+        blocked = self._ready(later + timedelta(minutes=11), still.status, {"reachable": False}, etcd=etcd,
+                              etcd_pods=[pulling])  # fmt: skip
+        said = _condition(blocked, "Stalled")["message"]
+        assert "the managed etcd is not serving: its pod cifar-etcd-7d9 is not running: ImagePullBackOff" in said
+        # The operator cannot read a serving etcd: it says it cannot tell, and never fails the job on a guess.
+        unsure = self._ready(later + timedelta(hours=5), still.status, {"reachable": False})
+        assert "cannot tell" in _condition(unsure, "Stalled")["message"]
+        assert unsure.status["phase"] == "Running"

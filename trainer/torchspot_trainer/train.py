@@ -448,9 +448,9 @@ class Trainer:
             normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
+        if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
+            self._reporter = CheckpointReporter.from_environment()
         if config.checkpoint_uri:
-            if self.rank == 0:
-                self._reporter = CheckpointReporter.from_environment()
             reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
             saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
             self.manager = CheckpointManager(
@@ -572,9 +572,12 @@ class Trainer:
     # -- at a boundary --------------------------------------------------------------
 
     def _after_step(self, run: _Run) -> None:
-        """Agree on eviction notices (notices.py), and checkpoint on schedule."""
+        """Agree on eviction notices (notices.py), report the step (the operator's stall check), and
+        checkpoint on schedule."""
         if self._agree_on_notices(run):
             return
+        if self._reporter is not None:
+            self._reporter.report_step(self.step)
         every = self.config.checkpoint_every
         if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
             self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))

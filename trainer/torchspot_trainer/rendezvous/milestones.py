@@ -1,8 +1,9 @@
-"""A run's milestones as the operator reads them: the last round formed and the last checkpoint
-committed, two small JSON keys beside the rendezvous state.
+"""A run's milestones as the operator reads them: the last round formed, the last checkpoint
+committed and the step reached, small JSON keys beside the rendezvous state.
 
     <KEY_ROOT>/<run id>/status/round        {"round": 7, "world": 3, "time": ...}   (the agents)
     <KEY_ROOT>/<run id>/status/checkpoint   {"step": 1200, "uri": ..., "time": ...} (trainer rank 0)
+    <KEY_ROOT>/<run id>/status/step         {"step": 1234, "time": ...}             (trainer rank 0, each minute)
 
 Why etcd: the operator can always reach the job's etcd (it runs it), while reading
 the checkpoints' `latest.json` would need the job's Blob credentials. The keys sit
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import threading
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +33,10 @@ ROUND = "round"
 CHECKPOINT = "checkpoint"
 MILESTONE_TIMEOUT = 2.0
 """Seconds one milestone write or read may take; training never waits longer for one."""
+STEP = "step"
+STEP_REPORT_SECONDS = 60.0
+"""Rank 0 reports its step at most this often: the operator's stall detection (Stalled) needs
+progress between checkpoints, which may be far apart, and an etcd write a minute costs nothing."""
 REPORT_TTL = 600
 """Seconds a trainer's checkpoint report lives without a newer one (it has no run lease of its
 own; the operator keeps the last value it saw in the job's status after the key is gone)."""
@@ -82,6 +88,7 @@ class CheckpointReporter:
     def __init__(self, client: EtcdClient, run_id: str) -> None:
         self._client = client
         self._run_id = run_id
+        self._step_reported = float("-inf")
 
     @classmethod
     def from_environment(cls, env: dict[str, str] | None = None) -> CheckpointReporter | None:
@@ -105,6 +112,21 @@ class CheckpointReporter:
             name="checkpoint-report",
             daemon=True,
         ).start()
+
+    def report_step(self, step: int, *, clock: float | None = None) -> bool:
+        """Record the step reached, at most every `STEP_REPORT_SECONDS` (in a daemon thread); whether it did."""
+        clock = time.monotonic() if clock is None else clock
+        if clock - self._step_reported < STEP_REPORT_SECONDS:
+            return False
+        self._step_reported = clock
+        threading.Thread(
+            target=write,
+            args=(self._client, self._run_id, STEP, {"step": step}),
+            kwargs={"lease": None},
+            name="step-report",
+            daemon=True,
+        ).start()
+        return True
 
     def close(self) -> None:
         """Close the etcd connection."""
