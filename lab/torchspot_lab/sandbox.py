@@ -144,6 +144,12 @@ def _prepare_blob(
         storage.put(tarball.name, tarball.read_bytes())
 
 
+SANDBOX_NODE_GRACE = "10"
+"""Seconds a worker stays on a NotReady node in the sandbox before the operator moves it (a cluster's
+default is the pod's toleration, 300 s): the sandbox's frozen VMs never come back, and a run lasts
+minutes, so its replacements come as they would with a short toleration on the worker pods."""
+
+
 def run_sandbox(
     job_path: Path,
     scenario: Scenario,
@@ -167,7 +173,12 @@ def run_sandbox(
     with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
         # kopf logs in with the kubeconfig; /metrics on a free port (a fixed one may be taken on this machine)
-        settings = {"KUBECONFIG": str(api.kubeconfig), METRICS_PORT_ENV: "0", **(operator_env or {})}
+        settings = {
+            "KUBECONFIG": str(api.kubeconfig),
+            METRICS_PORT_ENV: "0",
+            constants.NODE_GRACE_ENV: SANDBOX_NODE_GRACE,
+            **(operator_env or {}),
+        }
         previous = {key: os.environ.get(key) for key in settings}
         os.environ.update(settings)
         say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")

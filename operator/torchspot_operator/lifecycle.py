@@ -345,15 +345,17 @@ def outcome(
 
 
 def finished_conditions(
-    conds: list[dict[str, Any]], phase: str, reason: str, message: str, now: datetime
+    conds: list[dict[str, Any]], phase: str, reason: str, message: str, now: datetime, *, stall: Stall | None = None
 ) -> list[dict[str, Any]]:
     done = "the job succeeded" if phase == conditions.PHASE_SUCCEEDED else "the job failed"
     conds = conditions.set_condition(conds, phase, True, reason, message, now)
-    for kind in (
+    for kind in (  # Stalled stays as it was: it says why a stalled job failed
         conditions.RUNNING, conditions.SCALING, conditions.BELOW_MIN, conditions.WAITING_FOR_CAPACITY,
-        conditions.STALLED, conditions.EVICTION_BUDGET,
+        conditions.EVICTION_BUDGET,
     ):  # fmt: skip
         conds = conditions.clear_condition(conds, kind, reason, done, now)
+    if stall is not None:  # the job failed of it: Stalled says the cause
+        conds = stalled_condition(conds, stall, now)
     return conds
 
 

@@ -286,7 +286,7 @@ def plan(seen: Observed) -> Plan:
     if outcome is not None:  # Succeeded or Failed, now
         phase, reason, message = outcome
         clocks.completion = conditions.timestamp(now)
-        conds = lifecycle.finished_conditions(conds, phase, reason, message, now)
+        conds = lifecycle.finished_conditions(conds, phase, reason, message, now, stall=stall)
         result.events.append(("Normal" if phase == conditions.PHASE_SUCCEEDED else "Warning", phase, message))
         _delete(result, _cleanup(seen, census, result))
         _delete(result, _etcd_deletes(seen, result, "job finished"))

@@ -82,12 +82,22 @@ class Cluster:
             if (not method or m == method) and (not resource or r == resource)
         )  # fmt: skip
 
+    def evict(self, pod: str, reason: str = "EvictionByEvictionAPI") -> None:
+        """What a spot eviction leaves on a pod: Failed, reason Evicted, and the DisruptionTarget condition
+        the API server's eviction (or the taint manager, or the kubelet under node pressure) adds."""
+        disrupted = {"type": "DisruptionTarget", "status": "True", "reason": reason}
+        self.patch("pods", pod, {"status": {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}})
+
+    def live(self, job: str) -> list[str]:
+        """The names of the job's worker pods that have not failed (failed ones are kept for their logs)."""
+        return [p["metadata"]["name"] for p in self.pods(job) if p.get("status", {}).get("phase") != "Failed"]
+
     def exit(self, pod: str, code: int, reason: str = "Error") -> None:
         """What the kubelet reports when the pod's container ended."""
         terminated = {"exitCode": code, "reason": "Completed" if code == 0 else reason}
         status = {
             "phase": "Succeeded" if code == 0 else "Failed",
-            "containerStatuses": [{"state": {"terminated": terminated}}],
+            "containerStatuses": [{"name": "trainer", "state": {"terminated": terminated}}],
         }
         self.patch("pods", pod, {"status": status})
 

@@ -122,9 +122,8 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
     assert next(c for c in running["conditions"] if c["type"] == "WaitingForCapacity")["status"] == "False"
 
     # A spot eviction fails one pod: it is replaced under a new name, counted as an eviction only.
-    cluster.patch("pods", "cifar-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    cluster.evict("cifar-worker-0")
     wait_for("a replacement pod", lambda: "cifar-worker-3" in cluster.names("cifar"))
-    wait_for("worker-0 deleted", lambda: "cifar-worker-0" not in cluster.names("cifar"))
     evicted = wait_for("eviction counted", lambda: (s := _status(cluster, "cifar")).get("evictions") == 1 and s)
     assert evicted["failures"] == 0
     assert evicted["restarts"] == 1
@@ -136,26 +135,27 @@ def test_job_lifecycle_placement_eviction_node_loss_scale_and_success(cluster: C
     assert below is not None
     assert below["status"] == "False"
 
-    # A node goes NotReady: its workers are deleted at once, not after timeouts.
-    cluster.patch("nodes", "spot-2", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, None)
+    # AKS drains a node before a spot preempt (its auto-drain taint): its workers are deleted at once.
+    drain = {"key": "remediator.kubernetes.azure.com/unschedulable", "effect": "NoSchedule"}
+    cluster.patch("nodes", "spot-2", {"spec": {"taints": [drain]}}, None)
     wait_for("workers on spot-2 gone", lambda: {"cifar-worker-1", "cifar-worker-2"}.isdisjoint(cluster.names("cifar")))
     assert wait_for("evictions counted", lambda: _status(cluster, "cifar").get("evictions") == 3)
-    wait_for("replacements", lambda: len(cluster.pods("cifar")) == 3)
+    wait_for("replacements", lambda: len(cluster.live("cifar")) == 3)
 
     # A user deletes a worker (`kubectl delete pod`): an eviction, replaced at once, not a failure.
-    victim = cluster.names("cifar")[0]
+    victim = cluster.live("cifar")[0]
     cluster.delete("v1", "Pod", victim)
     assert wait_for("the deletion counted", lambda: _status(cluster, "cifar").get("evictions") == 4)
-    wait_for("its replacement", lambda: len(cluster.pods("cifar")) == 3)
+    wait_for("its replacement", lambda: len(cluster.live("cifar")) == 3)
     assert _status(cluster, "cifar")["failures"] == 0
 
     # Scale down through spec.replicas (what kubectl scale sets).
     cluster.patch(constants.PLURAL, "cifar", {"spec": {"replicas": 1}})
-    wait_for("one worker left", lambda: len(cluster.pods("cifar")) == 1)
+    wait_for("one worker left", lambda: len(cluster.live("cifar")) == 1)
     assert wait_for("ScaledDown event", lambda: cluster.events("ScaledDown"))
 
     # The run completes: the worker exits 0; the job succeeds and the managed etcd goes.
-    (last,) = cluster.names("cifar")
+    (last,) = cluster.live("cifar")
     cluster.run_pod(last, "spot-1")
     cluster.exit(last, 0)
     done = _phase(cluster, "cifar", "Succeeded")
@@ -174,28 +174,29 @@ def test_a_run_that_completes_with_a_pending_replacement_succeeds_at_once_and_st
     cluster.create(good_job("done", cleanPodPolicy="None", failurePolicy={"maxRestarts": 0}))
     _start(cluster, "done", ["spot-1", "spot-1", "spot-1"])
     _phase(cluster, "done", "Running")
-    cluster.patch("pods", "done-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    cluster.evict("done-worker-0")
     wait_for("the Pending replacement", lambda: "done-worker-3" in cluster.names("done"))
 
     cluster.exit("done-worker-1", 0)
     finished = _phase(cluster, "done", "Succeeded")
     wait_for("the Pending replacement deleted", lambda: "done-worker-3" not in cluster.names("done"))
     wait_for("etcd deleted", lambda: not cluster.etcd_kinds("done"))
-    assert cluster.names("done") == ["done-worker-1", "done-worker-2"]  # cleanPodPolicy None keeps the runner
+    assert cluster.live("done") == ["done-worker-1", "done-worker-2"]  # cleanPodPolicy None keeps the runner
     assert wait_for("Succeeded event", lambda: cluster.events("Succeeded"))
 
     with _settles(cluster):
         cluster.exit("done-worker-2", 1)  # the straggler, as its etcd went away
     assert _status(cluster, "done") == finished
-    assert cluster.names("done") == ["done-worker-1", "done-worker-2"]  # nothing replaced, nothing counted
+    assert cluster.names("done") == ["done-worker-0", "done-worker-1", "done-worker-2"]  # nothing replaced or counted
     assert cluster.events("WorkerFailed") == []
 
 
-def test_oomkilled_and_admission_failures_count_back_off_and_fail_the_job(
+def test_oomkilled_and_limit_evictions_count_back_off_and_fail_the_job(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """OOMKilled and a pod the kubelet refused are failures, not evictions: counted, replaced after a
-    growing wait, and the job fails when they exceed maxRestarts."""
+    """OOMKilled and a kubelet limit eviction (`Evicted` with no DisruptionTarget: the pod's own emptyDir
+    limit) are failures, not evictions: counted, replaced after a growing wait, kept for their logs, and the
+    job fails when they exceed maxRestarts."""
     monkeypatch.setattr(constants, "BACKOFF_BASE_SECONDS", 1)  # 1 s, 2 s ... instead of 10 s, 20 s
     cluster.add_node("spot-1")
     cluster.create(good_job("crashy", minReplicas=1, maxReplicas=1, failurePolicy={"maxRestarts": 1}))
@@ -211,17 +212,23 @@ def test_oomkilled_and_admission_failures_count_back_off_and_fail_the_job(
     assert time.monotonic() - failed_at >= 1  # not at once: after the backoff
     assert wait_for("BackOff event", lambda: cluster.events("BackOff"))
 
-    (second,) = cluster.names("crashy")  # the kubelet refuses it: no container ever ran
-    cluster.patch("pods", second, {"spec": {"nodeName": "spot-1"}, "status": {
-        "phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "Allocate failed due to no healthy devices",
-    }})  # fmt: skip
+    kept = cluster.job("crashy")  # the OOMKilled pod is kept for `kubectl logs`, marked as counted
+    oom = next(p for p in cluster.pods("crashy") if p["metadata"]["name"] == first)
+    assert oom["metadata"]["annotations"][constants.ANNOTATION_ACCOUNTED] == "failure: OOMKilled"
+    assert kept["status"]["lastFailure"]["pod"] == first
+
+    (second,) = cluster.live("crashy")  # the kubelet evicts it for its own emptyDir's limit
+    cluster.run_pod(second, "spot-1")
+    said = 'Usage of EmptyDir volume "cache" exceeds the limit "2Gi".'
+    cluster.patch("pods", second, {"status": {"phase": "Failed", "reason": "Evicted", "message": said}})
     failed = _phase(cluster, "crashy", "Failed")
-    assert failed["failures"] == 2
+    assert (failed["failures"], failed["evictions"]) == (2, 0)
     reason = _condition(cluster, "crashy", "Failed")
     assert reason is not None
     assert reason["reason"] == "TooManyFailures"
-    assert "UnexpectedAdmissionError" in reason["message"]
+    assert "LimitEvicted" in reason["message"]
     assert wait_for("WorkerFailed events", lambda: len(cluster.events("WorkerFailed")) == 2)
+    assert sorted(cluster.names("crashy")) == sorted([first, second])  # both kept (cleanPodPolicy Running)
 
 
 def test_suspend_stops_the_workers_and_etcd_and_resume_starts_a_fresh_run(cluster: Cluster) -> None:
@@ -467,7 +474,7 @@ def test_an_edit_of_the_rendezvous_image_updates_the_etcd_in_place(cluster: Clus
     trainer = cluster.job("edited")["spec"]["template"]["spec"]["containers"][0]
     cluster.patch(constants.PLURAL, "edited", {"spec": {"template": {"spec": {"containers": [
         {**trainer, "image": "ghcr.io/torchspot/trainer:0.2.0"}]}}}})  # fmt: skip
-    cluster.patch("pods", "edited-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    cluster.evict("edited-worker-0")
     new = wait_for("a replacement", lambda: [p for p in cluster.pods("edited") if p["metadata"]["uid"] not in old])
     assert new[0]["spec"]["containers"][0]["image"] == "ghcr.io/torchspot/trainer:0.2.0"
     kept = [p for p in cluster.pods("edited") if p["metadata"]["uid"] in old]
@@ -542,14 +549,14 @@ def test_operator_restarted_during_a_scale_change_converges(api: Cluster) -> Non
         wait_for("phase Running", lambda: _status(api, "resumed").get("phase") == "Running")
     # While no operator runs: scale down to 1, and one of the pods is evicted.
     api.patch(constants.PLURAL, "resumed", {"spec": {"replicas": 1}})
-    api.patch("pods", "resumed-worker-2", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    api.evict("resumed-worker-2")
     assert len(api.pods("resumed")) == 3  # nothing acted on it yet
     with operator_running():
-        wait_for("one worker", lambda: len(api.pods("resumed")) == 1)
+        wait_for("one worker", lambda: len(api.live("resumed")) == 1)
         status = wait_for("desired 1", lambda: (s := _status(api, "resumed"))["replicas"]["desired"] == 1 and s)
         assert status["evictions"] == 1
         assert api.etcd_kinds("resumed") == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
-        api.run_pod(api.names("resumed")[0], "spot-1")
+        api.run_pod(api.live("resumed")[0], "spot-1")
         _phase(api, "resumed", "Running")
         # Converged means stable and quiet: two timer rounds later nothing changed, and the operator asked
         # the API nothing (its ticks re-plan from what the watches told it).

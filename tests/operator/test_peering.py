@@ -71,7 +71,7 @@ def _peers(cluster: Cluster) -> dict[str, Any]:
 
 
 def _worker_count(cluster: Cluster, *jobs: str) -> dict[str, int]:
-    return {job: len(cluster.pods(job)) for job in jobs}
+    return {job: len(cluster.live(job)) for job in jobs}
 
 
 def test_one_replica_acts_a_higher_one_takes_over_and_a_standby_replaces_a_dead_one(
@@ -99,10 +99,9 @@ def test_one_replica_acts_a_higher_one_takes_over_and_a_standby_replaces_a_dead_
     wait_for("the active replica's handler", lambda: high.handled("second"))
     assert not low.handled("second")
     # A lost worker is replaced once, by the active replica alone (the names say: one new pod).
-    cluster.patch("pods", "second-worker-0", {"status": {"phase": "Failed", "reason": "Evicted"}})
+    cluster.evict("second-worker-0")
     wait_for("second's replacement", lambda: cluster.names("second")[-1] == "second-worker-3")
-    wait_for("worker-0 deleted", lambda: "second-worker-0" not in cluster.names("second"))
-    assert cluster.names("second") == ["second-worker-1", "second-worker-2", "second-worker-3"]
+    assert cluster.live("second") == ["second-worker-1", "second-worker-2", "second-worker-3"]  # worker-0 kept
     assert not low.handled("second")
 
     # The active replica dies without a word: the standby takes over once its record expires.
@@ -114,9 +113,9 @@ def test_one_replica_acts_a_higher_one_takes_over_and_a_standby_replaces_a_dead_
         timeout=constants.PEERING_LIFETIME + 15,
     )
     assert time.monotonic() - killed < constants.PEERING_LIFETIME + 15
-    cluster.patch("pods", "second-worker-1", {"status": {"phase": "Failed", "reason": "Evicted"}})
-    replaced = ["second-worker-0", "second-worker-2", "second-worker-3"]  # the lowest free number
-    wait_for("the standby's replacement", lambda: cluster.names("second") == replaced)
+    cluster.evict("second-worker-1")
+    replaced = ["second-worker-2", "second-worker-3", "second-worker-4"]  # the lowest free number (kept: 0, 1)
+    wait_for("the standby's replacement", lambda: cluster.live("second") == replaced)
     assert low.handled("second")
     assert _worker_count(cluster, "first", "second") == {"first": 3, "second": 3}  # nothing doubled
 

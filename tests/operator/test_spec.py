@@ -15,6 +15,7 @@ import pytest
 
 from tests.operator.jobs import BAD, IMMUTABLE, MUTABLE, crd, good_job, with_path
 from torchspot_lab.kubeapi.admission import Admission, AdmissionError, apply_defaults
+from torchspot_operator import constants
 from torchspot_operator.spec import InvalidSpecError, JobSpec, default_etcd_placement, parse_spec
 
 ADMISSION = Admission(crd())
@@ -33,6 +34,7 @@ def test_the_good_job_is_admitted_defaulted_and_parsed() -> None:
     assert stored["spec"]["failurePolicy"] == {
         "belowMinGraceSeconds": 600,
         "startupTimeoutSeconds": 3600,
+        "stallTimeoutSeconds": 900,
         "maxRestarts": 3,
     }
     assert stored["spec"]["suspend"] is False
@@ -107,7 +109,6 @@ def test_operator_defaults_match_the_crd_defaults() -> None:
     ours = {
         "nprocPerNode": parsed.nproc_per_node,
         "suspend": parsed.suspend,
-        "rendezvous.image": parsed.etcd_image,
         "rendezvous.heartbeatSeconds": parsed.heartbeat_seconds,
         "placement.spot": parsed.placement.spot,
         "placement.gpu": parsed.placement.gpu,
@@ -115,11 +116,15 @@ def test_operator_defaults_match_the_crd_defaults() -> None:
         "checkpoint.keep": parsed.checkpoint_keep,
         "failurePolicy.belowMinGraceSeconds": parsed.below_min_grace_seconds,
         "failurePolicy.startupTimeoutSeconds": parsed.startup_timeout_seconds,
+        "failurePolicy.stallTimeoutSeconds": parsed.stall_timeout_seconds,
         "failurePolicy.maxRestarts": parsed.max_restarts,
         "terminationGracePeriodSeconds": parsed.termination_grace_seconds,
         "cleanPodPolicy": parsed.clean_pod_policy,
     }
     assert ours == defaults
+    assert parsed.etcd_image == constants.ETCD_IMAGE  # no CRD default: the operator's setting applies
+    mirrored = parse_spec(good_job()["spec"], etcd_image="myacr.azurecr.io/etcd:v3.5.17", etcd_pull_secrets=("acr",))
+    assert (mirrored.etcd_image, mirrored.etcd_pull_secrets) == ("myacr.azurecr.io/etcd:v3.5.17", ("acr",))
 
 
 @pytest.mark.parametrize(

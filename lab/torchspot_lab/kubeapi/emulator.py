@@ -30,19 +30,35 @@ leaves out, this adds:
   labelled `pod-security.kubernetes.io/enforce: restricted`: a pod that breaks it is
   refused with a 403 naming each rule, as the API server refuses it; a Deployment is
   stored, and what its ReplicaSet controller would then report (a `ReplicaFailure`
-  condition with the refusal) is written to its status at once.
+  condition with the refusal) is written to its status at once;
+- ResourceQuota: a pod create that would take a namespace's pods (`pods`, `count/pods`) or
+  requests (`requests.<resource>`, e.g. `requests.nvidia.com/gpu`) past a ResourceQuota's
+  `spec.hard` is refused with the API server's 403 "exceeded quota" message;
+- graceful deletion of pods, when `graceful` is set: a DELETE with a grace period marks the
+  pod Terminating (`deletionTimestamp`, a MODIFIED event) and removes it when the period
+  (at most `graceful` seconds here) ends, as the kubelet's confirmation would;
+- a watch cut with a 410 (`cut_watches`): the open watches of a resource end with "too old
+  resource version", and new lists and watches of it wait until `resume_watches`, so an
+  object deleted in between is never seen deleted by a watcher (only missing from its relist);
+- the node controller (`nodes_unknown`): nodes marked Ready Unknown with the unreachable
+  taint, as after missed leases (one node, or all of them in a control-plane blip);
+- the taint manager's and the eviction API's evictions (`evict`): the pod gets the
+  `DisruptionTarget` condition and is deleted; the kubelet's own limit evictions
+  (`limit_evict`): Failed, reason Evicted, no DisruptionTarget.
 
 What it still does not do is listed in the package's docstring (kubeapi/__init__.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp.web
 import jsonpatch
 import jsonpointer
 import kmock
@@ -69,6 +85,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/secrets": {"kind": "Secret", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},
     "v1/namespaces": {"kind": "Namespace", "namespaced": False},
+    "v1/resourcequotas": {"kind": "ResourceQuota", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status", "scale"}},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
@@ -141,6 +158,10 @@ class Emulator(kmock.KubernetesEmulator):
         """`group/plural` of each custom resource whose CRD was created, and its admission."""
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
         """Requests served, by (method, `group/version/plural[/subresource]`), watches counted when they start."""
+        self.graceful: float | None = None
+        """Seconds a deleted pod stays Terminating at most (its grace period, capped); None: gone at once."""
+        self._cut: dict[str, asyncio.Event] = {}
+        """Resources (plural) whose watches are cut: lists and watches wait for the event."""
 
     async def _handle(self, request: kmock.Request) -> Any:
         # kmock has just logged the request and matches it by identity against its log: a
@@ -165,10 +186,16 @@ class Emulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = str(next(self._versions))
         try:
             if resource is not None:
+                gate = self._cut.get(str(resource.plural))
+                if gate is not None and request.action in (kmock.action.LIST, kmock.action.WATCH):
+                    await gate.wait()
                 self._admit(request)
                 self._pod_security(request)
+                self._quota(request)
                 self._check_preconditions(request)
                 self._version(request)
+                if await self._graceful_delete(request):
+                    return await self._serve_fetch_raw(request)
             return await super()._handle(request)
         finally:  # kmock keeps every request and error; its cost per request grows with them
             self._serving.discard(id(request))
@@ -284,3 +311,182 @@ class Emulator(kmock.KubernetesEmulator):
                     f"Precondition failed: {said} in precondition: {wanted}, {said} in object meta: {meta.get(field)}"
                 )
                 raise kmock.KubernetesError(status=409, reason="Conflict", message=message)
+
+    # -- what a cluster's other parts do (see the module docstring) ---------------------------
+
+    def _objects_of(self, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
+        """The live objects of a resource (in a namespace, if given)."""
+        return [
+            dict(obj.raw)
+            for (resource, ns, _), obj in self._objects.items()
+            if resource.plural == plural and not obj.deleted and (namespace is None or ns == namespace)
+        ]
+
+    def _quota(self, request: kmock.Request) -> None:
+        """Refuse a pod that would exceed a ResourceQuota of its namespace (403), as the API server does."""
+        resource = request.resource
+        if request.action != kmock.action.CREATE or resource is None or resource.plural != "pods":
+            return
+        if not isinstance(request.data, dict):
+            return
+        namespace = request.namespace or request.data.get("metadata", {}).get("namespace")
+        live = [
+            p
+            for p in self._objects_of("pods", namespace)
+            if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+        ]
+        for quota in self._objects_of("resourcequotas", namespace):
+            for key, hard in (quota.get("spec", {}).get("hard") or {}).items():
+                used = sum(_usage(pod, key) for pod in live)
+                wanted = _usage(request.data, key)
+                if wanted and used + wanted > _quantity(hard):
+                    name = request.data.get("metadata", {}).get("name", "")
+                    message = (
+                        f'pods "{name}" is forbidden: exceeded quota: {quota["metadata"]["name"]}, '
+                        f"requested: {key}={wanted:g}, used: {key}={used:g}, limited: {key}={hard}"
+                    )
+                    raise kmock.KubernetesError(status=403, reason="Forbidden", message=message)
+
+    async def _graceful_delete(self, request: kmock.Request) -> bool:
+        """With `graceful` set, a pod DELETE with a grace period marks the pod Terminating and removes it
+        when the period ends (at most `graceful` s); True if it did (the caller answers with the pod)."""
+        resource = request.resource
+        if self.graceful is None or request.action != kmock.action.DELETE or resource is None:
+            return False
+        if resource.plural != "pods" or request.name is None:
+            return False
+        key = (resource, request.namespace, request.name)
+        if key not in self._objects:
+            return False
+        stored = self._objects[key]
+        if stored.deleted or stored.get("metadata", {}).get("deletionTimestamp"):
+            return False
+        said = request.data.get("gracePeriodSeconds") if isinstance(request.data, dict) else None
+        grace = said if said is not None else stored.get("spec", {}).get("terminationGracePeriodSeconds", 30)
+        if not grace:
+            return False
+        uid = stored.get("metadata", {}).get("uid")
+        now = conditions.timestamp(datetime.now(UTC))
+        meta = {
+            "deletionTimestamp": now,
+            "deletionGracePeriodSeconds": grace,
+            "resourceVersion": str(next(self._versions)),
+        }
+        async with self._lock:
+            stored.patch({"metadata": meta})
+            await self._buses[resource].put({"type": "MODIFIED", "object": stored.raw})
+
+        async def remove() -> None:
+            await asyncio.sleep(min(float(grace), self.graceful or 0.0))
+            async with self._lock:
+                current = self._objects[key] if key in self._objects else None  # noqa: SIM401 - no .get()
+                if current is not None and not current.deleted and current.get("metadata", {}).get("uid") == uid:
+                    raw = current.raw
+                    current.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+
+        self._tasks.add(task := asyncio.get_running_loop().create_task(remove()))
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _serve_fetch_raw(self, request: kmock.Request) -> Any:
+        stored = self._stored(request)
+        return aiohttp.web.json_response(stored or {})
+
+    @property
+    def _tasks(self) -> set[asyncio.Task[None]]:
+        found: set[asyncio.Task[None]] = self.__dict__.setdefault("_lab_tasks", set())
+        return found
+
+    async def cut_watches(self, plural: str) -> None:
+        """End the open watches of a resource with a 410 Gone ("too old resource version", as after an API
+        server restart) and hold new lists and watches of it until `resume_watches`."""
+        self._cut[plural] = asyncio.Event()
+        for resource in list(self._buses):
+            if resource.plural == plural:
+                gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                                     "message": "too old resource version"}}  # fmt: skip
+                await self._buses[resource].put(gone)
+
+    def resume_watches(self, plural: str) -> None:
+        """Let the watchers of a cut resource list and watch again."""
+        gate = self._cut.pop(plural, None)
+        if gate is not None:
+            gate.set()
+
+    async def nodes_unknown(self, names: list[str] | None = None) -> None:
+        """The node lifecycle controller after missed leases: Ready Unknown and the unreachable taint on
+        the named nodes (all of them if None)."""
+        now = conditions.timestamp(datetime.now(UTC))
+        for node in self._objects_of("nodes"):
+            name = node["metadata"]["name"]
+            if names is not None and name not in names:
+                continue
+            taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": now}
+            ready = {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "lastTransitionTime": now}
+            taints = [t for t in node.get("spec", {}).get("taints") or [] if t.get("key") != taint["key"]]
+            await self._patch_object(
+                "nodes", None, name, {"spec": {"taints": [*taints, taint]}, "status": {"conditions": [ready]}}
+            )
+
+    async def nodes_ready(self, names: list[str] | None = None) -> None:
+        """The kubelets report again: Ready True, the unreachable taint gone."""
+        now = conditions.timestamp(datetime.now(UTC))
+        for node in self._objects_of("nodes"):
+            name = node["metadata"]["name"]
+            if names is not None and name not in names:
+                continue
+            taints = [
+                t for t in node.get("spec", {}).get("taints") or [] if t.get("key") != "node.kubernetes.io/unreachable"
+            ]
+            ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastTransitionTime": now}
+            await self._patch_object(
+                "nodes", None, name, {"spec": {"taints": taints}, "status": {"conditions": [ready]}}
+            )
+
+    async def limit_evict(self, namespace: str, name: str, message: str) -> None:
+        """The kubelet's eviction of a pod over its own limit (emptyDir sizeLimit, ephemeral storage): Failed,
+        reason Evicted, and no DisruptionTarget (Kubernetes counts it as the pod's fault)."""
+        await self._patch_object(
+            "pods", namespace, name, {"status": {"phase": "Failed", "reason": "Evicted", "message": message}}
+        )
+
+    async def _patch_object(self, plural: str, namespace: str | None, name: str, patch: dict[str, Any]) -> None:
+        for (resource, ns, found), obj in self._objects.items():
+            if resource.plural == plural and ns == namespace and found == name and not obj.deleted:
+                async with self._lock:
+                    obj.patch({**patch, "metadata": {"resourceVersion": str(next(self._versions))}})
+                    await self._buses[resource].put({"type": "MODIFIED", "object": obj.raw})
+                return
+
+
+def _quantity(text: Any) -> float:
+    """A Kubernetes quantity as a number (the suffixes quotas on pods and GPUs use)."""
+    value = str(text)
+    for suffix, factor in (
+        ("Ki", 2**10),
+        ("Mi", 2**20),
+        ("Gi", 2**30),
+        ("Ti", 2**40),
+        ("m", 1e-3),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+    ):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * factor
+    return float(value)
+
+
+def _usage(pod: dict[str, Any], key: str) -> float:
+    """What one pod counts against a quota key: 1 for pods, else the sum of its containers' requests."""
+    if key in ("pods", "count/pods"):
+        return 1.0
+    kind, _, name = key.partition(".")
+    field = {"requests": "requests", "limits": "limits"}.get(kind)
+    if field is None:
+        field, name = "requests", key
+    return sum(
+        _quantity(((c.get("resources") or {}).get(field) or {}).get(name, 0))
+        for c in pod.get("spec", {}).get("containers") or []
+    )

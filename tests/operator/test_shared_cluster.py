@@ -1,0 +1,184 @@
+"""The real operator against the API emulator playing a busy, shared cluster: a namespace quota that
+refuses pods, a node controller that marks nodes Unknown (one, then all), a watch cut with a 410 while
+a worker is deleted, graceful deletion, and a job whose rendezvous never forms.
+
+What the emulator adds for these (a ResourceQuota, `nodes_unknown`, `cut_watches`, `graceful`) is in
+torchspot_lab/kubeapi/emulator.py. Every wait is on a condition read back from the API.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.operator.cluster import NS, Cluster, wait_for
+from tests.operator.conftest import operator_running
+from tests.operator.jobs import good_job
+from torchspot_lab.kubeapi.emulator import Emulator
+from torchspot_operator import constants
+from torchspot_operator.handlers import RECONCILE_INTERVAL
+
+GRACE = 3
+"""Seconds a worker may stay on a NotReady node in these tests."""
+
+
+def _status(cluster: Cluster, job: str) -> dict[str, Any]:
+    found: dict[str, Any] = cluster.job(job).get("status") or {}
+    return found
+
+
+def _condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any]:
+    return next((c for c in _status(cluster, job).get("conditions", []) if c["type"] == kind), {})
+
+
+def _emulator(cluster: Cluster) -> Emulator:
+    assert cluster.api.emulator is not None
+    return cluster.api.emulator
+
+
+@pytest.fixture
+def operator(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    """The operator with short clocks: refusals back off from 1 s, a NotReady node's grace is 3 s (a real
+    cluster's is 300 s: long enough for a wave of NotReady nodes to show whole), and nodes are admitted at
+    10 a second."""
+    monkeypatch.setattr(constants, "REFUSAL_BACKOFF_BASE", 1.0)
+    monkeypatch.setenv(constants.NODE_GRACE_ENV, str(GRACE))
+    monkeypatch.setenv(constants.NODE_EVICTION_RATE_ENV, "10")
+    with operator_running():
+        yield api
+
+
+def test_refused_creates_back_off_per_job_and_resume_when_the_quota_allows(operator: Cluster) -> None:
+    cluster = operator
+    cluster.create({
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpus", "namespace": NS},
+        "spec": {"hard": {"requests.nvidia.com/gpu": "0"}},
+    })  # fmt: skip
+    cluster.create(good_job("quota", maxReplicas=4))
+    refused = wait_for("the refusal in the status", lambda: _condition(cluster, "quota", "ReplicaFailure"))
+    started = time.monotonic()
+    posts = cluster.requests("POST", "v1/pods")
+    time.sleep(8)  # what matters is how few requests a while brings: there is no condition to poll
+    tries = cluster.requests("POST", "v1/pods") - posts
+    # Backed off (1, 2, 4 s ... from the first refusal) and one pod per try (a slow-start batch of 1):
+    # at most 4 tries in 8 s, where the hot loop made 4 pods every 5 s tick.
+    assert 1 <= tries <= 4, tries
+    said = _condition(cluster, "quota", "ReplicaFailure")
+    assert said["reason"] == "FailedCreate"
+    assert "create(s) refused in a row" in said["message"]
+    assert "exceeded quota: gpus" in said["message"]
+    assert set(re.findall(r"quota-worker-\d+", said["message"])) == {"quota-worker-0"}  # a count, not a list
+    assert len(said["message"]) < 400, refused
+    events = [e for e in cluster.events("FailedCreate") if "exceeded quota" in e.get("message", "")]
+    assert len(events) == 1  # one Event per distinct refusal per backoff period
+    assert cluster.pods("quota") == []
+    assert _status(cluster, "quota")["phase"] == "Pending"
+
+    # The quota grows: the next try succeeds, and the rest follow in batches (1, 2, then the last one),
+    # under the indices that were refused (no name is burnt).
+    cluster.patch("resourcequotas", "gpus", {"spec": {"hard": {"requests.nvidia.com/gpu": "8"}}})
+    wait_for("four workers", lambda: len(cluster.pods("quota")) == 4, timeout=40)
+    assert cluster.names("quota") == [f"quota-worker-{n}" for n in range(4)]
+    wait_for("ReplicaFailure cleared", lambda: _condition(cluster, "quota", "ReplicaFailure").get("status") == "False")
+    assert time.monotonic() - started < 60
+
+
+def test_nodes_going_unknown_together_keep_their_workers_one_alone_loses_its(operator: Cluster) -> None:
+    cluster = operator
+    for node in ("spot-1", "spot-2", "spot-3", "spot-4"):
+        cluster.add_node(node)
+    cluster.create(good_job("storm", maxReplicas=4))
+    wait_for("four workers", lambda: len(cluster.pods("storm")) == 4)
+    for name, node in zip(cluster.names("storm"), ("spot-1", "spot-2", "spot-3", "spot-4"), strict=True):
+        cluster.run_pod(name, node)
+    wait_for("Running", lambda: _status(cluster, "storm").get("phase") == "Running")
+    workers = cluster.names("storm")
+
+    # An API-server blip: the node controller marks every node Unknown. Past the grace, only the
+    # full-disruption guard stands between the job and the loss of all four workers.
+    cluster.api.run(_emulator(cluster).nodes_unknown())
+    seen = cluster.requests("GET", f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}")
+    wait_for(
+        "the operator to look",
+        lambda: cluster.requests("GET", f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}") > seen,
+    )
+    time.sleep(GRACE + RECONCILE_INTERVAL + 1)  # past the grace, a timer round: absence has no condition to poll
+    assert cluster.names("storm") == workers
+    assert _status(cluster, "storm").get("evictions", 0) == 0
+
+    # An admin cordons a node to stop new scheduling: nothing more (cordon handling is opt-in).
+    cluster.api.run(_emulator(cluster).nodes_ready())
+    cluster.patch("nodes", "spot-4", {"spec": {"unschedulable": True}}, None)
+    # One node alone goes Unknown: past its grace its worker is moved off and replaced.
+    cluster.api.run(_emulator(cluster).nodes_unknown(["spot-1"]))
+    wait_for(
+        "the worker on spot-1 deleted",
+        lambda: workers[0] not in cluster.names("storm"),
+        timeout=RECONCILE_INTERVAL + 10,
+    )
+    wait_for("its replacement", lambda: len(cluster.live("storm")) == 4)
+    status = wait_for("the eviction counted", lambda: (s := _status(cluster, "storm")).get("evictions") == 1 and s)
+    assert status["failures"] == 0
+    assert workers[3] in cluster.names("storm")  # the cordoned node's worker stays
+
+    # A fresh spot VM whose device plugin is not ready refuses the replacement: the node's fault, an
+    # eviction, not one of the job's maxRestarts.
+    fresh = next(n for n in cluster.live("storm") if n not in workers)
+    cluster.patch("pods", fresh, {"spec": {"nodeName": "spot-2"}, "status": {
+        "phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "Allocate failed due to no healthy devices",
+    }})  # fmt: skip
+    status = wait_for("counted as an eviction", lambda: (s := _status(cluster, "storm")).get("evictions") == 2 and s)
+    assert status["failures"] == 0
+
+
+def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(operator: Cluster) -> None:
+    cluster = operator
+    cluster.add_node("spot-1")
+    cluster.create(good_job("ghost"))
+    wait_for("three workers", lambda: len(cluster.pods("ghost")) == 3)
+    for name in cluster.names("ghost"):
+        cluster.run_pod(name, "spot-1")
+    wait_for("Running", lambda: _status(cluster, "ghost").get("phase") == "Running")
+
+    # The API server restarts: the pod watch ends with a 410; meanwhile a worker is deleted. kopf relists,
+    # and its index would keep the deleted pod as Ready for ever.
+    emulator = _emulator(cluster)
+    cluster.api.run(emulator.cut_watches("pods"))
+    cluster.delete("v1", "Pod", "ghost-worker-1")
+    emulator.resume_watches("pods")
+    wait_for("a replacement", lambda: "ghost-worker-3" in cluster.names("ghost"), timeout=RECONCILE_INTERVAL + 15)
+    status = wait_for("counted as an eviction", lambda: (s := _status(cluster, "ghost")).get("evictions") == 1 and s)
+    assert status["replicas"]["ready"] == 2  # the ghost does not count as Ready
+
+
+def test_the_etcd_stays_until_the_stopped_workers_have_left_and_a_stall_fails_the_job(operator: Cluster) -> None:
+    cluster = operator
+    _emulator(cluster).graceful = 2.0  # a deleted pod stays Terminating for 2 s
+    cluster.add_node("spot-1")
+    cluster.create(good_job("leaving", maxReplicas=2))
+    wait_for("two workers", lambda: len(cluster.pods("leaving")) == 2)
+    for name in cluster.names("leaving"):
+        cluster.run_pod(name, "spot-1")
+    wait_for("Running", lambda: _status(cluster, "leaving").get("phase") == "Running")
+    cluster.patch(constants.PLURAL, "leaving", {"spec": {"suspend": True}})
+    wait_for(
+        "the workers Terminating", lambda: all(p["metadata"].get("deletionTimestamp") for p in cluster.pods("leaving"))
+    )
+    assert cluster.etcd_kinds("leaving") == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    wait_for("the workers gone", lambda: not cluster.pods("leaving"))
+    wait_for("then the etcd", lambda: not cluster.etcd_kinds("leaving"))
+
+    # A job whose rendezvous never forms: its workers run, its etcd never becomes available (no pod of it
+    # runs here: as with an image an egress firewall blocks). Stalled names the cause, then the job fails.
+    cluster.create(good_job("stuck", maxReplicas=1, failurePolicy={"stallTimeoutSeconds": 2}))
+    wait_for("a worker", lambda: len(cluster.pods("stuck")) == 1)
+    cluster.run_pod(cluster.names("stuck")[0], "spot-1")
+    wait_for("Failed", lambda: _status(cluster, "stuck").get("phase") == "Failed", timeout=30)
+    stalled = _condition(cluster, "stuck", "Stalled")
+    assert stalled["status"] == "True"
+    assert "the managed etcd is not serving: its Deployment has no available pod" in stalled["message"]
+    assert _condition(cluster, "stuck", "Failed")["reason"] == "Stalled"
