@@ -265,8 +265,12 @@ def test_chart_names_the_operators_environment_variable() -> None:
     docs = template()
     env = {e["name"]: e for e in _operator(docs)["env"]}
     names = {constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV,
-             METRICS_PORT_ENV}  # fmt: skip
+             METRICS_PORT_ENV, constants.ETCD_IMAGE_ENV, constants.ETCD_PULL_SECRETS_ENV,
+             constants.CORDON_HANDLING_ENV, constants.FULL_DISRUPTION_ENV, constants.NODE_EVICTION_RATE_ENV}  # fmt: skip
     assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
+    # The NotReady grace is set only when the chart says one (else the pods' tolerations decide).
+    graced = {e["name"]: e for e in _operator(template(None, None, "--set", "nodes.notReadyGraceSeconds=30"))["env"]}
+    assert graced[constants.NODE_GRACE_ENV]["value"] == "30"
     # The etcd NetworkPolicies admit the operator by these: they must be the operator pod's own.
     pod = one(docs, "Deployment", "torchspot")["spec"]["template"]
     labels = json.loads(env[constants.OPERATOR_LABELS_ENV]["value"])
