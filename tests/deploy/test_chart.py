@@ -269,7 +269,8 @@ def test_chart_names_the_operators_environment_variable() -> None:
              constants.CORDON_HANDLING_ENV, constants.FULL_DISRUPTION_ENV, constants.NODE_EVICTION_RATE_ENV}  # fmt: skip
     assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
     # The NotReady grace is set only when the chart says one (else the pods' tolerations decide).
-    graced = {e["name"]: e for e in _operator(template(None, None, "--set", "nodes.notReadyGraceSeconds=30"))["env"]}
+    rendered = template(None, None, "--set", "nodes.notReadyGraceSeconds=30")
+    graced = {e["name"]: e for e in _operator(rendered)["env"]}
     assert graced[constants.NODE_GRACE_ENV]["value"] == "30"
     # The etcd NetworkPolicies admit the operator by these: they must be the operator pod's own.
     pod = one(docs, "Deployment", "torchspot")["spec"]["template"]
