@@ -25,42 +25,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.operator
+
+from bench.operator.run import NS, RESULTS_DIR, job, wait
 from torchspot_lab.kubeapi import KubeApi
+from torchspot_lab.sandbox import shipped_crd
 from torchspot_operator import constants
 from torchspot_operator.kube import Kube
 from torchspot_operator.metrics import METRICS_PORT_ENV
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
-NS = "default"
-JOBS = f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}"
-
-
-def job(name: str, workers: int) -> dict[str, Any]:
-    """A valid ElasticJob of GPU workers (one GPU each)."""
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.KIND,
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "minReplicas": 1,
-            "maxReplicas": workers,
-            "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:bench"}]}},
-        },
-    }
-
-
-def wait(what: str, check: Callable[[], Any], timeout: float, poll: float = 0.5) -> None:
-    """Return once `check()` is truthy; exit naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(poll)
-    sys.exit(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def operator(api: KubeApi, log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -75,7 +49,7 @@ def quota(args: argparse.Namespace, folder: Path) -> dict[str, float]:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
         assert api.emulator is not None
         counts = api.emulator.counts
-        api.run(kube.create(crd()))
+        api.run(kube.create(shipped_crd()))
         api.run(kube.create({
             "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpus", "namespace": NS},
             "spec": {"hard": {"requests.nvidia.com/gpu": "0"}},
@@ -112,7 +86,7 @@ def storm(args: argparse.Namespace, folder: Path) -> dict[str, float]:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
         emulator = api.emulator
         assert emulator is not None
-        api.run(kube.create(crd()))
+        api.run(kube.create(shipped_crd()))
         for index in range(args.nodes):
             api.run(kube.create({
                 "apiVersion": "v1", "kind": "Node",
@@ -149,16 +123,6 @@ def storm(args: argparse.Namespace, folder: Path) -> dict[str, float]:
             proc.wait(30)
         api.run(kube.close())
     return {"workers_deleted": float(deleted), "old_rule_would_delete": 2.0 * args.jobs}
-
-
-def crd() -> dict[str, Any]:
-    """The CRD as shipped (the emulator admits jobs by it)."""
-    import yaml  # noqa: PLC0415 - only here
-
-    loaded: dict[str, Any] = yaml.safe_load(
-        (Path(__file__).resolve().parents[2] / "manifests" / "crd.yaml").read_text()
-    )
-    return loaded
 
 
 def main() -> None:

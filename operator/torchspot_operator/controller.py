@@ -175,7 +175,7 @@ class Controller:
         self.etcd_pull_secrets = etcd_pull_secrets
         self._node_limiter = RateLimiter(self.node_policy.eviction_rate)
         self._admitted: set[str] = set()
-        """NotReady nodes the rate limiter let through (until they are Ready again)."""
+        """NotReady nodes the rate limiter let through (until they are Ready again or gone: `observe_node`)."""
         self.relisted_at = 0.0
         """When a watch of the operator's objects last listed afresh (monotonic): every job is verified after."""
         self.operator = operator
@@ -391,7 +391,6 @@ class Controller:
             return set()
         policy = self.node_policy
         troubled = {name for name, node in bound.items() if nodes.soft(node, policy) is not None}
-        self._admitted &= {name for name, node in self.nodes.items() if nodes.soft(node, policy) is not None}
         if not troubled:
             return set()
         if nodes.full_disruption(self.nodes.values(), policy.full_disruption_share):
@@ -703,6 +702,8 @@ class Controller:
         A Ready condition that says no transition time (some test clusters, older kubelets) gets
         the time the operator first saw that status, so a NotReady node's grace counts from there."""
         name = node.get("metadata", {}).get("name", "")
+        if deleted or nodes.soft(node, self.node_policy) is None:  # admitted again only after a new fault
+            self._admitted.discard(name)
         if deleted:
             self.nodes.pop(name, None)
             return

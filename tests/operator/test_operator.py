@@ -219,8 +219,10 @@ def test_oomkilled_and_limit_evictions_count_back_off_and_fail_the_job(
 
     (second,) = cluster.live("crashy")  # the kubelet evicts it for its own emptyDir's limit
     cluster.run_pod(second, "spot-1")
-    said = 'Usage of EmptyDir volume "cache" exceeds the limit "2Gi".'
-    cluster.patch("pods", second, {"status": {"phase": "Failed", "reason": "Evicted", "message": said}})
+    assert cluster.api.emulator is not None
+    cluster.api.run(
+        cluster.api.emulator.limit_evict(NS, second, 'Usage of EmptyDir volume "cache" exceeds the limit "2Gi".')
+    )
     failed = _phase(cluster, "crashy", "Failed")
     assert (failed["failures"], failed["evictions"]) == (2, 0)
     reason = _condition(cluster, "crashy", "Failed")

@@ -23,7 +23,7 @@ POD_GC_DELAY = 5.0
 """Seconds after a node is deleted until its leftover pods are (the operator deletes its own at once)."""
 AGENT_POOL = "kubernetes.azure.com/agentpool"
 SYSTEM_MODE = "kubernetes.azure.com/mode"
-UNREACHABLE_TAINT = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+UNREACHABLE_TAINT = {"key": constants.UNREACHABLE_TAINT, "effect": "NoExecute"}
 
 
 def node_object(name: str, *, spot: bool, gpus: int, cpu: int) -> dict[str, Any]:

@@ -67,7 +67,7 @@ import kmock._internal.parsing as kmock_parsing
 
 from torchspot_lab.kubeapi.admission import Admission, AdmissionError
 from torchspot_lab.kubeapi.podsecurity import ENFORCE_LABEL, restricted_violations
-from torchspot_operator import conditions
+from torchspot_operator import conditions, constants
 from torchspot_operator.builders import merge_patch
 
 REQUEST_LOG = 8
@@ -162,6 +162,8 @@ class Emulator(kmock.KubernetesEmulator):
         """Seconds a deleted pod stays Terminating at most (its grace period, capped); None: gone at once."""
         self._cut: dict[str, asyncio.Event] = {}
         """Resources (plural) whose watches are cut: lists and watches wait for the event."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Graceful deletions under way (kept referenced until they end)."""
 
     async def _handle(self, request: kmock.Request) -> Any:
         # kmock has just logged the request and matches it by identity against its log: a
@@ -253,9 +255,9 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _enforced(self, namespace: str | None) -> bool:
         """Whether a namespace enforces Pod Security's `restricted` level (its label says so)."""
-        for (resource, _, name), obj in self._objects.items():
-            if resource.plural == "namespaces" and name == namespace and not obj.deleted:
-                return bool(obj.raw.get("metadata", {}).get("labels", {}).get(ENFORCE_LABEL) == "restricted")
+        for found in self._objects_of("namespaces"):
+            if found.get("metadata", {}).get("name") == namespace:
+                return bool(found.get("metadata", {}).get("labels", {}).get(ENFORCE_LABEL) == "restricted")
         return False
 
     def _pod_security(self, request: kmock.Request) -> None:
@@ -393,11 +395,6 @@ class Emulator(kmock.KubernetesEmulator):
         stored = self._stored(request)
         return aiohttp.web.json_response(stored or {})
 
-    @property
-    def _tasks(self) -> set[asyncio.Task[None]]:
-        found: set[asyncio.Task[None]] = self.__dict__.setdefault("_lab_tasks", set())
-        return found
-
     async def cut_watches(self, plural: str) -> None:
         """End the open watches of a resource with a 410 Gone ("too old resource version", as after an API
         server restart) and hold new lists and watches of it until `resume_watches`."""
@@ -417,29 +414,24 @@ class Emulator(kmock.KubernetesEmulator):
     async def nodes_unknown(self, names: list[str] | None = None) -> None:
         """The node lifecycle controller after missed leases: Ready Unknown and the unreachable taint on
         the named nodes (all of them if None)."""
-        now = conditions.timestamp(datetime.now(UTC))
-        for node in self._objects_of("nodes"):
-            name = node["metadata"]["name"]
-            if names is not None and name not in names:
-                continue
-            taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "timeAdded": now}
-            ready = {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "lastTransitionTime": now}
-            taints = [t for t in node.get("spec", {}).get("taints") or [] if t.get("key") != taint["key"]]
-            await self._patch_object(
-                "nodes", None, name, {"spec": {"taints": [*taints, taint]}, "status": {"conditions": [ready]}}
-            )
+        await self._mark_nodes(names, "Unknown", "NodeStatusUnknown", tainted=True)
 
     async def nodes_ready(self, names: list[str] | None = None) -> None:
         """The kubelets report again: Ready True, the unreachable taint gone."""
+        await self._mark_nodes(names, "True", "KubeletReady", tainted=False)
+
+    async def _mark_nodes(self, names: list[str] | None, status: str, reason: str, *, tainted: bool) -> None:
+        """Set the Ready condition of the named nodes (all if None), with the unreachable taint or without."""
         now = conditions.timestamp(datetime.now(UTC))
         for node in self._objects_of("nodes"):
             name = node["metadata"]["name"]
             if names is not None and name not in names:
                 continue
-            taints = [
-                t for t in node.get("spec", {}).get("taints") or [] if t.get("key") != "node.kubernetes.io/unreachable"
-            ]
-            ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastTransitionTime": now}
+            key = constants.UNREACHABLE_TAINT
+            taints = [t for t in node.get("spec", {}).get("taints") or [] if t.get("key") != key]
+            if tainted:
+                taints.append({"key": key, "effect": "NoExecute", "timeAdded": now})
+            ready = {"type": "Ready", "status": status, "reason": reason, "lastTransitionTime": now}
             await self._patch_object(
                 "nodes", None, name, {"spec": {"taints": taints}, "status": {"conditions": [ready]}}
             )
