@@ -173,8 +173,9 @@ REFUSAL_BACKOFF_BASE: Final = 5.0
 REFUSAL_BACKOFF_CAP: Final = 600.0
 """After the API refuses a job's create (a quota, a policy webhook, Pod Security, a bad template),
 the job's creates wait 5 s, doubling per refusal up to 10 minutes; a create that succeeds resets it
-(the workqueue's per-item exponential requeue). Each retry is a slow-start batch: 1 pod, then 2, 4 ...
-as the ReplicaSet and Job controllers create, so a full quota costs one refused request per wait."""
+(the workqueue's per-item exponential requeue). Creates go one by one and stop at the first refusal
+(what the ReplicaSet and Job controllers' slow-start batches achieve), so a full quota costs one
+refused request per wait."""
 EVICTION_BUDGET: Final = 6
 EVICTION_WINDOW_SECONDS: Final = 600
 """More than this many evictions of one job within this window, or `EVICTION_REPEAT` of the same

@@ -95,7 +95,7 @@ def owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
 class _Refusal:
     """Creates of one job the API refused in a row: the backoff before the next try, and what was said.
 
-    One per job, not per object: the next try is one object (a slow-start batch of 1), under the
+    One per job, not per object: the next try is one object (the first refusal stops the rest), under the
     same name; its outcome resets the backoff or doubles it. The status says how many, not which.
     """
 
@@ -508,10 +508,11 @@ class Controller:
     async def _act(self, job: JobRef, decided: Plan, memory: _Memory, now: datetime) -> list[tuple[str, str, str]]:
         """Create, delete, update and mark as planned; the events of what could not be created.
 
-        Creates go in slow-start batches (1, 2, 4 ... objects, as the ReplicaSet and Job
-        controllers make pods) and stop at the first refusal: a namespace out of quota costs
-        one refused request, not one per missing pod. A refusal backs the job's creates off
-        (`_refused`); a success resets that.
+        Creates go one at a time and stop at the first refusal: a namespace out of quota costs
+        one refused request, not one per missing pod. (The ReplicaSet and Job controllers send
+        parallel creates in slow-start batches of 1, 2, 4 ... for the same end; sent one by one,
+        the first refusal already stops the rest.) A refusal backs the job's creates off
+        (`_failed`); a success resets that.
         """
         clock = time.monotonic()
         memory.accounted.update({uid: clock for uid in decided.accounted})  # before any request: see pod_deleted
@@ -523,7 +524,7 @@ class Controller:
             if failure is not None:
                 etcd_blocked = True
                 events += self._failed(memory, failure, now)
-        batch, done, refused = 1, 0, False
+        refused = False
         for obj in decided.create:
             kind = obj["kind"]
             if refused or (etcd_blocked and (kind == "Pod" or _mounts(obj, job.tls_secret))):
@@ -535,9 +536,6 @@ class Controller:
                 events += self._failed(memory, failure, now)
                 continue
             memory.refusal = None
-            done += 1
-            if done == batch:  # the next batch is twice as large
-                batch, done = batch * 2, 0
         await self._keep(job, decided)
         for delete in decided.delete:
             log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)

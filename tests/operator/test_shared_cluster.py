@@ -64,7 +64,7 @@ def test_refused_creates_back_off_per_job_and_resume_when_the_quota_allows(opera
     posts = cluster.requests("POST", "v1/pods")
     time.sleep(8)  # what matters is how few requests a while brings: there is no condition to poll
     tries = cluster.requests("POST", "v1/pods") - posts
-    # Backed off (1, 2, 4 s ... from the first refusal) and one pod per try (a slow-start batch of 1):
+    # Backed off (1, 2, 4 s ... from the first refusal) and one pod per try (the first refusal stops the rest):
     # at most 4 tries in 8 s, where the hot loop made 4 pods every 5 s tick.
     assert 1 <= tries <= 4, tries
     said = _condition(cluster, "quota", "ReplicaFailure")
@@ -78,7 +78,7 @@ def test_refused_creates_back_off_per_job_and_resume_when_the_quota_allows(opera
     assert cluster.pods("quota") == []
     assert _status(cluster, "quota")["phase"] == "Pending"
 
-    # The quota grows: the next try succeeds, and the rest follow in batches (1, 2, then the last one),
+    # The quota grows: the next try succeeds, and the rest follow one by one,
     # under the indices that were refused (no name is burnt).
     cluster.patch("resourcequotas", "gpus", {"spec": {"hard": {"requests.nvidia.com/gpu": "8"}}})
     wait_for("four workers", lambda: len(cluster.pods("quota")) == 4, timeout=40)
