@@ -73,6 +73,7 @@ def quota(args: argparse.Namespace, folder: Path) -> dict[str, float]:
     events = sum(n for (method, resource), n in delta.items() if method == "POST" and resource.endswith("events"))
     requests = sum(delta.values()) - events
     posts = delta.get(("POST", "v1/pods"), 0)
+    print(f"  quota window, by request: {dict(sorted((f'{m} {r}', n) for (m, r), n in delta.items()))}", flush=True)
     return {
         "requests_per_minute": requests / minutes,
         "pod_posts_per_minute": posts / minutes,

@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot_operator import builders, certs, conditions, constants, metrics, nodes
+from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, nodes
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
@@ -222,13 +222,15 @@ class Controller:
         active = sum(1 for phase in self.phases.values() if phase in ACTIVE_PHASES)
         return not metrics.stalled(active, self.last_reconcile)
 
-    def _measure(self, key: tuple[str, str], old: Mapping[str, Any], decided: Plan) -> None:
+    def _measure(
+        self, key: tuple[str, str], old: Mapping[str, Any], decided: Plan, posted: list[tuple[str, str, str]]
+    ) -> None:
         """Metrics of one reconcile's outcome (metrics.py)."""
         new = decided.status
         self.phases[key] = str(new.get("phase", ""))
         metrics.EVICTIONS.inc(max(0, int(new.get("evictions", 0)) - int(old.get("evictions", 0))))
         metrics.FAILURES.inc(max(0, int(new.get("failures", 0)) - int(old.get("failures", 0))))
-        metrics.REPLACEMENTS.inc(sum(1 for _, reason, _ in decided.events if reason == "Replaced"))
+        metrics.REPLACEMENTS.inc(sum(1 for _, reason, _ in posted if reason == "Replaced"))
         reached, started = new.get("reachedMinAt"), new.get("startTime")
         if reached and started and not old.get("reachedMinAt"):
             waited = conditions.parse_timestamp(str(reached)) - conditions.parse_timestamp(str(started))
@@ -314,7 +316,8 @@ class Controller:
         decided = plan(seen)
         if decided.status.get("phase") in conditions.FINISHED_PHASES:
             self.milestones.forget(str(old.get("runId", job.run_id)))
-        events = await self._act(job, decided, memory, now)
+        events, created = await self._act(job, decided, memory, now)
+        events += [said for key, said in decided.announced.items() if key in created]
         failures = self._failures(memory)
         if failures != list(seen.create_failures):
             # What the API just refused (or forgot) changes more than ReplicaFailure: WaitingForCapacity
@@ -327,7 +330,7 @@ class Controller:
             _event(body, kind, reason, message)
         if decided.status.get("phase") != old.get("phase"):
             log.info("job %s/%s: phase %s", namespace, name, decided.status.get("phase"))
-        self._measure((namespace, name), old, decided)
+        self._measure((namespace, name), old, decided, events)
         return decided
 
     async def _observe(
@@ -363,7 +366,8 @@ class Controller:
                 builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls, job=memory.uid
             )
         )
-        if not finished and not spec.rdzv_endpoint and not spec.suspend:
+        asked = not finished and not spec.rdzv_endpoint and not milestones.get("reachable")
+        if asked and lifecycle.quiet_too_long(old, spec, now or self.now()):  # a stall's cause is wanted
             await self._read_etcd_pods(namespace, name, etcd.get("Deployment"), memory)
         refusal = memory.refusal
         return Observed(
@@ -412,7 +416,8 @@ class Controller:
         self, namespace: str, name: str, deployment: Mapping[str, Any] | None, memory: _Memory
     ) -> None:
         """Read the managed etcd's pods while its Deployment has none available (at most once a minute),
-        so a stall can name why: an image pull refused, a pod unschedulable..."""
+        so a stall can name why: an image pull refused, a pod unschedulable... Only for a job quiet
+        for longer than its stall timeout: a job that trains costs no request here."""
         available = int(((deployment or {}).get("status") or {}).get("availableReplicas") or 0)
         if deployment is None or available >= 1:
             memory.etcd_pods = []
@@ -505,8 +510,11 @@ class Controller:
             if uid not in present and clock - at > constants.EXPECTATION_SECONDS:
                 del memory.accounted[uid]
 
-    async def _act(self, job: JobRef, decided: Plan, memory: _Memory, now: datetime) -> list[tuple[str, str, str]]:
-        """Create, delete, update and mark as planned; the events of what could not be created.
+    async def _act(
+        self, job: JobRef, decided: Plan, memory: _Memory, now: datetime
+    ) -> tuple[list[tuple[str, str, str]], set[str]]:
+        """Create, delete, update and mark as planned; the events of what could not be created, and the
+        `Kind/name` of what was.
 
         Creates go one at a time and stop at the first refusal: a namespace out of quota costs
         one refused request, not one per missing pod. (The ReplicaSet and Job controllers send
@@ -524,7 +532,7 @@ class Controller:
             if failure is not None:
                 etcd_blocked = True
                 events += self._failed(memory, failure, now)
-        refused = False
+        refused, created = False, set[str]()
         for obj in decided.create:
             kind = obj["kind"]
             if refused or (etcd_blocked and (kind == "Pod" or _mounts(obj, job.tls_secret))):
@@ -536,6 +544,7 @@ class Controller:
                 events += self._failed(memory, failure, now)
                 continue
             memory.refusal = None
+            created.add(f"{kind}/{obj['metadata']['name']}")
         await self._keep(job, decided)
         for delete in decided.delete:
             log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)
@@ -548,7 +557,7 @@ class Controller:
         for key, failure in list(memory.failures.items()):  # a taken pod name is tried again after a while
             if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
                 del memory.failures[key]
-        return events
+        return events, created
 
     def _failed(self, memory: _Memory, failure: CreateFailure, now: datetime) -> list[tuple[str, str, str]]:
         """Note what could not be created: a taken name by its key; a refusal as the job's refusal backoff.

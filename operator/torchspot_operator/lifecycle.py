@@ -246,6 +246,28 @@ class Stall:
     reason: str
 
 
+def _overdue(spec: JobSpec, start: str, quiet_since: str, has_round: bool, now: datetime) -> tuple[bool, bool]:
+    """(quiet past the stall timeout, no round past the start-up timeout): the stall rule's clocks."""
+
+    def since(stamp: str) -> float:
+        return (now - conditions.parse_timestamp(stamp)).total_seconds()
+
+    late_start = not has_round and since(start) > spec.startup_timeout_seconds
+    return since(quiet_since) > spec.stall_timeout_seconds, late_start
+
+
+def quiet_too_long(old: Mapping[str, Any], spec: JobSpec, now: datetime) -> bool:
+    """Whether the job, as its status says, is overdue by the stall rule (`stall`): the only time the rule
+    needs to know why, so the only time the controller reads what it needs for that."""
+    reached = old.get("reachedMinAt")
+    if spec.suspend or not reached:
+        return False
+    progress = old.get("progress") or {}
+    start = str(old.get("startTime") or reached)
+    quiet, late = _overdue(spec, start, str(progress.get("at") or reached), progress.get("round") is not None, now)
+    return quiet or late
+
+
 def stall(  # noqa: PLR0917 - each input of the rule
     spec: JobSpec,
     census: verdicts.Census,
@@ -266,11 +288,11 @@ def stall(  # noqa: PLR0917 - each input of the rule
     if clocks.start is None or clocks.reached_min is None or census.ready < spec.min_replicas:
         return None
     quiet_since = progress.at or clocks.reached_min
-    quiet = clocks.since(quiet_since)
     no_round = progress.round is None
-    late_start = no_round and clocks.since(clocks.start) > spec.startup_timeout_seconds
-    if quiet <= spec.stall_timeout_seconds and not late_start:
+    overdue, late_start = _overdue(spec, clocks.start, quiet_since, not no_round, clocks.now)
+    if not overdue and not late_start:
         return None
+    quiet = clocks.since(quiet_since)
     if milestones.get("reachable"):
         known = True
         if no_round:

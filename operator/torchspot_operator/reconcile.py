@@ -76,6 +76,9 @@ class Plan:
     status: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     """(type, reason, message): Normal or Warning Kubernetes Events."""
+    announced: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    """The Event of each planned create, by `Kind/name`: posted only if the create is made (a refused
+    or skipped one says nothing, else a full quota posts a "created" Event per missing pod per try)."""
     accounted: list[str] = field(default_factory=list)
     """Uids of the pods this plan counted or deletes: never judged again."""
     refused: list[CreateFailure] = field(default_factory=list)
@@ -84,6 +87,10 @@ class Plan:
     def acts(self) -> bool:
         """Whether the plan changes anything in the cluster (creates, deletes, updates or counts)."""
         return bool(self.create or self.delete or self.update or self.keep or self.accounted)
+
+    def all_events(self) -> list[tuple[str, str, str]]:
+        """Every Event the plan would post if each of its creates were made."""
+        return [*self.events, *self.announced.values()]
 
 
 @dataclass(frozen=True)
@@ -549,9 +556,17 @@ def _scale(
             if owed > 0:
                 owed -= 1
                 counts.restarts += 1
-                result.events.append(("Normal", "Replaced", f"created worker pod {name} to replace a lost one"))
+                result.announced[f"Pod/{name}"] = (
+                    "Normal",
+                    "Replaced",
+                    f"created worker pod {name} to replace a lost one",
+                )
             else:
-                result.events.append(("Normal", "ScaledUp", f"created worker pod {name} (desired {desired})"))
+                result.announced[f"Pod/{name}"] = (
+                    "Normal",
+                    "ScaledUp",
+                    f"created worker pod {name} (desired {desired})",
+                )
     elif missing < 0:
         for pod in sorted(census.active, key=lambda p: (verdicts.is_ready(p), -verdicts.pod_index(p)))[:-missing]:
             name = verdicts.pod_name(pod)

@@ -112,7 +112,7 @@ def _deleted(plan: reconcile.Plan, kind: str = "Pod") -> list[tuple[str, int | N
 
 
 def _reasons(plan: reconcile.Plan) -> list[str]:
-    return [reason for _, reason, _ in plan.events]
+    return [reason for _, reason, _ in plan.all_events()]
 
 
 class TestWorkerPod:

@@ -75,6 +75,7 @@ def test_refused_creates_back_off_per_job_and_resume_when_the_quota_allows(opera
     assert len(said["message"]) < 400, refused
     events = [e for e in cluster.events("FailedCreate") if "exceeded quota" in e.get("message", "")]
     assert len(events) == 1  # one Event per distinct refusal per backoff period
+    assert cluster.events("ScaledUp") == []  # no "created" Event for a pod that was not
     assert cluster.pods("quota") == []
     assert _status(cluster, "quota")["phase"] == "Pending"
 
