@@ -85,8 +85,8 @@ class Cluster:
     def evict(self, pod: str, reason: str = "EvictionByEvictionAPI") -> None:
         """What a spot eviction leaves on a pod: Failed, reason Evicted, and the DisruptionTarget condition
         the API server's eviction (or the taint manager, or the kubelet under node pressure) adds."""
-        disrupted = {"type": "DisruptionTarget", "status": "True", "reason": reason}
-        self.patch("pods", pod, {"status": {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}})
+        assert self.api.emulator is not None
+        self.api.run(self.api.emulator.evict(NS, pod, reason))
 
     def live(self, job: str) -> list[str]:
         """The names of the job's worker pods that have not failed (failed ones are kept for their logs)."""

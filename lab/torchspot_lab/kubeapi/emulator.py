@@ -42,9 +42,10 @@ leaves out, this adds:
   object deleted in between is never seen deleted by a watcher (only missing from its relist);
 - the node controller (`nodes_unknown`): nodes marked Ready Unknown with the unreachable
   taint, as after missed leases (one node, or all of them in a control-plane blip);
-- the taint manager's and the eviction API's evictions (`evict`): the pod gets the
-  `DisruptionTarget` condition and is deleted; the kubelet's own limit evictions
-  (`limit_evict`): Failed, reason Evicted, no DisruptionTarget.
+- evictions the cluster makes (`evict`: the eviction API, the taint manager, the kubelet
+  under node pressure): Failed, reason Evicted, and the `DisruptionTarget` condition naming
+  who; the kubelet's evictions for the pod's own limits (`limit_evict`): Failed, reason
+  Evicted, no DisruptionTarget.
 
 What it still does not do is listed in the package's docstring (kubeapi/__init__.py).
 """
@@ -435,6 +436,13 @@ class Emulator(kmock.KubernetesEmulator):
             await self._patch_object(
                 "nodes", None, name, {"spec": {"taints": taints}, "status": {"conditions": [ready]}}
             )
+
+    async def evict(self, namespace: str, name: str, reason: str = "EvictionByEvictionAPI") -> None:
+        """An eviction the cluster makes (the eviction API in a drain, the taint manager, the kubelet under node
+        pressure): the pod Failed, reason Evicted, with the DisruptionTarget condition naming who did it."""
+        disrupted = {"type": "DisruptionTarget", "status": "True", "reason": reason}
+        status = {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}
+        await self._patch_object("pods", namespace, name, {"status": status})
 
     async def limit_evict(self, namespace: str, name: str, message: str) -> None:
         """The kubelet's eviction of a pod over its own limit (emptyDir sizeLimit, ephemeral storage): Failed,
