@@ -4,7 +4,7 @@ The operator runs as its own process (`python -m torchspot_operator run --standa
 --all-namespaces`), logged in through a kubeconfig to the emulator, so its memory is
 its own. In one run:
 
-1. replacement latency: a worker pod of a running job is evicted (its status set to
+1. replacement latency: a worker pod of a running 2-worker job (a fresh one per trial) is evicted (its status set to
    Failed/Evicted with a DisruptionTarget, as an eviction leaves it) or AKS drains its
    node (the auto-drain taint before a spot preempt); the time
    until the replacement pod exists, measured by polling the API every 20 ms;
@@ -191,52 +191,61 @@ def _latency(
     pods: Callable[..., list[dict[str, Any]]],
     patch: Callable[[str, str | None, str, dict[str, Any]], None],
 ) -> dict[str, Any]:
+    """Replacement latency, each trial on a fresh 2-worker job.
+
+    A fresh job per trial: thirty evictions of one 2-worker job in a minute would exhaust its eviction
+    budget (more than max(6, 2 x desired) in 10 minutes), and its replacements would then rightly wait
+    the failure backoff, which is not what this measures.
+    """
     ready = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
-    run(kube.create(job("latency", 2)))
-    wait("the operator to create the first workers", lambda: len(pods("latency")) == 2, 60)
 
-    def start_all(node: str) -> dict[str, str]:
-        """Bind and start every pod of the job on `node`; return their uids by name.
+    def live(name: str) -> dict[str, str]:
+        """The job's pods that are not Failed (an evicted pod is kept for its logs), uid by name."""
+        return {
+            p["metadata"]["name"]: p["metadata"]["uid"]
+            for p in pods(name)
+            if p.get("status", {}).get("phase") != "Failed" and not p["metadata"].get("deletionTimestamp")
+        }
 
-        Replacements are told apart by uid: the emulator deletes at once, so a
-        replacement may reuse a freed name (a real API server keeps it while terminating).
-        """
-        uids = {}
-        for pod in pods("latency"):
-            if pod.get("status", {}).get("phase") == "Failed":
-                continue  # an evicted pod, kept for its logs
-            name = pod["metadata"]["name"]
-            uids[name] = pod["metadata"]["uid"]
-            if pod.get("status", {}).get("phase") != "Running":
-                patch("Pod", NS, name, {"spec": {"nodeName": node}, "status": ready})
-        return uids
+    def started_job(name: str, node: str) -> dict[str, str]:
+        """A new job whose two workers run on `node`; their uids by name."""
+        run(kube.create(job(name, 2)))
+        wait(f"{name}'s workers", lambda: len(live(name)) == 2, 60)
+        for pod in live(name):
+            patch("Pod", NS, pod, {"spec": {"nodeName": node}, "status": ready})
+        return live(name)
 
-    def new_pods(before: dict[str, str]) -> int:
-        return len({p["metadata"]["uid"] for p in pods("latency")} - set(before.values()))
+    def new_pods(name: str, before: dict[str, str]) -> int:
+        """Replacements are told apart by uid: the emulator deletes at once, so a replacement may
+        reuse a freed name (a real API server keeps it while terminating)."""
+        return len(set(live(name).values()) - set(before.values()))
 
     pod_loss: list[float] = []
     for trial in range(args.trials):
-        before = start_all("spot-0")
+        name = f"latency-pod-{trial}"
+        before = started_job(name, "spot-0")
         victim = sorted(before)[0]
         started = time.perf_counter()
         disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
         patch("Pod", NS, victim, {"status": {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}})
-        wait("a replacement", lambda b=before: new_pods(b) == 1, 30)  # type: ignore[misc]
+        wait("a replacement", lambda n=name, b=before: new_pods(n, b) == 1, 30)  # type: ignore[misc]
         pod_loss.append(time.perf_counter() - started)
         print(f"[pod {trial + 1}/{args.trials}] replacement after {pod_loss[-1] * 1000:.0f} ms", flush=True)
+        run(kube.delete(constants.API_VERSION, constants.PLURAL, NS, name))
 
     node_loss: list[float] = []
     for trial in range(args.trials):
         node = f"spot-{trial % 2}"
         other = f"spot-{(trial + 1) % 2}"
         patch("Node", None, other, {"spec": {"taints": []}})
-        before = start_all(node)
+        name = f"latency-node-{trial}"
+        before = started_job(name, node)
         started = time.perf_counter()
         patch("Node", None, node, {"spec": {"taints": [DRAIN]}})
-        wait("replacements", lambda b=before: new_pods(b) == 2, 30)  # type: ignore[misc]
+        wait("replacements", lambda n=name, b=before: new_pods(n, b) == 2, 30)  # type: ignore[misc]
         node_loss.append(time.perf_counter() - started)
         print(f"[node {trial + 1}/{args.trials}] replacements after {node_loss[-1] * 1000:.0f} ms", flush=True)
-    run(kube.delete(constants.API_VERSION, constants.PLURAL, NS, "latency"))
+        run(kube.delete(constants.API_VERSION, constants.PLURAL, NS, name))
     return {"pod_loss_s": pod_loss, "node_loss_s": node_loss}
 
 

@@ -165,17 +165,20 @@ EXPECTATION_SECONDS: Final = 300
 controller's expectations; client-go's `ExpectationsTimeout` is 5 minutes too): longer means the
 watch lost it, and it is looked for afresh. Shorter made an extra pod under watch lag."""
 VERIFY_SECONDS: Final = 300
-"""Each job's pods and etcd objects are read from the API (one labelled list) at least this often,
+"""Each job's pods and etcd objects are read from the API (labelled lists per namespace) at least this often,
 and after any relist of a watch: kopf's indices drop an object only on its DELETED event, so one
 deleted while a watch was down would stay in them for ever (client-go's informers synthesise
 those deletions on relist; this is the same check)."""
+SNAPSHOT_SECONDS: Final = 10
+"""How old a namespace's list of the jobs' objects may be and still serve a job's check (one taken before
+the job's last create, or before the last relist, never does): the jobs that fall due together share it."""
 REFUSAL_BACKOFF_BASE: Final = 5.0
 REFUSAL_BACKOFF_CAP: Final = 600.0
 """After the API refuses a job's create (a quota, a policy webhook, Pod Security, a bad template),
-the job's creates wait 5 s, doubling per refusal up to 10 minutes; a create that succeeds resets it
-(the workqueue's per-item exponential requeue). Creates go one by one and stop at the first refusal
-(what the ReplicaSet and Job controllers' slow-start batches achieve), so a full quota costs one
-refused request per wait."""
+the job's creates wait 5 s, doubling per refusal up to 10 minutes; a round of creates without a refusal
+resets it (the workqueue's per-item exponential requeue). Worker pods go in slow-start batches of 1, 2,
+4 ... (the ReplicaSet and Job controllers' slowStartBatch) and a refused batch ends the round, so a full
+quota costs one refused request per wait."""
 EVICTION_BUDGET: Final = 6
 EVICTION_WINDOW_SECONDS: Final = 600
 """More than this many evictions of one job within this window, or `EVICTION_REPEAT` of the same

@@ -14,6 +14,7 @@ from tests.operator.jobs import good_job
 from torchspot_operator import builders, conditions, constants, nodes, reconcile, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
+from torchspot_operator.controller import slow_start
 from torchspot_operator.kube import delete_options
 from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import JobSpec, parse_spec
@@ -950,3 +951,14 @@ class TestStall:
         unsure = self._ready(later + timedelta(hours=5), still.status, {"reachable": False})
         assert "cannot tell" in _condition(unsure, "Stalled")["message"]
         assert unsure.status["phase"] == "Running"
+
+
+def test_creates_go_in_slow_start_batches_of_pods_other_objects_alone() -> None:
+    etcd = [{"kind": kind} for kind in ("Service", "Deployment")]
+    pods = [{"kind": "Pod", "n": n} for n in range(10)]
+    batches = slow_start([*etcd, *pods])
+    assert [[o["kind"] for o in b] for b in batches[:2]] == [["Service"], ["Deployment"]]
+    assert [len(b) for b in batches[2:]] == [1, 2, 4, 3]  # 1, 2, 4 ..., the last one what is left
+    assert [o["n"] for b in batches[2:] for o in b] == list(range(10))  # in the plan's order
+    assert [len(b) for b in slow_start([{"kind": "Pod"}] * 64)] == [1, 2, 4, 8, 16, 32, 1]
+    assert slow_start([]) == []

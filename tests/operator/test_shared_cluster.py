@@ -183,3 +183,87 @@ def test_the_etcd_stays_until_the_stopped_workers_have_left_and_a_stall_fails_th
     assert stalled["status"] == "True"
     assert "the managed etcd is not serving: its Deployment has no available pod" in stalled["message"]
     assert _condition(cluster, "stuck", "Failed")["reason"] == "Stalled"
+
+
+def test_refused_secret_and_etcd_objects_back_off_and_hold_the_workers(
+    operator: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = operator
+    monkeypatch.setattr(constants, "REFUSAL_BACKOFF_CAP", 4.0)  # waits of 1, 2, 4, 4 ... s: the test's clock
+    quota = {"count/secrets": "0", "count/deployments.apps": "0"}
+    cluster.create({
+        "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "objects", "namespace": NS},
+        "spec": {"hard": quota},
+    })  # fmt: skip
+    cluster.create(good_job("counted", maxReplicas=2))
+    said = wait_for("the Secret's refusal", lambda: _condition(cluster, "counted", "ReplicaFailure").get("message"))
+    assert "exceeded quota: objects" in said, said
+    assert "count/secrets" in said, said
+    wait_for(  # tried again after the backoff, counted in the job's one refusal record
+        "a second refusal",
+        lambda: (
+            "2 create(s) refused in a row" in (m := _condition(cluster, "counted", "ReplicaFailure")["message"]) and m
+        ),
+    )
+    assert cluster.requests("POST", "apps/v1/deployments") == 0  # nothing of the etcd without its certificates
+    assert cluster.pods("counted") == []  # no worker without its rendezvous
+
+    # Secrets allowed: the etcd's Deployment is refused next, and still no worker is made.
+    cluster.patch("resourcequotas", "objects", {"spec": {"hard": {**quota, "count/secrets": "5"}}})
+    said = wait_for(
+        "the Deployment's refusal",
+        lambda: "count/deployments.apps" in _condition(cluster, "counted", "ReplicaFailure").get("message", "") and
+        _condition(cluster, "counted", "ReplicaFailure")["message"],
+        timeout=30,
+    )  # fmt: skip
+    assert "Deployment default/counted-etcd was refused" in said, said
+    assert cluster.pods("counted") == []
+    events = [e for e in cluster.events("FailedCreate") if "count/deployments.apps" in e.get("message", "")]
+    assert len(events) == 1, events
+
+    cluster.patch("resourcequotas", "objects", {"spec": {"hard": {"count/deployments.apps": "5"}}})
+    wait_for("the etcd", lambda: "Deployment" in cluster.etcd_kinds("counted"), timeout=30)
+    wait_for("two workers", lambda: len(cluster.pods("counted")) == 2)
+    wait_for(
+        "ReplicaFailure cleared", lambda: _condition(cluster, "counted", "ReplicaFailure").get("status") == "False"
+    )
+
+
+def test_cordon_handling_on_moves_workers_off_and_kubelet_evictions_exhaust_the_budget(
+    api: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = api
+    monkeypatch.setenv(constants.CORDON_HANDLING_ENV, "on")
+    monkeypatch.setenv(constants.NODE_EVICTION_RATE_ENV, "10")
+    for node in ("spot-1", "spot-2"):
+        cluster.add_node(node)
+    with operator_running():
+        cluster.create(good_job("cordoned", maxReplicas=2))
+        wait_for("two workers", lambda: len(cluster.pods("cordoned")) == 2)
+        first, second = cluster.names("cordoned")
+        cluster.run_pod(first, "spot-1")
+        cluster.run_pod(second, "spot-2")
+        wait_for("Running", lambda: _status(cluster, "cordoned").get("phase") == "Running")
+
+        # An admin cordons spot-1 to retire it: with cordon handling on, its worker is moved off at once.
+        cluster.patch("nodes", "spot-1", {"spec": {"unschedulable": True}}, None)
+        wait_for("the cordoned node's worker deleted", lambda: first not in cluster.names("cordoned"), timeout=15)
+        assert second in cluster.names("cordoned")
+        assert (
+            wait_for("counted", lambda: (s := _status(cluster, "cordoned")).get("evictions") == 1 and s)["failures"]
+            == 0
+        )
+
+        # The kubelet of spot-2 evicts the job's worker for node pressure, again and again (the job's own
+        # memory, most likely): the third in a row exhausts the eviction budget and replacements back off.
+        for evicted in range(3):
+            victim = wait_for("two live workers", lambda: len(live := cluster.live("cordoned")) == 2 and sorted(live))[
+                0
+            ]
+            cluster.run_pod(victim, "spot-2")
+            cluster.evict(victim, "TerminationByKubelet")
+            wait_for("the eviction counted", lambda n=evicted: _status(cluster, "cordoned").get("evictions") == n + 2)
+        said = wait_for("EvictionBudgetExceeded", lambda: _condition(cluster, "cordoned", "EvictionBudgetExceeded"))
+        assert said["status"] == "True"
+        assert "last TerminationByKubelet x3" in said["message"], said
+        assert wait_for("a BackOff Event", lambda: cluster.events("BackOff"))

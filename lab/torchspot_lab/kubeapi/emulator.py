@@ -31,7 +31,8 @@ leaves out, this adds:
   refused with a 403 naming each rule, as the API server refuses it; a Deployment is
   stored, and what its ReplicaSet controller would then report (a `ReplicaFailure`
   condition with the refusal) is written to its status at once;
-- ResourceQuota: a pod create that would take a namespace's pods (`pods`, `count/pods`) or
+- ResourceQuota: a create that would take a namespace's object counts (`count/<resource>[.<group>]`,
+  e.g. `count/deployments.apps`, and the older `pods`, `secrets`, `services`, `configmaps`) or a pod's
   requests (`requests.<resource>`, e.g. `requests.nvidia.com/gpu`) past a ResourceQuota's
   `spec.hard` is refused with the API server's 403 "exceeded quota" message;
 - graceful deletion of pods, when `graceful` is set: a DELETE with a grace period marks the
@@ -119,6 +120,8 @@ kmock_parsing.parse_path = _parse_path  # kmock's request parsing looks it up in
 
 
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
+QUOTA_LEGACY_COUNTS = frozenset({"pods", "services", "secrets", "configmaps", "persistentvolumeclaims"})
+"""Core resources a ResourceQuota also counts under their bare name (`secrets: 10`), besides `count/<name>`."""
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -326,26 +329,30 @@ class Emulator(kmock.KubernetesEmulator):
         ]
 
     def _quota(self, request: kmock.Request) -> None:
-        """Refuse a pod that would exceed a ResourceQuota of its namespace (403), as the API server does."""
+        """Refuse a create that would exceed a ResourceQuota of its namespace (403), as the API server does."""
         resource = request.resource
-        if request.action != kmock.action.CREATE or resource is None or resource.plural != "pods":
-            return
-        if not isinstance(request.data, dict):
+        if request.action != kmock.action.CREATE or resource is None or not isinstance(request.data, dict):
             return
         namespace = request.namespace or request.data.get("metadata", {}).get("namespace")
-        live = [
-            p
-            for p in self._objects_of("pods", namespace)
-            if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")
-        ]
+        plural = str(resource.plural)
+        counted = {f"count/{plural}.{resource.group}" if resource.group else f"count/{plural}"}
+        if not resource.group and plural in QUOTA_LEGACY_COUNTS:
+            counted.add(plural)
+        existing = self._objects_of(plural, namespace)
+        if plural == "pods":  # a finished pod no longer counts
+            existing = [p for p in existing if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
         for quota in self._objects_of("resourcequotas", namespace):
             for key, hard in (quota.get("spec", {}).get("hard") or {}).items():
-                used = sum(_usage(pod, key) for pod in live)
-                wanted = _usage(request.data, key)
+                if key in counted:
+                    used, wanted = float(len(existing)), 1.0
+                elif plural == "pods":
+                    used, wanted = sum(_usage(pod, key) for pod in existing), _usage(request.data, key)
+                else:
+                    continue
                 if wanted and used + wanted > _quantity(hard):
                     name = request.data.get("metadata", {}).get("name", "")
                     message = (
-                        f'pods "{name}" is forbidden: exceeded quota: {quota["metadata"]["name"]}, '
+                        f'{plural} "{name}" is forbidden: exceeded quota: {quota["metadata"]["name"]}, '
                         f"requested: {key}={wanted:g}, used: {key}={used:g}, limited: {key}={hard}"
                     )
                     raise kmock.KubernetesError(status=403, reason="Forbidden", message=message)
@@ -479,9 +486,7 @@ def _quantity(text: Any) -> float:
 
 
 def _usage(pod: dict[str, Any], key: str) -> float:
-    """What one pod counts against a quota key: 1 for pods, else the sum of its containers' requests."""
-    if key in ("pods", "count/pods"):
-        return 1.0
+    """What one pod counts against a requests or limits quota key: the sum of its containers'."""
     kind, _, name = key.partition(".")
     field = {"requests": "requests", "limits": "limits"}.get(kind)
     if field is None:
