@@ -19,9 +19,11 @@ An index lags the operator's own actions by a watch event, so the controller kee
 are counted as there, and the objects it deleted or counted are not judged again. An
 index can also hold objects deleted while its watch was closed (kopf closes the watches
 of a paused standby replica and lists afresh when it resumes, which shows no deletion),
-so the first reconcile of a job by this process, and one after a silence longer than
-`STALE_AFTER_SECONDS`, reads the job's pods (one list) and etcd objects from the API,
-and what the index holds beyond that is treated as gone.
+so the first reconcile of a job by this process, one after a silence longer than
+`STALE_AFTER_SECONDS`, one after any relist and one at least every `VERIFY_SECONDS`
+checks the index against the namespace's objects as the API lists them (`_snapshot`,
+shared by the jobs of the namespace), and what the index holds beyond that is treated
+as gone.
 
 The timer (`tick`) re-plans from what the operator already knows and asks the API
 nothing unless that plan has something to do: a running job that nothing happens to

@@ -139,8 +139,12 @@ def test_nodes_going_unknown_together_keep_their_workers_one_alone_loses_its(ope
 def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(operator: Cluster) -> None:
     cluster = operator
     cluster.add_node("spot-1")
+    others = [f"other-{n}" for n in range(6)]
+    for other in others:  # jobs of the same namespace, checked after the relist too
+        cluster.create(good_job(other, maxReplicas=1))
     cluster.create(good_job("ghost"))
     wait_for("three workers", lambda: len(cluster.pods("ghost")) == 3)
+    wait_for("the others' workers", lambda: all(cluster.pods(other) for other in others))
     for name in cluster.names("ghost"):
         cluster.run_pod(name, "spot-1")
     wait_for("Running", lambda: _status(cluster, "ghost").get("phase") == "Running")
@@ -150,10 +154,16 @@ def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(operator: Cluster)
     emulator = _emulator(cluster)
     cluster.api.run(emulator.cut_watches("pods"))
     cluster.delete("v1", "Pod", "ghost-worker-1")
+    budgets = "policy/v1/poddisruptionbudgets"  # read by the operator's checks alone (this test reads pods)
+    lists = cluster.requests("GET", budgets)
     emulator.resume_watches("pods")
     wait_for("a replacement", lambda: "ghost-worker-3" in cluster.names("ghost"), timeout=RECONCILE_INTERVAL + 15)
     status = wait_for("counted as an eviction", lambda: (s := _status(cluster, "ghost")).get("evictions") == 1 and s)
     assert status["replicas"]["ready"] == 2  # the ghost does not count as Ready
+    time.sleep(RECONCILE_INTERVAL + 1)  # every job's timer has checked it: a count of requests has no condition
+    # The namespace's list that every job's check shares (one more if a create came after it): not one per
+    # job (seven).
+    assert 1 <= cluster.requests("GET", budgets) - lists <= 2, cluster.requests("GET", budgets) - lists
 
 
 def test_the_etcd_stays_until_the_stopped_workers_have_left_and_a_stall_fails_the_job(operator: Cluster) -> None:
