@@ -743,7 +743,8 @@ class Controller:
 
         A Ready condition that says no transition time (some test clusters, older kubelets) gets
         the time the operator first saw that status, so a NotReady node's grace counts from there."""
-        name = node.get("metadata", {}).get("name", "")
+        node = nodes.project(node)
+        name = node["metadata"].get("name", "")
         if deleted or nodes.soft(node, self.node_policy) is None:  # admitted again only after a new fault
             self._admitted.discard(name)
         if deleted:

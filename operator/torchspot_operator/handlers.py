@@ -26,7 +26,7 @@ from typing import Any, cast
 import kopf
 import prometheus_client
 
-from torchspot_operator import builders, conditions, constants, metrics, nodes
+from torchspot_operator import builders, conditions, constants, metrics, nodes, verdicts
 from torchspot_operator import login as credentials
 from torchspot_operator.controller import INDEXES, Controller, Index, owner
 from torchspot_operator.kube import ApiError, Kube
@@ -185,15 +185,22 @@ async def close(**_: Any) -> None:
 
 
 def _owned(body: kopf.Body, namespace: str | None) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """An index entry: (namespace, uid of the job that controls the object) -> the object."""
+    """An index entry: (namespace, uid of the job that controls the object) -> the object, without its
+    `managedFields` (often more than half of a small object, and never read)."""
     found = owner(body)
-    return None if found is None or not namespace else {(namespace, found[1]): dict(body)}
+    if found is None or not namespace:
+        return None
+    kept = dict(body)
+    kept["metadata"] = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
+    return {(namespace, found[1]): kept}
 
 
 @kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
 def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Worker pods by their job's uid (`controller.PODS_INDEX`)."""
-    return _owned(body, namespace)
+    """Worker pods by their job's uid (`controller.PODS_INDEX`): what the decisions read of each
+    (`verdicts.project`), not the whole pod."""
+    found = owner(body)
+    return None if found is None or not namespace else {(namespace, found[1]): verdicts.project(body)}
 
 
 @kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
@@ -275,7 +282,7 @@ async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | N
     if found is None or not namespace or not controller().news(body, type):
         return
     if type == "DELETED":
-        controller().pod_deleted(namespace, found[0], found[1], dict(body))
+        controller().pod_deleted(namespace, found[0], found[1], verdicts.project(body))
     await controller().reconcile(namespace, found[0])
 
 

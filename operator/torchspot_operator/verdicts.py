@@ -55,6 +55,54 @@ class Verdict:
     message: str
 
 
+POD_METADATA = (
+    "name", "namespace", "uid", "resourceVersion", "creationTimestamp", "deletionTimestamp", "labels",
+    "ownerReferences",
+)  # fmt: skip
+POD_STATUS = ("phase", "reason", "message", "conditions")
+CONTAINER_STATUS = ("name", "state", "lastState", "ready", "restartCount")
+CONDITION = ("type", "status", "reason", "message", "lastTransitionTime")
+POD_CONDITIONS = ("Ready", "PodScheduled", "DisruptionTarget")
+"""The pod conditions the verdicts read (readiness, scheduling, and how the cluster evicted it)."""
+
+
+def project(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What the operator's decisions read of a worker pod, and nothing else: what the pod index keeps.
+
+    A pod as the API serves it is about 23 KiB with its `managedFields`, volumes, environment and
+    every container's status; this keeps its identity, owner, node, tolerations (the NotReady grace),
+    the operator's own annotations, phase, conditions and the trainer container's name and status:
+    8,000 workers then cost a few MiB of cache, not 180."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    kept = {key: meta[key] for key in POD_METADATA if key in meta}
+    for key in ("labels", "annotations"):  # only the operator's own
+        ours = {k: v for k, v in (meta.get(key) or {}).items() if k.startswith(constants.GROUP)}
+        if ours:
+            kept[key] = ours
+    containers = spec.get("containers") or []
+    trainer = trainer_status(pod)
+    graced = (constants.NOT_READY_TAINT, constants.UNREACHABLE_TAINT, None)  # what `nodes.grace` reads
+    projected: dict[str, Any] = {
+        "metadata": kept,
+        "spec": {
+            **({"nodeName": spec["nodeName"]} if spec.get("nodeName") else {}),
+            "tolerations": [t for t in spec.get("tolerations") or [] if t.get("key") in graced],
+            "containers": [{"name": containers[0].get("name")}] if containers else [],
+        },
+        "status": {key: status[key] for key in POD_STATUS if key in status},
+    }
+    projected["status"]["conditions"] = [
+        {k: c[k] for k in CONDITION if k in c}
+        for c in status.get("conditions") or []
+        if c.get("type") in POD_CONDITIONS
+    ]
+    if trainer is not None:
+        projected["status"]["containerStatuses"] = [{k: trainer[k] for k in CONTAINER_STATUS if k in trainer}]
+    return projected
+
+
 def trainer_status(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The status of the pod's trainer container (the template's first container), found by its name:
     sidecars (a service mesh's proxy, a log shipper) report their own containers beside it."""
