@@ -5,18 +5,29 @@ The same as `kopf run -m torchspot_operator.handlers ...`; the flags go to `kopf
 http://0.0.0.0:8080/healthz`, `--log-format json` (structured logs), `--standalone`
 (no peering), `--peering NAME`.
 
-More than one replica: with `--peering` and no `--priority`, each replica picks a
-random priority, so kopf's peering lets exactly one (the highest) handle objects and
-pauses the others until it is gone (see operator/README.md). Replicas with equal
-priorities would all pause: one in a million per pair.
+More than one replica: with `--peering` and no `--priority`, each replica's priority counts
+down from its start time (`start_priority`), so kopf's peering lets the oldest live replica
+handle objects and pauses the others until it is gone (see operator/README.md): a standby that
+starts or restarts never takes over from a healthy leader, where random priorities made it do
+so half the time. A random last three digits keep two replicas started in the same millisecond
+apart (equal priorities would pause both).
 """
 
 from __future__ import annotations
 
 import secrets
 import sys
+import time
 
 from kopf import cli
+
+from torchspot_operator import constants
+
+
+def start_priority(started: float, tiebreak: int) -> int:
+    """A replica's peering priority: higher the earlier it started (milliseconds before
+    `PRIORITY_HORIZON`), with `tiebreak` (0-999) as the last three digits."""
+    return int((constants.PRIORITY_HORIZON - started) * 1000) * 1000 + tiebreak
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(a == "--peering" or a.startswith("--peering=") for a in args) and not any(
         a.startswith("--priority") for a in args
     ):
-        args = [*args, f"--priority={secrets.randbelow(1_000_000) + 1}"]
+        args = [*args, f"--priority={start_priority(time.time(), secrets.randbelow(1000))}"]
     cli.main(["run", "-m", "torchspot_operator.handlers", *args], prog_name="python -m torchspot_operator")
 
 

@@ -97,10 +97,23 @@ PEERING_KIND: Final = "ClusterKopfPeering"
 """Where replicas of the operator find each other (kopf's peering): one cluster-scoped
 object named by `--peering`, whether the operator watches all namespaces or some, so
 replicas of one install always meet in the same place. The chart installs its CRD."""
-PEERING_LIFETIME: Final = 15
-"""Seconds a replica's peering record stays valid without a keep-alive (kopf's default: 60).
-A standby takes over this long after the active replica died without saying goodbye (a
-crashed node); a clean exit hands over at once. Replicas refresh it every 5-10 s."""
+PEERING_LIFETIME: Final = 60
+"""Seconds a replica's peering record stays valid without a keep-alive (kopf's default). A
+standby takes over this long after the active replica died without saying goodbye (a crashed
+node); a clean exit hands over at once. Replicas refresh it every 5-10 s. Not shorter: kopf has
+no fencing (a client-go Lease holder stops itself when it cannot renew; a kopf replica does
+not), so a lifetime a slow keep-alive can outlast (a throttled PATCH during a mass event, a
+re-login) lets the standby act while the leader still does. Losing the operator for a minute
+costs little: torchrun re-forms the group without it, and only replacements wait."""
+PEERING_LIFETIME_ENV: Final = "TORCHSPOT_PEERING_LIFETIME_SECONDS"
+"""Overrides `PEERING_LIFETIME` (10 to 600 s; the tests shorten it)."""
+PEERING_CHECK_SECONDS: Final = 10.0
+"""How often a replica reads the peering object to know whether it is the active one (`standing`):
+a paused standby then reports healthy and no job metrics."""
+PRIORITY_HORIZON: Final = 4_102_444_800
+"""2100-01-01 in Unix seconds: a replica's default priority counts down from it with its start time
+(`__main__.start_priority`), so the oldest live replica leads and a new or restarted one never
+takes over from a healthy leader."""
 AGENT_MAX_RESTARTS: Final = 100
 """torchrun's `--max-restarts` in every worker pod. Each membership change (a peer evicted,
 frozen or added) fails the survivors' collectives and costs each surviving agent one

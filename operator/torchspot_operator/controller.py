@@ -211,6 +211,8 @@ class Controller:
         """The resourceVersion of each watched object (by uid) whose event last led to a reconcile."""
         self.phases: dict[tuple[str, str], str] = {}
         """Each job's phase as last written (`torchspot_jobs{phase}`)."""
+        self.paused = False
+        """Whether kopf's peering pauses this replica in favour of another (`pause`)."""
         self.recoveries = metrics.Recoveries()
         self.last_reconcile = time.monotonic()
         """When a reconcile or a tick last finished (monotonic): the liveness rule's clock."""
@@ -232,6 +234,19 @@ class Controller:
         async with self._lock(namespace, name):
             body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
             return await self._reconcile(namespace, name, body)
+
+    def pause(self, ahead: list[str]) -> None:
+        """Note whether kopf's peering pauses this replica (`ahead`: the live peers of higher priority).
+        Paused, it reports no job phases (the leader does) and forgets them, so a job deleted meanwhile
+        does not stay counted; the reconciles after it resumes write them again."""
+        paused = bool(ahead)
+        if paused and not self.paused:
+            log.info("this replica is a standby: %s leads", ", ".join(ahead))
+            self.phases.clear()
+        elif self.paused and not paused:
+            log.info("this replica leads now")
+            self.last_reconcile = time.monotonic()  # the liveness clock starts again
+        self.paused = paused
 
     def alive(self) -> bool:
         """False when reconciles have stalled (see metrics.py): the liveness probe fails then."""

@@ -26,11 +26,14 @@ from typing import Any, cast
 import kopf
 import prometheus_client
 
-from torchspot_operator import builders, conditions, constants, metrics, nodes, verdicts
+from torchspot_operator import builders, conditions, constants, leader, metrics, nodes, verdicts
 from torchspot_operator import login as credentials
 from torchspot_operator.controller import INDEXES, Controller, Index, owner
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
+
+log = logging.getLogger(__name__)
+
 
 RECONCILE_INTERVAL = 5.0
 """Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
@@ -83,8 +86,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.watching.label_selectors[group, plural] = f"{constants.LABEL_ROLE}={role}"
     if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
         settings.peering.clusterwide = True
-        settings.peering.lifetime = constants.PEERING_LIFETIME
+        settings.peering.lifetime = ours.peering_lifetime
         _state["peering"] = settings.peering.name
+        _state["priority"] = settings.peering.priority
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
@@ -108,7 +112,9 @@ def _serve_metrics(port: int) -> None:
         server, _ = prometheus_client.start_http_server(port)
     except OSError as exc:
         raise kopf.PermanentError(f"cannot serve metrics on port {port} ({metrics.METRICS_PORT_ENV}): {exc}") from exc
-    prometheus_client.REGISTRY.register(metrics.Jobs(lambda: controller().phases if "controller" in _state else {}))
+    prometheus_client.REGISTRY.register(
+        metrics.Jobs(lambda: controller().phases if "controller" in _state and not controller().paused else {})
+    )
     _state["metrics_port"] = server.server_port  # 0 asks for a free port (tests)
 
 
@@ -120,7 +126,10 @@ def metrics_port() -> int | None:
 
 @kopf.on.probe(id="reconciling")
 def reconciling(**_: Any) -> str:
-    """kopf's liveness endpoint fails (500) while reconciles have stalled (metrics.py)."""
+    """kopf's liveness endpoint fails (500) while reconciles have stalled (metrics.py); a paused standby,
+    whose reconciles stopped on purpose, is healthy and says so."""
+    if "controller" in _state and controller().paused:
+        return "standby"
     if "controller" in _state and not controller().alive():
         raise kopf.PermanentError(f"no reconcile finished for {metrics.STALL_SECONDS:.0f} s while jobs are active")
     return "ok"
@@ -156,7 +165,25 @@ async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.Connecti
         )
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
+            _state["standing"] = asyncio.get_running_loop().create_task(_follow_standing())
     return info
+
+
+async def _follow_standing() -> None:
+    """Keep `Controller.paused` as kopf's peering decides it (leader.py), every `PEERING_CHECK_SECONDS`.
+
+    Runs beside kopf, not as a daemon (kopf stops daemons while paused, which is when this matters).
+    An unreadable peering object leaves the last answer."""
+    name, priority = str(_state["peering"]), int(cast(int, _state["priority"]))
+    while True:
+        try:
+            found = await controller().api.get(constants.PEERING_API_VERSION, constants.PEERING_KIND, None, name)
+        except (ApiError, OSError, TimeoutError) as exc:
+            log.warning("cannot read %s %s to know whether this replica leads: %s", constants.PEERING_KIND, name, exc)
+        else:
+            ahead = leader.outranked_by((found or {}).get("status") or {}, priority, datetime.now(UTC))
+            controller().pause(ahead)
+        await asyncio.sleep(constants.PEERING_CHECK_SECONDS)
 
 
 async def _ensure_peering(name: str) -> None:
@@ -178,6 +205,9 @@ async def _ensure_peering(name: str) -> None:
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
     """Close our HTTP session with the operator."""
+    standing = _state.pop("standing", None)
+    if isinstance(standing, asyncio.Task):
+        standing.cancel()
     done = _state.pop("controller", None)
     if done is not None:
         done.milestones.close()

@@ -46,6 +46,8 @@ class OperatorSettings:
     a cluster whose egress admits only its own registry mirrors it there."""
     etcd_pull_secrets: tuple[str, ...] = ()
     """Image pull Secrets of the managed etcd's pods (`constants.ETCD_PULL_SECRETS_ENV`, comma-separated)."""
+    peering_lifetime: int = constants.PEERING_LIFETIME
+    """Seconds a replica's peering record lives without a keep-alive (`constants.PEERING_LIFETIME_ENV`)."""
     metrics_port: int = metrics.DEFAULT_METRICS_PORT
     """Where /metrics is served (`metrics.METRICS_PORT_ENV`); 0 asks for a free port (tests, which
     start several operators on one machine)."""
@@ -76,6 +78,7 @@ def read_settings(environ: Mapping[str, str]) -> OperatorSettings:
         etcd_image=image,
         etcd_pull_secrets=secrets,
         metrics_port=int(port),
+        peering_lifetime=int(_number(environ, constants.PEERING_LIFETIME_ENV, 10, 600) or constants.PEERING_LIFETIME),
     )
 
 

@@ -31,7 +31,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "namespaced": {"watchNamespaces": ["ml-a", "ml-b"], "logLevel": "debug", "logFormat": "plain"},
     "monitored": {"metrics": {"port": 9100, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "no-crd-own-account": {
-        "crds": {"enabled": False, "keep": False, "peering": False},
+        "crds": {"enabled": False, "keep": True, "peering": False},
         "serviceAccount": {"create": False, "name": "platform-operator"},
         "rbac": {"aggregateToDefaultRoles": False},
     },
@@ -139,6 +139,18 @@ def test_replicas_meet_through_peering_and_roll_one_at_a_time(tmp_path: Path) ->
     assert peering["spec"]["names"]["kind"] == constants.PEERING_KIND
     assert peering["spec"]["scope"] == "Cluster"
     assert f"{peering['spec']['group']}/{peering['spec']['versions'][0]['name']}" == constants.PEERING_API_VERSION
+    # Spread across nodes, a drain takes one at a time, and an update waits for the new pod to be ready.
+    spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert [(c["topologyKey"], c["maxSkew"]) for c in spread] == [("kubernetes.io/hostname", 1)]
+    assert spread[0]["labelSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    budget = one(docs, "PodDisruptionBudget", "torchspot")
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": deployment["spec"]["selector"]}
+    assert _operator(docs)["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    lifetime = {e["name"]: e.get("value") for e in _operator(docs)["env"]}[constants.PEERING_LIFETIME_ENV]
+    assert lifetime == str(constants.PEERING_LIFETIME)
+    alone = template({"replicas": 1}, tmp_path)
+    assert find(alone, "PodDisruptionBudget") == []  # one pod: a budget would block every drain
+    assert "topologySpreadConstraints" not in _deployment(alone)["spec"]["template"]["spec"]
     shared = template({"crds": {"enabled": True, "keep": True, "peering": False}}, tmp_path)
     assert [c["metadata"]["name"] for c in find(shared, "CustomResourceDefinition")] == ["elasticjobs.torchspot.dev"]
 
@@ -268,6 +280,7 @@ def test_chart_names_the_operators_environment_variable() -> None:
         constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV,
         METRICS_PORT_ENV, constants.ETCD_IMAGE_ENV, constants.ETCD_PULL_SECRETS_ENV,
         constants.CORDON_HANDLING_ENV, constants.FULL_DISRUPTION_ENV, constants.NODE_EVICTION_RATE_ENV,
+        constants.PEERING_LIFETIME_ENV,
     }  # fmt: skip
     assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
     # The NotReady grace is set only when the chart says one (else the pods' tolerations decide).
@@ -299,6 +312,9 @@ BAD_VALUES = [
     ),
     ("resources-typo", {"resources": {"limit": {"cpu": "1"}}}, "limit"),
     ("account-without-name", {"serviceAccount": {"create": False}}, "serviceAccount.name is required"),
+    ("ports-clash", {"metrics": {"port": 8080}}, "metrics.port and livenessProbe.port are both 8080"),
+    ("crd-dropped", {"crds": {"enabled": False, "keep": False, "peering": True}}, "crds.enabled=false with crds.keep"),
+    ("short-peering", {"peering": {"lifetimeSeconds": 15}}, "lifetimeSeconds"),
 ]
 
 
