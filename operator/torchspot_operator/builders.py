@@ -404,10 +404,11 @@ def etcd_network_policy(job: JobRef) -> dict[str, Any]:
 
 
 def etcd_secret(job: JobRef, bundle: certs.EtcdCertificates) -> dict[str, Any]:
-    """The Secret holding the job's etcd certificates, owned by the job (deleted with it)."""
+    """The Secret holding the job's etcd certificates, owned by the job (deleted with it). Immutable: its
+    certificates never change for the job's life, and the kubelet then watches none of the mounts."""
     data = {name: base64.b64encode(value).decode() for name, value in certs.secret_files(bundle).items()}
     meta = job.metadata(job.tls_secret, constants.ROLE_ETCD)
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "data": data}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "immutable": True, "data": data}
 
 
 def spec_hash(obj: Mapping[str, Any]) -> str:

@@ -182,6 +182,9 @@ VERIFY_SECONDS: Final = 300
 and after any relist of a watch: kopf's indices drop an object only on its DELETED event, so one
 deleted while a watch was down would stay in them for ever (client-go's informers synthesise
 those deletions on relist; this is the same check)."""
+MILESTONE_READERS: Final = 8
+"""Threads that read runs' milestones from their etcds (their own pool: a dead etcd's read blocks a
+thread for its timeout, and a node lost with dozens of etcds on it must not hold up logins)."""
 SNAPSHOT_SECONDS: Final = 10
 """How old a namespace's list of the jobs' objects may be and still serve a job's check (one taken before
 the job's last create, or before the last relist, never does): the jobs that fall due together share it."""

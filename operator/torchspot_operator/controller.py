@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
@@ -149,6 +150,14 @@ class _Memory:
     """Whether this process looked for the job's Secret yet."""
 
 
+@dataclass
+class _JobLock:
+    """A job's lock and how many reconciles hold it or wait for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     """The uids of a namespace's worker pods and managed etcd objects as the API listed them."""
@@ -203,7 +212,7 @@ class Controller:
         Ready condition without a transition time gets the time the operator first saw its status."""
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._memory: dict[tuple[str, str], _Memory] = {}
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._locks: dict[tuple[str, str], _JobLock] = {}
         self._snapshots: dict[str, _Snapshot] = {}
         """Per namespace, the last list of what the jobs there own (`_snapshot`)."""
         self._snapshot_locks: dict[str, asyncio.Lock] = {}
@@ -226,8 +235,21 @@ class Controller:
             etcd_pull_secrets=self.etcd_pull_secrets,
         )
 
-    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
-        return self._locks.setdefault((namespace, name), asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _lock(self, namespace: str, name: str) -> AsyncIterator[None]:
+        """Hold the job's lock. It is dropped with its last user once the job is forgotten, never while
+        another waits on it: a job re-created under its name at once could otherwise be reconciled
+        twice at the same time (one waiter on the dropped lock, one on a new one)."""
+        key = (namespace, name)
+        held = self._locks.setdefault(key, _JobLock())
+        held.users += 1
+        try:
+            async with held.lock:
+                yield
+        finally:
+            held.users -= 1
+            if held.users == 0 and key not in self._memory:
+                self._locks.pop(key, None)
 
     async def reconcile(self, namespace: str, name: str) -> Plan | None:
         """Bring one job's objects and status in line with its spec; None if the job is gone or invalid."""
@@ -709,7 +731,6 @@ class Controller:
         self.phases.pop((namespace, name), None)
         self.recoveries.forget((namespace, name))
         memory = self._memory.pop((namespace, name), None)
-        self._locks.pop((namespace, name), None)
         self._nodes_of_job.pop((namespace, name), None)
         if memory is not None:
             self.milestones.close_job(memory.uid)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from torchspot_operator import constants
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot_trainer.rendezvous.settings import parse_endpoint
@@ -35,6 +37,9 @@ class MilestoneReader:
         """By (job uid, address): a job re-created under its name has a new CA and certificate."""
         self._cache: dict[str, dict[str, Any]] = {}
         self._refreshing: dict[str, asyncio.Task[None]] = {}
+        self._readers = ThreadPoolExecutor(constants.MILESTONE_READERS, thread_name_prefix="etcd-read")
+        """Its own threads: a read of a blackholed etcd blocks one for seconds, and asyncio's default
+        executor is also where logins and certificates are made."""
 
     def latest(self, endpoint: str, run_id: str, tls: EtcdTls | None = None, *, job: str = "") -> dict[str, Any]:
         """The records seen so far for a run (maybe none yet), and a refresh started if none runs.
@@ -50,7 +55,7 @@ class MilestoneReader:
 
     async def _refresh(self, endpoint: str, run_id: str, tls: EtcdTls | None, job: str) -> None:
         try:
-            read = asyncio.to_thread(self._read, endpoint, run_id, tls, job)
+            read = asyncio.get_running_loop().run_in_executor(self._readers, self._read, endpoint, run_id, tls, job)
             found = await asyncio.wait_for(read, milestones.MILESTONE_TIMEOUT * 2)
         except (EtcdError, TimeoutError, ValueError) as exc:
             log.debug("run %s: no milestones from etcd at %s yet (%s)", run_id, endpoint, exc)
@@ -86,3 +91,4 @@ class MilestoneReader:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+        self._readers.shutdown(wait=False, cancel_futures=True)

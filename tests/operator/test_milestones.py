@@ -15,7 +15,7 @@ from typing import Any
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_operator.certs import etcd_certificates
-from torchspot_operator.controller import MilestoneReader
+from torchspot_operator.milestones import MilestoneReader
 from torchspot_trainer.rendezvous import milestones
 
 RUN = "run-1"
