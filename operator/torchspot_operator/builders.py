@@ -411,6 +411,15 @@ def etcd_secret(job: JobRef, bundle: certs.EtcdCertificates) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "immutable": True, "data": data}
 
 
+def operator_ca_secret(namespace: str, name: str, bundle: certs.OperatorCertificates) -> dict[str, Any]:
+    """The Secret in the operator's own namespace that holds its CA and client pair (only the operator's
+    namespaced Role may read it). Immutable: replicas and restarts must agree on one CA."""
+    data = {file: base64.b64encode(value).decode() for file, value in certs.operator_files(bundle).items()}
+    labels = {"app.kubernetes.io/managed-by": "torchspot", constants.LABEL_ROLE: "operator-ca"}
+    meta = {"name": name, "namespace": namespace, "labels": labels}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque", "immutable": True, "data": data}
+
+
 def spec_hash(obj: Mapping[str, Any]) -> str:
     """A short hash of what the operator built (`constants.ANNOTATION_SPEC_HASH` holds it)."""
     built = {key: value for key, value in obj.items() if key != "metadata"}

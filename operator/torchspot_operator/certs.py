@@ -1,9 +1,17 @@
-"""X.509 certificates made here: a per-job CA and the certificates it signs. No I/O.
+"""X.509 certificates made here: a per-job CA, the operator's CA, and the certificates they sign. No I/O.
 
-Used for each job's managed etcd (mutual TLS: the etcd serves and trusts only its job's
-CA, so only holders of a certificate the job's CA signed reach the rendezvous) and by
-the lab's HTTPS API emulator. ECDSA P-256 keys: small and quick to make (a job's whole
-set takes milliseconds), accepted by etcd, Go's TLS and Python's `ssl`.
+Used for each job's managed etcd (mutual TLS) and by the lab's HTTPS API emulator. Two
+authorities, so the operator never reads a job's Secret (its service account may only
+create them, and read no Secret outside its own namespace):
+- the job's CA signs its workers' client certificate, and its key is discarded at once;
+- the operator's CA (kept in one Secret of the operator's own namespace) signs every managed
+  etcd's server certificate and the operator's own client certificate.
+Each etcd trusts client certificates of its job's CA and of the operator's (`ca.crt` holds
+both), and its workers and the operator verify its server certificate by the operator's CA.
+A worker of another job holds neither; a server certificate (serverAuth only) is no client
+certificate, so another job's Secret opens nothing here either.
+ECDSA P-256 keys: small and quick to make (a job's whole set takes milliseconds), accepted by
+etcd, Go's TLS and Python's `ssl`.
 """
 
 from __future__ import annotations
@@ -115,17 +123,34 @@ def issue(ca: KeyPair, name: str, *, hosts: Sequence[str] = (), server: bool = F
 
 @dataclass(frozen=True)
 class EtcdCertificates:
-    """What a job's managed etcd and its clients need: the CA's certificate (its key is discarded once
-    it signed these two, so nothing can mint more), the server's pair and one client pair."""
+    """What a job's managed etcd and its workers need: the CA certificates they trust (the job's, whose
+    key is discarded once it signed the client pair, so nothing can mint more; and the operator's),
+    the server's pair and the workers' client pair."""
 
     ca: bytes
     server: KeyPair
     client: KeyPair
 
 
-def etcd_certificates(service: str, namespace: str) -> EtcdCertificates:
-    """A fresh CA for one job's etcd, a server certificate for its Service's names (and loopback, where
-    the lab reaches it), and the client certificate its workers and the operator present."""
+@dataclass(frozen=True)
+class OperatorCertificates:
+    """The operator's CA (it signs every managed etcd's server certificate) and the client pair it signs
+    for the operator itself, which every managed etcd accepts."""
+
+    ca: KeyPair
+    client: KeyPair
+
+
+def operator_certificates(name: str = "torchspot operator") -> OperatorCertificates:
+    """A fresh operator CA and the operator's client certificate."""
+    ca = authority(f"{name} CA")
+    return OperatorCertificates(ca, issue(ca, f"{name} client", client=True))
+
+
+def etcd_certificates(service: str, namespace: str, operator: OperatorCertificates | None = None) -> EtcdCertificates:
+    """A fresh CA for one job's etcd and the client certificate its workers present; a server certificate
+    for its Service's names (and loopback, where the lab reaches it), signed by the operator's CA (by
+    the job's own without one: tests of the etcd alone)."""
     ca = authority(f"{namespace}/{service} etcd CA")
     names = [
         service,
@@ -133,9 +158,11 @@ def etcd_certificates(service: str, namespace: str) -> EtcdCertificates:
         f"{service}.{namespace}.svc",
         f"{service}.{namespace}.svc.cluster.local",
     ]
-    server = issue(ca, f"{service}.{namespace}.svc", hosts=[*names, "localhost", "127.0.0.1"], server=True)
+    signer = ca if operator is None else operator.ca
+    server = issue(signer, f"{service}.{namespace}.svc", hosts=[*names, "localhost", "127.0.0.1"], server=True)
     client = issue(ca, f"{namespace}/{service} client", client=True)
-    return EtcdCertificates(ca.cert, server, client)
+    trusted = ca.cert if operator is None else ca.cert + operator.ca.cert
+    return EtcdCertificates(trusted, server, client)
 
 
 CA_FILE: Final = "ca.crt"
@@ -158,6 +185,23 @@ def secret_files(bundle: EtcdCertificates) -> dict[str, bytes]:
         CLIENT_CERT_FILE: bundle.client.cert,
         CLIENT_KEY_FILE: bundle.client.key,
     }
+
+
+OPERATOR_CA_KEY_FILE: Final = "ca.key"
+OPERATOR_FILES: Final = (CA_FILE, OPERATOR_CA_KEY_FILE, CLIENT_CERT_FILE, CLIENT_KEY_FILE)
+"""The operator CA Secret's data (in the operator's namespace)."""
+
+
+def operator_files(bundle: OperatorCertificates) -> dict[str, bytes]:
+    """The operator CA Secret's data, by file name."""
+    files = (bundle.ca.cert, bundle.ca.key, bundle.client.cert, bundle.client.key)
+    return dict(zip(OPERATOR_FILES, files, strict=True))
+
+
+def from_operator_files(files: Mapping[str, bytes]) -> OperatorCertificates:
+    """The operator's certificates back from its Secret's (decoded) data; KeyError names a missing file."""
+    ca = KeyPair(files[CA_FILE], files[OPERATOR_CA_KEY_FILE])
+    return OperatorCertificates(ca, KeyPair(files[CLIENT_CERT_FILE], files[CLIENT_KEY_FILE]))
 
 
 def from_secret_files(files: Mapping[str, bytes]) -> EtcdCertificates:

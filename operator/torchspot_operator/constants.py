@@ -136,6 +136,10 @@ gives a pod 64 MiB there; one uint8 ImageNet batch of 256 is 37 MiB, and each lo
 keeps several in flight."""
 OPERATOR_NAMESPACE_ENV: Final = "TORCHSPOT_OPERATOR_NAMESPACE"
 OPERATOR_LABELS_ENV: Final = "TORCHSPOT_OPERATOR_LABELS"
+OPERATOR_CA_SECRET_ENV: Final = "TORCHSPOT_OPERATOR_CA_SECRET"  # noqa: S105 (a variable name, not a secret)
+"""The Secret in the operator's namespace (`OPERATOR_NAMESPACE_ENV`) that holds the operator's CA and
+client pair (certs.py); made by the first replica that finds none. The chart names it after the release."""
+OPERATOR_CA_SECRET: Final = "torchspot-operator-ca"  # noqa: S105 (a Secret object's name)
 """The operator pod's namespace and labels (JSON), which the chart sets: each job's NetworkPolicy
 admits the operator (its milestone reader) to the etcd by them. Unset (an operator run outside the
 cluster, which cannot reach a job's etcd anyway): only the job's workers are admitted."""
@@ -182,6 +186,10 @@ VERIFY_SECONDS: Final = 300
 and after any relist of a watch: kopf's indices drop an object only on its DELETED event, so one
 deleted while a watch was down would stay in them for ever (client-go's informers synthesise
 those deletions on relist; this is the same check)."""
+COUNTED_KEPT: Final = 64
+"""How many of the most recently counted pods' uids the status keeps (`status.counted`): two replicas
+overlapping in a leader change, or a reconcile that must plan again after a conflicting write, then
+count none twice. More than any one reconcile counts; the CRD caps the list at this."""
 MILESTONE_READERS: Final = 8
 """Threads that read runs' milestones from their etcds (their own pool: a dead etcd's read blocks a
 thread for its timeout, and a node lost with dozens of etcds on it must not hold up logins)."""

@@ -33,7 +33,6 @@ costs no request (bench/operator measures it).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import re
@@ -144,10 +143,8 @@ class _Memory:
     etcd_pods: list[dict[str, Any]] = field(default_factory=list)
     etcd_pods_at: float = 0.0
     """The managed etcd's pods, read while its Deployment has none available (at most once a minute)."""
-    tls: EtcdTls | None = None
-    """The job's etcd client certificate (from its Secret), for the milestone reader."""
-    tls_read: bool = False
-    """Whether this process looked for the job's Secret yet."""
+    secret_made: bool = False
+    """Whether the job's etcd Secret is known to be its own (made by this process, or its etcd exists)."""
 
 
 @dataclass
@@ -190,8 +187,12 @@ class Controller:
         etcd_pull_secrets: tuple[str, ...] = (),
         indexes: Mapping[str, Index] | None = None,
         operator: tuple[str, tuple[tuple[str, str], ...]] | None = None,
+        operator_certificates: certs.OperatorCertificates | None = None,
     ) -> None:
         self.api = api
+        self.operator_certificates = operator_certificates or certs.operator_certificates()
+        """The operator's CA and client pair (certs.py): from its Secret in a cluster (handlers.py), else
+        made for this process."""
         self.node_policy = node_policy or NodePolicy()
         self.etcd_image = etcd_image
         self.etcd_pull_secrets = etcd_pull_secrets
@@ -213,6 +214,8 @@ class Controller:
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], _JobLock] = {}
+        self._queued: set[tuple[str, str]] = set()
+        """Jobs with a reconcile waiting for the job's lock (`reconcile`)."""
         self._snapshots: dict[str, _Snapshot] = {}
         """Per namespace, the last list of what the jobs there own (`_snapshot`)."""
         self._snapshot_locks: dict[str, asyncio.Lock] = {}
@@ -252,8 +255,16 @@ class Controller:
                 self._locks.pop(key, None)
 
     async def reconcile(self, namespace: str, name: str) -> Plan | None:
-        """Bring one job's objects and status in line with its spec; None if the job is gone or invalid."""
+        """Bring one job's objects and status in line with its spec; None if the job is gone or invalid,
+        or if a reconcile of the job is already waiting its turn: that one reads the job and the indices
+        when it starts, so it covers this trigger too (a work queue's dedupe: a burst of pod events for a
+        job queues one reconcile, not one each)."""
+        key = (namespace, name)
+        if key in self._queued:
+            return None
+        self._queued.add(key)
         async with self._lock(namespace, name):
+            self._queued.discard(key)  # from here on, a new trigger queues another reconcile
             body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
             return await self._reconcile(namespace, name, body)
 
@@ -340,7 +351,9 @@ class Controller:
             memory = self._memory[(namespace, name)] = _Memory(uid)
         return memory
 
-    async def _reconcile_timed(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
+    async def _reconcile_timed(
+        self, namespace: str, name: str, body: dict[str, Any] | None, *, again: bool = False
+    ) -> Plan | None:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._forget(namespace, name)
             return None
@@ -363,13 +376,11 @@ class Controller:
                 _event(body, "Warning", "InvalidSpec", str(exc))
             self.phases[(namespace, name)] = conditions.PHASE_INVALID
             return None
-        if not spec.rdzv_endpoint and memory.tls is None and not memory.tls_read:
-            memory.tls_read = True  # once per process: a job made earlier has its Secret already
-            await self._tls(job, memory, now, create=False)
         seen = await self._observe(body, spec, memory, now=now)
         decided = plan(seen)
         if decided.status.get("phase") in conditions.FINISHED_PHASES:
             self.milestones.forget(str(old.get("runId", job.run_id)))
+        vanished = list(memory.vanished)
         events, created = await self._act(job, decided, memory, now)
         events += [said for key, said in decided.announced.items() if key in created]
         failures = self._failures(memory)
@@ -378,8 +389,19 @@ class Controller:
             # says why the job waits. The status is planned again from the same view, so one write says
             # both; the first plan's creates and deletes are done, this one's are not acted on.
             decided.status = plan(replace(seen, create_failures=failures)).status
-        if _changed(old, decided.status):
-            await self._write_status(job, memory, decided.status)  # unchanged: no write, no watch event
+        if _changed(old, decided.status) and not await self._write_status(job, memory, decided.status):
+            # Nothing this plan counted was written: judge those pods again, from the status as it is now
+            # (its `counted` names what another writer counted, so nothing is counted twice).
+            for uid in decided.accounted:
+                memory.accounted.pop(uid, None)
+            memory.vanished = [*vanished, *memory.vanished]
+            for kind, reason, message in events:  # what was done (created, refused) stays said
+                _event(body, kind, reason, message)
+            if again:  # unchanged: no write, no watch event; changed meanwhile twice: the next event retries
+                return None
+            fresh = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
+            return await self._reconcile_timed(namespace, name, fresh, again=True)
+        await self._keep(job, decided)  # after the count is written: a kept pod is never counted again
         for kind, reason, message in [*decided.events, *events]:
             _event(body, kind, reason, message)
         if decided.status.get("phase") != old.get("phase"):
@@ -417,7 +439,10 @@ class Controller:
             {}
             if finished
             else self.milestones.latest(
-                builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)), memory.tls, job=memory.uid
+                builders.rdzv_endpoint(job, spec),
+                str(old.get("runId", job.run_id)),
+                None if spec.rdzv_endpoint else self._etcd_client_tls(),
+                job=memory.uid,
             )
         )
         asked = not finished and not spec.rdzv_endpoint and not milestones.get("reachable")
@@ -595,7 +620,7 @@ class Controller:
         events: list[tuple[str, str, str]] = []
         etcd_blocked = refused = False
         if any(_mounts(obj, job.tls_secret) for obj in decided.create):
-            failure = await self._tls(job, memory, now, create=True)
+            failure = await self._secret(job, memory, now)
             if failure is not None:
                 etcd_blocked, refused = True, failure.reason == conditions.FAILED_CREATE
                 events += self._failed(memory, failure, now)
@@ -616,7 +641,6 @@ class Controller:
                 events += self._failed(memory, failure, now)
         if created and not refused:
             memory.refusal = None  # as the workqueue forgets an item only after a sync without error
-        await self._keep(job, decided)
         for delete in decided.delete:
             log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)
             await self.api.delete(
@@ -662,35 +686,42 @@ class Controller:
                 if exc.status != 404:  # gone meanwhile: nothing to keep
                     raise
 
-    async def _tls(self, job: JobRef, memory: _Memory, now: datetime, *, create: bool) -> CreateFailure | None:
-        """Load the job's etcd certificates from its Secret into memory, making them first if `create`
-        and there are none; what went wrong, if the name is someone else's or the API refused."""
-        if memory.tls is not None:
-            return None
+    def _etcd_client_tls(self) -> EtcdTls:
+        """How the operator reaches every managed etcd: its own client certificate, and the operator CA
+        that signed each etcd's server certificate (certs.py)."""
+        ours = self.operator_certificates
+        return EtcdTls(ours.ca.cert, ours.client.cert, ours.client.key)
+
+    async def _secret(self, job: JobRef, memory: _Memory, now: datetime) -> CreateFailure | None:
+        """Make the job's etcd certificates and their Secret, unless made already; what went wrong, if the
+        API refused or the name is taken.
+
+        The operator may create Secrets in job namespaces but read none (least privilege), so a
+        Secret is taken to be the job's own once this process made it or the job's etcd Deployment
+        (made only after it) exists; a name that exists otherwise is reported, not used."""
         key = f"Secret/{job.tls_secret}"
-        found = await self.api.get("v1", "Secret", job.namespace, job.tls_secret)
-        if found is None and create:
-            bundle = await asyncio.to_thread(certs.etcd_certificates, job.etcd_name, job.namespace)
-            failure = await self._create(job, builders.etcd_secret(job, bundle), memory, now)
-            if failure is not None:
-                return failure
-            # As stored: ours, or this job's own made meanwhile (a 409), whose certificates are the ones in use.
-            found = memory.created.pop(key)[0]  # not watched: no index to wait for
-        if found is None:
+        if memory.secret_made or self._indexed(ETCD_INDEXES["Deployment"], job.namespace, memory):
+            memory.secret_made = True
             return None
-        if (owner(found) or ("", ""))[1] != job.uid:
+        bundle = await asyncio.to_thread(
+            certs.etcd_certificates, job.etcd_name, job.namespace, self.operator_certificates
+        )
+        try:
+            made = await self.api.create(builders.etcd_secret(job, bundle))
+        except ApiError as exc:
+            if exc.transient:
+                raise
+            return CreateFailure(
+                key, conditions.FAILED_CREATE, f"Secret {job.namespace}/{job.tls_secret} was refused: {exc}", now
+            )
+        if made is None:  # 409
             message = (
-                f"Secret {job.namespace}/{job.tls_secret} exists and is not owned by this job; rename or delete it"
+                f"Secret {job.namespace}/{job.tls_secret} exists and this job's etcd does not: the operator does not "
+                "read Secrets, so it cannot tell whose it is; delete it (it is made again) or rename the job"
             )
             return CreateFailure(key, conditions.NAME_TAKEN, message, now)
-        try:
-            files = {name: base64.b64decode(value) for name, value in (found.get("data") or {}).items()}
-            bundle = certs.from_secret_files(files)
-        except (KeyError, ValueError) as exc:
-            message = f"Secret {job.namespace}/{job.tls_secret} lacks the etcd certificates ({exc}); delete it"
-            return CreateFailure(key, conditions.FAILED_CREATE, message, now)
         memory.failures.pop(key, None)
-        memory.tls = EtcdTls(bundle.ca, bundle.client.cert, bundle.client.key)
+        memory.secret_made = True
         return None
 
     async def _create(self, job: JobRef, obj: dict[str, Any], memory: _Memory, now: datetime) -> CreateFailure | None:
@@ -716,16 +747,29 @@ class Controller:
         memory.created_at = time.monotonic()
         return None
 
-    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> None:
+    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> bool:
+        """Write the status if the job is still at the version it was planned from; False if it changed
+        meanwhile (another writer: a replica overlapping this one, kopf's own annotations, an edit),
+        so the caller reads it again and plans afresh rather than count anything twice."""
+        version = str(((memory.body or {}).get("metadata") or {}).get("resourceVersion", ""))
         try:
-            await self.api.patch_status(constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new))
+            stored = await self.api.patch_status(
+                constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new), resource_version=version
+            )
         except ApiError as exc:
+            if exc.status == 409:
+                log.info("job %s/%s changed since it was read; reading it again", job.namespace, job.name)
+                memory.body = None
+                return False
             if exc.status != 404:  # the job was deleted meanwhile
                 raise
-            return
-        if memory.body is not None:  # what the timer re-plans from: the status as now stored
+            return True
+        if memory.body is not None and isinstance(stored, dict) and stored.get("metadata"):
+            memory.body = stored  # what the timer re-plans from, at its new version
+        elif memory.body is not None:
             merged = {**(memory.body.get("status") or {}), **new}
             memory.body = {**memory.body, "status": {k: v for k, v in merged.items() if v is not None}}
+        return True
 
     def _forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)

@@ -17,6 +17,7 @@ only when node handling is on.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from typing import Any, cast
 import kopf
 import prometheus_client
 
-from torchspot_operator import builders, conditions, constants, leader, metrics, nodes, verdicts
+from torchspot_operator import builders, certs, conditions, constants, leader, metrics, nodes, verdicts
 from torchspot_operator import login as credentials
 from torchspot_operator.controller import INDEXES, Controller, Index, owner
 from torchspot_operator.kube import ApiError, Kube
@@ -162,11 +163,42 @@ async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.Connecti
             etcd_pull_secrets=ours.etcd_pull_secrets,
             indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
             operator=ours.identity,
+            operator_certificates=await _operator_certificates(fresh, ours.ca_secret),
         )
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
             _state["standing"] = asyncio.get_running_loop().create_task(_follow_standing())
     return info
+
+
+async def _operator_certificates(api: Kube, where: tuple[str, str] | None) -> certs.OperatorCertificates:
+    """The operator's CA and client pair from its Secret in its own namespace, made there by the first
+    replica that finds none (another's, if two race); outside a cluster, made for this process."""
+    if where is None:
+        return await asyncio.to_thread(certs.operator_certificates)
+    namespace, name = where
+    try:
+        for _ in range(2):
+            found = await api.get("v1", "Secret", namespace, name)
+            if found is not None:
+                files = {key: base64.b64decode(value) for key, value in (found.get("data") or {}).items()}
+                try:
+                    return certs.from_operator_files(files)
+                except (KeyError, ValueError) as exc:
+                    raise kopf.PermanentError(
+                        f"Secret {namespace}/{name} lacks the operator's CA ({exc}); delete it and restart the "
+                        "operator (it makes a new one; running jobs then report no progress until re-created)"
+                    ) from exc
+            made = await asyncio.to_thread(certs.operator_certificates)
+            if await api.create(builders.operator_ca_secret(namespace, name, made)) is not None:
+                log.info("made the operator CA in Secret %s/%s", namespace, name)
+                return made
+    except ApiError as exc:
+        raise kopf.PermanentError(
+            f"cannot read or create the operator CA Secret {namespace}/{name} ({exc}): the operator's Role in its "
+            "namespace must allow get and create on it (the chart's does)"
+        ) from exc
+    raise kopf.PermanentError(f"Secret {namespace}/{name} was created and then not found; is something deleting it?")
 
 
 async def _follow_standing() -> None:

@@ -14,6 +14,11 @@ What a shared cluster's API server does to a client, it survives:
 - a 401 (a token rotated or expired) makes it log in again once (`relogin`) and retry;
 - resource paths come from the API's discovery (a kind's plural is whatever the server
   says, read once per group version), not a spelling rule.
+And what a client owes a shared API server: a client-side token bucket (`API_QPS`, `API_BURST`,
+as client-go's rest.Config has), so a takeover that re-reads every job cannot send thousands of
+requests in one burst; and a new login that only brings a new token keeps the connection pool
+(the token goes with each request), so the 5-minute re-login of a service-account token aborts
+nothing in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import logging
 import random
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Self
@@ -32,6 +38,13 @@ import kopf
 
 log = logging.getLogger(__name__)
 
+API_QPS: Final = 100.0
+API_BURST: Final = 200
+"""Requests per second this process sends the API on average, and how many at once after a quiet
+spell (client-go's defaults are 5 and 10, which controllers raise; kube-controller-manager runs at
+20 and 30). A job's first reconcile costs about a dozen requests (its etcd's objects, Secret,
+workers, status, Events), so 200 new jobs take about 24 s at this rate; a quiet cluster costs
+well under one request a second (bench/operator)."""
 REQUEST_TIMEOUT_SECONDS: Final = 30.0
 """The deadline of one request (connect, send, whole answer). Every call here is a small
 object read or write; the API server's own limit for such calls is 60 s."""
@@ -109,6 +122,10 @@ class Kube:
     plurals: dict[tuple[str, str], str] = field(default_factory=dict)
     """(apiVersion, kind) -> plural, from discovery."""
     closed: bool = False
+    tls: tuple[object, ...] = ()
+    """What the connection pool depends on (server, CA, client certificate, proxy): a renewal that
+    changes none of it keeps the pool."""
+    limiter: TokenBucket = field(default_factory=lambda: TokenBucket(API_QPS, API_BURST))
 
     @classmethod
     def from_connection(
@@ -117,6 +134,10 @@ class Kube:
         """Use the credentials of a login (login.py), with kopf's own helpers: its SSL
         context (inline CA and client certificate data decoded) and its Authorization header."""
         context: ssl.SSLContext | bool = info.as_ssl_context() if info.server.startswith("https") else True
+        tls = (
+            info.server, info.ca_path, info.ca_data, info.insecure, info.certificate_path, info.certificate_data,
+            info.private_key_path, info.private_key_data, info.proxy_url, info.trust_env,
+        )  # fmt: skip
         return cls(
             server=info.server.rstrip("/"),
             headers=info.as_http_headers(),
@@ -124,6 +145,7 @@ class Kube:
             proxy=info.proxy_url,
             trust_env=info.trust_env,
             relogin=relogin,
+            tls=tls,
         )
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "") -> Any:
@@ -161,8 +183,9 @@ class Kube:
     async def _send(self, method: str, path: str, data: str | None, content_type: str) -> tuple[int, str, str | None]:
         if self.session is None or self.session.closed:
             timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
-            self.session = aiohttp.ClientSession(headers=self.headers, timeout=timeout, trust_env=self.trust_env)
-        headers = {"Content-Type": content_type or "application/json"}
+            self.session = aiohttp.ClientSession(timeout=timeout, trust_env=self.trust_env)
+        await self.limiter.take()
+        headers = {**self.headers, "Content-Type": content_type or "application/json"}  # the current credentials
         async with self.session.request(
             method, self.server + path, data=data, headers=headers, ssl=self.ssl_context, proxy=self.proxy
         ) as response:
@@ -184,10 +207,13 @@ class Kube:
                 await asyncio.sleep(SSL_SHUTDOWN_SECONDS)
 
     async def renew(self, fresh: Kube) -> None:
-        """Take new credentials (a new login); the next request opens a new session."""
+        """Take new credentials (a new login). A new token alone keeps the connection pool (requests in
+        flight finish); a new server, CA, client certificate or proxy opens a new one."""
+        same = bool(self.tls) and fresh.tls == self.tls
         self.server, self.headers, self.ssl_context = fresh.server, fresh.headers, fresh.ssl_context
-        self.proxy, self.trust_env = fresh.proxy, fresh.trust_env
-        await self._drop_session()
+        self.proxy, self.trust_env, self.tls = fresh.proxy, fresh.trust_env, fresh.tls
+        if not same:
+            await self._drop_session()
 
     async def plural(self, api_version: str, kind_or_plural: str) -> str:
         """A kind's resource name as the API serves it (discovery, read once per group version);
@@ -293,24 +319,32 @@ class Kube:
 
     async def patch(
         self, api_version: str, kind: str, namespace: str | None, name: str, patch: Any, *, subresource: str = ""
-    ) -> None:
-        """Merge-patch an object (or one of its subresources, such as `status`)."""
+    ) -> Any:
+        """Merge-patch an object (or one of its subresources, such as `status`); the object as stored."""
         path = f"{await self._collection(api_version, kind, namespace)}/{name}"
         path += f"/{subresource}" if subresource else ""
-        await self._request("PATCH", path, patch, "application/merge-patch+json")
+        return await self._request("PATCH", path, patch, "application/merge-patch+json")
 
-    async def patch_status(self, api_version: str, plural: str, namespace: str, name: str, status: Any) -> None:
-        """Merge-patch an object's status through its status subresource.
+    async def patch_status(
+        self, api_version: str, plural: str, namespace: str, name: str, status: Any, *, resource_version: str = ""
+    ) -> Any:
+        """Merge-patch an object's status through its status subresource; the object as stored.
 
-        Falls back to patching the object itself where the subresource is not served
-        (an API emulator); a real API server with the subresource serves the first.
+        With `resource_version`, only if the object is still at that version (the API server takes a
+        resourceVersion in a patch as a precondition): otherwise a 409, so two writers cannot both
+        add to a count from the same old status. Falls back to patching the object itself where the
+        subresource is not served (an API emulator); a real API server with the subresource serves
+        the first.
         """
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         try:
-            await self.patch(api_version, plural, namespace, name, {"status": status}, subresource="status")
+            return await self.patch(api_version, plural, namespace, name, body, subresource="status")
         except ApiError as exc:
             if exc.status not in (404, 405):
                 raise
-            await self.patch(api_version, plural, namespace, name, {"status": status})
+            return await self.patch(api_version, plural, namespace, name, body)
 
 
 def delete_options(grace: int | None, uid: str | None) -> dict[str, Any]:
@@ -329,3 +363,27 @@ def _message(text: str) -> str:
         return str(json.loads(text).get("message", text))
     except (ValueError, AttributeError):
         return text[:500]
+
+
+@dataclass
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up; `take` waits for one (client-go's flowcontrol
+    rate limiter). Waiters are served in turn, so a burst of reconciles queues instead of flooding."""
+
+    rate: float
+    burst: int
+    tokens: float = -1.0
+    at: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def take(self) -> None:
+        async with self.lock:
+            now = time.monotonic()
+            if self.tokens < 0:  # first use: a full bucket
+                self.tokens, self.at = float(self.burst), now
+            self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            if self.tokens < 1:
+                await asyncio.sleep((1 - self.tokens) / self.rate)
+                self.tokens, self.at = 1.0, time.monotonic()
+            self.tokens -= 1

@@ -152,14 +152,15 @@ class _Judge:
     census: verdicts.Census = field(default_factory=verdicts.Census)
 
     def all(self) -> verdicts.Census:
+        done = self.seen.accounted | set(self.seen.status.get("counted") or [])  # by this replica, or any writer
         for pod in self.seen.pods:
             if verdicts.kept(pod):
                 self.census.kept.append(pod)
-            elif verdicts.pod_uid(pod) not in self.seen.accounted:  # else counted or deleted by the operator already
+            elif verdicts.pod_uid(pod) not in done:  # else counted or deleted by the operator already
                 self.pod(pod)
         if not self.finished:
             for pod in self.seen.vanished:
-                if verdicts.pod_uid(pod) not in self.seen.accounted and pod.get("status", {}).get("phase") not in (
+                if verdicts.pod_uid(pod) not in done and pod.get("status", {}).get("phase") not in (
                     "Succeeded",
                     "Failed",
                 ):
@@ -256,6 +257,14 @@ class _Judge:
         self.census.lost += 1
 
 
+def _counted(old: Mapping[str, Any], accounted: list[str]) -> list[str] | None:
+    """`status.counted`: the old list with this plan's counted uids added, the newest `COUNTED_KEPT`."""
+    earlier = [str(uid) for uid in old.get("counted") or []]
+    fresh = [uid for uid in dict.fromkeys(accounted) if uid and uid not in earlier]
+    kept = [*earlier, *fresh][-constants.COUNTED_KEPT :]
+    return kept or None
+
+
 def plan(seen: Observed) -> Plan:
     """Decide one reconcile's actions and the job's new status."""
     old = seen.status
@@ -322,6 +331,7 @@ def plan(seen: Observed) -> Plan:
         "evictions": counts.evictions,
         "restarts": counts.restarts,
         "failures": counts.failures,
+        "counted": _counted(old, result.accounted),
         "lastFailure": last_failure,
         "backoff": backoff.record(),
         "evictionWindow": budget.record(),

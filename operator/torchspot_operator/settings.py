@@ -8,12 +8,16 @@ kopf.PermanentError) instead of surfacing at the first job that needs it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torchspot_operator import constants, metrics
 from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import InvalidSpecError, Placement, default_etcd_placement
+
+DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+"""An object name as the API server accepts one (RFC 1123 subdomain)."""
 
 
 class SettingsError(ValueError):
@@ -46,6 +50,9 @@ class OperatorSettings:
     a cluster whose egress admits only its own registry mirrors it there."""
     etcd_pull_secrets: tuple[str, ...] = ()
     """Image pull Secrets of the managed etcd's pods (`constants.ETCD_PULL_SECRETS_ENV`, comma-separated)."""
+    ca_secret: tuple[str, str] | None = None
+    """Where the operator's CA is kept: (its namespace, the Secret's name; `constants.OPERATOR_CA_SECRET_ENV`).
+    None outside a cluster (no `constants.OPERATOR_NAMESPACE_ENV`): a CA made for the process."""
     peering_lifetime: int = constants.PEERING_LIFETIME
     """Seconds a replica's peering record lives without a keep-alive (`constants.PEERING_LIFETIME_ENV`)."""
     metrics_port: int = metrics.DEFAULT_METRICS_PORT
@@ -78,6 +85,7 @@ def read_settings(environ: Mapping[str, str]) -> OperatorSettings:
         etcd_image=image,
         etcd_pull_secrets=secrets,
         metrics_port=int(port),
+        ca_secret=_ca_secret(environ),
         peering_lifetime=int(_number(environ, constants.PEERING_LIFETIME_ENV, 10, 600) or constants.PEERING_LIFETIME),
     )
 
@@ -124,3 +132,15 @@ def _identity(environ: Mapping[str, str]) -> tuple[str, tuple[tuple[str, str], .
             f"invalid operator setting: {constants.OPERATOR_LABELS_ENV}: expected a JSON object of label strings"
         )
     return namespace, tuple(sorted(labels.items()))
+
+
+def _ca_secret(environ: Mapping[str, str]) -> tuple[str, str] | None:
+    namespace = environ.get(constants.OPERATOR_NAMESPACE_ENV, "").strip()
+    name = environ.get(constants.OPERATOR_CA_SECRET_ENV, "").strip() or constants.OPERATOR_CA_SECRET
+    if not namespace:
+        return None
+    if not DNS_NAME.fullmatch(name):
+        raise SettingsError(
+            f"invalid operator setting: {constants.OPERATOR_CA_SECRET_ENV}={name!r}: expected a Secret name"
+        )
+    return namespace, name

@@ -88,6 +88,7 @@ def test_defaults_install_everything_cluster_wide(tmp_path: Path) -> None:
         + ["CustomResourceDefinition"] * 2
         + ["ClusterRole"] * 4
         + ["ClusterRoleBinding"] * 2
+        + ["Role", "RoleBinding"]  # the operator CA's, in its own namespace
     )
     for crd in find(docs, "CustomResourceDefinition"):
         assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
@@ -97,14 +98,14 @@ def test_defaults_install_everything_cluster_wide(tmp_path: Path) -> None:
         "--liveness=http://0.0.0.0:8080/healthz",
         "--log-format=json",
     ]
-    assert find(docs, "RoleBinding") == []
+    assert [b["metadata"]["name"] for b in find(docs, "RoleBinding")] == ["torchspot-ca"]
     cluster = one(docs, "ClusterRole", "torchspot-cluster")
     assert [r["resources"] for r in cluster["rules"]] == [["nodes"], ["customresourcedefinitions"], [PEERINGS]]
 
 
 def test_watched_namespaces_get_role_bindings_only_there(tmp_path: Path) -> None:
     docs = template(VALUE_SETS["namespaced"], tmp_path)
-    bindings = find(docs, "RoleBinding")
+    bindings = [b for b in find(docs, "RoleBinding") if b["metadata"]["name"] == "torchspot-jobs"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml-a", "ml-b"]
     for binding in bindings:
         assert binding["roleRef"] == {
@@ -220,38 +221,72 @@ def test_deployment_args_are_flags_of_the_operators_command_line(case: str, tmp_
         assert arg.split("=", 1)[0] in known, arg
 
 
+GRANTS: dict[tuple[str, str], set[tuple[str, str, str, str]]] = {
+    ("ClusterRole", "torchspot-cluster"): {
+        *(("", "nodes", verb, "") for verb in ("get", "list", "watch")),
+        *(("apiextensions.k8s.io", "customresourcedefinitions", verb, "") for verb in ("get", "list", "watch")),
+        *(("kopf.dev", PEERINGS, verb, "") for verb in ("get", "list", "watch", "create", "patch")),
+        *(("", "namespaces", verb, "") for verb in ("get", "list", "watch")),  # watchNamespaces: kopf checks them
+    },
+    ("ClusterRole", "torchspot-jobs"): {
+        *(("torchspot.dev", "elasticjobs", verb, "") for verb in ("get", "list", "watch", "patch", "delete")),
+        *(("torchspot.dev", "elasticjobs/status", verb, "") for verb in ("get", "patch")),
+        *(("", "pods", verb, "") for verb in ("get", "list", "watch", "create", "delete")),  # no patch or update
+        *(
+            (group, kind, verb, "")
+            for group, kind in [
+                ("", "services"),
+                ("apps", "deployments"),
+                ("policy", "poddisruptionbudgets"),
+                ("networking.k8s.io", "networkpolicies"),
+            ]
+            for verb in ("get", "list", "watch", "create", "patch", "delete")
+        ),
+        ("", "secrets", "create", ""),  # each job's etcd certificates: made, never read
+        ("", "events", "create", ""),
+    },
+    ("Role", "torchspot-ca"): {  # in the release's namespace only
+        ("", "secrets", "get", "torchspot-ca"),
+        ("", "secrets", "create", ""),
+    },
+}
+"""Every permission the chart grants the operator, as (API group, resource, verb, resource name)."""
+
+
+def _grants(role: dict[str, Any]) -> set[tuple[str, str, str, str]]:
+    return {
+        (group, resource, verb, name)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+        for name in rule.get("resourceNames") or [""]
+    }
+
+
 def test_rbac_is_least_privilege(tmp_path: Path) -> None:
-    """No wildcards; Secrets only made and read by name (each job's etcd certificates), never listed or
-    watched; nothing cluster-wide but reading; writes only on what the operator makes."""
+    """The operator's roles grant exactly the list above: no wildcards, no Secret read outside its own
+    namespace (and there one, by name), nothing cluster-wide but reading and kopf's peering records."""
     docs = template({"watchNamespaces": ["ml-a"]}, tmp_path)
-    operator_roles = [
-        r for r in find(docs, "ClusterRole") if r["metadata"]["name"] in ("torchspot-cluster", "torchspot-jobs")
+    for (kind, name), wanted in GRANTS.items():
+        assert _grants(one(docs, kind, name)) == wanted, (kind, name)
+    assert one(docs, "Role", "torchspot-ca")["metadata"]["namespace"] == "torchspot"
+    binding = one(docs, "RoleBinding", "torchspot-ca")
+    assert (binding["roleRef"]["name"], binding["subjects"][0]["name"]) == ("torchspot-ca", "torchspot")
+    env = {e["name"]: e.get("value") for e in _operator(docs)["env"]}
+    assert env[constants.OPERATOR_CA_SECRET_ENV] == "torchspot-ca"  # the Secret the Role names
+    everywhere = template(None, tmp_path)  # all namespaces: no namespaces rule, the rest the same
+    cluster = _grants(one(everywhere, "ClusterRole", "torchspot-cluster"))
+    assert cluster == {g for g in GRANTS["ClusterRole", "torchspot-cluster"] if g[1] != "namespaces"}
+    aggregated = [
+        r
+        for r in find(everywhere, "ClusterRole")
+        if r["metadata"]["name"] not in ("torchspot-cluster", "torchspot-jobs")
     ]
-    assert len(operator_roles) == 2
-    for role in operator_roles:
-        for rule in role["rules"]:
-            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
-            if "secrets" in rule["resources"]:
-                assert rule["resources"] == ["secrets"], rule
-                assert set(rule["verbs"]) == {"get", "create"}, rule
-            assert not {"update", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
-    cluster = one(docs, "ClusterRole", "torchspot-cluster")
-    for rule in cluster["rules"]:  # cluster-wide: reading, and kopf's peering records
-        allowed = {"get", "list", "watch"} | ({"create", "patch"} if rule["resources"] == [PEERINGS] else set())
-        assert set(rule["verbs"]) <= allowed, rule
-    jobs = {(g, res): set(rule["verbs"]) for rule in one(docs, "ClusterRole", "torchspot-jobs")["rules"]
-            for g in rule["apiGroups"] for res in rule["resources"]}  # fmt: skip
-    assert jobs[("", "pods")] == {"get", "list", "watch", "create", "delete"}  # no patch or update of pods
-    etcd_verbs = {"get", "list", "watch", "create", "patch", "delete"}
-    etcd_kinds = [("", "services"), ("apps", "deployments"), ("policy", "poddisruptionbudgets"),
-                  ("networking.k8s.io", "networkpolicies")]  # fmt: skip
-    for kind in etcd_kinds:
-        assert jobs[kind] == etcd_verbs, kind
-    assert jobs[("", "secrets")] == {"get", "create"}
-    assert "secrets" not in str(one(docs, "ClusterRole", "torchspot-cluster")["rules"])
-    assert jobs[("torchspot.dev", "elasticjobs")] == {"get", "list", "watch", "patch", "delete"}  # delete: the TTL
-    assert jobs[("", "events")] == {"create"}
-    assert jobs[("torchspot.dev", "elasticjobs/status")] == {"get", "patch"}
+    for role in aggregated:  # the users' roles (edit/view aggregation): ElasticJobs only
+        assert {g[1] for g in _grants(role)} <= {"elasticjobs", "elasticjobs/status", "elasticjobs/scale"}, role[
+            "metadata"
+        ]["name"]
 
 
 def test_metrics_are_exposed(tmp_path: Path) -> None:
@@ -280,7 +315,7 @@ def test_chart_names_the_operators_environment_variable() -> None:
         constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV,
         METRICS_PORT_ENV, constants.ETCD_IMAGE_ENV, constants.ETCD_PULL_SECRETS_ENV,
         constants.CORDON_HANDLING_ENV, constants.FULL_DISRUPTION_ENV, constants.NODE_EVICTION_RATE_ENV,
-        constants.PEERING_LIFETIME_ENV,
+        constants.PEERING_LIFETIME_ENV, constants.OPERATOR_CA_SECRET_ENV,
     }  # fmt: skip
     assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
     # The NotReady grace is set only when the chart says one (else the pods' tolerations decide).

@@ -67,8 +67,8 @@ def test_plain_manifests_pass_kubernetes_validate_strict() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     kinds = re.findall(r"passed for resource (\w+)/", done.stdout)
     assert sorted(set(kinds)) == [
-        "clusterrole", "clusterrolebinding", "customresourcedefinition", "deployment", "namespace", "service",
-        "serviceaccount",
+        "clusterrole", "clusterrolebinding", "customresourcedefinition", "deployment", "namespace", "role",
+        "rolebinding", "service", "serviceaccount",
     ]  # fmt: skip
 
 

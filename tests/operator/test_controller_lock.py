@@ -1,12 +1,20 @@
 """The per-job lock (`Controller._lock`) keeps a job's reconciles one at a time, also across the job
-being forgotten (deleted) and re-created under its name while others wait."""
+being forgotten (deleted) and re-created under its name while others wait; triggers that arrive while
+one waits are folded into it (`Controller.reconcile`)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import kopf
+from kopf._core.engines import posting
+
+from tests.operator.cluster import NS, Cluster
+from tests.operator.jobs import good_job
+from torchspot_operator import constants
 from torchspot_operator.controller import Controller
 from torchspot_operator.kube import Kube
+from torchspot_operator.reconcile import Plan
 
 
 def test_a_forgotten_jobs_lock_stays_while_reconciles_wait_on_it() -> None:
@@ -35,3 +43,26 @@ def test_a_forgotten_jobs_lock_stays_while_reconciles_wait_on_it() -> None:
     most, left = asyncio.run(scene())
     assert most == 1  # never two at once
     assert left == 0  # and the lock went with its last user, the job being forgotten
+
+
+def test_a_burst_of_triggers_for_a_job_queues_one_reconcile(api: Cluster) -> None:
+    """Ten pod events for a job while it is being reconciled: one more reconcile, which reads the job
+    (and the indices) when it starts and so covers all ten."""
+    api.create(good_job("burst"))
+    controller = Controller(api.kube)
+    reads = f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}"
+
+    async def scene() -> list[Plan | None]:
+        quiet = kopf.OperatorSettings()
+        quiet.posting.enabled = False  # kopf posts Events only inside a running operator; none here
+        posting.settings_var.set(quiet)
+        async with controller._lock(NS, "burst"):  # a reconcile of the job in progress
+            triggers = [asyncio.create_task(controller.reconcile(NS, "burst")) for _ in range(10)]
+            await asyncio.sleep(0.05)
+        return await asyncio.gather(*triggers)
+
+    before = api.requests("GET", reads)
+    done = api.api.run(scene())
+    assert sum(plan is not None for plan in done) == 1
+    assert api.requests("GET", reads) - before == 1  # one read of the job for the ten
+    assert len(api.pods("burst")) == 3  # and that reconcile did the work

@@ -9,6 +9,7 @@ wait is on a condition read back from the API, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography import x509
 from kopf.testing import KopfRunner
 
 from tests.lab.test_evict import exec_plugin
@@ -30,7 +32,9 @@ from tests.operator.conftest import OPERATOR_ARGS, operator_running
 from tests.operator.jobs import crd, good_job, with_path
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.kubeapi import KubeApi
-from torchspot_operator import constants
+from torchspot_operator import certs, constants
+from torchspot_operator.builders import JobRef
+from torchspot_operator.controller import Controller
 from torchspot_operator.handlers import RECONCILE_INTERVAL
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.login import login_with_kubeconfig
@@ -354,12 +358,44 @@ def test_a_same_named_secret_blocks_the_etcd_and_is_left_alone(cluster: Cluster)
     cluster.create(good_job("taken"))
     said = wait_for("ReplicaFailure", lambda: _condition(cluster, "taken", "ReplicaFailure"))
     assert said["reason"] == "NameTaken"
-    assert "Secret default/taken-etcd-tls exists and is not owned by this job" in said["message"]
+    assert "Secret default/taken-etcd-tls exists and this job's etcd does not" in said["message"]
     assert cluster.pods("taken") == []
     assert "Deployment" not in cluster.etcd_kinds("taken")
+    assert cluster.requests("GET", "v1/secrets") == 0  # the operator reads no Secret of a job's namespace
     kept = cluster.api.run(cluster.kube.get("v1", "Secret", NS, "taken-etcd-tls"))
     assert kept is not None
     assert kept["data"] == {"ca.crt": "eA=="}
+
+
+def test_the_operator_ca_lives_in_its_own_namespace_and_signs_every_etcd(
+    api: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Least privilege: the operator keeps its CA in one Secret of its own namespace (made by the first
+    replica, reused after a restart) and reaches every managed etcd with the client pair it signs; a
+    job's Secret is only created, never read."""
+    monkeypatch.setenv(constants.OPERATOR_NAMESPACE_ENV, "torchspot-system")
+    with operator_running():
+        api.create(good_job("signed"))
+        wait_for("the job's etcd", lambda: "Deployment" in api.etcd_kinds("signed"))
+    stored = api.api.run(api.kube.get("v1", "Secret", "torchspot-system", constants.OPERATOR_CA_SECRET))
+    assert stored is not None
+    assert stored["immutable"] is True
+    ours = certs.from_operator_files({k: base64.b64decode(v) for k, v in stored["data"].items()})
+    job_secret = api.api.run(api.kube.get("v1", "Secret", NS, "signed-etcd-tls"))
+    assert job_secret is not None
+    files = {k: base64.b64decode(v) for k, v in job_secret["data"].items()}
+    assert ours.ca.cert in files[certs.CA_FILE]  # the etcd trusts the operator's client certificate
+    server = x509.load_pem_x509_certificate(files[certs.SERVER_CERT_FILE])
+    assert server.issuer == x509.load_pem_x509_certificate(ours.ca.cert).subject  # and the operator its server
+    assert certs.OPERATOR_CA_KEY_FILE not in files  # no job holds the operator's key
+    posts = api.requests("POST", "v1/secrets")
+    with operator_running():  # a restart (or a second replica) uses the same CA
+        api.create(good_job("again"))
+        wait_for("the second job's etcd", lambda: "Deployment" in api.etcd_kinds("again"))
+    assert api.requests("POST", "v1/secrets") == posts + 1  # the second job's Secret only
+    again = api.api.run(api.kube.get("v1", "Secret", NS, "again-etcd-tls"))
+    assert again is not None
+    assert ours.ca.cert in base64.b64decode(again["data"][certs.CA_FILE])
 
 
 def test_a_job_left_behind_is_released_by_the_documented_command(api: Cluster) -> None:
@@ -689,3 +725,31 @@ def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster) -> No
         assert other is not None
         assert "status" not in other
     assert runner.exit_code == 0, runner.output
+
+
+def test_a_status_written_from_an_old_version_is_refused_and_read_again(api: Cluster) -> None:
+    """Two writers of one job's status (replicas overlapping in a leader change): the one that planned
+    from an older version gets a 409 and reads the job again, instead of adding to a count twice."""
+    api.create(good_job("contended"))
+    leader = Controller(api.kube)
+    standby = Controller(api.kube)
+
+    async def scene() -> tuple[bool, bool, dict[str, Any]]:
+        read = await api.kube.get(constants.API_VERSION, constants.PLURAL, NS, "contended")
+        assert read is not None
+        ref = JobRef("contended", NS, read["metadata"]["uid"])
+        first = leader._remember(NS, "contended", ref.uid)
+        second = standby._remember(NS, "contended", ref.uid)
+        first.body, second.body = dict(read), dict(read)  # both planned from the same version
+        wrote = await leader._write_status(ref, first, {"evictions": 1})
+        refused = not await standby._write_status(ref, second, {"evictions": 1})
+        stored = await api.kube.get(constants.API_VERSION, constants.PLURAL, NS, "contended")
+        assert stored is not None
+        assert first.body is not None  # the leader re-plans from the version it wrote
+        assert first.body["metadata"]["resourceVersion"] == stored["metadata"]["resourceVersion"]
+        again = standby._memory[NS, "contended"].body  # the standby reads the job again
+        return wrote, refused and again is None, stored
+
+    wrote, refused, stored = api.api.run(scene())
+    assert (wrote, refused) == (True, True)
+    assert stored["status"]["evictions"] == 1

@@ -962,3 +962,24 @@ def test_creates_go_in_slow_start_batches_of_pods_other_objects_alone() -> None:
     assert [o["n"] for b in batches[2:] for o in b] == list(range(10))  # in the plan's order
     assert [len(b) for b in slow_start([{"kind": "Pod"}] * 64)] == [1, 2, 4, 8, 16, 32, 1]
     assert slow_start([]) == []
+
+
+def test_a_pod_the_status_names_as_counted_is_not_counted_again() -> None:
+    """Another writer (a replica overlapping in a leader change) counted this eviction and wrote it; a plan
+    from that status, whose own memory never saw it counted, counts it no second time."""
+    disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+    evicted = _pod(0, "Failed", ready=False, reason="Evicted", uid="evicted-0")
+    evicted["status"]["conditions"].append(disrupted)
+    running = [_pod(1), _pod(2)]
+    first = _plan([evicted, *running], old={"evictions": 0})
+    assert first.status["evictions"] == 1
+    assert first.status["counted"] == ["evicted-0"]
+    again = _plan([evicted, *running], old=first.status)
+    assert again.status["evictions"] == 1  # not 2
+    assert again.status["counted"] == ["evicted-0"]
+    many = _plan(
+        [evicted, *running], old={"evictions": 90, "counted": [f"old-{n}" for n in range(constants.COUNTED_KEPT)]}
+    )
+    assert many.status["evictions"] == 91
+    assert len(many.status["counted"]) == constants.COUNTED_KEPT  # capped, the newest kept
+    assert many.status["counted"][-1] == "evicted-0"

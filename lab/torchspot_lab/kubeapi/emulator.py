@@ -35,6 +35,8 @@ leaves out, this adds:
   e.g. `count/deployments.apps`, and the older `pods`, `secrets`, `services`, `configmaps`) or a pod's
   requests (`requests.<resource>`, e.g. `requests.nvidia.com/gpu`) past a ResourceQuota's
   `spec.hard` is refused with the API server's 403 "exceeded quota" message;
+- optimistic concurrency: a merge patch that names a `metadata.resourceVersion` other than the
+  stored one is refused with the API server's 409 Conflict;
 - graceful deletion of pods, when `graceful` is set: a DELETE with a grace period marks the
   pod Terminating (`deletionTimestamp`, a MODIFIED event) and removes it when the period
   (at most `graceful` seconds here) ends, as the kubelet's confirmation would;
@@ -302,7 +304,19 @@ class Emulator(kmock.KubernetesEmulator):
         request.data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": version})
 
     def _check_preconditions(self, request: kmock.Request) -> None:
-        """Refuse a DELETE whose preconditions do not match the object (409), as the API server does."""
+        """Refuse a DELETE whose preconditions, or a merge patch whose `metadata.resourceVersion`, do not
+        match the object (409), as the API server does."""
+        if request.action == kmock.action.UPDATE and isinstance(request.data, dict):
+            wanted = (request.data.get("metadata") or {}).get("resourceVersion")
+            stored = self._stored(request)
+            if wanted and stored is not None and wanted != stored.get("metadata", {}).get("resourceVersion"):
+                plural = request.resource.plural if request.resource is not None else "objects"
+                message = (
+                    f'Operation cannot be fulfilled on {plural} "{request.name}": the object has been modified; '
+                    "please apply your changes to the latest version and try again"
+                )
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=message)
+            return
         if request.action != kmock.action.DELETE or not isinstance(request.data, dict):
             return
         preconditions = request.data.get("preconditions") or {}
