@@ -390,13 +390,7 @@ class Controller:
             # both; the first plan's creates and deletes are done, this one's are not acted on.
             decided.status = plan(replace(seen, create_failures=failures)).status
         if _changed(old, decided.status) and not await self._write_status(job, memory, decided.status):
-            # Nothing this plan counted was written: judge those pods again, from the status as it is now
-            # (its `counted` names what another writer counted, so nothing is counted twice).
-            for uid in decided.accounted:
-                memory.accounted.pop(uid, None)
-            memory.vanished = [*vanished, *memory.vanished]
-            for kind, reason, message in events:  # what was done (created, refused) stays said
-                _event(body, kind, reason, message)
+            self._unwritten(body, decided, memory, vanished, events)
             if again:  # unchanged: no write, no watch event; changed meanwhile twice: the next event retries
                 return None
             fresh = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
@@ -746,6 +740,23 @@ class Controller:
         memory.created[key] = (created, time.monotonic())
         memory.created_at = time.monotonic()
         return None
+
+    @staticmethod
+    def _unwritten(
+        body: Mapping[str, Any],
+        decided: Plan,
+        memory: _Memory,
+        vanished: list[dict[str, Any]],
+        events: list[tuple[str, str, str]],
+    ) -> None:
+        """A status the API refused (the job changed meanwhile): nothing this plan counted was written, so
+        those pods are judged again from the status as it is now (its `counted` names what another
+        writer counted: nothing is counted twice); what was done (created, refused) is still said."""
+        for uid in decided.accounted:
+            memory.accounted.pop(uid, None)
+        memory.vanished = [*vanished, *memory.vanished]
+        for kind, reason, message in events:
+            _event(body, kind, reason, message)
 
     async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> bool:
         """Write the status if the job is still at the version it was planned from; False if it changed
