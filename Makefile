@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # finish it in about half the time one takes; three overload two cores (README, "Development").
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input clean
 
 all: test
 
@@ -57,7 +57,7 @@ manifests: venv
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
-bench: bench-recovery bench-checkpoint bench-operator bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input
+bench: bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input
 
 bench-recovery: venv
 	$(PY) bench/recovery/run.py
@@ -68,6 +68,10 @@ bench-checkpoint: venv
 
 bench-operator: venv
 	$(PY) bench/operator/run.py
+
+# A thousand jobs of 8 workers on a thousand AKS-sized nodes: memory, quiet cost, latency under load, takeover.
+bench-operator-thousand: venv
+	$(PY) bench/operator/thousand.py
 
 bench-goodput: venv
 	$(PY) bench/goodput/run.py

@@ -1,0 +1,333 @@
+"""A thousand jobs on a thousand nodes: the operator's memory, quiet cost, replacement latency under load
+and a takeover, against the kmock emulator with AKS-sized objects.
+
+The world is made before the operator starts, as it stands when an operator restarts or a standby takes
+over: `--nodes` AKS GPU spot nodes (bench/operator/fixtures/aks-node.json, about 76 KiB held each) and
+`--jobs` running ElasticJobs of `--workers` workers each, with their managed etcd objects and worker
+pods as the operator builds them, each pod carrying what a kubelet and the API server add to a real one
+(the fixture's container statuses of a trainer and a sidecar, conditions, managedFields). Then:
+
+1. start: an operator process starts and reads it all; the time until it has reconciled every job
+   (the sum of its `torchspot_jobs` gauge), the peak request rate it sent the API (sampled each second
+   from the emulator's own counts), and its peak memory (VmHWM) once settled;
+2. quiet: `--quiet-window` seconds of nothing; requests per job per minute;
+3. latency under load: `--trials` rounds, each evicting one worker of `--busy` jobs at once (a
+   DisruptionTarget, as an eviction leaves it); the time from the eviction until each replacement pod
+   exists (p50, p99 over all of them); the replacements are then started, as a kubelet would;
+4. takeover: the operator is stopped and a fresh one started (what a standby does when it resumes:
+   kopf lists everything afresh); the time until it has reconciled every job, its peak request rate
+   and its peak memory.
+
+Targets (issue 26): peak memory <= 200 MiB, <= 1 request per quiet job per minute, p99 replacement
+< 1 s while other jobs reconcile; the request rate is bounded by the client's token bucket
+(`kube.API_QPS`), plus kopf's own watch requests. No stock operator runs here (the Go controllers need
+a real API server), so the targets are absolute.
+
+Usage: python bench/operator/thousand.py [--jobs 1000] [--workers 8] [--nodes 1000] [--busy 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.operator
+
+from bench.operator.run import RESULTS_DIR, peak_rss_mb, wait
+from torchspot_lab.etcd import free_port
+from torchspot_lab.kubeapi import KubeApi
+from torchspot_operator import builders, constants
+from torchspot_operator.builders import JobRef
+from torchspot_operator.kube import Kube, TokenBucket
+from torchspot_operator.metrics import METRICS_PORT_ENV
+from torchspot_operator.spec import parse_spec
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NS = "default"
+BATCH = 200
+"""Creates and patches sent at once while the world is made."""
+
+
+def _job(name: str, workers: int) -> dict[str, Any]:
+    return {
+        "apiVersion": constants.API_VERSION,
+        "kind": constants.KIND,
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "minReplicas": 1,
+            "maxReplicas": workers,
+            "nprocPerNode": 8,
+            "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:bench"}]}},
+        },
+    }
+
+
+def _node(index: int, fixture: dict[str, Any]) -> dict[str, Any]:
+    node = copy.deepcopy(fixture)
+    name = f"aks-gpuspot-12345678-vmss{index:06x}"
+    node["metadata"] = {**node["metadata"], "name": name}
+    for key in ("uid", "resourceVersion", "creationTimestamp"):
+        node["metadata"].pop(key, None)
+    node["metadata"]["labels"] = {**node["metadata"]["labels"], "kubernetes.io/hostname": name}
+    return node
+
+
+def _running(pod: dict[str, Any], node: str, fixture: dict[str, Any]) -> dict[str, Any]:
+    """What the scheduler, kubelet and API server add to a pod: its node, a running status with a
+    trainer's and a sidecar's container statuses, conditions, managedFields."""
+    status = copy.deepcopy(fixture["status"])
+    status["containerStatuses"][0]["name"] = "trainer"
+    meta = {"managedFields": fixture["metadata"]["managedFields"], "annotations": fixture["metadata"]["annotations"]}
+    return {"metadata": meta, "spec": {"nodeName": node}, "status": status}
+
+
+class World:
+    """The emulated cluster and the benchmark's own client to it (not rate-limited: it plays the cluster)."""
+
+    def __init__(self, api: KubeApi) -> None:
+        self.api = api
+        self.kube = Kube(server=api.url, headers={}, ssl_context=True, limiter=TokenBucket(1e9, 10**9))
+
+    def run(self, coro: Any) -> Any:
+        return self.api.run(coro, timeout=900)
+
+    def many(self, calls: Iterable[Callable[[], Any]]) -> list[Any]:
+        """Send calls `BATCH` at a time; their answers in order."""
+        pending, done = list(calls), []
+        for start in range(0, len(pending), BATCH):
+            batch = pending[start : start + BATCH]
+
+            async def together(chunk: list[Callable[[], Any]] = batch) -> list[Any]:
+                return list(await asyncio.gather(*(call() for call in chunk)))
+
+            done += self.run(together())
+        return done
+
+    def pods_of(self, jobs: set[str]) -> dict[str, dict[str, str]]:
+        """The live (not failed) worker pods of `jobs`, name by uid, read in the emulator's own loop (one
+        pass over its objects, where a list through the API would serialize thousands of pods)."""
+        emulator = self.api.emulator
+        assert emulator is not None
+
+        async def read() -> dict[str, dict[str, str]]:
+            found: dict[str, dict[str, str]] = {job: {} for job in jobs}
+            for pod in emulator._objects_of("pods", NS):
+                job = (pod["metadata"].get("labels") or {}).get(constants.LABEL_JOB)
+                if job in found and pod.get("status", {}).get("phase") != "Failed":
+                    found[job][pod["metadata"]["uid"]] = pod["metadata"]["name"]
+            return found
+
+        result: dict[str, dict[str, str]] = self.run(read())
+        return result
+
+
+def _make(world: World, args: argparse.Namespace) -> dict[str, list[str]]:
+    """Nodes, jobs, their etcd objects and running workers; the worker names by job."""
+    node_fixture = json.loads((FIXTURES / "aks-node.json").read_text())
+    pod_fixture = json.loads((FIXTURES / "aks-worker-pod.json").read_text())
+    kube = world.kube
+    nodes = [_node(n, node_fixture) for n in range(args.nodes)]
+    world.many([partial(kube.create, body) for body in nodes])
+    names = [f"job-{n:04d}" for n in range(args.jobs)]
+    made = world.many([partial(kube.create, _job(name, args.workers)) for name in names])
+    objects, workers, placed = [], {}, []
+    for index, body in enumerate(made):
+        ref = JobRef(body["metadata"]["name"], NS, body["metadata"]["uid"])
+        spec = parse_spec(body["spec"])
+        for obj in builders.etcd_objects(ref, spec):
+            if obj["kind"] == "Deployment":
+                obj["status"] = {"availableReplicas": 1, "readyReplicas": 1, "replicas": 1}
+            objects.append(obj)
+        pods = [builders.worker_pod(ref, spec, i) for i in range(args.workers)]
+        objects += pods
+        workers[ref.name] = [p["metadata"]["name"] for p in pods]
+        for i, pod in enumerate(pods):
+            node = nodes[(index * args.workers + i) % len(nodes)]["metadata"]["name"]
+            placed.append((pod["metadata"]["name"], _running(pod, node, pod_fixture)))
+    print(f"[make] {len(nodes)} nodes, {len(names)} jobs, {len(objects)} etcd objects and pods", flush=True)
+    world.many([partial(kube.create, obj) for obj in objects])
+    world.many([partial(kube.patch, "v1", "Pod", NS, name, patch) for name, patch in placed])
+    return workers
+
+
+def _jobs_reported(port: int) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return -1.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("torchspot_jobs{"))
+
+
+class RateSampler:
+    """The emulator's served requests per second, sampled each second in a thread; its peak."""
+
+    def __init__(self, world: World) -> None:
+        assert world.api.emulator is not None
+        self.counts = world.api.emulator.counts
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        last = sum(self.counts.values())
+        while not self._stop.wait(1.0):
+            now = sum(self.counts.values())
+            self.peak, last = max(self.peak, now - last), now
+
+    def __enter__(self) -> RateSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _start(
+    world: World, args: argparse.Namespace, log: Any, label: str
+) -> tuple[subprocess.Popen[bytes], dict[str, float]]:
+    """An operator process; the seconds until it has reconciled every job, its peak request rate."""
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(world.api.kubeconfig), METRICS_PORT_ENV: str(port)}
+    cmd = [sys.executable, "-m", "torchspot_operator", "--standalone", "--all-namespaces"]
+    started = time.perf_counter()
+    with RateSampler(world) as rates:
+        operator = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait(f"{label}: every job reconciled", lambda: _jobs_reported(port) >= args.jobs, 900, poll=1.0)
+        took = time.perf_counter() - started
+    print(f"[{label}] every job reconciled after {took:.1f} s; peak {rates.peak} requests/s", flush=True)
+    return operator, {"seconds": took, "peak_requests_per_s": rates.peak}
+
+
+def _quiet(world: World, args: argparse.Namespace) -> float:
+    assert world.api.emulator is not None
+    counts = world.api.emulator.counts
+    settled = [sum(counts.values()), time.perf_counter()]
+
+    def still() -> bool:
+        now = sum(counts.values())
+        if now != settled[0]:
+            settled[0], settled[1] = now, time.perf_counter()
+        return time.perf_counter() - settled[1] >= 5
+
+    wait("the API to go quiet", still, 600, poll=0.5)
+    before = sum(counts.values())
+    print(f"[quiet] watching the API for {args.quiet_window:.0f} s", flush=True)
+    time.sleep(args.quiet_window)  # the measurement: requests while nothing happens
+    return float((sum(counts.values()) - before) / args.jobs / (args.quiet_window / 60))
+
+
+def _latency(world: World, args: argparse.Namespace, workers: dict[str, list[str]]) -> list[float]:
+    """Seconds from an eviction to its replacement, for `--busy` jobs evicted at once, `--trials` times."""
+    busy = sorted(workers)[: args.busy]
+    pod_fixture = json.loads((FIXTURES / "aks-worker-pod.json").read_text())
+    disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+    samples: list[float] = []
+    for trial in range(args.trials):
+        before = world.pods_of(set(busy))
+        victims = [sorted(before[job].values())[0] for job in busy]
+        evicted = {"status": {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}}
+        started = time.perf_counter()
+        world.many([partial(world.kube.patch, "v1", "Pod", NS, name, evicted) for name in victims])
+        replaced: dict[str, float] = {}
+        fresh: list[str] = []
+        deadline = started + 60
+        while len(replaced) < len(busy) and time.perf_counter() < deadline:
+            now = world.pods_of(set(busy) - set(replaced))
+            at = time.perf_counter() - started
+            for job, pods in now.items():
+                new = [name for uid, name in pods.items() if uid not in before[job]]
+                if new:
+                    replaced[job] = at
+                    fresh += new
+            time.sleep(0.01)
+        if len(replaced) < len(busy):
+            sys.exit(f"trial {trial + 1}: {len(busy) - len(replaced)} evictions not replaced within 60 s")
+        samples += replaced.values()
+        # The kubelet's part: the replacements run (on some node; which one does not matter here).
+        running = _running({}, "aks-gpuspot-12345678-vmss000000", pod_fixture)
+        world.many([partial(world.kube.patch, "v1", "Pod", NS, name, running) for name in fresh])
+        print(
+            f"[latency {trial + 1}/{args.trials}] {len(busy)} evictions at once: replaced after "
+            f"median {statistics.median(replaced.values()) * 1000:.0f} ms, max {max(replaced.values()) * 1000:.0f} ms",
+            flush=True,
+        )
+    return samples
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=8, help="worker pods per job")
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--busy", type=int, default=100, help="jobs evicted at once in each latency trial")
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--quiet-window", type=float, default=330.0, help="longer than kopf's 300 s watch cycle")
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {"jobs": args.jobs, "workers": args.workers, "nodes": args.nodes}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="torchspot-thousand-") as tmp, KubeApi(Path(tmp) / "api") as api:
+        world = World(api)
+        made = time.perf_counter()
+        workers = _make(world, args)
+        print(f"[make] done in {time.perf_counter() - made:.0f} s", flush=True)
+        with (RESULTS_DIR / "thousand.log").open("w") as log:
+            operator, start = _start(world, args, log, "start")
+            try:
+                results["start"] = start
+                results["quiet_requests_per_job_minute"] = _quiet(world, args)
+                results["start"]["peak_rss_mb"] = peak_rss_mb(operator.pid)
+                samples = _latency(world, args, workers)
+                results["replacement_s"] = {
+                    "p50": statistics.median(samples), "p99": _percentile(samples, 0.99), "n": len(samples),
+                }  # fmt: skip
+            finally:
+                operator.terminate()
+                operator.wait(60)
+            standby, takeover = _start(world, args, log, "takeover")
+            try:
+                time.sleep(10)  # settled: its first timer rounds
+                takeover["peak_rss_mb"] = peak_rss_mb(standby.pid)
+                results["takeover"] = takeover
+            finally:
+                standby.terminate()
+                standby.wait(60)
+        world.run(world.kube.close())
+
+    out = RESULTS_DIR / "thousand.json"
+    out.write_text(json.dumps(results, indent=2))
+    start, takeover, replaced = results["start"], results["takeover"], results["replacement_s"]
+    print(f"\n{args.jobs} jobs x {args.workers} workers on {args.nodes} nodes, AKS-sized objects (kmock emulator)")
+    print(f"  start: every job reconciled in {start['seconds']:.1f} s, peak {start['peak_requests_per_s']} requests/s,"
+          f" operator peak memory {start['peak_rss_mb']:.0f} MB (target <= 200 MiB = 210 MB)")  # fmt: skip
+    print(f"  quiet: {results['quiet_requests_per_job_minute']:.3f} requests per job per minute (target <= 1)")
+    print(f"  {args.busy} evictions at once: replacement p50 {replaced['p50'] * 1000:.0f} ms, "
+          f"p99 {replaced['p99'] * 1000:.0f} ms over {replaced['n']} (target p99 < 1 s)")  # fmt: skip
+    print(f"  takeover: every job reconciled in {takeover['seconds']:.1f} s, peak {takeover['peak_requests_per_s']}"
+          f" requests/s, peak memory {takeover['peak_rss_mb']:.0f} MB")  # fmt: skip
+    print(f"raw results: {out}")
+
+
+if __name__ == "__main__":
+    main()
