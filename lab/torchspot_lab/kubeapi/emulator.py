@@ -352,10 +352,13 @@ class Emulator(kmock.KubernetesEmulator):
         counted = {f"count/{plural}.{resource.group}" if resource.group else f"count/{plural}"}
         if not resource.group and plural in QUOTA_LEGACY_COUNTS:
             counted.add(plural)
+        quotas = self._objects_of("resourcequotas", namespace)
+        if not quotas:
+            return
         existing = self._objects_of(plural, namespace)
         if plural == "pods":  # a finished pod no longer counts
             existing = [p for p in existing if p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
-        for quota in self._objects_of("resourcequotas", namespace):
+        for quota in quotas:
             for key, hard in (quota.get("spec", {}).get("hard") or {}).items():
                 if key in counted:
                     used, wanted = float(len(existing)), 1.0
