@@ -389,6 +389,8 @@ class Controller:
             # says why the job waits. The status is planned again from the same view, so one write says
             # both; the first plan's creates and deletes are done, this one's are not acted on.
             decided.status = plan(replace(seen, create_failures=failures)).status
+        if memory.secret_made and not spec.rdzv_endpoint and old.get("etcdSecret") != job.tls_secret:
+            decided.status["etcdSecret"] = job.tls_secret  # made (or found) for this job: see _secret
         if _changed(old, decided.status) and not await self._write_status(job, memory, decided.status):
             self._unwritten(body, decided, memory, vanished, events)
             if again:  # unchanged: no write, no watch event; changed meanwhile twice: the next event retries
@@ -691,10 +693,13 @@ class Controller:
         API refused or the name is taken.
 
         The operator may create Secrets in job namespaces but read none (least privilege), so a
-        Secret is taken to be the job's own once this process made it or the job's etcd Deployment
+        Secret is taken to be the job's own once the job's status records it (`status.etcdSecret`,
+        written with the first status after it was made: a suspended job resumed by a restarted
+        operator has its Secret and no etcd), this process made it, or the job's etcd Deployment
         (made only after it) exists; a name that exists otherwise is reported, not used."""
         key = f"Secret/{job.tls_secret}"
-        if memory.secret_made or self._indexed(ETCD_INDEXES["Deployment"], job.namespace, memory):
+        recorded = ((memory.body or {}).get("status") or {}).get("etcdSecret") == job.tls_secret
+        if memory.secret_made or recorded or self._indexed(ETCD_INDEXES["Deployment"], job.namespace, memory):
             memory.secret_made = True
             return None
         bundle = await asyncio.to_thread(

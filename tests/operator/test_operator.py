@@ -753,3 +753,21 @@ def test_a_status_written_from_an_old_version_is_refused_and_read_again(api: Clu
     wrote, refused, stored = api.api.run(scene())
     assert (wrote, refused) == (True, True)
     assert stored["status"]["evictions"] == 1
+
+
+def test_a_suspended_job_resumed_by_a_restarted_operator_uses_its_own_secret(api: Cluster) -> None:
+    """The operator reads no Secret back: the job's status records that its etcd Secret is its own, so a
+    job suspended (its etcd gone, its Secret kept) and resumed under a new operator process runs again
+    instead of taking its own Secret for someone else's."""
+    with operator_running():
+        api.create(good_job("paused"))
+        wait_for("the etcd", lambda: "Deployment" in api.etcd_kinds("paused"))
+        assert wait_for("recorded", lambda: _status(api, "paused").get("etcdSecret")) == "paused-etcd-tls"
+        api.patch(constants.PLURAL, "paused", {"spec": {"suspend": True}})
+        wait_for("the etcd gone", lambda: not api.etcd_kinds("paused"))
+    with operator_running():  # a new process: it never made that Secret
+        api.patch(constants.PLURAL, "paused", {"spec": {"suspend": False}})
+        wait_for("the etcd again", lambda: "Deployment" in api.etcd_kinds("paused"))
+        wait_for("its workers", lambda: len(api.live("paused")) == 3)
+        said = _condition(api, "paused", "ReplicaFailure")
+        assert said is None or said["reason"] != "NameTaken", said
