@@ -124,6 +124,9 @@ class _Memory:
     """The job as last read, with the status written since: what the timer re-plans from."""
     accounted: dict[str, float] = field(default_factory=dict)
     """Uids of objects counted or deleted by the operator (monotonic time): never judged twice."""
+    deleted: dict[str, float] = field(default_factory=dict)
+    """Uids of pods the operator deleted (monotonic time): their DELETED events are not someone else's
+    deletions, even after a refused status write made the plan that deleted them be judged again."""
     created: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
     """Objects created and not yet seen in an index, by `Kind/name`: counted as there meanwhile."""
     vanished: list[dict[str, Any]] = field(default_factory=list)
@@ -597,6 +600,9 @@ class Controller:
         for uid, at in list(memory.accounted.items()):
             if uid not in present and clock - at > constants.EXPECTATION_SECONDS:
                 del memory.accounted[uid]
+        for uid, at in list(memory.deleted.items()):
+            if uid not in present and clock - at > constants.EXPECTATION_SECONDS:
+                del memory.deleted[uid]
 
     async def _act(
         self, job: JobRef, decided: Plan, memory: _Memory, now: datetime
@@ -612,6 +618,7 @@ class Controller:
         """
         clock = time.monotonic()
         memory.accounted.update({uid: clock for uid in decided.accounted})  # before any request: see pod_deleted
+        memory.deleted.update({d.uid: clock for d in decided.delete if d.uid and d.kind == "Pod"})
         memory.vanished.clear()  # the plan counted them
         events: list[tuple[str, str, str]] = []
         etcd_blocked = refused = False
@@ -819,7 +826,7 @@ class Controller:
         it, someone else did, and the next reconcile counts it as an eviction."""
         memory = self._memory.get((namespace, job))
         uid = str(pod.get("metadata", {}).get("uid", ""))
-        if memory is not None and memory.uid == job_uid and uid not in memory.accounted:
+        if memory is not None and memory.uid == job_uid and uid not in memory.accounted and uid not in memory.deleted:
             memory.vanished.append(dict(pod))
 
     def object_deleted(self, namespace: str, job: str, kind: str, name: str) -> None:
