@@ -48,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.operator
 
 from bench.operator.run import RESULTS_DIR, peak_rss_mb, wait
+from bench.operator.run import job as minimal_job
 from torchspot_lab.etcd import free_port
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator import builders, constants
@@ -63,17 +64,10 @@ BATCH = 200
 
 
 def _job(name: str, workers: int) -> dict[str, Any]:
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.KIND,
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "minReplicas": 1,
-            "maxReplicas": workers,
-            "nprocPerNode": 8,
-            "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:bench"}]}},
-        },
-    }
+    """run.py's minimal job, at 8 processes per node (an 8-GPU node's worker)."""
+    body = minimal_job(name, workers)
+    body["spec"]["nprocPerNode"] = 8
+    return body
 
 
 def _node(index: int, fixture: dict[str, Any]) -> dict[str, Any]:
