@@ -9,21 +9,22 @@ object and node events) from reconciling the same job at the same time.
 What a reconcile reads, and what it costs:
 - the job: one GET, so the status it starts from is the one last written (a watch's
   copy may not show our own last write yet);
-- the job's worker pods and managed etcd objects: from kopf indices, fed by watches
-  that the API server filters by label, keyed by the owning job's uid. No list per
-  reconcile; a re-created job (a new uid) never sees its predecessor's pods, and a
-  same-named object someone else owns is never taken for the job's;
+- the job's worker pods and managed etcd objects: from the operator's caches (caches.py),
+  fed by watches that the API server filters by label, keyed by the owning job's uid. No
+  list per reconcile; a re-created job (a new uid) never sees its predecessor's pods, and
+  a same-named object someone else owns is never taken for the job's;
 - nodes: from the node watch's cache (only with node handling on).
-An index lags the operator's own actions by a watch event, so the controller keeps
+A cache lags the operator's own actions by a watch event, so the controller keeps
 *expectations*, as Kubernetes' own controllers do: the objects it created and not yet seen
-are counted as there, and the objects it deleted or counted are not judged again. An
-index can also hold objects deleted while its watch was closed (kopf closes the watches
+are counted as there, and the objects it deleted or counted are not judged again. A
+cache can also hold objects deleted while its watch was closed (kopf closes the watches
 of a paused standby replica and lists afresh when it resumes, which shows no deletion),
-so the first reconcile of a job by this process, one after a silence longer than
-`STALE_AFTER_SECONDS`, one after any relist and one at least every `VERIFY_SECONDS`
-checks the index against the namespace's objects as the API lists them (`_snapshot`,
-shared by the jobs of the namespace), and what the index holds beyond that is treated
-as gone.
+and lacks what its watch has not listed yet (a job is reconciled as soon as the job's own
+watch shows it), so the first reconcile of a job by this process, one after a silence
+longer than `STALE_AFTER_SECONDS`, one after any relist and one at least every
+`VERIFY_SECONDS` reads the namespace's objects as the API lists them (`_snapshot`,
+shared by the jobs of the namespace): the cache takes what it lacked, and forgets what
+the list no longer has (a worker pod's deletion is then counted as a watched one is).
 
 The timer (`tick`) re-plans from what the operator already knows and asks the API
 nothing unless that plan has something to do: a running job that nothing happens to
@@ -46,6 +47,7 @@ import kopf
 
 from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, nodes
 from torchspot_operator.builders import JobRef
+from torchspot_operator.caches import Caches, Entry, owner
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.milestones import MilestoneReader
@@ -56,19 +58,6 @@ from torchspot_trainer.rendezvous.etcd_client import EtcdTls
 
 log = logging.getLogger(__name__)
 
-PODS_INDEX = "worker_pods"
-NAMES_INDEX = "worker_names"
-"""(namespace, job name) -> names of the worker pods with that job's label, whoever owns them: the
-names a re-created job must not reuse while its predecessor's pods are still being collected."""
-ETCD_INDEXES = {
-    "Deployment": "etcd_deployments",
-    "Service": "etcd_services",
-    "PodDisruptionBudget": "etcd_budgets",
-    "NetworkPolicy": "etcd_policies",
-}
-"""The kopf index of each managed etcd kind (handlers.py registers them under these names)."""
-INDEXES = (PODS_INDEX, NAMES_INDEX, *ETCD_INDEXES.values())
-
 ACTIVE_PHASES = frozenset(
     {conditions.PENDING, conditions.PHASE_RUNNING, conditions.PHASE_SCALING, conditions.PHASE_BELOW_MIN}
 )
@@ -76,21 +65,6 @@ ACTIVE_PHASES = frozenset(
 
 ETCD_POD_READ_SECONDS = 60.0
 """How often a job's etcd pods are read while its Deployment has none available (the Stalled cause)."""
-
-Index = Mapping[Any, Iterable[Any]]
-"""A kopf index: a key (such as (namespace, owner uid)) -> the values the objects under it gave."""
-
-
-def owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(name, uid) of the ElasticJob that controls an object, from its ownerReferences; None if none does."""
-    for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if (
-            ref.get("controller")
-            and ref.get("kind") == constants.KIND
-            and ref.get("apiVersion") == constants.API_VERSION
-        ):
-            return str(ref.get("name", "")), str(ref.get("uid", ""))
-    return None
 
 
 @dataclass
@@ -128,13 +102,11 @@ class _Memory:
     """Uids of pods the operator deleted (monotonic time): their DELETED events are not someone else's
     deletions, even after a refused status write made the plan that deleted them be judged again."""
     created: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
-    """Objects created and not yet seen in an index, by `Kind/name`: counted as there meanwhile."""
+    """Objects created and not yet seen in a cache, by `Kind/name`: counted as there meanwhile."""
     vanished: list[dict[str, Any]] = field(default_factory=list)
     """Worker pods deleted by someone else (their last body), until a reconcile counts them."""
     failures: dict[str, CreateFailure] = field(default_factory=dict)
     """Objects the operator could not create, by `Kind/name`."""
-    gone: set[str] = field(default_factory=set)
-    """Uids an index still holds that a fresh read from the API no longer found (see the module docstring)."""
     seen_at: float = 0.0
     """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
     verified_at: float = 0.0
@@ -160,11 +132,10 @@ class _JobLock:
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """The uids of a namespace's worker pods and managed etcd objects as the API listed them."""
+    """When a namespace's worker pods and managed etcd objects were last read from the API."""
 
     started: float
     """When its first list was sent (monotonic): it shows every create that returned before."""
-    uids: frozenset[str]
 
 
 class Controller:
@@ -174,7 +145,7 @@ class Controller:
         `etcd.defaultPlacement`); None: wherever the scheduler puts them.
     :param resolve: maps a rendezvous address to a reachable one (see `MilestoneReader`).
     :param node_handling: move workers off bad nodes at once (`constants.NODE_HANDLING_ENV`).
-    :param indexes: kopf's indices by name (`INDEXES`); empty ones when None (tests of parts).
+    :param caches: the pods and etcd objects the watches showed (handlers.py feeds them); empty if None.
     """
 
     def __init__(
@@ -188,7 +159,7 @@ class Controller:
         node_policy: NodePolicy | None = None,
         etcd_image: str = constants.ETCD_IMAGE,
         etcd_pull_secrets: tuple[str, ...] = (),
-        indexes: Mapping[str, Index] | None = None,
+        caches: Caches | None = None,
         operator: tuple[str, tuple[tuple[str, str], ...]] | None = None,
         operator_certificates: certs.OperatorCertificates | None = None,
     ) -> None:
@@ -210,7 +181,7 @@ class Controller:
         self.now = now
         self.etcd_default = etcd_default
         self.milestones = MilestoneReader(resolve) if resolve is not None else MilestoneReader()
-        self.indexes: Mapping[str, Index] = indexes or {name: {} for name in INDEXES}
+        self.caches = caches or Caches()
         self.nodes: dict[str, Mapping[str, Any]] = {}
         """Nodes as the node watch last saw them (reconciles read these instead of asking each time); a
         Ready condition without a transition time gets the time the operator first saw its status."""
@@ -222,6 +193,9 @@ class Controller:
         self._snapshots: dict[str, _Snapshot] = {}
         """Per namespace, the last list of what the jobs there own (`_snapshot`)."""
         self._snapshot_locks: dict[str, asyncio.Lock] = {}
+        self._listed_at = 0.0
+        """When a watch last gave a listed (not watched) object (monotonic): one listing's objects come
+        close together, and only the first of them is a relist (`relisted`)."""
         self._versions: dict[str, str] = {}
         """The resourceVersion of each watched object (by uid) whose event last led to a reconcile."""
         self.phases: dict[tuple[str, str], str] = {}
@@ -323,7 +297,7 @@ class Controller:
                     return None
                 dry = plan(await self._observe(memory.body, spec, memory))
                 old = memory.body.get("status") or {}
-                if not memory.gone and not dry.acts() and not _changed(old, dry.status):
+                if not dry.acts() and not _changed(old, dry.status):
                     self.last_reconcile = time.monotonic()
                     return dry
                 log.debug(
@@ -455,7 +429,7 @@ class Controller:
             etcd_pods=list(memory.etcd_pods),
             accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
             create_failures=self._failures(memory),
-            names_in_use=frozenset(str(n) for n in self.indexes[NAMES_INDEX].get((namespace, name), [])),
+            names_in_use=self.caches.names(namespace, name),
         )  # fmt: skip
 
     @staticmethod
@@ -517,59 +491,72 @@ class Controller:
         return time.monotonic() - memory.verified_at > constants.VERIFY_SECONDS or memory.verified_at < self.relisted_at
 
     def relisted(self) -> None:
-        """A watch of pods or etcd objects listed afresh (a start, or a relist after a 410): kopf keeps in
-        its indices what the new list no longer has, so every job is checked against the API next."""
-        self.relisted_at = time.monotonic()
+        """A watch of pods or etcd objects gave a listed object (a start, or a relist after a 410): the cache
+        keeps what the new list no longer has, so every job is checked against the API next. The
+        objects of one listing come within `constants.LISTING_GAP_SECONDS` of each other and mark one
+        relist, at its start (a snapshot taken after that start serves: thousands of listed pods must
+        not each invalidate the snapshots the others' jobs just took)."""
+        clock = time.monotonic()
+        if clock - self._listed_at > constants.LISTING_GAP_SECONDS:
+            self.relisted_at = clock
+        self._listed_at = clock
 
     async def _snapshot(self, namespace: str, after: float) -> _Snapshot:
-        """What the namespace's jobs own, per the API: the last list if it started after `after` and is at
-        most `SNAPSHOT_SECONDS` old, else a new one (a labelled list per kind). Shared by every job of
-        the namespace, so checking 200 jobs costs five lists, not a thousand requests."""
+        """Read what the namespace's jobs own from the API, unless the last read started after `after` and
+        is at most `SNAPSHOT_SECONDS` old: a labelled list per kind, a page at a time (`Kube.pages`).
+        The cache takes what it lacked and forgets what the API no longer has; a forgotten worker pod
+        is counted as deleted by someone else, as its DELETED event would have been. Shared by every
+        job of the namespace, so checking 200 jobs costs five lists, not a thousand requests."""
         async with self._snapshot_locks.setdefault(namespace, asyncio.Lock()):
             found = self._snapshots.get(namespace)
             clock = time.monotonic()
             if found is not None and found.started > after and clock - found.started <= constants.SNAPSHOT_SECONDS:
                 return found
+            started = self.caches.clock()
             uids: set[str] = set()
             for (api_version, kind), role in [
                 (("v1", "Pod"), constants.ROLE_WORKER),
                 *((k, constants.ROLE_ETCD) for k in ETCD_KINDS),
             ]:
-                listed = await self.api.list(api_version, kind, namespace, {constants.LABEL_ROLE: role})
-                uids.update(str(obj.get("metadata", {}).get("uid", "")) for obj in listed)
-            snapshot = self._snapshots[namespace] = _Snapshot(clock, frozenset(uids))
+                async for page in self.api.pages(api_version, kind, namespace, {constants.LABEL_ROLE: role}):
+                    uids.update(self.caches.listed(kind, page, started))
+            self._missed(self.caches.missing(namespace, uids, started))
+            snapshot = self._snapshots[namespace] = _Snapshot(clock)
             return snapshot
 
-    async def _verify(self, namespace: str, name: str, memory: _Memory) -> None:
-        """Note the uids the indices hold for this job that the API no longer has (from the namespace's
-        snapshot, taken after the job's last create and the last relist)."""
-        snapshot = await self._snapshot(namespace, max(memory.created_at, self.relisted_at))
-        indexed = {
-            str(obj.get("metadata", {}).get("uid", ""))
-            for index in (PODS_INDEX, *ETCD_INDEXES.values())
-            for obj in self.indexes[index].get((namespace, memory.uid), [])
-        }
-        memory.gone = indexed - snapshot.uids
-        memory.verified_at = snapshot.started  # jobs checked together fall due together: one list serves them
-        if memory.gone:
-            log.info("job %s/%s: the watch missed the deletion of %d object(s)", namespace, name, len(memory.gone))
-            for pod in self.indexes[PODS_INDEX].get((namespace, memory.uid), []):  # counted as deleted by others
-                if str(pod.get("metadata", {}).get("uid", "")) in memory.gone:
-                    self.pod_deleted(namespace, name, memory.uid, pod)
+    def _missed(self, gone: list[Entry]) -> None:
+        """Objects a list showed gone whose deletion no watch reported: a worker pod is counted as deleted
+        by someone else; a taken etcd object's name may be free now."""
+        for entry in gone:
+            if entry.owner is None:
+                continue
+            log.info(
+                "job %s/%s: the watch missed the deletion of %s %s", entry.namespace, entry.owner[0], entry.kind,
+                entry.name,
+            )  # fmt: skip
+            if entry.kind == "Pod":
+                self.pod_deleted(entry.namespace, entry.owner[0], entry.owner[1], entry.value)
+            else:
+                self.object_deleted(entry.namespace, entry.owner[0], entry.kind, entry.name)
 
-    def _indexed(self, index: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
-        """What an index holds for the job, less what a fresh read found gone (forgotten once the index is too)."""
-        held = [dict(o) for o in self.indexes[index].get((namespace, memory.uid), [])]
-        return [o for o in held if str(o.get("metadata", {}).get("uid", "")) not in memory.gone]
+    async def _verify(self, namespace: str, name: str, memory: _Memory) -> None:
+        """Check the cache against the API for this job (the namespace's snapshot, taken after the job's last
+        create and the last relist)."""
+        snapshot = await self._snapshot(namespace, max(memory.created_at, self.relisted_at))
+        memory.verified_at = snapshot.started  # jobs checked together fall due together: one list serves them
+
+    def _cached(self, kind: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+        """What the cache holds of a kind for the job (copies: a plan may edit them)."""
+        return [dict(o) for o in self.caches.owned(kind, namespace, memory.uid)]
 
     def _pods(self, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
-        """The job's worker pods: the index's, plus those created and not yet indexed (expectations)."""
-        indexed = self._indexed(PODS_INDEX, namespace, memory)
+        """The job's worker pods: the cache's, plus those created and not yet cached (expectations)."""
+        indexed = self._cached("Pod", namespace, memory)
         return [*indexed, *self._expected(memory, "Pod", {p["metadata"]["name"] for p in indexed})]
 
     @staticmethod
     def _expected(memory: _Memory, kind: str, indexed: set[str]) -> list[dict[str, Any]]:
-        """Objects of a kind the operator created that the index does not show yet (expectations);
+        """Objects of a kind the operator created that the cache does not show yet (expectations);
         forgotten once it does, or after `EXPECTATION_SECONDS` (then the watch lost them)."""
         found = []
         clock = time.monotonic()
@@ -586,15 +573,15 @@ class Controller:
     def _etcd(self, namespace: str, memory: _Memory) -> dict[str, Mapping[str, Any]]:
         """The managed etcd's objects this job owns, by kind."""
         found: dict[str, Mapping[str, Any]] = {}
-        for kind, index in ETCD_INDEXES.items():
-            indexed = self._indexed(index, namespace, memory)
+        for _, kind in ETCD_KINDS:
+            indexed = self._cached(kind, namespace, memory)
             for obj in [*indexed, *self._expected(memory, kind, {o["metadata"]["name"] for o in indexed})]:
                 found[kind] = obj
         return found
 
     @staticmethod
     def _prune(memory: _Memory, pods: Iterable[Mapping[str, Any]], etcd: Iterable[Mapping[str, Any]]) -> None:
-        """Forget counted or deleted objects that are gone from the indices (and the counted vanished pods)."""
+        """Forget counted or deleted objects that are gone from the caches (and the counted vanished pods)."""
         present = {str(o.get("metadata", {}).get("uid", "")) for o in [*pods, *etcd]}
         clock = time.monotonic()
         for uid, at in list(memory.accounted.items()):
@@ -706,7 +693,7 @@ class Controller:
         (made only after it) exists; a name that exists otherwise is reported, not used."""
         key = f"Secret/{job.tls_secret}"
         recorded = ((memory.body or {}).get("status") or {}).get("etcdSecret") == job.tls_secret
-        if memory.secret_made or recorded or self._indexed(ETCD_INDEXES["Deployment"], job.namespace, memory):
+        if memory.secret_made or recorded or self._cached("Deployment", job.namespace, memory):
             memory.secret_made = True
             return None
         bundle = await asyncio.to_thread(
@@ -742,12 +729,12 @@ class Controller:
             return CreateFailure(
                 key, conditions.FAILED_CREATE, f"{kind} {job.namespace}/{name} was refused: {exc}", now
             )
-        if created is None:  # 409: the name exists; the index did not show it as this job's, so ask once
+        if created is None:  # 409: the name exists; the cache did not show it as this job's, so ask once
             existing = await self.api.get(obj["apiVersion"], kind, job.namespace, name)
             if existing is None or (owner(existing) or ("", ""))[1] != job.uid:
                 message = f"{kind} {job.namespace}/{name} exists and is not owned by this job; rename or delete it"
                 return CreateFailure(key, conditions.NAME_TAKEN, message, now)
-            created = existing  # ours, made by an earlier reconcile the index has not caught up with
+            created = existing  # ours, made by an earlier reconcile the cache has not caught up with
         memory.failures.pop(key, None)
         memory.created[key] = (created, time.monotonic())
         memory.created_at = time.monotonic()

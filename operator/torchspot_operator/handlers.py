@@ -10,8 +10,8 @@ repeated trigger costs nothing but latency.
 
 What the operator watches, it watches narrowly: pods, Deployments, Services and
 PodDisruptionBudgets only with the operator's role label (the API server filters them:
-`settings.watching.label_selectors`), indexed by the uid of the job that owns them; nodes
-only when node handling is on.
+`settings.watching.label_selectors`), cached by the uid of the job that owns them (caches.py);
+nodes only when node handling is on.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import prometheus_client
 
 from torchspot_operator import builders, certs, conditions, constants, leader, metrics, nodes, verdicts
 from torchspot_operator import login as credentials
-from torchspot_operator.controller import INDEXES, Controller, Index, owner
-from torchspot_operator.kube import ApiError, Kube
+from torchspot_operator.caches import owner
+from torchspot_operator.controller import Controller
+from torchspot_operator.kube import LIST_PAGE, ApiError, Kube
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    settings.watching.chunk_size = LIST_PAGE  # kopf's listings page too: 8,000 pods never arrive in one answer
 
 
 async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
@@ -137,7 +139,7 @@ def reconciling(**_: Any) -> str:
 
 
 @kopf.on.login()
-async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo | None:
+async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
     """The service account in a pod, the kubeconfig outside (exec plugins included: login.py);
     our API layer uses the same credentials.
 
@@ -161,7 +163,6 @@ async def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.Connecti
             node_policy=ours.nodes,
             etcd_image=ours.etcd_image,
             etcd_pull_secrets=ours.etcd_pull_secrets,
-            indexes={name: cast(Index, kwargs[name]) for name in INDEXES},
             operator=ours.identity,
             operator_certificates=await _operator_certificates(fresh, ours.ca_secret),
         )
@@ -246,50 +247,6 @@ async def close(**_: Any) -> None:
         await done.api.close()
 
 
-def _owned(body: kopf.Body, namespace: str | None) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """An index entry: (namespace, uid of the job that controls the object) -> the object, without its
-    `managedFields` (often more than half of a small object, and never read)."""
-    found = owner(body)
-    if found is None or not namespace:
-        return None
-    kept = dict(body)
-    kept["metadata"] = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
-    return {(namespace, found[1]): kept}
-
-
-@kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
-def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Worker pods by their job's uid (`controller.PODS_INDEX`): what the decisions read of each
-    (`verdicts.project`), not the whole pod."""
-    found = owner(body)
-    return None if found is None or not namespace else {(namespace, found[1]): verdicts.project(body)}
-
-
-@kopf.index("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
-def worker_names(name: str, namespace: str | None, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], str] | None:
-    """Worker pod names by (namespace, job name), whoever owns them (`controller.NAMES_INDEX`)."""
-    job = labels.get(constants.LABEL_JOB)
-    return {(namespace, job): name} if job and namespace else None
-
-
-@kopf.index("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-def etcd_deployments(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Managed etcd Deployments by their job's uid."""
-    return _owned(body, namespace)
-
-
-@kopf.index("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-def etcd_services(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Managed etcd Services by their job's uid."""
-    return _owned(body, namespace)
-
-
-@kopf.index("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-def etcd_budgets(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Managed etcd PodDisruptionBudgets by their job's uid."""
-    return _owned(body, namespace)
-
-
 @kopf.on.create(constants.GROUP, constants.VERSION, constants.PLURAL)
 @kopf.on.update(constants.GROUP, constants.VERSION, constants.PLURAL, field="spec")
 @kopf.on.resume(constants.GROUP, constants.VERSION, constants.PLURAL)
@@ -337,21 +294,17 @@ async def job_ttl(
 
 @kopf.on.event("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
 async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
-    """A worker pod changed (scheduled, ready, failed, deleted): reconcile the job that owns it now."""
-    if type is None:  # listed, not watched: a start or a relist, after which the indices may lie
+    """A worker pod changed (scheduled, ready, failed, deleted): cache it, and reconcile the job that owns
+    it now."""
+    if type is None:  # listed, not watched: a start or a relist, after which the caches may lie
         controller().relisted()
+    controller().caches.observe("Pod", body, deleted=type == "DELETED")
     found = owner(body)
     if found is None or not namespace or not controller().news(body, type):
         return
     if type == "DELETED":
         controller().pod_deleted(namespace, found[0], found[1], verdicts.project(body))
     await controller().reconcile(namespace, found[0])
-
-
-@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-def etcd_policies(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]] | None:
-    """Managed etcd NetworkPolicies by their job's uid."""
-    return _owned(body, namespace)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
@@ -362,6 +315,7 @@ async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, t
     """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
     if type is None:  # listed: see worker_pod_event
         controller().relisted()
+    controller().caches.observe(str(body.get("kind", "")), body, deleted=type == "DELETED")
     found = owner(body)
     if found is None or not namespace or not controller().news(body, type):
         return

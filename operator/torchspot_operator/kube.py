@@ -29,9 +29,10 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Self
+from urllib.parse import quote
 
 import aiohttp
 import kopf
@@ -58,6 +59,8 @@ BACKOFF_CAP_SECONDS: Final = 10.0
 RETRY_AFTER_CAP_SECONDS: Final = 30.0
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 SSL_SHUTDOWN_SECONDS: Final = 0.25
+LIST_PAGE: Final = 500
+"""Objects per page of a list (client-go's pager reads 500 at a time too)."""
 """aiohttp's advice for a clean TLS close ("Graceful Shutdown" in its client docs)."""
 UNREACHABLE: Final = 0
 """`ApiError.status` of a request that never got an answer (connection refused, reset, timed out)."""
@@ -250,6 +253,42 @@ class Kube:
             raise
         return found
 
+    async def pages(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str | None,
+        labels: Mapping[str, str] | None = None,
+        *,
+        fields: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Objects of a kind a page (`LIST_PAGE` objects) at a time, as client-go's pager reads them: the
+        caller keeps what it needs of a page before the next comes, never 8,000 whole pods at once.
+        Selectors are applied here too: some API emulators ignore them."""
+        path = await self._collection(api_version, kind, namespace)
+        query = [f"limit={LIST_PAGE}"]
+        if labels:
+            query.append("labelSelector=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+        if fields:
+            query.append("fieldSelector=" + ",".join(f"{k}={v}" for k, v in fields.items()))
+        token = ""
+        while True:
+            following = [f"continue={quote(token)}"] if token else []
+            page = await self._request("GET", path + "?" + "&".join([*query, *following]))
+            items: list[dict[str, Any]] = page.get("items") or []
+            if labels:
+                items = [
+                    item
+                    for item in items
+                    if all(item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in labels.items())
+                ]
+            if fields:
+                items = [item for item in items if all(_field(item, k) == v for k, v in fields.items())]
+            yield items
+            token = str((page.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return
+
     async def list(
         self,
         api_version: str,
@@ -259,26 +298,8 @@ class Kube:
         *,
         fields: Mapping[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Objects of a kind, filtered by labels and fields (`spec.nodeName`) here too: some
-        API emulators ignore the selectors."""
-        path = await self._collection(api_version, kind, namespace)
-        query = []
-        if labels:
-            query.append("labelSelector=" + ",".join(f"{k}={v}" for k, v in labels.items()))
-        if fields:
-            query.append("fieldSelector=" + ",".join(f"{k}={v}" for k, v in fields.items()))
-        if query:
-            path += "?" + "&".join(query)
-        items: list[dict[str, Any]] = (await self._request("GET", path)).get("items", [])
-        if labels:
-            items = [
-                item
-                for item in items
-                if all(item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in labels.items())
-            ]
-        if fields:
-            items = [item for item in items if all(_field(item, k) == v for k, v in fields.items())]
-        return items
+        """Objects of a kind, filtered by labels and fields (`spec.nodeName`), every page of them."""
+        return [item async for page in self.pages(api_version, kind, namespace, labels, fields=fields) for item in page]
 
     async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create an object and return it as stored; None if one of that name existed already (409)."""

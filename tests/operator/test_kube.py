@@ -190,6 +190,24 @@ def test_an_unknown_kind_is_named_and_discovery_is_read_once_per_group_version(a
     assert api.requests("GET", "") == before  # v1 was read already
 
 
+def test_a_list_is_read_a_page_at_a_time(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five objects, pages of two: three requests, each page whole and in order, the selector applied."""
+    monkeypatch.setattr(kube, "LIST_PAGE", 2)
+    for n in range(5):
+        labels = {constants.LABEL_ROLE: constants.ROLE_ETCD}
+        api.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"s{n}", "namespace": "default",
+                                                                        "labels": labels}, "spec": {}})  # fmt: skip
+    api.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "other", "namespace": "default"}})
+    before = api.requests("GET", "v1/services")
+
+    async def read() -> list[list[str]]:
+        pages = api.kube.pages("v1", "Service", "default", {constants.LABEL_ROLE: constants.ROLE_ETCD})
+        return [[item["metadata"]["name"] for item in page] async for page in pages]
+
+    assert api.api.run(read()) == [["s0", "s1"], ["s2", "s3"], ["s4"]]
+    assert api.requests("GET", "v1/services") - before == 3
+
+
 def _kubeconfig(folder: Path, cluster: dict[str, Any], user: dict[str, Any]) -> Path:
     path = folder / "config"
     folder.mkdir(parents=True, exist_ok=True)

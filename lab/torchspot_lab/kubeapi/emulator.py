@@ -35,6 +35,7 @@ leaves out, this adds:
   e.g. `count/deployments.apps`, and the older `pods`, `secrets`, `services`, `configmaps`) or a pod's
   requests (`requests.<resource>`, e.g. `requests.nvidia.com/gpu`) past a ResourceQuota's
   `spec.hard` is refused with the API server's 403 "exceeded quota" message;
+- lists a page at a time (`limit`, `continue`), as the API server serves them to pagers;
 - optimistic concurrency: a merge patch that names a `metadata.resourceVersion` other than the
   stored one is refused with the API server's 409 Conflict;
 - graceful deletion of pods, when `graceful` is set: a DELETE with a grace period marks the
@@ -144,7 +145,9 @@ class Emulator(kmock.KubernetesEmulator):
         return payload
 
     async def _serve_list(self, request: kmock.Request) -> Any:
-        """A list with its `kind` and `apiVersion`, as kubectl needs to decode it."""
+        """A list with its `kind` and `apiVersion`, as kubectl needs to decode it; with `limit`, one page,
+        and a `continue` token for the next when there is more (the token is the offset here, opaque
+        to clients as the API server's is)."""
         payload = await super()._serve_list(request)
         resource = request.resource
         if isinstance(payload, dict) and resource is not None:
@@ -152,6 +155,13 @@ class Emulator(kmock.KubernetesEmulator):
             info = RESOURCES.get(f"{version}/{resource.plural}")
             if info is not None:
                 payload = {"apiVersion": version, "kind": f"{info['kind']}List", **payload}
+            limit = int(request.params.get("limit") or 0)
+            if limit > 0:
+                start = int(request.params.get("continue") or 0)
+                items = payload.get("items") or []
+                following = str(start + limit) if start + limit < len(items) else ""
+                payload = {**payload, "items": items[start : start + limit]}
+                payload["metadata"] = {**(payload.get("metadata") or {}), "continue": following}
         return payload
 
     def __attrs_post_init__(self) -> None:
