@@ -41,7 +41,8 @@ def test_a_list_fills_what_the_watch_has_not_shown_yet_and_keeps_only_the_projec
     caches = Caches(Clock())
     assert caches.listed("Pod", [_pod("a-worker-0", 5)], started=99.0) == ["uid-a-worker-0"]
     (held,) = caches.owned("Pod", "ml", "job-a")
-    assert "managedFields" not in held["metadata"] and held["status"]["phase"] == "Running"
+    assert "managedFields" not in held["metadata"]
+    assert held["status"]["phase"] == "Running"
     assert caches.names("ml", "a") == {"a-worker-0"}
 
 
@@ -89,7 +90,8 @@ def test_objects_are_filed_by_their_owners_uid_and_names_by_the_job_label() -> N
     assert [s["metadata"]["name"] for s in caches.owned("Service", "ml", "job-a")] == ["a-etcd"]
     caches.observe("Service", etcd, deleted=True)
     caches.observe("Pod", _pod("a-worker-1", 1, job_uid="old-a"), deleted=True)
-    assert caches.owned("Service", "ml", "job-a") == [] and caches.names("ml", "a") == {"a-worker-0", "a-worker-2"}
+    assert caches.owned("Service", "ml", "job-a") == []
+    assert caches.names("ml", "a") == {"a-worker-0", "a-worker-2"}
     assert len(caches) == 2
 
 
