@@ -157,10 +157,9 @@ KUBECONFIG_HINT = "set KUBECONFIG or ~/.kube/config"
 
 def _kube() -> Kube | None:
     """An API session with the kubeconfig's cluster and credentials (as kubectl uses), or None without one."""
-    from torchspot_operator.kube import Kube  # noqa: PLC0415
-    from torchspot_operator.login import login_with_kubeconfig  # noqa: PLC0415
+    from torchspot_operator.kube import Kube, login  # noqa: PLC0415
 
-    info = login_with_kubeconfig(trust_env=True)  # HTTPS_PROXY and NO_PROXY apply, as for kubectl
+    info = login(trust_env=True)  # HTTPS_PROXY and NO_PROXY apply, as for kubectl
     return None if info is None else Kube.from_connection(info)
 
 
@@ -169,7 +168,7 @@ def _provider_id(node: str) -> str:
     import asyncio  # noqa: PLC0415
 
     from torchspot_lab.azure import AzureInputError  # noqa: PLC0415
-    from torchspot_operator.login import LoginError  # noqa: PLC0415
+    from torchspot_operator.kube import LoginError  # noqa: PLC0415
 
     try:
         kube = _kube()
@@ -198,8 +197,7 @@ def _evict_node(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
     from torchspot_lab.evict import NodeNotFoundError, evict_node  # noqa: PLC0415
-    from torchspot_operator.kube import ApiError  # noqa: PLC0415
-    from torchspot_operator.login import LoginError  # noqa: PLC0415
+    from torchspot_operator.kube import ApiError, LoginError  # noqa: PLC0415
 
     try:
         kube = _kube()

@@ -28,10 +28,10 @@ import kopf
 import prometheus_client
 
 from torchspot_operator import builders, certs, conditions, constants, leader, metrics, nodes, verdicts
-from torchspot_operator import login as credentials
 from torchspot_operator.caches import owner
 from torchspot_operator.controller import Controller
-from torchspot_operator.kube import LIST_PAGE, ApiError, Kube
+from torchspot_operator.kube import LIST_PAGE, ApiError, Kube, LoginError
+from torchspot_operator.kube import login as kubeconfig_login
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
-    """A login (login.py) off the event loop: an exec plugin may take seconds."""
+    """A login (`kube.login`: the `kubernetes` client's loaders) off the event loop: an exec plugin may
+    take seconds."""
     try:
-        return await asyncio.to_thread(credentials.login, trust_env=settings.networking.trust_env)
-    except credentials.LoginError as exc:
+        return await asyncio.to_thread(kubeconfig_login, trust_env=settings.networking.trust_env)
+    except LoginError as exc:
         raise kopf.PermanentError(str(exc)) from exc
 
 
@@ -140,8 +141,8 @@ def reconciling(**_: Any) -> str:
 
 @kopf.on.login()
 async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
-    """The service account in a pod, the kubeconfig outside (exec plugins included: login.py);
-    our API layer uses the same credentials.
+    """The service account in a pod, the kubeconfig outside (exec plugins included), as the `kubernetes`
+    client reads them (`kube.login`); kopf's watches and our API layer use the same credentials.
 
     kopf logs in again when credentials expire (a token read from a file: every few
     minutes, to pick up the rotated one; an exec plugin's: at its expiry) or the API says

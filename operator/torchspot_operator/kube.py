@@ -24,18 +24,23 @@ nothing in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import random
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Final, Self
 from urllib.parse import quote
 
 import aiohttp
 import kopf
+import yaml
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,12 @@ BACKOFF_CAP_SECONDS: Final = 10.0
 RETRY_AFTER_CAP_SECONDS: Final = 30.0
 RETRIED_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 SSL_SHUTDOWN_SECONDS: Final = 0.25
+SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+TOKEN_REREAD_SECONDS: Final = 300
+"""How long a login is used before logging in again (re-reading a token file, re-running an exec
+plugin). The kubelet rewrites a projected service-account token at 80% of its life (48 minutes of
+an hour); five minutes keeps the operator well inside that. A re-login that brings only a new
+token keeps the connection pool (`Kube.renew`)."""
 LIST_PAGE: Final = 500
 """Objects per page of a list (client-go's pager reads 500 at a time too)."""
 """aiohttp's advice for a clean TLS close ("Graceful Shutdown" in its client docs)."""
@@ -110,6 +121,111 @@ def backoff_seconds(attempt: int, retry_after: str | None = None) -> float:
     return float(min(BACKOFF_BASE_SECONDS * 2**attempt, BACKOFF_CAP_SECONDS) * random.uniform(0.5, 1.0))
 
 
+class LoginError(RuntimeError):
+    """The kubeconfig or service account cannot be used; the message says what and where."""
+
+
+def login(
+    *, trust_env: bool = False, env: Mapping[str, str] | None = None, service_account: Path = SERVICE_ACCOUNT_DIR
+) -> kopf.ConnectionInfo | None:
+    """Credentials as kubectl finds them, read by the maintained `kubernetes` client's loaders: the pod's
+    service account in a pod, else the kubeconfig (`KUBECONFIG`, several files merged, or
+    ~/.kube/config; exec plugins such as kubelogin, token files, client certificates, proxies, paths
+    relative to the file). None when there is neither.
+
+    Every login is valid for `TOKEN_REREAD_SECONDS`, so kopf logs in again that often and a rotated
+    token file or an exec plugin's new token is picked up before the old one lapses (a 401 also
+    logs in again at once). What kopf's connection cannot carry is refused here rather than dropped
+    silently: `tls-server-name` and impersonation (`as`), which kopf's own watches would not send.
+    """
+    import kubernetes.client  # noqa: PLC0415 - the client's import costs 0.3 s; the CLI needs it only to evict
+    import kubernetes.config  # noqa: PLC0415
+    from kubernetes.config.incluster_config import InClusterConfigLoader  # noqa: PLC0415
+
+    env = os.environ if env is None else env
+    config = kubernetes.client.Configuration()
+    namespace: str | None = None
+    user: Mapping[str, Any] = {}
+    said: list[str] = []
+    try:
+        if (service_account / "token").exists() and env.get("KUBERNETES_SERVICE_HOST"):
+            token, ca = str(service_account / "token"), str(service_account / "ca.crt")
+            loader = InClusterConfigLoader(token, ca, try_refresh_token=False, environ=env)  # type: ignore[no-untyped-call]
+            loader.load_and_set(config)  # type: ignore[no-untyped-call]
+            where = service_account / "namespace"
+            namespace = where.read_text().strip() if where.exists() else None
+        else:
+            paths = [p for p in (env.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep) if p]
+            if not any(Path(p).expanduser().exists() for p in paths):
+                return None
+            files = os.pathsep.join(str(Path(p).expanduser()) for p in paths)
+            # The client's loaders carry no type annotations (hence the ignores).
+            load = kubernetes.config.load_kube_config
+            with _said_by_client() as said:
+                load(config_file=files, client_configuration=config, persist_config=False)  # type: ignore[no-untyped-call]
+            _, current = kubernetes.config.list_kube_config_contexts(config_file=files)  # type: ignore[no-untyped-call]
+            namespace = (current.get("context") or {}).get("namespace")
+            user = _user(files, str((current.get("context") or {}).get("user", "")))
+    except (kubernetes.config.ConfigException, OSError, ValueError) as exc:
+        raise LoginError(f"kubeconfig: {exc}") from exc
+    if getattr(config, "tls_server_name", None):
+        raise LoginError("kubeconfig: tls-server-name is not supported by kopf's connection (its watches)")
+    if any(key.startswith("as") for key in user):
+        raise LoginError("kubeconfig: impersonation (`as`) is not supported by kopf's connection (its watches)")
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").strip().rpartition(" ")  # kubectl trims a token file's newline too
+    if user.get("exec") and not token and not config.cert_file:  # the client logs why, and goes on
+        why = "; ".join(said) or "it printed neither a token nor a client certificate"
+        raise LoginError(f"kubeconfig: exec plugin {user['exec'].get('command', '')!r} gave no credential: {why}")
+    return kopf.ConnectionInfo(
+        server=str(config.host).rstrip("/"),
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl or None,
+        username=config.username or None,
+        password=config.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+        default_namespace=namespace,
+        proxy_url=config.proxy,
+        trust_env=trust_env,
+        expiration=datetime.now(UTC) + timedelta(seconds=TOKEN_REREAD_SECONDS),
+    )
+
+
+@contextlib.contextmanager
+def _said_by_client() -> Iterator[list[str]]:
+    """What the `kubernetes` client's kubeconfig loader logs meanwhile: it reports a failed exec plugin
+    (exit status, output without a credential) as an error log line and goes on without credentials."""
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.pathname.endswith(os.path.join("kubernetes", "config", "kube_config.py")):
+                said.append(record.getMessage())
+
+    handler = Keep(logging.ERROR)
+    logging.getLogger().addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def _user(files: str, name: str) -> Mapping[str, Any]:
+    """The kubeconfig's entry for a user, from the first file that has it (kubectl's merge rule)."""
+    for path in files.split(os.pathsep):
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError:
+            continue
+        for entry in loaded.get("users") or []:
+            if entry.get("name") == name:
+                return dict(entry.get("user") or {})
+    return {}
+
+
 @dataclass
 class Kube:
     """An API session: server URL, headers (credentials) and TLS settings from a login."""
@@ -134,7 +250,7 @@ class Kube:
     def from_connection(
         cls, info: kopf.ConnectionInfo, relogin: Callable[[], Awaitable[kopf.ConnectionInfo | None]] | None = None
     ) -> Self:
-        """Use the credentials of a login (login.py), with kopf's own helpers: its SSL
+        """Use the credentials of a login (`login`), with kopf's own helpers: its SSL
         context (inline CA and client certificate data decoded) and its Authorization header."""
         context: ssl.SSLContext | bool = info.as_ssl_context() if info.server.startswith("https") else True
         tls = (

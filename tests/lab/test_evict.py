@@ -13,7 +13,7 @@ from torchspot.cli import main
 from torchspot_lab.cluster.cloud import node_object
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator.kube import Kube
-from torchspot_operator.login import login_with_kubeconfig
+from torchspot_operator.kube import login as kube_login
 
 
 def exec_plugin(folder: Path, token: str) -> dict[str, Any]:
@@ -49,7 +49,7 @@ def cluster(
         options["user"] = exec_plugin(tmp_path / "plugin", "from-the-plugin")
     with KubeApi(tmp_path / "api", **options) as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-        info = login_with_kubeconfig()
+        info = kube_login()
         assert info is not None
         kube = Kube.from_connection(info)
         for name in ("spot-1", "spot-2"):
@@ -111,4 +111,5 @@ def test_a_failing_exec_plugin_is_named(tmp_path: Path, monkeypatch: pytest.Monk
     with KubeApi(tmp_path / "api", tls=True, tokens={"t"}, user=user) as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
         assert main(["evict", "node", "spot-1"]) == 2
-    assert f"exec plugin {sys.executable!r} exited with 3" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"exec plugin {sys.executable!r} gave no credential: exec: process returned 3" in said

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,8 +21,7 @@ from aiohttp import web
 from tests.operator.cluster import Cluster
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator import constants, kube
-from torchspot_operator.kube import UNREACHABLE, ApiError, Kube, backoff_seconds, collection
-from torchspot_operator.login import LoginError, login_with_kubeconfig, login_with_service_account
+from torchspot_operator.kube import UNREACHABLE, ApiError, Kube, LoginError, backoff_seconds, collection, login
 
 Answer = Callable[[web.BaseRequest], web.StreamResponse]
 
@@ -220,45 +220,65 @@ def _kubeconfig(folder: Path, cluster: dict[str, Any], user: dict[str, Any]) -> 
 
 
 def test_a_kubeconfig_is_read_as_kubectl_reads_it(tmp_path: Path) -> None:
-    """Paths relative to the file, a token file, a proxy; an unknown context is an error that names it."""
+    """Paths relative to the file, a token file, a proxy, two files merged; an unknown context is an error
+    that names it; what kopf's connection cannot carry (impersonation) is refused, not dropped."""
     (tmp_path / "k").mkdir()
     (tmp_path / "k" / "token").write_text("from-file\n")
+    (tmp_path / "k" / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
     path = _kubeconfig(tmp_path / "k", {"server": "https://aks:443/", "certificate-authority": "ca.crt",
                                         "proxy-url": "http://proxy:3128"}, {"tokenFile": "token"})  # fmt: skip
-    info = login_with_kubeconfig({"KUBECONFIG": str(path)})
+    empty = tmp_path / "empty"
+    empty.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config"}))
+    info = login(env={"KUBECONFIG": f"{empty}:{path}"}, service_account=tmp_path / "no-pod")
     assert info is not None
     assert (info.server, info.token, info.proxy_url) == ("https://aks:443", "from-file", "http://proxy:3128")
     assert info.ca_path == str(tmp_path / "k" / "ca.crt")
     assert info.default_namespace == "ml"
     assert info.expiration is not None  # the file is read again at the next login
+    assert login(env={"KUBECONFIG": str(tmp_path / "none")}, service_account=tmp_path / "no-pod") is None
     broken = tmp_path / "broken"
     broken.write_text(yaml.safe_dump({"current-context": "nowhere", "contexts": []}))
-    with pytest.raises(LoginError, match="current-context 'nowhere' is not defined"):
-        login_with_kubeconfig({"KUBECONFIG": str(broken)})
+    with pytest.raises(LoginError, match="nowhere"):
+        login(env={"KUBECONFIG": str(broken)}, service_account=tmp_path / "no-pod")
+    disguised = _kubeconfig(tmp_path / "as", {"server": "https://aks"}, {"token": "t", "as": "someone-else"})
+    with pytest.raises(LoginError, match="impersonation"):
+        login(env={"KUBECONFIG": str(disguised)}, service_account=tmp_path / "no-pod")
 
 
-def test_an_exec_plugin_that_prints_no_credential_is_refused(tmp_path: Path) -> None:
-    user = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
-                     "args": ["-c", "print('{\"status\": {}}')"]}}  # fmt: skip
-    path = _kubeconfig(tmp_path, {"server": "https://aks"}, user)
-    with pytest.raises(LoginError, match="gave neither a token nor a client certificate"):
-        login_with_kubeconfig({"KUBECONFIG": str(path)})
+def test_an_exec_plugin_is_run_and_one_that_prints_no_credential_is_refused(tmp_path: Path) -> None:
+    def plugin(printed: str) -> dict[str, Any]:
+        return {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": sys.executable,
+                         "args": ["-c", f"print({printed!r})"], "interactiveMode": "Never"}}  # fmt: skip
+
+    credential = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
+                  "status": {"token": "from-plugin"}}  # fmt: skip
+    good = _kubeconfig(tmp_path / "good", {"server": "https://aks"}, plugin(json.dumps(credential)))
+    info = login(env={"KUBECONFIG": str(good)}, service_account=tmp_path / "no-pod")
+    assert info is not None
+    assert info.token == "from-plugin"
+    empty = {**credential, "status": {}}
+    bad = _kubeconfig(tmp_path / "bad", {"server": "https://aks"}, plugin(json.dumps(empty)))
+    with pytest.raises(LoginError, match="gave no credential: exec: missing token or clientCertificateData"):
+        login(env={"KUBECONFIG": str(bad)}, service_account=tmp_path / "no-pod")
 
 
-def test_the_service_account_is_read_afresh_at_every_login(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+def test_the_service_account_is_read_afresh_at_every_login(tmp_path: Path) -> None:
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
     (tmp_path / "token").write_text("first")
+    (tmp_path / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
     (tmp_path / "namespace").write_text("torchspot")
-    first = login_with_service_account(tmp_path)
+    first = login(env=env, service_account=tmp_path)
     (tmp_path / "token").write_text("rotated")
-    second = login_with_service_account(tmp_path)
+    second = login(env=env, service_account=tmp_path)
     assert first is not None
     assert second is not None
     assert (first.token, second.token) == ("first", "rotated")
     assert second.server == "https://10.0.0.1:443"
+    assert second.ca_path == str(tmp_path / "ca.crt")
+    assert second.default_namespace == "torchspot"
     assert second.expiration is not None  # so kopf logs in again and reads the rotated token
-    assert login_with_service_account(tmp_path / "absent") is None
+    nothing = {"KUBECONFIG": str(tmp_path / "none")}
+    assert login(env=nothing, service_account=tmp_path / "absent") is None  # no pod, no kubeconfig
 
 
 def test_inline_ca_data_reaches_tls_decoded(tmp_path: Path) -> None:
@@ -266,7 +286,7 @@ def test_inline_ca_data_reaches_tls_decoded(tmp_path: Path) -> None:
     with KubeApi(tmp_path / "api", tls=True) as server:
         data = yaml.safe_load(server.kubeconfig.read_text())
         assert base64.b64decode(data["clusters"][0]["cluster"]["certificate-authority-data"]).startswith(b"-----BEGIN")
-        info = login_with_kubeconfig({"KUBECONFIG": str(server.kubeconfig)})
+        info = login(env={"KUBECONFIG": str(server.kubeconfig)}, service_account=tmp_path / "no-pod")
         assert info is not None
         api = Kube.from_connection(info)
         assert server.run(api.list("v1", "Node", None)) == []

@@ -37,7 +37,7 @@ from torchspot_operator.builders import JobRef
 from torchspot_operator.controller import Controller
 from torchspot_operator.handlers import RECONCILE_INTERVAL
 from torchspot_operator.kube import ApiError, Kube
-from torchspot_operator.login import login_with_kubeconfig
+from torchspot_operator.kube import login as kube_login
 from torchspot_operator.reconcile import ETCD_KINDS
 from torchspot_trainer.rendezvous import milestones
 
@@ -331,9 +331,9 @@ def test_the_operator_logs_in_over_https_as_users_do(
     user = {"tokenFile": str(token)} if login == "token-file-rotated" else exec_plugin(tmp_path, "first")
     with KubeApi(tmp_path / "api", tls=True, tokens={"first"}, user=user) as server:
         monkeypatch.setenv("KUBECONFIG", str(server.kubeconfig))
-        info = login_with_kubeconfig()
+        info = kube_login()
         assert info is not None
-        cluster = Cluster(server, Kube.from_connection(info, relogin=lambda: asyncio.to_thread(login_with_kubeconfig)))
+        cluster = Cluster(server, Kube.from_connection(info, relogin=lambda: asyncio.to_thread(kube_login)))
         cluster.create(crd())
         with operator_running():
             cluster.add_node("spot-1")
