@@ -141,7 +141,7 @@ class Caches:
         meta = body.get("metadata") or {}
         namespace = str(meta.get("namespace") or "")
         held = self._entries.get(uid)
-        if held is not None and _older(str(meta.get("resourceVersion", "")), held.version):
+        if held is not None and older(str(meta.get("resourceVersion", "")), held.version):
             return  # a list that read the object before the watch's last event did
         self._drop(uid)
         job = (meta.get("labels") or {}).get(constants.LABEL_JOB) if kind == "Pod" else None
@@ -178,7 +178,7 @@ def _discard(table: dict[Any, Any], key: Any, uid: str) -> None:
         del table[key]
 
 
-def _older(version: str, than: str) -> bool:
+def older(version: str, than: str) -> bool:
     """Whether a resourceVersion is older than another. They are opaque strings to clients; the API
     server's (etcd's) and the emulator's are integers, compared as such; anything else is not older."""
     return version.isdigit() and than.isdigit() and int(version) < int(than)

@@ -7,8 +7,10 @@ not show. One lock per job keeps the many triggers (create, update, timer, pod, 
 object and node events) from reconciling the same job at the same time.
 
 What a reconcile reads, and what it costs:
-- the job: one GET, so the status it starts from is the one last written (a watch's
-  copy may not show our own last write yet);
+- the job: one GET (urgent in the client's rate limit, with creates and deletes), so
+  the spec and status it starts from are the newest (a watch's copy may lag an edit and
+  the operator's own last write); the status is written with the resourceVersion it was
+  planned from as a precondition;
 - the job's worker pods and managed etcd objects: from the operator's caches (caches.py),
   fed by watches that the API server filters by label, keyed by the owning job's uid. No
   list per reconcile; a re-created job (a new uid) never sees its predecessor's pods, and
@@ -242,8 +244,15 @@ class Controller:
         self._queued.add(key)
         async with self._lock(namespace, name):
             self._queued.discard(key)  # from here on, a new trigger queues another reconcile
-            body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
-            return await self._reconcile(namespace, name, body)
+            return await self._reconcile(namespace, name, await self._read(namespace, name))
+
+    async def _read(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The job as a reconcile starts from: read afresh, so a spec edited a moment before an eviction
+        makes the replacement from the new template (a watch's copy may lag both the edit and the
+        operator's own last status write). The read is urgent in the client's rate limit, as creates
+        and deletes are (`kube.TokenBucket`): a reconcile's way to its creates never queues behind
+        other jobs' status writes."""
+        return await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name, urgent=True)
 
     def pause(self, ahead: list[str]) -> None:
         """Note whether kopf's peering pauses this replica (`ahead`: the live peers of higher priority).
@@ -304,8 +313,7 @@ class Controller:
                     "job %s/%s: the timer found work: acts %s, status keys %s", namespace, name, dry.acts(),
                     sorted(k for k, v in dry.status.items() if old.get(k) != v),
                 )  # fmt: skip
-            body = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
-            return await self._reconcile(namespace, name, body)
+            return await self._reconcile(namespace, name, await self._read(namespace, name))
 
     async def _reconcile(self, namespace: str, name: str, body: dict[str, Any] | None) -> Plan | None:
         started = time.monotonic()
@@ -348,7 +356,7 @@ class Controller:
         except InvalidSpecError as exc:
             new = conditions.invalid(old.get("conditions") or [], exc.problems, now)
             if _changed(old, new):
-                await self._write_status(job, memory, new)
+                await self._write_status(job, memory, new, _version(body))
             if old.get("phase") != conditions.PHASE_INVALID:  # said once, not at every reconcile
                 _event(body, "Warning", "InvalidSpec", str(exc))
             self.phases[(namespace, name)] = conditions.PHASE_INVALID
@@ -368,7 +376,10 @@ class Controller:
             decided.status = plan(replace(seen, create_failures=failures)).status
         if memory.secret_made and not spec.rdzv_endpoint and old.get("etcdSecret") != job.tls_secret:
             decided.status["etcdSecret"] = job.tls_secret  # made (or found) for this job: see _secret
-        if _changed(old, decided.status) and not await self._write_status(job, memory, decided.status):
+        written = not _changed(old, decided.status) or await self._write_status(
+            job, memory, decided.status, _version(body)
+        )
+        if not written:
             self._unwritten(body, decided, memory, vanished, events)
             if again:  # unchanged: no write, no watch event; changed meanwhile twice: the next event retries
                 return None
@@ -757,11 +768,10 @@ class Controller:
         for kind, reason, message in events:
             _event(body, kind, reason, message)
 
-    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any]) -> bool:
-        """Write the status if the job is still at the version it was planned from; False if it changed
-        meanwhile (another writer: a replica overlapping this one, kopf's own annotations, an edit),
-        so the caller reads it again and plans afresh rather than count anything twice."""
-        version = str(((memory.body or {}).get("metadata") or {}).get("resourceVersion", ""))
+    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any], version: str) -> bool:
+        """Write the status if the job is still at `version`, the one it was planned from; False if it
+        changed meanwhile (another writer: a replica overlapping this one, kopf's own annotations, an
+        edit), so the caller reads it again and plans afresh rather than count anything twice."""
         try:
             stored = await self.api.patch_status(
                 constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new), resource_version=version
@@ -886,6 +896,10 @@ def slow_start(objects: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 def _without_names(message: str) -> str:
     """An API refusal's message without the object's name, to tell one refusal from another."""
     return re.sub(r'"[^"]*"', '""', message)
+
+
+def _version(body: Mapping[str, Any] | None) -> str:
+    return str(((body or {}).get("metadata") or {}).get("resourceVersion", ""))
 
 
 def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

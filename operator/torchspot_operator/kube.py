@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -267,7 +269,9 @@ class Kube:
             tls=tls,
         )
 
-    async def _request(self, method: str, path: str, body: Any = None, content_type: str = "") -> Any:
+    async def _request(
+        self, method: str, path: str, body: Any = None, content_type: str = "", *, urgent: bool = False
+    ) -> Any:
         """One call, retried as the module docstring says; the decoded answer."""
         if self.closed:  # a handler still finishing while the operator stops: no new session to leak
             raise ApiError(UNREACHABLE, f"{method} {path}: the API session was closed")
@@ -276,7 +280,7 @@ class Kube:
         attempt = 0
         while True:
             try:
-                status, text, retry_after = await self._send(method, path, data, content_type)
+                status, text, retry_after = await self._send(method, path, data, content_type, urgent)
             except aiohttp.ClientSSLError as exc:  # a wrong CA or certificate: trying again changes nothing
                 raise ApiError(UNREACHABLE, f"{method} {self.server}{path}: TLS failed: {exc}") from exc
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
@@ -299,11 +303,13 @@ class Kube:
                 raise ApiError(status, _message(text))
             return json.loads(text) if text else {}
 
-    async def _send(self, method: str, path: str, data: str | None, content_type: str) -> tuple[int, str, str | None]:
+    async def _send(
+        self, method: str, path: str, data: str | None, content_type: str, urgent: bool
+    ) -> tuple[int, str, str | None]:
         if self.session is None or self.session.closed:
             timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
             self.session = aiohttp.ClientSession(timeout=timeout, trust_env=self.trust_env)
-        await self.limiter.take()
+        await self.limiter.take(urgent=urgent)
         headers = {**self.headers, "Content-Type": content_type or "application/json"}  # the current credentials
         async with self.session.request(
             method, self.server + path, data=data, headers=headers, ssl=self.ssl_context, proxy=self.proxy
@@ -358,11 +364,13 @@ class Kube:
     async def _collection(self, api_version: str, kind: str, namespace: str | None) -> str:
         return collection(api_version, await self.plural(api_version, kind), namespace)
 
-    async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
-        """One object, or None if it does not exist."""
+    async def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str, *, urgent: bool = False
+    ) -> dict[str, Any] | None:
+        """One object, or None if it does not exist (`urgent`: see `TokenBucket`)."""
         try:
             path = f"{await self._collection(api_version, kind, namespace)}/{name}"
-            found: dict[str, Any] = await self._request("GET", path)
+            found: dict[str, Any] = await self._request("GET", path, urgent=urgent)
         except ApiError as exc:
             if exc.status == 404:
                 return None
@@ -422,7 +430,7 @@ class Kube:
         meta = obj["metadata"]
         path = await self._collection(obj["apiVersion"], obj["kind"], meta.get("namespace"))
         try:
-            created: dict[str, Any] = await self._request("POST", path, obj)
+            created: dict[str, Any] = await self._request("POST", path, obj, urgent=True)
         except ApiError as exc:
             if exc.status == 409:
                 log.info("%s %s exists already; continuing", obj["kind"], meta["name"])
@@ -447,7 +455,8 @@ class Kube:
         """
         body = delete_options(grace, uid)
         try:
-            await self._request("DELETE", f"{await self._collection(api_version, kind, namespace)}/{name}", body)
+            path = f"{await self._collection(api_version, kind, namespace)}/{name}"
+            await self._request("DELETE", path, body, urgent=True)
         except ApiError as exc:
             if exc.status == 404 or (exc.status == 409 and uid is not None):
                 return False
@@ -505,16 +514,30 @@ def _message(text: str) -> str:
 @dataclass
 class TokenBucket:
     """`rate` tokens a second, at most `burst` saved up; `take` waits for one (client-go's flowcontrol
-    rate limiter). Waiters are served in turn, so a burst of reconciles queues instead of flooding."""
+    rate limiter). Waiters are served in turn, so a burst of reconciles queues instead of flooding;
+    an `urgent` one (a create, a delete, the read of the job a reconcile starts from) goes before
+    every waiting ordinary one (status writes, annotations, lists), so 100 evictions at once are
+    replaced within the burst while their status writes wait their turn."""
 
     rate: float
     burst: int
     tokens: float = -1.0
     at: float = 0.0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _waiters: list[tuple[int, int, asyncio.Future[None]]] = field(default_factory=list)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
+    _server: asyncio.Task[None] | None = None
 
-    async def take(self) -> None:
-        async with self.lock:
+    async def take(self, *, urgent: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        heapq.heappush(self._waiters, (0 if urgent else 1, next(self._order), turn))
+        if self._server is None or self._server.done():
+            self._server = loop.create_task(self._serve())
+        await turn
+
+    async def _serve(self) -> None:
+        """Hand out tokens to the waiters, most urgent first, then in the order they came."""
+        while self._waiters:
             now = time.monotonic()
             if self.tokens < 0:  # first use: a full bucket
                 self.tokens, self.at = float(self.burst), now
@@ -522,5 +545,8 @@ class TokenBucket:
             self.at = now
             if self.tokens < 1:
                 await asyncio.sleep((1 - self.tokens) / self.rate)
-                self.tokens, self.at = 1.0, time.monotonic()
-            self.tokens -= 1
+                continue
+            _, _, turn = heapq.heappop(self._waiters)
+            if not turn.done():  # a cancelled waiter takes no token
+                turn.set_result(None)
+                self.tokens -= 1

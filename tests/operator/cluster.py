@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import prometheus_client
 import pytest
 
 from torchspot_lab.kubeapi import KubeApi
@@ -112,3 +113,9 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float = 30.0) ->
             return last
         time.sleep(0.1)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def reconciles() -> float:
+    """Reconciles the operator running in this process has finished (its own histogram's count): the
+    sign that it has acted on a change, where the absence of a change has no condition to poll."""
+    return prometheus_client.REGISTRY.get_sample_value("torchspot_reconcile_seconds_count") or 0.0

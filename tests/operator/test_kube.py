@@ -21,7 +21,16 @@ from aiohttp import web
 from tests.operator.cluster import Cluster
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator import constants, kube
-from torchspot_operator.kube import UNREACHABLE, ApiError, Kube, LoginError, backoff_seconds, collection, login
+from torchspot_operator.kube import (
+    UNREACHABLE,
+    ApiError,
+    Kube,
+    LoginError,
+    TokenBucket,
+    backoff_seconds,
+    collection,
+    login,
+)
 
 Answer = Callable[[web.BaseRequest], web.StreamResponse]
 
@@ -188,6 +197,31 @@ def test_an_unknown_kind_is_named_and_discovery_is_read_once_per_group_version(a
     for kind in ("Pod", "Node", "Secret", "Service"):
         api.api.run(api.kube.plural("v1", kind))
     assert api.requests("GET", "") == before  # v1 was read already
+
+
+def test_the_token_bucket_paces_requests_and_serves_urgent_ones_first() -> None:
+    """A burst of two, then 20 a second; a create (urgent) that comes last goes first, and a waiter that
+    gives up takes no token."""
+
+    async def run() -> list[tuple[str, float]]:
+        bucket = TokenBucket(rate=20.0, burst=2)
+        served: list[tuple[str, float]] = []
+        start = time.monotonic()
+
+        async def take(name: str, urgent: bool = False) -> None:
+            await bucket.take(urgent=urgent)
+            served.append((name, time.monotonic() - start))
+
+        quitter = asyncio.ensure_future(take("quitter"))
+        await asyncio.sleep(0)
+        quitter.cancel()
+        await asyncio.gather(take("a"), take("b"), take("c"), take("d"), take("create", urgent=True))
+        return served
+
+    served = asyncio.run(run())
+    assert [name for name, _ in served] == ["create", "a", "b", "c", "d"]
+    assert served[1][1] < 0.04  # the burst: at once
+    assert served[-1][1] >= 0.14  # three more at 20 a second: 150 ms
 
 
 def test_a_list_is_read_a_page_at_a_time(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:

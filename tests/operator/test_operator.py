@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from cryptography import x509
 from kopf.testing import KopfRunner
 
 from tests.lab.test_evict import exec_plugin
-from tests.operator.cluster import JOBS, NS, Cluster, wait_for
+from tests.operator.cluster import JOBS, NS, Cluster, reconciles, wait_for
 from tests.operator.conftest import OPERATOR_ARGS, operator_running
 from tests.operator.jobs import crd, good_job, with_path
 from torchspot_lab.etcd import EtcdServer, free_port
@@ -38,6 +38,7 @@ from torchspot_operator.controller import Controller
 from torchspot_operator.handlers import RECONCILE_INTERVAL
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.kube import login as kube_login
+from torchspot_operator.metrics import METRICS_PORT_ENV
 from torchspot_operator.reconcile import ETCD_KINDS
 from torchspot_trainer.rendezvous import milestones
 
@@ -71,13 +72,13 @@ def _uids(cluster: Cluster, job: str) -> set[str]:
 
 
 @contextlib.contextmanager
-def _settles(cluster: Cluster) -> Iterator[None]:
-    """Around a change the operator must ignore: after it, wait until the operator has read the job
-    again (its first step), then a moment for anything it would write. The absence of a change has
-    no condition to poll."""
-    seen = cluster.requests("GET", JOBS)
+def _settles(cluster: Cluster, count: Callable[[], float] = reconciles) -> Iterator[None]:
+    """Around a change the operator must ignore: after it, wait until the operator (in this process) has
+    finished one more reconcile, then a moment for anything it would write. The absence of a change
+    has no condition to poll."""
+    seen = count()
     yield
-    wait_for("the operator to look at the job", lambda: cluster.requests("GET", JOBS) > seen)
+    wait_for("the operator to reconcile the job", lambda: count() > seen)
     time.sleep(0.5)
 
 
@@ -526,7 +527,20 @@ def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api
     watch registered by an earlier test's in-process operator would stay.
     """
     api.add_node("spot-1")
-    env = {**os.environ, "KUBECONFIG": str(api.api.kubeconfig), constants.NODE_HANDLING_ENV: "off"}
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(api.api.kubeconfig), constants.NODE_HANDLING_ENV: "off",
+           METRICS_PORT_ENV: str(port)}  # fmt: skip
+
+    def scraped() -> float:  # the operator process's reconciles, from its /metrics
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+                text = answer.read().decode()
+        except OSError:
+            return 0.0
+        return sum(
+            float(line.split()[1]) for line in text.splitlines() if line.startswith("torchspot_reconcile_seconds_count")
+        )
+
     with (tmp_path / "operator.log").open("w") as log, subprocess.Popen(
         [sys.executable, "-m", "torchspot_operator", "--standalone", "--all-namespaces"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -536,7 +550,7 @@ def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api
             _start(api, "nodeless", ["spot-1", "spot-1", "spot-1"])
             _phase(api, "nodeless", "Running")
             api.patch("nodes", "spot-1", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, None)
-            with _settles(api):
+            with _settles(api, scraped):
                 api.patch("pods", "nodeless-worker-0", {"metadata": {"labels": {"poke": "1"}}})  # reconcile it
             assert len(api.pods("nodeless")) == 3
             assert api.requests(resource="v1/nodes") == 2  # this test's own create and patch
@@ -741,8 +755,9 @@ def test_a_status_written_from_an_old_version_is_refused_and_read_again(api: Clu
         first = leader._remember(NS, "contended", ref.uid)
         second = standby._remember(NS, "contended", ref.uid)
         first.body, second.body = dict(read), dict(read)  # both planned from the same version
-        wrote = await leader._write_status(ref, first, {"evictions": 1})
-        refused = not await standby._write_status(ref, second, {"evictions": 1})
+        version = read["metadata"]["resourceVersion"]
+        wrote = await leader._write_status(ref, first, {"evictions": 1}, version)
+        refused = not await standby._write_status(ref, second, {"evictions": 1}, version)
         stored = await api.kube.get(constants.API_VERSION, constants.PLURAL, NS, "contended")
         assert stored is not None
         assert first.body is not None  # the leader re-plans from the version it wrote

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.cluster import NS, Cluster, wait_for
+from tests.operator.cluster import NS, Cluster, reconciles, wait_for
 from tests.operator.conftest import operator_running
 from tests.operator.jobs import good_job
 from torchspot_lab.kubeapi.emulator import Emulator
@@ -101,12 +101,9 @@ def test_nodes_going_unknown_together_keep_their_workers_one_alone_loses_its(ope
 
     # An API-server blip: the node controller marks every node Unknown. Past the grace, only the
     # full-disruption guard stands between the job and the loss of all four workers.
+    seen = reconciles()
     cluster.api.run(_emulator(cluster).nodes_unknown())
-    seen = cluster.requests("GET", f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}")
-    wait_for(
-        "the operator to look",
-        lambda: cluster.requests("GET", f"{constants.GROUP}/{constants.VERSION}/{constants.PLURAL}") > seen,
-    )
+    wait_for("the operator to look", lambda: reconciles() > seen)
     time.sleep(GRACE + RECONCILE_INTERVAL + 1)  # past the grace, a timer round: absence has no condition to poll
     assert cluster.names("storm") == workers
     assert _status(cluster, "storm").get("evictions", 0) == 0
