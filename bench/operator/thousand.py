@@ -12,8 +12,9 @@ pods as the operator builds them, each pod carrying what a kubelet and the API s
    from the emulator's own counts), and its peak memory (VmHWM) once settled;
 2. quiet: `--quiet-window` seconds of nothing; requests per job per minute;
 3. latency under load: `--trials` rounds, each evicting one worker of `--busy` jobs at once (a
-   DisruptionTarget, as an eviction leaves it); the time from the eviction until each replacement pod
-   exists (p50, p99 over all of them); the replacements are then started, as a kubelet would;
+   DisruptionTarget, as an eviction leaves it) and then one of a probe job; the time from the probe's
+   eviction until its replacement pod exists (p50, p99 over the rounds: the issue's measure), and the
+   same for the `--busy` others (the burst); the replacements are then started, as a kubelet would;
 4. takeover: the operator is stopped and a fresh one started (what a standby does when it resumes:
    kopf lists everything afresh); the time until it has reconciled every job, its peak request rate
    and its peak memory.
@@ -211,7 +212,8 @@ def _start(
     return operator, {"seconds": took, "peak_requests_per_s": rates.peak}
 
 
-def _quiet(world: World, args: argparse.Namespace) -> float:
+def _until_quiet(world: World, seconds: float) -> None:
+    """Wait until the API has served no request for `seconds` (the operator has done what it had to)."""
     assert world.api.emulator is not None
     counts = world.api.emulator.counts
     settled = [sum(counts.values()), time.perf_counter()]
@@ -220,51 +222,73 @@ def _quiet(world: World, args: argparse.Namespace) -> float:
         now = sum(counts.values())
         if now != settled[0]:
             settled[0], settled[1] = now, time.perf_counter()
-        return time.perf_counter() - settled[1] >= 5
+        return time.perf_counter() - settled[1] >= seconds
 
     wait("the API to go quiet", still, 600, poll=0.5)
+
+
+def _quiet(world: World, args: argparse.Namespace) -> float:
+    assert world.api.emulator is not None
+    counts = world.api.emulator.counts
+    _until_quiet(world, 5)
     before = sum(counts.values())
     print(f"[quiet] watching the API for {args.quiet_window:.0f} s", flush=True)
     time.sleep(args.quiet_window)  # the measurement: requests while nothing happens
     return float((sum(counts.values()) - before) / args.jobs / (args.quiet_window / 60))
 
 
-def _latency(world: World, args: argparse.Namespace, workers: dict[str, list[str]]) -> list[float]:
-    """Seconds from an eviction to its replacement, for `--busy` jobs evicted at once, `--trials` times."""
-    busy = sorted(workers)[: args.busy]
+def _latency(world: World, args: argparse.Namespace, workers: dict[str, list[str]]) -> tuple[list[float], list[float]]:
+    """Seconds from an eviction to its replacement: of one worker of a probe job evicted while `--busy`
+    other jobs, each evicted just before, are reconciling (the issue's measure), and of those `--busy`
+    replacements themselves; `--trials` rounds, each with its own probe job."""
+    emulator = world.api.emulator
+    assert emulator is not None
+    jobs = sorted(workers)
+    busy, probes = jobs[: args.busy], jobs[args.busy : args.busy + args.trials]
     pod_fixture = json.loads((FIXTURES / "aks-worker-pod.json").read_text())
     disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}
+    evicted = {"status": {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}}
     samples: list[float] = []
-    for trial in range(args.trials):
-        before = world.pods_of(set(busy))
+    probed: list[float] = []
+    for trial, probe in enumerate(probes):
+        # Each round is one wave of evictions, as a spot reclaim is: the last round's status writes are
+        # done and the client's token bucket has refilled (back to back, the rounds measure its rate).
+        _until_quiet(world, 3)
+        watched = {*busy, probe}
+        before = world.pods_of(watched)
         victims = [sorted(before[job].values())[0] for job in busy]
-        evicted = {"status": {"phase": "Failed", "reason": "Evicted", "conditions": [disrupted]}}
         started = time.perf_counter()
         world.many([partial(world.kube.patch, "v1", "Pod", NS, name, evicted) for name in victims])
+        world.run(world.kube.patch("v1", "Pod", NS, sorted(before[probe].values())[0], evicted))
+        probe_started = time.perf_counter()  # the load is in flight: 100 reconciles queued or running
         replaced: dict[str, float] = {}
         fresh: list[str] = []
         deadline = started + 60
-        while len(replaced) < len(busy) and time.perf_counter() < deadline:
-            now = world.pods_of(set(busy) - set(replaced))
-            at = time.perf_counter() - started
+        while len(replaced) < len(watched) and time.perf_counter() < deadline:
+            now = world.pods_of(watched - set(replaced))
+            clock = time.perf_counter()
+            arrived = emulator.arrived
             for job, pods in now.items():
-                new = [name for uid, name in pods.items() if uid not in before[job]]
-                if new:
-                    replaced[job] = at
-                    fresh += new
-            time.sleep(0.05)  # the emulator serves the operator too: poll it lightly
-        if len(replaced) < len(busy):
-            sys.exit(f"trial {trial + 1}: {len(busy) - len(replaced)} evictions not replaced within 60 s")
+                new = {uid: name for uid, name in pods.items() if uid not in before[job]}
+                if new:  # timed by the emulator's clock at the create, not by this poll
+                    made = min(arrived.get(uid, clock) for uid in new)
+                    replaced[job] = made - (probe_started if job == probe else started)
+                    fresh += new.values()
+            time.sleep(0.02)  # the emulator serves the operator too: poll it lightly
+        if len(replaced) < len(watched):
+            sys.exit(f"trial {trial + 1}: {len(watched) - len(replaced)} evictions not replaced within 60 s")
+        probed.append(replaced.pop(probe))
         samples += replaced.values()
         # The kubelet's part: the replacements run (on some node; which one does not matter here).
         running = _running({}, "aks-gpuspot-12345678-vmss000000", pod_fixture)
         world.many([partial(world.kube.patch, "v1", "Pod", NS, name, running) for name in fresh])
         print(
-            f"[latency {trial + 1}/{args.trials}] {len(busy)} evictions at once: replaced after "
-            f"median {statistics.median(replaced.values()) * 1000:.0f} ms, max {max(replaced.values()) * 1000:.0f} ms",
+            f"[latency {trial + 1}/{args.trials}] probe replaced after {probed[-1] * 1000:.0f} ms; the {len(busy)} "
+            f"evicted at once: median {statistics.median(replaced.values()) * 1000:.0f} ms, "
+            f"max {max(replaced.values()) * 1000:.0f} ms",
             flush=True,
         )
-    return samples
+    return probed, samples
 
 
 def _percentile(values: list[float], share: float) -> float:
@@ -278,7 +302,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8, help="worker pods per job")
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--busy", type=int, default=100, help="jobs evicted at once in each latency trial")
-    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--trials", type=int, default=20, help="latency rounds, each with its own probe job")
     parser.add_argument("--quiet-window", type=float, default=330.0, help="longer than kopf's 300 s watch cycle")
     args = parser.parse_args()
 
@@ -295,8 +319,11 @@ def main() -> None:
                 results["start"] = start
                 results["quiet_requests_per_job_minute"] = _quiet(world, args)
                 results["start"]["peak_rss_mb"] = peak_rss_mb(operator.pid)
-                samples = _latency(world, args, workers)
+                probed, samples = _latency(world, args, workers)
                 results["replacement_s"] = {
+                    "p50": statistics.median(probed), "p99": _percentile(probed, 0.99), "n": len(probed),
+                }  # fmt: skip
+                results["burst_replacement_s"] = {
                     "p50": statistics.median(samples), "p99": _percentile(samples, 0.99), "n": len(samples),
                 }  # fmt: skip
             finally:
@@ -315,12 +342,15 @@ def main() -> None:
     out = RESULTS_DIR / "thousand.json"
     out.write_text(json.dumps(results, indent=2))
     start, takeover, replaced = results["start"], results["takeover"], results["replacement_s"]
+    burst = results["burst_replacement_s"]
     print(f"\n{args.jobs} jobs x {args.workers} workers on {args.nodes} nodes, AKS-sized objects (kmock emulator)")
     print(f"  start: every job reconciled in {start['seconds']:.1f} s, peak {start['peak_requests_per_s']} requests/s,"
           f" operator peak memory {start['peak_rss_mb']:.0f} MB (target <= 200 MiB = 210 MB)")  # fmt: skip
     print(f"  quiet: {results['quiet_requests_per_job_minute']:.3f} requests per job per minute (target <= 1)")
-    print(f"  {args.busy} evictions at once: replacement p50 {replaced['p50'] * 1000:.0f} ms, "
-          f"p99 {replaced['p99'] * 1000:.0f} ms over {replaced['n']} (target p99 < 1 s)")  # fmt: skip
+    print(f"  an eviction while {args.busy} other jobs reconcile theirs: replacement p50 {replaced['p50'] * 1000:.0f}"
+          f" ms, p99 {replaced['p99'] * 1000:.0f} ms over {replaced['n']} (target p99 < 1 s)")  # fmt: skip
+    print(f"  the {args.busy} evicted at once: p50 {burst['p50'] * 1000:.0f} ms, p99 {burst['p99'] * 1000:.0f} ms "
+          f"over {burst['n']}")  # fmt: skip
     print(f"  takeover: every job reconciled in {takeover['seconds']:.1f} s, peak {takeover['peak_requests_per_s']}"
           f" requests/s, peak memory {takeover['peak_rss_mb']:.0f} MB")  # fmt: skip
     print(f"raw results: {out}")

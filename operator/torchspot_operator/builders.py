@@ -438,6 +438,27 @@ def etcd_objects(job: JobRef, spec: JobSpec) -> list[dict[str, Any]]:
     return [_hashed(obj) for obj in made]
 
 
+def covers(actual: Any, desired: Any) -> bool:
+    """Whether an object as stored holds every field the operator sets, with the value it sets (what it
+    does not set, such as the API server's defaults and a Service's cluster IPs, may be anything).
+    Lists match item by item; metadata other than labels, annotations and ownerReferences is the
+    API server's."""
+    if isinstance(desired, Mapping):
+        if not isinstance(actual, Mapping):
+            return False
+        keys = set(desired.keys())
+        if "apiVersion" in desired and "metadata" in desired:  # the object itself
+            mine = ("labels", "annotations", "ownerReferences")
+            meta = {k: v for k, v in desired["metadata"].items() if k in mine}
+            if not covers(actual.get("metadata") or {}, meta):
+                return False
+            keys -= {"metadata", "status"}
+        return all(key in actual and covers(actual[key], desired[key]) for key in keys)
+    if isinstance(desired, list):
+        return isinstance(actual, list) and len(actual) == len(desired) and all(map(covers, actual, desired))
+    return bool(actual == desired)
+
+
 def update_patch(actual: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
     """The merge patch that brings a managed etcd object the operator made in line with `desired`.
 

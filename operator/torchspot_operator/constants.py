@@ -26,6 +26,9 @@ ANNOTATION_ACCOUNTED: Final = f"{GROUP}/accounted"
 so no operator process counts it again (the count lives in the status, the mark on the pod)."""
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 MANAGER: Final = "torchspot"
+FIELD_MANAGER: Final = "torchspot-operator"
+"""The operator's name in server-side apply (`metadata.managedFields`): the fields of the managed etcd's
+objects it sets are its own, and an apply takes them back from whoever changed them."""
 ROLE_WORKER: Final = "worker"
 ROLE_ETCD: Final = "etcd"
 

@@ -54,7 +54,7 @@ from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.milestones import MilestoneReader
 from torchspot_operator.nodes import NodePolicy, RateLimiter
-from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, plan
+from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, Update, plan
 from torchspot_operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 from torchspot_trainer.rendezvous.etcd_client import EtcdTls
 
@@ -120,6 +120,8 @@ class _Memory:
     etcd_pods: list[dict[str, Any]] = field(default_factory=list)
     etcd_pods_at: float = 0.0
     """The managed etcd's pods, read while its Deployment has none available (at most once a minute)."""
+    applied: dict[str, str] = field(default_factory=dict)
+    """The resourceVersion of each etcd object (by uid) after this process last applied it (see `Observed`)."""
     secret_made: bool = False
     """Whether the job's etcd Secret is known to be its own (made by this process, or its etcd exists)."""
 
@@ -440,7 +442,7 @@ class Controller:
             etcd_pods=list(memory.etcd_pods),
             accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
             create_failures=self._failures(memory),
-            names_in_use=self.caches.names(namespace, name),
+            names_in_use=self.caches.names(namespace, name), applied=dict(memory.applied),
         )  # fmt: skip
 
     @staticmethod
@@ -648,12 +650,22 @@ class Controller:
                 delete.api_version, delete.kind, job.namespace, delete.name, delete.grace, uid=delete.uid or None
             )
         for update in decided.update:
-            log.info("updating %s %s/%s in place", update.kind, job.namespace, update.name)
-            await self.api.patch(update.api_version, update.kind, job.namespace, update.name, update.patch)
+            await self._update(job, update, memory)
         for key, failure in list(memory.failures.items()):  # a taken pod name is tried again after a while
             if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
                 del memory.failures[key]
         return events, created
+
+    async def _update(self, job: JobRef, update: Update, memory: _Memory) -> None:
+        """Patch (a job edit) or apply (someone else's change undone) a managed etcd object; remember the
+        version it has after, so a field the API server stores its own way is not taken for drift."""
+        log.info("updating %s %s/%s in place", update.kind, job.namespace, update.name)
+        if update.apply:
+            stored = await self.api.apply(update.patch, constants.FIELD_MANAGER)
+        else:
+            stored = await self.api.patch(update.api_version, update.kind, job.namespace, update.name, update.patch)
+        meta = (stored or {}).get("metadata") or {}
+        memory.applied[str(meta.get("uid", ""))] = str(meta.get("resourceVersion", ""))
 
     def _failed(self, memory: _Memory, failure: CreateFailure, now: datetime) -> list[tuple[str, str, str]]:
         """Note what could not be created: a taken name by its key; a refusal as the job's refusal backoff.

@@ -471,6 +471,15 @@ class Kube:
         path += f"/{subresource}" if subresource else ""
         return await self._request("PATCH", path, patch, "application/merge-patch+json")
 
+    async def apply(self, obj: Mapping[str, Any], manager: str) -> dict[str, Any]:
+        """Server-side apply: the fields `obj` sets become `manager`'s, set to its values, taken from any
+        other manager that set them (`force`, as a controller applies what it owns); the object as stored."""
+        meta = obj["metadata"]
+        path = f"{await self._collection(obj['apiVersion'], obj['kind'], meta.get('namespace'))}/{meta['name']}"
+        query = f"?fieldManager={quote(manager)}&force=true"
+        stored: dict[str, Any] = await self._request("PATCH", path + query, obj, "application/apply-patch+yaml")
+        return stored
+
     async def patch_status(
         self, api_version: str, plural: str, namespace: str, name: str, status: Any, *, resource_version: str = ""
     ) -> Any:

@@ -48,12 +48,17 @@ class Delete:
 
 @dataclass(frozen=True)
 class Update:
-    """Merge-patch a managed etcd object the job owns (its build changed: a job edit)."""
+    """Bring a managed etcd object the job owns in line with what the operator builds now: its build
+    changed (a job edit: a merge patch against the object as stored, so a field the edit removed goes),
+    or someone changed a field the operator sets (drift: a server-side apply of the whole build, which
+    takes those fields back)."""
 
     api_version: str
     kind: str
     name: str
     patch: dict[str, Any]
+    """The merge patch, or the whole object as built (an apply configuration) when `apply`."""
+    apply: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,10 @@ class Observed:
     """Objects the operator could not create lately (names taken, API refusals)."""
     names_in_use: frozenset[str] = frozenset()
     """Names of worker pods labelled with this job's name, whoever owns them (a predecessor's too)."""
+    applied: Mapping[str, str] = field(default_factory=dict)
+    """The resourceVersion each etcd object (by uid) had after the operator's last apply of it: an object
+    still there was not changed by anyone since, so a field that differs is the API server's own way
+    of storing it (a quantity normalised), not drift, and is not applied again and again."""
 
 
 class _Counts:
@@ -501,10 +510,16 @@ def _ensure_etcd(seen: Observed, job: JobRef, result: Plan, *, held: bool = Fals
             if not held:
                 result.create.append(desired)
             continue
+        meta = actual.get("metadata", {})
         wanted = desired["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]
-        if (actual.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH) != wanted:
+        if (meta.get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH) != wanted:
             result.update.append(Update(desired["apiVersion"], kind, name, builders.update_patch(actual, desired)))
             result.events.append(("Normal", "Updated", f"{kind} {name} updated in place to the job's current spec"))
+        elif not builders.covers(actual, desired) and seen.applied.get(str(meta.get("uid"))) != meta.get(
+            "resourceVersion"
+        ):
+            result.update.append(Update(desired["apiVersion"], kind, name, desired, apply=True))
+            result.events.append(("Warning", "Drifted", f"{kind} {name} was changed by someone else; set back"))
     return blocked
 
 

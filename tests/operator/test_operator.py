@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import json
 import os
 import shlex
@@ -518,6 +519,31 @@ def test_an_edit_of_the_rendezvous_image_updates_the_etcd_in_place(cluster: Clus
     assert new[0]["spec"]["containers"][0]["image"] == "ghcr.io/torchspot/trainer:0.2.0"
     kept = [p for p in cluster.pods("edited") if p["metadata"]["uid"] in old]
     assert {p["spec"]["containers"][0]["image"] for p in kept} == {"ghcr.io/torchspot/trainer:0.1.0"}
+
+
+def test_a_hand_edit_of_the_managed_etcd_is_set_back_by_server_side_apply(cluster: Cluster) -> None:
+    """Someone scales the job's etcd to 0 and swaps its image: the operator applies what it builds
+    (fieldManager torchspot-operator, force), once, and says so; the hash annotation alone would
+    never have noticed (the edit left it as it was)."""
+    cluster.create(good_job("drifting"))
+    built = wait_for("the etcd Deployment", lambda: cluster.etcd("drifting").get("Deployment"))
+    image = built["spec"]["template"]["spec"]["containers"][0]["image"]
+    name = built["metadata"]["name"]
+    edited = copy.deepcopy(built["spec"]["template"]["spec"]["containers"])
+    edited[0]["image"] = "etcd:someone-elses"
+    patches = cluster.requests("PATCH", "apps/v1/deployments")
+    cluster.api.run(cluster.kube.patch("apps/v1", "Deployment", NS, name, {"spec": {
+        "replicas": 0, "template": {"spec": {"containers": edited}}}}))  # fmt: skip
+
+    def restored() -> bool:
+        spec = cluster.etcd("drifting")["Deployment"]["spec"]
+        return bool(spec["replicas"] == 1 and spec["template"]["spec"]["containers"][0]["image"] == image)
+
+    wait_for("the Deployment set back", restored)
+    assert wait_for("a Drifted event", lambda: cluster.events("Drifted"))
+    _quiet(cluster)
+    assert cluster.requests("PATCH", "apps/v1/deployments") - patches == 2  # the edit, and one apply
+    assert cluster.etcd("drifting")["Deployment"]["metadata"]["uid"] == built["metadata"]["uid"]  # in place
 
 
 def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api: Cluster, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Mapping
 from dataclasses import replace
@@ -269,6 +270,26 @@ class TestEtcd:
     )
     def test_merge_patch_turns_old_into_new(self, old: dict[str, Any], new: dict[str, Any], want: Any) -> None:
         assert builders.merge_patch(old, new) == want
+
+    def test_an_object_covers_what_the_operator_sets_whatever_the_server_adds(self) -> None:
+        """Drift is a field the operator sets holding another value (or gone); the API server's defaults,
+        allocations and bookkeeping are not."""
+        (desired,) = [o for o in builders.etcd_objects(JOB, _spec()) if o["kind"] == "Deployment"]
+        stored = copy.deepcopy(desired)
+        stored["metadata"].update(uid="u", resourceVersion="7", generation=2, managedFields=[{"manager": "x"}])
+        stored["spec"]["progressDeadlineSeconds"] = 600  # defaults
+        stored["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+        stored["status"] = {"availableReplicas": 1}
+        assert builders.covers(stored, desired)
+        scaled = copy.deepcopy(stored)
+        scaled["spec"]["replicas"] = 0  # kubectl scale
+        assert not builders.covers(scaled, desired)
+        imaged = copy.deepcopy(stored)
+        imaged["spec"]["template"]["spec"]["containers"][0]["image"] = "etcd:other"
+        assert not builders.covers(imaged, desired)
+        relabelled = copy.deepcopy(stored)
+        del relabelled["metadata"]["labels"][constants.LABEL_ROLE]
+        assert not builders.covers(relabelled, desired)
 
 
 class TestConditions:

@@ -36,6 +36,8 @@ leaves out, this adds:
   requests (`requests.<resource>`, e.g. `requests.nvidia.com/gpu`) past a ResourceQuota's
   `spec.hard` is refused with the API server's 403 "exceeded quota" message;
 - lists a page at a time (`limit`, `continue`), as the API server serves them to pagers;
+- server-side apply's request (`application/apply-patch+yaml`, `fieldManager`, `force`) taken as a
+  merge patch of the applied object: the values land, field ownership is not kept;
 - optimistic concurrency: a merge patch that names a `metadata.resourceVersion` other than the
   stored one is refused with the API server's 409 Conflict;
 - graceful deletion of pods, when `graceful` is set: a DELETE with a grace period marks the
@@ -59,6 +61,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -174,6 +177,10 @@ class Emulator(kmock.KubernetesEmulator):
         """`group/plural` of each custom resource whose CRD was created, and its admission."""
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
         """Requests served, by (method, `group/version/plural[/subresource]`), watches counted when they start."""
+        self.arrived: dict[str, float] = {}
+        """When each create reached the emulator (`time.perf_counter`, by the new object's uid): a
+        benchmark's clock for "the replacement exists", finer than creationTimestamp's second and
+        free of its own polling's delay."""
         self.graceful: float | None = None
         """Seconds a deleted pod stays Terminating at most (its grace period, capped); None: gone at once."""
         self._cut: dict[str, asyncio.Event] = {}
@@ -201,6 +208,7 @@ class Emulator(kmock.KubernetesEmulator):
                 meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:10]}"
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("creationTimestamp", conditions.timestamp(datetime.now(UTC)))
+            self.arrived[str(meta["uid"])] = time.perf_counter()
             meta["resourceVersion"] = str(next(self._versions))
         try:
             if resource is not None:
