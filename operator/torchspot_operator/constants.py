@@ -84,6 +84,13 @@ default: a worker's node that turns bad has its pods deleted at once) or `off` (
 failures and deletions count, as with controllers that do not watch nodes; the goodput
 benchmark runs the stock recipe so)."""
 NODE_HANDLING_MODES: Final = ("proactive", "off")
+NODE_SELECTOR_ENV: Final = "TORCHSPOT_NODE_SELECTOR"
+"""A label selector (`key=value`, `key!=value`, `key`, `!key`, `key in (a,b)`; comma-separated) for the nodes the
+operator watches: the nodes job workers run on (AKS: `kubernetes.azure.com/scalesetpriority=spot`).
+Unset: every node (each kept small: `nodes.project`). A worker on a node outside it is read by a
+GET at most every `UNWATCHED_NODE_SECONDS`, and its node's faults are noticed at the job's events
+and timer rather than at once."""
+UNWATCHED_NODE_SECONDS: Final = 30.0
 NODE_GRACE_ENV: Final = "TORCHSPOT_NODE_GRACE_SECONDS"
 """How long a worker may stay on a NotReady node before the operator moves it off (seconds).
 Unset: each pod's own toleration of the not-ready or unreachable taint (300 s by default, as

@@ -189,6 +189,9 @@ class Controller:
         self.nodes: dict[str, Mapping[str, Any]] = {}
         """Nodes as the node watch last saw them (reconciles read these instead of asking each time); a
         Ready condition without a transition time gets the time the operator first saw its status."""
+        self._read_nodes: dict[str, tuple[Mapping[str, Any] | None, float]] = {}
+        """Nodes of workers that the node watch does not show (outside `constants.NODE_SELECTOR_ENV`), as a
+        GET last found them (None: gone), and when (monotonic)."""
         self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], _JobLock] = {}
@@ -411,12 +414,7 @@ class Controller:
         self._nodes_of_job[(namespace, name)] = bound
         seen_nodes: dict[str, Mapping[str, Any]] = {}
         for node_name in bound if self.node_handling else ():
-            node = self.nodes.get(node_name)
-            if node is None:  # not seen by the node watch (yet; or gone): ask, never guess "gone"
-                node = await self.api.get("v1", "Node", None, node_name)
-                if node is not None:
-                    self.observe_node(node, deleted=False)
-                    node = self.nodes[node_name]
+            node = self.nodes.get(node_name) or await self._read_node(node_name)
             if node is not None:
                 seen_nodes[node_name] = node
         admitted = self._admit(pods, seen_nodes, now or self.now())
@@ -444,6 +442,16 @@ class Controller:
             create_failures=self._failures(memory),
             names_in_use=self.caches.names(namespace, name), applied=dict(memory.applied),
         )  # fmt: skip
+
+    async def _read_node(self, name: str) -> Mapping[str, Any] | None:
+        """A worker's node the node watch has not shown (not yet, gone, or outside its selector): asked,
+        never guessed gone, at most every `UNWATCHED_NODE_SECONDS` per node."""
+        found, at = self._read_nodes.get(name, (None, -1.0))
+        if at < 0 or time.monotonic() - at > constants.UNWATCHED_NODE_SECONDS:
+            body = await self.api.get("v1", "Node", None, name)
+            found = None if body is None else self._stamped(nodes.project(body), found)
+            self._read_nodes[name] = (found, time.monotonic())
+        return found
 
     @staticmethod
     def _failures(memory: _Memory) -> list[CreateFailure]:
@@ -857,25 +865,30 @@ class Controller:
         the time the operator first saw that status, so a NotReady node's grace counts from there."""
         node = nodes.project(node)
         name = node["metadata"].get("name", "")
+        self._read_nodes.pop(name, None)  # the watch shows it now
         if deleted or nodes.soft(node, self.node_policy) is None:  # admitted again only after a new fault
             self._admitted.discard(name)
         if deleted:
             self.nodes.pop(name, None)
             return
+        self.nodes[name] = self._stamped(node, self.nodes.get(name))
+
+    def _stamped(self, node: dict[str, Any], before: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The node with a Ready transition time: its own, or the one the operator gave the same status
+        before (`before`: the node as last kept), or now."""
         status, since = nodes.ready_status(node)
-        if since is None:
-            before = self.nodes.get(name)
-            known = nodes.ready_status(before) if before is not None else None
-            stamp = known[1] if known is not None and known[0] == status and known[1] else None
-            stamp = stamp or conditions.timestamp(self.now())
-            conds = [
-                {**c, "lastTransitionTime": stamp} if c.get("type") == "Ready" else c
-                for c in node.get("status", {}).get("conditions") or []
-            ]
-            if not any(c.get("type") == "Ready" for c in conds):
-                conds.append({"type": "Ready", "status": status, "lastTransitionTime": stamp})
-            node = {**node, "status": {**(node.get("status") or {}), "conditions": conds}}
-        self.nodes[name] = node
+        if since is not None:
+            return node
+        known = nodes.ready_status(before) if before is not None else None
+        stamp = known[1] if known is not None and known[0] == status and known[1] else None
+        stamp = stamp or conditions.timestamp(self.now())
+        conds = [
+            {**c, "lastTransitionTime": stamp} if c.get("type") == "Ready" else c
+            for c in node.get("status", {}).get("conditions") or []
+        ]
+        if not any(c.get("type") == "Ready" for c in conds):
+            conds.append({"type": "Ready", "status": status, "lastTransitionTime": stamp})
+        return {**node, "status": {**(node.get("status") or {}), "conditions": conds}}
 
     def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
         """(namespace, job) of the jobs whose workers were on a node when last reconciled.

@@ -86,6 +86,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _state["node_watch"] = True
     for (group, plural), role in WATCHED_KINDS.items():
         settings.watching.label_selectors[group, plural] = f"{constants.LABEL_ROLE}={role}"
+    if ours.node_selector:  # only the nodes workers run on (the spot pools), filtered by the API server
+        settings.watching.label_selectors["v1", "nodes"] = ours.node_selector
     if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
         settings.peering.clusterwide = True
         settings.peering.lifetime = ours.peering_lifetime
@@ -333,6 +335,10 @@ async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> 
     Registered at startup only with node handling on (`configure`).
     """
     if not controller().node_handling:
+        return
+    chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector
+    if chosen and not nodes.selected((body.get("metadata") or {}).get("labels") or {}, chosen):
+        controller().observe_node(dict(body), deleted=True)  # outside the watch's selector: not kept
         return
     gone = type == "DELETED"
     controller().observe_node(dict(body), deleted=gone)

@@ -18,6 +18,7 @@ Two kinds of signal, kept apart because they deserve different trust:
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -143,3 +144,30 @@ class RateLimiter:
             return False
         self._next = now + 1.0 / self.rate
         return True
+
+
+def selected(labels: Mapping[str, str], selector: str) -> bool:
+    """Whether labels match a label selector as the API server matches them (every term: `key=value`,
+    `key==value`, `key!=value`, `key`, `!key`, `key in (a,b)`, `key notin (a,b)`); empty: all do.
+    The node watch's filter, applied here too: an API that ignores the selector (the lab's emulator)
+    then still keeps other nodes out of the cache."""
+    for term in (t.strip() for t in re.split(r",(?![^()]*\))", selector) if t.strip()):
+        found = re.fullmatch(r"(\S+?)\s+(in|notin)\s+\((.*)\)", term)
+        if found:
+            key, verb, values = found.group(1), found.group(2), {v.strip() for v in found.group(3).split(",")}
+            if (labels.get(key) in values) != (verb == "in") or (verb == "in" and key not in labels):
+                return False
+        elif "!=" in term:
+            key, value = (part.strip() for part in term.split("!=", 1))
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = (part.strip() for part in term.replace("==", "=").split("=", 1))
+            if labels.get(key) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True

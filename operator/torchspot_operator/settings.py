@@ -18,6 +18,13 @@ from torchspot_operator.spec import InvalidSpecError, Placement, default_etcd_pl
 
 DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 """An object name as the API server accepts one (RFC 1123 subdomain)."""
+_LABEL_KEY = r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+SELECTOR_TERM = re.compile(
+    rf"!?{_LABEL_KEY}|{_LABEL_KEY}\s*(=|==|!=)\s*{_LABEL_VALUE}?"
+    rf"|{_LABEL_KEY}\s+(in|notin)\s+\(\s*{_LABEL_VALUE}(\s*,\s*{_LABEL_VALUE})*\s*\)"
+)
+"""One term of a label selector (equality- or set-based), as the API server parses them."""
 
 
 class SettingsError(ValueError):
@@ -55,6 +62,8 @@ class OperatorSettings:
     None outside a cluster (no `constants.OPERATOR_NAMESPACE_ENV`): a CA made for the process."""
     peering_lifetime: int = constants.PEERING_LIFETIME
     """Seconds a replica's peering record lives without a keep-alive (`constants.PEERING_LIFETIME_ENV`)."""
+    node_selector: str = ""
+    """The label selector of the node watch (`constants.NODE_SELECTOR_ENV`); empty: every node."""
     metrics_port: int = metrics.DEFAULT_METRICS_PORT
     """Where /metrics is served (`metrics.METRICS_PORT_ENV`); 0 asks for a free port (tests, which
     start several operators on one machine)."""
@@ -77,6 +86,14 @@ def read_settings(environ: Mapping[str, str]) -> OperatorSettings:
     if any(c.isspace() for c in image):
         raise SettingsError(f"invalid operator setting: {constants.ETCD_IMAGE_ENV}={image!r}: expected an image")
     secrets = tuple(n.strip() for n in environ.get(constants.ETCD_PULL_SECRETS_ENV, "").split(",") if n.strip())
+    given = environ.get(constants.NODE_SELECTOR_ENV, "").strip()
+    terms = [term.strip() for term in re.split(r",(?![^()]*\))", given)] if given else []
+    if not all(SELECTOR_TERM.fullmatch(term) for term in terms):
+        raise SettingsError(
+            f"invalid operator setting: {constants.NODE_SELECTOR_ENV}={given!r}: expected a label selector "
+            "(key=value, key!=value, key, !key, key in (a,b), key notin (a,b); comma-separated)"
+        )
+    selector = ",".join(terms)
     return OperatorSettings(
         etcd_default=etcd_default,
         node_handling=mode == "proactive",
@@ -85,6 +102,7 @@ def read_settings(environ: Mapping[str, str]) -> OperatorSettings:
         etcd_image=image,
         etcd_pull_secrets=secrets,
         metrics_port=int(port),
+        node_selector=selector,
         ca_secret=_ca_secret(environ),
         peering_lifetime=int(_number(environ, constants.PEERING_LIFETIME_ENV, 10, 600) or constants.PEERING_LIFETIME),
     )

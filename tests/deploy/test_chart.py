@@ -315,7 +315,7 @@ def test_chart_names_the_operators_environment_variable() -> None:
         constants.ETCD_PLACEMENT_ENV, constants.OPERATOR_NAMESPACE_ENV, constants.OPERATOR_LABELS_ENV,
         METRICS_PORT_ENV, constants.ETCD_IMAGE_ENV, constants.ETCD_PULL_SECRETS_ENV,
         constants.CORDON_HANDLING_ENV, constants.FULL_DISRUPTION_ENV, constants.NODE_EVICTION_RATE_ENV,
-        constants.PEERING_LIFETIME_ENV, constants.OPERATOR_CA_SECRET_ENV,
+        constants.PEERING_LIFETIME_ENV, constants.OPERATOR_CA_SECRET_ENV, constants.NODE_SELECTOR_ENV,
     }  # fmt: skip
     assert set(env) == names | {"POD_ID"}  # POD_ID: kopf's name for the replica
     # The NotReady grace is set only when the chart says one (else the pods' tolerations decide).

@@ -27,7 +27,9 @@ def test_each_setting_is_read() -> None:
         constants.FULL_DISRUPTION_ENV: "0.3",
         constants.NODE_EVICTION_RATE_ENV: "2",
         constants.PEERING_LIFETIME_ENV: "90",
+        constants.NODE_SELECTOR_ENV: "kubernetes.azure.com/scalesetpriority=spot, !example.com/retired, pool in (a, b)",
     })  # fmt: skip
+    assert got.node_selector == "kubernetes.azure.com/scalesetpriority=spot,!example.com/retired,pool in (a, b)"
     assert (got.node_handling, got.metrics_port, got.peering_lifetime) == (False, 0, 90)
     assert (got.etcd_image, got.etcd_pull_secrets) == ("myacr.azurecr.io/coreos/etcd:v3.5.17", ("acr", "other"))
     assert got.nodes == NodePolicy(grace_seconds=45, cordon=True, full_disruption_share=0.3, eviction_rate=2)
@@ -51,6 +53,8 @@ def test_each_setting_is_read() -> None:
         (constants.NODE_EVICTION_RATE_ENV, "fast"),
         (constants.ETCD_IMAGE_ENV, "quay.io/etcd v3"),
         (constants.PEERING_LIFETIME_ENV, "5"),
+        (constants.NODE_SELECTOR_ENV, "pool in spot"),
+        (constants.NODE_SELECTOR_ENV, "pool=spot=1"),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_variable(variable: str, value: str) -> None:

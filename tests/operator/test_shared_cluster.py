@@ -19,7 +19,7 @@ from tests.operator.cluster import NS, Cluster, reconciles, wait_for
 from tests.operator.conftest import operator_running
 from tests.operator.jobs import good_job
 from torchspot_lab.kubeapi.emulator import Emulator
-from torchspot_operator import constants
+from torchspot_operator import constants, handlers
 from torchspot_operator.handlers import RECONCILE_INTERVAL
 
 GRACE = 3
@@ -275,3 +275,28 @@ def test_cordon_handling_on_moves_workers_off_and_kubelet_evictions_exhaust_the_
         assert said["status"] == "True"
         assert "last TerminationByKubelet x3" in said["message"], said
         assert wait_for("a BackOff Event", lambda: cluster.events("BackOff"))
+
+
+def test_a_node_selector_keeps_other_pools_out_of_the_node_cache(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCHSPOT_NODE_SELECTOR (the chart's nodes.watchSelector): the node watch keeps only the spot pool;
+    a worker that runs elsewhere has its node read by a GET, at most once per UNWATCHED_NODE_SECONDS."""
+    monkeypatch.setenv(constants.NODE_SELECTOR_ENV, f"{constants.SPOT_LABEL}={constants.SPOT_VALUE}")
+    api.add_node("spot-1")
+    api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1", "labels": {"pool": "system"}},
+                "spec": {}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}})  # fmt: skip
+    with operator_running():
+        api.create(good_job("pooled", minReplicas=1, maxReplicas=2))
+        wait_for("two workers", lambda: len(api.pods("pooled")) == 2)
+        first, second = api.names("pooled")
+        api.run_pod(first, "spot-1")
+        api.run_pod(second, "cpu-1")
+        wait_for("Running", lambda: _status(api, "pooled").get("phase") == "Running")
+        ours = handlers.controller()
+        wait_for("cpu-1 read by a GET", lambda: "cpu-1" in ours._read_nodes)
+        assert set(ours.nodes) == {"spot-1"}  # the watch's
+        reads = api.requests("GET", "v1/nodes")
+        seen = reconciles()
+        for n in range(3):  # three more reconciles of the job
+            api.patch("pods", first, {"metadata": {"labels": {"poke": str(n)}}})
+            wait_for("a reconcile", lambda n=n: reconciles() > seen + n)
+        assert api.requests("GET", "v1/nodes") == reads  # cpu-1 is not read again within 30 s

@@ -35,7 +35,8 @@ leaves out, this adds:
   e.g. `count/deployments.apps`, and the older `pods`, `secrets`, `services`, `configmaps`) or a pod's
   requests (`requests.<resource>`, e.g. `requests.nvidia.com/gpu`) past a ResourceQuota's
   `spec.hard` is refused with the API server's 403 "exceeded quota" message;
-- lists a page at a time (`limit`, `continue`), as the API server serves them to pagers;
+- lists a page at a time (`limit`, `continue`), as the API server serves them to pagers, and lists
+  and watches filtered by their `labelSelector` (kmock ignores it);
 - server-side apply's request (`application/apply-patch+yaml`, `fieldManager`, `force`) taken as a
   merge patch of the applied object: the values land, field ownership is not kept;
 - optimistic concurrency: a merge patch that names a `metadata.resourceVersion` other than the
@@ -63,6 +64,7 @@ import collections
 import itertools
 import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -75,7 +77,7 @@ import kmock._internal.parsing as kmock_parsing
 
 from torchspot_lab.kubeapi.admission import Admission, AdmissionError
 from torchspot_lab.kubeapi.podsecurity import ENFORCE_LABEL, restricted_violations
-from torchspot_operator import conditions, constants
+from torchspot_operator import conditions, constants, nodes
 from torchspot_operator.builders import merge_patch
 
 REQUEST_LOG = 8
@@ -158,6 +160,10 @@ class Emulator(kmock.KubernetesEmulator):
             info = RESOURCES.get(f"{version}/{resource.plural}")
             if info is not None:
                 payload = {"apiVersion": version, "kind": f"{info['kind']}List", **payload}
+            selector = str(request.params.get("labelSelector") or "")
+            if selector:
+                items = [i for i in payload.get("items") or [] if nodes.selected(_labels(i), selector)]
+                payload = {**payload, "items": items}
             limit = int(request.params.get("limit") or 0)
             if limit > 0:
                 start = int(request.params.get("continue") or 0)
@@ -434,6 +440,14 @@ class Emulator(kmock.KubernetesEmulator):
         task.add_done_callback(self._tasks.discard)
         return True
 
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """kmock's watch, filtered by its `labelSelector` as the API server filters it (lists too)."""
+        selector = str(request.params.get("labelSelector") or "")
+        async for event in super()._serve_watch(request):
+            found: dict[str, Any] = event.get("object") or {} if isinstance(event, dict) else {}
+            if not selector or found.get("kind", "Status") == "Status" or nodes.selected(_labels(found), selector):
+                yield event
+
     async def _serve_fetch_raw(self, request: kmock.Request) -> Any:
         stored = self._stored(request)
         return aiohttp.web.json_response(stored or {})
@@ -530,3 +544,7 @@ def _usage(pod: dict[str, Any], key: str) -> float:
         _quantity(((c.get("resources") or {}).get(field) or {}).get(name, 0))
         for c in pod.get("spec", {}).get("containers") or []
     )
+
+
+def _labels(obj: Mapping[str, Any]) -> dict[str, str]:
+    return dict((obj.get("metadata") or {}).get("labels") or {})
