@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -52,6 +51,7 @@ from bench.operator.run import RESULTS_DIR, peak_rss_mb, wait
 from bench.operator.run import job as minimal_job
 from torchspot_lab.etcd import free_port
 from torchspot_lab.kubeapi import KubeApi
+from torchspot_lab.scrape import metric_sum
 from torchspot_operator import builders, constants
 from torchspot_operator.builders import JobRef
 from torchspot_operator.kube import Kube, TokenBucket
@@ -162,15 +162,6 @@ def _make(world: World, args: argparse.Namespace) -> dict[str, list[str]]:
     return workers
 
 
-def _jobs_reported(port: int) -> float:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-            text = answer.read().decode()
-    except OSError:
-        return -1.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("torchspot_jobs{"))
-
-
 class RateSampler:
     """The emulator's served requests per second, sampled each second in a thread; its peak."""
 
@@ -206,7 +197,7 @@ def _start(
     started = time.perf_counter()
     with RateSampler(world) as rates:
         operator = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wait(f"{label}: every job reconciled", lambda: _jobs_reported(port) >= args.jobs, 900, poll=1.0)
+        wait(f"{label}: every job reconciled", lambda: metric_sum(port, "torchspot_jobs") >= args.jobs, 900, poll=1.0)
         took = time.perf_counter() - started
     print(f"[{label}] every job reconciled after {took:.1f} s; peak {rates.peak} requests/s", flush=True)
     return operator, {"seconds": took, "peak_requests_per_s": rates.peak}

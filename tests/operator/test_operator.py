@@ -33,6 +33,7 @@ from tests.operator.conftest import OPERATOR_ARGS, operator_running
 from tests.operator.jobs import crd, good_job, with_path
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.kubeapi import KubeApi
+from torchspot_lab.scrape import metric_sum
 from torchspot_operator import certs, constants
 from torchspot_operator.builders import JobRef
 from torchspot_operator.controller import Controller
@@ -557,16 +558,6 @@ def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api
     env = {**os.environ, "KUBECONFIG": str(api.api.kubeconfig), constants.NODE_HANDLING_ENV: "off",
            METRICS_PORT_ENV: str(port)}  # fmt: skip
 
-    def scraped() -> float:  # the operator process's reconciles, from its /metrics
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-                text = answer.read().decode()
-        except OSError:
-            return 0.0
-        return sum(
-            float(line.split()[1]) for line in text.splitlines() if line.startswith("torchspot_reconcile_seconds_count")
-        )
-
     with (tmp_path / "operator.log").open("w") as log, subprocess.Popen(
         [sys.executable, "-m", "torchspot_operator", "--standalone", "--all-namespaces"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -576,7 +567,7 @@ def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api
             _start(api, "nodeless", ["spot-1", "spot-1", "spot-1"])
             _phase(api, "nodeless", "Running")
             api.patch("nodes", "spot-1", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}, None)
-            with _settles(api, scraped):
+            with _settles(api, lambda: metric_sum(port, "torchspot_reconcile_seconds_count")):
                 api.patch("pods", "nodeless-worker-0", {"metadata": {"labels": {"poke": "1"}}})  # reconcile it
             assert len(api.pods("nodeless")) == 3
             assert api.requests(resource="v1/nodes") == 2  # this test's own create and patch

@@ -27,6 +27,7 @@ import pytest
 from tests.operator.cluster import NS, Cluster, wait_for
 from tests.operator.jobs import good_job
 from torchspot_lab.etcd import free_port
+from torchspot_lab.scrape import metric_sum
 from torchspot_operator import constants
 from torchspot_operator.metrics import METRICS_PORT_ENV
 
@@ -75,12 +76,7 @@ class Replica:
 
     def jobs_reported(self) -> float:
         """The sum of its `torchspot_jobs` gauge (0 when it reports none)."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5) as answer:
-                text = answer.read().decode()
-        except OSError:
-            return -1.0
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("torchspot_jobs{"))
+        return metric_sum(self.metrics, "torchspot_jobs")
 
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         self.process.send_signal(sig)
