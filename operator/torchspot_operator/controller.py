@@ -122,6 +122,8 @@ class _Memory:
     """The managed etcd's pods, read while its Deployment has none available (at most once a minute)."""
     applied: dict[str, str] = field(default_factory=dict)
     """The resourceVersion of each etcd object (by uid) after this process last applied it (see `Observed`)."""
+    generation: int = 0
+    """The job's `metadata.generation` as last reconciled: an event with another one is a spec change."""
     secret_made: bool = False
     """Whether the job's etcd Secret is known to be its own (made by this process, or its etcd exists)."""
 
@@ -259,6 +261,16 @@ class Controller:
         other jobs' status writes."""
         return await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name, urgent=True)
 
+    def job_news(self, body: Mapping[str, Any], *, deleted: bool) -> bool:
+        """Whether a job's watch event is a reason to reconcile it: the job is new to this process (or a new
+        incarnation of its name), its spec changed (`metadata.generation`), it is being deleted or gone.
+        A status write (the operator's own, or another replica's) is not."""
+        meta = body.get("metadata") or {}
+        memory = self._memory.get((str(meta.get("namespace", "")), str(meta.get("name", ""))))
+        if deleted or meta.get("deletionTimestamp") or memory is None or memory.uid != meta.get("uid"):
+            return True
+        return int(meta.get("generation") or 0) != memory.generation
+
     def pause(self, ahead: list[str]) -> None:
         """Note whether kopf's peering pauses this replica (`ahead`: the live peers of higher priority).
         Paused, it reports no job phases (the leader does) and forgets them, so a job deleted meanwhile
@@ -350,6 +362,7 @@ class Controller:
         meta = body["metadata"]
         memory = self._remember(namespace, name, str(meta.get("uid", "")))
         memory.body = body
+        memory.generation = int(meta.get("generation") or 0)
         if self._silent(memory) or self._unverified(memory):
             await self._verify(namespace, name, memory)
         memory.seen_at = time.monotonic()

@@ -94,7 +94,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _state["peering"] = settings.peering.name
         _state["priority"] = settings.peering.priority
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)  # unused:
+    # no handler compares specs (job_changed reads metadata.generation), so kopf writes no such annotation
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
@@ -250,12 +251,17 @@ async def close(**_: Any) -> None:
         await done.api.close()
 
 
-@kopf.on.create(constants.GROUP, constants.VERSION, constants.PLURAL)
-@kopf.on.update(constants.GROUP, constants.VERSION, constants.PLURAL, field="spec")
-@kopf.on.resume(constants.GROUP, constants.VERSION, constants.PLURAL)
-async def job_changed(name: str, namespace: str | None, **_: Any) -> None:
-    """A job appeared, changed its spec (suspend included), or was already there when the operator started."""
-    await controller().reconcile(namespace or "default", name)
+@kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL)
+async def job_changed(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:
+    """A job appeared (or was there when the operator started), its spec changed (suspend included: a new
+    `metadata.generation`), it is being deleted or is gone: reconcile it. Its own status writes (no new
+    generation) are not a reason.
+
+    An event handler, not kopf's create/update/resume handlers: those need kopf's copy of the last
+    handled spec in an annotation on the job (capped at 256 KiB with the rest, and a write to the job
+    at every change, each a 409 for a status write planned before it)."""
+    if controller().job_news(dict(body), deleted=type == "DELETED"):
+        await controller().reconcile(namespace or "default", name)
 
 
 def _active(body: kopf.Body, **_: Any) -> bool:

@@ -39,6 +39,8 @@ leaves out, this adds:
   and watches filtered by their `labelSelector` (kmock ignores it);
 - server-side apply's request (`application/apply-patch+yaml`, `fieldManager`, `force`) taken as a
   merge patch of the applied object: the values land, field ownership is not kept;
+- `metadata.generation`: 1 at create, one more at each merge patch that changes the spec (not
+  the status subresource), as controllers read it;
 - optimistic concurrency: a merge patch that names a `metadata.resourceVersion` other than the
   stored one is refused with the API server's 409 Conflict;
 - graceful deletion of pods, when `graceful` is set: a DELETE with a grace period marks the
@@ -160,6 +162,8 @@ class Emulator(kmock.KubernetesEmulator):
             info = RESOURCES.get(f"{version}/{resource.plural}")
             if info is not None:
                 payload = {"apiVersion": version, "kind": f"{info['kind']}List", **payload}
+            # The version the list is at (kmock says "..."): a watch from it replays nothing older.
+            payload["metadata"] = {**(payload.get("metadata") or {}), "resourceVersion": str(self._latest())}
             selector = str(request.params.get("labelSelector") or "")
             if selector:
                 items = [i for i in payload.get("items") or [] if nodes.selected(_labels(i), selector)]
@@ -178,6 +182,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.tokens: set[str] | None = None
         """Bearer tokens accepted (None: no authentication, as a plain lab API)."""
         self._versions = itertools.count(1)
+        self._version_now = 0
         self._serving: set[int] = set()
         self.admissions: dict[str, Admission] = {}
         """`group/plural` of each custom resource whose CRD was created, and its admission."""
@@ -214,8 +219,9 @@ class Emulator(kmock.KubernetesEmulator):
                 meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:10]}"
             meta.setdefault("uid", str(uuid.uuid4()))
             meta.setdefault("creationTimestamp", conditions.timestamp(datetime.now(UTC)))
+            meta["generation"] = 1
             self.arrived[str(meta["uid"])] = time.perf_counter()
-            meta["resourceVersion"] = str(next(self._versions))
+            meta["resourceVersion"] = self._next_version()
         try:
             if resource is not None:
                 gate = self._cut.get(str(resource.plural))
@@ -239,6 +245,18 @@ class Emulator(kmock.KubernetesEmulator):
                 del errors[: max(0, len(errors) - self.request_log // 2)]
             for reaction in self._payloads:  # each reaction keeps those it served, too
                 del reaction._requests[: max(0, len(reaction._requests) - self.request_log)]
+
+    def _KubernetesEmulator__get_objs(self, request: kmock.Request, strict: bool) -> list[Any]:
+        """kmock's lookup of the objects a request names, which scans every object it holds: with 20,000
+        objects (bench/operator/thousand.py) each GET, PATCH and DELETE cost milliseconds of the one
+        thread that serves every request. A request that names one object is looked up by its key;
+        anything else (lists, watches, a key that misses) is kmock's own scan."""
+        if strict and request.name is not None and request.resource is not None:
+            found = self._objects._objects.get((request.resource, request.namespace, request.name))
+            if found is not None:
+                return [found]
+        scan = kmock.KubernetesEmulator._KubernetesEmulator__get_objs  # type: ignore[attr-defined]
+        return list(scan(self, request, strict))
 
     def _stored(self, request: kmock.Request) -> dict[str, Any] | None:
         """The object a request names, as stored (None if there is none)."""
@@ -314,9 +332,16 @@ class Emulator(kmock.KubernetesEmulator):
         """A patch gets a new resourceVersion with it; one that cannot apply is refused (422)."""
         if request.action != kmock.action.UPDATE or request.data is None:
             return
-        version = str(next(self._versions))
+        version = self._next_version()
         if isinstance(request.data, dict):
-            request.data.setdefault("metadata", {})["resourceVersion"] = version
+            meta = request.data.setdefault("metadata", {})
+            meta["resourceVersion"] = version
+            stored = self._stored(request) if "spec" in request.data and not request.subresource else None
+            changed = stored is not None and dict(kmock_dicts.patch_dict(stored, request.data)).get(
+                "spec"
+            ) != stored.get("spec")
+            if stored is not None and changed:
+                meta["generation"] = int(stored.get("metadata", {}).get("generation") or 1) + 1  # a spec change
             return
         old = self._stored(request)
         if old is None:
@@ -421,7 +446,7 @@ class Emulator(kmock.KubernetesEmulator):
         meta = {
             "deletionTimestamp": now,
             "deletionGracePeriodSeconds": grace,
-            "resourceVersion": str(next(self._versions)),
+            "resourceVersion": self._next_version(),
         }
         async with self._lock:
             stored.patch({"metadata": meta})
@@ -441,12 +466,31 @@ class Emulator(kmock.KubernetesEmulator):
         return True
 
     async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
-        """kmock's watch, filtered by its `labelSelector` as the API server filters it (lists too)."""
+        """kmock's watch, filtered by its `labelSelector` as the API server filters it (lists too), and from
+        its `resourceVersion`: kmock replays every object as ADDED when a watch starts, so each of kopf's
+        watch reconnects (every `server_timeout`) sent 8,000 pods again; an object at or below the
+        version the watcher asked from is not sent (deletions in between are not kept, as kmock keeps
+        no history: a watcher that needs them relists, as after a 410)."""
         selector = str(request.params.get("labelSelector") or "")
+        since = str(request.params.get("resourceVersion") or "")
         async for event in super()._serve_watch(request):
-            found: dict[str, Any] = event.get("object") or {} if isinstance(event, dict) else {}
-            if not selector or found.get("kind", "Status") == "Status" or nodes.selected(_labels(found), selector):
+            said: dict[str, Any] = event if isinstance(event, dict) else {}
+            found: dict[str, Any] = said.get("object") or {}
+            if found.get("kind", "Status") == "Status":
                 yield event
+                continue
+            version = str((found.get("metadata") or {}).get("resourceVersion") or "")
+            old = since.isdigit() and version.isdigit() and int(version) <= int(since) and said.get("type") == "ADDED"
+            if not old and (not selector or nodes.selected(_labels(found), selector)):
+                yield event
+
+    def _latest(self) -> int:
+        """The newest resourceVersion given out."""
+        return self._version_now
+
+    def _next_version(self) -> str:
+        self._version_now = next(self._versions)
+        return str(self._version_now)
 
     async def _serve_fetch_raw(self, request: kmock.Request) -> Any:
         stored = self._stored(request)
@@ -511,7 +555,7 @@ class Emulator(kmock.KubernetesEmulator):
         for (resource, ns, found), obj in self._objects.items():
             if resource.plural == plural and ns == namespace and found == name and not obj.deleted:
                 async with self._lock:
-                    obj.patch({**patch, "metadata": {"resourceVersion": str(next(self._versions))}})
+                    obj.patch({**patch, "metadata": {"resourceVersion": self._next_version()}})
                     await self._buses[resource].put({"type": "MODIFIED", "object": obj.raw})
                 return
 
