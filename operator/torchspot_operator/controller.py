@@ -838,8 +838,8 @@ class Controller:
         """Whether a watch event brings a version of an object not seen before (a deletion always does).
 
         A watch that is re-established without a resourceVersion (a relist after the API
-        server compacted the watch's history; the lab's emulator on every reconnect) replays
-        every object as ADDED: without this, each replay reconciled every job at once.
+        server compacted the watch's history; kmock, under the lab's emulator, did on every
+        reconnect) replays every object as ADDED: without this, each replay reconciled every job at once.
         """
         meta = obj.get("metadata", {})
         uid, version = str(meta.get("uid", "")), str(meta.get("resourceVersion", ""))

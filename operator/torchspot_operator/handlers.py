@@ -1,7 +1,8 @@
 """kopf registrations, and the process state they share: every trigger leads to the same level-based reconcile.
 
 Run it with `kopf run -m torchspot_operator.handlers` (or `python -m torchspot_operator`).
-Triggers: an ElasticJob is created, its spec changes, the operator resumes, the timer
+Triggers: an ElasticJob appears (or is there when the operator starts), its spec changes (a new
+`metadata.generation`), it is deleted, the timer
 fires (every `RECONCILE_INTERVAL` seconds, for jobs that are neither finished, invalid
 nor suspended; it asks the API nothing unless something is due), one of its worker pods
 or managed etcd objects changes, or a node carrying its workers turns bad. Whatever
@@ -71,8 +72,9 @@ def controller() -> Controller:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Keep kopf's bookkeeping in annotations under our group and its chatter out of Events; watch
-    only our own objects; read the operator's own settings (settings.py: a bad one stops it)."""
+    """Keep kopf's bookkeeping (if any: no handler here needs it) in annotations under our group and its
+    chatter out of Events; watch only our own objects; read the operator's own settings (settings.py:
+    a bad one stops it)."""
     try:
         ours = read_settings(os.environ)
     except SettingsError as exc:
