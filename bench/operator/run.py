@@ -13,9 +13,9 @@ its own. In one run:
    operator's peak resident memory (VmHWM);
 3. quiet: the same 200 jobs, every worker Running and Ready, nothing happening; the
    requests the operator makes to the API in a window (`--quiet-window`, 330 s: longer
-   than kopf's 300 s watch cycle, so its watches reconnect inside it), per job per minute (counted by the emulator itself, so
-   this script's own reads do not count), and the operator's CPU in that window (its
-   timer ticks).
+   than kopf's 300 s watch cycle, so its watches reconnect inside it), per job per minute
+   (counted by the emulator itself, so this script's own reads do not count), and the
+   operator's CPU in that window (its timer ticks).
 
 There is no stock operator to run beside it here (the pytorch/elastic controller and
 Kubeflow's are Go programs that need a real API server), so the targets are absolute:
