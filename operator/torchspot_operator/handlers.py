@@ -38,6 +38,8 @@ from torchspot_operator.settings import OperatorSettings, SettingsError, read_se
 log = logging.getLogger(__name__)
 
 
+KOPF_WORKER_IDLE_SECONDS = 0.2
+"""How long kopf keeps an object's worker (and the last body it handled) after its last event."""
 RECONCILE_INTERVAL = 5.0
 """Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
 the start-up timeout, activeDeadlineSeconds, a failure backoff) or a milestone is acted on.
@@ -102,6 +104,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.chunk_size = LIST_PAGE  # kopf's listings page too: 8,000 pods never arrive in one answer
+    # kopf's per-object worker waits this long for the object's next event before it exits, holding
+    # the last event's whole body meanwhile (kopf/_core/reactor/queueing.py): at its 5 s default, a
+    # start that lists 8,000 AKS-sized pods held thousands of them at once (about 250 KiB each, parsed).
+    settings.queueing.idle_timeout = KOPF_WORKER_IDLE_SECONDS
 
 
 async def _credentials(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo | None:
