@@ -231,7 +231,8 @@ GRANTS: dict[tuple[str, str], set[tuple[str, str, str, str]]] = {
     ("ClusterRole", "torchspot-jobs"): {
         *(("torchspot.dev", "elasticjobs", verb, "") for verb in ("get", "list", "watch", "patch", "delete")),
         *(("torchspot.dev", "elasticjobs/status", verb, "") for verb in ("get", "patch")),
-        *(("", "pods", verb, "") for verb in ("get", "list", "watch", "create", "delete")),  # no patch or update
+        # patch: the counted annotation on a kept failed worker (Controller._keep); no update
+        *(("", "pods", verb, "") for verb in ("get", "list", "watch", "create", "patch", "delete")),
         *(
             (group, kind, verb, "")
             for group, kind in [
