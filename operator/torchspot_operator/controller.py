@@ -315,7 +315,7 @@ class Controller:
             memory = self._memory.get((namespace, name))
             if memory is not None and memory.body is not None and not self._silent(memory):
                 if self._unverified(memory):
-                    await self._verify(namespace, name, memory)  # a shared list: a few requests per namespace
+                    await self._verify(namespace, memory)  # a shared list: a few requests per namespace
                 memory.seen_at = time.monotonic()
                 try:
                     spec = self._spec(memory.body)
@@ -364,7 +364,7 @@ class Controller:
         memory.body = body
         memory.generation = int(meta.get("generation") or 0)
         if self._silent(memory) or self._unverified(memory):
-            await self._verify(namespace, name, memory)
+            await self._verify(namespace, memory)
         memory.seen_at = time.monotonic()
         old: Mapping[str, Any] = body.get("status") or {}
         job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)))
@@ -573,7 +573,7 @@ class Controller:
             else:
                 self.object_deleted(entry.namespace, entry.owner[0], entry.kind, entry.name)
 
-    async def _verify(self, namespace: str, name: str, memory: _Memory) -> None:
+    async def _verify(self, namespace: str, memory: _Memory) -> None:
         """Check the cache against the API for this job (the namespace's snapshot, taken after the job's last
         create and the last relist)."""
         snapshot = await self._snapshot(namespace, max(memory.created_at, self.relisted_at))

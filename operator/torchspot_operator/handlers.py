@@ -74,9 +74,9 @@ def controller() -> Controller:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    """Keep kopf's bookkeeping (if any: no handler here needs it) in annotations under our group and its
-    chatter out of Events; watch only our own objects; read the operator's own settings (settings.py:
-    a bad one stops it)."""
+    """Keep kopf's bookkeeping in annotations under our group (no handler compares specs: job_changed
+    reads metadata.generation, so kopf keeps no copy of the spec) and its chatter out of Events;
+    watch only our own objects; read the operator's own settings (settings.py: a bad one stops it)."""
     try:
         ours = read_settings(os.environ)
     except SettingsError as exc:
@@ -98,8 +98,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _state["peering"] = settings.peering.name
         _state["priority"] = settings.peering.priority
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP)  # unused:
-    # no handler compares specs (job_changed reads metadata.generation), so kopf writes no such annotation
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -163,7 +162,7 @@ class Emulator(kmock.KubernetesEmulator):
             if info is not None:
                 payload = {"apiVersion": version, "kind": f"{info['kind']}List", **payload}
             # The version the list is at (kmock says "..."): a watch from it replays nothing older.
-            payload["metadata"] = {**(payload.get("metadata") or {}), "resourceVersion": str(self._latest())}
+            payload["metadata"] = {**(payload.get("metadata") or {}), "resourceVersion": str(self._version_now)}
             selector = str(request.params.get("labelSelector") or "")
             if selector:
                 items = [i for i in payload.get("items") or [] if nodes.selected(_labels(i), selector)]
@@ -181,8 +180,8 @@ class Emulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.tokens: set[str] | None = None
         """Bearer tokens accepted (None: no authentication, as a plain lab API)."""
-        self._versions = itertools.count(1)
         self._version_now = 0
+        """The newest resourceVersion given out (`_next_version`)."""
         self._serving: set[int] = set()
         self.admissions: dict[str, Admission] = {}
         """`group/plural` of each custom resource whose CRD was created, and its admission."""
@@ -337,10 +336,9 @@ class Emulator(kmock.KubernetesEmulator):
             meta = request.data.setdefault("metadata", {})
             meta["resourceVersion"] = version
             stored = self._stored(request) if "spec" in request.data and not request.subresource else None
-            changed = stored is not None and dict(kmock_dicts.patch_dict(stored, request.data)).get(
+            if stored is not None and dict(kmock_dicts.patch_dict(stored, request.data)).get("spec") != stored.get(
                 "spec"
-            ) != stored.get("spec")
-            if stored is not None and changed:
+            ):
                 meta["generation"] = int(stored.get("metadata", {}).get("generation") or 1) + 1  # a spec change
             return
         old = self._stored(request)
@@ -484,12 +482,8 @@ class Emulator(kmock.KubernetesEmulator):
             if not old and (not selector or nodes.selected(_labels(found), selector)):
                 yield event
 
-    def _latest(self) -> int:
-        """The newest resourceVersion given out."""
-        return self._version_now
-
     def _next_version(self) -> str:
-        self._version_now = next(self._versions)
+        self._version_now += 1
         return str(self._version_now)
 
     async def _serve_fetch_raw(self, request: kmock.Request) -> Any:
