@@ -51,6 +51,7 @@ test: lint typecheck
 
 # The plain manifests in manifests/ are rendered from the chart (a test fails if they drift).
 manifests: venv
+	$(PY) tools/pod_schema.py
 	$(PY) tools/manifests.py $(HELM)
 
 # The CIFAR-10 example in the local sandbox through a scripted spot market (lab/scenarios/demo.yaml).

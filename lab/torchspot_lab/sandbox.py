@@ -80,7 +80,7 @@ def load_job(path: Path) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise JobFileError(f"{path}: metadata.name is required")
     try:
-        body = Admission(shipped_crd()).admit(body)  # refused as `kubectl apply` would refuse it
+        body = Admission(shipped_crd()).admit(body, strict=True)  # refused as `kubectl apply` would refuse it
         parse_spec(body.get("spec") or {})
     except (AdmissionError, InvalidSpecError) as exc:
         raise JobFileError(f"{path}: {exc}") from exc
@@ -192,7 +192,7 @@ def run_sandbox(
         agent.start()
         operator.start()
         try:
-            api.run(kube.create(job))
+            api.run(kube.create(job, strict=True))  # as `kubectl apply` sends it: a typo is refused, named
             timeline.start = time.time()
             timeline.add("submit", f"ElasticJob {name} submitted ({len(scenario.initial_nodes())} nodes)")
             status = _play(api, kube, name, scenario=scenario, agent=agent, timeline=timeline, say=say)

@@ -425,10 +425,15 @@ class Kube:
         """Objects of a kind, filtered by labels and fields (`spec.nodeName`), every page of them."""
         return [item async for page in self.pages(api_version, kind, namespace, labels, fields=fields) for item in page]
 
-    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Create an object and return it as stored; None if one of that name existed already (409)."""
+    async def create(self, obj: Mapping[str, Any], *, strict: bool = False) -> dict[str, Any] | None:
+        """Create an object and return it as stored; None if one of that name existed already (409).
+
+        :param strict: a field the API does not know is refused (400, naming it) instead of dropped with
+            a warning: `fieldValidation=Strict`, what `kubectl apply` sends for a user's manifest.
+        """
         meta = obj["metadata"]
         path = await self._collection(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        path += "?fieldValidation=Strict" if strict else ""
         try:
             created: dict[str, Any] = await self._request("POST", path, obj, urgent=True)
         except ApiError as exc:

@@ -74,7 +74,7 @@ def test_plain_manifests_pass_kubernetes_validate_strict() -> None:
 
 @pytest.mark.parametrize("name", JOBS)
 def test_example_jobs_pass_the_crd_schema_and_the_operator(name: str) -> None:
-    body = ADMISSION.admit(_load(EXAMPLES / name))
+    body = ADMISSION.admit(_load(EXAMPLES / name), strict=True)  # as `kubectl apply` sends them
     spec = parse_spec(body["spec"])
     assert spec.placement.spot
     assert spec.credentials_secret == _load(EXAMPLES / "blob-credentials.yaml")["metadata"]["name"]

@@ -159,8 +159,15 @@ def _trainer_events(run: Path) -> list[dict[str, Any]]:
                       "template": {"spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]}}}},
             "spec.minReplicas: minReplicas must not exceed maxReplicas",  # the CRD's CEL rule, as kubectl says
         ),
+        (
+            {"apiVersion": "torchspot.dev/v1alpha1", "kind": "ElasticJob", "metadata": {"name": "x"},
+             "spec": {"minReplicas": 1, "maxReplicas": 1,
+                      "template": {"spec": {"nodeSelecter": {"pool": "gpu"},
+                                            "containers": [{"name": "trainer", "image": "trainer:1"}]}}}},
+            'unknown field "spec.template.spec.nodeSelecter"',  # the pod template's schema, strict as kubectl
+        ),
     ],
-    ids=["not-a-job", "wrong-version", "bad-spec"],
+    ids=["not-a-job", "wrong-version", "bad-spec", "template-typo"],
 )  # fmt: skip
 def test_a_bad_job_file_stops_before_anything_starts(
     job: dict[str, Any], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

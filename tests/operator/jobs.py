@@ -85,6 +85,31 @@ BAD = [
         "spec.template.spec.containers.0",
         "'image' is a required property",
     ),
+    # The template is checked against Kubernetes' PodSpec (tools/pod_schema.py), deep inside too.
+    (
+        "template grace a word",
+        with_path("template.spec.terminationGracePeriodSeconds", "ninety"),
+        "spec.template.spec.terminationGracePeriodSeconds",
+        "is not of type 'integer'",
+    ),
+    (
+        "env without a name",
+        with_path("template.spec.containers[0].env", [{"value": "1"}]),
+        "spec.template.spec.containers.0.env.0",
+        "'name' is a required property",
+    ),
+    (
+        "container port a word",
+        with_path("template.spec.containers[0].ports", [{"containerPort": "http"}]),
+        "spec.template.spec.containers.0.ports.0.containerPort",
+        "is not of type 'integer'",
+    ),
+    (
+        "toleration seconds a list",
+        with_path("template.spec.tolerations", [{"key": "a", "tolerationSeconds": [1]}]),
+        "spec.template.spec.tolerations.0.tolerationSeconds",
+        "is not of type 'integer'",
+    ),
     ("clean policy unknown", with_path("cleanPodPolicy", "Sometimes"), "spec.cleanPodPolicy", "is not one of"),
     (
         "interval zero",

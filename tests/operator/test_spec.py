@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.operator.jobs import BAD, IMMUTABLE, MUTABLE, crd, good_job, with_path
-from torchspot_lab.kubeapi.admission import Admission, AdmissionError, apply_defaults
+from torchspot_lab.kubeapi.admission import Admission, AdmissionError, UnknownFieldsError, apply_defaults
 from torchspot_operator import constants
 from torchspot_operator.spec import InvalidSpecError, JobSpec, default_etcd_placement, parse_spec
 
@@ -49,6 +49,29 @@ def test_the_api_server_refuses(case: str, body: dict[str, Any], field: str, sai
         _admit(body)
     assert any(problem.startswith(field) and said in problem for problem in info.value.problems), info.value.problems
     assert 'ElasticJob.torchspot.dev "' in str(info.value)
+
+
+def test_a_typo_in_the_pod_template_is_refused_by_name_under_strict_and_pruned_otherwise() -> None:
+    """kubectl sends fieldValidation=Strict: the misspelt field is named at `kubectl apply`. Other clients
+    get it dropped (as the API server prunes a field its schema does not declare), never stored."""
+    body = with_path("template.spec.nodeSelecter", {"pool": "gpu"})
+    with pytest.raises(UnknownFieldsError) as info:
+        ADMISSION.admit(body, strict=True)
+    assert info.value.problems == ['unknown field "spec.template.spec.nodeSelecter"']
+    assert info.value.status == 400
+    stored = ADMISSION.admit(body)
+    assert "nodeSelecter" not in stored["spec"]["template"]["spec"]
+    assert stored["spec"]["template"]["spec"]["containers"][0]["image"]  # the rest is kept
+
+
+def test_quantities_and_ports_take_a_number_or_a_string() -> None:
+    container = {
+        "name": "trainer", "image": "trainer:1",
+        "resources": {"limits": {"cpu": 2, "memory": "8Gi", "nvidia.com/gpu": 8}, "requests": {"cpu": "500m"}},
+        "livenessProbe": {"httpGet": {"port": "metrics"}}, "readinessProbe": {"httpGet": {"port": 8080}},
+    }  # fmt: skip
+    stored = ADMISSION.admit(with_path("template.spec.containers", [container]), strict=True)
+    assert stored["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == 2
 
 
 def test_every_problem_is_reported_at_once() -> None:

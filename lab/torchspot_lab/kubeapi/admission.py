@@ -4,12 +4,15 @@ The lab's API emulator (kmock) stores whatever it is sent, so on its own it woul
 through every ElasticJob that a real cluster refuses at `kubectl apply`. `Admission`
 plays that part from the CRD object itself, the way kube-apiserver does:
 
-1. defaults: every `default` of the schema is filled in where the field is absent
+1. pruning: a field the schema does not declare (where it does not keep unknown fields)
+   is dropped, or with `fieldValidation=Strict` (what kubectl sends) the object is refused
+   naming it (`unknown_fields`);
+2. defaults: every `default` of the schema is filled in where the field is absent
    (recursively, so a defaulted object gets its own fields' defaults), and the stored
    object carries them;
-2. the structural schema (types, required fields, minimums, enums, patterns), checked
+3. the structural schema (types, required fields, minimums, enums, patterns), checked
    with `jsonschema` (the keywords a CRD schema uses mean the same in JSON Schema);
-3. every `x-kubernetes-validations` rule, evaluated with `cel-python` on the part of the
+4. every `x-kubernetes-validations` rule, evaluated with `cel-python` on the part of the
    object it is attached to, `fieldPath` and `message` included. A rule that names
    `oldSelf` is a transition rule: it runs on an update only, where the old object has
    a value at that place too, as the API server's are.
@@ -27,15 +30,84 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 RULE_OLD_SELF = "oldSelf"
+OBJECT_FIELDS = frozenset({"apiVersion", "kind", "metadata"})
+"""The root fields the API server handles itself, whatever the schema says (ObjectMeta is never pruned)."""
 
 logging.getLogger("celpy").setLevel(logging.WARNING)  # several debug lines per rule evaluated, otherwise
+
+
+def unknown_fields(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]:
+    """Where `value` has a field `schema` does not declare, below a node that does not keep unknown
+    fields (`x-kubernetes-preserve-unknown-fields`): what the API server prunes, or refuses under
+    `fieldValidation=Strict`, as `.spec.template.spec.nodeSelecter` (pure)."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        declared = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            if not path and key in OBJECT_FIELDS:
+                continue
+            sub = declared.get(key, extra if isinstance(extra, Mapping) else None)
+            if sub is not None:
+                found += unknown_fields(sub, item, f"{path}.{key}")
+            elif not schema.get("x-kubernetes-preserve-unknown-fields"):
+                found.append(f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for index, item in enumerate(value):
+            found += unknown_fields(schema["items"], item, f"{path}[{index}]")
+    return found
+
+
+def pruned(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
+    """`value` without the fields `unknown_fields` names (a copy; pure)."""
+    if isinstance(value, dict):
+        declared = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        kept: dict[str, Any] = {}
+        for key, item in value.items():
+            sub = declared.get(key, extra if isinstance(extra, Mapping) else None)
+            if not path and key in OBJECT_FIELDS:
+                kept[key] = copy.deepcopy(item)
+            elif sub is not None:
+                kept[key] = pruned(sub, item, f"{path}.{key}")
+            elif schema.get("x-kubernetes-preserve-unknown-fields"):
+                kept[key] = copy.deepcopy(item)
+        return kept
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [pruned(schema["items"], item, f"{path}[{index}]") for index, item in enumerate(value)]
+    return copy.deepcopy(value)
+
+
+def _checkable(schema: Any) -> Any:
+    """The schema as jsonschema reads it: `x-kubernetes-int-or-string` is `integer` or `string` (pure)."""
+    if isinstance(schema, list):
+        return [_checkable(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {key: _checkable(sub) for key, sub in schema.items()}
+    if schema.get("x-kubernetes-int-or-string") and "type" not in schema:
+        out["type"] = ["integer", "string"]
+    return out
 
 
 class AdmissionError(ValueError):
     """An object the API server would refuse; `problems` in the API server's order (schema, then rules)."""
 
+    status = 422
+
     def __init__(self, kind: str, name: str, problems: Sequence[str]) -> None:
         super().__init__(f'{kind} "{name}" is invalid: ' + "; ".join(problems))
+        self.problems = list(problems)
+
+
+class UnknownFieldsError(AdmissionError):
+    """Fields the schema does not declare, under `fieldValidation=Strict`: the API server answers 400
+    (its decoder refuses the body before any validation)."""
+
+    status = 400
+
+    def __init__(self, kind: str, name: str, problems: Sequence[str]) -> None:
+        ValueError.__init__(self, f'{kind} "{name}" cannot be handled: strict decoding error: ' + ", ".join(problems))
         self.problems = list(problems)
 
 
@@ -74,19 +146,28 @@ class Admission:
             for version in spec["versions"]
             if version.get("served", True)
         }
+        self._checked: dict[int, tuple[Mapping[str, Any], Any]] = {}
+        """jsonschema's reading of each schema checked, by identity (the schema kept, so its id stays its)."""
         self._programs: dict[str, Any] = {}
 
-    def admit(self, new: Mapping[str, Any], old: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The object as it would be stored (defaults filled in); raises `AdmissionError` listing every problem.
+    def admit(
+        self, new: Mapping[str, Any], old: Mapping[str, Any] | None = None, *, strict: bool = False
+    ) -> dict[str, Any]:
+        """The object as it would be stored (unknown fields pruned, defaults filled in); raises
+        `AdmissionError` listing every problem.
 
         :param old: the stored object, on an update (transition rules compare against it).
+        :param strict: refuse unknown fields instead of pruning them (`fieldValidation=Strict`).
         """
         name = str((new.get("metadata") or {}).get("name", ""))
         schema = self.schemas.get(str(new.get("apiVersion", "")))
         if schema is None:
             versions = ", ".join(sorted(self.schemas))
             raise AdmissionError(self.kind, name, [f"apiVersion: {new.get('apiVersion')!r} is not served ({versions})"])
-        stored: dict[str, Any] = apply_defaults(schema, new)
+        unknown = unknown_fields(schema, new)
+        if unknown and strict:
+            raise UnknownFieldsError(self.kind, name, [f'unknown field "{where.lstrip(".")}"' for where in unknown])
+        stored: dict[str, Any] = apply_defaults(schema, pruned(schema, new))
         problems = self.problems(schema, stored, None if old is None else apply_defaults(schema, old))
         if problems:
             raise AdmissionError(f"{self.kind}.{self.group}", name, problems)
@@ -98,11 +179,17 @@ class Admission:
 
         found = [
             f"{'.'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
-            for error in jsonschema.Draft7Validator(schema).iter_errors(value)
+            for error in jsonschema.Draft7Validator(self._checkable(schema)).iter_errors(value)
         ]
         if not found:  # as in the API server, rules only run on a structurally valid object
             self._rules(schema, value, old, "", found)
         return found
+
+    def _checkable(self, schema: Mapping[str, Any]) -> Any:
+        found = self._checked.get(id(schema))
+        if found is None:
+            found = self._checked[id(schema)] = (schema, _checkable(schema))
+        return found[1]
 
     def _rules(self, schema: Mapping[str, Any], value: Any, old: Any, path: str, found: list[str]) -> None:
         """Evaluate the rules attached at `schema` on `value`, then those below it."""

@@ -18,9 +18,11 @@ leaves out, this adds:
   and watches namespaces) from starting; `_parse_path` reads those paths as the API
   server does;
 - admission of custom resources: once a CustomResourceDefinition object is created,
-  every create and patch of its resources is defaulted and checked against its schema
-  and CEL rules, transition rules included (`admission.py`), and refused with a 422
-  naming each problem, as `kubectl apply` against a cluster would be;
+  every create and patch of its resources is pruned of undeclared fields, defaulted and
+  checked against its schema and CEL rules, transition rules included (`admission.py`),
+  and refused with a 422 naming each problem, as `kubectl apply` against a cluster would
+  be; with `fieldValidation=Strict` (kubectl's default) an undeclared field is refused
+  with a 400 naming it instead of pruned;
 - delete preconditions: a DELETE whose `preconditions.uid` (or `resourceVersion`)
   does not match the object is refused with a 409, as the API server refuses it, so
   a controller's "delete only what I own" guard can be tested;
@@ -277,9 +279,10 @@ class Emulator(kmock.KubernetesEmulator):
         admission = self.admissions.get(f"{resource.group}/{resource.plural}")
         if admission is None or request.subresource is not None:
             return
+        strict = request.params.get("fieldValidation") == "Strict"  # what kubectl sends
         try:
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-                stored = admission.admit(request.data)
+                stored = admission.admit(request.data, strict=strict)
                 request.data.clear()
                 request.data.update(stored)
             elif request.action == kmock.action.UPDATE and request.data is not None:
@@ -290,14 +293,17 @@ class Emulator(kmock.KubernetesEmulator):
                     new = dict(kmock_dicts.patch_dict(old, request.data))
                 except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException):
                     return  # refused as a patch that cannot apply (`_version`)
-                stored = admission.admit(new, old)
-                if isinstance(request.data, dict):  # store the defaults too, as the API server does
+                stored = admission.admit(new, old, strict=strict)
+                if isinstance(request.data, dict):  # store the defaults (and the pruning) too, as the API server does
                     patch = merge_patch(old, stored)
                     request.data.clear()
                     request.data.update(patch)
         except AdmissionError as exc:
             raise kmock.KubernetesError(
-                status=422, reason="Invalid", message=str(exc), details={"causes": exc.problems}
+                status=exc.status,
+                reason="Invalid" if exc.status == 422 else "BadRequest",
+                message=str(exc),
+                details={"causes": exc.problems},
             ) from exc
 
     def _enforced(self, namespace: str | None) -> bool:
