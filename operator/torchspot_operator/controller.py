@@ -121,7 +121,11 @@ class _Memory:
     etcd_pods_at: float = 0.0
     """The managed etcd's pods, read while its Deployment has none available (at most once a minute)."""
     applied: dict[str, str] = field(default_factory=dict)
-    """The resourceVersion of each etcd object (by uid) after this process last applied it (see `Observed`)."""
+    """The resourceVersion at which each etcd object (by uid) is known to hold the build of `built_for`
+    (see `Observed.applied`)."""
+    built_for: tuple[int, int] = (0, 0)
+    """The job's (generation, resumes) that `applied` holds for: what the etcd objects are built from,
+    with the job's uid and the operator's settings, which do not change for a memory."""
     generation: int = 0
     """The job's `metadata.generation` as last reconciled: an event with another one is a spec change."""
     secret_made: bool = False
@@ -142,6 +146,10 @@ class _Snapshot:
 
     started: float
     """When its first list was sent (monotonic): it shows every create that returned before."""
+    finished: float
+    """When its last page came: its age counts from here. Counted from the start, a namespace whose
+    lists take longer than `SNAPSHOT_SECONDS` (12,000 AKS-sized objects on a busy API) would be
+    listed again for every job that waited on it, one job per listing."""
 
 
 class Controller:
@@ -322,6 +330,7 @@ class Controller:
                 except InvalidSpecError:
                     return None
                 dry = plan(await self._observe(memory.body, spec, memory))
+                memory.applied.update(dry.settled)
                 old = memory.body.get("status") or {}
                 if not dry.acts() and not _changed(old, dry.status):
                     self.last_reconcile = time.monotonic()
@@ -381,6 +390,7 @@ class Controller:
             return None
         seen = await self._observe(body, spec, memory, now=now)
         decided = plan(seen)
+        memory.applied.update(decided.settled)
         if decided.status.get("phase") in conditions.FINISHED_PHASES:
             self.milestones.forget(str(old.get("runId", job.run_id)))
         vanished = list(memory.vanished)
@@ -420,6 +430,9 @@ class Controller:
         namespace, name = str(meta["namespace"]), str(meta["name"])
         old: Mapping[str, Any] = body.get("status") or {}
         job = JobRef(name, namespace, memory.uid, resumes=int(old.get("resumes", 0)), operator=self.operator)
+        if memory.built_for != (memory.generation, job.resumes):  # another build: nothing is known to hold it
+            memory.applied.clear()
+            memory.built_for = (memory.generation, job.resumes)
         pods = self._pods(namespace, memory)
         etcd = self._etcd(namespace, memory)
         self._prune(memory, pods, etcd.values())
@@ -537,14 +550,14 @@ class Controller:
 
     async def _snapshot(self, namespace: str, after: float) -> _Snapshot:
         """Read what the namespace's jobs own from the API, unless the last read started after `after` and
-        is at most `SNAPSHOT_SECONDS` old: a labelled list per kind, a page at a time (`Kube.pages`).
+        finished at most `SNAPSHOT_SECONDS` ago: a labelled list per kind, a page at a time (`Kube.pages`).
         The cache takes what it lacked and forgets what the API no longer has; a forgotten worker pod
         is counted as deleted by someone else, as its DELETED event would have been. Shared by every
         job of the namespace, so checking 200 jobs costs five lists, not a thousand requests."""
         async with self._snapshot_locks.setdefault(namespace, asyncio.Lock()):
             found = self._snapshots.get(namespace)
             clock = time.monotonic()
-            if found is not None and found.started > after and clock - found.started <= constants.SNAPSHOT_SECONDS:
+            if found is not None and found.started > after and clock - found.finished <= constants.SNAPSHOT_SECONDS:
                 return found
             started = self.caches.clock()
             uids: set[str] = set()
@@ -555,7 +568,7 @@ class Controller:
                 async for page in self.api.pages(api_version, kind, namespace, {constants.LABEL_ROLE: role}):
                     uids.update(self.caches.listed(kind, page, started))
             self._missed(self.caches.missing(namespace, uids, started))
-            snapshot = self._snapshots[namespace] = _Snapshot(clock)
+            snapshot = self._snapshots[namespace] = _Snapshot(clock, time.monotonic())
             return snapshot
 
     def _missed(self, gone: list[Entry]) -> None:

@@ -5,8 +5,11 @@ one waits are folded into it (`Controller.reconcile`)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import kopf
+import pytest
 from kopf._core.engines import posting
 
 from tests.operator.cluster import NS, Cluster
@@ -66,3 +69,30 @@ def test_a_burst_of_triggers_for_a_job_queues_one_reconcile(api: Cluster) -> Non
     assert sum(plan is not None for plan in done) == 1
     assert api.requests("GET", reads) - before == 1  # one read of the job for the ten
     assert len(api.pods("burst")) == 3  # and that reconcile did the work
+
+
+def test_a_namespace_list_slower_than_its_freshness_still_serves_the_jobs_that_waited_on_it(
+    api: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs whose caches are due a check wait on one namespace snapshot. When listing the namespace takes
+    longer than `SNAPSHOT_SECONDS` (12,000 AKS-sized objects on a busy API server), the snapshot still
+    serves them: its age counts from its last page. Counted from its first, every waiting job listed
+    the namespace again, one job per listing (1,000 jobs took minutes to start)."""
+    monkeypatch.setattr(constants, "SNAPSHOT_SECONDS", 0.05)
+    controller = Controller(api.kube)
+    pages = controller.api.pages
+
+    async def slow(*args: Any, **kwargs: Any) -> AsyncIterator[list[dict[str, Any]]]:
+        async for page in pages(*args, **kwargs):
+            await asyncio.sleep(0.03)  # five kinds: the listing takes three times the freshness
+            yield page
+
+    monkeypatch.setattr(controller.api, "pages", slow)
+    pods = "v1/pods"
+
+    async def waiting_jobs() -> None:
+        await asyncio.gather(*(controller._snapshot(NS, after=0.0) for _ in range(5)))
+
+    before = api.requests("GET", pods)
+    api.api.run(waiting_jobs())
+    assert api.requests("GET", pods) - before == 1  # one listing for the five

@@ -291,6 +291,31 @@ class TestEtcd:
         del relabelled["metadata"]["labels"][constants.LABEL_ROLE]
         assert not builders.covers(relabelled, desired)
 
+    def test_objects_found_holding_the_build_are_not_compared_again_at_their_version(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A timer tick of a settled job builds and compares nothing; a new version of one object (someone's
+        edit) is compared again, and drift found."""
+        etcd = copy.deepcopy(_etcd())
+        for index, obj in enumerate(etcd.values()):
+            obj["metadata"]["resourceVersion"] = str(index + 1)
+        first = _plan([_pod(0)], etcd=etcd, old=_running())
+        assert first.settled == {o["metadata"]["uid"]: o["metadata"]["resourceVersion"] for o in etcd.values()}
+
+        def no_build(*_: Any) -> list[dict[str, Any]]:
+            raise AssertionError("built although every object is known to hold the build")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(builders, "etcd_objects", no_build)
+            again = _plan([_pod(0)], etcd=etcd, old=first.status, applied=first.settled)
+        assert again.update == []
+        assert again.settled == {}
+        scaled = copy.deepcopy(etcd)
+        scaled["Deployment"]["spec"]["replicas"] = 0  # kubectl scale: a new version
+        scaled["Deployment"]["metadata"]["resourceVersion"] = "9"
+        drifted = _plan([_pod(0)], etcd=scaled, old=first.status, applied=first.settled)
+        assert [(u.kind, u.apply) for u in drifted.update] == [("Deployment", True)]
+
 
 class TestConditions:
     def test_transition_time_moves_only_when_the_status_flips(self) -> None:
