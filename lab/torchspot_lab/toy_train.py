@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.broadcast(start, src=0)
     dist.broadcast(w, src=0)
     step = int(start.item())
-    _emit(args.events, "joined", rank=rank, world=world)
+    # What the launcher set for NCCL (nccl.py) reaches the worker whatever torchrun's agent would set.
+    nccl = {key: os.environ.get(key) for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_RETHROW_CUDA_ERRORS")}
+    _emit(args.events, "joined", rank=rank, world=world, nccl=nccl)
     if rank == 0:
         _emit(args.events, "start", step=step, world=world,
               restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))  # fmt: skip

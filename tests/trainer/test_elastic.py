@@ -113,6 +113,11 @@ def test_forms_group_assigns_ranks_and_admits_late_joiner(
     two = _await_world(job, 2, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, two["group"])) == 2, 10, "both ranks to join")
     assert _ranks_of_group(job, two["group"]) == [0, 1]
+    # torchrun's agent would give each worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1; the launcher sets 0 first.
+    joined = [e for e in _events(job) if e["event"] == "joined"]
+    assert joined
+    off = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+    assert all(e["nccl"] == off for e in joined)
 
     joined_at = time.time()
     late = nodes(job, 1)

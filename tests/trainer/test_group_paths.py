@@ -16,14 +16,26 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from torchspot_trainer.recovery.group import NCCL_ERROR_HANDLING_ENV, StepWatchdog, control_group, nccl_environment
+from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, WORKER_NCCL_DEFAULTS, worker_environment
+from torchspot_trainer.recovery.group import (
+    Group,
+    StepWatchdog,
+    abort_group,
+    control_group,
+    group_timeout,
+    nccl_environment,
+)
 from torchspot_trainer.recovery.hostcopy import HostCopy
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, node_levels
+from torchspot_trainer.recovery.resume import find_state
+from torchspot_trainer.recovery.snapshot import Held
 from torchspot_trainer.recovery.wire import WireError, flatten, unflatten
 
 WORKER = Path(__file__).with_name("group_worker.py")
@@ -151,6 +163,83 @@ def test_a_host_copy_every_k_steps_holds_the_last_multiple_of_k() -> None:
         HostCopy(torch.device("cpu"), every=0)
 
 
+class _Device:
+    """A device whose copies finish when the test says: each fill returns an event (query, synchronize),
+    as a CUDA copy on a side stream does; `block` makes the next fill itself block, as a copy does
+    when a wedged collective has filled the launch queue."""
+
+    def __init__(self) -> None:
+        self.events: list[threading.Event] = []
+        self.block: threading.Event | None = None
+
+    def fill(self, buffers: list[torch.Tensor], live: list[torch.Tensor]) -> Any:
+        if self.block is not None:
+            self.block.wait()
+        for buffer, tensor in zip(buffers, live, strict=True):
+            buffer.copy_(tensor)
+        done = threading.Event()
+        self.events.append(done)
+        return SimpleNamespace(query=done.is_set, synchronize=done.wait)
+
+
+def _state_at(step: int) -> dict[str, Any]:
+    return {"w": torch.full((2,), float(step)), "step": step}
+
+
+def _steps(copy: HostCopy, steps: range) -> None:
+    for step in steps:
+        copy.capture(step, partial(_state_at, step))
+
+
+def test_a_snapshot_is_written_while_a_capture_is_stuck_in_a_device_copy() -> None:
+    """SIGTERM arrives while the training thread is blocked in a copy (a wedged NCCL collective filled the
+    launch queue): the snapshot is the newest whole copy, written at once, not after the device."""
+    device = _Device()
+    copy = HostCopy(torch.device("cpu"), fill=device.fill)
+    _steps(copy, range(1, 3))
+    for done in device.events:
+        done.set()  # the device finished steps 1 and 2
+    device.block = threading.Event()
+    stuck = threading.Thread(target=_steps, args=(copy, range(3, 4)), daemon=True)
+    stuck.start()
+    started = time.monotonic()
+    written = copy.write_from(lambda state: None if state is None else state["step"])
+    assert written == 2
+    assert time.monotonic() - started < 1.0  # not the device's time (the old lock was held across the copy)
+    assert stuck.is_alive()  # still blocked in the device
+    device.block.set()
+    stuck.join(5)
+
+
+def test_the_ring_keeps_the_newest_whole_copy_when_the_device_stalls_behind_the_host() -> None:
+    """The device finished step 1 and hangs in step 2 while the host runs on: the copy of step 1 is never
+    overwritten (two slots lost it at step 3); the host waits, on the device, once the ring is full."""
+    device = _Device()
+    copy = HostCopy(torch.device("cpu"), fill=device.fill)
+    _steps(copy, range(1, 2))
+    device.events[0].set()
+    _steps(copy, range(2, 4))  # steps 2 and 3 captured, never finished by the device
+    held = copy.latest()
+    assert held is not None
+    assert held["step"] == 1
+    ahead = threading.Thread(target=_steps, args=(copy, range(4, 5)), daemon=True)
+    ahead.start()
+    ahead.join(0.3)
+    assert ahead.is_alive()  # the host's lead is bounded: it waits for the device
+    held = copy.latest()
+    assert held is not None
+    assert held["step"] == 1
+    assert copy.write_from(lambda state: None if state is None else state["step"]) == 1
+    device.events[1].set()  # the device finishes step 2: the capture of step 4 goes on
+    ahead.join(5)
+    assert not ahead.is_alive()
+    held = copy.latest()
+    assert held is not None
+    assert held["step"] == 2
+    with pytest.raises(ValueError, match="at least 3"):
+        HostCopy(torch.device("cpu"), slots=2)
+
+
 def test_without_copies_a_cpu_snapshot_is_the_live_state_except_during_an_update() -> None:
     weight = torch.zeros(2)
     kept = HostCopy(torch.device("cpu"))
@@ -205,3 +294,55 @@ def test_the_step_watchdog_ends_a_worker_stuck_between_boundaries_only_while_arm
 def test_nccl_error_handling_is_ours_unless_the_user_chose() -> None:
     assert nccl_environment({}) == {NCCL_ERROR_HANDLING_ENV: "0"}
     assert nccl_environment({NCCL_ERROR_HANDLING_ENV: "3"}) == {}
+
+
+def test_the_launcher_turns_nccls_teardown_off_for_its_workers_unless_the_user_chose() -> None:
+    assert worker_environment({}) == dict(WORKER_NCCL_DEFAULTS)
+    assert worker_environment({NCCL_ERROR_HANDLING_ENV: "3"}).get(NCCL_ERROR_HANDLING_ENV) is None  # the user's stays
+    assert WORKER_NCCL_DEFAULTS[NCCL_ERROR_HANDLING_ENV] == "0"
+    assert group_timeout(300).total_seconds() > 300  # the step watchdog (300 s) always acts first
+
+
+def test_an_armed_exit_deadline_ends_a_process_stuck_below_python() -> None:
+    """A C call that never returns (here: a lock acquired twice, in C, with the GIL released) cannot keep
+    a worker past its deadline; every thread's traceback is left on stderr."""
+    stuck = (
+        "import threading, sys\n"
+        "from torchspot_trainer.recovery.group import arm_exit_deadline\n"
+        "arm_exit_deadline(0.5)\n"
+        "lock = threading.Lock(); lock.acquire(); lock.acquire()\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", stuck], check=False, capture_output=True, text=True, timeout=30)
+    assert time.monotonic() - started < 20
+    assert done.returncode == 1
+    assert "Timeout" in done.stderr
+    assert "lock.acquire" in done.stderr or "line 4" in done.stderr
+
+
+def test_a_communicator_abort_that_never_returns_does_not_keep_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    never = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", never.wait)
+    started = time.monotonic()
+    abort_group(deadline=0.2)
+    assert time.monotonic() - started < 2.0
+    never.set()
+
+
+def test_without_a_checkpoint_uri_a_re_formed_group_resumes_from_the_nodes_snapshot(tmp_path: Path) -> None:
+    """A run with no --checkpoint-uri wrote a snapshot at every loss and then started the next round from
+    step 0 (the resume ran only with a checkpoint manager). Now the snapshot is the state; with none,
+    the start."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = Group(0, 1, torch.device("cpu"))
+        state = {"step": 25, "w": torch.ones(2)}
+        found, resumed = find_state(group, None, (Held(base=0, step=25), state))
+        assert found == "snapshot"
+        assert resumed is not None
+        assert resumed["step"] == 25
+        assert find_state(group, None, None) == ("start", None)
+    finally:
+        dist.destroy_process_group()

@@ -122,7 +122,7 @@ class TrainConfig:
     collective_timeout: float = 300.0
     """Seconds a step (or any wait on the group) may take before the worker counts its group as
     broken: it writes its node's snapshot, aborts its communicator and exits, and the agents
-    re-form the group. Also the process group's own timeout."""
+    re-form the group. The process group's own timeout is twice this (the watchdog acts first)."""
     snapshot_every: int = 1
     """GPUs: steps between host copies of the state, which a node's snapshot is written from (1:
     the snapshot holds the last completed step; K: a copy costs 1/K as much, and the snapshot may

@@ -30,6 +30,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
+from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
 
@@ -186,6 +187,9 @@ def handle_sigterm_ourselves(args: argparse.Namespace) -> None:
 
 @record
 def _launch(args: argparse.Namespace) -> None:
+    # Before any worker or the fork server starts (each copies this environment): torchrun's agent
+    # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (recovery/group.py says why not).
+    os.environ.update(worker_environment(os.environ))
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)
     try:

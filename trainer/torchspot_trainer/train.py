@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
@@ -66,7 +65,15 @@ from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import BatchRule, build_optimizer, learning_rate
 from torchspot_trainer.precision import Precision
-from torchspot_trainer.recovery.group import Group, StepWatchdog, abort_group, control_group, nccl_environment
+from torchspot_trainer.recovery.group import (
+    Group,
+    StepWatchdog,
+    abort_group,
+    arm_exit_deadline,
+    control_group,
+    group_timeout,
+    nccl_environment,
+)
 from torchspot_trainer.recovery.hostcopy import HostCopy
 from torchspot_trainer.recovery.notices import EXIT_FAILED, NoticeStop, leave
 from torchspot_trainer.recovery.resume import find_state
@@ -415,7 +422,7 @@ class Trainer:
         decoder = DeviceDecoder(gpu_decoder(), self.device, config.image_size) if config.decode == "gpu" else None
         if self.backend == "nccl":
             os.environ.update(nccl_environment(os.environ))
-        dist.init_process_group(self.backend, timeout=timedelta(seconds=config.collective_timeout))
+        dist.init_process_group(self.backend, timeout=group_timeout(config.collective_timeout))
         self._control = control_group(self.backend, config.collective_timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
@@ -459,13 +466,15 @@ class Trainer:
                 on_report=self._on_checkpoint,
                 reopen=reopen if saves_in_child else None,
             )
-            lap("model")
-            mine = self._snapshot.read() if self._snapshot is not None else None
-            self.resumed_from, state = find_state(self.group, self.manager, mine)
-            if state is not None:
-                self._load(run, state)
-            self._base = self.step
-            lap("resume")
+        lap("model")
+        # With or without a checkpoint URI: the nodes' snapshots of the last round are read either way
+        # (they were written at every loss, and without this never read when no URI was given).
+        mine = self._snapshot.read() if self._snapshot is not None else None
+        self.resumed_from, state = find_state(self.group, self.manager, mine)
+        if state is not None:
+            self._load(run, state)
+        self._base = self.step
+        lap("resume")
         self._run = run
         self._host.capture(self.step, partial(self._state, run))  # a snapshot of the resumed state, before any step
         url = config.scheduled_events_url()
@@ -557,7 +566,9 @@ class Trainer:
 
     def _leave_broken_group(self) -> NoReturn:
         """The group is broken (a collective failed or hung): keep the snapshot, give the save in
-        flight its chance, abort the communicator and exit; the agents re-form the group."""
+        flight its chance, abort the communicator and exit; the agents re-form the group. Under a
+        deadline armed first: whatever hangs on the way, the worker is gone by then."""
+        arm_exit_deadline()
         self._keep_snapshot()
         self._finish_save_in_flight()
         abort_group()
@@ -593,7 +604,8 @@ class Trainer:
     def _before_stuck_exit(self) -> None:
         """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
         SIGTERM watcher: the main thread waits inside the collective, its state at the last
-        completed step, so the snapshot is taken from here."""
+        completed step, so the snapshot is taken from here (under the exit deadline)."""
+        arm_exit_deadline()
         self._keep_snapshot()
         self._finish_save_in_flight()
         abort_group()

@@ -23,6 +23,7 @@ not. So:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import threading
 import time
@@ -34,29 +35,59 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV
+
 log = logging.getLogger(__name__)
 
-NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-"""torch's switch for the NCCL watchdog's reaction to a failed or timed-out collective."""
+GROUP_TIMEOUT_FACTOR = 2.0
+"""The process group's timeout, in `--collective-timeout`s: above the step watchdog's limit, so the
+watchdog (snapshot, abort, exit) always acts first and the two never race."""
+EXIT_DEADLINE_SECONDS = 120.0
+"""The most any way out of a broken group may take (snapshot, the save in flight, the abort), enforced
+below Python (`arm_exit_deadline`): a device or a lock that never returns cannot keep a worker, and its
+paid GPUs, for ever."""
+ABORT_SECONDS = 10.0
+"""How long the communicator's abort may take before the worker leaves without it."""
 PING_POLL = 0.005
 """Seconds between looks at a ping's completion."""
 
 
 def nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """What to set before an NCCL group is made: the watchdog's error handling off (0), unless the
-    user chose a value. Pure."""
+    user chose a value (or the launcher did: `nccl.worker_environment`). Pure."""
     return {} if NCCL_ERROR_HANDLING_ENV in environ else {NCCL_ERROR_HANDLING_ENV: "0"}
 
 
-def abort_group() -> None:
+def group_timeout(collective_timeout: float) -> timedelta:
+    """The process group's timeout for a step watchdog of `collective_timeout` seconds. Pure."""
+    return timedelta(seconds=collective_timeout * GROUP_TIMEOUT_FACTOR)
+
+
+def arm_exit_deadline(seconds: float = EXIT_DEADLINE_SECONDS) -> None:
+    """End the process `seconds` from now, whatever it is doing then, with every thread's traceback on
+    stderr: Python's faulthandler does it from its own C thread, which neither the GIL held by a stuck
+    C call nor a lock can stop. Armed first in every way out of a broken group."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def abort_group(deadline: float = ABORT_SECONDS) -> None:
     """Abort the default group's communicators (NCCL: a hung collective's kernels end, and exiting
-    cannot hang on them). Gloo has nothing to abort: its sockets close with the process."""
+    cannot hang on them), waiting at most `deadline` seconds for the abort. Gloo has nothing to abort:
+    its sockets close with the process."""
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception as exc:  # leaving anyway: a failed abort must not keep the worker
-        log.warning("could not abort the NCCL communicator: %s", exc)
+
+    def abort() -> None:
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as exc:  # leaving anyway: a failed abort must not keep the worker
+            log.warning("could not abort the NCCL communicator: %s", exc)
+
+    aborting = threading.Thread(target=abort, name="nccl-abort", daemon=True)
+    aborting.start()
+    aborting.join(deadline)
+    if aborting.is_alive():
+        log.warning("the NCCL communicator's abort did not return within %.0f s; leaving without it", deadline)
 
 
 @dataclass(frozen=True)

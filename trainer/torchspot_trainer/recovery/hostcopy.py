@@ -11,9 +11,21 @@ written from that copy without touching the device.
 - On a GPU: pinned host buffers, filled by a non-blocking copy on a side stream that starts
   when the step's work is done on the device, so the copy overlaps the next step's forward
   and backward passes. The next optimizer update waits (on the device, not the host) until
-  the copy has read the parameters it would change. Two slots: the copy of step k is only
-  whole once the device has finished step k; if step k's all-reduce hangs, the slot of step
-  k-1 is the newest whole one (`latest` asks the copy's CUDA event, which does not wait).
+  the copy has read the parameters it would change. The copy of step k is only whole once
+  the device has finished step k (`latest` asks the copy's CUDA event, which does not wait).
+- A ring of `SLOTS` (3) slots, and a capture never takes the newest whole one: with the host
+  two steps ahead of a device whose all-reduce hangs, the copy of the last step the device
+  finished is still there. When every other slot's copy is still in flight, the capture
+  waits (on the device, holding nothing) for the oldest one: the host's lead is bounded by
+  the ring, never paid for with the newest whole copy. (Two slots were not enough: the
+  copy of step k+1 overwrote the only whole one, of step k-1, and no snapshot was written.)
+- No lock is held across a device call. A capture claims its slot under the lock, copies
+  with the lock released, and files the result under it again; a snapshot pins the slot it
+  writes from. With NCCL the host runs ahead of the device, and when a collective wedges,
+  the launch queue fills and a copy blocks the training thread inside `capture`: the
+  SIGTERM watcher and the step watchdog must still reach the newest whole copy and exit
+  (a lock held across the copy made them wait as long as the device did). Lock waits have
+  a deadline too (`LOCK_SECONDS`): past it, `write_from` writes nothing rather than hang.
 - On a CPU there is no device to hang: the live tensors are host memory already, and the
   snapshot is written from them (no copy, no cost per step) unless the optimizer is
   updating them at that moment (`before_update` until the next `capture`). A failed
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -46,9 +59,10 @@ class _Slot:
     buffers: list[torch.Tensor] = field(default_factory=list)
     done: Any = None
     """The CUDA event recorded after the copy (None on a CPU: the copy is done when `capture` returns)."""
-
-    def whole(self) -> bool:
-        return self.state is not None and (self.done is None or bool(self.done.query()))
+    filling: bool = False
+    """A capture is copying into it."""
+    pins: int = 0
+    """Snapshots being written from it: no capture takes it meanwhile."""
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -87,28 +101,51 @@ def _replace(state: Any, host: list[torch.Tensor]) -> Any:
     return build(state)
 
 
+SLOTS = 3
+"""Host copies in the ring on a GPU: the newest whole one, one in flight, one to fill next."""
+LOCK_SECONDS = 5.0
+"""How long a snapshot waits for the ring's lock (held only for bookkeeping, never across a device
+call): longer means something is badly wrong, and no snapshot beats a worker that never exits."""
+
+
 class HostCopy:
     """The newest whole host copy of the training state (see the module docstring).
 
-    :param device: where training runs (a CUDA device: pinned buffers, side stream, two slots).
+    :param device: where training runs (a CUDA device: pinned buffers, side stream, a ring of slots).
     :param every: take a copy every this many steps.
     :param copy: copy the tensors (default: on a CUDA device only; on a CPU the live state is kept).
+    :param slots: the ring's size when copying (at least 3: see the module docstring).
+    :param fill: copies `live` into `buffers` and returns an event with `query()` and `synchronize()`
+        for when the copy is done, or None when it is done on return (default: a side-stream CUDA copy on a
+        GPU, a plain copy on a CPU; tests pass a device that stalls).
     """
 
-    def __init__(self, device: torch.device, every: int = 1, *, copy: bool | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        every: int = 1,
+        *,
+        copy: bool | None = None,
+        slots: int = SLOTS,
+        fill: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] | None = None,
+    ) -> None:
         if every < 1:
             raise ValueError(f"a host copy every {every} steps: expected at least 1")
+        if slots < SLOTS:
+            raise ValueError(f"a ring of {slots} host copies: expected at least {SLOTS}")
         self.device = device
         self.every = every
         self.cuda = device.type == "cuda"
-        self.copying = self.cuda or bool(copy)
+        self.copying = self.cuda or bool(copy) or fill is not None
         self._live: Callable[[], dict[str, Any]] | None = None
         """Without copies: what builds the live state, set at the last boundary."""
         self._updating = False
-        self._slots = [_Slot(), _Slot()] if self.cuda else [_Slot()]
-        self._next = 0
+        self._slots = [_Slot() for _ in range(slots)]
+        self._last: _Slot | None = None
+        """The slot of the last capture (whole or in flight): the optimizer's update waits for it."""
         self._lock = threading.Lock()
         self._stream: Any = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self._fill = fill or (self._cuda_fill if self.cuda else _host_fill)
         self.copies = 0
 
     def due(self, step: int) -> bool:
@@ -120,7 +157,8 @@ class HostCopy:
         due at `step`. Without copies, keep `build` to call when a snapshot is written: nothing
         is built or copied per step.
 
-        Call at a step boundary, from the training loop's thread."""
+        Call at a step boundary, from the training loop's thread. It may wait for the device (a
+        full ring), never while holding what a snapshot needs."""
         if not self.copying:
             with self._lock:
                 self._live, self._updating = build, False
@@ -129,26 +167,58 @@ class HostCopy:
             return
         state = build()
         live = _tensors(state)
-        with self._lock:  # a snapshot being written from a slot keeps it until done
-            slot = self._slots[self._next]
+        slot = self._claim()
+        done = None
+        try:
             if [(b.shape, b.dtype) for b in slot.buffers] != [(t.shape, t.dtype) for t in live]:
                 slot.buffers = [
                     torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.cuda) for t in live
                 ]  # the first copy, or the optimizer's state appeared (after its first step)
-            slot.state = None  # not whole while the copy runs
-            if self.cuda:
-                self._stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self._stream):
-                    for buffer, tensor in zip(slot.buffers, live, strict=True):
-                        buffer.copy_(tensor.detach(), non_blocking=True)
-                    slot.done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    slot.done.record(self._stream)
-            else:
-                for buffer, tensor in zip(slot.buffers, live, strict=True):
-                    buffer.copy_(tensor.detach())
-            slot.state, slot.step = _replace(state, slot.buffers), step
-            self._next = (self._next + 1) % len(self._slots)
+            done = self._fill(slot.buffers, live)
+            filled = _replace(state, slot.buffers)
+        except BaseException:
+            with self._lock:
+                slot.filling = False
+            raise
+        with self._lock:
+            slot.state, slot.step, slot.done, slot.filling = filled, step, done, False
+            self._last = slot
             self.copies += 1
+
+    def _claim(self) -> _Slot:
+        """A slot to fill: neither the newest whole one, nor one a snapshot is written from, nor one whose
+        copy the device is still making (its buffers are being written). If every other slot is in
+        flight, wait for the oldest to finish (the host's lead, bounded), holding no lock."""
+        while True:
+            with self._lock:
+                slots = [(slot, slot.state is not None, slot.step, slot.done) for slot in self._slots]
+            whole = {id(slot) for slot, filled, _, done in slots if filled and (done is None or bool(done.query()))}
+            newest = max((s for s in slots if id(s[0]) in whole), key=lambda s: s[2], default=None)
+            keep = None if newest is None else newest[0]
+            with self._lock:  # only this thread fills slots: what changed since is at most a pin
+                free = [
+                    slot for slot, filled, _, _ in slots
+                    if slot is not keep and not slot.pins and not slot.filling and (not filled or id(slot) in whole)
+                ]  # fmt: skip
+                if free:
+                    chosen = min(free, key=lambda s: s.step)
+                    chosen.state, chosen.filling = None, True  # not whole while the copy runs
+                    return chosen
+            flying = [s for s in slots if s[1] and id(s[0]) not in whole and s[3] is not None]
+            if flying:
+                min(flying, key=lambda s: s[2])[3].synchronize()  # the device, not a lock: the lead is bounded
+            else:  # every other slot pinned or filling (a snapshot being written): give it a moment
+                time.sleep(0.001)
+
+    def _cuda_fill(self, buffers: list[torch.Tensor], live: list[torch.Tensor]) -> Any:
+        """The copy on the side stream, after the step's work; its event."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for buffer, tensor in zip(buffers, live, strict=True):
+                buffer.copy_(tensor.detach(), non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self._stream)
+        return done
 
     def before_update(self) -> None:
         """Make the device wait, before the optimizer changes the parameters, until the last copy
@@ -159,21 +229,54 @@ class HostCopy:
             with self._lock:
                 self._updating = True
             return
-        if not self.cuda:
-            return
-        last = self._slots[(self._next - 1) % len(self._slots)]
-        if last.done is not None:
+        last = self._last
+        if self.cuda and last is not None and last.done is not None:
             torch.cuda.current_stream(self.device).wait_event(last.done)
 
     def latest(self) -> dict[str, Any] | None:
-        """The newest whole copy (its "step" says which), without touching the device; None before
-        the first. Held under the lock while `write` runs (see `write_from`)."""
+        """The newest whole copy (its "step" says which), without touching the device beyond asking its
+        events; None before the first."""
         if not self.copying:
             return None if self._updating or self._live is None else self._live()
-        whole = [slot for slot in self._slots if slot.whole()]
-        return max(whole, key=lambda s: s.step).state if whole else None
+        with self._lock:
+            slots = [(slot.state, slot.step, slot.done) for slot in self._slots if slot.state is not None]
+        whole = [(state, step) for state, step, done in slots if done is None or bool(done.query())]
+        return max(whole, key=lambda s: s[1])[0] if whole else None
 
     def write_from(self, write: Callable[[dict[str, Any] | None], T]) -> T:
-        """`write(state)` with the newest whole copy (or None), no copy starting meanwhile."""
-        with self._lock:
-            return write(self.latest())
+        """`write(state)` with the newest whole copy (or None), that copy pinned meanwhile: no capture
+        takes its slot, and none waits for the write. Without copies, the live state under the lock
+        (no update starts meanwhile). A lock not had within `LOCK_SECONDS`: `write(None)`."""
+        if not self.copying:
+            if not self._lock.acquire(timeout=LOCK_SECONDS):
+                return write(None)
+            try:
+                return write(self.latest_live())
+            finally:
+                self._lock.release()
+        if not self._lock.acquire(timeout=LOCK_SECONDS):
+            return write(None)
+        try:
+            candidates = [slot for slot in self._slots if slot.state is not None and not slot.filling]
+            for slot in candidates:
+                slot.pins += 1
+        finally:
+            self._lock.release()
+        try:
+            whole = [slot for slot in candidates if slot.done is None or bool(slot.done.query())]
+            chosen = max(whole, key=lambda s: s.step) if whole else None
+            return write(None if chosen is None else chosen.state)
+        finally:
+            with self._lock:
+                for slot in candidates:
+                    slot.pins -= 1
+
+    def latest_live(self) -> dict[str, Any] | None:
+        """Without copies: the live state, unless an update is under way (call holding the lock)."""
+        return None if self._updating or self._live is None else self._live()
+
+
+def _host_fill(buffers: list[torch.Tensor], live: list[torch.Tensor]) -> None:
+    """A CPU copy: done when it returns."""
+    for buffer, tensor in zip(buffers, live, strict=True):
+        buffer.copy_(tensor.detach())

@@ -26,31 +26,33 @@ from torchspot_trainer.recovery.wire import broadcast_state
 
 
 def find_state(
-    group: Group, manager: CheckpointManager, mine: tuple[Held, dict[str, Any]] | None
+    group: Group, manager: CheckpointManager | None, mine: tuple[Held, dict[str, Any]] | None
 ) -> tuple[str, dict[str, Any] | None]:
     """(`snapshot`, state), (`checkpoint`, state) or (`start`, None); the same on every rank.
 
     `mine` is this rank's node's snapshot (every local rank reads the node's one file). Sets the
     manager's last committed step from what rank 0 found, so the first save after the resume
-    knows it.
+    knows it. Without a manager (a run with no --checkpoint-uri) the nodes' snapshots are all there
+    is: a group re-formed after a loss resumes from the survivors' newest, not from step 0.
     """
     held = gather_held(group, None if mine is None else mine[0])
     choice = torch.tensor([-1, -1], dtype=torch.long, device=group.device)  # [snapshot source, step]
     loaded = None
     if group.rank == 0:
-        committed = manager.latest_step() if any(held) else None
+        committed = manager.latest_step() if manager is not None and any(held) else None
         picked = choose_source(held, committed)
         if picked is not None:
             choice[0], choice[1] = picked[0], picked[1].step
-            manager.last_committed = committed
+            if manager is not None:
+                manager.last_committed = committed
         else:
-            loaded = manager.load_latest()
+            loaded = None if manager is None else manager.load_latest()
             choice[1] = -1 if loaded is None else loaded.step
     dist.broadcast(choice, src=0)
     source, step = int(choice[0]), int(choice[1])
     if source >= 0:
         return "snapshot", _state_from(group, source, held, mine)
-    if step < 0:
+    if step < 0 or manager is None:
         return "start", None
     manager.last_committed = step
     state = broadcast_state(None if loaded is None else loaded.state, 0, group.rank, group.device)

@@ -1,0 +1,31 @@
+"""NCCL settings the launcher gives the workers it starts, in one place for both sides (the agent
+imports nothing of the worker's modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""torch's switch for the NCCL watchdog's reaction to a failed or timed-out collective."""
+NCCL_RETHROW_ENV = "TORCH_NCCL_RETHROW_CUDA_ERRORS"
+"""torch's switch for the NCCL watchdog rethrowing a CUDA error (on by default): it ends the process too."""
+WORKER_NCCL_DEFAULTS: Mapping[str, str] = {
+    NCCL_ERROR_HANDLING_ENV: "0",
+    NCCL_RETHROW_ENV: "0",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+"""What the launcher sets for the workers it starts, where the user set nothing (`worker_environment`):
+NCCL's watchdog neither tears a worker down (async error handling) nor rethrows a CUDA error before
+the worker's own exit path has written its snapshot (every path out of a broken group is ours:
+recovery/group.py); its flight recorder keeps the last 2,000 collectives and dumps them (to
+/tmp/nccl_trace_rank_N, torch's default) when a collective times out, so a hang leaves evidence.
+The launcher must set them: torchrun's agent puts TORCH_NCCL_ASYNC_ERROR_HANDLING=1 into every
+worker's environment unless its own has a value, so the trainer's own default never applied.
+Written from torch's documented settings; not measured on a GPU here."""
+
+
+def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What the launcher adds to its own environment for its workers: `WORKER_NCCL_DEFAULTS` where
+    `environ` has no value. Pure."""
+    return {key: value for key, value in WORKER_NCCL_DEFAULTS.items() if key not in environ}
