@@ -15,6 +15,7 @@ apart (equal priorities would pause both).
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
@@ -33,6 +34,8 @@ def start_priority(started: float, tiebreak: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     """Hand over to kopf's own command line with our handlers module."""
     args = sys.argv[1:] if argv is None else argv
+    if any(a in ("--all-namespaces", "-A") for a in args):  # one cluster-wide watch per kind (informer.py)
+        os.environ[constants.ALL_NAMESPACES_ENV] = "1"
     if any(a == "--peering" or a.startswith("--peering=") for a in args) and not any(
         a.startswith("--priority") for a in args
     ):

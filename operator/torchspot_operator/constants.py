@@ -84,6 +84,10 @@ default: a worker's node that turns bad has its pods deleted at once) or `off` (
 failures and deletions count, as with controllers that do not watch nodes; the goodput
 benchmark runs the stock recipe so)."""
 NODE_HANDLING_MODES: Final = ("proactive", "off")
+ALL_NAMESPACES_ENV: Final = "TORCHSPOT_ALL_NAMESPACES"
+"""Set to 1 by `python -m torchspot_operator --all-namespaces` (the chart's default): the operator's
+own watches of pods and etcd objects (informer.py) are then one per kind, cluster-wide. Otherwise
+(`--namespace`, or kopf started some other way) one per kind in each namespace that has a job."""
 NODE_SELECTOR_ENV: Final = "TORCHSPOT_NODE_SELECTOR"
 """A label selector (`key=value`, `key!=value`, `key`, `!key`, `key in (a,b)`; comma-separated) for the nodes the
 operator watches: the nodes job workers run on (AKS: `kubernetes.azure.com/scalesetpriority=spot`).

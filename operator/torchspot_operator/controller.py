@@ -290,6 +290,7 @@ class Controller:
         elif self.paused and not paused:
             log.info("this replica leads now")
             self.last_reconcile = time.monotonic()  # the liveness clock starts again
+            self.relisted_at = time.monotonic()  # what changed while paused was not seen: every job is checked
         self.paused = paused
 
     def alive(self) -> bool:

@@ -9,10 +9,11 @@ or managed etcd objects changes, or a node carrying its workers turns bad. Whate
 fired, `Controller.reconcile` reads the job afresh and converges; so a missed or
 repeated trigger costs nothing but latency.
 
-What the operator watches, it watches narrowly: pods, Deployments, Services and
-PodDisruptionBudgets only with the operator's role label (the API server filters them:
-`settings.watching.label_selectors`), cached by the uid of the job that owns them (caches.py);
-nodes only when node handling is on.
+What the operator watches, it watches narrowly: pods, Deployments, Services,
+PodDisruptionBudgets and NetworkPolicies only with the operator's role label (the API server
+filters them), through its own watches (informer.py: kopf's per-object machinery cost memory and,
+in a wave of evictions, most of a replacement's latency), cached by the uid of the job that owns
+them (caches.py); ElasticJobs and nodes (only when node handling is on) through kopf's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, cast
 
 import kopf
@@ -31,6 +33,7 @@ import prometheus_client
 from torchspot_operator import builders, certs, conditions, constants, leader, metrics, nodes, verdicts
 from torchspot_operator.caches import owner
 from torchspot_operator.controller import Controller
+from torchspot_operator.informer import Informer, OnEvent
 from torchspot_operator.kube import LIST_PAGE, ApiError, Kube, LoginError
 from torchspot_operator.kube import login as kubeconfig_login
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
@@ -51,9 +54,18 @@ WATCHED_KINDS: dict[tuple[str, str], str] = {
     ("policy", "poddisruptionbudgets"): constants.ROLE_ETCD,
     ("networking.k8s.io", "networkpolicies"): constants.ROLE_ETCD,
 }
-"""What the operator watches besides ElasticJobs (and nodes), and the role label the API server filters by."""
+"""What the operator watches itself (informer.py) besides ElasticJobs and nodes (kopf's), and the role
+label the API server filters by."""
+WATCHED_API: dict[tuple[str, str], tuple[str, str]] = {
+    ("v1", "pods"): ("v1", "Pod"),
+    ("apps", "deployments"): ("apps/v1", "Deployment"),
+    ("v1", "services"): ("v1", "Service"),
+    ("policy", "poddisruptionbudgets"): ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io", "networkpolicies"): ("networking.k8s.io/v1", "NetworkPolicy"),
+}
+"""The apiVersion and kind of each of `WATCHED_KINDS`."""
 
-ROUTINE_HANDLERS = frozenset({"job_changed", "job_timer", "worker_pod_event", "etcd_object_event", "node_event"})
+ROUTINE_HANDLERS = frozenset({"job_changed", "job_timer", "node_event"})
 """Handlers that run for every watch event or timer tick: kopf logs each success at INFO."""
 
 _state: dict[str, Any] = {}
@@ -111,8 +123,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
         kopf.on.event("v1", "nodes")(node_event)
         _state["node_watch"] = True
-    for (group, plural), role in WATCHED_KINDS.items():
-        settings.watching.label_selectors[group, plural] = f"{constants.LABEL_ROLE}={role}"
     if ours.node_selector:  # only the nodes workers run on (the spot pools), filtered by the API server
         settings.watching.label_selectors["v1", "nodes"] = ours.node_selector
     if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
@@ -199,6 +209,8 @@ async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInf
             operator=ours.identity,
             operator_certificates=await _operator_certificates(fresh, ours.ca_secret),
         )
+        if os.environ.get(constants.ALL_NAMESPACES_ENV) == "1":
+            _watch(None)
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
             _state["standing"] = asyncio.get_running_loop().create_task(_follow_standing())
@@ -248,7 +260,10 @@ async def _follow_standing() -> None:
             log.warning("cannot read %s %s to know whether this replica leads: %s", constants.PEERING_KIND, name, exc)
         else:
             ahead = leader.outranked_by((found or {}).get("status") or {}, priority, datetime.now(UTC))
-            controller().pause(ahead)
+            if ahead:
+                controller().pause(ahead)
+            else:
+                _lead()
         await asyncio.sleep(constants.PEERING_CHECK_SECONDS)
 
 
@@ -274,6 +289,11 @@ async def close(**_: Any) -> None:
     standing = _state.pop("standing", None)
     if isinstance(standing, asyncio.Task):
         standing.cancel()
+    watches = [task for tasks in _state.pop("informers", {}).values() for task in tasks]
+    pending = [*watches, *_state.pop("tasks", set())]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     done = _state.pop("controller", None)
     if done is not None:
         done.milestones.close()
@@ -289,6 +309,9 @@ async def job_changed(body: kopf.Body, name: str, namespace: str | None, type: s
     An event handler, not kopf's create/update/resume handlers: those need kopf's copy of the last
     handled spec in an annotation on the job (capped at 256 KiB with the rest, and a write to the job
     at every change, each a 409 for a status write planned before it)."""
+    if namespace and os.environ.get(constants.ALL_NAMESPACES_ENV) != "1":
+        _watch(namespace)  # what the job owns, watched in its namespace from now on
+    _lead()
     if controller().job_news(dict(body), deleted=type == "DELETED"):
         await controller().reconcile(namespace or "default", name)
 
@@ -303,6 +326,7 @@ def _active(body: kopf.Body, **_: Any) -> bool:
 @kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL, when=_active)
 async def job_timer(name: str, namespace: str | None, **_: Any) -> None:
     """Act on clocks and milestones when no event comes; free when nothing is due."""
+    _lead()
     await controller().tick(namespace or "default", name)
 
 
@@ -330,36 +354,95 @@ async def job_ttl(
         await stopped.wait(left)  # the body is live: an edited ttl is read again after the wait
 
 
-@kopf.on.event("v1", "pods", labels={constants.LABEL_ROLE: constants.ROLE_WORKER})
-async def worker_pod_event(body: kopf.Body, namespace: str | None, type: str | None, **_: Any) -> None:
+def worker_pod_event(type: str | None, body: dict[str, Any]) -> None:
     """A worker pod changed (scheduled, ready, failed, deleted): cache it, and reconcile the job that owns
-    it now."""
+    it now. From the operator's own watch (informer.py); a paused standby ignores it, as kopf's paused
+    watches did (its caches are checked against the API when it resumes)."""
+    if "controller" not in _state or _standing_by(body):
+        return
     if type is None:  # listed, not watched: a start or a relist, after which the caches may lie
         controller().relisted()
     controller().caches.observe("Pod", body, deleted=type == "DELETED")
     found = owner(body)
+    namespace = (body.get("metadata") or {}).get("namespace")
     if found is None or not namespace or not controller().news(body, type):
         return
     if type == "DELETED":
         controller().pod_deleted(namespace, found[0], found[1], verdicts.project(body))
-    await controller().reconcile(namespace, found[0])
+    _reconcile_soon(namespace, found[0])
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-@kopf.on.event("v1", "services", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={constants.LABEL_ROLE: constants.ROLE_ETCD})
-async def etcd_object_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **_: Any) -> None:
+def etcd_object_event(type: str | None, body: dict[str, Any]) -> None:
     """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
+    if "controller" not in _state or _standing_by(body):
+        return
     if type is None:  # listed: see worker_pod_event
         controller().relisted()
-    controller().caches.observe(str(body.get("kind", "")), body, deleted=type == "DELETED")
+    kind = str(body.get("kind", ""))
+    controller().caches.observe(kind, body, deleted=type == "DELETED")
     found = owner(body)
+    meta = body.get("metadata") or {}
+    namespace = meta.get("namespace")
     if found is None or not namespace or not controller().news(body, type):
         return
     if type == "DELETED":
-        controller().object_deleted(namespace, found[0], str(body.get("kind", "")), name)
-    await controller().reconcile(namespace, found[0])
+        controller().object_deleted(namespace, found[0], kind, str(meta.get("name", "")))
+    _reconcile_soon(namespace, found[0])
+
+
+def _standing_by(body: Mapping[str, Any]) -> bool:
+    """Whether this replica is a paused standby: then an event is not acted on (as kopf's paused watches
+    delivered none), only its job noted, to be reconciled when this replica leads (`_lead`)."""
+    if not controller().paused:
+        return False
+    found = owner(body)
+    namespace = (body.get("metadata") or {}).get("namespace")
+    if found is not None and namespace:
+        cast(set[tuple[str, str]], _state.setdefault("missed", set())).add((str(namespace), found[0]))
+    return True
+
+
+def _lead() -> None:
+    """This replica leads (kopf runs job handlers only then; `_follow_standing` may not have read the
+    peering object since): act on what the watches showed while it stood by. Every job's caches are
+    checked against the API at its next reconcile (`Controller.pause`), and the jobs whose objects
+    changed meanwhile are reconciled now."""
+    if controller().paused:
+        controller().pause([])
+    for namespace, job in sorted(cast(set[tuple[str, str]], _state.pop("missed", set()))):
+        _reconcile_soon(namespace, job)
+
+
+def _reconcile_soon(namespace: str, job: str) -> None:
+    """Reconcile a job in a task of its own (the watch reads on): its failure is logged, and the job's timer
+    or next event tries again, as kopf does for an event handler that raised."""
+    task = asyncio.get_running_loop().create_task(controller().reconcile(namespace, job))
+    tasks: set[asyncio.Task[Any]] = _state.setdefault("tasks", set())
+    tasks.add(task)
+    task.add_done_callback(partial(_reconciled, namespace, job))
+
+
+def _reconciled(namespace: str, job: str, task: asyncio.Task[Any]) -> None:
+    cast(set[asyncio.Task[Any]], _state.get("tasks", set())).discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("reconcile of job %s/%s after a watch event failed: %s", namespace, job, task.exception())
+
+
+def _watch(namespace: str | None) -> None:
+    """Start the operator's own watches (informer.py) of what the jobs own in a namespace (None: every
+    namespace), once."""
+    informers: dict[str | None, list[asyncio.Task[None]]] = _state.setdefault("informers", {})
+    if namespace in informers or (None in informers and namespace is not None):
+        return
+    loop = asyncio.get_running_loop()
+    started = []
+    for (group, plural), role in WATCHED_KINDS.items():
+        api_version, kind = WATCHED_API[group, plural]
+        handle: OnEvent = worker_pod_event if kind == "Pod" else etcd_object_event
+        labels = {constants.LABEL_ROLE: role}
+        informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, handle)
+        started.append(loop.create_task(informer.run(), name=f"watch {kind} {namespace or '(all)'}"))
+    informers[namespace] = started
 
 
 async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:

@@ -80,6 +80,9 @@ whole until the next one comes (kopf's listings page the same: `settings.watchin
 At 500, the pages in flight at a start (kopf's listings of several kinds at once and the
 operator's own snapshot) held about 110 MB, a third of the peak at 1,000 jobs (tracemalloc in
 bench/operator/thousand.py); at 100, 8,000 pods are listed in 80 requests instead of 16."""
+WATCH_SECONDS: Final = 300
+"""How long the API server keeps one watch open (`timeoutSeconds`; kopf's own watches use the same):
+then the watch is opened again from the last version seen, which replays nothing."""
 UNREACHABLE: Final = 0
 """`ApiError.status` of a request that never got an answer (connection refused, reset, timed out)."""
 
@@ -311,12 +314,10 @@ class Kube:
     async def _send(
         self, method: str, path: str, data: str | None, content_type: str, urgent: bool
     ) -> tuple[int, str, str | None]:
-        if self.session is None or self.session.closed:
-            timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
-            self.session = aiohttp.ClientSession(timeout=timeout, trust_env=self.trust_env)
+        session = self._session()
         await self.limiter.take(urgent=urgent)
         headers = {**self.headers, "Content-Type": content_type or "application/json"}  # the current credentials
-        async with self.session.request(
+        async with session.request(
             method, self.server + path, data=data, headers=headers, ssl=self.ssl_context, proxy=self.proxy
         ) as response:
             return response.status, await response.text(), response.headers.get("Retry-After")
@@ -390,10 +391,14 @@ class Kube:
         labels: Mapping[str, str] | None = None,
         *,
         fields: Mapping[str, str] | None = None,
+        version: list[str] | None = None,
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """Objects of a kind a page (`LIST_PAGE` objects) at a time, as client-go's pager reads them: the
         caller keeps what it needs of a page before the next comes, never 8,000 whole pods at once.
-        Selectors are applied here too: some API emulators ignore them."""
+        Selectors are applied here too: some API emulators ignore them.
+
+        :param version: receives the list's resourceVersion (with the first page): where a watch of what
+            the list showed starts (`watch`)."""
         path = await self._collection(api_version, kind, namespace)
         query = [f"limit={LIST_PAGE}"]
         if labels:
@@ -404,6 +409,8 @@ class Kube:
         while True:
             following = [f"continue={quote(token)}"] if token else []
             page = await self._request("GET", path + "?" + "&".join([*query, *following]))
+            if version is not None and not token:
+                version.append(str((page.get("metadata") or {}).get("resourceVersion") or ""))
             items: list[dict[str, Any]] = page.get("items") or []
             if labels:
                 items = [
@@ -417,6 +424,52 @@ class Kube:
             token = str((page.get("metadata") or {}).get("continue") or "")
             if not token:
                 return
+
+    async def watch(
+        self, api_version: str, kind: str, namespace: str | None, labels: Mapping[str, str], since: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The changes of a kind's labelled objects after version `since` (a list's), as (type, object),
+        each line parsed as it arrives, until the server ends the watch (`WATCH_SECONDS`): then watch
+        again from the last version seen. BOOKMARK events carry only a version. An ERROR event (410:
+        `since` is older than the server keeps) raises `ApiError` with its code: list again.
+
+        Not retried here and not rate-limited beyond its start: the caller (informer.py) lists again
+        after any failure, with a backoff."""
+        path = await self._collection(api_version, kind, namespace)
+        query = [
+            "watch=true", f"resourceVersion={quote(since)}", "allowWatchBookmarks=true",
+            f"timeoutSeconds={WATCH_SECONDS}",
+            "labelSelector=" + quote(",".join(f"{k}={v}" for k, v in labels.items())),
+        ]  # fmt: skip
+        if self.closed:
+            raise ApiError(UNREACHABLE, f"watch {path}: the API session was closed")
+        session = self._session()
+        await self.limiter.take()
+        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECONDS, sock_read=WATCH_SECONDS + 60)
+        async with session.get(
+            f"{self.server}{path}?{'&'.join(query)}", headers=self.headers, ssl=self.ssl_context, proxy=self.proxy,
+            timeout=timeout,
+        ) as response:  # fmt: skip
+            if response.status >= 400:
+                raise ApiError(response.status, _message(await response.text()))
+            buffer = b""
+            async for chunk in response.content.iter_any():  # lines of any length (an object may pass 64 KiB)
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    kind_of, obj = str(event.get("type", "")), event.get("object") or {}
+                    if kind_of == "ERROR":
+                        raise ApiError(int(obj.get("code") or 500), str(obj.get("message") or obj))
+                    yield kind_of, obj
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None or self.session.closed:
+            timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
+            self.session = aiohttp.ClientSession(timeout=timeout, trust_env=self.trust_env)
+        return self.session
 
     async def list(
         self,

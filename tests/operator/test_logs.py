@@ -16,10 +16,8 @@ def _record(level: int, msg: str) -> logging.LogRecord:
 def test_routine_successes_are_dropped_and_failures_kept() -> None:
     quiet = handlers.QUIET_ROUTINE
     assert not quiet.filter(_record(logging.INFO, "Timer 'job_timer' succeeded."))
-    assert not quiet.filter(_record(logging.INFO, "Handler 'worker_pod_event' succeeded."))
-    assert quiet.filter(
-        _record(logging.ERROR, "Handler 'worker_pod_event' failed with an exception and will try again")
-    )
+    assert not quiet.filter(_record(logging.INFO, "Handler 'job_changed' succeeded."))
+    assert quiet.filter(_record(logging.ERROR, "Handler 'job_changed' failed with an exception and will try again"))
     assert quiet.filter(_record(logging.INFO, "Handler 'some_other_handler' succeeded."))  # not one of ours
     assert quiet.filter(_record(logging.INFO, "job default/cifar: phase Running"))
 

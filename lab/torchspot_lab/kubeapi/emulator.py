@@ -572,11 +572,17 @@ class Emulator(kmock.KubernetesEmulator):
         """End the open watches of a resource with a 410 Gone ("too old resource version", as after an API
         server restart) and hold new lists and watches of it until `resume_watches`."""
         self._cut[plural] = asyncio.Event()
+        # kmock sends a watch only the events of its namespace: one 410 for each namespace with objects of
+        # the resource (a namespaced watch), and one with none (a cluster-wide watch, which ends at the first).
+        namespaces = sorted({str(key[1]) for key in self._keys_of(plural) if key[1]})
         for resource in list(self._buses):
             if resource.plural == plural:
-                gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
-                                                     "message": "too old resource version"}}  # fmt: skip
-                await self._buses[resource].put(gone)
+                for namespace in [None, *namespaces]:
+                    status: dict[str, Any] = {"kind": "Status", "code": 410, "reason": "Expired",
+                                              "message": "too old resource version"}  # fmt: skip
+                    if namespace is not None:
+                        status["metadata"] = {"namespace": namespace}
+                    await self._buses[resource].put({"type": "ERROR", "object": status})
 
     def resume_watches(self, plural: str) -> None:
         """Let the watchers of a cut resource list and watch again."""
