@@ -64,6 +64,19 @@ def test_roundtrip_and_latest_record(storage: CheckpointStorage) -> None:
     assert latest["uri"].endswith(step_dir(20))
 
 
+def test_a_save_that_commits_late_never_moves_latest_backwards(storage: CheckpointStorage) -> None:
+    """A periodic save of step 10 retried past the emergency save of step 15: latest.json stays at 15."""
+    manager = CheckpointManager(storage)
+    assert manager.save_sync(15, _state(15), {}).ok
+    assert manager.save_sync(10, _state(10), {}).ok  # committed, as a step of its own
+    latest = read_latest(storage)
+    assert latest is not None
+    assert latest["step"] == 15
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 15
+
+
 def test_partial_upload_is_skipped_with_a_warning(storage: CheckpointStorage, caplog: pytest.LogCaptureFixture) -> None:
     manager = CheckpointManager(storage)
     assert manager.save_sync(10, _state(10), {}).ok

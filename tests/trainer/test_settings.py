@@ -15,6 +15,7 @@ from torchspot_trainer.launch import (
     leave_then_stop,
     main,
     parse_rdzv_conf,
+    refuse_bad_fork,
 )
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
 
@@ -172,3 +173,14 @@ def test_an_unreadable_tls_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=f"--rdzv-conf cacert={tmp_path}/absent.crt: cannot be read"):
         EtcdTls.from_conf({"cacert": str(tmp_path / "absent.crt")})
     assert EtcdTls.from_conf({}) is None  # no cacert: plain gRPC
+
+
+def test_a_worker_forked_after_cuda_was_initialised_stops_naming_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What CUDA reports in a child of a process that had initialised it (no GPU here: torch's own check
+    is made to say so); the warm-up worker runs the same check before the node joins."""
+    import torch
+
+    refuse_bad_fork()  # a CPU build never is in a bad fork
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    with pytest.raises(SystemExit, match=f"{FORK_ENV}=0"):
+        refuse_bad_fork()

@@ -110,6 +110,7 @@ def run_trainer(*argv: str) -> int:
     """
     from torchspot_trainer.__main__ import build  # noqa: PLC0415 - imported in the fork server already
 
+    refuse_bad_fork()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_start_fork_server)
     trainer = build(list(argv))
     trainer.train()
@@ -118,7 +119,22 @@ def run_trainer(*argv: str) -> int:
 
 
 def _warm() -> None:
-    """A worker that does nothing: forking it waits until the server has imported FORK_PRELOAD."""
+    """A worker that does nothing: forking it waits until the server has imported FORK_PRELOAD, and
+    shows whether the server is fit to fork workers (`refuse_bad_fork`) before the node joins."""
+    refuse_bad_fork()
+
+
+def refuse_bad_fork() -> None:
+    """Exit with a message if this process was forked from one that had initialised CUDA (something
+    it preloaded asked the device at import): CUDA cannot be used in such a child, and the worker
+    would fail at its first device call, after joining the group and holding it up."""
+    import torch  # noqa: PLC0415 - the fork server has imported it already
+
+    if torch.cuda._is_in_bad_fork():  # torch's own check (private: what its lazy init raises on)
+        raise SystemExit(
+            f"{PROG}: error: the fork server initialised CUDA before forking this worker (an import in "
+            f"FORK_PRELOAD queried the device); set {FORK_ENV}=0 to start each worker as a new process"
+        )
 
 
 def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
@@ -151,6 +167,8 @@ def _start_fork_server() -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
     warm.join()
+    if warm.exitcode:  # refuse_bad_fork said why on its stderr
+        raise SystemExit(f"{PROG}: error: the warm fork server cannot start workers (exit {warm.exitcode})")
 
 
 def _launch_forked(args: argparse.Namespace) -> None:

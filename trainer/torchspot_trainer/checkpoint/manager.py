@@ -143,7 +143,11 @@ class CheckpointWriter:
         self._on_retry = on_retry
 
     def __call__(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
-        """Write `state` as checkpoint `step`; retry with backoff; never raise a storage error."""
+        """Write `state` as checkpoint `step`; retry with backoff; never raise a storage error.
+
+        `latest.json` is moved only forwards: a periodic save retried past a newer emergency save
+        (or a saver process finishing late) commits its step but leaves the newer record, which the
+        operator and a restarted job read."""
         started = time.perf_counter()
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -168,7 +172,9 @@ class CheckpointWriter:
             try:
                 self.storage.put(folder + STATE_OBJECT, data)
                 self.storage.put(folder + COMMIT_OBJECT, json.dumps(commit).encode())
-                self.storage.put(LATEST_OBJECT, json.dumps(latest).encode())
+                newer = read_latest(self.storage)
+                if newer is None or int(newer.get("step", -1)) <= step:  # never backwards (see below)
+                    self.storage.put(LATEST_OBJECT, json.dumps(latest).encode())
             except StorageError as exc:
                 error = str(exc)
                 log.warning(
