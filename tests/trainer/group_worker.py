@@ -6,6 +6,9 @@
 - control: every rank makes a second (gloo) group with group.control_group's call and gathers
   [rank, 10 x rank] through it from a Group whose device is `meta` (no memory at all): the
   per-step agreement must not touch the device. Each rank writes what it gathered to OUT.
+- agree: rank 1 exits (a leaving node's rank) before rank 0 reaches the notice's barrier
+  (Group.agree, through a control group, device `meta`); rank 0 writes what it returned and
+  the seconds it took.
 - ping: rank 0 pings with a 1 s timeout while rank 1 (a frozen peer) never joins the
   collective; rank 0 writes the ping's result and the seconds it took to OUT.
 """
@@ -57,6 +60,18 @@ def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
         agreed = Group(rank, world, torch.device("meta"), control).gather_ints([rank, 10 * rank])
         with open(out, "w") as file:
             json.dump(agreed, file)
+    elif scenario == "agree":
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        if rank == 0:
+            started = time.monotonic()
+            try:
+                done: Any = Group(rank, world, torch.device("meta"), control).agree(1.0)
+            except RuntimeError as exc:  # gloo: the peer's socket closed
+                done = f"raised: {exc}"[:200]
+            with open(out, "w") as file:
+                json.dump({"done": done, "seconds": time.monotonic() - started}, file)
+        else:
+            os._exit(0)  # the leaving node's rank: gone before the barrier
     elif scenario == "ping":
         if rank == 0:
             started = time.monotonic()

@@ -102,6 +102,16 @@ def test_the_per_step_agreement_goes_through_the_control_group_never_the_device(
     assert control_group("gloo", 10.0) is None  # gloo is host-side already: no second group
 
 
+def test_the_notice_barrier_ends_when_a_leaving_rank_has_exited(tmp_path: Path) -> None:
+    """The staying ranks' barrier after an emergency checkpoint, with the leaving node's rank gone: it ends
+    within its 1 s (False, or gloo's error for the closed socket) on the control group, never waiting
+    on the device (whose group is `meta` here: any device work would fail)."""
+    outs = _group(tmp_path, "agree", 2)
+    said = json.loads(outs[0].read_text())
+    assert said["done"] is False or str(said["done"]).startswith("raised")
+    assert said["seconds"] < 5.0
+
+
 def test_a_ping_gives_up_on_a_frozen_peer_within_its_timeout(tmp_path: Path) -> None:
     """The notice hold's ping: a peer that never takes part makes it return False after its 1 s,
     where a plain NCCL all-reduce would return at once and a plain gloo one would block for the

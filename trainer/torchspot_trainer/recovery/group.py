@@ -126,6 +126,23 @@ class Group:
         work.wait()
         return True
 
+    def agree(self, timeout: float) -> bool:
+        """A barrier of every rank, through the control group on NCCL (host memory over TCP: never a
+        device wait), waited for on the host at most `timeout` seconds: False when a rank did not
+        come (it left, or froze); a collective that failed raises (a peer's socket closed). The
+        notice path's barrier: a plain `dist.barrier()` on NCCL could never complete once the
+        leaving node's ranks had exited, and the staying ranks sat in a device sync until their
+        agent's SIGTERM."""
+        work = dist.all_reduce(torch.zeros(1), group=self.control, async_op=True)
+        assert work is not None
+        deadline = time.monotonic() + timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(PING_POLL)
+        work.wait()
+        return True
+
     def sums(self, values: list[torch.Tensor]) -> list[float]:
         """The group's sums of these scalars (float64 on the device, one all-reduce)."""
         totals = torch.stack([value.detach().to(self.device, torch.float64).reshape(()) for value in values])

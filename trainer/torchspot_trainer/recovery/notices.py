@@ -151,7 +151,8 @@ class NoticeStop:
             self.keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
             self.exit_evicted()
         self.notice.parked = True  # our agent's SIGTERM (the leaving node is gone) ends us at once
-        dist.barrier()  # everyone knows the checkpoint is committed
+        if not group.agree(self.ping_timeout):  # everyone knows the checkpoint is committed
+            raise GroupBroken(f"a rank did not reach the notice's barrier within {self.ping_timeout:.0f} s")
         if notice is not None and notice.event_id and self.watcher is not None:
             self.watcher.approve(notice.event_id)
         # Hold: ping the group until the evicted node is gone (the ping then fails, or does
