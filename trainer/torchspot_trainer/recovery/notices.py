@@ -20,8 +20,6 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-import torch.distributed as dist
-
 from torchspot_trainer.checkpoint.manager import SaveReport
 from torchspot_trainer.markers import agent_restarting, node_leaving
 from torchspot_trainer.recovery.group import Group
