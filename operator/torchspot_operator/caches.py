@@ -153,6 +153,21 @@ class Caches:
             self._drop(str(entry.value.get("metadata", {}).get("uid", "")))
         return gone
 
+    def missing_of(self, kind: str, namespace: str | None, listed: set[str], started: float) -> list[Entry]:
+        """`missing` for one kind, in one namespace or (None) all: what a watch's own listing that
+        started at `started` no longer has (the deletions client-go's informers synthesise on a relist)."""
+        gone = [
+            entry
+            for uid, entry in self._entries.items()
+            if entry.kind == kind
+            and (namespace is None or entry.namespace == namespace)
+            and uid not in listed
+            and entry.at < started
+        ]
+        for entry in gone:
+            self._drop(str(entry.value.get("metadata", {}).get("uid", "")))
+        return gone
+
     def owned(self, kind: str, namespace: str, job_uid: str) -> list[dict[str, Any]]:
         """The objects of a kind the job (this incarnation) controls."""
         return list(self._owned.get((kind, namespace, job_uid), {}).values())

@@ -195,11 +195,6 @@ EXPECTATION_SECONDS: Final = 300
 """How long a pod the operator created counts as there before its watch event arrives (the
 controller's expectations; client-go's `ExpectationsTimeout` is 5 minutes too): longer means the
 watch lost it, and it is looked for afresh. Shorter made an extra pod under watch lag."""
-VERIFY_SECONDS: Final = 300
-"""Each job's pods and etcd objects are read from the API (labelled lists per namespace) at least this often,
-and after any relist of a watch: the caches (caches.py) drop an object only on its DELETED event, so one
-deleted while a watch was down would stay in them for ever (client-go's informers synthesise
-those deletions on relist; this is the same check)."""
 COUNTED_KEPT: Final = 64
 """How many of the most recently counted pods' uids the status keeps (`status.counted`): two replicas
 overlapping in a leader change, or a reconcile that must plan again after a conflicting write, then
@@ -244,6 +239,3 @@ STALL_SECONDS: Final = 900
 """No new rendezvous round and no new checkpoint for this long, while the job had workers ready and
 had reported one before: the Stalled condition (the job's `failurePolicy.stallTimeoutSeconds`
 overrides it; the job fails after it once more)."""
-LISTING_GAP_SECONDS: Final = 5.0
-"""Listed objects a watch gives closer together than this belong to one listing (one relist: see
-`Controller.relisted`); a watch lists all its objects at once, so its next listing comes much later."""

@@ -360,8 +360,6 @@ def worker_pod_event(type: str | None, body: dict[str, Any]) -> None:
     watches did (its caches are checked against the API when it resumes)."""
     if "controller" not in _state or _standing_by(body):
         return
-    if type is None:  # listed, not watched: a start or a relist, after which the caches may lie
-        controller().relisted()
     controller().caches.observe("Pod", body, deleted=type == "DELETED")
     found = owner(body)
     namespace = (body.get("metadata") or {}).get("namespace")
@@ -376,8 +374,6 @@ def etcd_object_event(type: str | None, body: dict[str, Any]) -> None:
     """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
     if "controller" not in _state or _standing_by(body):
         return
-    if type is None:  # listed: see worker_pod_event
-        controller().relisted()
     kind = str(body.get("kind", ""))
     controller().caches.observe(kind, body, deleted=type == "DELETED")
     found = owner(body)
@@ -413,6 +409,13 @@ def _lead() -> None:
         _reconcile_soon(namespace, job)
 
 
+def _listed(kind: str, namespace: str | None, uids: set[str], started: float) -> None:
+    """A watch listed its kind (at its start, or again after a 410): see `Controller.informer_listed`.
+    A paused standby checks every job when it leads instead."""
+    if "controller" in _state and not controller().paused:
+        controller().informer_listed(kind, namespace, uids, started)
+
+
 def _reconcile_soon(namespace: str, job: str) -> None:
     """Reconcile a job in a task of its own (the watch reads on): its failure is logged, and the job's timer
     or next event tries again, as kopf does for an event handler that raised."""
@@ -440,7 +443,8 @@ def _watch(namespace: str | None) -> None:
         api_version, kind = WATCHED_API[group, plural]
         handle: OnEvent = worker_pod_event if kind == "Pod" else etcd_object_event
         labels = {constants.LABEL_ROLE: role}
-        informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, handle)
+        listed = partial(_listed, kind, namespace)
+        informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, handle, listed)
         started.append(loop.create_task(informer.run(), name=f"watch {kind} {namespace or '(all)'}"))
     informers[namespace] = started
 

@@ -14,14 +14,17 @@ kopf still watches the ElasticJobs (its timers, daemons and peering need them) a
 
 A watch that ends (the server's `WATCH_SECONDS`) is opened again from the last version seen, which
 replays nothing; one that fails (410: the version is older than the server keeps; a dropped
-connection; a 5xx) lists again after a backoff, and the listing's objects come as `None` events
-(the caches then drop what the list no longer has, see `Controller.relisted`).
+connection; a 5xx) lists again after a backoff: the listing's objects come as `None` events, and
+then the listing itself (`on_listed`), from which the controller drops what the list no longer has
+(deleted while the watch was down: `Controller.informer_listed`) and which serves as a fresh read
+of the API for the jobs' checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +50,9 @@ class Informer:
     labels: Mapping[str, str]
     namespace: str | None
     on_event: OnEvent
+    on_listed: Callable[[set[str], float], None] = lambda _uids, _started: None
+    """Called after each complete listing with the listed uids and when the listing started
+    (`time.monotonic`): what the cache holds of the kind and the list lacks was deleted meanwhile."""
 
     async def run(self) -> None:
         """List and watch until cancelled; a failure lists again after a backoff."""
@@ -71,12 +77,16 @@ class Informer:
                 await asyncio.sleep(delay)
 
     async def _list(self) -> str:
-        """Hand on every listed object; the list's version."""
+        """Hand on every listed object, then the listing; the list's version."""
         version: list[str] = []
+        started = time.monotonic()
+        uids: set[str] = set()
         async for page in self.api().pages(self.api_version, self.kind, self.namespace, self.labels, version=version):
             for obj in page:
                 obj.setdefault("kind", self.kind)  # a list's items carry no kind
+                uids.add(str((obj.get("metadata") or {}).get("uid", "")))
                 self.on_event(None, obj)
+        self.on_listed(uids, started)
         return version[0] if version else ""
 
     async def _watch(self, since: str) -> str:

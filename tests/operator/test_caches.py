@@ -102,3 +102,22 @@ def test_tombstones_are_dropped_after_a_while() -> None:
     clock.now += TOMBSTONE_SECONDS + 1
     caches.observe("Pod", _pod("a-worker-1", 1), deleted=True)
     assert list(caches._deleted) == ["uid-a-worker-1"]
+
+
+def test_a_kinds_listing_drops_what_it_no_longer_has_in_its_namespace_only() -> None:
+    """A watch's relist (after a 410): the deletions it missed are synthesised, for its kind and scope."""
+    clock = [0.0]
+    caches = Caches(clock=lambda: clock[0])
+    for name in ("a", "b"):
+        caches.observe("Pod", _pod(name, 1), deleted=False)
+    other = _pod("c", 1)
+    other["metadata"]["namespace"] = "elsewhere"
+    caches.observe("Pod", other, deleted=False)
+    clock[0] = 5.0
+    caches.observe("Pod", _pod("d", 2), deleted=False)  # seen after the listing began: not judged by it
+    gone = caches.missing_of("Pod", "ml", {"uid-a"}, started=4.0)
+    assert [entry.name for entry in gone] == ["b"]
+    assert caches.missing_of("Pod", "ml", {"uid-a"}, started=4.0) == []  # forgotten once
+    assert caches.missing_of("Deployment", None, set(), started=4.0) == []  # another kind's listing
+    assert [entry.name for entry in caches.missing_of("Pod", None, {"uid-a"}, started=4.0)] == ["c"]  # all
+    assert sorted(_phases(caches)) == ["a", "d"]

@@ -92,6 +92,7 @@ def test_a_watch_the_server_ends_with_410_lists_again(monkeypatch: pytest.Monkey
         return web.json_response({"items": items, "metadata": {"resourceVersion": version}})
 
     seen: list[tuple[str | None, str]] = []
+    listings: list[set[str]] = []
 
     async def scene() -> None:
         runner = web.ServerRunner(web.Server(handler))
@@ -102,7 +103,13 @@ def test_a_watch_the_server_ends_with_410_lists_again(monkeypatch: pytest.Monkey
         client = Kube(server=f"http://127.0.0.1:{port}", headers={}, ssl_context=True)
         client.plurals["v1", "Pod"] = "pods"
         informer = Informer(
-            lambda: client, "v1", "Pod", LABELS, NS, lambda t, o: seen.append((t, o["metadata"]["name"]))
+            lambda: client,
+            "v1",
+            "Pod",
+            LABELS,
+            NS,
+            lambda t, o: seen.append((t, o["metadata"]["name"])),
+            lambda uids, _started: listings.append(uids),
         )
         task = asyncio.get_running_loop().create_task(informer.run())
         try:
@@ -119,3 +126,4 @@ def test_a_watch_the_server_ends_with_410_lists_again(monkeypatch: pytest.Monkey
     asyncio.run(scene())
     assert seen == [(None, "p1"), (None, "p2"), ("ADDED", "late")]  # listed, 410, listed again, the change
     assert watches[:3] == ["10", "20", "15"]  # each watch from the version last seen (a bookmark's too)
+    assert listings == [{""}, {""}]  # each complete listing handed on (these items carry no uid)
