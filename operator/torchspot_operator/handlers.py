@@ -209,8 +209,6 @@ async def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInf
             operator=ours.identity,
             operator_certificates=await _operator_certificates(fresh, ours.ca_secret),
         )
-        if os.environ.get(constants.ALL_NAMESPACES_ENV) == "1":
-            _watch(None)
         if _state.get("peering"):
             await _ensure_peering(str(_state["peering"]))
             _state["standing"] = asyncio.get_running_loop().create_task(_follow_standing())
@@ -309,8 +307,13 @@ async def job_changed(body: kopf.Body, name: str, namespace: str | None, type: s
     An event handler, not kopf's create/update/resume handlers: those need kopf's copy of the last
     handled spec in an annotation on the job (capped at 256 KiB with the rest, and a write to the job
     at every change, each a 409 for a status write planned before it)."""
-    if namespace and os.environ.get(constants.ALL_NAMESPACES_ENV) != "1":
-        _watch(namespace)  # what the job owns, watched in its namespace from now on
+    # What the jobs own is watched from the first job event on: started here, the watches' reconcile
+    # tasks inherit kopf's context, which its Event posting needs (started at login, every reconcile a
+    # watch event caused failed at its first Event: kopf's event queue is a context variable).
+    if os.environ.get(constants.ALL_NAMESPACES_ENV) == "1":
+        _watch(None)
+    elif namespace:
+        _watch(namespace)
     _lead()
     if controller().job_news(dict(body), deleted=type == "DELETED"):
         await controller().reconcile(namespace or "default", name)
@@ -428,7 +431,7 @@ def _reconcile_soon(namespace: str, job: str) -> None:
 def _reconciled(namespace: str, job: str, task: asyncio.Task[Any]) -> None:
     cast(set[asyncio.Task[Any]], _state.get("tasks", set())).discard(task)
     if not task.cancelled() and task.exception() is not None:
-        log.error("reconcile of job %s/%s after a watch event failed: %s", namespace, job, task.exception())
+        log.error("reconcile of job %s/%s after a watch event failed: %r", namespace, job, task.exception())
 
 
 def _watch(namespace: str | None) -> None:
