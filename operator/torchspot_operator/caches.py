@@ -144,26 +144,18 @@ class Caches:
     def missing(self, namespace: str, listed: set[str], started: float) -> list[Entry]:
         """Forget the namespace's objects last seen before a list that started at `started` and does not
         have them (deleted while a watch was down, or before this cache was filled); the forgotten."""
-        gone = [
-            self._entries[uid]
-            for uid in self._namespaces.get(namespace, set()) - listed
-            if self._entries[uid].at < started
-        ]
-        for entry in gone:
-            self._drop(str(entry.value.get("metadata", {}).get("uid", "")))
-        return gone
+        return self._forget_unlisted(self._namespaces.get(namespace, set()), listed, started)
 
     def missing_of(self, kind: str, namespace: str | None, listed: set[str], started: float) -> list[Entry]:
         """`missing` for one kind, in one namespace or (None) all: what a watch's own listing that
         started at `started` no longer has (the deletions client-go's informers synthesise on a relist)."""
-        gone = [
-            entry
-            for uid, entry in self._entries.items()
-            if entry.kind == kind
-            and (namespace is None or entry.namespace == namespace)
-            and uid not in listed
-            and entry.at < started
-        ]
+        held = self._entries if namespace is None else self._namespaces.get(namespace, set())
+        return self._forget_unlisted((uid for uid in held if self._entries[uid].kind == kind), listed, started)
+
+    def _forget_unlisted(self, held: Iterable[str], listed: set[str], started: float) -> list[Entry]:
+        """Drop the entries of `held` (uids) a list that started at `started` lacks and that were last seen
+        before it; the dropped."""
+        gone = [self._entries[uid] for uid in held if uid not in listed and self._entries[uid].at < started]
         for entry in gone:
             self._drop(str(entry.value.get("metadata", {}).get("uid", "")))
         return gone

@@ -144,6 +144,14 @@ class _JobLock:
     users: int = 0
 
 
+OWNED_KINDS: tuple[tuple[tuple[str, str], str], ...] = (
+    (("v1", "Pod"), constants.ROLE_WORKER),
+    *((kind, constants.ROLE_ETCD) for kind in ETCD_KINDS),
+)
+"""((apiVersion, kind), the role label the API server filters by) of what the jobs own: what the
+operator's own watches follow (handlers, informer.py) and what a namespace snapshot lists."""
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     """When a namespace's worker pods and managed etcd objects were last read from the API."""
@@ -561,18 +569,15 @@ class Controller:
             clock = time.monotonic()
             if found is not None and found.started > after and clock - found.finished <= constants.SNAPSHOT_SECONDS:
                 return found
-            kinds = ["Pod", *(kind for _, kind in ETCD_KINDS)]
             watched = min(
-                max(self.listings.get((k, namespace), -1.0), self.listings.get((k, None), -1.0)) for k in kinds
+                max(self.listings.get((kind, namespace), -1.0), self.listings.get((kind, None), -1.0))
+                for (_, kind), _ in OWNED_KINDS
             )
             if watched > after:  # the watches' own listings are newer: nothing to read
                 return _Snapshot(watched, clock)
             started = self.caches.clock()
             uids: set[str] = set()
-            for (api_version, kind), role in [
-                (("v1", "Pod"), constants.ROLE_WORKER),
-                *((k, constants.ROLE_ETCD) for k in ETCD_KINDS),
-            ]:
+            for (api_version, kind), role in OWNED_KINDS:
                 async for page in self.api.pages(api_version, kind, namespace, {constants.LABEL_ROLE: role}):
                     uids.update(self.caches.listed(kind, page, started))
             self._missed(self.caches.missing(namespace, uids, started))

@@ -32,8 +32,8 @@ import prometheus_client
 
 from torchspot_operator import builders, certs, conditions, constants, leader, metrics, nodes, verdicts
 from torchspot_operator.caches import owner
-from torchspot_operator.controller import Controller
-from torchspot_operator.informer import Informer, OnEvent
+from torchspot_operator.controller import OWNED_KINDS, Controller
+from torchspot_operator.informer import Informer
 from torchspot_operator.kube import LIST_PAGE, ApiError, Kube, LoginError
 from torchspot_operator.kube import login as kubeconfig_login
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
@@ -47,23 +47,7 @@ RECONCILE_INTERVAL = 5.0
 """Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
 the start-up timeout, activeDeadlineSeconds, a failure backoff) or a milestone is acted on.
 A tick that finds nothing due makes no API request."""
-WATCHED_KINDS: dict[tuple[str, str], str] = {
-    ("v1", "pods"): constants.ROLE_WORKER,
-    ("apps", "deployments"): constants.ROLE_ETCD,
-    ("v1", "services"): constants.ROLE_ETCD,
-    ("policy", "poddisruptionbudgets"): constants.ROLE_ETCD,
-    ("networking.k8s.io", "networkpolicies"): constants.ROLE_ETCD,
-}
-"""What the operator watches itself (informer.py) besides ElasticJobs and nodes (kopf's), and the role
-label the API server filters by."""
-WATCHED_API: dict[tuple[str, str], tuple[str, str]] = {
-    ("v1", "pods"): ("v1", "Pod"),
-    ("apps", "deployments"): ("apps/v1", "Deployment"),
-    ("v1", "services"): ("v1", "Service"),
-    ("policy", "poddisruptionbudgets"): ("policy/v1", "PodDisruptionBudget"),
-    ("networking.k8s.io", "networkpolicies"): ("networking.k8s.io/v1", "NetworkPolicy"),
-}
-"""The apiVersion and kind of each of `WATCHED_KINDS`."""
+
 
 ROUTINE_HANDLERS = frozenset({"job_changed", "job_timer", "node_event"})
 """Handlers that run for every watch event or timer tick: kopf logs each success at INFO."""
@@ -116,6 +100,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     except SettingsError as exc:
         raise kopf.PermanentError(str(exc)) from exc
     _state["settings"] = ours
+    _state["all_namespaces"] = os.environ.get(constants.ALL_NAMESPACES_ENV) == "1"
     logging.getLogger("kopf.objects").addFilter(QUIET_ROUTINE)  # once: a filter added twice is kept once
     _serve_metrics(ours.metrics_port)
     if ours.node_handling and not _state.get("node_watch"):
@@ -310,7 +295,7 @@ async def job_changed(body: kopf.Body, name: str, namespace: str | None, type: s
     # What the jobs own is watched from the first job event on: started here, the watches' reconcile
     # tasks inherit kopf's context, which its Event posting needs (started at login, every reconcile a
     # watch event caused failed at its first Event: kopf's event queue is a context variable).
-    if os.environ.get(constants.ALL_NAMESPACES_ENV) == "1":
+    if _state.get("all_namespaces"):
         _watch(None)
     elif namespace:
         _watch(namespace)
@@ -357,24 +342,12 @@ async def job_ttl(
         await stopped.wait(left)  # the body is live: an edited ttl is read again after the wait
 
 
-def worker_pod_event(type: str | None, body: dict[str, Any]) -> None:
-    """A worker pod changed (scheduled, ready, failed, deleted): cache it, and reconcile the job that owns
-    it now. From the operator's own watch (informer.py); a paused standby ignores it, as kopf's paused
-    watches did (its caches are checked against the API when it resumes)."""
-    if "controller" not in _state or _standing_by(body):
-        return
-    controller().caches.observe("Pod", body, deleted=type == "DELETED")
-    found = owner(body)
-    namespace = (body.get("metadata") or {}).get("namespace")
-    if found is None or not namespace or not controller().news(body, type):
-        return
-    if type == "DELETED":
-        controller().pod_deleted(namespace, found[0], found[1], verdicts.project(body))
-    _reconcile_soon(namespace, found[0])
-
-
-def etcd_object_event(type: str | None, body: dict[str, Any]) -> None:
-    """A managed etcd object changed or went (deleted by someone, or its job's predecessor's collected)."""
+def owned_object_event(type: str | None, body: dict[str, Any]) -> None:
+    """A worker pod (scheduled, ready, failed, deleted) or managed etcd object (changed, or deleted by
+    someone, or its job's predecessor's collected) changed: cache it, and reconcile the job that owns
+    it now. From the operator's own watches (informer.py; a listed object has type None); a paused
+    standby ignores it, as kopf's paused watches did (its caches are checked against the API when it
+    resumes)."""
     if "controller" not in _state or _standing_by(body):
         return
     kind = str(body.get("kind", ""))
@@ -384,7 +357,9 @@ def etcd_object_event(type: str | None, body: dict[str, Any]) -> None:
     namespace = meta.get("namespace")
     if found is None or not namespace or not controller().news(body, type):
         return
-    if type == "DELETED":
+    if type == "DELETED" and kind == "Pod":
+        controller().pod_deleted(namespace, found[0], found[1], verdicts.project(body))
+    elif type == "DELETED":
         controller().object_deleted(namespace, found[0], kind, str(meta.get("name", "")))
     _reconcile_soon(namespace, found[0])
 
@@ -442,12 +417,10 @@ def _watch(namespace: str | None) -> None:
         return
     loop = asyncio.get_running_loop()
     started = []
-    for (group, plural), role in WATCHED_KINDS.items():
-        api_version, kind = WATCHED_API[group, plural]
-        handle: OnEvent = worker_pod_event if kind == "Pod" else etcd_object_event
+    for (api_version, kind), role in OWNED_KINDS:
         labels = {constants.LABEL_ROLE: role}
         listed = partial(_listed, kind, namespace)
-        informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, handle, listed)
+        informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, owned_object_event, listed)
         started.append(loop.create_task(informer.run(), name=f"watch {kind} {namespace or '(all)'}"))
     informers[namespace] = started
 
