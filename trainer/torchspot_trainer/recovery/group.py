@@ -116,15 +116,7 @@ class Group:
         """All-reduce a zero and wait for it on the host, at most `timeout` seconds: False when it
         did not complete (a peer is frozen or gone and the collective hangs, as on NCCL); a
         collective that failed raises (gloo: a peer's socket closed)."""
-        work = dist.all_reduce(torch.zeros(1, device=self.device), async_op=True)
-        assert work is not None
-        deadline = time.monotonic() + timeout
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(PING_POLL)
-        work.wait()
-        return True
+        return _completed(dist.all_reduce(torch.zeros(1, device=self.device), async_op=True), timeout)
 
     def agree(self, timeout: float) -> bool:
         """A barrier of every rank, through the control group on NCCL (host memory over TCP: never a
@@ -133,15 +125,7 @@ class Group:
         notice path's barrier: a plain `dist.barrier()` on NCCL could never complete once the
         leaving node's ranks had exited, and the staying ranks sat in a device sync until their
         agent's SIGTERM."""
-        work = dist.all_reduce(torch.zeros(1), group=self.control, async_op=True)
-        assert work is not None
-        deadline = time.monotonic() + timeout
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(PING_POLL)
-        work.wait()
-        return True
+        return _completed(dist.all_reduce(torch.zeros(1), group=self.control, async_op=True), timeout)
 
     def sums(self, values: list[torch.Tensor]) -> list[float]:
         """The group's sums of these scalars (float64 on the device, one all-reduce)."""
@@ -149,6 +133,19 @@ class Group:
         dist.all_reduce(totals)
         result: list[float] = totals.tolist()
         return result
+
+
+def _completed(work: Any, timeout: float) -> bool:
+    """Wait on the host, at most `timeout` seconds, for an asynchronous collective: False when it did not
+    complete; its failure raises (`work.wait`)."""
+    assert work is not None
+    deadline = time.monotonic() + timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(PING_POLL)
+    work.wait()
+    return True
 
 
 def control_group(backend: str, timeout: float) -> Any:

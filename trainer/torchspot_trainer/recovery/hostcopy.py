@@ -237,7 +237,7 @@ class HostCopy:
         """The newest whole copy (its "step" says which), without touching the device beyond asking its
         events; None before the first."""
         if not self.copying:
-            return None if self._updating or self._live is None else self._live()
+            return self.latest_live()
         with self._lock:
             slots = [(slot.state, slot.step, slot.done) for slot in self._slots if slot.state is not None]
         whole = [(state, step) for state, step, done in slots if done is None or bool(done.query())]
