@@ -206,7 +206,7 @@ def handle_sigterm_ourselves(args: argparse.Namespace) -> None:
 @record
 def _launch(args: argparse.Namespace) -> None:
     # Before any worker or the fork server starts (each copies this environment): torchrun's agent
-    # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (recovery/group.py says why not).
+    # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (nccl.py says why not).
     os.environ.update(worker_environment(os.environ))
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)

@@ -6,7 +6,7 @@ plays that part from the CRD object itself, the way kube-apiserver does:
 
 1. pruning: a field the schema does not declare (where it does not keep unknown fields)
    is dropped, or with `fieldValidation=Strict` (what kubectl sends) the object is refused
-   naming it (`unknown_fields`);
+   naming it (`pruned`);
 2. defaults: every `default` of the schema is filled in where the field is absent
    (recursively, so a defaulted object gets its own fields' defaults), and the stored
    object carries them;
@@ -36,30 +36,11 @@ OBJECT_FIELDS = frozenset({"apiVersion", "kind", "metadata"})
 logging.getLogger("celpy").setLevel(logging.WARNING)  # several debug lines per rule evaluated, otherwise
 
 
-def unknown_fields(schema: Mapping[str, Any], value: Any, path: str = "") -> list[str]:
-    """Where `value` has a field `schema` does not declare, below a node that does not keep unknown
-    fields (`x-kubernetes-preserve-unknown-fields`): what the API server prunes, or refuses under
-    `fieldValidation=Strict`, as `.spec.template.spec.nodeSelecter` (pure)."""
-    found: list[str] = []
-    if isinstance(value, dict):
-        declared = schema.get("properties") or {}
-        extra = schema.get("additionalProperties")
-        for key, item in value.items():
-            if not path and key in OBJECT_FIELDS:
-                continue
-            sub = declared.get(key, extra if isinstance(extra, Mapping) else None)
-            if sub is not None:
-                found += unknown_fields(sub, item, f"{path}.{key}")
-            elif not schema.get("x-kubernetes-preserve-unknown-fields"):
-                found.append(f"{path}.{key}")
-    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        for index, item in enumerate(value):
-            found += unknown_fields(schema["items"], item, f"{path}[{index}]")
-    return found
-
-
-def pruned(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
-    """`value` without the fields `unknown_fields` names (a copy; pure)."""
+def pruned(schema: Mapping[str, Any], value: Any, unknown: list[str], path: str = "") -> Any:
+    """`value` without the fields `schema` does not declare below a node that does not keep unknown fields
+    (`x-kubernetes-preserve-unknown-fields`), as the API server prunes them (a copy); the path of each
+    one dropped is appended to `unknown` (`.spec.template.spec.nodeSelecter`): what it refuses instead
+    under `fieldValidation=Strict`."""
     if isinstance(value, dict):
         declared = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
@@ -69,12 +50,14 @@ def pruned(schema: Mapping[str, Any], value: Any, path: str = "") -> Any:
             if not path and key in OBJECT_FIELDS:
                 kept[key] = copy.deepcopy(item)
             elif sub is not None:
-                kept[key] = pruned(sub, item, f"{path}.{key}")
+                kept[key] = pruned(sub, item, unknown, f"{path}.{key}")
             elif schema.get("x-kubernetes-preserve-unknown-fields"):
                 kept[key] = copy.deepcopy(item)
+            else:
+                unknown.append(f"{path}.{key}")
         return kept
     if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        return [pruned(schema["items"], item, f"{path}[{index}]") for index, item in enumerate(value)]
+        return [pruned(schema["items"], item, unknown, f"{path}[{index}]") for index, item in enumerate(value)]
     return copy.deepcopy(value)
 
 
@@ -164,10 +147,11 @@ class Admission:
         if schema is None:
             versions = ", ".join(sorted(self.schemas))
             raise AdmissionError(self.kind, name, [f"apiVersion: {new.get('apiVersion')!r} is not served ({versions})"])
-        unknown = unknown_fields(schema, new)
+        unknown: list[str] = []
+        kept = pruned(schema, new, unknown)
         if unknown and strict:
             raise UnknownFieldsError(self.kind, name, [f'unknown field "{where.lstrip(".")}"' for where in unknown])
-        stored: dict[str, Any] = apply_defaults(schema, pruned(schema, new))
+        stored: dict[str, Any] = apply_defaults(schema, kept)
         problems = self.problems(schema, stored, None if old is None else apply_defaults(schema, old))
         if problems:
             raise AdmissionError(f"{self.kind}.{self.group}", name, problems)
