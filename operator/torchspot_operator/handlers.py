@@ -13,7 +13,8 @@ What the operator watches, it watches narrowly: pods, Deployments, Services,
 PodDisruptionBudgets and NetworkPolicies only with the operator's role label (the API server
 filters them), through its own watches (informer.py: kopf's per-object machinery cost memory and,
 in a wave of evictions, most of a replacement's latency), cached by the uid of the job that owns
-them (caches.py); ElasticJobs and nodes (only when node handling is on) through kopf's.
+them (caches.py); nodes (only when node handling is on) through another of its own watches, keeping
+a few fields of each (`nodes.project`); ElasticJobs through kopf's.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ the start-up timeout, activeDeadlineSeconds, a failure backoff) or a milestone i
 A tick that finds nothing due makes no API request."""
 
 
-ROUTINE_HANDLERS = frozenset({"job_changed", "job_timer", "node_event"})
+ROUTINE_HANDLERS = frozenset({"job_changed", "job_timer"})
 """Handlers that run for every watch event or timer tick: kopf logs each success at INFO."""
 
 _state: dict[str, Any] = {}
@@ -103,13 +104,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     _state["all_namespaces"] = os.environ.get(constants.ALL_NAMESPACES_ENV) == "1"
     logging.getLogger("kopf.objects").addFilter(QUIET_ROUTINE)  # once: a filter added twice is kept once
     _serve_metrics(ours.metrics_port)
-    if ours.node_handling and not _state.get("node_watch"):
-        # Registered here, not at import: with node handling off the operator does not watch
-        # nodes at all. Once registered, it stays for the process (kopf has no unregistering).
-        kopf.on.event("v1", "nodes")(node_event)
-        _state["node_watch"] = True
-    if ours.node_selector:  # only the nodes workers run on (the spot pools), filtered by the API server
-        settings.watching.label_selectors["v1", "nodes"] = ours.node_selector
     if settings.peering.mandatory:  # --peering NAME: one ClusterKopfPeering, whatever we watch
         settings.peering.clusterwide = True
         settings.peering.lifetime = ours.peering_lifetime
@@ -417,6 +411,11 @@ def _watch(namespace: str | None) -> None:
         return
     loop = asyncio.get_running_loop()
     started = []
+    if controller().node_handling and not controller().node_watch:  # once, whatever the namespaces
+        controller().node_watch = True
+        chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector
+        watch = Informer(lambda: controller().api, "v1", "Node", chosen, None, node_seen, _nodes_listed)
+        started.append(loop.create_task(watch.run(), name="watch Node"))
     for (api_version, kind), role in OWNED_KINDS:
         labels = {constants.LABEL_ROLE: role}
         listed = partial(_listed, kind, namespace)
@@ -425,23 +424,35 @@ def _watch(namespace: str | None) -> None:
     informers[namespace] = started
 
 
-async def node_event(body: kopf.Body, name: str, type: str | None, **_: Any) -> None:
-    """A node changed: if it is gone, drained or NotReady (nodes.py), its jobs are reconciled now (a
-    definite signal moves their workers off at once; NotReady only after the grace, which the jobs'
-    timers then watch).
+def node_seen(type: str | None, body: dict[str, Any]) -> None:
+    """A node was listed or changed (the node watch, informer.py): kept as `nodes.project` keeps it, and if
+    it is gone, drained or NotReady (nodes.py) its jobs are reconciled now (a definite signal moves their
+    workers off at once; NotReady only after the grace, which the jobs' timers then watch). A paused
+    standby keeps its node cache current and reconciles nothing.
 
-    Registered at startup only with node handling on (`configure`).
-    """
-    if not controller().node_handling:
+    Why the operator's own watch and not kopf's: kopf parses every node whole and keeps each body in a
+    worker for a while after its event; at a start or a relist of 1,000 AKS nodes (about 100 KiB each
+    as served) that was the operator's largest transient (bench/operator/thousand.py)."""
+    if "controller" not in _state:
         return
     chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector
-    if chosen and not nodes.selected((body.get("metadata") or {}).get("labels") or {}, chosen):
-        controller().observe_node(dict(body), deleted=True)  # outside the watch's selector: not kept
+    meta = body.get("metadata") or {}
+    if chosen and not nodes.selected(meta.get("labels") or {}, chosen):
+        controller().observe_node(body, deleted=True)  # outside the watch's selector: not kept
         return
     gone = type == "DELETED"
-    controller().observe_node(dict(body), deleted=gone)
+    controller().observe_node(body, deleted=gone)
     policy = controller().node_policy
-    if not gone and nodes.definite(dict(body)) is None and nodes.soft(dict(body), policy) is None:
+    if controller().paused or (not gone and nodes.definite(body) is None and nodes.soft(body, policy) is None):
         return
-    for namespace, job in controller().jobs_on_node(name):
-        await controller().reconcile(namespace, job)
+    for namespace, job in sorted(controller().jobs_on_node(str(meta.get("name", "")))):
+        _reconcile_soon(namespace, job)
+
+
+def _nodes_listed(uids: set[str], _started: float) -> None:
+    """The node watch listed the nodes: the jobs of nodes deleted while it was down are due now."""
+    gone = controller().nodes_relisted(uids)
+    if controller().paused:
+        return
+    for namespace, job in sorted({found for name in gone for found in controller().jobs_on_node(name)}):
+        _reconcile_soon(namespace, job)

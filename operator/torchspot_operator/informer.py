@@ -1,4 +1,4 @@
-"""The operator's own watches of worker pods and managed etcd objects: list, then watch from the list's
+"""The operator's own watches of worker pods, managed etcd objects and nodes: list, then watch from the list's
 version, each object handed on as it is parsed (an informer, as client-go calls it).
 
 Why not kopf's watches for these: kopf keeps a record for each object it has seen (14,000 at 1,000
@@ -10,7 +10,8 @@ already started: 1.6 s of its 1.9 s to a replacement was spent before the operat
 (bench/operator/thousand.py, traced). Here a watch's lines are read and handed on in one go, and
 what is kept is the projection the caches make (caches.py).
 
-kopf still watches the ElasticJobs (its timers, daemons and peering need them) and the nodes.
+The nodes are watched the same way (handlers.py, with node handling on), keeping a few fields of each
+(`nodes.project`); kopf still watches the ElasticJobs (its timers, daemons and peering need them).
 
 A watch that ends (the server's `WATCH_SECONDS`) is opened again from the last version seen, which
 replays nothing; one that fails (410: the version is older than the server keeps; a dropped
@@ -31,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from torchspot_operator.kube import ApiError, Kube, backoff_seconds
+from torchspot_operator.kube import ApiError, Kube, backoff_seconds, label_selector
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class Informer:
     """The controller's current API session (renewed at logins)."""
     api_version: str
     kind: str
-    labels: Mapping[str, str]
+    labels: Mapping[str, str] | str
+    """The label selector: `key=value` terms, or a selector string (the node watch's setting)."""
     namespace: str | None
     on_event: OnEvent
     on_listed: Callable[[set[str], float], None] = lambda _uids, _started: None
@@ -71,7 +73,7 @@ class Informer:
                 gone = isinstance(exc, ApiError) and exc.status == 410
                 log.log(
                     logging.INFO if gone else logging.WARNING, "watch of %s %s %s ended (%s); listing again in %.1f s",
-                    self.kind, where, ",".join(f"{k}={v}" for k, v in self.labels.items()), exc, delay,
+                    self.kind, where, label_selector(self.labels) or "(every one)", exc, delay,
                 )  # fmt: skip
                 attempt += 1
                 await asyncio.sleep(delay)

@@ -120,6 +120,11 @@ def collection(api_version: str, plural: str, namespace: str | None) -> str:
     return f"{root}/namespaces/{namespace}/{plural}" if namespace else f"{root}/{plural}"
 
 
+def label_selector(labels: Mapping[str, str] | str) -> str:
+    """A label selector as the API reads it: `key=value` terms of a mapping, or a selector string as it is."""
+    return labels if isinstance(labels, str) else ",".join(f"{k}={v}" for k, v in labels.items())
+
+
 def backoff_seconds(attempt: int, retry_after: str | None = None) -> float:
     """How long to wait before try `attempt` + 1: the server's Retry-After if it gave one (capped),
     else capped exponential backoff with jitter (many operator replicas must not retry in step)."""
@@ -388,21 +393,22 @@ class Kube:
         api_version: str,
         kind: str,
         namespace: str | None,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | str | None = None,
         *,
         fields: Mapping[str, str] | None = None,
         version: list[str] | None = None,
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """Objects of a kind a page (`LIST_PAGE` objects) at a time, as client-go's pager reads them: the
         caller keeps what it needs of a page before the next comes, never 8,000 whole pods at once.
-        Selectors are applied here too: some API emulators ignore them.
+        Selectors given as a mapping are applied here too (some API emulators ignore them); a selector
+        given as a string (`key in (a,b)`, `!key`: the node watch's) is sent as it is.
 
         :param version: receives the list's resourceVersion (with the first page): where a watch of what
             the list showed starts (`watch`)."""
         path = await self._collection(api_version, kind, namespace)
         query = [f"limit={LIST_PAGE}"]
         if labels:
-            query.append("labelSelector=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+            query.append("labelSelector=" + quote(label_selector(labels)))
         if fields:
             query.append("fieldSelector=" + ",".join(f"{k}={v}" for k, v in fields.items()))
         token = ""
@@ -412,7 +418,7 @@ class Kube:
             if version is not None and not token:
                 version.append(str((page.get("metadata") or {}).get("resourceVersion") or ""))
             items: list[dict[str, Any]] = page.get("items") or []
-            if labels:
+            if labels and not isinstance(labels, str):
                 items = [
                     item
                     for item in items
@@ -426,7 +432,7 @@ class Kube:
                 return
 
     async def watch(
-        self, api_version: str, kind: str, namespace: str | None, labels: Mapping[str, str], since: str
+        self, api_version: str, kind: str, namespace: str | None, labels: Mapping[str, str] | str, since: str
     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """The changes of a kind's labelled objects after version `since` (a list's), as (type, object),
         each line parsed as it arrives, until the server ends the watch (`WATCH_SECONDS`): then watch
@@ -439,7 +445,7 @@ class Kube:
         query = [
             "watch=true", f"resourceVersion={quote(since)}", "allowWatchBookmarks=true",
             f"timeoutSeconds={WATCH_SECONDS}",
-            "labelSelector=" + quote(",".join(f"{k}={v}" for k, v in labels.items())),
+            "labelSelector=" + quote(label_selector(labels)),
         ]  # fmt: skip
         if self.closed:
             raise ApiError(UNREACHABLE, f"watch {path}: the API session was closed")

@@ -44,14 +44,15 @@ def project(node: Mapping[str, Any]) -> dict[str, Any]:
     """What the node rules read of a node, and nothing else: what the operator's node cache keeps.
 
     A node as the API serves it is about 100 KiB (its images list, managedFields, capacity and
-    labels); this keeps its name, deletion time, `unschedulable`, the taints the rules name (drain,
-    not-ready, unreachable) and its Ready condition: a thousand nodes cost well under a MiB."""
+    labels); this keeps its name, uid (a listing's deletions are found by it), deletion time,
+    `unschedulable`, the taints the rules name (drain, not-ready, unreachable) and its Ready
+    condition: a thousand nodes cost well under a MiB."""
     meta = node.get("metadata") or {}
     spec = node.get("spec") or {}
     watched = {*constants.DRAIN_TAINTS, constants.NOT_READY_TAINT, constants.UNREACHABLE_TAINT}
     ready = conditions.find(node.get("status", {}).get("conditions") or [], "Ready")
     return {
-        "metadata": {key: meta[key] for key in ("name", "deletionTimestamp") if key in meta},
+        "metadata": {key: meta[key] for key in ("name", "uid", "deletionTimestamp") if key in meta},
         "spec": {
             **({"unschedulable": True} if spec.get("unschedulable") else {}),
             "taints": [dict(t) for t in spec.get("taints") or [] if t.get("key") in watched],

@@ -550,8 +550,8 @@ def test_a_hand_edit_of_the_managed_etcd_is_set_back_by_server_side_apply(cluste
 def test_with_node_handling_off_the_operator_neither_watches_nor_reads_nodes(api: Cluster, tmp_path: Path) -> None:
     """TORCHSPOT_NODE_HANDLING=off: no node watch, no node read, and a NotReady node's worker stays.
 
-    The operator runs as its own process: kopf registers handlers per process, and a node
-    watch registered by an earlier test's in-process operator would stay.
+    The operator runs as its own process, started as the chart starts it (`python -m
+    torchspot_operator`), its settings read from its environment.
     """
     api.add_node("spot-1")
     port = free_port()

@@ -168,6 +168,29 @@ def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(operator: Cluster)
     assert cluster.requests("GET", budgets) - lists == 0
 
 
+def test_a_node_deleted_while_the_node_watch_was_cut_has_its_workers_moved(operator: Cluster) -> None:
+    """The node watch's listing after a 410 finds a node deleted meanwhile (no DELETED event came): the
+    node leaves the cache and its job is reconciled at once. Without that the cache would keep the node
+    Ready for ever and its worker would never be moved off (reconciles read the cache, not the API)."""
+    cluster = operator
+    for node in ("spot-1", "spot-2"):
+        cluster.add_node(node)
+    cluster.create(good_job("stranded", maxReplicas=2))
+    wait_for("two workers", lambda: len(cluster.pods("stranded")) == 2)
+    first, second = cluster.names("stranded")
+    cluster.run_pod(first, "spot-1")
+    cluster.run_pod(second, "spot-2")
+    wait_for("Running", lambda: _status(cluster, "stranded").get("phase") == "Running")
+
+    emulator = _emulator(cluster)
+    cluster.api.run(emulator.cut_watches("nodes"))
+    cluster.delete("v1", "Node", "spot-2", None)
+    emulator.resume_watches("nodes")
+    wait_for("the worker of the deleted node gone", lambda: second not in cluster.names("stranded"), timeout=10)
+    assert first in cluster.names("stranded")
+    assert wait_for("counted as an eviction", lambda: _status(cluster, "stranded").get("evictions") == 1)
+
+
 def test_the_etcd_stays_until_the_stopped_workers_have_left_and_a_stall_fails_the_job(operator: Cluster) -> None:
     cluster = operator
     _emulator(cluster).graceful = 2.0  # a deleted pod stays Terminating for 2 s
