@@ -202,6 +202,16 @@ count none twice. More than any one reconcile counts; the CRD caps the list at t
 MILESTONE_READERS: Final = 8
 """Threads that read runs' milestones from their etcds (their own pool: a dead etcd's read blocks a
 thread for its timeout, and a node lost with dozens of etcds on it must not hold up logins)."""
+MILESTONE_READS_PER_SECOND: Final = 20.0
+"""How many milestone reads the operator makes a second across all runs, at most (each run's own limit,
+a quarter of its stallTimeoutSeconds, aside): a run is read at every timer tick while there are up to
+100 runs, every 50 s at 1,000. The status's progress then lags that much; the stall rule's clocks are
+minutes."""
+MILESTONE_CHANNELS: Final = 64
+"""How many runs' etcd clients stay open between reads (the least recently used is closed first). A
+gRPC channel costs about 40 KiB connected and 30 KiB resolving (a TLS one more); one per run was
+30 MiB of the operator's 230 at 1,000 jobs (bench/operator/thousand.py). A run read again after its
+client was closed opens a new one: about 0.7 ms of CPU on these cores, plus the TLS handshake."""
 SNAPSHOT_SECONDS: Final = 10
 """How old a namespace's list of the jobs' objects may be and still serve a job's check (one taken before
 the job's last create, or before the last relist, never does): the jobs that fall due together share it."""

@@ -478,6 +478,7 @@ class Controller:
                 str(old.get("runId", job.run_id)),
                 None if spec.rdzv_endpoint else self._etcd_client_tls(),
                 job=memory.uid,
+                max_age=spec.stall_timeout_seconds / 4,
             )
         )
         asked = not finished and not spec.rdzv_endpoint and not milestones.get("reachable")

@@ -13,7 +13,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_operator.certs import etcd_certificates
 from torchspot_operator.milestones import MilestoneReader
 from torchspot_trainer.rendezvous import milestones
@@ -70,3 +70,95 @@ def test_a_recreated_job_reads_its_new_etcd_through_its_own_client(tmp_path: Pat
             new.stop()
 
     asyncio.run(scene())
+
+
+class _Clock:
+    """The reader's clock, moved by the test: when a read is due is the subject."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _settled(reader: MilestoneReader) -> None:
+    """Every refresh the reader started has ended."""
+    await asyncio.gather(*reader._refreshing.values(), return_exceptions=True)
+
+
+def _write_round(server: EtcdServer, run: str, round_: int) -> None:
+    client = server.client()
+    try:
+        milestones.write(client, run, milestones.ROUND, {"round": round_, "nodes": 2}, lease=None)
+    finally:
+        client.close()
+
+
+def test_runs_share_a_read_budget_and_a_stall_timeout_bounds_the_wait(tmp_path: Path) -> None:
+    """Two reads a second across four runs: each run is read every 2 s (not at each reconcile), unless its
+    `max_age` (a quarter of its stall timeout) is shorter; a run never read is read at once."""
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    clock = _Clock()
+    runs = [f"run-{n}" for n in range(4)]
+
+    async def scene() -> None:
+        reader = MilestoneReader(reads_per_second=2.0, clock=clock)
+        try:
+            for run in runs:
+                _write_round(server, run, 1)
+                reader.latest(server.endpoint, run, job=run)
+            await _settled(reader)
+            assert all(reader.latest(server.endpoint, run, job=run)["round"]["round"] == 1 for run in runs)
+            for run in runs:
+                _write_round(server, run, 2)
+            clock.now += 1.9  # within the budget's 2 s: answered from the cache, nothing read
+            assert [reader.latest(server.endpoint, run, job=run)["round"]["round"] for run in runs] == [1] * 4
+            assert reader.latest(server.endpoint, "run-0", job="run-0", max_age=1.5)["round"]["round"] == 1
+            await _settled(reader)  # the max_age run was read: 1.9 s > 1.5 s
+            assert reader.latest(server.endpoint, "run-0", job="run-0")["round"]["round"] == 2
+            assert reader.latest(server.endpoint, "run-1", job="run-1")["round"]["round"] == 1
+            clock.now += 0.1  # 2 s since the others' reads
+            for run in runs[1:]:
+                reader.latest(server.endpoint, run, job=run)
+            await _settled(reader)
+            assert [reader.latest(server.endpoint, run, job=run)["round"]["round"] for run in runs] == [2] * 4
+        finally:
+            reader.close()
+
+    try:
+        asyncio.run(scene())
+    finally:
+        server.stop()
+
+
+def test_open_clients_are_bounded_and_a_failed_read_closes_its_own(tmp_path: Path) -> None:
+    """At most `channels` clients stay open (the least recently used is closed); a client whose read failed
+    (an etcd not up yet) is closed at once, and the run reads again through a new one once it serves."""
+    server = EtcdServer(tmp_path / "etcd")
+    server.start()
+    clock = _Clock()
+
+    async def scene() -> None:
+        reader = MilestoneReader(channels=2, clock=clock)
+        try:
+            for job in ("a", "b", "c"):
+                _write_round(server, f"run-{job}", 1)
+                reader.latest(server.endpoint, f"run-{job}", job=job)
+                await _settled(reader)
+            assert [job for job, _ in reader._clients] == ["b", "c"]  # a's, the least recently used, closed
+            assert reader.latest(server.endpoint, "run-a", job="a")["reachable"] is True
+
+            nothing = f"127.0.0.1:{free_port()}"  # no etcd there yet
+            reader.latest(nothing, "run-d", job="d")
+            await _settled(reader)
+            assert reader.latest(nothing, "run-d", job="d")["reachable"] is False
+            assert "d" not in {job for job, _ in reader._clients}
+        finally:
+            reader.close()
+
+    try:
+        asyncio.run(scene())
+    finally:
+        server.stop()
