@@ -209,9 +209,14 @@ a quarter of its stallTimeoutSeconds, aside): a run is read at every timer tick 
 minutes."""
 MILESTONE_CHANNELS: Final = 64
 """How many runs' etcd clients stay open between reads (the least recently used is closed first). A
-gRPC channel costs about 40 KiB connected and 30 KiB resolving (a TLS one more); one per run was
-30 MiB of the operator's 230 at 1,000 jobs (bench/operator/thousand.py). A run read again after its
-client was closed opens a new one: about 0.7 ms of CPU on these cores, plus the TLS handshake."""
+gRPC channel holds about 40 KiB of the process's memory connected (500 plain channels to one etcd:
++20 MiB) and 30 KiB while its name does not resolve (1,000: +30 MiB), a TLS one more: one per run,
+as before, grows with the jobs without bound. A run read again after its client was closed opens a
+new one: about 0.7 ms of CPU on these cores where a kept one reads in 0.12, plus the TLS handshake."""
+FIRST_LISTING_WAIT_SECONDS: Final = 60.0
+"""How long a job's check waits for the first listing of the operator's own watches (at a start, or in a
+namespace's first job) before it lists the namespace itself: 8,000 AKS-sized pods take about 20 s to
+list on a busy API, and a listing that fails is tried again by its watch."""
 SNAPSHOT_SECONDS: Final = 10
 """How old a namespace's list of the jobs' objects may be and still serve a job's check (one taken before
 the job's last create, or before the last relist, never does): the jobs that fall due together share it."""

@@ -207,6 +207,8 @@ class Controller:
         self.listings: dict[tuple[str, str | None], float] = {}
         """When the operator's own watch of a kind last listed it in a namespace (None: all), as it
         started (monotonic): a listing after a job's last create serves as the job's check."""
+        self._first_listings: dict[tuple[str, str | None], asyncio.Event] = {}
+        """The watches whose first listing is under way (`listing_started`), set when it ends."""
         self.operator = operator
         """This operator's pod namespace and labels, which each job's etcd NetworkPolicy admits."""
         self.node_handling = node_handling
@@ -563,12 +565,22 @@ class Controller:
         resumed leading."""
         return memory.verified_at < self.relisted_at
 
+    def listing_started(self, kind: str, namespace: str | None) -> None:
+        """The operator's own watch of a kind is starting (handlers.py): the jobs' checks wait for its first
+        listing (`_snapshot`) rather than list the same objects beside it."""
+        self._first_listings.setdefault((kind, namespace), asyncio.Event())
+
     def informer_listed(self, kind: str, namespace: str | None, uids: set[str], started: float) -> None:
         """The operator's own watch of a kind listed it (informer.py): what the cache holds and the list
         lacks was deleted while no watch was open (a worker pod counts as deleted by someone else), and
         the listing serves as a fresh read for the jobs' checks (`_snapshot`)."""
         self._missed(self.caches.missing_of(kind, namespace, uids, started))
         self.listings[kind, namespace] = started
+        self.listing_ended(kind, namespace)
+
+    def listing_ended(self, kind: str, namespace: str | None) -> None:
+        """A watch's listing ended: no check waits for it any longer."""
+        self._first_listings.setdefault((kind, namespace), asyncio.Event()).set()
 
     async def _snapshot(self, namespace: str, after: float) -> _Snapshot:
         """Read what the namespace's jobs own from the API, unless the last read started after `after` and
@@ -577,6 +589,14 @@ class Controller:
         is counted as deleted by someone else, as its DELETED event would have been. Shared by every
         job of the namespace, so checking 200 jobs costs five lists, not a thousand requests."""
         async with self._snapshot_locks.setdefault(namespace, asyncio.Lock()):
+            pending = [
+                listed.wait()
+                for (_, where), listed in self._first_listings.items()
+                if where in (namespace, None) and not listed.is_set()
+            ]
+            if pending:  # the watches' first listings serve (at a start: 12,000 objects not listed twice)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*pending), constants.FIRST_LISTING_WAIT_SECONDS)
             found = self._snapshots.get(namespace)
             clock = time.monotonic()
             if found is not None and found.started > after and clock - found.finished <= constants.SNAPSHOT_SECONDS:

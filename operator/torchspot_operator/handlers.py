@@ -2,8 +2,8 @@
 
 Run it with `kopf run -m torchspot_operator.handlers` (or `python -m torchspot_operator`).
 Triggers: an ElasticJob appears (or is there when the operator starts), its spec changes (a new
-`metadata.generation`), it is deleted, the timer
-fires (every `RECONCILE_INTERVAL` seconds, for jobs that are neither finished, invalid
+`metadata.generation`), it is deleted, the ticker reaches it
+(every `RECONCILE_INTERVAL` seconds, for jobs that are neither finished, invalid
 nor suspended; it asks the API nothing unless something is due), one of its worker pods
 or managed etcd objects changes, or a node carrying its workers turns bad. Whatever
 fired, `Controller.reconcile` reads the job afresh and converges; so a missed or
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import logging
 import os
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, cast
 
@@ -45,13 +47,13 @@ log = logging.getLogger(__name__)
 KOPF_WORKER_IDLE_SECONDS = 0.2
 """How long kopf keeps an object's worker (and the last body it handled) after its last event."""
 RECONCILE_INTERVAL = 5.0
-"""Seconds between timer ticks of each active job: bounds how late a clock (belowMinGraceSeconds,
+"""Seconds between ticks of each active job (`_tick_jobs`): bounds how late a clock (belowMinGraceSeconds,
 the start-up timeout, activeDeadlineSeconds, a failure backoff) or a milestone is acted on.
 A tick that finds nothing due makes no API request."""
 
 
-ROUTINE_HANDLERS = frozenset({"job_changed", "job_timer"})
-"""Handlers that run for every watch event or timer tick: kopf logs each success at INFO."""
+ROUTINE_HANDLERS = frozenset({"job_changed"})
+"""Handlers that run for every watch event: kopf logs each success at INFO."""
 
 _state: dict[str, Any] = {}
 
@@ -60,15 +62,15 @@ class QuietRoutine(logging.Filter):
     """Drops kopf's "Handler '...' succeeded." INFO line for `ROUTINE_HANDLERS`; failures, retries and
     every other line pass.
 
-    kopf logs a line per handler run. With 1,000 jobs that was 200 timer lines a second while nothing
-    happened, and one per listed object at every watch restart (158,000 lines in one benchmark run):
+    kopf logs a line per handler run. With 1,000 jobs and kopf's timers that was 200 lines a second
+    while nothing happened, and one per listed object at every watch restart (158,000 lines in one benchmark run):
     log storage a platform pays for, and the operator's CPU. What the operator did is in its own lines
     (a phase change, a replacement, a refusal), its Events and its metrics."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.INFO or not isinstance(record.msg, str) or not record.msg.endswith(" succeeded."):
             return True
-        quoted = record.msg.split("'")  # "Handler 'job_timer' succeeded.", "Timer 'job_timer' succeeded."
+        quoted = record.msg.split("'")  # "Handler 'job_changed' succeeded."
         return not (len(quoted) >= 3 and quoted[1] in ROUTINE_HANDLERS)
 
 
@@ -263,9 +265,12 @@ async def _ensure_peering(name: str) -> None:
 @kopf.on.cleanup()
 async def close(**_: Any) -> None:
     """Close our HTTP session with the operator."""
-    standing = _state.pop("standing", None)
-    if isinstance(standing, asyncio.Task):
-        standing.cancel()
+    for held in ("standing", "ticker"):
+        task = _state.pop(held, None)
+        if isinstance(task, asyncio.Task):
+            task.cancel()
+    _state.pop("jobs", None)
+    _state.pop("context", None)  # kopf's event queue of this run: a later run in the process has its own
     watches = [task for tasks in _state.pop("informers", {}).values() for task in tasks]
     pending = [*watches, *_state.pop("tasks", set())]
     for task in pending:
@@ -289,51 +294,95 @@ async def job_changed(body: kopf.Body, name: str, namespace: str | None, type: s
     # What the jobs own is watched from the first job event on: started here, the watches' reconcile
     # tasks inherit kopf's context, which its Event posting needs (started at login, every reconcile a
     # watch event caused failed at its first Event: kopf's event queue is a context variable).
+    _state.setdefault("context", contextvars.copy_context())
     if _state.get("all_namespaces"):
         _watch(None)
     elif namespace:
         _watch(namespace)
     _lead()
+    jobs: dict[tuple[str, str], Tracked] = _state.setdefault("jobs", {})
+    if type == "DELETED":
+        jobs.pop((namespace or "default", name), None)
+    else:
+        jobs[namespace or "default", name] = Tracked.of(body)
+    if "ticker" not in _state:
+        _state["ticker"] = asyncio.get_running_loop().create_task(_tick_jobs(), name="ticker")
     if controller().job_news(dict(body), deleted=type == "DELETED"):
-        await controller().reconcile(namespace or "default", name)
+        # In a task of its own, not awaited: kopf holds the event's body, its own records of the object
+        # and the handler's context until the handler returns, and at a start every job's first
+        # reconcile waits its turn in the client's rate limit (1,000 jobs: about 25 s).
+        _reconcile_soon(namespace or "default", name)
 
 
-def _active(body: kopf.Body, **_: Any) -> bool:
-    """A job whose clocks run: not finished, not invalid, not suspended (those are never polled)."""
-    phase = (body.get("status") or {}).get("phase")
-    inactive = (*conditions.FINISHED_PHASES, conditions.PHASE_INVALID)
-    return phase not in inactive and not (body.get("spec") or {}).get("suspend", False)
+@dataclass(frozen=True)
+class Tracked:
+    """What the ticker needs of a job, from its last event: whether its clocks run, and when a finished
+    job's `ttlSecondsAfterFinished` runs out."""
+
+    active: bool
+    """Not finished, not invalid, not suspended (inactive jobs are never ticked)."""
+    uid: str
+    expires: datetime | None = None
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Tracked:
+        status: Mapping[str, Any] = body.get("status") or {}
+        spec: Mapping[str, Any] = body.get("spec") or {}
+        phase = status.get("phase")
+        uid = str((body.get("metadata") or {}).get("uid", ""))
+        active = phase not in (*conditions.FINISHED_PHASES, conditions.PHASE_INVALID) and not spec.get("suspend")
+        ttl, finished = spec.get("ttlSecondsAfterFinished"), status.get("completionTime")
+        if phase not in conditions.FINISHED_PHASES or ttl is None or not finished:
+            return cls(active, uid)
+        return cls(active, uid, conditions.parse_timestamp(finished) + timedelta(seconds=ttl))
 
 
-@kopf.timer(constants.GROUP, constants.VERSION, constants.PLURAL, interval=RECONCILE_INTERVAL, when=_active)
-async def job_timer(name: str, namespace: str | None, **_: Any) -> None:
-    """Act on clocks and milestones when no event comes; free when nothing is due."""
-    _lead()
-    await controller().tick(namespace or "default", name)
+async def _tick_jobs() -> None:
+    """Act on clocks and milestones when no event comes: every active job (`Tracked`, as its last event
+    showed it) is ticked once per `RECONCILE_INTERVAL`, the ticks spread evenly over it; a tick is free
+    when nothing is due (`Controller.tick`). A job whose last tick still runs is skipped; a finished job
+    whose `ttlSecondsAfterFinished` ran out is deleted; a paused standby does nothing.
+
+    One task for all jobs, not kopf's timers and daemons: for any resource with one, kopf keeps a task
+    per timed object and the live body of every object (about 10 MiB at 1,000 jobs; bench/operator/
+    thousand.py), and a finalizer on each, which made a job outlive an uninstalled operator. Started
+    with the first job event, in kopf's context (Events need it)."""
+    jobs: dict[tuple[str, str], Tracked] = _state.setdefault("jobs", {})
+    running: dict[tuple[str, str], asyncio.Task[None]] = {}
+    loop = asyncio.get_running_loop()
+    while True:
+        if not controller().paused:
+            now = datetime.now(UTC)
+            for key, job in list(jobs.items()):
+                held = running.get(key)
+                if job.expires is not None and job.expires <= now and (held is None or held.done()):
+                    running[key] = loop.create_task(_expire(*key, job.uid))
+        due = [] if controller().paused else [key for key, job in jobs.items() if job.active]
+        if not due:
+            await asyncio.sleep(RECONCILE_INTERVAL)
+        for key in due:
+            held, now_known = running.get(key), jobs.get(key)
+            if now_known is not None and now_known.active and not controller().paused and (held is None or held.done()):
+                running[key] = loop.create_task(_tick(*key))
+            await asyncio.sleep(RECONCILE_INTERVAL / len(due))
+        for key in [key for key, task in running.items() if task.done()]:
+            del running[key]
 
 
-def _expiring(body: kopf.Body, **_: Any) -> bool:
-    """A finished job with a ttlSecondsAfterFinished: its daemon deletes it when that runs out."""
-    finished = (body.get("status") or {}).get("phase") in conditions.FINISHED_PHASES
-    return finished and (body.get("spec") or {}).get("ttlSecondsAfterFinished") is not None
+async def _tick(namespace: str, name: str) -> None:
+    """One job's tick; a failure is logged and the next tick tries again, as kopf's timers did."""
+    try:
+        await controller().tick(namespace, name)
+    except Exception:
+        log.exception("tick of job %s/%s failed; the next one tries again", namespace, name)
 
 
-@kopf.daemon(constants.GROUP, constants.VERSION, constants.PLURAL, when=_expiring)
-async def job_ttl(
-    name: str, namespace: str | None, uid: str, body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any
-) -> None:
-    """Delete a finished job `ttlSecondsAfterFinished` after its completion (waits, never polls the API)."""
-    while not stopped:
-        job_status: Mapping[str, Any] = body.get("status") or {}
-        ttl = (body.get("spec") or {}).get("ttlSecondsAfterFinished")
-        finished = job_status.get("completionTime")
-        if ttl is None or finished is None:
-            return
-        left = ttl - (datetime.now(UTC) - conditions.parse_timestamp(finished)).total_seconds()
-        if left <= 0:
-            await controller().expire(namespace or "default", name, uid)
-            return
-        await stopped.wait(left)  # the body is live: an edited ttl is read again after the wait
+async def _expire(namespace: str, name: str, uid: str) -> None:
+    """Delete a finished job whose TTL ran out (this incarnation only); a failure is tried again next round."""
+    try:
+        await controller().expire(namespace, name, uid)
+    except (ApiError, OSError, TimeoutError) as exc:
+        log.warning("job %s/%s: cannot delete it after its ttlSecondsAfterFinished: %s", namespace, name, exc)
 
 
 def owned_object_event(type: str | None, body: dict[str, Any]) -> None:
@@ -383,15 +432,26 @@ def _lead() -> None:
 
 def _listed(kind: str, namespace: str | None, uids: set[str], started: float) -> None:
     """A watch listed its kind (at its start, or again after a 410): see `Controller.informer_listed`.
-    A paused standby checks every job when it leads instead."""
-    if "controller" in _state and not controller().paused:
+    A paused standby checks every job when it leads instead (its listing, which its caches did not take,
+    serves no check: only its end is noted, so no check waits for it)."""
+    if "controller" not in _state:
+        return
+    if controller().paused:
+        controller().listing_ended(kind, namespace)
+    else:
         controller().informer_listed(kind, namespace, uids, started)
 
 
 def _reconcile_soon(namespace: str, job: str) -> None:
-    """Reconcile a job in a task of its own (the watch reads on): its failure is logged, and the job's timer
-    or next event tries again, as kopf does for an event handler that raised."""
-    task = asyncio.get_running_loop().create_task(controller().reconcile(namespace, job))
+    """Reconcile a job in a task of its own (the watch reads on): its failure is logged, and the job's tick
+    or next event tries again, as kopf does for an event handler that raised.
+
+    The task runs in a copy of the context of the first job event, whatever starts it: it has kopf's
+    event queue (Events need it), where a task started in a kopf handler would keep that handler's
+    cause, the event's whole body, for as long as it runs."""
+    base: contextvars.Context | None = _state.get("context")
+    context = base.copy() if base is not None else None
+    task = asyncio.get_running_loop().create_task(controller().reconcile(namespace, job), context=context)
     tasks: set[asyncio.Task[Any]] = _state.setdefault("tasks", set())
     tasks.add(task)
     task.add_done_callback(partial(_reconciled, namespace, job))
@@ -417,6 +477,7 @@ def _watch(namespace: str | None) -> None:
         watch = Informer(lambda: controller().api, "v1", "Node", chosen, None, node_seen, _nodes_listed)
         started.append(loop.create_task(watch.run(), name="watch Node"))
     for (api_version, kind), role in OWNED_KINDS:
+        controller().listing_started(kind, namespace)
         labels = {constants.LABEL_ROLE: role}
         listed = partial(_listed, kind, namespace)
         informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, owned_object_event, listed)

@@ -11,7 +11,7 @@ already started: 1.6 s of its 1.9 s to a replacement was spent before the operat
 what is kept is the projection the caches make (caches.py).
 
 The nodes are watched the same way (handlers.py, with node handling on), keeping a few fields of each
-(`nodes.project`); kopf still watches the ElasticJobs (its timers, daemons and peering need them).
+(`nodes.project`); kopf still watches the ElasticJobs (its daemons and peering need them).
 
 A watch that ends (the server's `WATCH_SECONDS`) is opened again from the last version seen, which
 replays nothing; one that fails (410: the version is older than the server keeps; a dropped

@@ -15,7 +15,6 @@ def _record(level: int, msg: str) -> logging.LogRecord:
 
 def test_routine_successes_are_dropped_and_failures_kept() -> None:
     quiet = handlers.QUIET_ROUTINE
-    assert not quiet.filter(_record(logging.INFO, "Timer 'job_timer' succeeded."))
     assert not quiet.filter(_record(logging.INFO, "Handler 'job_changed' succeeded."))
     assert quiet.filter(_record(logging.ERROR, "Handler 'job_changed' failed with an exception and will try again"))
     assert quiet.filter(_record(logging.INFO, "Handler 'some_other_handler' succeeded."))  # not one of ours
@@ -31,3 +30,10 @@ def test_the_routine_names_are_the_registered_handlers() -> None:
         for handler in handlers_of.get_all_handlers()
     }
     assert ids >= handlers.ROUTINE_HANDLERS
+
+
+def test_kopf_runs_no_timer_or_daemon() -> None:
+    """One ticker for every job (`handlers._tick_jobs`): for a resource with a timer or a daemon kopf keeps
+    the live body of every object and a finalizer on each, which a thousand jobs multiply."""
+    registry = kopf.get_default_registry()
+    assert list(registry._spawning.get_all_handlers()) == []

@@ -401,14 +401,24 @@ def test_the_operator_ca_lives_in_its_own_namespace_and_signs_every_etcd(
     assert ours.ca.cert in base64.b64decode(again["data"][certs.CA_FILE])
 
 
+def _with_metadata(body: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    body["metadata"].update(extra)
+    return body
+
+
 def test_a_job_left_behind_is_released_by_the_documented_command(api: Cluster) -> None:
-    """The operator is gone and a job keeps kopf's finalizer: operator/README.md's one command (run here
-    with the real kubectl against the emulator) releases it."""
+    """The operator puts no finalizer on a job, and takes off the one an older operator's kopf timers put;
+    a job left with it by an operator that is gone is released by operator/README.md's one command (run
+    here with the real kubectl against the emulator)."""
+    older = {"finalizers": [f"{constants.GROUP}/finalizer"]}
     with operator_running():
-        api.create(good_job("orphan"))
-        wait_for("kopf's finalizer", lambda: api.job("orphan")["metadata"].get("finalizers"))
-        _phase(api, "orphan", "Pending")
+        api.create(good_job("fresh"))
+        api.create(_with_metadata(good_job("upgraded"), older))
+        _phase(api, "fresh", "Pending")
+        wait_for("the old finalizer taken off", lambda: not api.job("upgraded")["metadata"].get("finalizers"))
+        assert not api.job("fresh")["metadata"].get("finalizers")
         _quiet(api)  # the operator stops between reconciles, not in one
+    api.create(_with_metadata(good_job("orphan"), older))  # as an older operator, now gone, left it
     readme = (Path(__file__).resolve().parents[2] / "operator" / "README.md").read_text()
     section = readme[readme.index("## Deleting jobs and uninstalling") :]
     command = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
