@@ -53,7 +53,7 @@ import kopf
 
 from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, nodes
 from torchspot_operator.builders import JobRef
-from torchspot_operator.caches import Caches, Entry, owner
+from torchspot_operator.caches import Caches, Entry, compact, owner
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.milestones import MilestoneReader
@@ -394,7 +394,7 @@ class Controller:
             return None
         meta = body["metadata"]
         memory = self._remember(namespace, name, str(meta.get("uid", "")))
-        memory.body = body
+        memory.body = compact(body)  # kept until the next read: a thousand jobs' templates share their strings
         memory.generation = int(meta.get("generation") or 0)
         if self._silent(memory) or self._unverified(memory):
             await self._verify(namespace, memory)
@@ -876,7 +876,7 @@ class Controller:
                 raise
             return True
         if memory.body is not None and isinstance(stored, dict) and stored.get("metadata"):
-            memory.body = stored  # what the timer re-plans from, at its new version
+            memory.body = compact(stored)  # what the ticker re-plans from, at its new version
         elif memory.body is not None:
             merged = {**(memory.body.get("status") or {}), **new}
             memory.body = {**memory.body, "status": {k: v for k, v in merged.items() if v is not None}}

@@ -37,7 +37,7 @@ from torchspot_operator import builders, certs, conditions, constants, leader, m
 from torchspot_operator.caches import owner
 from torchspot_operator.controller import OWNED_KINDS, Controller
 from torchspot_operator.informer import Informer
-from torchspot_operator.kube import LIST_PAGE, ApiError, Kube, LoginError
+from torchspot_operator.kube import LIST_PAGE, NODE_PAGE, ApiError, Kube, LoginError
 from torchspot_operator.kube import login as kubeconfig_login
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
 
@@ -474,7 +474,7 @@ def _watch(namespace: str | None) -> None:
     if controller().node_handling and not controller().node_watch:  # once, whatever the namespaces
         controller().node_watch = True
         chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector
-        watch = Informer(lambda: controller().api, "v1", "Node", chosen, None, node_seen, _nodes_listed)
+        watch = Informer(lambda: controller().api, "v1", "Node", chosen, None, node_seen, _nodes_listed, NODE_PAGE)
         started.append(loop.create_task(watch.run(), name="watch Node"))
     for (api_version, kind), role in OWNED_KINDS:
         controller().listing_started(kind, namespace)

@@ -55,6 +55,8 @@ class Informer:
     on_listed: Callable[[set[str], float], None] = lambda _uids, _started: None
     """Called after each complete listing with the listed uids and when the listing started
     (`time.monotonic`): what the cache holds of the kind and the list lacks was deleted meanwhile."""
+    page: int | None = None
+    """Objects per page of a listing (`Kube.pages`; None: `LIST_PAGE`)."""
 
     async def run(self) -> None:
         """List and watch until cancelled; a failure lists again after a backoff."""
@@ -83,7 +85,10 @@ class Informer:
         version: list[str] = []
         started = time.monotonic()
         uids: set[str] = set()
-        async for page in self.api().pages(self.api_version, self.kind, self.namespace, self.labels, version=version):
+        pages = self.api().pages(
+            self.api_version, self.kind, self.namespace, self.labels, version=version, size=self.page
+        )
+        async for page in pages:
             for obj in page:
                 obj.setdefault("kind", self.kind)  # a list's items carry no kind
                 uids.add(str((obj.get("metadata") or {}).get("uid", "")))

@@ -73,6 +73,9 @@ TOKEN_REREAD_SECONDS: Final = 300
 plugin). The kubelet rewrites a projected service-account token at 80% of its life (48 minutes of
 an hour); five minutes keeps the operator well inside that. A re-login that brings only a new
 token keeps the connection pool (`Kube.renew`)."""
+NODE_PAGE: Final = 25
+"""Nodes per page of the node watch's listing: a parsed AKS node is 76 KiB (`LIST_PAGE`'s figures), so a
+page of 100 was 7.6 MB held at once beside the pod listing's pages at a start."""
 LIST_PAGE: Final = 100
 """Objects per page of a list, sized by bytes rather than client-go's 500: a running AKS GPU pod is
 about 15 KiB of JSON (46 KiB parsed) and a node 27 KiB (76 KiB parsed), and a parsed page is held
@@ -397,16 +400,19 @@ class Kube:
         *,
         fields: Mapping[str, str] | None = None,
         version: list[str] | None = None,
+        size: int | None = None,
     ) -> AsyncIterator[list[dict[str, Any]]]:
         """Objects of a kind a page (`LIST_PAGE` objects) at a time, as client-go's pager reads them: the
         caller keeps what it needs of a page before the next comes, never 8,000 whole pods at once.
         Selectors given as a mapping are applied here too (some API emulators ignore them); a selector
         given as a string (`key in (a,b)`, `!key`: the node watch's) is sent as it is.
 
+        :param size: objects per page, `LIST_PAGE` unless given (nodes, four times a pod's size, are
+            listed by `NODE_PAGE`).
         :param version: receives the list's resourceVersion (with the first page): where a watch of what
             the list showed starts (`watch`)."""
         path = await self._collection(api_version, kind, namespace)
-        query = [f"limit={LIST_PAGE}"]
+        query = [f"limit={size or LIST_PAGE}"]
         if labels:
             query.append("labelSelector=" + quote(label_selector(labels)))
         if fields:
