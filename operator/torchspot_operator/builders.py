@@ -229,6 +229,11 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
         resources = trainer.setdefault("resources", {})
         for kind in ("limits", "requests"):
             resources.setdefault(kind, {})[constants.GPU_RESOURCE] = spec.nproc_per_node
+        device = f"{constants.TRAINER_ENV_PREFIX}DEVICE"
+        if not any(item.get("name") == device for item in trainer["env"]):  # the user's own setting stays
+            # A GPU job's workers require CUDA: a node whose GPU or driver failed stops its worker with a
+            # message naming it, where `--device auto` made it a gloo rank that hangs the NCCL group.
+            trainer["env"].append({"name": device, "value": "cuda"})
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

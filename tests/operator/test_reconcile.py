@@ -142,6 +142,11 @@ class TestWorkerPod:
         assert env["PET_RDZV_ID"] == "default-cifar-01234567"
         assert env["TORCHSPOT_CHECKPOINT_URI"] == "az://checkpoints/cifar"
         assert env["TORCHSPOT_CHECKPOINT_EVERY"] == "100"
+        assert env["TORCHSPOT_DEVICE"] == "cuda"  # a GPU job's worker stops on a node without CUDA, never gloo
+        own = _spec()
+        own.template["spec"]["containers"][0]["env"] = [{"name": "TORCHSPOT_DEVICE", "value": "auto"}]
+        mine = builders.worker_pod(JOB, own, 0)["spec"]["containers"][0]["env"]
+        assert [e["value"] for e in mine if e["name"] == "TORCHSPOT_DEVICE"] == ["auto"]  # the user's setting stays
 
     def test_on_demand_without_gpu_and_external_etcd(self) -> None:
         spec = _spec(placement={"spot": False, "gpu": False}, rendezvous={"endpoint": "etcd.shared:2379"})
@@ -151,6 +156,7 @@ class TestWorkerPod:
         assert "resources" not in pod["spec"]["containers"][0]
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["PET_RDZV_ENDPOINT"] == "etcd.shared:2379"
+        assert "TORCHSPOT_DEVICE" not in env
 
     def test_loader_workers_get_shared_memory_unless_the_template_mounts_its_own(self) -> None:
         pod = builders.worker_pod(JOB, _spec(), 0)["spec"]

@@ -312,6 +312,16 @@ def test_backend_follows_the_device(flag: str, cuda: bool, want: tuple[str, str]
         assert device.index == 1
 
 
+def test_cuda_required_where_it_is_not_usable_stops_naming_the_node() -> None:
+    """`--device cuda` (what the operator passes GPU jobs) never falls back to gloo: one gloo rank among
+    NCCL ranks hangs the group's set-up."""
+    with pytest.raises(ValueError, match=r"CUDA is not usable on node aks-gpu-7.*nvidia-smi"):
+        choose_device("cuda", False, local_rank=0, node="aks-gpu-7")
+    with pytest.raises(ValueError, match=r"local rank 4 but 4 GPU\(s\) visible on node aks-gpu-7"):
+        choose_device("cuda", True, local_rank=4, gpus=4, node="aks-gpu-7")
+    assert choose_device("auto", False, local_rank=0, node="aks-gpu-7")[1] == "gloo"  # auto: per process
+
+
 def test_progress_line_for_a_terminal() -> None:
     record = {
         "step": 1200, "epoch": 3, "world_size": 2, "loss": 0.51234, "accuracy": 0.8766, "samples_per_s": 1530.2,

@@ -128,7 +128,8 @@ class TrainConfig:
     the snapshot holds the last completed step; K: a copy costs 1/K as much, and the snapshot may
     be up to K-1 steps older). On CPUs the live state is host memory and no copy is taken."""
     device: str = "auto"
-    """cpu, cuda, or auto (cuda when available). NCCL is used on cuda, gloo on cpu."""
+    """cpu, cuda, or auto (cuda when available, decided by each process). NCCL is used on cuda, gloo on cpu.
+    cuda where CUDA is not usable stops the worker naming the node (the operator sets it for GPU jobs)."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -96,8 +97,29 @@ usually holds the newest step and needs a few seconds more; the survivors' agent
 meanwhile, and a round that completes without this node costs only a worker start-up."""
 
 
-def choose_device(flag: str, cuda_available: bool, local_rank: int) -> tuple[torch.device, str]:
-    """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure."""
+def choose_device(
+    flag: str, cuda_available: bool, local_rank: int, *, gpus: int | None = None, node: str = ""
+) -> tuple[torch.device, str]:
+    """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure.
+
+    `--device cuda` on a node where CUDA is not usable (or with fewer GPUs than local ranks) raises
+    ValueError naming the node, before the group forms. Why not fall back to the CPU: `auto` is decided
+    by each process alone, and one rank on gloo among NCCL ranks hangs the group's set-up, where no
+    watchdog runs yet. The operator passes `cuda` to GPU jobs (TORCHSPOT_DEVICE), so a node whose GPU
+    or driver failed stops its worker with this message and is replaced, instead of hanging the job.
+    `gpus`: the GPUs this process sees (None: not checked)."""
+    where = f" on node {node}" if node else ""
+    if flag == "cuda" and not cuda_available:
+        raise ValueError(
+            f"--device cuda, but CUDA is not usable{where}: torch.cuda.is_available() is False (no driver, "
+            "the GPU not visible to the container, or a torch built without CUDA); check nvidia-smi there and "
+            "the pod's nvidia.com/gpu limit"
+        )
+    if flag == "cuda" and gpus is not None and local_rank >= gpus:
+        raise ValueError(
+            f"--device cuda: local rank {local_rank} but {gpus} GPU(s) visible{where}; nprocPerNode must not "
+            "exceed the node's GPUs"
+        )
     if flag == "cuda" or (flag == "auto" and cuda_available):
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
@@ -250,7 +272,14 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device, self.backend = choose_device(config.device, torch.cuda.is_available(), self.local_rank)
+        usable = torch.cuda.is_available()
+        try:
+            self.device, self.backend = choose_device(
+                config.device, usable, self.local_rank, gpus=torch.cuda.device_count() if usable else None,
+                node=os.environ.get("NODE_NAME") or socket.gethostname(),
+            )  # fmt: skip
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
         self.precision = Precision(config.precision, self.device)
         self.step = 0
         self._tensorboard: Any = None

@@ -44,6 +44,8 @@ IMAGES: dict[str, list[str]] = {"torchspot-trainer": LAUNCHER, "torchspot/traine
 """Image name fragments and the local command standing in for their entry point."""
 ETCD_IMAGE = re.compile(r"(^|/)etcd:")
 POD_IP = "127.0.0.1"
+DEVICE_ENV = f"{constants.TRAINER_ENV_PREFIX}DEVICE"
+"""The trainer's `--device` from the environment (what the operator sets for GPU jobs)."""
 DISRUPTED = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _SERVICE_ADDRESS = re.compile(r"[a-z0-9][-a-z0-9.]*\.svc(?:\.cluster\.local)?:\d+")
@@ -341,6 +343,10 @@ class Kubelet:
                 env[item["name"]] = expand(str(item["value"]), env)
             elif "fieldRef" in (item.get("valueFrom") or {}):
                 env[item["name"]] = fields.get(item["valueFrom"]["fieldRef"]["fieldPath"], "")
+        if env.get(DEVICE_ENV) == "cuda":
+            # The sandbox's nvidia.com/gpu is a count the scheduler places by, not a device: its workers
+            # train on this machine's CPU, where the operator's `--device cuda` for GPU jobs would stop them.
+            env[DEVICE_ENV] = "cpu"
         services = self.services()
         for key, value in env.items():
             for address in service_addresses(value):
