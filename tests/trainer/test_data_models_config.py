@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import pickle
 import tarfile
@@ -14,6 +15,7 @@ from torchspot_lab.datasets import write_synthetic_cifar10, write_synthetic_imag
 from torchspot_trainer.config import TrainConfig, build_parser, parse_config
 from torchspot_trainer.data.datasets import CIFAR_FOLDER, load_cifar10, load_digits, load_imagenet, sample_generator
 from torchspot_trainer.data.imaging import resized_crop_box
+from torchspot_trainer.launch import max_world_environment
 from torchspot_trainer.models import SmallCNN, resnet18, resnet50
 from torchspot_trainer.optim import RECIPES, BatchRule, learning_rate
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
@@ -349,3 +351,23 @@ def test_bad_value_from_the_environment_names_the_flag(
     with pytest.raises(SystemExit):
         parse_config(["--dataset", "digits", "--data", ""])
     assert "--checkpoint-every" in capsys.readouterr().err
+
+
+def test_a_global_batch_keeps_the_largest_worlds_share_as_its_micro_batch() -> None:
+    """torchspot-run tells its workers the largest world (--nnodes 2:8, 8 a node: 64); with G = 1024 each
+    pass is then 16 samples at any world, where the whole share grew to 128 at 1 node (CUDA OOM)."""
+    args = argparse.Namespace(nnodes="2:8", nproc_per_node="8")
+    assert max_world_environment(args, {}) == {"TORCHSPOT_MAX_WORLD_SIZE": "64"}
+    assert max_world_environment(args, {"TORCHSPOT_MAX_WORLD_SIZE": "16"}) == {}  # the user's stays
+    assert max_world_environment(argparse.Namespace(nnodes="1:4", nproc_per_node="gpu"), {}) == {}
+    config = TrainConfig(data="d", global_batch_size=1024, max_world_size=64)
+    assert config.micro_batch(1024) == 16
+    assert config.micro_batch(1000) == 16  # rounded up: 63 ranks x 16 >= 1000
+    assert TrainConfig(data="d", global_batch_size=1024, max_world_size=64, micro_batch_size=32).micro_batch(1024) == 32
+    assert (
+        TrainConfig(data="d", max_world_size=64).micro_batch(0) == 0
+    )  # no global batch: the per-worker batch as given
+    assert TrainConfig(data="d", global_batch_size=1024).micro_batch(1024) == 0  # plain torchrun: not known
+    assert (
+        TrainConfig(data="d", global_batch_size=1024, max_world_size=64, sync_bn=True).micro_batch(1024) == 0
+    )  # one pass

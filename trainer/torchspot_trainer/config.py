@@ -50,8 +50,12 @@ class TrainConfig:
     then the same at any world size (0: use --batch-size per worker instead)."""
     micro_batch_size: int = 0
     """Most samples a worker runs forward and backward at once; a step accumulates gradients
-    over as many passes as its share needs (0: the whole share at once). A cap on memory that
-    does not change the optimisation."""
+    over as many passes as its share needs. A cap on memory that does not change the optimisation.
+    0: with --global-batch-size under torchspot-run (without --sync-bn), a worker's share at the
+    largest world (--max-world-size), so its memory does not grow as nodes leave; else the whole share."""
+    max_world_size: int = 0
+    """Workers of the largest group the run may have: torchspot-run sets it for its workers (the
+    maximum of --nnodes times --nproc-per-node). 0: not known."""
     batch_size: int = 128
     """Samples per worker per step, used when --global-batch-size is 0: the group's batch then
     grows and shrinks with the world size, and --lr-scaling says how the learning rate follows."""
@@ -161,6 +165,10 @@ class TrainConfig:
                 self.micro_batch_size >= 0,
                 f"--micro-batch-size {self.micro_batch_size}: must be 0 (off) or more",
             ),
+            (
+                self.max_world_size >= 0,
+                f"--max-world-size {self.max_world_size}: must be 0 (not known) or more",
+            ),
             (self.lr is None or self.lr > 0, f"--lr {self.lr}: must be greater than 0"),
             (self.lr_batch is None or self.lr_batch >= 1, f"--lr-batch {self.lr_batch}: must be at least 1"),
             (
@@ -233,6 +241,17 @@ class TrainConfig:
             lr_batch=base.lr_batch if self.lr_batch is None else self.lr_batch,
             weight_decay=base.weight_decay if self.weight_decay is None else self.weight_decay,
         )
+
+    def micro_batch(self, global_batch: int) -> int:
+        """The micro-batch a step's passes take (0: the whole share). Pure.
+
+        Unset, with a global batch and the largest world known: that world's share, rounded up. A
+        job sized for 8 nodes then runs 4 passes of the same size at 2 nodes, where the whole
+        share (4 times the memory) hit CUDA OOM and crash-looped. Not with --sync-bn: its
+        statistics are taken per pass, and the README's same-model condition wants one pass."""
+        if self.micro_batch_size or not global_batch or not self.max_world_size or self.sync_bn:
+            return self.micro_batch_size
+        return -(-global_batch // self.max_world_size)
 
     def batch_rule(self) -> BatchRule:
         """The batch and learning-rate rule these flags give (a checkpoint's may override it)."""

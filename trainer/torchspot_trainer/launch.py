@@ -30,6 +30,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
+from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
@@ -203,11 +204,28 @@ def handle_sigterm_ourselves(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, leave_then_stop)
 
 
+MAX_WORLD_ENV = f"{ENV_PREFIX}MAX_WORLD_SIZE"
+"""The trainer's --max-world-size, from its environment (config.py's TORCHSPOT_<FLAG> rule)."""
+
+
+def max_world_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """`MAX_WORLD_ENV` for the workers: the maximum of --nnodes times a numeric --nproc-per-node (a word
+    such as `gpu` is resolved by torch later: then none), unless `environ` has it. Pure.
+
+    Why: with a global batch the trainer sizes its micro-batch from the largest world (config.py's
+    `micro_batch`), which no environment variable of torchrun's tells a worker."""
+    nproc = str(args.nproc_per_node)
+    if MAX_WORLD_ENV in environ or not nproc.isdigit():
+        return {}
+    return {MAX_WORLD_ENV: str(int(str(args.nnodes).split(":")[-1]) * int(nproc))}
+
+
 @record
 def _launch(args: argparse.Namespace) -> None:
     # Before any worker or the fork server starts (each copies this environment): torchrun's agent
     # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (nccl.py says why not).
     os.environ.update(worker_environment(os.environ))
+    os.environ.update(max_world_environment(args, os.environ))
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)
     try:

@@ -474,7 +474,7 @@ class Trainer:
                 rule.batch_size,
                 seed=config.seed,
                 global_batch=rule.global_batch_size,
-                micro_batch=config.micro_batch_size,
+                micro_batch=config.micro_batch(rule.global_batch_size),
             ),
             rule=rule,
             train_set=train_set,
