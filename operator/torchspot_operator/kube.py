@@ -75,14 +75,15 @@ an hour); five minutes keeps the operator well inside that. A re-login that brin
 token keeps the connection pool (`Kube.renew`)."""
 NODE_PAGE: Final = 25
 """Nodes per page of the node watch's listing: a parsed AKS node is 76 KiB (`LIST_PAGE`'s figures), so a
-page of 100 was 7.6 MB held at once beside the pod listing's pages at a start."""
-LIST_PAGE: Final = 100
+page of 100 was 7.6 MB held at once beside the pod listing's pages at a start; 25 is 1.9 MB."""
+LIST_PAGE: Final = 50
 """Objects per page of a list, sized by bytes rather than client-go's 500: a running AKS GPU pod is
 about 15 KiB of JSON (46 KiB parsed) and a node 27 KiB (76 KiB parsed), and a parsed page is held
 whole until the next one comes (kopf's listings page the same: `settings.watching.chunk_size`).
 At 500, the pages in flight at a start (kopf's listings of several kinds at once and the
 operator's own snapshot) held about 110 MB, a third of the peak at 1,000 jobs (tracemalloc in
-bench/operator/thousand.py); at 100, 8,000 pods are listed in 80 requests instead of 16."""
+bench/operator/thousand.py); at 50, 8,000 pods are listed in 160 requests instead of 16, and a
+page is about 2.3 MB parsed (100: 4.6 MB, which kept the takeover's peak just over 200 MiB)."""
 WATCH_SECONDS: Final = 300
 """How long the API server keeps one watch open (`timeoutSeconds`; kopf's own watches use the same):
 then the watch is opened again from the last version seen, which replays nothing."""
@@ -296,13 +297,13 @@ class Kube:
         attempt = 0
         while True:
             try:
-                status, text, retry_after = await self._send(method, path, data, content_type, urgent)
+                status, body, retry_after = await self._send(method, path, data, content_type, urgent)
             except aiohttp.ClientSSLError as exc:  # a wrong CA or certificate: trying again changes nothing
                 raise ApiError(UNREACHABLE, f"{method} {self.server}{path}: TLS failed: {exc}") from exc
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 if attempt >= RETRIES:
                     raise ApiError(UNREACHABLE, f"{method} {self.server}{path}: no answer: {exc!r}") from exc
-                status, text, retry_after = UNREACHABLE, "", None
+                status, body, retry_after = UNREACHABLE, b"", None
             if status == 401 and self.relogin is not None and not relogged:
                 relogged = True
                 fresh = await self.relogin()
@@ -316,19 +317,19 @@ class Kube:
                 await asyncio.sleep(delay)
                 continue
             if status >= 400:
-                raise ApiError(status, _message(text))
-            return json.loads(text) if text else {}
+                raise ApiError(status, _message(body.decode("utf-8", "replace")))
+            return json.loads(body) if body else {}  # from the bytes: a decoded copy of a page is 2 MB more
 
     async def _send(
         self, method: str, path: str, data: str | None, content_type: str, urgent: bool
-    ) -> tuple[int, str, str | None]:
+    ) -> tuple[int, bytes, str | None]:
         session = self._session()
         await self.limiter.take(urgent=urgent)
         headers = {**self.headers, "Content-Type": content_type or "application/json"}  # the current credentials
         async with session.request(
             method, self.server + path, data=data, headers=headers, ssl=self.ssl_context, proxy=self.proxy
         ) as response:
-            return response.status, await response.text(), response.headers.get("Retry-After")
+            return response.status, await response.read(), response.headers.get("Retry-After")
 
     async def close(self) -> None:
         """Close the HTTP session for good: later requests fail instead of opening another."""
