@@ -23,7 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, WORKER_NCCL_DEFAULTS, worker_environment
+from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.group import (
     Group,
     StepWatchdog,
@@ -356,3 +358,32 @@ def test_without_a_checkpoint_uri_a_re_formed_group_resumes_from_the_nodes_snaps
         assert find_state(group, None, None) == ("start", None)
     finally:
         dist.destroy_process_group()
+
+
+def test_evaluation_runs_under_inference_mode_and_the_runs_autocast(tmp_path: Path) -> None:
+    """Evaluation ran in fp32 with autograd's bookkeeping on a bf16 run; now each forward pass is under
+    `inference_mode` and the precision's autocast (bf16 autocast runs on the CPU too)."""
+    seen: list[tuple[bool, torch.dtype]] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.linear(x)
+            seen.append((torch.is_inference_mode_enabled(), out.dtype))
+            return out
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group = Group(0, 1, torch.device("cpu"))
+        data = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(3)]
+        accuracy = evaluate(
+            Probe(), 6, group, batch_size=2, load=lambda _batches: iter(data), prepare=lambda x: x,
+            between=lambda: None, autocast=Precision("bf16", torch.device("cpu")).autocast,
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert seen == [(True, torch.bfloat16)] * 3
+    assert 0.0 <= accuracy <= 1.0

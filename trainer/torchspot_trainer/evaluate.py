@@ -10,7 +10,9 @@ batches (sampler.split_share), which keeps those all-gathers in step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -33,19 +35,24 @@ def evaluate(
     load: Callable[[list[list[int]]], Iterator[tuple[torch.Tensor, torch.Tensor]]],
     prepare: Callable[[torch.Tensor], torch.Tensor],
     between: Callable[[], object],
+    autocast: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
 ) -> float:
     """Top-1 accuracy over a test set of `length` samples (every rank gets the same value).
 
     `load` yields the batches of the given sample indices (the trainer's persistent test
-    loader); `prepare` makes a loaded batch the model's input on the device.
+    loader); `prepare` makes a loaded batch the model's input on the device; `autocast` is the
+    run's precision (`Precision.autocast`). The forward passes run under `inference_mode` and that
+    autocast: in fp32 a bf16 or fp16 run's evaluation would pay the time and memory its precision
+    saves in training (on GPUs; not measured here).
     """
     model.eval()
     correct = torch.zeros((), dtype=torch.long, device=group.device)
     total = torch.zeros((), dtype=torch.long, device=group.device)
-    with torch.no_grad():
+    with torch.inference_mode():
         for inputs, labels in load(eval_batches(length, group.rank, group.world, batch_size)):
             between()
-            logits = model(prepare(inputs))
+            with autocast():
+                logits = model(prepare(inputs))
             correct += (logits.argmax(1) == labels.to(group.device, non_blocking=True)).sum()
             total += len(labels)
     right, seen = group.sums([correct, total])

@@ -431,7 +431,7 @@ class Trainer:
             run.model, len(run.test_set), self.group, batch_size=self.config.eval_batch_size,  # type: ignore[arg-type]
             load=partial(run.test_loader.epoch, 0),
             prepare=partial(model_inputs, device=self.device, precision=self.precision, normalize=run.normalize),
-            between=partial(self._agree_on_notices, run),
+            between=partial(self._agree_on_notices, run), autocast=self.precision.autocast,
         )  # fmt: skip
         run.evaluated = (self.step, accuracy)
         self._emit({"event": "eval", "step": self.step, "epoch": epoch, "accuracy": accuracy})
