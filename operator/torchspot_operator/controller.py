@@ -71,8 +71,6 @@ ACTIVE_PHASES = frozenset(
 
 ETCD_POD_READ_SECONDS = 60.0
 """How often a job's etcd pods are read while its Deployment has none available (the Stalled cause)."""
-NODE_LIST_WAIT_SECONDS = 10.0
-"""How long a reconcile waits for the node watch's first listing before it reads its workers' nodes itself."""
 
 
 @dataclass
@@ -219,12 +217,6 @@ class Controller:
         self.nodes: dict[str, Mapping[str, Any]] = {}
         """Nodes as the node watch last saw them (reconciles read these instead of asking each time); a
         Ready condition without a transition time gets the time the operator first saw its status."""
-        self.nodes_listed = asyncio.Event()
-        """Set once the node watch has listed the nodes (handlers.py starts it with the first job event):
-        until then a reconcile waits for it (at most `NODE_LIST_WAIT_SECONDS`) rather than asking for
-        each of its workers' nodes, 8,000 GETs at a start of 1,000 jobs."""
-        self.node_watch = False
-        """Whether the node watch runs (the reconciles wait for its listing only then)."""
         self._read_nodes: dict[str, tuple[Mapping[str, Any] | None, float]] = {}
         """Nodes of workers that the node watch does not show (outside `constants.NODE_SELECTOR_ENV`), as a
         GET last found them (None: gone), and when (monotonic)."""
@@ -463,9 +455,8 @@ class Controller:
         bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
         self._nodes_of_job[(namespace, name)] = bound
         seen_nodes: dict[str, Mapping[str, Any]] = {}
-        if bound and self.node_handling and self.node_watch and not self.nodes_listed.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.nodes_listed.wait(), NODE_LIST_WAIT_SECONDS)
+        if bound and self.node_handling:  # the node watch's first listing, not a GET per worker's node
+            await self._first_listings_of([("Node", None)], constants.NODE_LIST_WAIT_SECONDS)
         for node_name in bound if self.node_handling else ():
             node = self.nodes.get(node_name) or await self._read_node(node_name)
             if node is not None:
@@ -578,6 +569,19 @@ class Controller:
         self.listings[kind, namespace] = started
         self.listing_ended(kind, namespace)
 
+    def watching(self, kind: str, namespace: str | None) -> bool:
+        """Whether the operator's own watch of a kind in a namespace (None: all) was started."""
+        return (kind, namespace) in self._first_listings
+
+    async def _first_listings_of(self, watches: Iterable[tuple[str, str | None]], timeout: float) -> None:
+        """Wait, at most `timeout` seconds, for the first listing of those of `watches` started and not
+        listed yet (a watch never started is not waited for)."""
+        events = [self._first_listings[key] for key in watches if key in self._first_listings]
+        pending = [event.wait() for event in events if not event.is_set()]
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pending), timeout)
+
     def listing_ended(self, kind: str, namespace: str | None) -> None:
         """A watch's listing ended: no check waits for it any longer."""
         self._first_listings.setdefault((kind, namespace), asyncio.Event()).set()
@@ -589,14 +593,9 @@ class Controller:
         is counted as deleted by someone else, as its DELETED event would have been. Shared by every
         job of the namespace, so checking 200 jobs costs five lists, not a thousand requests."""
         async with self._snapshot_locks.setdefault(namespace, asyncio.Lock()):
-            pending = [
-                listed.wait()
-                for (_, where), listed in self._first_listings.items()
-                if where in (namespace, None) and not listed.is_set()
-            ]
-            if pending:  # the watches' first listings serve (at a start: 12,000 objects not listed twice)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(*pending), constants.FIRST_LISTING_WAIT_SECONDS)
+            # The watches' first listings serve (at a start: 12,000 objects not listed twice).
+            owned = [(kind, where) for (_, kind), _ in OWNED_KINDS for where in (namespace, None)]
+            await self._first_listings_of(owned, constants.FIRST_LISTING_WAIT_SECONDS)
             found = self._snapshots.get(namespace)
             clock = time.monotonic()
             if found is not None and found.started > after and clock - found.finished <= constants.SNAPSHOT_SECONDS:
@@ -951,7 +950,7 @@ class Controller:
         gone = {name for name, node in self.nodes.items() if node["metadata"].get("uid") not in uids}
         for name in gone:
             self.observe_node({"metadata": {"name": name}}, deleted=True)
-        self.nodes_listed.set()
+        self.listing_ended("Node", None)
         return gone
 
     def _stamped(self, node: dict[str, Any], before: Mapping[str, Any] | None) -> dict[str, Any]:
