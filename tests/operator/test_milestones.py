@@ -10,8 +10,11 @@ closes only its own clients.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_operator.certs import etcd_certificates
@@ -95,11 +98,18 @@ def _write_round(server: EtcdServer, run: str, round_: int) -> None:
         client.close()
 
 
-def test_runs_share_a_read_budget_and_a_stall_timeout_bounds_the_wait(tmp_path: Path) -> None:
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A plain etcd server, stopped after the test."""
+    started = EtcdServer(tmp_path / "etcd")
+    started.start()
+    yield started
+    started.stop()
+
+
+def test_runs_share_a_read_budget_and_a_stall_timeout_bounds_the_wait(server: EtcdServer) -> None:
     """Two reads a second across four runs: each run is read every 2 s (not at each reconcile), unless its
     `max_age` (a quarter of its stall timeout) is shorter; a run never read is read at once."""
-    server = EtcdServer(tmp_path / "etcd")
-    server.start()
     clock = _Clock()
     runs = [f"run-{n}" for n in range(4)]
 
@@ -127,17 +137,12 @@ def test_runs_share_a_read_budget_and_a_stall_timeout_bounds_the_wait(tmp_path: 
         finally:
             reader.close()
 
-    try:
-        asyncio.run(scene())
-    finally:
-        server.stop()
+    asyncio.run(scene())
 
 
-def test_open_clients_are_bounded_and_a_failed_read_closes_its_own(tmp_path: Path) -> None:
+def test_open_clients_are_bounded_and_a_failed_read_closes_its_own(server: EtcdServer) -> None:
     """At most `channels` clients stay open (the least recently used is closed); a client whose read failed
     (an etcd not up yet) is closed at once, and the run reads again through a new one once it serves."""
-    server = EtcdServer(tmp_path / "etcd")
-    server.start()
     clock = _Clock()
 
     async def scene() -> None:
@@ -158,7 +163,4 @@ def test_open_clients_are_bounded_and_a_failed_read_closes_its_own(tmp_path: Pat
         finally:
             reader.close()
 
-    try:
-        asyncio.run(scene())
-    finally:
-        server.stop()
+    asyncio.run(scene())

@@ -35,6 +35,17 @@ def _condition(cluster: Cluster, job: str, kind: str) -> dict[str, Any]:
     return next((c for c in _status(cluster, job).get("conditions", []) if c["type"] == kind), {})
 
 
+def _running_on_two_nodes(cluster: Cluster, job: str) -> tuple[str, str]:
+    """A job of two workers, one on spot-1 and one on spot-2 (the test adds the nodes), Running; its workers."""
+    cluster.create(good_job(job, maxReplicas=2))
+    wait_for("two workers", lambda: len(cluster.pods(job)) == 2)
+    first, second = cluster.names(job)
+    cluster.run_pod(first, "spot-1")
+    cluster.run_pod(second, "spot-2")
+    wait_for("Running", lambda: _status(cluster, job).get("phase") == "Running")
+    return first, second
+
+
 def _emulator(cluster: Cluster) -> Emulator:
     assert cluster.api.emulator is not None
     return cluster.api.emulator
@@ -188,12 +199,7 @@ def test_a_node_deleted_while_the_node_watch_was_cut_has_its_workers_moved(opera
     cluster = operator
     for node in ("spot-1", "spot-2"):
         cluster.add_node(node)
-    cluster.create(good_job("stranded", maxReplicas=2))
-    wait_for("two workers", lambda: len(cluster.pods("stranded")) == 2)
-    first, second = cluster.names("stranded")
-    cluster.run_pod(first, "spot-1")
-    cluster.run_pod(second, "spot-2")
-    wait_for("Running", lambda: _status(cluster, "stranded").get("phase") == "Running")
+    first, second = _running_on_two_nodes(cluster, "stranded")
 
     emulator = _emulator(cluster)
     cluster.api.run(emulator.cut_watches("nodes"))
@@ -286,12 +292,7 @@ def test_cordon_handling_on_moves_workers_off_and_kubelet_evictions_exhaust_the_
     for node in ("spot-1", "spot-2"):
         cluster.add_node(node)
     with operator_running():
-        cluster.create(good_job("cordoned", maxReplicas=2))
-        wait_for("two workers", lambda: len(cluster.pods("cordoned")) == 2)
-        first, second = cluster.names("cordoned")
-        cluster.run_pod(first, "spot-1")
-        cluster.run_pod(second, "spot-2")
-        wait_for("Running", lambda: _status(cluster, "cordoned").get("phase") == "Running")
+        first, second = _running_on_two_nodes(cluster, "cordoned")
 
         # An admin cordons spot-1 to retire it: with cordon handling on, its worker is moved off at once.
         cluster.patch("nodes", "spot-1", {"spec": {"unschedulable": True}}, None)
