@@ -99,7 +99,7 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     emergency = sorted((e for e in events if e["event"] == "emergency_checkpoint"), key=lambda e: e["t"])
     # The evicted node's notice writes one to Blob (the restarts of the nodes that stay keep their
     # state in their snapshots instead), and so does the suspension, which stops every worker.
-    assert len(emergency) == 2, emergency
+    assert len(emergency) == 2, (emergency, _exits(tmp_path / "run"))
     assert all(e["ok"] for e in emergency)
     assert report.restarts[1]["step"] == emergency[0]["step"]
     assert report.restarts[1]["lost"] == 0
@@ -137,6 +137,18 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert isinstance(seen["pods"], dict), seen["pods"]
     names = {p["metadata"]["name"] for p in seen["pods"]["items"]}
     assert {"cifar10-resnet18-worker-0", "cifar10-resnet18-etcd-0"} <= names
+
+
+def _exits(run: Path) -> list[str]:
+    """What each pod's workers said as they were told to stop: when an emergency checkpoint is
+    missing, these lines say whether the notice came in a round's set-up or a worker was ended."""
+    said = ("eviction notice", "no step boundary", "skipped", "training stopped", "left it")
+    return [
+        f"{log.parent.name}: {line[:200]}"
+        for log in sorted(run.glob("pods/*/log.txt"))
+        for line in log.read_text(errors="replace").splitlines()
+        if any(s in line for s in said)
+    ]
 
 
 def _trainer_events(run: Path) -> list[dict[str, Any]]:

@@ -152,6 +152,48 @@ def test_a_new_save_waits_for_the_previous_one(tmp_path: Path) -> None:
     assert manager.last_committed == 5
 
 
+def test_a_notice_ends_the_wait_for_the_previous_save_and_skips_this_one(tmp_path: Path) -> None:
+    """A SIGTERM while the loop waits for the save in flight: the wait ends at once (the next
+    boundary's emergency checkpoint supersedes this save), so the SIGTERM watcher never takes a
+    loop that waits on its own upload for one stuck in a collective."""
+    released = threading.Event()
+
+    class Slow(LocalStorage):  # an upload that takes as long as the test says
+        def put(self, name: str, data: bytes) -> None:
+            released.wait(30)
+            super().put(name, data)
+
+    reports: list[SaveReport] = []
+    notice = threading.Event()
+    manager = CheckpointManager(Slow(tmp_path), on_report=reports.append)
+    try:
+        manager.save_async(5, _state(5), {})
+        stalls: list[float] = []
+        waiter = threading.Thread(
+            target=lambda: stalls.append(manager.save_async(10, _state(10), {}, give_up=notice.is_set))
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # without a notice the next save waits, as before
+        notice.set()
+        waiter.join(5)
+        assert not waiter.is_alive()
+        assert stalls and stalls[0] < 5
+        assert manager.in_flight == 5
+        assert manager.save_async(15, _state(15), {}, give_up=notice.is_set) < 1  # a notice already set: no wait
+        released.set()
+        report = manager.wait()
+        assert report is not None
+        assert (report.step, report.ok) == (5, True)
+    finally:
+        released.set()
+        manager.close()
+    assert [(r.step, r.ok) for r in reports] == [(5, True)]  # the skipped saves are not failures
+    loaded = manager.load_latest()
+    assert loaded is not None
+    assert loaded.step == 5
+
+
 class FlakyStorage(LocalStorage):
     """A local folder whose writes fail while `failing` is set, as Blob does during an outage."""
 

@@ -620,7 +620,7 @@ class Trainer:
             self._reporter.report_step(self.step)
         every = self.config.checkpoint_every
         if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
-            self.manager.save_async(self.step, self._state(run), self._meta(run.sampler))
+            self.manager.save_async(self.step, self._state(run), self._meta(run.sampler), give_up=self.notice.is_set)
 
     def _agree_on_notices(self, run: _Run) -> bool:
         """NoticeStop.at_boundary with this boundary's emergency checkpoint; True after a notice."""

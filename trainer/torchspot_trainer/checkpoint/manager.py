@@ -52,6 +52,9 @@ STATE_OBJECT = "state.pt"
 COMMIT_OBJECT = "COMMIT"
 LATEST_OBJECT = "latest.json"
 FORMAT_VERSION = 1
+GIVE_UP_CHECK_SECONDS = 0.1
+"""How often a save waiting for the previous one checks its `give_up` (a notice): a tenth of a
+second is nothing next to the SIGTERM watcher's seconds, and costs nothing while it waits."""
 
 
 def step_dir(step: int) -> str:
@@ -273,7 +276,14 @@ class CheckpointManager:
 
     # -- saving ---------------------------------------------------------------------
 
-    def save_async(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> float:
+    def save_async(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        *,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> float:
         """Snapshot `state` and upload it in the background; return the stall in seconds.
 
         The stall is the time spent waiting for the previous save plus the copy to
@@ -282,8 +292,18 @@ class CheckpointManager:
         last save failed) and a save is still in flight, this one is skipped and
         reported rather than waited for: a stalled training loop would turn an outage
         of the checkpoint store into lost training.
+
+        :param give_up: checked before and while waiting for the previous save; once true, this
+            save is skipped (logged, not reported as a failure). The trainer passes its eviction
+            notice: the next step boundary writes the emergency checkpoint, which supersedes this
+            one, and a loop kept waiting here past the SIGTERM watcher's limit would be ended as
+            stuck, without any checkpoint (a loaded CI run's suspension lost its emergency
+            checkpoint, most likely that way).
         """
         started = time.perf_counter()
+        if give_up():
+            log.info("checkpoint step %d skipped: a notice came first", step)
+            return time.perf_counter() - started
         with self._lock:
             in_flight = self._pending is not None and not self._pending.done()
             failing = self._pending_retrying or self.last_error is not None
@@ -294,7 +314,10 @@ class CheckpointManager:
             if self._on_report is not None:
                 self._on_report(SaveReport(step, False, 0.0, error=reason))
             return time.perf_counter() - started
-        self.wait()
+        while self.wait(GIVE_UP_CHECK_SECONDS) is None and self.in_flight is not None:
+            if give_up():
+                log.info("checkpoint step %d skipped: a notice came while step %d was saving", step, previous)
+                return time.perf_counter() - started
         with self._lock:
             if self._saver is not None and not self._saver.alive:
                 log.warning("checkpoint saver process is gone; saving on a thread from now on")
