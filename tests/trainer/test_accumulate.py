@@ -72,8 +72,40 @@ def test_precision_names_are_checked_and_fp16_keeps_its_scale_in_the_state() -> 
     state = scaled.state_dict()
     assert state["scale"] == 65536.0
     resumed = Precision("fp16", torch.device("cpu"))
-    resumed.load_state_dict({**state, "scale": 1024.0})
+    resumed.load_state_dict({**state, "scale": 1024.0})  # GradScaler's own numbers: older checkpoints
     assert resumed.state_dict()["scale"] == 1024.0
+
+
+def test_the_scalers_state_is_tensor_copies_not_host_reads() -> None:
+    """After a step the scale and growth tracker are copies of the device tensors (GradScaler's
+    state_dict reads each with .item(), a host sync on a GPU); a later update does not change
+    the copy, and it loads into a fresh scaler."""
+    cpu = torch.device("cpu")
+    precision = Precision("fp16", cpu)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        with precision.autocast():
+            loss = model(torch.ones(4, 3)).float().sum()
+        precision.backward(loss)
+        precision.step(optimizer)
+        optimizer.zero_grad()
+
+    step()
+    state = precision.state_dict()
+    assert isinstance(state["scale"], torch.Tensor)
+    assert isinstance(state["_growth_tracker"], torch.Tensor)
+    assert precision.scaler is not None
+    assert float(state["scale"]) == precision.scaler.get_scale()
+    kept = float(state["scale"]), int(state["_growth_tracker"])
+    step()  # the live tracker moves on (or the scale backs off); the copy taken before does not
+    assert (precision.scaler.get_scale(), precision.scaler._get_growth_tracker()) != kept
+    assert (float(state["scale"]), int(state["_growth_tracker"])) == kept
+    resumed = Precision("fp16", cpu)
+    resumed.load_state_dict(state)
+    assert resumed.scaler is not None
+    assert (resumed.scaler.get_scale(), resumed.scaler._get_growth_tracker()) == kept
 
 
 @pytest.mark.usefixtures("group")

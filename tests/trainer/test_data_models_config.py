@@ -17,7 +17,7 @@ from torchspot_trainer.data.datasets import CIFAR_FOLDER, load_cifar10, load_dig
 from torchspot_trainer.data.imaging import resized_crop_box
 from torchspot_trainer.launch import max_world_environment
 from torchspot_trainer.models import SmallCNN, resnet18, resnet50
-from torchspot_trainer.optim import RECIPES, BatchRule, learning_rate
+from torchspot_trainer.optim import RECIPES, BatchRule, build_optimizer, learning_rate, optimizer_kernels
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import Notice
@@ -371,3 +371,13 @@ def test_a_global_batch_keeps_the_largest_worlds_share_as_its_micro_batch() -> N
     assert (
         TrainConfig(data="d", global_batch_size=1024, max_world_size=64, sync_bn=True).micro_batch(1024) == 0
     )  # one pass
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_optimizer_is_fused_on_a_gpu_and_torchs_default_on_a_cpu(name: str) -> None:
+    """Fused on a GPU: a few kernels per update, and fp16's scaler passes its found-inf flag on the
+    device (no host sync per step). On a CPU what the CPU figures were measured with."""
+    assert optimizer_kernels(torch.device("cuda", 0)) is True
+    assert optimizer_kernels(torch.device("cpu")) is None
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), name, lr=0.1, weight_decay=0.0, device=torch.device("cpu"))
+    assert not optimizer.param_groups[0]["fused"]

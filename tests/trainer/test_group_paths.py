@@ -31,6 +31,7 @@ from torchspot_trainer.recovery.group import (
     StepWatchdog,
     abort_group,
     control_group,
+    group_device,
     group_timeout,
     nccl_environment,
 )
@@ -306,6 +307,13 @@ def test_the_step_watchdog_ends_a_worker_stuck_between_boundaries_only_while_arm
 def test_nccl_error_handling_is_ours_unless_the_user_chose() -> None:
     assert nccl_environment({}) == {NCCL_ERROR_HANDLING_ENV: "0"}
     assert nccl_environment({NCCL_ERROR_HANDLING_ENV: "3"}) == {}
+
+
+def test_a_gpu_rank_binds_its_group_to_its_device_and_a_cpu_rank_does_not() -> None:
+    """device_id makes NCCL create its communicator in init_process_group (set-up), not at the
+    first collective inside a step; gloo takes no device."""
+    assert group_device(torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert group_device(torch.device("cpu")) is None
 
 
 def test_the_launcher_turns_nccls_teardown_off_for_its_workers_unless_the_user_chose() -> None:

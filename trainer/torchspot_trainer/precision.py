@@ -4,7 +4,9 @@
 - bf16: forward passes under autocast to bfloat16 (its float32 range needs no loss scaling).
   What ResNet-50 on current GPUs wants, with channels_last.
 - fp16: autocast to float16 with a GradScaler (float16 gradients underflow without one);
-  the scaler's state is part of the checkpoint, so a resumed run keeps its scale.
+  the scaler's state is part of the checkpoint, so a resumed run keeps its scale. With the
+  fused optimizer a GPU uses (optim.optimizer_kernels) neither its step nor its state
+  (`state_dict`) reads the device from the host.
 
 The loss is computed from the autocast logits in float32 (autocast's policy for
 cross-entropy), and the loss and accuracy sums stay float32 and int64.
@@ -71,8 +73,26 @@ class Precision:
         return model.to(memory_format=torch.channels_last) if self.channels_last else model  # type: ignore[call-overload]
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.scaler is None else dict(self.scaler.state_dict())
+        """The scaler's state (GradScaler.state_dict's keys), its scale and growth tracker as copies
+        of the device tensors: GradScaler.state_dict reads both with `.item()`, two host syncs at
+        every host copy of the state, which would stall the host's lead over the device. The copies
+        are queued after the step's scale update and nothing writes them after, so the host copy's
+        side stream reads them whole. Reads the scaler's private `_get_scale_async` and
+        `_growth_tracker` (torch's own checkpointing code does); a test pins them."""
+        scaler = self.scaler
+        if scaler is None:
+            return {}
+        scale, tracker = scaler._get_scale_async(), scaler._growth_tracker
+        return {
+            "scale": scaler.get_scale() if scale is None else scale.detach().clone(),  # None: no step yet (no sync)
+            "growth_factor": scaler.get_growth_factor(),
+            "backoff_factor": scaler.get_backoff_factor(),
+            "growth_interval": scaler.get_growth_interval(),
+            "_growth_tracker": scaler._init_growth_tracker if tracker is None else tracker.detach().clone(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state of `state_dict`'s (tensors) or of GradScaler's own (numbers, older checkpoints)."""
         if self.scaler is not None and state:
-            self.scaler.load_state_dict(state)
+            numbers = {key: value.item() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+            self.scaler.load_state_dict(numbers)

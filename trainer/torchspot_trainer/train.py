@@ -72,6 +72,7 @@ from torchspot_trainer.recovery.group import (
     abort_group,
     arm_exit_deadline,
     control_group,
+    group_device,
     group_timeout,
     nccl_environment,
 )
@@ -451,11 +452,13 @@ class Trainer:
         decoder = DeviceDecoder(gpu_decoder(), self.device, config.image_size) if config.decode == "gpu" else None
         if self.backend == "nccl":
             os.environ.update(nccl_environment(os.environ))
-        dist.init_process_group(self.backend, timeout=group_timeout(config.collective_timeout))
-        self._control = control_group(self.backend, config.collective_timeout)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            self.backend, timeout=group_timeout(config.collective_timeout), device_id=group_device(self.device)
+        )
+        self._control = control_group(self.backend, config.collective_timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         lap("group")
         train_set, test_set, classes = self._datasets()
         if isinstance(train_set, SampleRandom):  # before the loader forks its workers, which keep it
@@ -467,7 +470,11 @@ class Trainer:
             model=model,
             ddp=DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
             optimizer=build_optimizer(
-                model, config.optimizer, lr=rule.peak_lr(self.world), weight_decay=config.recipe().weight_decay
+                model,
+                config.optimizer,
+                lr=rule.peak_lr(self.world),
+                weight_decay=config.recipe().weight_decay,
+                device=self.device,
             ),
             sampler=ElasticSampler(
                 len(train_set),  # type: ignore[arg-type]

@@ -63,6 +63,16 @@ def group_timeout(collective_timeout: float) -> timedelta:
     return timedelta(seconds=collective_timeout * GROUP_TIMEOUT_FACTOR)
 
 
+def group_device(device: torch.device) -> torch.device | None:
+    """`init_process_group`'s device_id: a GPU rank's device, None on a CPU. Pure.
+
+    Bound to its device, an NCCL group creates its communicator in `init_process_group` itself
+    (eager init) rather than at the first collective, inside the training loop: a rank whose GPU,
+    driver or fabric fails then fails in set-up, where the trainer reports it, not in a step the
+    watchdog must time out; and torch need not guess the device from the current one."""
+    return device if device.type == "cuda" else None
+
+
 def arm_exit_deadline(seconds: float = EXIT_DEADLINE_SECONDS) -> None:
     """End the process `seconds` from now, whatever it is doing then, with every thread's traceback on
     stderr: Python's faulthandler does it from its own C thread, which neither the GIL held by a stuck
