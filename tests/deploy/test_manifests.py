@@ -27,7 +27,7 @@ from torchspot_trainer.launch import check_args
 
 MANIFESTS = ROOT / "manifests"
 EXAMPLES = MANIFESTS / "examples"
-JOBS = ["elasticjob.yaml", "imagenet-resnet50.yaml"]
+JOBS = ["elasticjob.yaml", "imagenet-resnet50.yaml", "h100/imagenet-resnet50.yaml"]
 K8S_VERSION = "1.37.0"
 ADMISSION = Admission(crd())
 

@@ -128,6 +128,18 @@ def test_the_users_explicit_settings_are_kept_even_when_restricted_forbids_them(
     ]
 
 
+def test_the_h100_profile_breaks_restricted_only_for_infinibands_memory_locking() -> None:
+    """The H100 example (opt-in, in a namespace of its own) adds IPC_LOCK, which neither `restricted`
+    nor `baseline` allows (docs/aks.md says so): nothing else in it asks for more."""
+    job = yaml.safe_load((EXAMPLES / "h100" / "imagenet-resnet50.yaml").read_text())
+    worker = builders.worker_pod(JOB, parse_spec(job["spec"]), 0)
+    security = worker["spec"]["containers"][0]["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert restricted_violations(worker) == [
+        'capabilities (drop must include ALL, add only NET_BIND_SERVICE) (container "trainer")'
+    ]
+
+
 def test_the_etcd_budget_allows_its_eviction() -> None:
     """A drain or an AKS upgrade evicts through budgets; the etcd's must allow one disruption of its one pod."""
     budget = builders.etcd_disruption_budget(JOB)["spec"]
