@@ -35,7 +35,7 @@ from torchspot_trainer.recovery.group import (
     group_timeout,
     nccl_environment,
 )
-from torchspot_trainer.recovery.hostcopy import HostCopy
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, node_levels
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import Held
@@ -266,6 +266,74 @@ def test_without_copies_a_cpu_snapshot_is_the_live_state_except_during_an_update
     weight += 1
     kept.capture(5, lambda: {"w": weight, "step": 5})
     assert kept.latest() == {"w": weight, "step": 5}
+
+
+class _Later:
+    """A device whose copies run when the test says, as a side-stream copy runs while the host goes on."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[list[torch.Tensor], list[torch.Tensor], threading.Event]] = []
+
+    def fill(self, buffers: list[torch.Tensor], live: list[torch.Tensor]) -> Any:
+        done = threading.Event()
+        self.queued.append((buffers, live, done))
+        return SimpleNamespace(query=done.is_set, synchronize=lambda: done.wait(30))
+
+    def run(self) -> None:
+        for buffers, live, done in self.queued:
+            for buffer, tensor in zip(buffers, live, strict=True):
+                buffer.copy_(tensor)
+            done.set()
+        self.queued.clear()
+
+
+def _bn_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+
+@pytest.mark.parametrize("device", ["live", "side-stream"], ids=["cpu-live-state", "deferred-copy"])
+def test_the_state_of_a_boundary_keeps_its_batchnorm_statistics_through_the_next_forward(device: str) -> None:
+    """The next step's forward writes BatchNorm's running statistics before the update that
+    before_update guards: the snapshot (CPU: the live state, built when written) and the copy (GPU:
+    read on a side stream while the host goes on) still hold the boundary's statistics."""
+    model = _bn_model()
+    later = _Later()
+    copy = HostCopy(torch.device("cpu"), fill=later.fill if device == "side-stream" else None)
+    at_boundary = model.get_buffer("1.running_mean").clone()
+    copy.capture(1, with_boundary_buffers(model, lambda: {"model": model.state_dict(), "step": 1}))
+    model.train()
+    model(torch.randn(8, 4) + 5)  # the next step's forward
+    assert not torch.equal(model.get_buffer("1.running_mean"), at_boundary)
+    later.run()  # the side-stream copy runs only now
+    held = copy.latest()
+    assert held is not None
+    assert torch.equal(held["model"]["1.running_mean"], at_boundary)
+    assert int(held["model"]["1.num_batches_tracked"]) == 0
+    assert torch.equal(held["model"]["0.weight"], model.get_parameter("0.weight").detach())  # no update happened
+
+
+def test_a_checkpoint_is_taken_from_the_rings_copy_of_its_step_once_whole() -> None:
+    later = _Later()
+    copy = HostCopy(torch.device("cpu"), fill=later.fill)
+    weight = torch.zeros(2)
+    for step in (1, 2):
+        weight += 1
+        copy.capture(step, partial(dict, w=weight, step=step))
+    seen: list[Any] = []
+    saver = threading.Thread(target=lambda: seen.append(copy.with_copy_of(2, lambda held: held)))
+    saver.start()
+    saver.join(0.3)
+    assert saver.is_alive()  # the copy of step 2 is not whole: the save waits for the device
+    later.run()
+    saver.join(5)
+    assert not saver.is_alive()
+    held = seen[0]
+    assert held["step"] == 2
+    assert held["w"].tolist() == [2.0, 2.0]
+    assert held["w"].data_ptr() != weight.data_ptr()  # the host copy, not the live tensor
+    assert copy.with_copy_of(7, lambda held: held) is None  # no copy of that step: the caller takes the live state
+    assert HostCopy(torch.device("cpu")).with_copy_of(2, lambda held: held) is None  # a CPU without copies
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ from torchspot_trainer.recovery.group import (
     group_timeout,
     nccl_environment,
 )
-from torchspot_trainer.recovery.hostcopy import HostCopy
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.notices import EXIT_FAILED, NoticeStop, leave
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
@@ -91,6 +91,7 @@ from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.step import model_inputs, train_step
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LEAVE_SAVE_WAIT = 5.0
 """Seconds a leaving rank 0 gives its checkpoint save in flight before it exits. The save
@@ -378,7 +379,8 @@ class Trainer:
             )  # fmt: skip
             sampler.advance(self.world)
             self.step += 1
-            self._host.capture(self.step, partial(self._state, run))
+            if self._host.keeps(self.step):
+                self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
             window.add(loss, correct, step_samples)
             if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
                 self._log_progress(run, window, lr)
@@ -512,7 +514,7 @@ class Trainer:
         self._base = self.step
         lap("resume")
         self._run = run
-        self._host.capture(self.step, partial(self._state, run))  # a snapshot of the resumed state, before any step
+        self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))  # before any step
         url = config.scheduled_events_url()
         if url and self.local_rank == 0:  # one poller per node (notices.node_levels shares its notice)
             self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
@@ -626,16 +628,26 @@ class Trainer:
         if self._reporter is not None:
             self._reporter.report_step(self.step)
         every = self.config.checkpoint_every
-        if self.manager is not None and self.rank == 0 and every and self.step % every == 0:
-            self.manager.save_async(self.step, self._state(run), self._meta(run.sampler), give_up=self.notice.is_set)
+        manager = self.manager
+        if manager is not None and self.rank == 0 and every and self.step % every == 0:
+            meta = self._meta(run.sampler)
+            self._from_copy(run, lambda state: manager.save_async(self.step, state, meta, give_up=self.notice.is_set))
 
     def _agree_on_notices(self, run: _Run) -> bool:
         """NoticeStop.at_boundary with this boundary's emergency checkpoint; True after a notice."""
         manager = self.manager
+        meta = self._meta(run.sampler)
         save = (
-            None if manager is None else lambda: manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+            None
+            if manager is None
+            else lambda: self._from_copy(run, lambda state: manager.save_sync(self.step, state, meta))
         )
         return self.stop.at_boundary(self.group, step=self.step, save=save)
+
+    def _from_copy(self, run: _Run, save: Callable[[dict[str, Any]], T]) -> T:
+        """`save(state)` with this boundary's host copy when the ring holds it (hostcopy.with_copy_of),
+        else with the live state."""
+        return self._host.with_copy_of(self.step, lambda held: save(self._state(run) if held is None else held))
 
     def _before_stuck_exit(self) -> None:
         """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
