@@ -16,8 +16,15 @@ with the same number of loader worker processes:
   worker; on a GPU it runs on the device.
 
 Each run is a child process; its CPU time includes its loader workers' (RUSAGE_CHILDREN after
-they are joined). Images per CPU-second is the per-core figure; bytes per sample is what
-crosses the workers' shared memory and, on a GPU, the host-to-device copy.
+they are joined). Images per CPU-second is the per-core figure; the cores an 8-GPU node needs
+are what it takes at that figure to feed 3,000 images/s per GPU (arithmetic from the measured
+rate, not a GPU measurement); bytes per sample is what crosses the workers' shared memory and,
+on a GPU, the host-to-device copy.
+
+And `--decode gpu`'s hand-over: the loader's workers read the files and draw the crops, and the
+training process receives each batch of 256 undecoded files, `per file` (each its own tensor, as
+before) or `packed` (`Packed`: one tensor); the figure is the training process's own CPU time per
+batch (the decode itself needs a GPU and is left out).
 
 Usage: python bench/input/run.py [--images 256] [--epochs 3] [--workers 2] [--reps 3]
 """
@@ -44,13 +51,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from torchspot_trainer.data.datasets import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
 from torchspot_trainer.data.imaging import resized_crop_box
-from torchspot_trainer.data.loader import EpochLoader
+from torchspot_trainer.data.loader import Collate, EpochLoader, EpochView
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SIZE = 224
 BATCH = 32
 WIDTH, HEIGHT = 500, 375
 PIPELINES = ("stock", "ours", "ours + host normalise")
+GPU_IMAGES_PER_S = 3000
+"""What one H100 trains of ResNet-50 in bf16, roughly (the trainer review's figure; not measured
+here): the rate a node's loaders must keep up with, per GPU."""
+NODE_GPUS = 8
+"""GPUs per node of the sizing column: an ND H100 v5 (96 vCPUs)."""
 
 
 def write_photos(root: Path, count: int, classes: int = 4, seed: int = 0) -> float:
@@ -109,6 +121,43 @@ def _stock_epochs(dataset: StockFolder, batches: list[list[int]], epochs: int, w
         yield from loader
 
 
+HANDOVERS = ("per file", "packed")
+HANDOVER_BATCH = 256
+"""The batch of the --decode gpu hand-over figure (the trainer review's: 256 images per GPU pass)."""
+
+
+def _per_file(items: list[tuple[Any, int]]) -> tuple[list[Any], torch.Tensor]:
+    """--decode gpu's collate before `Packed`: each sample's file its own tensor."""
+    return [x for x, _ in items], torch.tensor([y for _, y in items])
+
+
+def handover(how: str, root: Path, epochs: int, workers: int) -> dict[str, Any]:
+    """`--decode gpu`'s loader without the decode: the training process's own CPU time to receive
+    each batch of undecoded files from the workers, `per file` (as before) or `packed`."""
+    torch.set_num_threads(1)
+    folder = ImageFolder(root, SIZE, augment=True)
+    folder.set_epoch(0, seed=0)
+    keys = [(0, i) for i in range(len(folder))]
+    batches = [keys[i : i + HANDOVER_BATCH] for i in range(0, len(keys), HANDOVER_BATCH)]
+    collate = Collate(torch.Size((3, SIZE, SIZE))) if how == "packed" else _per_file
+    loader: DataLoader[Any] = DataLoader(EpochView(folder, encode=True), batch_sampler=batches * epochs,
+                                         num_workers=workers, collate_fn=collate, persistent_workers=True)  # fmt: skip
+    received = 0
+    own = 0.0
+    iterator = iter(loader)
+    while True:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        try:
+            _, labels = next(iterator)
+        except StopIteration:
+            break
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        own += after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        received += 1
+        del labels
+    return {"batches": received, "own_cpu_s": own}
+
+
 def child(pipeline: str, root: Path, epochs: int, workers: int) -> dict[str, Any]:
     """Load `epochs` epochs of `root` through `pipeline`; CPU seconds include the workers'."""
     torch.set_num_threads(1)
@@ -152,10 +201,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--child", choices=PIPELINES, help=argparse.SUPPRESS)
+    parser.add_argument("--handover", choices=HANDOVERS, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.root, args.epochs, args.workers)))
+        return
+    if args.handover:
+        print(json.dumps(handover(args.handover, args.root, args.epochs, args.workers)))
         return
     with tempfile.TemporaryDirectory(prefix="torchspot-input-") as tmp:
         root = Path(tmp) / "train"
@@ -163,6 +216,7 @@ def main() -> None:
         kib = write_photos(root, args.images)
         print(f"mean file size {kib:.0f} KiB; {args.epochs} epochs, {args.workers} workers, {args.reps} trials")
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PIPELINES}
+        handovers: dict[str, list[dict[str, Any]]] = {how: [] for how in HANDOVERS}
         for trial in range(args.reps):
             for name in PIPELINES:  # interleaved, so drift in the machine hits every pipeline
                 command = [sys.executable, __file__, "--child", name, "--root", str(root),
@@ -171,6 +225,13 @@ def main() -> None:
                 runs[name].append(result)
                 print(f"  trial {trial + 1} {name}: {result['images'] / result['cpu_s']:.0f} images per CPU-s, "
                       f"{result['images'] / result['wall_s']:.0f} images/s", flush=True)  # fmt: skip
+            for how in HANDOVERS:
+                command = [sys.executable, __file__, "--handover", how, "--root", str(root),
+                           "--epochs", str(args.epochs), "--workers", str(args.workers)]  # fmt: skip
+                result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+                handovers[how].append(result)
+                print(f"  trial {trial + 1} --decode gpu hand-over, {how}: "
+                      f"{1000 * result['own_cpu_s'] / result['batches']:.1f} ms per batch", flush=True)  # fmt: skip
     summary = {}
     for name, results in runs.items():
         summary[name] = {
@@ -179,14 +240,23 @@ def main() -> None:
             "bytes_per_sample": results[0]["bytes_per_sample"],
         }
     stock = summary["stock"]
-    print(f"\n| pipeline | images per CPU-second | images/s ({args.workers} workers) | bytes per sample |")
-    print("| --- | --- | --- | --- |")
+    need = GPU_IMAGES_PER_S * NODE_GPUS
+    print(f"\n| pipeline | images per CPU-second | images/s ({args.workers} workers) | cores an {NODE_GPUS}-GPU node "
+          f"needs at {GPU_IMAGES_PER_S:,} images/s per GPU | bytes per sample |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- |")
     for name, row in summary.items():
         per_core = row["images_per_cpu_s"] / stock["images_per_cpu_s"]
         wall = row["images_per_s"] / stock["images_per_s"]
         fewer = stock["bytes_per_sample"] / row["bytes_per_sample"]
+        row["node_cores"] = need / row["images_per_cpu_s"]
         print(f"| {name} | {row['images_per_cpu_s']:.0f} ({per_core:.2f}x) | {row['images_per_s']:.0f} ({wall:.2f}x) "
-              f"| {row['bytes_per_sample']:,.0f} ({fewer:.1f}x fewer) |")  # fmt: skip
+              f"| {row['node_cores']:.0f} | {row['bytes_per_sample']:,.0f} ({fewer:.1f}x fewer) |")  # fmt: skip
+    per_batch = {how: statistics.median(1000 * r["own_cpu_s"] / r["batches"] for r in results)
+                 for how, results in handovers.items()}  # fmt: skip
+    print(f"\n--decode gpu, the training process's CPU time to receive a batch of {HANDOVER_BATCH} files from "
+          f"{args.workers} workers: per file {per_batch['per file']:.1f} ms, packed {per_batch['packed']:.1f} ms "
+          f"({per_batch['per file'] / per_batch['packed']:.1f}x less)")  # fmt: skip
+    summary["handover_ms_per_batch"] = per_batch
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / "input.json"
     out.write_text(json.dumps({"mean_file_kib": kib, "args": vars(args) | {"root": None}, "runs": runs,

@@ -15,6 +15,7 @@ from torchspot_lab.datasets import write_synthetic_cifar10, write_synthetic_imag
 from torchspot_trainer.config import TrainConfig, build_parser, parse_config
 from torchspot_trainer.data.datasets import CIFAR_FOLDER, load_cifar10, load_digits, load_imagenet, sample_generator
 from torchspot_trainer.data.imaging import resized_crop_box
+from torchspot_trainer.data.loader import CPU_LOADER_WORKERS, cgroup_cpus, loader_workers, usable_cpus
 from torchspot_trainer.launch import max_world_environment
 from torchspot_trainer.models import SmallCNN, resnet18, resnet50
 from torchspot_trainer.optim import RECIPES, BatchRule, build_optimizer, learning_rate, optimizer_kernels
@@ -142,6 +143,8 @@ def test_models_have_the_expected_shapes() -> None:
         (["--data", "", "--dataset", "cifar10"], "--data is required"),
         (["--data", "x", "--dataset", "mnist"], "--dataset 'mnist'"),
         (["--data", "x", "--checkpoint-saver", "fork"], "--checkpoint-saver 'fork'"),
+        (["--data", "x", "--workers", "-1"], "--workers '-1'"),
+        (["--data", "x", "--workers", "many"], "--workers 'many'"),
     ],
 )
 def test_bad_training_flags_name_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -381,3 +384,23 @@ def test_the_optimizer_is_fused_on_a_gpu_and_torchs_default_on_a_cpu(name: str) 
     assert optimizer_kernels(torch.device("cpu")) is None
     optimizer = build_optimizer(torch.nn.Linear(2, 2), name, lr=0.1, weight_decay=0.0, device=torch.device("cpu"))
     assert not optimizer.param_groups[0]["fused"]
+
+
+def test_loader_workers_are_sized_from_the_cores_on_a_gpu_and_kept_small_on_a_cpu() -> None:
+    """auto on a GPU: the node's cores shared among its training processes, one each kept for the
+    process itself; on a CPU the step computes on those cores, so 2; a number is taken as given."""
+    assert parse_config(["--data", "x"]).workers == "auto"  # the default
+    assert loader_workers("auto", cuda=True, cpus=96, local_ranks=8) == 11  # ND96 H100 v5
+    assert loader_workers("auto", cuda=True, cpus=64, local_ranks=4) == 15  # NC64as T4 v3
+    assert loader_workers("auto", cuda=True, cpus=4, local_ranks=4) == 1  # never none
+    assert loader_workers("auto", cuda=False, cpus=96, local_ranks=1) == CPU_LOADER_WORKERS
+    assert loader_workers("0", cuda=True, cpus=96, local_ranks=8) == 0
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "cores"),
+    [("max 100000", None), ("800000 100000", 8.0), ("150000 100000", 1.5), ("", None), ("x y", None)],
+)
+def test_a_containers_cpu_limit_is_read_from_cgroup_v2(cpu_max: str, cores: float | None) -> None:
+    assert cgroup_cpus(cpu_max) == cores
+    assert usable_cpus() > 0  # this machine's own: its affinity, or its limit where lower

@@ -32,7 +32,7 @@ from torchspot_trainer.data.datasets import (
     sample_generator,
 )
 from torchspot_trainer.data.imaging import decode_reduction, decode_region, eval_crop_box, resized_crop_box
-from torchspot_trainer.data.loader import Collate, DeviceDecoder, EpochLoader, encode
+from torchspot_trainer.data.loader import Collate, DeviceDecoder, EpochLoader, Packed, encode
 from torchspot_trainer.train import decode_refusal
 
 
@@ -208,8 +208,9 @@ def test_the_gpu_decoder_crops_resizes_and_flips_as_the_cpu_path(tmp_path: Path)
     folder.set_epoch(1, seed=3)
     items: list[tuple[Any, int]] = [encode(folder, i) for i in range(len(folder))]
     samples, labels = Collate(torch.Size((3, 128, 128)))(items)
-    assert isinstance(samples, list)
-    assert sum(isinstance(s, torch.Tensor) for s in samples) == 1  # the PNG
+    assert isinstance(samples, Packed)
+    assert list(samples.decoded) == [len(folder) - 1]  # the PNG (sorted last in c1), decoded by the worker
+    assert int(samples.offsets[-1]) == samples.data.numel()
     decoded, same_labels = DeviceDecoder(_stand_in_decode, torch.device("cpu"), 128)((samples, labels))
     assert torch.equal(same_labels, labels)
     expected = torch.stack([folder[i][0] for i in range(len(folder))])
@@ -225,6 +226,22 @@ def test_the_gpu_decoder_crops_resizes_and_flips_as_the_cpu_path(tmp_path: Path)
     assert torch.equal(through_labels, labels)
     ready = torch.stack([folder[0][0]])
     assert torch.equal(DeviceDecoder(_stand_in_decode, torch.device("cpu"), 128)((ready, labels[:1]))[0], ready)
+    # Through loader processes the batch crosses as one packed tensor of files, not one per sample.
+    crossed: list[Any] = []
+
+    def seen(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        crossed.append({f.untyped_storage().data_ptr() for f in files})
+        return _stand_in_decode(files, device)
+
+    workers = EpochLoader(folder, workers=2, pin_memory=False, worker_init=lambda _: None,
+                          decoder=DeviceDecoder(seen, torch.device("cpu"), 128))  # fmt: skip
+    try:
+        ((packed, packed_labels),) = list(workers.epoch(1, [list(range(len(folder)))]))
+    finally:
+        workers.close()
+    assert torch.equal(packed, decoded)
+    assert torch.equal(packed_labels, labels)
+    assert [len(storages) for storages in crossed] == [1]  # every file a view of the one packed tensor
 
 
 def test_decode_gpu_is_refused_where_it_cannot_run() -> None:

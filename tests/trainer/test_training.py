@@ -147,6 +147,7 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     remaining = iter(sizes)  # 3 -> 2 -> 1 -> 3 in this order (the joiners may arrive one by one: 1 -> 2 -> 3)
     assert all(size in remaining for size in (3, 2, 1, 3)), sizes
     assert sizes[-1] == 3
+    assert {e["loader_workers"] for e in read_events(events_path) if e.get("event") == "start"} == {0}  # --workers 0
     return {"emergency_step": emergency[-1]["step"]}
 
 

@@ -60,7 +60,7 @@ from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointMan
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.config import TrainConfig, ensure_local_data
 from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
-from torchspot_trainer.data.loader import DeviceDecoder, EpochLoader, gpu_decoder
+from torchspot_trainer.data.loader import DeviceDecoder, EpochLoader, gpu_decoder, loader_workers, usable_cpus
 from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.models import MODELS
@@ -283,6 +283,11 @@ class Trainer:
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
         self.precision = Precision(config.precision, self.device)
+        self.loader_workers = loader_workers(
+            config.workers, cuda=self.device.type == "cuda", cpus=usable_cpus(),
+            local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        )  # fmt: skip
+        """--workers as a number for this node (torchrun's LOCAL_WORLD_SIZE: the processes sharing its cores)."""
         self.step = 0
         self._tensorboard: Any = None
         self.manager: CheckpointManager | None = None
@@ -335,6 +340,7 @@ class Trainer:
         self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                     "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
                     "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
+                    "loader_workers": self.loader_workers,
                     "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
         self.notice.step_boundary()
         self._watchdog.armed = True
@@ -539,9 +545,9 @@ class Trainer:
         return train_folder, val_folder, len(train_folder.classes)
 
     def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None) -> EpochLoader:
-        """`dataset`'s loader for the run: --workers processes that persist from epoch to epoch."""
+        """`dataset`'s loader for the run: `loader_workers` processes that persist from epoch to epoch."""
         return EpochLoader(
-            dataset, workers=self.config.workers, pin_memory=self.device.type == "cuda",
+            dataset, workers=self.loader_workers, pin_memory=self.device.type == "cuda",
             worker_init=_reset_sigterm_in_loader, decoder=decoder,
         )  # fmt: skip
 
