@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from torchspot_lab.datasets import write_synthetic_imagenet
+from torchspot_lab.local import wait_for
 from torchspot_trainer.config import TrainConfig
 from torchspot_trainer.data.datasets import (
     IMAGENET_MEAN,
@@ -242,6 +243,52 @@ def test_the_gpu_decoder_crops_resizes_and_flips_as_the_cpu_path(tmp_path: Path)
     assert torch.equal(packed, decoded)
     assert torch.equal(packed_labels, labels)
     assert [len(storages) for storages in crossed] == [1]  # every file a view of the one packed tensor
+
+
+def _jpeg_folder(root: Path, count: int) -> ImageFolder:
+    (root / "c0").mkdir(parents=True)
+    for i in range(count):
+        Image.fromarray(_photo(96, 80, seed=i)).save(root / "c0" / f"{i}.jpg", quality=90)
+    folder = ImageFolder(root, 32, augment=True)
+    folder.set_epoch(0, seed=1)
+    return folder
+
+
+def test_the_decode_runs_one_batch_ahead_of_the_step_and_a_new_epoch_lets_go_of_the_old(tmp_path: Path) -> None:
+    """While the step holds batch k, batch k+1 is decoded on the decode thread; a new epoch started
+    mid-way (a notice ended the last) gets its own batches, whole and in order; a decode error
+    reaches the training thread."""
+    folder = _jpeg_folder(tmp_path / "train", 6)
+    calls: list[int] = []
+    failing: list[int] = []
+
+    def decode(files: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        calls.append(len(files))
+        if len(calls) in failing:
+            raise OSError("nvJPEG: corrupt file")
+        return _stand_in_decode(files, device)
+
+    loader = EpochLoader(folder, workers=0, pin_memory=False, worker_init=lambda _: None,
+                         decoder=DeviceDecoder(decode, torch.device("cpu"), 32))  # fmt: skip
+    try:
+        batches = loader.epoch(0, [[0, 1], [2, 3], [4, 5]])
+        first = next(batches)
+        wait_for(lambda: len(calls) >= 2, 10, "batch 2 decoded while the step holds batch 1")
+        assert first[0].shape == (2, 3, 32, 32)
+        expected = [DeviceDecoder(_stand_in_decode, torch.device("cpu"), 32)(Collate(torch.Size((3, 32, 32)))(
+            [encode(folder, i) for i in pair])) for pair in ([0, 1], [2, 3])]  # fmt: skip
+        assert torch.equal(first[0], expected[0][0])
+        again = list(loader.epoch(0, [[0, 1], [2, 3]]))  # the old epoch's thread is stopped first
+        assert [torch.equal(got[0], want[0]) for got, want in zip(again, expected, strict=True)] == [True, True]
+        failing.append(len(calls) + 2)
+        broken = loader.epoch(0, [[0, 1], [2, 3], [4, 5]])
+        next(broken)
+        with pytest.raises(OSError, match="corrupt file"):
+            next(broken)
+        with pytest.raises(StopIteration):
+            next(broken)
+    finally:
+        loader.close()
 
 
 def test_decode_gpu_is_refused_where_it_cannot_run() -> None:

@@ -10,13 +10,17 @@ normalisation on the device, and (`--decode gpu`) JPEG decoding on the GPU.
 - With `--decode gpu` (`gpu_decoder`), the workers only read the file and draw the crop
   (`Encoded`), pack the batch's files into one tensor (`Packed`), and the main process
   decodes a whole batch with nvJPEG through torchvision, then crops, resizes and flips it
-  on the GPU (`DeviceDecoder`). Files libjpeg-turbo cannot read (PNG, CMYK) are decoded by
-  the worker as before.
+  on the GPU (`DeviceDecoder`), on a thread and stream of its own one batch ahead of the
+  step (`DecodeAhead`). Files libjpeg-turbo cannot read (PNG, CMYK) are decoded by the
+  worker as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -212,6 +216,91 @@ class _Batches:
         return len(self.batches)
 
 
+Loaded = tuple[torch.Tensor | Packed, torch.Tensor]
+"""A batch as the loader's workers send it: stacked uint8 images (or packed files) and labels."""
+Decoded = tuple[torch.Tensor, torch.Tensor]
+"""A batch ready for the step: uint8 images on the device and labels."""
+AHEAD_STOP_SECONDS = 60.0
+"""How long a new epoch (or `close`) waits for the previous epoch's decode thread to let go of the
+loader: it may be waiting for a batch from a worker, which takes a fraction of that."""
+
+
+class DecodeAhead(Iterator[Decoded]):
+    """`decode` of `source`'s batches on a thread, one batch ahead of the training thread.
+
+    Why: torchvision's nvJPEG decode blocks the thread that calls it until the GPU is done, and
+    called from the training loop it stops the host from queueing step k while batch k+1 is
+    decoded. On a GPU the thread decodes on its own CUDA stream; the consumer's stream waits for
+    that batch's event, and the batch's device tensors are recorded on the consumer's stream so
+    the allocator does not hand their memory back while the step still reads it.
+    """
+
+    _END = object()
+
+    def __init__(self, source: Iterator[Loaded], decode: Callable[[Loaded], Decoded], device: torch.device) -> None:
+        self._device = device
+        self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._run, args=(source, decode), name="decode-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, source: Iterator[Loaded], decode: Callable[[Loaded], Decoded]) -> None:
+        try:
+            for batch in source:
+                if self._stop.is_set():
+                    return
+                side = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+                with side:
+                    decoded = decode(batch)
+                    event = None
+                    if self._stream is not None:
+                        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        event.record(self._stream)
+                if not self._put((decoded, event, None)):
+                    return
+        except Exception as exc:  # handed to the training thread, which raises it
+            self._put((None, None, exc))
+            return
+        self._put(self._END)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+            return True
+        return False
+
+    def __next__(self) -> Decoded:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if item is self._END:
+            self._done = True
+            raise StopIteration
+        decoded, event, error = item
+        if error is not None:
+            self._done = True
+            raise error
+        if event is not None:
+            current = torch.cuda.current_stream(self._device)
+            current.wait_event(event)
+            for tensor in decoded:
+                if tensor.is_cuda:
+                    tensor.record_stream(current)
+        return decoded  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        """Stop the thread and let go of the loader (before its iterator is reset or shut down)."""
+        self._stop.set()
+        self._thread.join(AHEAD_STOP_SECONDS)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the decode thread did not let go of the loader within {AHEAD_STOP_SECONDS:.0f} s")
+
+
 class EpochLoader:
     """One DataLoader for a run's data set; `epoch(e, batches)` iterates that epoch's batches.
 
@@ -233,6 +322,8 @@ class EpochLoader:
     ) -> None:
         self._batches = _Batches()
         self._decoder = decoder
+        self._ahead: DecodeAhead | None = None
+        """`--decode gpu`: the epoch's decode thread (DecodeAhead)."""
         encode = decoder is not None
         shape = dataset[0][0].shape
         self._loader = DataLoader(
@@ -253,12 +344,22 @@ class EpochLoader:
         The previous epoch's iteration, finished or not, is dropped; the workers discard
         what they had prefetched for it.
         """
+        self._stop_ahead()
         self._batches.batches = [[(epoch, index) for index in batch] for batch in batches]
         loaded = iter(self._loader)
-        return loaded if self._decoder is None else map(self._decoder, loaded)
+        if self._decoder is None:
+            return loaded
+        self._ahead = DecodeAhead(loaded, self._decoder, self._decoder.device)
+        return self._ahead
+
+    def _stop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead = None
 
     def close(self) -> None:
         """Stop the workers (they also stop when the training process exits)."""
+        self._stop_ahead()
         iterator = getattr(self._loader, "_iterator", None)
         if iterator is not None:
             iterator._shutdown_workers()
@@ -279,7 +380,7 @@ class DeviceDecoder:
         self.device = device
         self.size = size
 
-    def __call__(self, batch: tuple[torch.Tensor | Packed, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch: Loaded) -> Decoded:
         samples, labels = batch
         if isinstance(samples, torch.Tensor):
             return samples.to(self.device, non_blocking=True), labels
