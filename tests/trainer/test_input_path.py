@@ -33,7 +33,7 @@ from torchspot_trainer.data.datasets import (
     sample_generator,
 )
 from torchspot_trainer.data.imaging import decode_reduction, decode_region, eval_crop_box, resized_crop_box
-from torchspot_trainer.data.loader import Collate, DeviceDecoder, EpochLoader, Packed, encode
+from torchspot_trainer.data.loader import Collate, DeviceAhead, DeviceDecoder, EpochLoader, Packed, encode
 from torchspot_trainer.train import decode_refusal
 
 
@@ -289,6 +289,26 @@ def test_the_decode_runs_one_batch_ahead_of_the_step_and_a_new_epoch_lets_go_of_
             next(broken)
     finally:
         loader.close()
+
+
+def test_batches_copied_ahead_to_the_device_are_the_batches(tmp_path: Path) -> None:
+    """Without --decode gpu a GPU's batches are copied to it on the same thread, one ahead (on a CUDA
+    side stream there; the CPU stands in here): the same batches, in order, labels included."""
+    folder = _jpeg_folder(tmp_path / "train", 6)
+    plan = [[0, 1], [2, 3], [4, 5]]
+    plain = EpochLoader(folder, workers=0, pin_memory=False, worker_init=lambda _: None)
+    ahead = EpochLoader(folder, workers=0, pin_memory=False, worker_init=lambda _: None, ahead=torch.device("cpu"))
+    try:
+        want, batches = list(plain.epoch(0, plan)), ahead.epoch(0, plan)
+        assert isinstance(batches, DeviceAhead)  # the copies come from its thread (and stream, on a GPU)
+        got = list(batches)
+    finally:
+        plain.close()
+        ahead.close()
+    assert len(got) == len(want) == 3
+    for (images, labels), (same_images, same_labels) in zip(got, want, strict=True):
+        assert torch.equal(images, same_images)
+        assert torch.equal(labels, same_labels)
 
 
 def test_decode_gpu_is_refused_where_it_cannot_run() -> None:

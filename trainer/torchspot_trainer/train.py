@@ -546,9 +546,10 @@ class Trainer:
 
     def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None) -> EpochLoader:
         """`dataset`'s loader for the run: `loader_workers` processes that persist from epoch to epoch."""
+        cuda = self.device.type == "cuda"
         return EpochLoader(
-            dataset, workers=self.loader_workers, pin_memory=self.device.type == "cuda",
-            worker_init=_reset_sigterm_in_loader, decoder=decoder,
+            dataset, workers=self.loader_workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
+            decoder=decoder, ahead=self.device if cuda and decoder is None else None,
         )  # fmt: skip
 
     # -- state ----------------------------------------------------------------------

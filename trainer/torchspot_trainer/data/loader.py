@@ -11,7 +11,7 @@ normalisation on the device, and (`--decode gpu`) JPEG decoding on the GPU.
   (`Encoded`), pack the batch's files into one tensor (`Packed`), and the main process
   decodes a whole batch with nvJPEG through torchvision, then crops, resizes and flips it
   on the GPU (`DeviceDecoder`), on a thread and stream of its own one batch ahead of the
-  step (`DecodeAhead`). Files libjpeg-turbo cannot read (PNG, CMYK) are decoded by the
+  step (`DeviceAhead`). Files libjpeg-turbo cannot read (PNG, CMYK) are decoded by the
   worker as before.
 """
 
@@ -23,6 +23,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -225,12 +226,14 @@ AHEAD_STOP_SECONDS = 60.0
 loader: it may be waiting for a batch from a worker, which takes a fraction of that."""
 
 
-class DecodeAhead(Iterator[Decoded]):
-    """`decode` of `source`'s batches on a thread, one batch ahead of the training thread.
+class DeviceAhead(Iterator[Decoded]):
+    """`decode` of `source`'s batches on a thread, one batch ahead of the training thread: the
+    GPU decode of `--decode gpu`, or the host-to-device copy of a decoded batch (`to_device`).
 
     Why: torchvision's nvJPEG decode blocks the thread that calls it until the GPU is done, and
     called from the training loop it stops the host from queueing step k while batch k+1 is
-    decoded. On a GPU the thread decodes on its own CUDA stream; the consumer's stream waits for
+    decoded; a copy issued by the step itself, on its own stream, cannot overlap the step's
+    compute. On a GPU the thread works on its own CUDA stream; the consumer's stream waits for
     that batch's event, and the batch's device tensors are recorded on the consumer's stream so
     the allocator does not hand their memory back while the step still reads it.
     """
@@ -243,7 +246,7 @@ class DecodeAhead(Iterator[Decoded]):
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
         self._done = False
-        self._thread = threading.Thread(target=self._run, args=(source, decode), name="decode-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(source, decode), name="device-ahead", daemon=True)
         self._thread.start()
 
     def _run(self, source: Iterator[Loaded], decode: Callable[[Loaded], Decoded]) -> None:
@@ -301,6 +304,14 @@ class DecodeAhead(Iterator[Decoded]):
             raise RuntimeError(f"the decode thread did not let go of the loader within {AHEAD_STOP_SECONDS:.0f} s")
 
 
+def to_device(device: torch.device, batch: Loaded) -> Decoded:
+    """A decoded batch, images and labels, copied to `device` (from pinned memory: non-blocking)."""
+    images, labels = batch
+    if not isinstance(images, torch.Tensor):
+        raise TypeError("a packed batch of files goes through DeviceDecoder, not to_device")
+    return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+
 class EpochLoader:
     """One DataLoader for a run's data set; `epoch(e, batches)` iterates that epoch's batches.
 
@@ -309,6 +320,8 @@ class EpochLoader:
     :param worker_init: run in each worker as it starts (the trainer leaves SIGTERM to itself).
     :param decoder: `--decode gpu`: the workers hand JPEGs over undecoded, and each batch goes
         through this on its way out.
+    :param ahead: a CUDA device: without a decoder, each batch is copied there on a side stream one
+        batch ahead of the step (`DeviceAhead`, `to_device`); None: the step copies its inputs.
     """
 
     def __init__(
@@ -319,11 +332,13 @@ class EpochLoader:
         pin_memory: bool,
         worker_init: Callable[[int], None],
         decoder: DeviceDecoder | None = None,
+        ahead: torch.device | None = None,
     ) -> None:
         self._batches = _Batches()
         self._decoder = decoder
-        self._ahead: DecodeAhead | None = None
-        """`--decode gpu`: the epoch's decode thread (DecodeAhead)."""
+        self._ahead_to = ahead
+        self._ahead: DeviceAhead | None = None
+        """The epoch's decode or copy thread (DeviceAhead), if any."""
         encode = decoder is not None
         shape = dataset[0][0].shape
         self._loader = DataLoader(
@@ -347,9 +362,12 @@ class EpochLoader:
         self._stop_ahead()
         self._batches.batches = [[(epoch, index) for index in batch] for batch in batches]
         loaded = iter(self._loader)
-        if self._decoder is None:
+        if self._decoder is not None:
+            self._ahead = DeviceAhead(loaded, self._decoder, self._decoder.device)
+        elif self._ahead_to is not None:
+            self._ahead = DeviceAhead(loaded, partial(to_device, self._ahead_to), self._ahead_to)
+        else:
             return loaded
-        self._ahead = DecodeAhead(loaded, self._decoder, self._decoder.device)
         return self._ahead
 
     def _stop_ahead(self) -> None:
