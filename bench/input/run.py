@@ -94,7 +94,7 @@ class StockFolder(ImageFolder):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         from PIL import Image  # noqa: PLC0415
 
-        path, label = self.samples[index]
+        path, label = self.index.sample(index)
         random = self.generator(index)
         with Image.open(path) as img:
             rgb = img.convert("RGB")

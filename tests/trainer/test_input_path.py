@@ -311,6 +311,35 @@ def test_batches_copied_ahead_to_the_device_are_the_batches(tmp_path: Path) -> N
         assert torch.equal(labels, same_labels)
 
 
+def test_the_file_index_is_built_once_per_node_and_memory_mapped_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first rank scans and saves the index in the node's data folder; a restart (or another
+    rank) maps the same files instead of scanning again; an image added changes the key and is
+    found; a folder that cannot be written leaves each process its own scan, with a warning."""
+    root = tmp_path / "train"
+    folder = _jpeg_folder(root, 4)
+    node = tmp_path / "cache" / "index"
+    first = ImageFolder(root, 32, augment=True, index_dir=node)
+    again = ImageFolder(root, 32, augment=True, index_dir=node)
+    assert isinstance(again.index.labels, np.memmap)  # mapped, not a list per process
+    assert len(list(node.glob("index-*/"))) == 1
+    scanned = [folder.index.sample(i) for i in range(len(folder))]
+    assert [first.index.sample(i) for i in range(len(first))] == scanned
+    assert [again.index.sample(i) for i in range(len(again))] == scanned
+    again.set_epoch(0, seed=1)  # as _jpeg_folder's
+    assert torch.equal(again[2][0], folder[2][0])
+    Image.fromarray(_photo(96, 80, seed=9)).save(root / "c0" / "9.jpg", quality=90)
+    grown = ImageFolder(root, 32, index_dir=node)
+    assert len(grown) == 5
+    assert grown.index.sample(4)[0] == root / "c0" / "9.jpg"
+    (tmp_path / "readonly").write_text("a file where the folder should be")
+    with caplog.at_level("WARNING"):
+        own = ImageFolder(root, 32, index_dir=tmp_path / "readonly" / "index")
+    assert len(own) == 5
+    assert "data index not kept" in caplog.text
+
+
 def test_decode_gpu_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="--decode 'nvjpeg'"):
         TrainConfig(dataset="imagenet", data="x", decode="nvjpeg")

@@ -84,7 +84,8 @@ class TrainConfig:
     image_size: int = 224
     """ImageNet crop size in pixels."""
     data_cache: str = ""
-    """Local folder that receives an az:// data set ('' = torchspot-data in the temp folder)."""
+    """Local folder that receives an az:// data set and keeps image folders' file indexes across
+    restarts ('' = torchspot-data in the temp folder)."""
     workers: str = "auto"
     """Data-loading processes per worker: a number (0: load in the training process), or auto: on a
     GPU the cores this process may use shared among the node's workers, less one for the training
@@ -351,11 +352,16 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         parser.error(str(exc))
 
 
+def data_cache(config: TrainConfig) -> Path:
+    """The node's data folder (--data-cache): an az:// data set's copy and the file indexes, kept
+    across restarts (the pod's, or the node's where it is a hostPath)."""
+    return Path(config.data_cache) if config.data_cache else Path(tempfile.gettempdir()) / "torchspot-data"
+
+
 def ensure_local_data(config: TrainConfig) -> Path:
     """The data set as a local path, copying an az:// prefix to the cache first."""
     from torchspot_trainer.data.fetch import fetch_prefix  # noqa: PLC0415
 
     if config.data.startswith("az://"):
-        cache = Path(config.data_cache) if config.data_cache else Path(tempfile.gettempdir()) / "torchspot-data"
-        return fetch_prefix(config.data, cache)
+        return fetch_prefix(config.data, data_cache(config))
     return Path(config.data.removeprefix("file://"))

@@ -58,7 +58,7 @@ from torch.utils.data import Dataset
 
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.config import TrainConfig, ensure_local_data
+from torchspot_trainer.config import TrainConfig, data_cache, ensure_local_data
 from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot_trainer.data.loader import DeviceDecoder, EpochLoader, gpu_decoder, loader_workers, usable_cpus
 from torchspot_trainer.data.sampler import ElasticSampler
@@ -541,7 +541,7 @@ class Trainer:
         if config.dataset == "cifar10":
             train, test = load_cifar10(path)
             return train, test, 10
-        train_folder, val_folder = load_imagenet(path, config.image_size)
+        train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=data_cache(config) / "index")
         return train_folder, val_folder, len(train_folder.classes)
 
     def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None) -> EpochLoader:

@@ -21,9 +21,16 @@ the lab (torchspot_lab/datasets.py); a Blob prefix is copied to the node by fetc
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import logging
+import os
 import pickle
+import shutil
 import tarfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +39,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from torchspot_trainer.data.imaging import Box, decode_region, eval_crop_box, resized_crop_box
+
+log = logging.getLogger(__name__)
 
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TARBALL = "cifar-10-python.tar.gz"
@@ -190,6 +199,91 @@ def load_cifar10(path: Path, *, augment: bool = True) -> tuple[TensorImages, Ten
     )
 
 
+INDEX_VERSION = 1
+"""The layout of a folder index's files (`FileIndex`); a new layout gets a new key."""
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """An image folder's samples as three arrays: relative paths end to end (utf-8), their offsets,
+    and labels. Why not a list of (Path, label): at ImageNet's 1.28 M files that list is about half
+    a GiB of Python objects per training process, built by a scan of every folder at each restart,
+    and copied page by page into every loader worker as reference counts touch it. Saved once per
+    node (`node_index`) and memory-mapped, the arrays are one copy in the page cache for every
+    rank and loader of the node, across restarts."""
+
+    root: Path
+    classes: list[str]
+    names: np.ndarray
+    offsets: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def sample(self, index: int) -> tuple[Path, int]:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.root / bytes(self.names[start:end]).decode(), int(self.labels[index])
+
+
+def scan_folder(root: Path) -> FileIndex:
+    """`ROOT/<class>/<image>` listed: classes sorted (torchvision's order), files sorted in each."""
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not classes:
+        raise FileNotFoundError(f"{root}: expected one folder per class with images inside")
+    names: list[bytes] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        for path in sorted((root / name).iterdir()):
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                names.append(f"{name}/{path.name}".encode())
+                labels.append(label)
+    if not names:
+        raise FileNotFoundError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) found")
+    offsets = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum([len(n) for n in names], out=offsets[1:])
+    return FileIndex(root, classes, np.frombuffer(b"".join(names), dtype=np.uint8), offsets,
+                     np.asarray(labels, dtype=np.int32))  # fmt: skip
+
+
+def index_key(root: Path) -> str:
+    """The name of `root`'s saved index: its absolute path and each class folder's name and change
+    time (adding or removing an image changes its folder's), so a changed data set is scanned again."""
+    folders = sorted((p.name, p.stat().st_mtime_ns) for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    text = json.dumps([INDEX_VERSION, str(root.resolve()), folders])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def node_index(root: Path, folder: Path) -> FileIndex:
+    """`root`'s index from `folder` (the node's data cache, kept across restarts), memory-mapped;
+    scanned and saved there first if it is not (one rank scans, under a lock; the others wait and
+    load it). A folder that cannot be written falls back to a scan of this process's own."""
+    saved = folder / f"index-{index_key(root)}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{saved.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its holder dies
+            if not saved.is_dir():
+                _save_index(scan_folder(root), saved)
+    except OSError as exc:
+        log.warning("data index not kept in %s (%s): scanning %s in this process", folder, exc, root)
+        return scan_folder(root)
+    classes = json.loads((saved / "classes.json").read_text())
+    arrays = {name: np.load(saved / f"{name}.npy", mmap_mode="r") for name in ("names", "offsets", "labels")}
+    return FileIndex(root, classes, arrays["names"], arrays["offsets"], arrays["labels"])
+
+
+def _save_index(index: FileIndex, saved: Path) -> None:
+    """Write the index's files to a temporary folder and rename it: a crash leaves no half index."""
+    partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    (partial / "classes.json").write_text(json.dumps(index.classes))
+    for name in ("names", "offsets", "labels"):
+        np.save(partial / f"{name}.npy", getattr(index, name))
+    partial.rename(saved)
+
+
 class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
     """`ROOT/<class>/<image>`: the standard ImageNet transforms, yielded as uint8 (3, size, size).
 
@@ -199,25 +293,16 @@ class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
     The region is cut before the resize (`decode_region`), so only it is resized.
     """
 
-    def __init__(self, root: Path, size: int = 224, *, augment: bool = False) -> None:
-        classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        if not classes:
-            raise FileNotFoundError(f"{root}: expected one folder per class with images inside")
-        self.classes = classes
-        self.samples = [
-            (path, label)
-            for label, name in enumerate(classes)
-            for path in sorted((root / name).iterdir())
-            if path.suffix.lower() in IMAGE_SUFFIXES
-        ]
-        if not self.samples:
-            raise FileNotFoundError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) found")
+    def __init__(self, root: Path, size: int = 224, *, augment: bool = False, index_dir: Path | None = None) -> None:
+        """:param index_dir: the node's folder for the file index (`node_index`); None: scan here."""
+        self.index = scan_folder(root) if index_dir is None else node_index(root, index_dir)
+        self.classes = self.index.classes
         self.size = size
         self.augment = augment
         self.normalize = Normalize(IMAGENET_MEAN, IMAGENET_STD)
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.index)
 
     def region(self, index: int, width: int, height: int) -> tuple[Box, bool]:
         """Sample `index`'s crop of a width x height image, and whether it is flipped: the
@@ -241,13 +326,16 @@ class ImageFolder(SampleRandom, Dataset[tuple[torch.Tensor, int]]):
         return image.flip(-1) if flips[0] else image
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
+        path, label = self.index.sample(index)
         return self.decoded(index, path.read_bytes()), label
 
 
-def load_imagenet(root: Path, size: int = 224) -> tuple[ImageFolder, ImageFolder]:
-    """(train, val) from an ImageNet-style folder with `train/` and `val/`."""
-    return ImageFolder(root / "train", size, augment=True), ImageFolder(root / "val", size)
+def load_imagenet(root: Path, size: int = 224, index_dir: Path | None = None) -> tuple[ImageFolder, ImageFolder]:
+    """(train, val) from an ImageNet-style folder with `train/` and `val/` (`index_dir`: ImageFolder's)."""
+    return (
+        ImageFolder(root / "train", size, augment=True, index_dir=index_dir),
+        ImageFolder(root / "val", size, index_dir=index_dir),
+    )
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorImages, TensorImages]:

@@ -178,7 +178,7 @@ class EpochView(Dataset[tuple[Any, int]]):
 def encode(folder: ImageFolder, index: int) -> tuple[Sample, int]:
     """Sample `index` of `folder` for the GPU: the file and its crop (`Encoded`), decoding
     nothing; a file libjpeg-turbo cannot read is decoded here, as on the CPU path."""
-    path, label = folder.samples[index]
+    path, label = folder.index.sample(index)
     data = path.read_bytes()
     dimensions = jpeg_size(data)
     if dimensions is None:
