@@ -26,7 +26,11 @@ training process receives each batch of 256 undecoded files, `per file` (each it
 before) or `packed` (`Packed`: one tensor); the figure is the training process's own CPU time per
 batch (the decode itself needs a GPU and is left out).
 
-Usage: python bench/input/run.py [--images 256] [--epochs 3] [--workers 2] [--reps 3]
+And a restart's file index: a folder of `--index-files` empty images in 1,000 classes opened as a
+training process does, `scan` (its own list of the files, as before) against `node index` (the
+node's saved index, memory-mapped): seconds, and the memory the process then holds alone (USS).
+
+Usage: python bench/input/run.py [--images 256] [--epochs 3] [--workers 2] [--reps 3] [--index-files 100000]
 """
 
 from __future__ import annotations
@@ -158,6 +162,33 @@ def handover(how: str, root: Path, epochs: int, workers: int) -> dict[str, Any]:
     return {"batches": received, "own_cpu_s": own}
 
 
+INDEXES = ("scan", "node index")
+
+
+def write_empty_folder(root: Path, files: int, classes: int = 1000) -> None:
+    """`files` empty .JPEG files in `classes` folders: what a folder index lists (it never reads them)."""
+    for index in range(files):
+        folder = root / f"n{index % classes:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img{index:08d}.JPEG").touch()
+
+
+def index(how: str, root: Path, cache: Path) -> dict[str, Any]:
+    """Open `root` as a training process does after a restart: `scan` (a list of the folder's files
+    in this process, as before) or `node index` (map the node's saved index); the seconds it takes
+    and the memory this process then holds alone (USS), with every sample looked up once."""
+    import psutil  # noqa: PLC0415
+
+    before = psutil.Process().memory_full_info().uss
+    started = time.perf_counter()
+    folder = ImageFolder(root, SIZE, augment=True, index_dir=cache if how == "node index" else None)
+    seconds = time.perf_counter() - started
+    for i in range(len(folder)):  # a loader touches every entry once an epoch
+        folder.index.sample(i)
+    held = psutil.Process().memory_full_info().uss - before
+    return {"seconds": seconds, "uss_mib": held / 2**20, "files": len(folder)}
+
+
 def child(pipeline: str, root: Path, epochs: int, workers: int) -> dict[str, Any]:
     """Load `epochs` epochs of `root` through `pipeline`; CPU seconds include the workers'."""
     torch.set_num_threads(1)
@@ -194,6 +225,31 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def index_figure(files: int, reps: int) -> dict[str, Any]:
+    """A restart's file index, scanned per process against mapped from the node's saved one."""
+    with tempfile.TemporaryDirectory(prefix="torchspot-index-") as tmp:
+        root, cache = Path(tmp) / "train", Path(tmp) / "cache"
+        print(f"\nwriting {files:,} empty files in 1,000 class folders for the index figure ...", flush=True)
+        write_empty_folder(root, files)
+        started = time.perf_counter()
+        ImageFolder(root, SIZE, index_dir=cache)  # the node's first rank: scan and save
+        first = time.perf_counter() - started
+        runs: dict[str, list[dict[str, Any]]] = {how: [] for how in INDEXES}
+        for _ in range(reps):
+            for how in INDEXES:
+                command = [sys.executable, __file__, "--index", how, "--root", str(root), "--cache", str(cache)]
+                runs[how].append(json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout))
+    rows = {how: {key: statistics.median(r[key] for r in results) for key in ("seconds", "uss_mib")}
+            for how, results in runs.items()}  # fmt: skip
+    scan, mapped = rows["scan"], rows["node index"]
+    faster = scan["seconds"] / mapped["seconds"]
+    print(f"file index of {files:,} images at a restart, per training process: scan {scan['seconds']:.2f} s and "
+          f"{scan['uss_mib']:.0f} MiB held alone; node index {mapped['seconds']:.3f} s and "
+          f"{mapped['uss_mib']:.0f} MiB ({faster:.0f}x faster); the node's first scan and save "
+          f"{first:.2f} s")  # fmt: skip
+    return {"files": files, "first_scan_and_save_s": first, "per_process": rows, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=256)
@@ -202,8 +258,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--child", choices=PIPELINES, help=argparse.SUPPRESS)
     parser.add_argument("--handover", choices=HANDOVERS, help=argparse.SUPPRESS)
+    parser.add_argument("--index-files", type=int, default=100_000, help="files of the index figure (0: skip it)")
+    parser.add_argument("--index", choices=INDEXES, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.index:
+        print(json.dumps(index(args.index, args.root, args.cache)))
+        return
     if args.child:
         print(json.dumps(child(args.child, args.root, args.epochs, args.workers)))
         return
@@ -257,6 +319,8 @@ def main() -> None:
           f"{args.workers} workers: per file {per_batch['per file']:.1f} ms, packed {per_batch['packed']:.1f} ms "
           f"({per_batch['per file'] / per_batch['packed']:.1f}x less)")  # fmt: skip
     summary["handover_ms_per_batch"] = per_batch
+    if args.index_files:
+        summary["index"] = index_figure(args.index_files, args.reps)
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / "input.json"
     out.write_text(json.dumps({"mean_file_kib": kib, "args": vars(args) | {"root": None}, "runs": runs,

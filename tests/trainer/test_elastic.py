@@ -6,14 +6,19 @@ that vanishes, SIGSTOP for a node that hangs with its sockets open.
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from torchspot_lab.azurite import Azurite
+from torchspot_lab.datasets import write_synthetic_imagenet
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.local import (
     JobConfig,
@@ -27,6 +32,8 @@ from torchspot_lab.local import (
     wait_for,
 )
 from torchspot_operator.certs import etcd_certificates
+from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.launch import staging_command
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
@@ -319,6 +326,56 @@ def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
                 stranger.close()
     finally:
         server.stop()
+
+
+def test_the_data_set_is_staged_before_the_agent_joins(azurite: Azurite, tmp_path: Path) -> None:
+    """An ImageNet folder under az:// is copied and indexed by the node's agent before the rendezvous
+    (here unreachable: the launcher stops there, the data set already on the node), so a joiner's
+    copy never holds a round's set-up. Real torchspot-run, real Blob API calls against Azurite."""
+    source = tmp_path / "imagenet"
+    write_synthetic_imagenet(source, classes=2, per_class=6, size=48)
+    prefix = f"az://datasets/{uuid.uuid4().hex}"
+    storage = open_storage(prefix, azurite.env())
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    for path in files:
+        storage.put(path.relative_to(source).as_posix(), path.read_bytes())
+    endpoint = f"127.0.0.1:{free_port()}"
+    cache = tmp_path / "cache"
+    cmd = [
+        sys.executable, "-m", "torchspot_trainer.launch", "--nnodes", "1:2", "--rdzv-backend", "etcd-v3",
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "staged", "--rdzv-conf", "connect_timeout=2",
+        "-m", "torchspot_trainer", "--dataset", "imagenet", "--model", "resnet50", "--data", prefix,
+        "--data-cache", str(cache),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=os.environ | azurite.env())
+    assert done.returncode != 0
+    assert f"etcd at {endpoint} is unreachable" in done.stderr  # the join came after the staging
+    assert "torchspot-run: staging: train: 12 images in 2 classes indexed" in done.stderr, done.stderr
+    for path in files:
+        assert (cache / path.relative_to(source)).read_bytes() == path.read_bytes()
+    assert len(list((cache / "index").glob("index-*/"))) == 2  # train and val, for the trainer to map
+
+
+@pytest.mark.parametrize(
+    ("script", "trainer_args", "environ", "staged"),
+    [
+        ("torchspot_trainer", ["--dataset", "cifar10", "--data", "az://datasets/cifar10"], {}, True),
+        ("torchspot_trainer", ["--dataset=imagenet", "--data=/mnt/imagenet"], {}, True),  # its index
+        ("torchspot_trainer", ["--dataset", "cifar10", "--data", "/data/cifar.tar.gz"], {}, False),
+        ("torchspot_trainer", ["--dataset", "digits"], {}, False),
+        ("torchspot_trainer", [], {"TORCHSPOT_DATA": "az://datasets/x"}, True),  # the operator's way
+        ("torchspot_lab.toy_train", ["--data", "az://datasets/x"], {}, False),  # not our trainer
+    ],
+)
+def test_staging_runs_for_our_trainer_with_something_to_stage(
+    script: str, trainer_args: list[str], environ: dict[str, str], staged: bool
+) -> None:
+    args = argparse.Namespace(module=True, training_script=script, no_python=False, training_script_args=trainer_args)
+    command = staging_command(args, environ)
+    assert (command is not None) == staged
+    if command is not None:
+        assert command[1:3] == ["-m", "torchspot_trainer.data.stage"]
+        assert command[3:] == trainer_args
 
 
 def test_unreachable_endpoint_fails_in_bounded_time_naming_it(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import argparse
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping
 from types import FrameType
@@ -220,12 +221,49 @@ def max_world_environment(args: argparse.Namespace, environ: Mapping[str, str]) 
     return {MAX_WORLD_ENV: str(int(str(args.nnodes).split(":")[-1]) * int(nproc))}
 
 
+STAGE_MODULE = "torchspot_trainer.data.stage"
+"""What stages our trainer's data set before the agent joins (data/stage.py says why)."""
+
+
+def staging_command(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The command that stages the data set of `args`' training program on this node: for our trainer
+    (`-m torchspot_trainer`) with something to stage (`needs_staging`); None otherwise. Pure."""
+    ours = args.module and args.training_script == TRAINER_MODULE and not args.no_python
+    if not ours or not needs_staging(args.training_script_args, environ):
+        return None
+    return [sys.executable, "-m", STAGE_MODULE, *args.training_script_args]
+
+
+def needs_staging(trainer_args: list[str], environ: Mapping[str, str]) -> bool:
+    """Whether the trainer's data set has anything to stage: an `az://` copy, or an image folder's
+    index (`--dataset imagenet`). Pure. Read from its `--data` and `--dataset` (or their TORCHSPOT_
+    variables) without the trainer's own parser, which imports torch: the stage's process costs a
+    torch import, paid only where there is something to do (not for a local CIFAR-10 or digits)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--data", default=environ.get(f"{ENV_PREFIX}DATA", ""))
+    parser.add_argument("--dataset", default=environ.get(f"{ENV_PREFIX}DATASET", ""))
+    known, _ = parser.parse_known_args(trainer_args)
+    return str(known.data).startswith("az://") or known.dataset == "imagenet"
+
+
+def stage_data(args: argparse.Namespace) -> None:
+    """Run `staging_command` and wait: its progress goes to our stderr; a failure stops the launcher
+    before it joins, with the staging's own message above ours."""
+    command = staging_command(args)
+    if command is None:
+        return
+    done = subprocess.run(command, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{PROG}: error: staging the data set failed (exit {done.returncode}); see above")
+
+
 @record
 def _launch(args: argparse.Namespace) -> None:
     # Before any worker or the fork server starts (each copies this environment): torchrun's agent
     # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (nccl.py says why not).
     os.environ.update(worker_environment(os.environ))
     os.environ.update(max_world_environment(args, os.environ))
+    stage_data(args)  # before the rendezvous: a joiner's copy must not hold the others' set-up
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)
     try:

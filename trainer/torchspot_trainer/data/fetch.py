@@ -5,20 +5,36 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
+
+FETCH_THREADS = 16
+"""Objects downloaded at once. One GET at a time spends most of each in round trips (a data set
+of small files is latency-bound): 16 in flight keep a node's network busy without crowding the
+storage account's per-client limits."""
+PROGRESS_EVERY = 1000
+"""Objects between two progress reports of a copy."""
 
 
-def fetch_prefix(uri: str, cache: Path, env: Mapping[str, str] | None = None) -> Path:
+def fetch_prefix(
+    uri: str,
+    cache: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Copy every object under `uri` (az://container/prefix or a folder) into `cache`, once per node.
 
-    The local ranks of a node all call this at start-up: the first takes the cache's lock and
-    copies, the others wait for the lock and then find the copy complete (a marker named after
-    `uri`), so a data set is fetched once per node and no two processes write the same file.
-    Objects already in the cache are not fetched again (an interrupted copy resumes); each is
-    written to a temporary name and renamed, so an interrupted copy never looks complete.
+    The local ranks of a node all call this at start-up (and the node's agent before it joins the
+    rendezvous: `data/stage.py`): the first takes the cache's lock and copies, the others wait for
+    the lock and then find the copy complete (a marker named after `uri`), so a data set is fetched
+    once per node and no two processes write the same file. Objects already in the cache are not
+    fetched again (an interrupted copy resumes); each is written to a temporary name and renamed,
+    so an interrupted copy never looks complete. `FETCH_THREADS` objects are fetched at once;
+    `progress(done, total)` is called every `PROGRESS_EVERY` objects and at the end.
     """
     cache.mkdir(parents=True, exist_ok=True)
     marker = cache / f".complete-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
@@ -27,15 +43,18 @@ def fetch_prefix(uri: str, cache: Path, env: Mapping[str, str] | None = None) ->
         if marker.exists():
             return cache
         storage = open_storage(uri, env, create_container=False)
-        fetched = 0
-        for name in storage.list():
-            target = cache / name
-            if target.exists():
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.partial")
-            tmp.write_bytes(storage.get(name))
-            tmp.replace(target)
-            fetched += 1
-        marker.write_text(f"{uri}\n{fetched} objects fetched\n")
+        missing = [name for name in storage.list() if not (cache / name).exists()]
+        with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="fetch") as pool:
+            for done, _ in enumerate(pool.map(lambda name: _fetch(storage, name, cache), missing), start=1):
+                if progress is not None and (done % PROGRESS_EVERY == 0 or done == len(missing)):
+                    progress(done, len(missing))
+        marker.write_text(f"{uri}\n{len(missing)} objects fetched\n")
     return cache
+
+
+def _fetch(storage: CheckpointStorage, name: str, cache: Path) -> None:
+    target = cache / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.partial")
+    tmp.write_bytes(storage.get(name))
+    tmp.replace(target)
