@@ -16,11 +16,17 @@ rehearses a spot eviction on the cluster the kubeconfig points at (lab/torchspot
 evict an AKS node's VM for real (simulate-eviction), and make or resize a GPU spot
 pool (lab/torchspot_lab/azure.py), with DefaultAzureCredential and AZURE_SUBSCRIPTION_ID or
 --subscription.
+
+    torchspot data prepare SOURCE az://container/prefix [--short-side 288]
+
+writes an ImageNet-style folder as shards of pre-resized JPEGs that a node copies and unpacks
+before it joins (trainer/torchspot_trainer/data/prepare.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--out", type=Path, default=None, help="folder for logs and the report (default: runs/<job>-<time>)"
     )
+    data = commands.add_parser("data", help="data sets").add_subparsers(dest="data_command", required=True)
+    prepare = data.add_parser(
+        "prepare", help="write an ImageNet-style folder to Blob as shards of pre-resized JPEGs (for --data az://...)"
+    )
+    prepare.add_argument("source", type=Path, help="a folder with train/ and val/, one folder per class in each")
+    prepare.add_argument("dest", help="az://container/prefix (credentials as for checkpoints) or a folder")
+    prepare.add_argument("--short-side", type=int, default=288, help="shrink each image to this shorter side (288)")
+    prepare.add_argument("--shard-images", type=int, default=1000, help="images per shard (1000)")
+    prepare.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded images (90)")
+    prepare.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (the cores)")
     evict = commands.add_parser("evict", help="rehearse a spot eviction")
     kinds = evict.add_subparsers(dest="evict_command", required=True)
     node = kinds.add_parser("node", help="cordon a node and delete its pods with their grace period (any cluster)")
@@ -252,11 +268,34 @@ def _lab_run(args: argparse.Namespace) -> int:
     return 0 if report.phase == "Succeeded" else 1
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    from torchspot_trainer.data.prepare import prepare  # noqa: PLC0415 - torch: only for this command
+
+    started = time.monotonic()
+    try:
+        manifest = prepare(
+            args.source, args.dest, short_side=args.short_side, shard_images=args.shard_images,
+            quality=args.quality, workers=args.workers, say=lambda line: print(line, flush=True),
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"torchspot data prepare: error: {exc}", file=sys.stderr)
+        return 2
+    splits = manifest["splits"]
+    assert isinstance(splits, dict)
+    total = ", ".join(
+        f"{split} {count['images']:,} images in {count['shards']:,} shards" for split, count in splits.items()
+    )
+    print(f"{args.dest}: {total}, in {time.monotonic() - started:.1f} s; train with --data {args.dest}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and dispatch; the exit status is 0 when the job succeeded."""
     args = build_parser().parse_args(argv)
     if args.command == "lab" and args.lab_command == "run":
         return _lab_run(args)
+    if args.command == "data":
+        return _data_prepare(args)
     if args.command == "evict" and args.evict_command == "node":
         return _evict_node(args)
     if args.command in ("evict", "aks"):
