@@ -14,6 +14,8 @@ with the same number of loader worker processes:
   (normalised on the device), and the workers persist from epoch to epoch.
 - ours + host normalise: ours with `Normalize` run in the training process, as on a CPU
   worker; on a GPU it runs on the device.
+- ours, prepared: ours on the same images after `torchspot data prepare` (shards of JPEGs at a
+  288-pixel shorter side, unpacked as a node's copy does).
 
 Each run is a child process; its CPU time includes its loader workers' (RUSAGE_CHILDREN after
 they are joined). Images per CPU-second is the per-core figure; the cores an 8-GPU node needs
@@ -55,14 +57,18 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from torchspot_trainer.data.datasets import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
+from torchspot_trainer.data.fetch import fetch_prefix
 from torchspot_trainer.data.imaging import resized_crop_box
 from torchspot_trainer.data.loader import Collate, EpochLoader, EpochView
+from torchspot_trainer.data.prepare import prepare
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SIZE = 224
 BATCH = 32
 WIDTH, HEIGHT = 500, 375
-PIPELINES = ("stock", "ours", "ours + host normalise")
+PIPELINES = ("stock", "ours", "ours + host normalise", "ours, prepared")
+PREPARED_SHORT_SIDE = 288
+"""`torchspot data prepare`'s default shorter side, for the `ours, prepared` pipeline."""
 GPU_IMAGES_PER_S = 3000
 """What one H100 trains of ResNet-50 in bf16, roughly (the trainer review's figure; not measured
 here): the rate a node's loaders must keep up with, per GPU."""
@@ -290,15 +296,22 @@ def main() -> None:
         print(json.dumps(handover(args.handover, args.root, args.epochs, args.workers)))
         return
     with tempfile.TemporaryDirectory(prefix="torchspot-input-") as tmp:
-        root = Path(tmp) / "train"
+        root = Path(tmp) / "source" / "train"
         print(f"writing {args.images} JPEGs of {WIDTH} x {HEIGHT} ...", flush=True)
         kib = write_photos(root, args.images)
-        print(f"mean file size {kib:.0f} KiB; {args.epochs} epochs, {args.workers} workers, {args.reps} trials")
+        write_photos(root.parent / "val", 4, seed=1)  # prepare wants both splits
+        prepare(root.parent, str(Path(tmp) / "prepared"), short_side=PREPARED_SHORT_SIDE, workers=args.workers,
+                say=lambda _: None)  # fmt: skip
+        prepared = fetch_prefix(str(Path(tmp) / "prepared"), Path(tmp) / "cache") / "train"
+        prepared_kib = statistics.mean(p.stat().st_size for p in prepared.rglob("*.JPEG")) / 1024
+        roots = {name: prepared if name == "ours, prepared" else root for name in PIPELINES}
+        print(f"mean file size {kib:.0f} KiB ({prepared_kib:.0f} KiB prepared at a {PREPARED_SHORT_SIDE}-pixel "
+              f"shorter side); {args.epochs} epochs, {args.workers} workers, {args.reps} trials")  # fmt: skip
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in PIPELINES}
         handovers: dict[str, list[dict[str, Any]]] = {how: [] for how in HANDOVERS}
         for trial in range(args.reps):
             for name in PIPELINES:  # interleaved, so drift in the machine hits every pipeline
-                command = [sys.executable, __file__, "--child", name, "--root", str(root),
+                command = [sys.executable, __file__, "--child", name, "--root", str(roots[name]),
                            "--epochs", str(args.epochs), "--workers", str(args.workers)]  # fmt: skip
                 result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
                 runs[name].append(result)
@@ -340,8 +353,9 @@ def main() -> None:
         summary["index"] = index_figure(args.index_files, args.reps)
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / "input.json"
-    out.write_text(json.dumps({"mean_file_kib": kib, "args": vars(args) | {"root": None}, "runs": runs,
-                               "summary": summary}, indent=2, default=str))  # fmt: skip
+    record = {"mean_file_kib": kib, "prepared_mean_file_kib": prepared_kib, "args": vars(args) | {"root": None},
+              "runs": runs, "summary": summary}  # fmt: skip
+    out.write_text(json.dumps(record, indent=2, default=str))
     print(f"\nraw results: {out}")
 
 
