@@ -89,8 +89,8 @@ class TrainConfig:
     workers: str = "auto"
     """Data-loading processes per worker: a number (0: load in the training process), or auto: on a
     GPU the cores this process may use shared among the node's workers, less one for the training
-    process (11 per GPU on a 96-vCPU node with 8); on a CPU 2. They last for the run (train and
-    test set each have theirs) and keep 4 batches each ready."""
+    process (11 per GPU on a 96-vCPU node with 8); on a CPU 2. They last for the run and keep 4
+    batches each ready; the test set's loader has at most 4 (it runs once an epoch)."""
     decode: str = "cpu"
     """Where ImageNet JPEGs are decoded: cpu (libjpeg-turbo in the loader workers) or gpu (nvJPEG
     through torchvision, which the `gpu` extra and the trainer image install; the workers then

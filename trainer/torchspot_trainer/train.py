@@ -60,7 +60,14 @@ from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointMan
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.config import TrainConfig, data_cache, ensure_local_data
 from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
-from torchspot_trainer.data.loader import DeviceDecoder, EpochLoader, gpu_decoder, loader_workers, usable_cpus
+from torchspot_trainer.data.loader import (
+    EVAL_LOADER_WORKERS,
+    DeviceDecoder,
+    EpochLoader,
+    gpu_decoder,
+    loader_workers,
+    usable_cpus,
+)
 from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.models import MODELS
@@ -494,8 +501,8 @@ class Trainer:
             rule=rule,
             train_set=train_set,
             test_set=test_set,
-            train_loader=self._loader(train_set, decoder),
-            test_loader=self._loader(test_set, decoder),
+            train_loader=self._loader(train_set, decoder, self.loader_workers),
+            test_loader=self._loader(test_set, decoder, min(self.loader_workers, EVAL_LOADER_WORKERS)),
             normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
@@ -544,11 +551,11 @@ class Trainer:
         train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=data_cache(config) / "index")
         return train_folder, val_folder, len(train_folder.classes)
 
-    def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None) -> EpochLoader:
-        """`dataset`'s loader for the run: `loader_workers` processes that persist from epoch to epoch."""
+    def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None, workers: int) -> EpochLoader:
+        """`dataset`'s loader for the run: `workers` processes that persist from epoch to epoch."""
         cuda = self.device.type == "cuda"
         return EpochLoader(
-            dataset, workers=self.loader_workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
+            dataset, workers=workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
             decoder=decoder, ahead=self.device if cuda and decoder is None else None,
         )  # fmt: skip
 

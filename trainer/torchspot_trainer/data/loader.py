@@ -41,6 +41,10 @@ DECODERS = ("cpu", "gpu")
 CPU_LOADER_WORKERS = 2
 """`--workers auto` on a CPU: the step itself computes on the cores, so the loader takes two
 processes, not what is left of the node (the fixed default before `auto`)."""
+EVAL_LOADER_WORKERS = 4
+"""At most this many loader processes for the test set: evaluation runs once an epoch, and its
+processes persist idle the rest of the time, each holding memory (11 per GPU, as training gets
+on a 96-vCPU node, would be 88 idle processes per node)."""
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 """cgroup v2's CPU limit of this container: `max 100000` (none) or `QUOTA PERIOD` in microseconds."""
 
