@@ -62,6 +62,9 @@ def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
             json.dump(agreed, file)
     elif scenario == "agree":
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+        # Both ends of the control group connected before rank 1 goes, as in a trainer (whose groups
+        # formed long before a notice): a CI run saw rank 1 leave while rank 0 was still connecting.
+        dist.barrier()
         if rank == 0:
             started = time.monotonic()
             try:

@@ -36,7 +36,13 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
-from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, node_levels
+from torchspot_trainer.recovery.notices import (
+    NOTICE_LEAVING,
+    NOTICE_RESTART,
+    emergency_saver,
+    node_levels,
+    waits_for_save,
+)
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import Held
 from torchspot_trainer.recovery.wire import WireError, flatten, unflatten
@@ -349,6 +355,23 @@ def test_a_checkpoint_is_taken_from_the_rings_copy_of_its_step_once_whole() -> N
 def test_a_notice_belongs_to_the_whole_node(rows: list[list[int]], levels: list[int], saver: int | None) -> None:
     assert node_levels(rows) == levels
     assert emergency_saver(levels) == saver
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "kept", "leaving", "waits"),
+    [
+        (None, 7, False, False),  # nothing in flight
+        (10, 12, False, False),  # a survivor whose snapshot is newer: the next round resumes from it
+        (10, 10, False, False),
+        (10, 12, True, True),  # its node leaves, and the snapshot with it: the save gets its chance
+        (10, None, False, True),  # no snapshot was written
+        (10, 8, False, True),  # the snapshot is older (--snapshot-every)
+    ],
+)
+def test_a_survivor_leaves_its_save_in_flight_to_its_snapshot(
+    in_flight: int | None, kept: int | None, leaving: bool, waits: bool
+) -> None:
+    assert waits_for_save(in_flight, kept, leaving=leaving) is waits
 
 
 def test_the_step_watchdog_ends_a_worker_stuck_between_boundaries_only_while_armed() -> None:

@@ -82,12 +82,14 @@ def test_a_node_keeps_one_copy_written_by_the_first_of_its_local_ranks(tmp_path:
     with ThreadPoolExecutor(8) as pool:
         took = list(pool.map(lambda s: s[1].write(_state(30 + s[0]), base=20), enumerate(ranks)))
     assert sum(t is not None for t in took) == 1
+    assert all(rank.written_this_round() for rank in ranks)  # what each may leave its save in flight to
     written = next(i for i, t in enumerate(took) if t is not None)
     read = ranks[5].read()  # every local rank reads the node's one file
     assert read is not None
     assert read[0] == Held(20, 30 + written)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["node.pt", "node.pt.lock"]
     next_round = LocalSnapshot(path, round_started=time.time() + 1)
+    assert not next_round.written_this_round()  # the file is the last round's
     assert next_round.write(_state(44), base=30) is not None
     again = next_round.read()
     assert again is not None

@@ -84,7 +84,7 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
-from torchspot_trainer.recovery.notices import EXIT_FAILED, NoticeStop, leave
+from torchspot_trainer.recovery.notices import EXIT_FAILED, NOTICE_LEAVING, NoticeStop, leave, waits_for_save
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
@@ -319,6 +319,8 @@ class Trainer:
         """The step this round resumed from (0: from scratch)."""
         self._snapshot_lock = threading.Lock()
         self._snapshot_taken = False
+        self._kept_step: int | None = None
+        """The step of the snapshot this worker left for the next round (`_keep_snapshot`), if any."""
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
@@ -613,6 +615,8 @@ class Trainer:
                 return (-1, None) if state is None else (int(state["step"]), snapshot.write(state, base))
 
             step, took = self._host.write_from(write)
+            if step >= 0 and snapshot.written_this_round():  # by this rank, or another local rank of the round
+                self._kept_step = step
         if took is not None:
             log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, step, took)
 
@@ -673,12 +677,20 @@ class Trainer:
         abort_group()
 
     def _finish_save_in_flight(self) -> None:
-        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving."""
-        if self.manager is None:
+        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving, unless the
+        node stays with a snapshot as new (notices.waits_for_save)."""
+        manager = self.manager
+        if manager is None:
             return
-        self.manager.wait(LEAVE_SAVE_WAIT)
-        if self.manager.in_flight is not None:
-            log.warning("leaving with the save of step %d unfinished", self.manager.in_flight)
+        in_flight = manager.in_flight
+        if not waits_for_save(in_flight, self._kept_step, leaving=self.stop.level() == NOTICE_LEAVING):
+            if in_flight is not None:
+                log.info("rank %d: not waiting for the save of step %d: this node's snapshot holds step %s",
+                         self.rank, in_flight, self._kept_step)  # fmt: skip
+            return
+        manager.wait(LEAVE_SAVE_WAIT)
+        if manager.in_flight is not None:
+            log.warning("leaving with the save of step %d unfinished", manager.in_flight)
 
     # -- output ---------------------------------------------------------------------
 

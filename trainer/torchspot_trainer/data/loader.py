@@ -226,7 +226,7 @@ Loaded = tuple[torch.Tensor | Packed, torch.Tensor]
 Decoded = tuple[torch.Tensor, torch.Tensor]
 """A batch ready for the step: uint8 images on the device and labels."""
 AHEAD_STOP_SECONDS = 60.0
-"""How long a new epoch (or `close`) waits for the previous epoch's decode thread to let go of the
+"""How long a new epoch (or `close`) waits for the previous epoch's DeviceAhead thread to let go of the
 loader: it may be waiting for a batch from a worker, which takes a fraction of that."""
 
 
@@ -305,7 +305,7 @@ class DeviceAhead(Iterator[Decoded]):
         self._stop.set()
         self._thread.join(AHEAD_STOP_SECONDS)
         if self._thread.is_alive():
-            raise RuntimeError(f"the decode thread did not let go of the loader within {AHEAD_STOP_SECONDS:.0f} s")
+            raise RuntimeError(f"the loader's device thread did not let go of it within {AHEAD_STOP_SECONDS:.0f} s")
 
 
 def to_device(device: torch.device, batch: Loaded) -> Decoded:

@@ -73,6 +73,17 @@ def notice_level(notice: Notice | None, *, restarting: bool, leaving: bool) -> i
     return NOTICE_LEAVING
 
 
+def waits_for_save(in_flight: int | None, kept: int | None, *, leaving: bool) -> bool:
+    """Whether a worker leaving its group waits for its checkpoint save in flight (of step
+    `in_flight`). Pure. Not when its node stays and the snapshot it kept holds that step or a newer
+    one (`kept`): the next round resumes from the snapshot, and the wait only held back its agent's
+    re-form (0-5 s of a recovery on a surviving rank 0). A node that leaves takes its snapshot with
+    it, so its save still gets its chance."""
+    if in_flight is None:
+        return False
+    return leaving or kept is None or kept < in_flight
+
+
 def leave(code: int) -> NoReturn:
     """Exit now with `code`, our output flushed: no interpreter shutdown to wait on."""
     sys.stdout.flush()

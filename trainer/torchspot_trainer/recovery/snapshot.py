@@ -114,6 +114,14 @@ class LocalSnapshot:
             return None
         return time.perf_counter() - started
 
+    def written_this_round(self) -> bool:
+        """Whether this round's snapshot is on disk (by this rank or another local rank of the round,
+        each stopped at the same boundary)."""
+        try:
+            return self.path.stat().st_mtime >= self.round_started
+        except OSError:
+            return False
+
     def read(self) -> tuple[Held, dict[str, Any]] | None:
         """The snapshot and its state, or None when there is none or it does not load."""
         if not self.path.exists():
