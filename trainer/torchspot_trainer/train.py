@@ -101,9 +101,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LEAVE_SAVE_WAIT = 5.0
-"""Seconds a leaving rank 0 gives its checkpoint save in flight before it exits. The save
-usually holds the newest step and needs a few seconds more; the survivors' agents re-form
-meanwhile, and a round that completes without this node costs only a worker start-up."""
+"""Seconds a rank 0 that leaves its group gives its checkpoint save in flight before it exits,
+where that save matters (notices.waits_for_save: its node leaves, or it kept no snapshot as new).
+The save usually needs a few seconds more; the other agents re-form meanwhile."""
 
 
 def choose_device(
