@@ -9,8 +9,13 @@ import pytest
 
 from torchspot_trainer.launch import (
     FORK_ENV,
+    FORK_PRELOAD,
+    PRELOAD_ENV,
+    PROGRAM_PRELOAD,
     check_args,
+    fork_preload,
     forks_our_trainer,
+    forks_workers,
     handle_sigterm_ourselves,
     leave_then_stop,
     main,
@@ -128,23 +133,29 @@ def test_check_args_accepts_torchrun_flags() -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "forked"),
+    ("argv", "forked", "trainer"),
     [
-        (["-m", "torchspot_trainer", "--epochs", "1"], True),
-        (["train.py"], False),  # any other program starts as torchrun starts it
-        (["-m", "other.module"], False),
-        (["--no-python", "torchspot-trainer"], False),
+        (["-m", "torchspot_trainer", "--epochs", "1"], True, True),
+        (["train.py"], True, False),  # any Python program: run_program in a forked worker
+        (["-m", "other.module"], True, False),
+        (["--no-python", "torchspot-trainer"], False, False),  # not Python: started as torchrun starts it
+        (["--run-path", "train.py"], False, False),
     ],
 )
-def test_our_trainer_under_our_rendezvous_is_forked_from_a_warm_server(argv: list[str], forked: bool) -> None:
+def test_python_programs_under_our_rendezvous_are_forked_from_a_warm_server(
+    argv: list[str], forked: bool, trainer: bool
+) -> None:
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(["--nnodes", "1:3", *_GOOD, *argv])
-    assert forks_our_trainer(args, {}) is forked  # by default
-    assert forks_our_trainer(args, {FORK_ENV: "1"}) is forked
-    assert forks_our_trainer(args, {FORK_ENV: "0"}) is False  # opted out
+    assert forks_workers(args, {}) is forked  # by default
+    assert forks_our_trainer(args, {}) is trainer
+    assert forks_workers(args, {FORK_ENV: "0"}) is False  # opted out
+    assert forks_our_trainer(args, {FORK_ENV: "0"}) is False
     stock = get_args_parser().parse_args(["--nnodes", "1:3", "--rdzv-backend", "c10d", "-m", "torchspot_trainer"])
-    assert forks_our_trainer(stock, {FORK_ENV: "1"}) is False
+    assert forks_workers(stock, {FORK_ENV: "1"}) is False
+    preload = fork_preload(args, {PRELOAD_ENV: "torchvision, transformers"})
+    assert preload == (list(FORK_PRELOAD) if trainer else [*PROGRAM_PRELOAD, "torchvision", "transformers"])
 
 
 def test_sigterm_is_ours_unless_the_user_left_it_out() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -49,7 +50,16 @@ FORK_PRELOAD = ("torch._dynamo", "torchspot_trainer.train", "azure.storage.blob"
 """What the fork server imports once, so that a worker restarted at every membership change
 does not: torch and our trainer (about 1.3 s alone, 2-3 s on a busy node), torch._dynamo, which
 DistributedDataParallel imports on first use (another 1.5-2.5 s), and the Blob SDK (0.2 s;
-skipped where it is not installed). Measured in the trainer's start line (`setup_s`)."""
+skipped where it is not installed). Measured in the trainer's start line (`setup_s`). For any
+other program PROGRAM_PRELOAD instead."""
+PROGRAM_PRELOAD = ("torch._dynamo",)
+"""What the fork server imports for a program that is not our trainer: torch and torch._dynamo
+(DistributedDataParallel's first use), and the modules PRELOAD_ENV names; not our trainer or the
+Blob SDK, whose import would only delay a joining node's entry (it preloads before it joins)."""
+PRELOAD_ENV = "TORCHSPOT_FORK_PRELOAD"
+"""Comma-separated modules the fork server also imports for a program that is not our trainer
+(its own heavy imports: torchvision, transformers...), once per agent instead of at every restart.
+A module that queries CUDA at import makes every worker refuse to start (refuse_bad_fork)."""
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _TORCHRUN_DEFAULT_RUN_ID = "none"
 
@@ -120,6 +130,30 @@ def run_trainer(*argv: str) -> int:
     return 0
 
 
+def run_program(target: str, kind: str, *argv: str) -> int:
+    """The entry point of a forked worker that runs any program: `-m target` (kind "module") or the
+    script `target` (kind "script"), as `python` would run it, with `argv` as its arguments.
+
+    Module-level, as run_trainer, and for the same reason it keeps the program's globals: freeing
+    its process group in a forked worker can block for ever. `sys.exit(0)` (or None) is a success;
+    another exit status, or an exception, is the worker's failure as torchrun reports it."""
+    refuse_bad_fork()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_start_fork_server)
+    sys.argv = [target, *argv]
+    try:
+        if kind == "module":
+            ran = runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            ran = runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+        return 0
+    _FINISHED.append(ran)
+    return 0
+
+
 def _warm() -> None:
     """A worker that does nothing: forking it waits until the server has imported FORK_PRELOAD, and
     shows whether the server is fit to fork workers (`refuse_bad_fork`) before the node joins."""
@@ -139,19 +173,32 @@ def refuse_bad_fork() -> None:
         )
 
 
-def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether to fork the workers from a warm server: our trainer under our rendezvous, unless
-    FORK_ENV=0 says not to. Pure."""
+def forks_workers(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether to fork the workers from a warm server: any Python program (`-m module` or a script)
+    under our rendezvous, unless FORK_ENV=0 says not to. Pure. Not `--no-python` (not Python) or
+    `--run-path` (torchrun's own runpy mode), nor torch's backends (stock torchrun's behaviour)."""
     return bool(
         environ.get(FORK_ENV, "1") != "0"
-        and args.module
-        and args.training_script == TRAINER_MODULE
         and args.rdzv_backend == BACKEND_NAME
         and not args.standalone
         and not args.no_python
         and not args.run_path
         and get_use_env(args)
     )
+
+
+def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the forked workers run our trainer (`run_trainer`) rather than a program. Pure."""
+    return forks_workers(args, environ) and bool(args.module) and args.training_script == TRAINER_MODULE
+
+
+def fork_preload(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """What the fork server imports: FORK_PRELOAD for our trainer; PROGRAM_PRELOAD and PRELOAD_ENV's
+    modules for another program. Pure."""
+    if forks_our_trainer(args, environ):
+        return list(FORK_PRELOAD)
+    extra = (module.strip() for module in environ.get(PRELOAD_ENV, "").split(","))
+    return [*PROGRAM_PRELOAD, *(module for module in extra if module)]
 
 
 def _start_fork_server() -> None:
@@ -174,17 +221,22 @@ def _start_fork_server() -> None:
 
 
 def _launch_forked(args: argparse.Namespace) -> None:
-    """torchrun's launch with the trainer as a function, each worker forked from a server that preloaded it."""
+    """torchrun's launch with the program as a function (run_trainer, or run_program for any other), each
+    worker forked from a server that preloaded torch and the rest of `fork_preload`."""
     config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
     config.start_method = "forkserver"
-    multiprocessing.set_forkserver_preload(list(FORK_PRELOAD))
+    multiprocessing.set_forkserver_preload(fork_preload(args, os.environ))
     # Start it, and wait for its imports, before joining the rendezvous: a node that joins a
     # running job makes everyone restart, and its first worker would hold up the new group
     # while it imported torch; the group trains on meanwhile instead. It copies this
     # environment now: whatever workers read must be set before.
     name_peer_lost_marker()
     _start_fork_server()
-    elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
+    if forks_our_trainer(args):
+        elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
+        return
+    kind = "module" if args.module else "script"
+    elastic_launch(config=config, entrypoint=run_program)(args.training_script, kind, *args.training_script_args)
 
 
 def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
@@ -267,7 +319,7 @@ def _launch(args: argparse.Namespace) -> None:
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)
     try:
-        if forks_our_trainer(args):
+        if forks_workers(args):
             _launch_forked(args)
         else:
             torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
