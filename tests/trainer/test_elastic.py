@@ -378,6 +378,44 @@ def test_staging_runs_for_our_trainer_with_something_to_stage(
         assert command[3:] == trainer_args
 
 
+SCRIPT = """
+import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+ones = __import__("torch").ones(2)
+dist.all_reduce(ones)
+parent = open(f"/proc/{os.getppid()}/cmdline").read().replace("\\0", " ")
+with open(sys.argv[1], "w") as out:
+    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{parent}")
+dist.destroy_process_group()
+sys.exit(int(os.environ.get("SCRIPT_EXIT", "0")))
+"""
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path, etcd: EtcdServer) -> None:
+    """Any program under etcd-v3 is forked from the warm server (not started as a new interpreter): a
+    script runs as __main__ with its arguments, its exit status 0 is a success and another one the
+    launcher's failure."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    runs = []
+    for exit_code in (0, 3):
+        out = tmp_path / f"out-{exit_code}"
+        cmd = [
+            sys.executable, "-m", "torchspot_trainer.launch", "--nnodes", "1", "--rdzv-backend", "etcd-v3",
+            "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"script-{exit_code}", "--max-restarts", "0",
+            str(script), str(out), "--epochs", "2",
+        ]  # fmt: skip
+        env = os.environ | {"SCRIPT_EXIT": str(exit_code)}
+        runs.append(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env))
+        name, total, argv, parent = out.read_text().split("|", 3)
+        assert (name, total, argv) == ("__main__", "2", "['--epochs', '2']")
+        assert "forkserver" in parent  # the warm server's child, not the agent's new interpreter
+    assert runs[0].returncode == 0, runs[0].stderr[-2000:]
+    assert runs[1].returncode != 0
+
+
 def test_unreachable_endpoint_fails_in_bounded_time_naming_it(tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = [
