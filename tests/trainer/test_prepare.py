@@ -3,7 +3,9 @@ Azurite, real JPEGs, the trainer's own ImageFolder reading the result."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 import uuid
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from torchspot_lab.azurite import Azurite
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.datasets import ImageFolder
 from torchspot_trainer.data.fetch import fetch_prefix
-from torchspot_trainer.data.prepare import MANIFEST, target_size
+from torchspot_trainer.data.prepare import MANIFEST, target_size, unpack
 
 
 def _source(root: Path) -> None:
@@ -82,3 +84,17 @@ def test_prepare_refuses_what_it_cannot_write(tmp_path: Path, capsys: pytest.Cap
     assert "--short-side 8: must be at least 32" in capsys.readouterr().err
     assert target_size(500, 375, 288) == (384, 288)
     assert target_size(200, 150, 288) == (200, 150)  # never enlarged
+
+
+def test_a_shard_that_reaches_outside_its_folder_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in ("n01/fine.JPEG", "../../escaped.JPEG"):
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+    into = tmp_path / "cache" / "train"
+    with pytest.raises(tarfile.OutsideDestinationError):
+        unpack(buffer.getvalue(), into)
+    assert not (tmp_path / "escaped.JPEG").exists()
+    assert not (into / "n01" / "fine.JPEG").exists()  # checked whole before any member is written

@@ -166,6 +166,10 @@ def unpack(body: bytes, into: Path) -> int:
     """Unpack one shard into `into` (its split's folder in the node's cache); the number of images.
     Members are checked as tarfile's `data` filter does: no absolute paths, links or devices."""
     with tarfile.open(fileobj=io.BytesIO(body), mode="r") as tar:
-        members = tar.getmembers()
-        tar.extractall(into, filter="data")
+        members = [tarfile.data_filter(member, str(into)) for member in tar.getmembers()]  # raises on a bad one
+        # Several shards unpack at once (fetch's threads) into the same class folders, and tarfile's
+        # own check-then-create of a member's folder races: they are made first, each safe already.
+        for folder in {Path(member.name).parent for member in members}:
+            (into / folder).mkdir(parents=True, exist_ok=True)
+        tar.extractall(into, members=members, filter="data")
     return len(members)
