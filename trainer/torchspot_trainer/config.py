@@ -358,6 +358,11 @@ def data_cache(config: TrainConfig) -> Path:
     return Path(config.data_cache) if config.data_cache else Path(tempfile.gettempdir()) / "torchspot-data"
 
 
+def index_cache(config: TrainConfig) -> Path:
+    """Where the node keeps its image folders' file indexes (datasets.node_index): in the data cache."""
+    return data_cache(config) / "index"
+
+
 def ensure_local_data(config: TrainConfig) -> Path:
     """The data set as a local path, copying an az:// prefix to the cache first."""
     from torchspot_trainer.data.fetch import fetch_prefix  # noqa: PLC0415

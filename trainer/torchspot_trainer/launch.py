@@ -187,9 +187,14 @@ def forks_workers(args: argparse.Namespace, environ: Mapping[str, str] = os.envi
     )
 
 
+def runs_our_trainer(args: argparse.Namespace) -> bool:
+    """Whether the training program is our trainer (`-m torchspot_trainer`). Pure."""
+    return bool(args.module) and args.training_script == TRAINER_MODULE and not args.no_python
+
+
 def forks_our_trainer(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the forked workers run our trainer (`run_trainer`) rather than a program. Pure."""
-    return forks_workers(args, environ) and bool(args.module) and args.training_script == TRAINER_MODULE
+    return forks_workers(args, environ) and runs_our_trainer(args)
 
 
 def fork_preload(args: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
@@ -280,8 +285,7 @@ STAGE_MODULE = "torchspot_trainer.data.stage"
 def staging_command(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> list[str] | None:
     """The command that stages the data set of `args`' training program on this node: for our trainer
     (`-m torchspot_trainer`) with something to stage (`needs_staging`); None otherwise. Pure."""
-    ours = args.module and args.training_script == TRAINER_MODULE and not args.no_python
-    if not ours or not needs_staging(args.training_script_args, environ):
+    if not runs_our_trainer(args) or not needs_staging(args.training_script_args, environ):
         return None
     return [sys.executable, "-m", STAGE_MODULE, *args.training_script_args]
 

@@ -58,7 +58,7 @@ from torch.utils.data import Dataset
 
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.config import TrainConfig, data_cache, ensure_local_data
+from torchspot_trainer.config import TrainConfig, ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot_trainer.data.loader import (
     EVAL_LOADER_WORKERS,
@@ -394,8 +394,7 @@ class Trainer:
             )  # fmt: skip
             sampler.advance(self.world)
             self.step += 1
-            if self._host.keeps(self.step):
-                self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
+            self._capture(run)
             window.add(loss, correct, step_samples)
             if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
                 self._log_progress(run, window, lr)
@@ -529,7 +528,7 @@ class Trainer:
         self._base = self.step
         lap("resume")
         self._run = run
-        self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))  # before any step
+        self._capture(run)  # a snapshot of the resumed state, before any step
         url = config.scheduled_events_url()
         if url and self.local_rank == 0:  # one poller per node (notices.node_levels shares its notice)
             self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
@@ -550,7 +549,7 @@ class Trainer:
         if config.dataset == "cifar10":
             train, test = load_cifar10(path)
             return train, test, 10
-        train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=data_cache(config) / "index")
+        train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=index_cache(config))
         return train_folder, val_folder, len(train_folder.classes)
 
     def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None, workers: int) -> EpochLoader:
@@ -599,6 +598,12 @@ class Trainer:
             "world_size": self.world,
             "samples_in_epoch": sampler.consumed,
         }
+
+    def _capture(self, run: _Run) -> None:
+        """The host copy of this boundary's state (hostcopy.py), its BatchNorm statistics copied now;
+        nothing built when no copy is due."""
+        if self._host.keeps(self.step):
+            self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
 
     def _keep_snapshot(self) -> None:
         """Leave this node's state at the last completed step (or the last host copy, with

@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 import time
 
-from torchspot_trainer.config import data_cache, ensure_local_data, parse_config
-from torchspot_trainer.data.datasets import node_index
+from torchspot_trainer.config import data_cache, ensure_local_data, index_cache, parse_config
+from torchspot_trainer.data.datasets import load_imagenet
 from torchspot_trainer.data.fetch import fetch_prefix
 
 PROG = "torchspot-run: staging"
@@ -38,10 +38,10 @@ def stage(argv: list[str]) -> None:
         say(f"copying {config.data} to {cache} before joining the rendezvous")
         fetch_prefix(config.data, cache, progress=lambda done, total: say(f"{done:,} of {total:,} objects"))
     path = ensure_local_data(config)  # the cache, complete now (or the local folder as given)
-    if config.dataset == "imagenet":
-        for split in ("train", "val"):
-            index = node_index(path / split, data_cache(config) / "index")
-            say(f"{split}: {len(index):,} images in {len(index.classes):,} classes indexed")
+    if config.dataset == "imagenet":  # the trainer's own folders: their indexes are the ones it maps
+        train, val = load_imagenet(path, config.image_size, index_cache(config))
+        for split, folder in (("train", train), ("val", val)):
+            say(f"{split}: {len(folder):,} images in {len(folder.classes):,} classes indexed")
     say(f"data set ready in {time.monotonic() - started:.1f} s")
 
 
