@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
@@ -464,3 +464,29 @@ def test_an_etcd_whose_port_was_taken_meanwhile_starts_on_another(tmp_path: Path
         finally:
             server.stop()
     assert b"address already in use" in (tmp_path / "etcd.log").read_bytes()
+
+
+def test_each_round_has_a_store_listening_before_its_workers_start(etcd: EtcdServer, run_id: str) -> None:
+    """The round's rank-0 agent starts a fresh store before it publishes the address, so a worker's
+    client connects at once (no back-off: the c10d client waited 0.2-0.6 s when the rank-0 worker
+    started the store), and the next round's store is another one."""
+    handlers = _handlers(etcd, run_id, 3)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        assert all(h.use_agent_store for h in handlers)
+        stores = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+        assert len(stores) == 1  # every node dials the same one
+        addr, port = stores.pop()
+        started = time.monotonic()
+        client = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5))
+        client.set("k", "v")
+        assert time.monotonic() - started < 0.15  # no back-off
+        with ThreadPoolExecutor(3) as pool:  # a restart: every member back, the round completes at once
+            again = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        assert {i.bootstrap_store_info.master_port for i in again} != {port}
+        fresh = TCPStore(addr, again[0].bootstrap_store_info.master_port, is_master=False)
+        assert not fresh.check(["k"])  # nothing of the last round's
+    finally:
+        for handler in handlers:
+            handler.leave()

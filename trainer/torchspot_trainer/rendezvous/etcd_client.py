@@ -13,7 +13,7 @@ reconnect backoff capped at one second.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from pyetcd import exceptions as etcd_exceptions
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd.events import PutEvent
 
 _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -204,6 +205,35 @@ class EtcdClient:
         """Write unconditionally."""
         try:
             self._client.put(key, value, lease=lease)
+        except _ERRORS as exc:
+            raise _translate(exc, self.endpoint) from exc
+
+    def watch(self, key: str, on_change: Callable[[list[str] | EtcdError], None], *, prefix: bool = False) -> int:
+        """Watch `key` (every key under it with `prefix`) and return the watch's id (for `cancel_watch`).
+
+        `on_change` runs on the client's watch thread with the keys each response put (deletions
+        are left out), or once with an EtcdError when the stream ends (etcd restarted or went
+        away): the watch is then gone and the caller watches again. It must return quickly: every
+        watch of this client waits behind it.
+        """
+
+        def deliver(response: Any) -> None:
+            if isinstance(response, Exception):
+                on_change(_translate(response, self.endpoint))
+                return
+            on_change([bytes(event.key).decode() for event in response.events if isinstance(event, PutEvent)])
+
+        try:
+            if prefix:
+                return int(self._client.add_watch_prefix_callback(key, deliver))
+            return int(self._client.add_watch_callback(key, deliver))
+        except _ERRORS as exc:
+            raise _translate(exc, self.endpoint) from exc
+
+    def cancel_watch(self, watch_id: int) -> None:
+        """Stop a watch `watch_prefix` started (nothing if it already ended)."""
+        try:
+            self._client.cancel_watch(watch_id)
         except _ERRORS as exc:
             raise _translate(exc, self.endpoint) from exc
 

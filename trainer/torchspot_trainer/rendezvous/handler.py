@@ -9,7 +9,9 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    its sockets open, so the survivors sit in a collective until it times out
    (minutes with NCCL). Here `num_nodes_waiting()` also reports a change when a
    member of our round stopped heartbeating or the round moved on, so the agent
-   restarts its workers and the survivors re-form within `dead_after` seconds.
+   restarts its workers and the survivors re-form. A member is found lost in about a
+   second (liveness.py: each agent's own key, watched; a lost node is taken out of the
+   state with one compare-and-set), torch's `dead_after` (3 s) being the backstop.
    Before it does, it leaves a marker (`eviction.PEER_LOST_ENV`) telling its workers
    not to wait for a step boundary that cannot come. Whenever it reports a change
    (a joiner waits, or a member is gone) it also leaves `eviction.RESTART_MARKER`
@@ -18,16 +20,20 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    agent stopped by a signal leaves `eviction.LEAVING_MARKER` instead, before it
    leaves the rendezvous (point 4): its workers write the emergency checkpoint
    even if its SIGTERM reaches them after the other nodes' restart has begun.
-2. **The worker store follows rank 0.** torch caches the first round's master
-   address across rounds and lets the workers use rank 0's agent store; when that
-   node dies the survivors dial a dead host. We disable that sharing, so every
-   round publishes a fresh MASTER_ADDR/PORT through the etcd store.
+2. **The worker store follows rank 0, and listens before any worker starts.** torch
+   caches the first round's master address across rounds and lets the workers use
+   rank 0's agent store; when that node dies the survivors dial a dead host. torch's
+   alternative (a free port per round, where the rank-0 *worker* starts the store)
+   lets the other workers dial before it listens, and their client backs off 0.2-0.6 s.
+   Here the rank-0 agent of every round starts a fresh store before it publishes its
+   address through the etcd store, so it listens before any worker of the round starts.
 3. **etcd trouble is not a membership change.** While etcd is unreachable the
    agent keeps training (workers do not need etcd) instead of crashing, and a
    finished run deletes its keys when the last agent leaves.
 4. **Rounds form promptly.** torch re-reads the state once a second while it waits
    for other nodes, and a round of fewer than `max_nodes` always waits out its last
-   call. Here an agent re-reads every `state_poll_interval` (0.25 s), and a round
+   call. Here an agent re-reads the state as soon as it is written (liveness.py's watch),
+   at the latest every `state_poll_interval` (0.25 s), and a round
    completes as soon as every member of the previous round has joined it or is
    known to be gone (`complete_early`); the last call still bounds the wait for
    anyone slower. An agent stopped by a signal (its node leaves) takes itself out
@@ -48,6 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -67,6 +74,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _Action,
     _BackendRendezvousStateHolder,
     _DistributedRendezvousOpExecutor,
+    _remove_participant_epilogue,
     _RendezvousContext,
     _RendezvousJoinOp,
 )
@@ -75,6 +83,7 @@ from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MAR
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_trainer.rendezvous.liveness import Liveness
 from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot_trainer.rendezvous.store import EtcdStore
@@ -103,6 +112,38 @@ class _WatchfulStateHolder(_BackendRendezvousStateHolder):
         super()._sanitize()
         for node in self._dead_nodes:
             self.found_dead.setdefault(str(node), self._state.round)
+
+    def expire(self) -> None:
+        """Read the state afresh at the next sync (it changed: our own eviction, say)."""
+        self._last_sync_time = -1.0
+
+
+def evict_node(holder: _BackendRendezvousStateHolder, settings: Any, name: str, attempts: int = 5) -> int | None:
+    """Take the node called `name` out of the rendezvous state with one compare-and-set, as torch's
+    `_sanitize` drops a node whose heartbeat expired (the participants, the lists, its heartbeat,
+    then torch's epilogue: a complete round left empty moves on). Returns the round it was taken
+    out of, or None if the state no longer holds it (another agent was first). A write that loses
+    the race reads the state again and retries, up to `attempts` times."""
+    for _ in range(attempts):
+        holder.sync()
+        state = holder.state
+        found = {n for n in (*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats)}
+        nodes = [node for node in found if str(node) == name]
+        if not nodes:
+            return None
+        removed = False
+        for node in nodes:
+            removed = state.participants.pop(node, None) is not None or removed
+            state.last_heartbeats.pop(node, None)
+            state.wait_list.discard(node)
+            state.redundancy_list.discard(node)
+        round_ = int(state.round)
+        if removed:
+            _remove_participant_epilogue(state, settings)
+        holder.mark_dirty()
+        if holder.sync():
+            return round_
+    raise RendezvousConnectionError(f"node {name} not evicted: the state changed under {attempts} writes in a row")
 
 
 class _LeaveOp:
@@ -133,6 +174,11 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
         super().__init__(node, state_holder, settings)
         self._poll = poll
         self._ready = ready
+        self._written = threading.Event()
+
+    def wake(self) -> None:
+        """The state was written: stop waiting for the poll (liveness.py's watch calls this)."""
+        self._written.set()
 
     def run(
         self,
@@ -150,7 +196,8 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
                     return action
                 if joining and self._ready(ctx.state):
                     return _Action.MARK_RENDEZVOUS_COMPLETE
-                time.sleep(self._poll)
+                self._written.wait(self._poll)
+                self._written.clear()
                 self._state_holder.sync()
                 self._state = self._state_holder.state  # the state torch's actions then change
                 ctx = _RendezvousContext(self._node, self._state, self._settings)
@@ -185,21 +232,32 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _watch: _WatchfulStateHolder
     _left: bool
     _last_warning: float
+    _liveness: Liveness | None
+    _prompt: _PromptOpExecutor
+    _change_reported: bool
 
     @property
     def use_agent_store(self) -> bool:
-        """Workers bootstrap from their own rank 0 each round, never from a cached agent."""
-        return False
+        """Workers bootstrap from the store the round's rank-0 agent started (module docstring, point 2)."""
+        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and remember who is in it."""
+        if self._joined is not None and not self._change_reported and self._liveness is not None:
+            self._liveness.corroborate()  # our workers failed, and no change was seen: a peer's process is likely gone
+        self._change_reported = False
         self._previous = (0, frozenset()) if self._joined is None else self._joined
         self._joined = None
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
         _marker(RESTART_MARKER).unlink(missing_ok=True)
+        # torch then starts a store for the round if we are its rank 0 (point 2); the last one goes.
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
         info = super().next_rendezvous()
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
+        if self._liveness is not None:
+            self._liveness.forget(map(str, state.participants))
         if info.rank == 0:  # one writer per round
             record = {"round": state.round, "nodes": info.world_size}
             try:
@@ -227,9 +285,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 if lost_members(self._joined[1], state):
                     _peer_lost_marker().touch()
                 _marker(RESTART_MARKER).touch()
+                self._change_reported = True
                 return max(waiting, 1)
         if waiting:  # the agent restarts its workers for the joiners next
             _marker(RESTART_MARKER).touch()
+            self._change_reported = True
         return waiting
 
     def shutdown(self) -> bool:
@@ -238,6 +298,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         Deleting earlier would pull the exit barrier's keys from under agents that
         are still in it; an agent that never gets here leaves keys that expire by lease.
         """
+        if self._liveness is not None:
+            self._liveness.stop()
         closed = super().shutdown()
         settings = self._etcd_settings
         try:
@@ -261,6 +323,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             return
         _marker(LEAVING_MARKER).touch()  # before anyone can see us gone
         self._stop_heartbeats()
+        if self._liveness is not None:
+            self._liveness.stop()
         deadline = time.monotonic() + self._etcd_settings.request_timeout
         holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
         try:
@@ -290,8 +354,52 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         poll = settings.state_poll_interval
         self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
         self._state_holder = self._watch
-        self._op_executor = _PromptOpExecutor(self._this_node, self._watch, self._settings, poll, self._round_ready)
+        self._prompt = _PromptOpExecutor(self._this_node, self._watch, self._settings, poll, self._round_ready)
+        self._op_executor = self._prompt
+        self._change_reported = False
+        self._liveness = None
+        if settings.liveness_timeout > 0:
+            self._liveness = Liveness(
+                client,
+                settings.run_prefix,
+                str(self._this_node),
+                lease,
+                interval=settings.liveness_interval,
+                timeout=settings.liveness_timeout,
+                members=self._judged,
+                evict=self._evict,
+                state_key=backend.key,
+                on_state=self._state_written,
+            )
+            self._liveness.start()
         _ACTIVE.append(self)
+
+    def _state_written(self) -> None:
+        """The state key was written (liveness.py's watch): the next look reads it, and a round
+        being formed is looked at now."""
+        self._watch.expire()
+        self._prompt.wake()
+
+    def _judged(self) -> frozenset[str]:
+        """The nodes liveness judges: our round's members, or the previous round's while one forms."""
+        joined = self._joined
+        members = self._previous[1] if joined is None else joined[1]
+        return frozenset(map(str, members))
+
+    def _evict(self, name: str) -> bool:
+        """Take `name` out of the rendezvous (liveness.py found it lost): say it departed, for the
+        agents completing the next round early, then one compare-and-set on the state. With a
+        state holder of its own: the judging thread runs beside the agent's."""
+        holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
+        holder.sync()
+        key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{name}"
+        self._etcd.put(key, str(holder.state.round).encode(), lease=self._lease.id())
+        round_ = evict_node(holder, self._settings, name)
+        if round_ is not None:
+            self._watch.found_dead.setdefault(name, round_)
+            log.warning("rendezvous %s: node %s taken out of round %d", self._settings.run_id, name, round_)
+        self._watch.expire()  # the agent's next look reads the change
+        return True
 
     def _round_ready(self, state: Any) -> bool:
         """complete_early for the forming round; etcd is asked who departed only while a
@@ -355,8 +463,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     except EtcdError as exc:
         client.close()
         raise RendezvousConnectionError(str(exc)) from exc
-    # See the module docstring, point 2. Workers do not read this variable.
-    os.environ[_DISABLE_SHARED_STORE] = "1"
+    # See the module docstring, point 2: torch's sharing on, whatever the environment said (set, the
+    # workers would dial a store nobody started). Workers do not read this variable.
+    os.environ[_DISABLE_SHARED_STORE] = "0"
     name_peer_lost_marker()
     lease = RunLease(client, settings.lease_ttl)
     backend = EtcdV3RendezvousBackend(client, settings, lease)

@@ -43,7 +43,14 @@ class EtcdV3Settings:
     """Seconds between heartbeats. torch's default is 5; a frozen node is detected after
     keep_alive_interval x keep_alive_max_attempt, so we default to 3 s instead of 15 s."""
     keep_alive_max_attempt: int = 3
-    """Missed heartbeats after which a node is considered dead and the group re-forms."""
+    """Missed heartbeats after which a node is considered dead and the group re-forms. The
+    backstop: liveness_timeout judges sooner."""
+    liveness_interval: float = 0.2
+    """Seconds between puts of each agent's own liveness key (liveness.py), which every agent
+    watches. Each put is one etcd revision: 5 a second per node."""
+    liveness_timeout: float = 1.0
+    """Seconds without a node's liveness put after which it is taken out of the round (liveness.py);
+    0 leaves detection to torch's heartbeat alone (dead_after)."""
     join_timeout: float = 900.0
     """Seconds a node waits to join a round before giving up (torchrun's --rdzv-timeout)."""
     last_call_timeout: float = 2.0
@@ -121,6 +128,8 @@ _MINIMUMS: dict[str, float] = {
     "request_timeout": 0.1,
     "keep_alive_interval": 0.1,
     "keep_alive_max_attempt": 1,
+    "liveness_interval": 0.05,
+    "liveness_timeout": 0,
     "join_timeout": 1,
     "last_call_timeout": 0,
     "close_timeout": 1,
@@ -162,6 +171,11 @@ def parse_settings(endpoint: str, run_id: str, conf: Mapping[str, object]) -> Et
         raise ValueError("--rdzv-conf cert and key need cacert (the CA that signed etcd's certificate)")
     if bool(settings.cert) != bool(settings.key):
         raise ValueError("--rdzv-conf cert and key: give both (the client certificate and its key) or neither")
+    if settings.liveness_timeout and settings.liveness_timeout < 3 * settings.liveness_interval:
+        raise ValueError(
+            f"--rdzv-conf liveness_timeout={settings.liveness_timeout:g}: must be 0 (off) or at least "
+            f"three liveness_interval ({3 * settings.liveness_interval:g} s), or one late put drops a live node"
+        )
     if settings.lease_ttl < 2 * settings.dead_after:
         raise ValueError(
             f"--rdzv-conf lease_ttl={settings.lease_ttl}: must be at least twice "

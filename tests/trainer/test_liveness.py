@@ -1,0 +1,136 @@
+"""Lost-node detection through liveness keys (rendezvous/liveness.py) against a real etcd: a lost
+node is out of the round in about a second, and neither short pauses nor a CPU hog drop anyone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import wait_for
+from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler
+from torchspot_trainer.rendezvous.liveness import stale_members
+
+AGENT = Path(__file__).with_name("liveness_agent.py")
+
+
+@pytest.mark.parametrize(
+    ("receipts", "stale"),
+    [
+        ({"me": 9.9, "a": 9.5, "b": 8.5}, ["b"]),  # b's last put 1.5 s ago
+        ({"me": 9.9, "a": 9.5}, []),  # b never heard from since the watch opened: torch judges it
+        ({"me": 9.0, "a": 9.5, "b": 5.0}, []),  # our own put 1 s late: we cannot see, nobody judged
+        ({"a": 9.5, "b": 5.0}, []),  # no put of ours arrived yet
+        ({"me": 9.9, "a": 9.1, "b": 8.9}, ["b"]),  # exactly at the timeout is not past it
+    ],
+)
+def test_stale_members_judges_only_while_its_own_puts_arrive(receipts: dict[str, float], stale: list[str]) -> None:
+    assert stale_members(receipts, {"me", "a", "b"}, "me", now=10.0, timeout=1.0) == stale
+
+
+def _handlers(etcd: EtcdServer, run_id: str, **settings: str) -> list[EtcdV3RendezvousHandler]:
+    """Three handlers of one run whose torch heartbeat needs 15 s to find a node dead."""
+    conf = {"keep_alive_interval": "5", "last_call_timeout": "30", "join_timeout": "10"} | settings
+    params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 3, **conf)
+    return [create_handler(params) for _ in range(3)]  # type: ignore[misc]
+
+
+def _join(handlers: list[EtcdV3RendezvousHandler]) -> list[tuple[int, int]]:
+    with ThreadPoolExecutor(len(handlers)) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    return sorted((info.rank, info.world_size) for info in infos)
+
+
+def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_node(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """A liveness timeout of 3 s, shortened to 2.5 puts (0.5 s) after a local failure: the survivors
+    see the killed node gone well before 3 s, form their round of two at once (the 30 s last call
+    is past the 10 s join timeout), and the node's departure is on record for the next round."""
+    a, b, c = handlers = _handlers(etcd, run_id, liveness_timeout="3")
+    try:
+        assert _join(handlers) == [(0, 3), (1, 3), (2, 3)]
+        for survivor in (a, b):
+            assert survivor._liveness is not None
+            survivor._liveness.corroborate()  # what next_rendezvous does after its workers failed
+        assert c._liveness is not None
+        c._liveness.stop()
+        c._stop_heartbeats()  # a killed node: nothing more from it
+        lost = time.monotonic()
+        wait_for(lambda: a.num_nodes_waiting() == 1, timeout=10, what="the lost node taken out")
+        assert time.monotonic() - lost < 2.0
+        assert _join([a, b]) == [(0, 2), (1, 2)]
+        assert str(c._this_node) in a._watch.found_dead or str(c._this_node) in b._watch.found_dead
+    finally:
+        for handler in handlers:
+            handler.leave()
+
+
+class _Agent:
+    """liveness_agent.py in a process of its own, its output collected as it comes."""
+
+    def __init__(self, etcd: EtcdServer, run_id: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(AGENT), etcd.endpoint, run_id, "3"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.strip())
+
+    def said(self, word: str) -> list[str]:
+        return [line for line in self.lines if line.startswith(word)]
+
+
+@pytest.mark.slow(seconds=20, cpu_heavy=True)
+def test_no_false_alarm_under_pauses_and_a_cpu_hog_then_a_frozen_node_is_found_in_about_a_second(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """Three agents in processes of their own. For 10 s busy loops hold every core while one agent
+    is stopped three times for 0.5 s: nobody sees a change. Then that agent is stopped for good:
+    both others see it gone in under 2.5 s (torch's heartbeat alone would take 15 s here)."""
+    agents = [_Agent(etcd, run_id) for _ in range(3)]
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        wait_for(lambda: all(agent.said("joined") for agent in agents), timeout=60, what="three agents joined")
+        victim = agents[2].process
+        hog = "import time\nend = time.monotonic() + 10\nwhile time.monotonic() < end: pass"
+        hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(os.cpu_count() or 2)]
+        for _ in range(3):
+            time.sleep(2.0)
+            victim.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)
+            victim.send_signal(signal.SIGCONT)
+        for process in hogs:
+            process.wait(timeout=30)
+        time.sleep(1.5)  # a verdict formed under the hog is acted on by now
+        assert [agent.said("changed") for agent in agents] == [[], [], []]
+
+        victim.send_signal(signal.SIGSTOP)
+        frozen = time.time()
+        wait_for(lambda: all(agent.said("changed") for agent in agents[:2]), timeout=20, what="the frozen node found")
+        seen = [float(agent.said("changed")[0].split()[1]) - frozen for agent in agents[:2]]
+        assert max(seen) < 2.5, seen
+    finally:
+        for hog_process in hogs:
+            hog_process.kill()
+            hog_process.wait()
+        for agent in agents:
+            agent.process.kill()
+            agent.process.wait()
+            if agent.process.stdout is not None:
+                agent.process.stdout.close()

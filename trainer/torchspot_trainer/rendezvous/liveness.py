@@ -1,0 +1,215 @@
+"""Detection of a lost node in about a second, without waiting for torch's heartbeat expiry.
+
+torch's rendezvous drops a node only when its heartbeat in the state blob is `dead_after`
+(3 s here) old, and a round cannot advance before; even a hard loss that gloo reports within a
+millisecond waits for it. Shortening torch's heartbeat would make every agent rewrite the whole
+state blob several times a second by compare-and-set, with a conflict retry per writer.
+
+Instead each agent puts a key of its own, `<run prefix>alive/<node>`, every `liveness_interval`
+(0.2 s), and watches the prefix (an etcd watch stream, not a poll). A node is judged by when
+*this* agent received its last put (local monotonic time, as TorchFT's Lighthouse judges beats,
+so clocks never matter). A member of our round whose key has not arrived for `liveness_timeout`
+(1 s) is evicted from the rendezvous state with one compare-and-set (handler.py), and the round
+advances at once. torch's own heartbeat stays as the backstop (a node whose agent never wrote a
+liveness key is left to it).
+
+No false alarms, by construction:
+- **This agent must be able to see.** It judges only while its own puts come back through the
+  watch within `liveness_timeout / 2`: an agent starved of CPU, cut off from etcd, or whose watch
+  lags sees its own key late as well, and judges nobody until it catches up. When a watch is
+  (re)opened every known node starts afresh, so an etcd restart is no loss.
+- **A pause shorter than the timeout is no loss**: a node's next put resets its age.
+- **Corroboration shortens the wait, never decides alone**: after a local worker failed (a
+  collective raised: a peer's process is likely gone) the timeout is `CORROBORATED_PUTS` missed
+  puts (0.5 s) for `CORROBORATED_SECONDS`.
+
+The same watch stream carries the rendezvous state key: each write of it calls `on_state`, so an
+agent waiting for a round, or looking for a change at its monitor tick, reads the new state when it
+is written instead of at its next poll (the polls stay as the fallback while a watch is down).
+
+The keys live on the agent's run lease; a finished run deletes them with the rest of its prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from torchspot_trainer.rendezvous.backend import RunLease, with_lease
+from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError
+
+log = logging.getLogger(__name__)
+
+ALIVE = "alive/"
+"""Under the run prefix: one key per agent, put every liveness_interval."""
+CORROBORATED_PUTS = 2.5
+"""After a local failure, a member is lost once this many of its puts are missing."""
+CORROBORATED_SECONDS = 5.0
+"""How long a local failure shortens the timeout: the re-form it starts is over by then."""
+_WARN_EVERY = 10.0
+
+
+def stale_members(
+    receipts: Mapping[str, float], members: Iterable[str], me: str, now: float, timeout: float
+) -> list[str]:
+    """The members whose last liveness put arrived more than `timeout` seconds before `now`. Pure.
+
+    Nobody while our own last put is older than `timeout / 2` (we cannot see: starved, cut off,
+    or a lagging watch), and never a member we have not heard from since the watch opened
+    (`receipts` lacks it: torch's heartbeat judges it).
+    """
+    own = receipts.get(me)
+    if own is None or now - own > timeout / 2:
+        return []
+    return sorted(m for m in members if m != me and m in receipts and now - receipts[m] > timeout)
+
+
+class Liveness:
+    """This agent's liveness key, and its judgement of the others' (module docstring).
+
+    :param members: the names of the nodes to judge now (our round's, or the previous one's
+        while a new round forms); called from the judging thread.
+    :param evict: takes a lost node out of the rendezvous; True when this call did it or found it
+        gone, False to try again at the next look.
+    :param state_key: the rendezvous state's key, and `on_state`, called on the watch thread
+        whenever it is written (quickly: it delays the next liveness receipt).
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        me: str,
+        lease: RunLease,
+        *,
+        interval: float,
+        timeout: float,
+        members: Callable[[], frozenset[str]],
+        evict: Callable[[str], bool],
+        state_key: str,
+        on_state: Callable[[], None],
+    ) -> None:
+        self._client = client
+        self._prefix = f"{prefix}{ALIVE}"
+        self._me = me
+        self._lease = lease
+        self._interval = interval
+        self._timeout = timeout
+        self._members = members
+        self._evict = evict
+        self._state_key = state_key
+        self._on_state = on_state
+        self._receipts: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch_ids: list[int] = []
+        self._watch_broken = True
+        self._short_until = 0.0
+        self._evicted: set[str] = set()
+        self._last_warning = 0.0
+        self._threads = [
+            threading.Thread(target=self._put_loop, name="torchspot-liveness-put", daemon=True),
+            threading.Thread(target=self._judge_loop, name="torchspot-liveness-judge", daemon=True),
+        ]
+
+    def start(self) -> None:
+        """Start putting our key and judging the others'."""
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Stop both (our key then ages: the others judge us gone unless we left first)."""
+        self._stop.set()
+        self._cancel_watches()
+
+    def _cancel_watches(self) -> None:
+        watches, self._watch_ids = self._watch_ids, []
+        for watch in watches:
+            with contextlib.suppress(EtcdError):  # a watch whose stream ended is gone already
+                self._client.cancel_watch(watch)
+
+    def corroborate(self) -> None:
+        """A local worker failed: judge with the short timeout for a while (module docstring)."""
+        self._short_until = time.monotonic() + CORROBORATED_SECONDS
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Judge these nodes afresh (a new round: an evicted name may come back as a joiner)."""
+        with self._lock:
+            self._evicted.difference_update(names)
+
+    def receipts(self) -> dict[str, float]:
+        """When each node's last put arrived (monotonic), for tests and logs."""
+        with self._lock:
+            return dict(self._receipts)
+
+    def _put_loop(self) -> None:
+        key = f"{self._prefix}{self._me}"
+        while not self._stop.is_set():
+            try:
+                with_lease(self._lease, lambda lease: self._client.put(key, b"1", lease=lease))
+            except EtcdError as exc:
+                self._warn(f"liveness key not written ({exc})")
+            self._stop.wait(self._interval)
+
+    def _on_change(self, change: list[str] | EtcdError) -> None:
+        if isinstance(change, EtcdError):
+            self._watch_broken = True
+            return
+        now = time.monotonic()
+        with self._lock:
+            for key in change:
+                if key.startswith(self._prefix):
+                    self._receipts[key[len(self._prefix) :]] = now
+
+    def _on_state_change(self, change: list[str] | EtcdError) -> None:
+        if isinstance(change, EtcdError):
+            self._watch_broken = True
+        elif change:
+            self._on_state()
+
+    def _open_watches(self) -> None:
+        self._cancel_watches()  # the one that did not break, if any
+        try:
+            self._watch_ids.append(self._client.watch(self._prefix, self._on_change, prefix=True))
+            self._watch_ids.append(self._client.watch(self._state_key, self._on_state_change))
+        except EtcdError as exc:
+            self._warn(f"liveness not watched ({exc}); torch's heartbeat judges meanwhile")
+            return
+        now = time.monotonic()
+        with self._lock:  # heard of before the watch broke: each starts afresh
+            self._receipts = dict.fromkeys(self._receipts, now)
+        self._watch_broken = False
+        self._on_state()  # written while no watch was open, perhaps
+
+    def _judge_loop(self) -> None:
+        while not self._stop.wait(self._interval / 2):
+            if self._watch_broken:
+                self._open_watches()
+                continue
+            now = time.monotonic()
+            timeout = self._timeout
+            if now < self._short_until:
+                timeout = min(timeout, CORROBORATED_PUTS * self._interval)
+            with self._lock:
+                receipts = dict(self._receipts)
+            for name in stale_members(receipts, self._members(), self._me, now, timeout):
+                if name in self._evicted:
+                    continue
+                age = now - receipts[name]
+                log.warning("rendezvous: node %s sent no liveness for %.2f s; taking it out of the round", name, age)
+                try:
+                    done = self._evict(name)
+                except Exception as exc:  # the next look tries again; torch's heartbeat is the backstop
+                    self._warn(f"node {name} not evicted ({exc})")
+                    continue
+                if done:
+                    self._evicted.add(name)
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY:
+            self._last_warning = now
+            log.warning("rendezvous: %s", message)
