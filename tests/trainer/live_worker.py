@@ -1,0 +1,108 @@
+"""One worker of test_live.py: `live_worker.py NODE FOLDER [PARTIAL_STEP]`.
+
+It trains a toy weight through recovery/live.py's LiveGroup: each step takes a local step of
+`0.01 x (rank + 1)` and averages the ranks' weights with one all-reduce of the weight itself (the
+buffer a thawed peer's abandoned collective would write into, were it not staged). Its assignments
+are files the test writes, `FOLDER/assign-<generation>.json` ({"generation", "ranks": {node: rank},
+"store_port"}); a thread sets the group's `broken` event as soon as a newer one appears (what the
+agent's hand-over does).
+When a step fails it waits for the next assignment, re-forms, and the ranks agree on the newest
+committed step; a rank behind it receives the weight and the per-generation step counts from the
+lowest rank that holds it (healing). `PARTIAL_STEP`: at that committed step this node drops its
+update after the all-reduce (a fault between the all-reduce and the optimizer step, where its peers
+committed) and waits for a new assignment.
+
+It writes `FOLDER/progress-<node>.json` after each step (generation, committed steps by generation)
+and, when `FOLDER/stop` appears or it is left out of an assignment, `FOLDER/result-<node>.json`:
+the weight, the counts, and each re-form's seconds from the verdict (the new assignment's file) to
+the first step done in the new generation.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from torchspot_trainer.recovery.live import Assignment, LiveGroup, Outcome, newest, wait_for_assignment
+
+GENERATIONS = 4
+DEADLINE = 20.0
+
+
+def read_assignment(folder: Path, node: str) -> Assignment | None:
+    """The newest assignment file that names this node (None if the newest leaves it out)."""
+    files = sorted(folder.glob("assign-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    if not files:
+        return None
+    data = json.loads(files[-1].read_text())
+    if node not in data["ranks"]:
+        return Assignment(data["generation"], -1, len(data["ranks"]), "127.0.0.1", data["store_port"])
+    return Assignment(data["generation"], data["ranks"][node], len(data["ranks"]), "127.0.0.1", data["store_port"])
+
+
+def main(node: str, folder_text: str, partial: str = "-1") -> None:
+    folder = Path(folder_text)
+    live = LiveGroup()
+    first = wait_for_assignment(lambda: read_assignment(folder, node), -1, time.monotonic() + 60)
+    assert first is not None
+    live.reconfigure(first)
+
+    def watch() -> None:  # the hand-over: a newer assignment breaks the current generation at once
+        while True:
+            found = read_assignment(folder, node)
+            if found is not None and live.assignment is not None and found.generation > live.assignment.generation:
+                live.broken.set()
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+    w = torch.zeros(8, dtype=torch.float64)  # exact enough that only a lost or stray update shows
+    counts = torch.zeros(GENERATIONS, dtype=torch.float64)
+    reforms: list[float] = []
+    verdict: float | None = None
+    dropped = False
+    while not (folder / "stop").exists():
+        generation = live.assignment.generation if live.assignment else 0
+        before = w.clone()
+        w.sub_(0.01 * (live.rank + 1))  # a local step, then the ranks' weights averaged: the model
+        outcome = live.all_reduce(w, time.monotonic() + DEADLINE)  # itself is the collective's buffer
+        if outcome is Outcome.DONE and int(counts.sum()) + 1 == int(partial) and not dropped:
+            dropped = True  # the update lost between the all-reduce and the optimizer's step
+            outcome = Outcome.FAILED
+        if outcome is Outcome.DONE:
+            w.div_(live.world)
+            counts[generation] += 1
+            if verdict is not None:
+                reforms.append(time.monotonic() - verdict)
+                verdict = None
+            (folder / f"progress-{node}.json").write_text(
+                json.dumps({"generation": generation, "counts": counts.tolist()})
+            )
+            time.sleep(0.01)
+            continue
+        w.copy_(before)
+        new = wait_for_assignment(lambda: read_assignment(folder, node), generation, time.monotonic() + DEADLINE)
+        if new is None:
+            sys.exit(3)  # no hand-over in time: the restart path
+        verdict = (folder / f"assign-{new.generation}.json").stat().st_mtime - time.time() + time.monotonic()
+        if new.rank < 0:  # left out: this node is gone from the job; its process lingers a moment, so
+            time.sleep(3.0)  # that the collective it was frozen in can complete at its peers
+            break
+        live.reconfigure(new)
+        rows = live.agree([float(counts.sum())], time.monotonic() + DEADLINE)
+        assert rows is not None, "the new generation failed at once"
+        _, source = newest(rows)
+        state = torch.cat([w, counts])
+        assert live.broadcast(state, source, time.monotonic() + DEADLINE) is Outcome.DONE
+        w, counts = state[:8].clone(), state[8:].clone()
+    (folder / f"result-{node}.json").write_text(
+        json.dumps({"w": w.tolist(), "counts": counts.tolist(), "reforms": reforms, "graves": live.graves()})
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

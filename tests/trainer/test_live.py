@@ -1,0 +1,135 @@
+"""Re-formation in place (recovery/live.py) with real gloo groups in processes of their own: the
+survivors of a kill or a freeze go on in the same processes, a thawed peer's abandoned collective
+changes nothing, and a rank that lost a committed step heals from a peer. The test plays the agent:
+it writes each generation's assignment (live_worker.py's files) and hosts each round's store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch._C._distributed_c10d import TCPStore
+
+from torchspot_lab.local import wait_for
+from torchspot_trainer.recovery.live import newest
+
+WORKER = Path(__file__).with_name("live_worker.py")
+REFORM_BOUND = 5.0
+"""Seconds a re-form may take here: far above its measured milliseconds, far below the 30 s op
+timeout an old group's destructor would wait for (what the graveyard avoids)."""
+
+
+class Job:
+    """The workers of one test, its rounds' stores and assignments."""
+
+    def __init__(self, folder: Path, nodes: dict[str, str]) -> None:
+        self.folder = folder
+        self.stores: list[Any] = []
+        self.worlds: list[int] = []
+        self.procs = {
+            node: subprocess.Popen([sys.executable, str(WORKER), node, str(folder), partial])
+            for node, partial in nodes.items()
+        }
+
+    def assign(self, ranks: dict[str, int]) -> None:
+        """The next generation: a fresh store (as the round's rank-0 agent starts one), then its file."""
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        self.stores.append(store)
+        generation = len(self.worlds)
+        self.worlds.append(len(ranks))
+        data = {"generation": generation, "ranks": ranks, "store_port": store.port}
+        temporary = self.folder / f".assign-{generation}"
+        temporary.write_text(json.dumps(data))
+        temporary.rename(self.folder / f"assign-{generation}.json")
+
+    def counts(self, node: str) -> list[float]:
+        path = self.folder / f"progress-{node}.json"
+        try:
+            return list(json.loads(path.read_text())["counts"])
+        except (OSError, ValueError):
+            return [0.0] * 4
+
+    def reached(self, nodes: list[str], generation: int, steps: int) -> bool:
+        return all(self.counts(node)[generation] >= steps for node in nodes)
+
+    def finish(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
+        (self.folder / "stop").touch()
+        for node in nodes:
+            assert self.procs[node].wait(timeout=60) == 0
+        return {node: json.loads((self.folder / f"result-{node}.json").read_text()) for node in nodes}
+
+    def expected_w(self, counts: list[float]) -> float:
+        """The weight after these steps: a generation of world n takes 0.01 x (1 + ... + n) / n a step."""
+        return -sum(0.005 * (world + 1) * counts[g] for g, world in enumerate(self.worlds))
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+
+
+def _check(job: Job, results: dict[str, dict[str, Any]]) -> None:
+    """The survivors hold one model, the one their agreed step history gives."""
+    first = next(iter(results.values()))
+    for result in results.values():
+        assert result["counts"] == first["counts"]
+        assert result["w"] == first["w"]
+        assert all(reform < REFORM_BOUND for reform in result["reforms"]), result["reforms"]
+    assert first["w"] == pytest.approx([job.expected_w(first["counts"])] * 8, abs=1e-9)
+
+
+@pytest.mark.parametrize(("rows", "chosen"), [([[7.0], [8.0], [8.0]], (8, 1)), ([[3.0], [3.0]], (3, 0))])
+def test_newest_is_the_max_step_and_the_lowest_rank_holding_it(
+    rows: list[list[float]], chosen: tuple[int, int]
+) -> None:
+    assert newest(rows) == chosen
+
+
+@pytest.mark.slow(seconds=12)
+def test_survivors_of_a_kill_go_on_in_the_same_processes(tmp_path: Path) -> None:
+    job = Job(tmp_path, {"a": "-1", "b": "-1", "c": "-1"})
+    try:
+        job.assign({"a": 0, "b": 1, "c": 2})
+        wait_for(lambda: job.reached(["a", "b", "c"], 0, 10), 60, "three ranks training")
+        job.procs["c"].kill()
+        job.assign({"a": 0, "b": 1})  # the agents' verdict
+        wait_for(lambda: job.reached(["a", "b"], 1, 10), 30, "the survivors training at world 2")
+        results = job.finish(["a", "b"])
+        _check(job, results)
+        assert all(len(r["reforms"]) == 1 for r in results.values())
+    finally:
+        job.close()
+
+
+@pytest.mark.slow(seconds=14)
+def test_a_partial_commit_heals_and_a_frozen_peer_thawed_later_changes_nothing(tmp_path: Path) -> None:
+    """a loses its 8th update after the all-reduce (b and c committed it): the re-form's agreement
+    heals a from b. Then c freezes inside a collective and the survivors go on; when c thaws, its
+    abandoned all-reduce completes into the survivors' staging copies, not their weights."""
+    job = Job(tmp_path, {"a": "8", "b": "-1", "c": "-1"})
+    try:
+        job.assign({"a": 0, "b": 1, "c": 2})
+        wait_for(lambda: job.reached(["b", "c"], 0, 8), 60, "b and c past a's lost step")
+        job.assign({"a": 0, "b": 1, "c": 2})
+        wait_for(lambda: job.reached(["a", "b", "c"], 1, 5), 30, "the three healed and training")
+        os.kill(job.procs["c"].pid, signal.SIGSTOP)
+        job.assign({"a": 0, "b": 1})
+        wait_for(lambda: job.reached(["a", "b"], 2, 10), 30, "a and b training without c")
+        os.kill(job.procs["c"].pid, signal.SIGCONT)
+        job.procs["c"].wait(timeout=30)  # it finds itself left out, and leaves
+        steps = int(job.counts("a")[2])
+        wait_for(lambda: job.reached(["a", "b"], 2, steps + 10), 30, "training after the thaw")
+        results = job.finish(["a", "b"])
+        _check(job, results)
+        assert all(r["graves"] == 2 for r in results.values())
+    finally:
+        job.close()
