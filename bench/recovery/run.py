@@ -1,41 +1,59 @@
-"""Recovery benchmark: our etcd-v3 rendezvous against torch's stock backends, in one run.
+"""Recovery benchmark: our etcd-v3 rendezvous against torch's stock backends and TorchFT, in one run.
 
 For each backend and scenario, a local job of real agents and gloo workers (the
-lab's toy program) trains; we apply the fault to a whole process tree and measure
+lab's toy program; TorchFT: torchft_replica.py, the same step under its Manager) trains;
+we apply the fault to a whole process tree and measure
 
 - recovery: seconds from the fault (or the joiner's start) to the first completed
-  training step at the new world size;
-- steps lost: the last step completed before the fault minus the step the new
-  group resumed from (work that has to be redone).
+  training step at the new world size (TorchFT: the first step a survivor commits with
+  the new number of participants);
+- steps lost: work redone (ours and stock: the last step completed before the fault minus
+  the step the new group resumed from; TorchFT: steps the survivors did not commit).
 
 Scenarios: `join` (2 nodes, a third arrives), `hard` (3 nodes, one SIGKILLed with
-its workers), `frozen` (3 nodes, one SIGSTOPped with its workers). The victim is the
-node that holds the highest rank, so the surviving rank 0 keeps logging, and the
-c10d store (hosted by the first agent) survives: the comparison is about noticing
-the fault, not about that single point of failure.
+its workers), `frozen` (3 nodes, one SIGSTOPped with its workers, at a random point of
+the step), `notice` (3 nodes, one agent SIGTERMed as the kubelet does at an eviction;
+TorchFT has no notice path: its replica is SIGTERMed), and `falsealarm` (3 nodes, busy
+loops on every core for 10 s while one node is stopped three times for 0.5 s: passes if
+nobody is dropped). The victim is the node that holds the highest rank, so the surviving
+rank 0 keeps logging, and the c10d store (hosted by the first agent) survives: the
+comparison is about noticing the fault, not about that single point of failure.
 
 Backends:
-- `etcd-v3`: torchspot-run with our backend and its defaults;
+- `etcd-v3`: torchspot-run with our backend and its defaults (the restart path: every
+  worker restarted, forked from the agent's warm server);
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
   torch's defaults;
 - `etcd-v2-tuned`: the same with our heartbeat and last-call settings
   (keep_alive_interval=1, last_call_timeout=2), to separate tuning from design;
-- `c10d`: stock torchrun, c10d backend, torch's defaults.
+- `c10d`: stock torchrun, c10d backend, torch's defaults;
+- `torchft`, `torchft-1s`, `torchft-0.5s`: TorchFT 0.2.0 with its defaults, a 1 s heartbeat
+  timeout, and its tests' 0.5 s (torchft_peer.py).
 
-Usage: python bench/recovery/run.py [--reps 3] [--timeout 60] [--backends ...] [--scenarios ...]
+Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] [--scenarios ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torchft_peer  # type: ignore[import-not-found]  # a sibling, found through the path above
 
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.local import (
@@ -49,19 +67,29 @@ from torchspot_lab.local import (
     wait_for,
 )
 
-BACKENDS = ("etcd-v3", "etcd-v2", "etcd-v2-tuned", "c10d")
-SCENARIOS = ("join", "hard", "frozen")
+BACKENDS = ("etcd-v3", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS)
+SCENARIOS = ("join", "hard", "frozen", "notice", "falsealarm")
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "recovery.json"
+STEP_TIME = 0.05
+"""Seconds of work per step, for every backend (the toy's default)."""
+HOG_SECONDS = 10.0
+PAUSES = 3
+PAUSE_SECONDS = 0.5
+"""The false-alarm check: busy loops on every core for HOG_SECONDS, and the victim stopped PAUSES
+times for PAUSE_SECONDS meanwhile."""
+NOTICE_GRACE = 30.0
+"""Seconds between SIGTERM and SIGKILL at a notice (the kubelet's default grace)."""
 
 
 @dataclass
 class Trial:
-    """One measured fault."""
+    """One measured fault (or false-alarm check)."""
 
     backend: str
     scenario: str
     recovery_s: float | None
     steps_lost: int | None
+    false_alarm: bool | None = None
 
 
 def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfig:
@@ -71,6 +99,7 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
         "run_id": run_id,
         "nnodes": nnodes,
         "steps": 100_000,
+        "step_time": STEP_TIME,
     }
     if backend == "etcd-v3":
         return JobConfig(backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", **common)
@@ -93,7 +122,29 @@ def _highest_rank_node(job: JobConfig, group: str) -> str:
     return ranks[max(ranks)]
 
 
-def run_trial(workdir: Path, backend: str, scenario: str, etcd: EtcdServer, timeout: float) -> Trial:
+def hog_and_pause(stop: Callable[[], None], go: Callable[[], None]) -> None:
+    """The false-alarm check's load: busy loops on every core for HOG_SECONDS, during which the
+    victim is stopped (`stop`) and resumed (`go`) PAUSES times, PAUSE_SECONDS each."""
+    loop = f"import time\nend = time.monotonic() + {HOG_SECONDS}\nwhile time.monotonic() < end: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(os.cpu_count() or 2)]
+    try:
+        for _ in range(PAUSES):
+            time.sleep((HOG_SECONDS - PAUSES * PAUSE_SECONDS) / (PAUSES + 1))
+            stop()
+            time.sleep(PAUSE_SECONDS)
+            go()
+        for hog in hogs:
+            hog.wait(timeout=HOG_SECONDS * 3)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    time.sleep(2.0)  # a verdict formed under the load is acted on by now
+
+
+def run_trial(
+    workdir: Path, backend: str, scenario: str, etcd: EtcdServer, *, timeout: float, rng: random.Random
+) -> Trial:
     """Start a job, apply one fault, and measure recovery and lost steps."""
     nnodes = "2:3" if scenario == "join" else "1:3"
     job = _job(workdir, backend, etcd, nnodes)
@@ -114,7 +165,14 @@ def run_trial(workdir: Path, backend: str, scenario: str, etcd: EtcdServer, time
             60,
             "steps",
         )
-
+        time.sleep(rng.uniform(0, STEP_TIME + 0.01))  # a random point of the step
+        victim_name = _highest_rank_node(job, formed["group"])
+        victim = next(n for n in nodes if n.name == victim_name)
+        if scenario == "falsealarm":
+            began = time.time()
+            hog_and_pause(victim.freeze, victim.thaw)
+            regrouped = any(e["event"] == "start" and e["t"] > began for e in read_events(job.events))
+            return Trial(backend, scenario, None, None, false_alarm=regrouped)
         if scenario == "join":
             fault = time.time()
             extra = LocalNode(f"n{initial}", job)
@@ -122,13 +180,13 @@ def run_trial(workdir: Path, backend: str, scenario: str, etcd: EtcdServer, time
             extra.start()
             target = 3
         else:
-            victim_name = _highest_rank_node(job, formed["group"])
-            victim = next(n for n in nodes if n.name == victim_name)
             fault = time.time()
             if scenario == "hard":
                 victim.kill()
-            else:
+            elif scenario == "frozen":
                 victim.freeze()
+            else:  # notice: the agent is told, as the kubelet tells it; its grace runs beside us
+                threading.Thread(target=victim.terminate, args=(NOTICE_GRACE,), daemon=True).start()
             target = 2
         try:
             recovered = wait_for(lambda: first_step_at(read_events(job.events), target, fault), timeout, "recovery")
@@ -145,65 +203,120 @@ def run_trial(workdir: Path, backend: str, scenario: str, etcd: EtcdServer, time
             node.stop()
 
 
-def _fmt(trials: list[Trial], timeout: float) -> tuple[str, float | None]:
+def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: float, rng: random.Random) -> Trial:
+    """The same fault to TorchFT's replica groups (torchft_peer.py), measured the same way."""
+    initial = 2 if scenario == "join" else 3
+    cluster = torchft_peer.Cluster(workdir, backend, STEP_TIME)
+    victim = initial - 1
+    try:
+        for replica in range(initial):
+            cluster.start(replica)
+        wait_for(lambda: torchft_peer.steady(torchft_peer.read(cluster.events), initial, 25), 120,
+                 f"{backend}: {initial} replicas committing")  # fmt: skip
+        time.sleep(rng.uniform(0, STEP_TIME + 0.01))
+        if scenario == "falsealarm":
+            began = time.time()
+            hog_and_pause(
+                lambda: cluster.signal(victim, signal.SIGSTOP), lambda: cluster.signal(victim, signal.SIGCONT)
+            )
+            events = [e for e in torchft_peer.read(cluster.events) if e["t"] > began and e["committed"]]
+            return Trial(backend, scenario, None, None, false_alarm=any(e["participants"] < initial for e in events))
+        fault = time.time()
+        if scenario == "join":
+            cluster.start(initial)
+            target, skip = 3, initial
+        else:
+            sig = {"hard": signal.SIGKILL, "frozen": signal.SIGSTOP, "notice": signal.SIGTERM}[scenario]
+            cluster.signal(victim, sig)
+            target, skip = 2, victim
+        try:
+            recovered = wait_for(
+                lambda: torchft_peer.first_commit_at(torchft_peer.read(cluster.events), target, fault, skip),
+                timeout,
+                "recovery",
+            )
+        except TimeoutError:
+            return Trial(backend, scenario, None, None)
+        lost = torchft_peer.failed_commits(torchft_peer.read(cluster.events), fault, recovered["t"], skip)
+        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost)
+    finally:
+        cluster.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by the nearest rank: with 20 trials, p95 is the 19th."""
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def _fmt(trials: list[Trial], timeout: float) -> tuple[str, dict[str, float] | None]:
+    if trials and trials[0].scenario == "falsealarm":
+        dropped = sum(1 for t in trials if t.false_alarm)
+        verdict = "passed" if dropped == 0 else "FAILED"
+        return f"{verdict}: a node dropped in {dropped} of {len(trials)}", None
     times = [t.recovery_s for t in trials if t.recovery_s is not None]
     if len(times) < len(trials):
         failed = len(trials) - len(times)
         return f"no recovery within {timeout:g} s ({failed}/{len(trials)})", None
-    median = statistics.median(times)
+    stats = {"p50": statistics.median(times), "p95": percentile(times, 95), "max": max(times)}
     lost = [t.steps_lost for t in trials if t.steps_lost is not None]
-    lost_text = f", steps lost median {statistics.median(lost):g}" if lost else ""
-    return f"median {median:.1f} s (min {min(times):.1f}, max {max(times):.1f}){lost_text}", median
+    lost_text = f", steps lost median {statistics.median(lost):g} (max {max(lost)})" if lost else ""
+    text = f"p50 {stats['p50']:.2f} s, p95 {stats['p95']:.2f} s, max {stats['max']:.2f} s over {len(times)}"
+    return text + lost_text, stats
 
 
 def main() -> None:
     """Run every (backend, scenario) pair `--reps` times and print a comparison."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="trials per backend and scenario")
+    parser.add_argument("--reps", type=int, default=20, help="trials per backend and scenario")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before 'no recovery'")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--falsealarm-reps", type=int, default=1, help="false-alarm checks per backend (20 s each)")
+    parser.add_argument("--seed", type=int, default=0, help="of the random point in the step each fault lands at")
     args = parser.parse_args()
 
+    rng = random.Random(args.seed)
     trials: list[Trial] = []
     with tempfile.TemporaryDirectory(prefix="torchspot-bench-") as tmp:
         root = Path(tmp)
         with EtcdServer(root / "etcd", enable_v2=True) as etcd:
             for rep in range(args.reps):
                 for scenario in args.scenarios:
+                    if scenario == "falsealarm" and rep >= args.falsealarm_reps:
+                        continue
                     for backend in args.backends:
-                        trial = run_trial(
-                            root / f"{backend}-{scenario}-{rep}",
-                            backend,
-                            scenario,
-                            etcd,
-                            args.timeout,
-                        )
+                        workdir = root / f"{backend}-{scenario}-{rep}"
+                        if backend in torchft_peer.SETTINGS:
+                            trial = run_torchft_trial(workdir, backend, scenario, timeout=args.timeout, rng=rng)
+                        else:
+                            trial = run_trial(workdir, backend, scenario, etcd, timeout=args.timeout, rng=rng)
                         trials.append(trial)
-                        shown = "none" if trial.recovery_s is None else f"{trial.recovery_s:.1f} s"
-                        print(
-                            f"[{rep + 1}/{args.reps}] {scenario:6} {backend:14} "
-                            f"recovery {shown}, steps lost {trial.steps_lost}",
-                            flush=True,
-                        )
+                        if scenario == "falsealarm":
+                            shown = "a node dropped" if trial.false_alarm else "nobody dropped"
+                        else:
+                            shown = "none" if trial.recovery_s is None else f"{trial.recovery_s:.2f} s"
+                            shown = f"recovery {shown}, steps lost {trial.steps_lost}"
+                        print(f"[{rep + 1}/{args.reps}] {scenario:10} {backend:14} {shown}", flush=True)
 
-    print("\nRecovery: fault -> first step at the new world size (toy gloo job, 1 process per node)")
+    print("\nRecovery: fault -> first step at the new world size (toy gloo step, 1 process per node)")
     summary: dict[str, dict[str, Any]] = {}
     for scenario in args.scenarios:
         print(f"\n{scenario}:")
-        medians: dict[str, float | None] = {}
+        stats: dict[str, dict[str, float] | None] = {}
         for backend in args.backends:
             mine = [t for t in trials if t.backend == backend and t.scenario == scenario]
-            text, medians[backend] = _fmt(mine, args.timeout)
+            text, stats[backend] = _fmt(mine, args.timeout)
             print(f"  {backend:14} {text}")
-        ours = medians.get("etcd-v3")
-        stock = [m for b, m in medians.items() if b != "etcd-v3" and m is not None]
-        if ours is not None:
-            if stock:
-                print(f"  ratio: best stock / etcd-v3 = {min(stock) / ours:.1f}x")
-            elif len(medians) > 1:
-                print(f"  ratio: no stock backend recovered within {args.timeout:g} s (> {args.timeout / ours:.1f}x)")
-        summary[scenario] = {"medians_s": medians}
+        ours = stats.get("etcd-v3")
+        others = {b: v for b, v in stats.items() if b != "etcd-v3" and v is not None}
+        if ours is not None and others:
+            best = min(others, key=lambda b: others[b]["max"])
+            print(f"  ratio, max: {best} / etcd-v3 = {others[best]['max'] / ours['max']:.1f}x")
+        elif ours is not None and len(stats) > 1:
+            print(f"  ratio: no other backend recovered every trial within {args.timeout:g} s")
+        summary[scenario] = stats
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"trials": [t.__dict__ for t in trials], "summary": summary}, indent=2))
     print(f"\nraw results: {RESULTS}")

@@ -1,0 +1,137 @@
+"""TorchFT (PyPI `torchft` 0.2.0) in bench/recovery's trials: a peer measured side by side, not quoted.
+
+Replica groups of one process each (torchft_replica.py, the lab toy's step under TorchFT's Manager
+with gloo) and its Lighthouse (the Rust server from the wheel, in the bench process), under three
+settings:
+
+- `torchft`: its defaults (heartbeat timeout 5 s, join timeout 60 s, gloo and Manager timeouts 60 s);
+- `torchft-1s`: a 1 s heartbeat timeout (what TorchFT's issue #35 suggests for 100 ms beats), gloo and
+  Manager timeouts 5 s (its DDP example's gloo timeout), join timeout 10 s (its README's advice);
+- `torchft-0.5s`: the settings of TorchFT's own tests (500 ms heartbeat timeout, 2 s gloo timeout).
+
+A fault is measured as ours is: from the fault (or the joiner's start) until a survivor commits a
+step with the new number of participants.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchft.coordination import LighthouseServer
+
+HERE = Path(__file__).resolve().parent
+REPLICA = HERE / "torchft_replica.py"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One way to run TorchFT (module docstring)."""
+
+    heartbeat_timeout_ms: int | None
+    join_timeout_ms: int | None
+    gloo_timeout: float
+    manager_timeout: float
+
+
+SETTINGS = {
+    "torchft": Settings(None, None, 60.0, 60.0),
+    "torchft-1s": Settings(1000, 10_000, 5.0, 5.0),
+    "torchft-0.5s": Settings(500, 10_000, 2.0, 2.0),
+}
+
+
+def read(events: Path) -> list[dict[str, Any]]:
+    """Every step record the replicas wrote so far (a line being written is skipped)."""
+    if not events.exists():
+        return []
+    records = []
+    for line in events.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class Cluster:
+    """A Lighthouse and replica processes for one trial."""
+
+    def __init__(self, workdir: Path, name: str, step_time: float) -> None:
+        settings = SETTINGS[name]
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.events = workdir / "steps.jsonl"
+        self.settings = settings
+        self.step_time = step_time
+        options: dict[str, int] = {"quorum_tick_ms": 100}
+        if settings.heartbeat_timeout_ms is not None:
+            options["heartbeat_timeout_ms"] = settings.heartbeat_timeout_ms
+        if settings.join_timeout_ms is not None:
+            options["join_timeout_ms"] = settings.join_timeout_ms
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, **options)
+        self.replicas: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, replica: int) -> None:
+        """Start replica group `replica` (a process of its own; its log beside the events)."""
+        log = (self.workdir / f"replica-{replica}.log").open("ab")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.replicas[replica] = subprocess.Popen(
+            [
+                sys.executable, str(REPLICA),
+                "--replica", str(replica),
+                "--lighthouse", self.lighthouse.address(),
+                "--events", str(self.events),
+                "--step-time", str(self.step_time),
+                "--gloo-timeout", str(self.settings.gloo_timeout),
+                "--manager-timeout", str(self.settings.manager_timeout),
+            ],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    def signal(self, replica: int, sig: signal.Signals) -> None:
+        os.killpg(self.replicas[replica].pid, sig)
+
+    def close(self) -> None:
+        for process in self.replicas.values():
+            try:
+                os.killpg(process.pid, signal.SIGCONT)
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        self.lighthouse.shutdown()
+
+
+def steady(events: list[dict[str, Any]], replicas: int, steps: int) -> bool:
+    """Whether every one of `replicas` has committed `steps` steps with all of them participating."""
+    counts: dict[int, int] = {}
+    for event in events:
+        if event["committed"] and event["participants"] == replicas:
+            counts[event["replica"]] = counts.get(event["replica"], 0) + 1
+    return len(counts) >= replicas and min(counts.values()) >= steps
+
+
+def first_commit_at(events: list[dict[str, Any]], participants: int, after: float, skip: int) -> dict[str, Any] | None:
+    """The first step a replica other than `skip` committed with `participants` after `after`."""
+    for event in sorted(events, key=lambda e: e["t"]):
+        fresh = event["t"] > after and event["replica"] != skip
+        if fresh and event["committed"] and event["participants"] == participants:
+            return event
+    return None
+
+
+def failed_commits(events: list[dict[str, Any]], after: float, before: float, skip: int) -> int:
+    """Steps the survivors did not commit between the fault and the recovery (work redone)."""
+    survivors = [e for e in events if e["replica"] != skip and after < e["t"] <= before]
+    per_replica: dict[int, int] = {}
+    for event in survivors:
+        per_replica[event["replica"]] = per_replica.get(event["replica"], 0) + (0 if event["committed"] else 1)
+    return max(per_replica.values(), default=0)
