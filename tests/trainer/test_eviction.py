@@ -27,6 +27,7 @@ from torchspot_trainer.markers import (
     agent_restarting,
     node_leaving,
     peer_lost,
+    peer_lost_grace,
 )
 from torchspot_trainer.recovery.signals import (
     PEER_LOST_GRACE,
@@ -157,6 +158,20 @@ def test_sigterm_after_a_peer_was_lost_exits_without_waiting_for_a_step_boundary
 def test_stuck_wait_counts_the_grace_from_the_last_boundary(lost: bool, since_boundary: float, wait: float) -> None:
     assert stuck_wait(60.0, lost, since_boundary) == pytest.approx(wait)
     assert stuck_wait(60.0, lost, since_boundary, parked=True) == 0.0  # parked at a boundary: nothing to wait for
+
+
+def test_the_agents_grace_in_the_marker_replaces_the_default(tmp_path: Path) -> None:
+    """The agent writes half its liveness timeout in the marker: a worker stuck with a peer silent
+    for a second waits what is left of 0.5 s, not of 2 s; an empty or unreadable marker: the default."""
+    marker = tmp_path / "peer-lost"
+    environ = {PEER_LOST_ENV: str(marker)}
+    assert peer_lost_grace(environ) is None  # no marker
+    marker.write_text("")
+    assert peer_lost_grace(environ) is None  # liveness off: the worker's own PEER_LOST_GRACE
+    marker.write_text("0.5")
+    assert peer_lost_grace(environ) == 0.5
+    assert stuck_wait(60.0, True, 0.2, grace=0.5) == pytest.approx(0.3)
+    assert stuck_wait(60.0, True, 0.7, grace=0.5) == 0.0
 
 
 def test_sigterm_while_parked_at_a_boundary_exits_at_once() -> None:

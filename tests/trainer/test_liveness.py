@@ -17,6 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
+from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler
 from torchspot_trainer.rendezvous.liveness import stale_members
 
@@ -68,6 +69,7 @@ def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_nod
         lost = time.monotonic()
         wait_for(lambda: a.num_nodes_waiting() == 1, timeout=10, what="the lost node taken out")
         assert time.monotonic() - lost < 2.0
+        assert Path(os.environ[PEER_LOST_ENV]).read_text() == "1.5"  # the workers' grace: half the timeout
         assert _join([a, b]) == [(0, 2), (1, 2)]
         assert str(c._this_node) in a._watch.found_dead or str(c._this_node) in b._watch.found_dead
     finally:

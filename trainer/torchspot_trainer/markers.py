@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
 """Environment variable naming the file whose existence means: this node's agent stops its
@@ -63,3 +64,14 @@ def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:
     """True when this node's agent has marked the current round as having lost a peer."""
     path = environ.get(PEER_LOST_ENV, "")
     return path != "" and os.path.exists(path)
+
+
+def peer_lost_grace(environ: Mapping[str, str] = os.environ) -> float | None:
+    """The seconds after its last step boundary a worker told of a lost peer still waits, as the
+    agent wrote them in the marker (half its liveness timeout: a peer silent that long is not
+    merely slow); None without a marker or a number in it (the worker's own default then)."""
+    path = environ.get(PEER_LOST_ENV, "")
+    try:
+        return float(Path(path).read_text().strip()) if path else None
+    except (OSError, ValueError):
+        return None

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchspot_trainer.markers import peer_lost
+from torchspot_trainer.markers import peer_lost, peer_lost_grace
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,10 @@ VM_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version
 EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
 PEER_LOST_GRACE = 2.0
 """Seconds after its last step boundary that a worker told of a lost peer still waits for the
-next: a peer that was only slow to heartbeat (a starved node) lets the step finish. Counted from
-the boundary, not from the SIGTERM: a peer is declared lost only after seconds without a
-heartbeat, and a worker stuck with it since then has nothing more to wait for."""
+next, unless its agent wrote another figure in the marker (`markers.peer_lost_grace`: half the
+liveness timeout, 0.5 s by default): a peer that was only slow lets the step finish. Counted from
+the boundary, not from the SIGTERM: a peer is declared lost only after it was silent for a while,
+and a worker stuck with it since then has nothing more to wait for."""
 
 
 @dataclass(frozen=True)
@@ -103,18 +104,20 @@ class EvictionNotice:
         return self._notice
 
 
-def stuck_wait(stuck_exit_after: float, lost: bool, since_boundary: float, *, parked: bool = False) -> float:
+def stuck_wait(
+    stuck_exit_after: float, lost: bool, since_boundary: float, *, parked: bool = False, grace: float = PEER_LOST_GRACE
+) -> float:
     """Seconds a worker that got SIGTERM waits for a step boundary before it counts as stuck.
 
     Pure. Nothing when `parked` at a boundary already (its state is whole); else
-    `stuck_exit_after` without a lost peer; with one, what is left of PEER_LOST_GRACE since
-    the last boundary (`since_boundary` seconds ago), and nothing once that is spent.
+    `stuck_exit_after` without a lost peer; with one, what is left of `grace` since the last
+    boundary (`since_boundary` seconds ago), and nothing once that is spent.
     """
     if parked:
         return 0.0
     if not lost:
         return stuck_exit_after
-    return max(0.0, min(stuck_exit_after, PEER_LOST_GRACE) - since_boundary)
+    return max(0.0, min(stuck_exit_after, grace) - since_boundary)
 
 
 def watch_sigterm(
@@ -123,6 +126,7 @@ def watch_sigterm(
     stuck_exit_after: float,
     exit_now: Callable[[int], None] = os._exit,
     lost: Callable[[], bool] = peer_lost,
+    grace: Callable[[], float | None] = peer_lost_grace,
     before_exit: Callable[[], None] = lambda: None,
 ) -> threading.Thread:
     """Turn SIGTERM into the notice, even while the main thread is blocked in C++.
@@ -131,8 +135,8 @@ def watch_sigterm(
     the wakeup fd from whichever thread received the signal; a watcher thread reads
     it at once, raises the notice, and exits the process if the training loop does
     not acknowledge it at a step boundary within `stuck_exit_after` seconds, or, when
-    `lost()` says a peer is gone (no boundary should come then), within what is left of
-    `PEER_LOST_GRACE` since the last boundary (`stuck_wait`).
+    `lost()` says a peer is gone (no boundary should come then), within what is left of the
+    agent's `grace()` (PEER_LOST_GRACE when it wrote none) since the last boundary (`stuck_wait`).
 
     :param exit_now: how to exit (tests pass a recorder).
     :param before_exit: run before a stuck worker exits (the trainer gives its save in flight a chance).
@@ -152,7 +156,15 @@ def watch_sigterm(
             continue
         notice.set("SIGTERM", "pod deletion or agent restart")
         peer_gone = lost()
-        wait = stuck_wait(stuck_exit_after, peer_gone, time.monotonic() - notice.boundary, parked=notice.parked)
+        since_boundary = time.monotonic() - notice.boundary
+        agents = grace() if peer_gone else None
+        wait = stuck_wait(
+            stuck_exit_after,
+            peer_gone,
+            since_boundary,
+            parked=notice.parked,
+            grace=PEER_LOST_GRACE if agents is None else agents,
+        )
         if notice.acknowledged.wait(wait):
             return
         since = time.monotonic() - notice.boundary

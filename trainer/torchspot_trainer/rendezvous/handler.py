@@ -283,7 +283,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             if changed:
                 log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
                 if lost_members(self._joined[1], state):
-                    _peer_lost_marker().touch()
+                    grace = self._etcd_settings.liveness_timeout / 2  # 0 (liveness off): the worker's default
+                    _peer_lost_marker().write_text(f"{grace:g}" if grace else "")
                 _marker(RESTART_MARKER).touch()
                 self._change_reported = True
                 return max(waiting, 1)
