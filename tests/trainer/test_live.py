@@ -10,15 +10,27 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch._C._distributed_c10d import TCPStore
 
 from torchspot_lab.local import wait_for
-from torchspot_trainer.recovery.live import newest
+from torchspot_trainer.recovery.live import (
+    NCCL_SHRINK_HANG_VERSION,
+    NCCL_SHRINK_VERSION,
+    Replace,
+    cuda_probe,
+    device_healthy,
+    generation_options,
+    newest,
+    replacement,
+)
 
 WORKER = Path(__file__).with_name("live_worker.py")
 REFORM_BOUND = 5.0
@@ -133,3 +145,49 @@ def test_a_partial_commit_heals_and_a_frozen_peer_thawed_later_changes_nothing(t
         assert all(r["graves"] == 2 for r in results.values())
     finally:
         job.close()
+
+
+@pytest.mark.parametrize(
+    ("version", "loss_only", "how"),
+    [
+        (None, True, Replace.NEW),  # no NCCL (a CPU build)
+        ((2, 26, 5), True, Replace.NEW),  # no ncclCommShrink
+        (NCCL_SHRINK_VERSION, True, Replace.SHRINK),
+        (NCCL_SHRINK_VERSION, False, Replace.NEW),  # a join: c10d 2.13 has no grow
+        (NCCL_SHRINK_HANG_VERSION, True, Replace.SHRINK_THEN_ABORT),  # pytorch#194679
+        ((2, 33, 0), False, Replace.NEW),
+    ],
+)
+def test_a_communicator_shrinks_only_after_a_loss_on_an_nccl_that_can(
+    version: tuple[int, int, int] | None, loss_only: bool, how: Replace
+) -> None:
+    assert replacement(version, loss_only=loss_only) is how
+
+
+def test_the_device_probe_fails_a_device_that_raises_or_hangs_within_its_deadline() -> None:
+    """After an abort: a probe that returns means a healthy device; one that raises (a sticky CUDA
+    error) or never returns (a hung context) means the restart path, decided within the deadline."""
+    assert device_healthy(lambda: None)
+
+    def sticky() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    assert not device_healthy(sticky)
+    hung = threading.Event()
+
+    def never_returns() -> None:
+        hung.wait()
+
+    started = time.monotonic()
+    assert not device_healthy(never_returns, timeout=0.3)
+    assert time.monotonic() - started < 2.0
+    hung.set()
+
+
+@pytest.mark.cuda
+def test_a_generation_communicator_is_non_blocking_and_a_healthy_device_passes_the_probe() -> None:
+    """Needs a CUDA build and GPU: the options a generation's NCCL group is made with, and the probe
+    on a real device."""
+    options = generation_options(timedelta(seconds=30))
+    assert options.config.blocking is False
+    assert device_healthy(cuda_probe(torch.device("cuda", 0)))

@@ -1,6 +1,7 @@
 """A worker's process group rebuilt in place at a membership change: the group mechanics of recovery
-without a restart (issue 28, item 3). Built and tested on CPU with gloo; the trainer does not use it
-yet (README, "Recovery, in place").
+without a restart (issue 28, items 3 and 4). Built and tested on CPU with gloo, the NCCL decisions
+and the device probe at the end by NCCL's documented semantics; the trainer does not use it yet
+(README, "Recovery paths").
 
 At a membership change the agent forms the new round and hands the live workers an `Assignment`
 (the round, their new rank and world, the round's store); each worker drops its group, builds the
@@ -182,3 +183,95 @@ def wait_for_assignment(read: Callable[[], Assignment | None], after: int, deadl
             return found
         time.sleep(POLL_SECONDS * 5)
     return None
+
+
+# NCCL (GPUs): the same generations, by NCCL's documented semantics. Not run here (no GPU was lent
+# to this work): what can be decided or probed without one is tested on CPU, the rest is labelled.
+
+NCCL_SHRINK_VERSION = (2, 27, 0)
+"""NCCL's `ncclCommShrink`: a communicator without the excluded ranks, built from the parent's
+bootstrap (torch's `shrink_group`), cheaper than a fresh communicator after a loss."""
+NCCL_SHRINK_HANG_VERSION = (2, 31, 0)
+"""From this version torch 2.13's `SHRINK_ABORT` survivors block destroying the parent
+(pytorch#194679, fix open): shrink without it, then abort the parent ourselves."""
+PROBE_SECONDS = 5.0
+"""The most a device health probe may take: a tiny kernel and a synchronize take milliseconds on a
+healthy device."""
+
+
+class Replace(Enum):
+    """How the communicator of the next generation is made (`replacement`)."""
+
+    NEW = "new"
+    """A fresh communicator on the next round's store (every join: c10d 2.13 has no grow)."""
+    SHRINK = "shrink"
+    SHRINK_THEN_ABORT = "shrink, then abort the parent"
+
+
+def replacement(version: tuple[int, int, int] | None, *, loss_only: bool) -> Replace:
+    """How a generation's NCCL communicator is replaced at a membership change. Pure.
+
+    Only a change that removes ranks and adds none can shrink, and only on an NCCL that has
+    `ncclCommShrink`; everything else (a join, an old NCCL, no NCCL at all) gets a new one."""
+    if not loss_only or version is None or version < NCCL_SHRINK_VERSION:
+        return Replace.NEW
+    if version >= NCCL_SHRINK_HANG_VERSION:
+        return Replace.SHRINK_THEN_ABORT
+    return Replace.SHRINK
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL torch was built with, None where it has none (a CPU build)."""
+    if not dist.is_nccl_available():
+        return None
+    found = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    return (found[0], found[1], found[2]) if isinstance(found, tuple) else None
+
+
+def generation_options(timeout: timedelta) -> Any:
+    """ProcessGroupNCCL's options for one generation: non-blocking (`config.blocking = False`: its
+    init and collectives return at once and stay abortable, where a blocking init with a dead peer
+    cannot be aborted), with the generation's op timeout. Eager init comes from binding the group to
+    its device (`group.group_device`). Needs an NCCL build of torch."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.blocking = False
+    options._timeout = timeout
+    return options
+
+
+def device_healthy(probe: Callable[[], None], timeout: float = PROBE_SECONDS) -> bool:
+    """Whether the device still works after a communicator's abort: `probe` (a tiny kernel and a
+    synchronize: `cuda_probe`) on a thread of its own, within `timeout`. An abort frees the kernels
+    that spun on a dead peer and leaves the CUDA context healthy unless a sticky error hit it (an
+    Xid, an ECC error, an illegal address); then every call fails or hangs, and the process must
+    take the restart path (and the node, perhaps, be replaced)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            probe()
+        except BaseException as exc:  # whatever it raised, the device is not usable
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, name="torchspot-device-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.warning("device probe still running after %.1f s: the device is not usable", timeout)
+        return False
+    if outcome[0] is not None:
+        log.warning("device probe failed: %s", outcome[0])
+        return False
+    return True
+
+
+def cuda_probe(device: torch.device) -> Callable[[], None]:
+    """A probe for `device_healthy`: one element added on the device, then a synchronize."""
+
+    def probe() -> None:
+        torch.ones(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+
+    return probe
