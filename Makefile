@@ -60,7 +60,12 @@ demo: venv
 
 bench: bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input
 
+# TorchFT, the peer measured side by side, is installed here rather than with the tests: its
+# OpenTelemetry dependencies would sit in the venv the operator's import check reads.
+TORCHFT := torchft==0.2.0
+
 bench-recovery: venv
+	$(PY) -m pip install --quiet $(TORCHFT)
 	$(PY) bench/recovery/run.py
 
 bench-checkpoint: venv

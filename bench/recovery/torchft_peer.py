@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchft.coordination import LighthouseServer
-
 HERE = Path(__file__).resolve().parent
 REPLICA = HERE / "torchft_replica.py"
 
@@ -64,6 +62,10 @@ class Cluster:
     """A Lighthouse and replica processes for one trial."""
 
     def __init__(self, workdir: Path, name: str, step_time: float) -> None:
+        try:
+            from torchft.coordination import LighthouseServer  # noqa: PLC0415 - installed by make bench-recovery only
+        except ImportError:
+            raise SystemExit("TorchFT is not installed: `make bench-recovery` installs it (torchft==0.2.0)") from None
         settings = SETTINGS[name]
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir

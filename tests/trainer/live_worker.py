@@ -13,7 +13,8 @@ update after the all-reduce (a fault between the all-reduce and the optimizer st
 committed) and waits for a new assignment.
 
 It writes `FOLDER/progress-<node>.json` after each step (generation, committed steps by generation)
-and, when `FOLDER/stop` appears or it is left out of an assignment, `FOLDER/result-<node>.json`:
+and, when it has committed the number of steps `FOLDER/stop` names or it is left out of an
+assignment, `FOLDER/result-<node>.json`:
 the weight, the counts, and each re-form's seconds from the verdict (the new assignment's file) to
 the first step done in the new generation.
 """
@@ -45,6 +46,15 @@ def read_assignment(folder: Path, node: str) -> Assignment | None:
     return Assignment(data["generation"], data["ranks"][node], len(data["ranks"]), "127.0.0.1", data["store_port"])
 
 
+def _stopping(folder: Path, committed: int) -> bool:
+    """Whether this worker has reached the step the test's `stop` file names: every rank stops at the
+    same step, so none leaves while a peer is still in a collective with it."""
+    try:
+        return committed >= int((folder / "stop").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def main(node: str, folder_text: str, partial: str = "-1") -> None:
     folder = Path(folder_text)
     live = LiveGroup()
@@ -65,7 +75,7 @@ def main(node: str, folder_text: str, partial: str = "-1") -> None:
     reforms: list[float] = []
     verdict: float | None = None
     dropped = False
-    while not (folder / "stop").exists():
+    while not _stopping(folder, int(counts.sum())):
         generation = live.assignment.generation if live.assignment else 0
         before = w.clone()
         w.sub_(0.01 * (live.rank + 1))  # a local step, then the ranks' weights averaged: the model

@@ -72,7 +72,11 @@ class Job:
         return all(self.counts(node)[generation] >= steps for node in nodes)
 
     def finish(self, nodes: list[str]) -> dict[str, dict[str, Any]]:
-        (self.folder / "stop").touch()
+        """Stop the workers 5 steps past the furthest one, all at the same step, and read their results."""
+        last = max(int(sum(self.counts(node))) for node in nodes)
+        temporary = self.folder / ".stop"
+        temporary.write_text(str(last + 5))
+        temporary.rename(self.folder / "stop")
         for node in nodes:
             assert self.procs[node].wait(timeout=60) == 0
         return {node: json.loads((self.folder / f"result-{node}.json").read_text()) for node in nodes}
