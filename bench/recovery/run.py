@@ -36,6 +36,7 @@ Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -90,6 +91,9 @@ class Trial:
     recovery_s: float | None
     steps_lost: int | None
     false_alarm: bool | None = None
+    pause_s: float | None = None
+    """At a join: the longest the nodes already training went without completing a step, from the
+    joiner's start until the first step at the new size."""
 
 
 def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfig:
@@ -193,11 +197,13 @@ def run_trial(
         except TimeoutError:
             return Trial(backend, scenario, None, None)
         events = read_events(job.events)
+        steps = [e["t"] for e in events if e["event"] == "step" and fault - 1.0 <= e["t"] <= recovered["t"]]
+        pause = max((b - a for a, b in itertools.pairwise(steps)), default=None)
         resumed = resumed_step_after(events, fault)
         # Work redone: how far the old group got, minus where the new one resumed.
         reached = max(e["step"] for e in events if e["event"] == "step" and e["group"] == formed["group"])
         lost = None if resumed is None else reached - resumed
-        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost)
+        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause))
     finally:
         for node in nodes:
             node.stop()
@@ -237,10 +243,16 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
             )
         except TimeoutError:
             return Trial(backend, scenario, None, None)
-        lost = torchft_peer.failed_commits(torchft_peer.read(cluster.events), fault, recovered["t"], skip)
-        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost)
+        events = torchft_peer.read(cluster.events)
+        lost = torchft_peer.failed_commits(events, fault, recovered["t"], skip)
+        pause = torchft_peer.longest_pause(events, fault - 1.0, recovered["t"], skip)
+        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause))
     finally:
         cluster.close()
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -264,6 +276,10 @@ def _fmt(trials: list[Trial], timeout: float) -> tuple[str, dict[str, float] | N
     lost = [t.steps_lost for t in trials if t.steps_lost is not None]
     lost_text = f", steps lost median {statistics.median(lost):g} (max {max(lost)})" if lost else ""
     text = f"p50 {stats['p50']:.2f} s, p95 {stats['p95']:.2f} s, max {stats['max']:.2f} s over {len(trials)}"
+    pauses = [t.pause_s for t in trials if t.pause_s is not None]
+    if trials[0].scenario == "join" and pauses:
+        stats["pause_max"] = max(pauses)
+        text += f"; the others' longest pause p50 {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s"
     if len(times) < len(trials):
         text += f" ({len(trials) - len(times)} with no recovery within {timeout:g} s, counted as {timeout:g})"
         stats["failed"] = len(trials) - len(times)

@@ -15,6 +15,7 @@ step with the new number of participants.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -137,3 +138,15 @@ def failed_commits(events: list[dict[str, Any]], after: float, before: float, sk
     for event in survivors:
         per_replica[event["replica"]] = per_replica.get(event["replica"], 0) + (0 if event["committed"] else 1)
     return max(per_replica.values(), default=0)
+
+
+def longest_pause(events: list[dict[str, Any]], after: float, before: float, skip: int) -> float | None:
+    """The longest a replica other than `skip` went between committed steps in [after, before]."""
+    longest: float | None = None
+    for replica in {e["replica"] for e in events if e["replica"] != skip}:
+        times = sorted(
+            e["t"] for e in events if e["replica"] == replica and e["committed"] and after <= e["t"] <= before
+        )
+        for a, b in itertools.pairwise(times):
+            longest = b - a if longest is None else max(longest, b - a)
+    return longest

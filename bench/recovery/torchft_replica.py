@@ -2,11 +2,13 @@
 Manager, as its README's DDP example trains (`torchft.DistributedDataParallel`, `torchft.Optimizer`,
 `ProcessGroupGloo`), so the peer is measured on the same work as ours.
 
-Each step: the optimizer's `zero_grad` starts the quorum, a 32-weight linear model's forward and
-backward (its gradient all-reduced across the live replicas through the Manager), `step_time`
-seconds of work, and the commit vote (`should_commit`, then the inner optimizer's step, as
-`torchft.Optimizer.step` does), which commits only if every replica agrees. One JSON line
-per step to `--events`: wall time, replica, the Manager's step, participants, whether it committed.
+Each step: the optimizer's `zero_grad` starts the quorum, `step_time` seconds of work (the step's
+compute: as in real training it comes before the gradients' all-reduce, so a peer frozen in it
+leaves the others waiting inside the collective), a 32-weight linear model's forward and backward
+(its gradient all-reduced across the live replicas through the Manager), and the commit vote
+(`should_commit`, then the inner optimizer's step, as `torchft.Optimizer.step` does), which commits
+only if every replica agrees. One JSON line per step to `--events`: wall time, replica, the
+Manager's step, participants, whether it committed.
 
 Usage: torchft_replica.py --replica N --lighthouse ADDR --events FILE [--step-time 0.05]
        [--gloo-timeout S] [--manager-timeout S] [--quorum-timeout S]
@@ -71,10 +73,10 @@ def main() -> None:
     with args.events.open("a") as out:
         while True:
             optimizer.zero_grad()
+            time.sleep(args.step_time)  # the step's compute, before its gradients are all-reduced
             x = torch.randn(8, _DIM, generator=generator)
             loss = ((ddp(x).squeeze(1) - x @ target) ** 2).mean()
             loss.backward()
-            time.sleep(args.step_time)
             committed = manager.should_commit()  # what torchft.Optimizer.step does, keeping the vote
             if committed:
                 optimizer_inner.step()
