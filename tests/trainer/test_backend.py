@@ -162,6 +162,19 @@ def test_store_operations(etcd: EtcdServer, run_id: str) -> None:
     assert time.monotonic() - started < 2
 
 
+def test_a_blocking_read_returns_when_the_key_is_written_not_at_its_next_poll(etcd: EtcdServer, run_id: str) -> None:
+    """A poll of 5 s: a read that only polled would return at least 5 s after its first look; the
+    watch it opens while it waits returns it when the key is written."""
+    settings = EtcdV3Settings(host="127.0.0.1", port=etcd.port, run_id=run_id, store_poll_interval=5.0)
+    client = EtcdClient("127.0.0.1", etcd.port, request_timeout=2.0)
+    store = EtcdStore(client, settings, RunLease(client, 60))
+    store.set_timeout(timedelta(seconds=30))
+    threading.Timer(0.5, lambda: store.set("addr", "10.1.2.3")).start()
+    started = time.monotonic()
+    assert store.get("addr") == b"10.1.2.3"
+    assert time.monotonic() - started < 3.0
+
+
 def test_concurrent_adds_are_atomic(etcd: EtcdServer, run_id: str) -> None:
     settings = EtcdV3Settings(host="127.0.0.1", port=etcd.port, run_id=run_id)
 

@@ -4,10 +4,17 @@ torch's agents exchange the workers' master address and port, rank assignments a
 the exit barrier through a c10d `Store`. With the `c10d` backend that store is a
 TCPStore inside one agent, so losing that node loses it. Here every key lives in
 etcd under `<run prefix>store/`, attached to the writer's lease.
+
+A blocking read watches the store's prefix while it waits, so it returns when the key is
+written, not at its next poll (a round's set-up waits on several keys in a row; polls of
+20-100 ms added up to a tenth of a second or more). The poll stays as the fallback while no
+watch can be opened.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from datetime import timedelta
 
@@ -19,6 +26,8 @@ from torchspot_trainer.rendezvous.etcd_client import CasResult, EtcdClient, Etcd
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 
 _MAX_POLL = 0.1
+_WATCHED_WAIT = 1.0
+"""With a watch open, the longest a blocking read sleeps before it reads again anyway."""
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -113,26 +122,49 @@ class EtcdStore(Store):
         value: timedelta = self.timeout  # type: ignore[attr-defined]
         return value
 
+    def _read_missing(self, keys: list[str], found: dict[str, bytes]) -> None:
+        """Add to `found` the keys of `keys` that exist now (none while etcd is briefly unreachable)."""
+        try:
+            for key in keys:
+                if key not in found:
+                    kv = self._client.get(self._key(key))
+                    if kv is not None:
+                        found[key] = kv.value
+        except EtcdError:
+            pass  # keep waiting until the deadline
+
     def _wait_for(self, keys: list[str], timeout: timedelta) -> dict[str, bytes]:
         deadline = time.monotonic() + timeout.total_seconds()
         found: dict[str, bytes] = {}
         delay = self._poll
-        while True:
-            try:
-                for key in keys:
-                    if key not in found:
-                        kv = self._client.get(self._key(key))
-                        if kv is not None:
-                            found[key] = kv.value
-            except EtcdError:
-                pass  # etcd briefly unreachable: keep waiting until the deadline
-            if len(found) == len(keys):
-                return found
-            if time.monotonic() >= deadline:
-                missing = sorted(set(keys) - set(found))
-                raise DistStoreError(
-                    f"timed out after {timeout.total_seconds():g} s waiting for keys {missing} "
-                    f"in the etcd store at {self._client.endpoint}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 1.5, _MAX_POLL)
+        written = threading.Event()
+        watch: list[int] = []  # the open watch's id, if any
+
+        def on_change(change: list[str] | EtcdError) -> None:
+            if isinstance(change, EtcdError):
+                watch.clear()  # the stream ended: the poll takes over
+            written.set()
+
+        try:
+            while True:
+                self._read_missing(keys, found)
+                if len(found) == len(keys):
+                    return found
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = sorted(set(keys) - set(found))
+                    raise DistStoreError(
+                        f"timed out after {timeout.total_seconds():g} s waiting for keys {missing} "
+                        f"in the etcd store at {self._client.endpoint}"
+                    )
+                if not watch:
+                    with contextlib.suppress(EtcdError):  # no watch: the poll below
+                        watch.append(self._client.watch(self._prefix, on_change, prefix=True))
+                        continue  # read once more: a key written before the watch opened is not missed
+                written.wait(min(_WATCHED_WAIT if watch else delay, max(deadline - now, 0.0)))
+                written.clear()
+                delay = min(delay * 1.5, _MAX_POLL)
+        finally:
+            for watch_id in watch:
+                with contextlib.suppress(EtcdError):
+                    self._client.cancel_watch(watch_id)
