@@ -1,11 +1,14 @@
 """One TorchFT replica group (one process) for bench/recovery: the lab toy's step under TorchFT's
-Manager, as its README's DDP example trains (`torchft.DistributedDataParallel`, `torchft.Optimizer`,
-`ProcessGroupGloo`), so the peer is measured on the same work as ours.
+Manager with `ProcessGroupGloo` and `torchft.Optimizer`, so the peer is measured on the same work as
+ours. The gradient goes through `Manager.allreduce` (what TorchFT's DDP comm hook calls): in 0.2.0
+its `torchft.DistributedDataParallel` ends the survivors when a peer dies mid-all-reduce (the hook's
+`assert fut._fut` fails on the errored work: seen in this bench's first runs), where the Manager's
+own call turns the error into a skipped commit, its documented behaviour.
 
 Each step: the optimizer's `zero_grad` starts the quorum, `step_time` seconds of work (the step's
 compute: as in real training it comes before the gradients' all-reduce, so a peer frozen in it
-leaves the others waiting inside the collective), a 32-weight linear model's forward and backward
-(its gradient all-reduced across the live replicas through the Manager), and the commit vote
+leaves the others waiting inside the collective), a 32-weight linear model's forward and backward,
+its gradient all-reduced across the live replicas through the Manager, and the commit vote
 (`should_commit`, then the inner optimizer's step, as `torchft.Optimizer.step` does), which commits
 only if every replica agrees. One JSON line per step to `--events`: wall time, replica, the
 Manager's step, participants, whether it committed.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 from torch._C._distributed_c10d import TCPStore
-from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft import Manager, Optimizer, ProcessGroupGloo
 
 _DIM = 32
 
@@ -66,7 +69,6 @@ def main() -> None:
         lighthouse_addr=args.lighthouse,
         replica_id=f"replica_{args.replica}",
     )
-    ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, optimizer_inner)
     target = torch.linspace(-1.0, 1.0, _DIM)
     generator = torch.Generator().manual_seed(args.replica)
@@ -75,8 +77,10 @@ def main() -> None:
             optimizer.zero_grad()
             time.sleep(args.step_time)  # the step's compute, before its gradients are all-reduced
             x = torch.randn(8, _DIM, generator=generator)
-            loss = ((ddp(x).squeeze(1) - x @ target) ** 2).mean()
+            loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
             loss.backward()
+            assert model.weight.grad is not None
+            manager.allreduce(model.weight.grad).wait()  # averaged over the participants; an error skips the commit
             committed = manager.should_commit()  # what torchft.Optimizer.step does, keeping the vote
             if committed:
                 optimizer_inner.step()
