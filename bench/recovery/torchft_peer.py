@@ -16,7 +16,6 @@ step with the new number of participants.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -24,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from torchspot_lab.local import read_events
 
 HERE = Path(__file__).resolve().parent
 REPLICA = HERE / "torchft_replica.py"
@@ -48,15 +49,7 @@ SETTINGS = {
 
 def read(events: Path) -> list[dict[str, Any]]:
     """Every step record the replicas wrote so far (a line being written is skipped)."""
-    if not events.exists():
-        return []
-    records = []
-    for line in events.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_events(events)
 
 
 class Cluster:

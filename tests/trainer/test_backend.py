@@ -404,6 +404,9 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
         c.leave()
         assert node_leaving()  # its workers know before the others can see it gone
         assert wait_for(a.num_nodes_waiting, timeout=5, what="the member's departure") == 1
+        # It left while still putting its liveness key: the workers keep their own grace (2 s) to
+        # finish the step, where the leaving node's emergency checkpoint is written.
+        assert Path(os.environ[PEER_LOST_ENV]).read_text() == ""
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
         assert b.num_nodes_waiting() == 0
     finally:

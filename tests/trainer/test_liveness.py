@@ -103,8 +103,9 @@ def test_no_false_alarm_under_pauses_and_a_cpu_hog_then_a_frozen_node_is_found_i
     etcd: EtcdServer, run_id: str
 ) -> None:
     """Three agents in processes of their own. For 10 s busy loops hold every core while one agent
-    is stopped three times for 0.5 s: nobody sees a change. Then that agent is stopped for good:
-    both others see it gone in under 2.5 s (torch's heartbeat alone would take 15 s here)."""
+    is stopped three times for 0.5 s: nobody sees a change. Then that agent is stopped: both others
+    see it gone in under 2.5 s (torch's heartbeat alone would take 15 s here), and once thawed it
+    sees that it is out (its agent would rejoin as a new member)."""
     agents = [_Agent(etcd, run_id) for _ in range(3)]
     hogs: list[subprocess.Popen[bytes]] = []
     try:
@@ -127,6 +128,8 @@ def test_no_false_alarm_under_pauses_and_a_cpu_hog_then_a_frozen_node_is_found_i
         wait_for(lambda: all(agent.said("changed") for agent in agents[:2]), timeout=20, what="the frozen node found")
         seen = [float(agent.said("changed")[0].split()[1]) - frozen for agent in agents[:2]]
         assert max(seen) < 2.5, seen
+        victim.send_signal(signal.SIGCONT)  # thawed, it finds itself out of the round it trained in
+        wait_for(lambda: agents[2].said("changed"), timeout=20, what="the thawed node seeing its round end")
     finally:
         for hog_process in hogs:
             hog_process.kill()

@@ -44,8 +44,9 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    not joined the new one yet.
 
 This subclass reads and replaces attributes of torch's handler (`_state_holder`,
-`_heartbeat_lock`, `_op_executor`, `_this_node`), extends its state holder's
-`_sanitize` (reading `_dead_nodes`), and runs torch's op executor with its own
+`_heartbeat_lock`, `_op_executor`, `_this_node`, `_bootstrap_store_info`,
+`_shared_tcp_store_server`), extends its state holder's `_sanitize` (reading
+`_dead_nodes`) and expires its cache (`_last_sync_time`), and runs torch's op executor with its own
 ops; torch is pinned to 2.13.0 and the tests exercise all of it.
 """
 
@@ -127,8 +128,8 @@ def evict_node(holder: _BackendRendezvousStateHolder, settings: Any, name: str, 
     for _ in range(attempts):
         holder.sync()
         state = holder.state
-        found = {n for n in (*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats)}
-        nodes = [node for node in found if str(node) == name]
+        known = {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
+        nodes = [node for node in known if str(node) == name]
         if not nodes:
             return None
         removed = False
@@ -282,9 +283,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             changed, reason = membership_changed(*self._joined, state)
             if changed:
                 log.warning("rendezvous %s: %s; re-forming", self._settings.run_id, reason)
-                if lost_members(self._joined[1], state):
-                    grace = self._etcd_settings.liveness_timeout / 2  # 0 (liveness off): the worker's default
-                    _peer_lost_marker().write_text(f"{grace:g}" if grace else "")
+                lost = lost_members(self._joined[1], state)
+                if lost:
+                    _peer_lost_marker().write_text(self._lost_grace(lost))
                 _marker(RESTART_MARKER).touch()
                 self._change_reported = True
                 return max(waiting, 1)
@@ -292,6 +293,18 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             _marker(RESTART_MARKER).touch()
             self._change_reported = True
         return waiting
+
+    def _lost_grace(self, lost: list[str]) -> str:
+        """What the peer-lost marker says of the workers' grace after their last step boundary
+        (signals.stuck_wait): half the liveness timeout when every lost member fell silent (nothing
+        more will come from it); nothing, so the workers' own 2 s, when one was still putting its
+        liveness key as it went (a node leaving on notice: its workers finish the step, and their
+        emergency checkpoint needs the others at that boundary; a CI run of the sandbox lost it with
+        0.5 s), or without liveness."""
+        liveness = self._liveness
+        if liveness is None or not all(liveness.silent(name) for name in lost):
+            return ""
+        return f"{self._etcd_settings.liveness_timeout / 2:g}"
 
     def shutdown(self) -> bool:
         """Close the rendezvous; the last agent to leave deletes the run's keys.

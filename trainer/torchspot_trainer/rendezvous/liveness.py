@@ -140,6 +140,13 @@ class Liveness:
         with self._lock:
             self._evicted.difference_update(names)
 
+    def silent(self, name: str) -> bool:
+        """Whether `name` has been silent for at least CORROBORATED_PUTS puts (or was never heard from):
+        a node taken out for silence, as opposed to one that left while still putting its key."""
+        with self._lock:
+            last = self._receipts.get(name)
+        return last is None or time.monotonic() - last >= CORROBORATED_PUTS * self._interval
+
     def receipts(self) -> dict[str, float]:
         """When each node's last put arrived (monotonic), for tests and logs."""
         with self._lock:
