@@ -68,8 +68,8 @@ def peer_lost(environ: Mapping[str, str] = os.environ) -> bool:
 
 def peer_lost_grace(environ: Mapping[str, str] = os.environ) -> float | None:
     """The seconds after its last step boundary a worker told of a lost peer still waits, as the
-    agent wrote them in the marker (half its liveness timeout: a peer silent that long is not
-    merely slow); None without a marker or a number in it (the worker's own default then)."""
+    agent wrote them in the marker (half its liveness timeout, for a peer that fell silent: it is
+    not merely slow); None without a marker or a number in it (the worker's own default then)."""
     path = environ.get(PEER_LOST_ENV, "")
     try:
         return float(Path(path).read_text().strip()) if path else None

@@ -45,7 +45,8 @@ EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
 PEER_LOST_GRACE = 2.0
 """Seconds after its last step boundary that a worker told of a lost peer still waits for the
 next, unless its agent wrote another figure in the marker (`markers.peer_lost_grace`: half the
-liveness timeout, 0.5 s by default): a peer that was only slow lets the step finish. Counted from
+liveness timeout, 0.5 s by default, for a peer that fell silent; a peer that left alive, on notice,
+keeps this one): a peer that was only slow lets the step finish. Counted from
 the boundary, not from the SIGTERM: a peer is declared lost only after it was silent for a while,
 and a worker stuck with it since then has nothing more to wait for."""
 
