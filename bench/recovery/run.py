@@ -217,7 +217,7 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
     try:
         for replica in range(initial):
             cluster.start(replica)
-        wait_for(lambda: torchft_peer.steady(torchft_peer.read(cluster.events), initial, 25), 120,
+        wait_for(lambda: torchft_peer.steady(read_events(cluster.events), initial, 25), 120,
                  f"{backend}: {initial} replicas committing")  # fmt: skip
         time.sleep(rng.uniform(0, STEP_TIME + 0.01))
         if scenario == "falsealarm":
@@ -225,7 +225,7 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
             hog_and_pause(
                 lambda: cluster.signal(victim, signal.SIGSTOP), lambda: cluster.signal(victim, signal.SIGCONT)
             )
-            events = [e for e in torchft_peer.read(cluster.events) if e["t"] > began and e["committed"]]
+            events = [e for e in read_events(cluster.events) if e["t"] > began and e["committed"]]
             return Trial(backend, scenario, None, None, false_alarm=any(e["participants"] < initial for e in events))
         fault = time.time()
         if scenario == "join":
@@ -237,13 +237,13 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
             target, skip = 2, victim
         try:
             recovered = wait_for(
-                lambda: torchft_peer.first_commit_at(torchft_peer.read(cluster.events), target, fault, skip),
+                lambda: torchft_peer.first_commit_at(read_events(cluster.events), target, fault, skip),
                 timeout,
                 "recovery",
             )
         except TimeoutError:
             return Trial(backend, scenario, None, None)
-        events = torchft_peer.read(cluster.events)
+        events = read_events(cluster.events)
         lost = torchft_peer.failed_commits(events, fault, recovered["t"], skip)
         pause = torchft_peer.longest_pause(events, fault - 1.0, recovered["t"], skip)
         return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause))

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchspot_lab.local import read_events
-
 HERE = Path(__file__).resolve().parent
 REPLICA = HERE / "torchft_replica.py"
 
@@ -45,11 +43,6 @@ SETTINGS = {
     "torchft-1s": Settings(1000, 10_000, 5.0, 5.0),
     "torchft-0.5s": Settings(500, 10_000, 2.0, 2.0),
 }
-
-
-def read(events: Path) -> list[dict[str, Any]]:
-    """Every step record the replicas wrote so far (a line being written is skipped)."""
-    return read_events(events)
 
 
 class Cluster:

@@ -71,11 +71,26 @@ def test_parse_settings_defaults_and_overrides() -> None:
         ("etcd:2379", "job", {"lease_ttl": "1.5"}, "--rdzv-conf lease_ttl"),
         ("etcd:2379", "job", {"lease_ttl": "4"}, "--rdzv-conf lease_ttl"),
         ("etcd:2379", "job", {"connect_timeout": "-1"}, "--rdzv-conf connect_timeout"),
+        ("etcd:2379", "job", {"liveness_interval": "0.01"}, "--rdzv-conf liveness_interval"),
+        ("etcd:2379", "job", {"liveness_timeout": "-1"}, "--rdzv-conf liveness_timeout"),
+        (
+            "etcd:2379",
+            "job",
+            {"liveness_timeout": "0.5"},
+            "--rdzv-conf liveness_timeout=0.5: must be 0 .off. or at least",
+        ),
     ],
 )
 def test_parse_settings_rejects(endpoint: str, run_id: str, conf: dict[str, object], flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
         parse_settings(endpoint, run_id, conf)
+
+
+def test_liveness_can_be_turned_off_and_its_timeout_follows_its_interval() -> None:
+    """0 leaves detection to torch's heartbeat; a timeout of three intervals is the least accepted."""
+    assert parse_settings("etcd:2379", "job", {"liveness_timeout": "0"}).liveness_timeout == 0
+    tuned = parse_settings("etcd:2379", "job", {"liveness_interval": "0.5", "liveness_timeout": "1.5"})
+    assert (tuned.liveness_interval, tuned.liveness_timeout) == (0.5, 1.5)
 
 
 def test_parse_rdzv_conf() -> None:

@@ -220,14 +220,6 @@ def replacement(version: tuple[int, int, int] | None, *, loss_only: bool) -> Rep
     return Replace.SHRINK
 
 
-def nccl_version() -> tuple[int, int, int] | None:
-    """The NCCL torch was built with, None where it has none (a CPU build)."""
-    if not dist.is_nccl_available():
-        return None
-    found = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    return (found[0], found[1], found[2]) if isinstance(found, tuple) else None
-
-
 def generation_options(timeout: timedelta) -> Any:
     """ProcessGroupNCCL's options for one generation: non-blocking (`config.blocking = False`: its
     init and collectives return at once and stay abortable, where a blocking init with a dead peer

@@ -400,7 +400,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         members = self._previous[1] if joined is None else joined[1]
         return frozenset(map(str, members))
 
-    def _evict(self, name: str) -> bool:
+    def _evict(self, name: str) -> None:
         """Take `name` out of the rendezvous (liveness.py found it lost): say it departed, for the
         agents completing the next round early, then one compare-and-set on the state. With a
         state holder of its own: the judging thread runs beside the agent's."""
@@ -413,7 +413,6 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             self._watch.found_dead.setdefault(name, round_)
             log.warning("rendezvous %s: node %s taken out of round %d", self._settings.run_id, name, round_)
         self._watch.expire()  # the agent's next look reads the change
-        return True
 
     def _round_ready(self, state: Any) -> bool:
         """complete_early for the forming round; etcd is asked who departed only while a

@@ -72,8 +72,8 @@ class Liveness:
 
     :param members: the names of the nodes to judge now (our round's, or the previous one's
         while a new round forms); called from the judging thread.
-    :param evict: takes a lost node out of the rendezvous; True when this call did it or found it
-        gone, False to try again at the next look.
+    :param evict: takes a lost node out of the rendezvous (or finds it gone already); an exception
+        means the next look tries again.
     :param state_key: the rendezvous state's key, and `on_state`, called on the watch thread
         whenever it is written (quickly: it delays the next liveness receipt).
     """
@@ -88,7 +88,7 @@ class Liveness:
         interval: float,
         timeout: float,
         members: Callable[[], frozenset[str]],
-        evict: Callable[[str], bool],
+        evict: Callable[[str], None],
         state_key: str,
         on_state: Callable[[], None],
     ) -> None:
@@ -147,11 +147,6 @@ class Liveness:
             last = self._receipts.get(name)
         return last is None or time.monotonic() - last >= CORROBORATED_PUTS * self._interval
 
-    def receipts(self) -> dict[str, float]:
-        """When each node's last put arrived (monotonic), for tests and logs."""
-        with self._lock:
-            return dict(self._receipts)
-
     def _put_loop(self) -> None:
         key = f"{self._prefix}{self._me}"
         while not self._stop.is_set():
@@ -202,17 +197,18 @@ class Liveness:
                 timeout = min(timeout, CORROBORATED_PUTS * self._interval)
             with self._lock:
                 receipts = dict(self._receipts)
+                evicted = set(self._evicted)
             for name in stale_members(receipts, self._members(), self._me, now, timeout):
-                if name in self._evicted:
+                if name in evicted:
                     continue
                 age = now - receipts[name]
                 log.warning("rendezvous: node %s sent no liveness for %.2f s; taking it out of the round", name, age)
                 try:
-                    done = self._evict(name)
+                    self._evict(name)
                 except Exception as exc:  # the next look tries again; torch's heartbeat is the backstop
                     self._warn(f"node {name} not evicted ({exc})")
                     continue
-                if done:
+                with self._lock:
                     self._evicted.add(name)
 
     def _warn(self, message: str) -> None:
