@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, marker_beside
+
 
 @pytest.fixture(autouse=True)
-def _liveness_stopped() -> Iterator[None]:
-    """Stop the liveness threads of the rendezvous handlers a test made in this process: an agent's
-    end with its process, a test's would go on writing to an etcd the test has stopped."""
+def _handlers_left_clean() -> Iterator[None]:
+    """What the rendezvous handlers a test made in this process leave behind, undone: their liveness
+    threads stopped (an agent's end with its process, a test's would go on writing to an etcd the
+    test has stopped) and the leaving marker removed (handlers in one process share its markers: one
+    that left, in test_backend or test_liveness, must not mark the next test's)."""
     yield
+    if PEER_LOST_ENV in os.environ:
+        Path(marker_beside(os.environ[PEER_LOST_ENV], LEAVING_MARKER)).unlink(missing_ok=True)
     handler_module = sys.modules.get("torchspot_trainer.rendezvous.handler")
     if handler_module is None:  # no handler made here
         return

@@ -7,7 +7,6 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
-from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, marker_beside, node_leaving
+from torchspot_trainer.markers import PEER_LOST_ENV, node_leaving
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient
@@ -365,14 +364,6 @@ def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
     state = _state(8, ["a", "b"], complete=False, last_heartbeats={"a": 0, "b": 0})
     assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=3) is False
     assert complete_early(frozenset(), "a", state, min_nodes=1) is False  # a first round waits its last call
-
-
-@pytest.fixture(autouse=True)
-def _no_leaving_marker_left() -> Iterator[None]:
-    """Handlers in this process share its markers: one that left must not mark the next test's."""
-    yield
-    if PEER_LOST_ENV in os.environ:
-        Path(marker_beside(os.environ[PEER_LOST_ENV], LEAVING_MARKER)).unlink(missing_ok=True)
 
 
 def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:

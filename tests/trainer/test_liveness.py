@@ -62,7 +62,12 @@ def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_nod
         assert _join(handlers) == [(0, 3), (1, 3), (2, 3)]
         for survivor in (a, b):
             assert survivor._liveness is not None
-            survivor._liveness.corroborate()  # what next_rendezvous does after its workers failed
+            # A member that trained a while: the survivors have heard from it (one never heard from
+            # is left to torch's heartbeat, 15 s here, and the round could have formed before a put).
+            heard = survivor._liveness
+            heard_from_c = lambda: str(c._this_node) in heard._receipts  # noqa: B023, E731 - called in this iteration
+            wait_for(heard_from_c, 5, what="a put of the member")
+            heard.corroborate()  # what next_rendezvous does after its workers failed
         assert c._liveness is not None
         c._liveness.stop()
         c._stop_heartbeats()  # a killed node: nothing more from it

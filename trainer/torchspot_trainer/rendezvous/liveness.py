@@ -141,11 +141,13 @@ class Liveness:
             self._evicted.difference_update(names)
 
     def silent(self, name: str) -> bool:
-        """Whether `name` has been silent for at least CORROBORATED_PUTS puts (or was never heard from):
-        a node taken out for silence, as opposed to one that left while still putting its key."""
+        """Whether `name` has been silent for at least CORROBORATED_PUTS puts: a node taken out for
+        silence, as opposed to one that left while still putting its key. Not a node never heard from
+        since the watch opened (as `stale_members`, which leaves it to torch): a node that leaves on
+        notice right after joining is one, and the short grace would cost its emergency checkpoint."""
         with self._lock:
             last = self._receipts.get(name)
-        return last is None or time.monotonic() - last >= CORROBORATED_PUTS * self._interval
+        return last is not None and time.monotonic() - last >= CORROBORATED_PUTS * self._interval
 
     def _put_loop(self) -> None:
         key = f"{self._prefix}{self._me}"
