@@ -62,10 +62,18 @@ def _events(job: JobConfig) -> list[dict[str, Any]]:
     return read_events(job.events)
 
 
-def _await_world(job: JobConfig, world: int, after: float, timeout: float) -> dict[str, Any]:
-    found: dict[str, Any] = wait_for(
-        lambda: first_step_at(_events(job), world, after), timeout, f"a step at world size {world}"
-    )
+def _await_world(
+    job: JobConfig, world: int, after: float, timeout: float, show: list[LocalNode] | None = None
+) -> dict[str, Any]:
+    """The first step at `world` after `after`; on a timeout, say how training ended and show `show`'s logs."""
+    try:
+        found: dict[str, Any] = wait_for(
+            lambda: first_step_at(_events(job), world, after), timeout, f"a step at world size {world}"
+        )
+    except TimeoutError as exc:
+        done = [e for e in _events(job) if e["event"] == "done"]
+        logs = "\n".join(f"--- {n.name}\n{n.log_tail()}" for n in show or [])
+        pytest.fail(f"{exc}; done events: {done}\n{logs}")
     return found
 
 
@@ -111,11 +119,13 @@ def _assert_same_group_trains_on(job: JobConfig, formed: dict[str, Any], *, sinc
     assert groups_after == {formed["group"]}, why
 
 
-@pytest.mark.slow(seconds=28)
+@pytest.mark.slow(seconds=40)
 def test_forms_group_assigns_ranks_and_admits_late_joiner(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
-    job = _job(tmp_path, etcd, run_id, nnodes="2:3", steps=300)
+    # Enough steps that two nodes cannot finish before the third is admitted on loaded CI cores
+    # (about 19 steps a second: 300, 16 s, ran out once in CI while the joiner was still starting).
+    job = _job(tmp_path, etcd, run_id, nnodes="2:3", steps=500)
     first = nodes(job, 2)
     two = _await_world(job, 2, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, two["group"])) == 2, 10, "both ranks to join")
@@ -128,7 +138,7 @@ def test_forms_group_assigns_ranks_and_admits_late_joiner(
 
     joined_at = time.time()
     late = nodes(job, 1)
-    three = _await_world(job, 3, joined_at, RECOVER)
+    three = _await_world(job, 3, joined_at, RECOVER, show=first + late)
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all three ranks to join")
     assert _ranks_of_group(job, three["group"]) == [0, 1, 2]
     # Rank 0's agent reports each round where the operator reads it.
