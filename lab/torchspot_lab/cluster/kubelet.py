@@ -36,6 +36,7 @@ from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.local import signal_tree
 from torchspot_operator import certs, conditions, constants
 from torchspot_operator.kube import Kube
+from torchspot_trainer import SNAPSHOT_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +304,9 @@ class Kubelet:
             return None  # a Secret or Service it needs is not there yet: try again next round
         mounts.update(secrets)
         env = {key: ",".join(rewrite_path(part, mounts) for part in value.split(",")) for key, value in env.items()}
+        # A container's /tmp is its own and goes with the pod; here the trainer's node snapshot (100 MB for
+        # a ResNet-18, left behind by every killed node) would pile up in this machine's /tmp instead.
+        env.setdefault(SNAPSHOT_DIR_ENV, str(folder / "snapshots"))
         args = [rewrite_path(expand(str(a), env), mounts) for a in command]
         with running.log_path.open("ab") as out:
             running.process = subprocess.Popen(

@@ -40,10 +40,9 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from torchspot_trainer import SNAPSHOT_DIR_ENV
 
-SNAPSHOT_DIR_ENV = "TORCHSPOT_SNAPSHOT_DIR"
-"""Environment variable naming the folder of the node-local snapshots (default: the temp folder)."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
