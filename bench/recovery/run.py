@@ -22,6 +22,9 @@ comparison is about noticing the fault, not about that single point of failure.
 Backends:
 - `etcd-v3`: torchspot-run with our backend and its defaults (the restart path: every
   worker restarted, forked from the agent's warm server);
+- `etcd-v3-inplace`: the same agents, the toy program with `--in-place`: registered workers
+  re-form their gloo group in the processes they run in (handover.py). The toy, not
+  yet the project's trainer;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
   torch's defaults;
 - `etcd-v2-tuned`: the same with our heartbeat and last-call settings
@@ -68,7 +71,8 @@ from torchspot_lab.local import (
     wait_for,
 )
 
-BACKENDS = ("etcd-v3", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS)
+BACKENDS = ("etcd-v3", "etcd-v3-inplace", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS)
+OURS = ("etcd-v3", "etcd-v3-inplace")
 SCENARIOS = ("join", "hard", "frozen", "notice", "falsealarm")
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "recovery.json"
 STEP_TIME = 0.05
@@ -94,6 +98,8 @@ class Trial:
     pause_s: float | None = None
     """At a join: the longest the nodes already training went without completing a step, from the
     joiner's start until the first step at the new size."""
+    restarted: int | None = None
+    """Survivors whose worker process is not the one they had before the fault (0 in place)."""
 
 
 def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfig:
@@ -107,6 +113,10 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
     }
     if backend == "etcd-v3":
         return JobConfig(backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", **common)
+    if backend == "etcd-v3-inplace":
+        return JobConfig(
+            backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", toy_args=["--in-place"], **common
+        )
     if backend == "etcd-v2":
         return JobConfig(backend="etcd-v2", endpoint=etcd.endpoint, launcher="torchrun", **common)
     if backend == "etcd-v2-tuned":
@@ -119,6 +129,11 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
 
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:
     return ranks_of_group(read_events(job.events), group)
+
+
+def _pids(events: list[dict[str, Any]], group: str) -> dict[str, int]:
+    """Node -> its worker's process id in one group, from the group's `joined` events."""
+    return {e["node"]: e["pid"] for e in events if e["event"] == "joined" and e["group"] == group and "pid" in e}
 
 
 def _highest_rank_node(job: JobConfig, group: str) -> str:
@@ -203,7 +218,11 @@ def run_trial(
         # Work redone: how far the old group got, minus where the new one resumed.
         reached = max(e["step"] for e in events if e["event"] == "step" and e["group"] == formed["group"])
         lost = None if resumed is None else reached - resumed
-        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause))
+        before, after = _pids(events, formed["group"]), _pids(events, recovered["group"])
+        restarted = sum(1 for name, pid in before.items() if name in after and after[name] != pid)
+        return Trial(
+            backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause), restarted=restarted
+        )
     finally:
         for node in nodes:
             node.stop()
@@ -275,6 +294,9 @@ def _fmt(trials: list[Trial], timeout: float) -> tuple[str, dict[str, float] | N
     stats = {"p50": statistics.median(counted), "p95": percentile(counted, 95), "max": max(counted)}
     lost = [t.steps_lost for t in trials if t.steps_lost is not None]
     lost_text = f", steps lost median {statistics.median(lost):g} (max {max(lost)})" if lost else ""
+    restarted = [t.restarted for t in trials if t.restarted is not None]
+    if restarted:
+        lost_text += f", survivors' processes restarted max {max(restarted)}"
     text = f"p50 {stats['p50']:.2f} s, p95 {stats['p95']:.2f} s, max {stats['max']:.2f} s over {len(trials)}"
     pauses = [t.pause_s for t in trials if t.pause_s is not None]
     if trials[0].scenario == "join" and pauses:
@@ -317,7 +339,7 @@ def main() -> None:
                             shown = "a node dropped" if trial.false_alarm else "nobody dropped"
                         else:
                             shown = "none" if trial.recovery_s is None else f"{trial.recovery_s:.2f} s"
-                            shown = f"recovery {shown}, steps lost {trial.steps_lost}"
+                            shown = f"recovery {shown}, steps lost {trial.steps_lost}, restarted {trial.restarted}"
                         print(f"[{rep + 1}/{args.reps}] {scenario:10} {backend:14} {shown}", flush=True)
 
     print("\nRecovery: fault -> first step at the new world size (toy gloo step, 1 process per node)")
@@ -329,14 +351,15 @@ def main() -> None:
             mine = [t for t in trials if t.backend == backend and t.scenario == scenario]
             text, stats[backend] = _fmt(mine, args.timeout)
             print(f"  {backend:14} {text}")
-        ours = stats.get("etcd-v3")
-        others = {b: v for b, v in stats.items() if b != "etcd-v3" and v is not None}
-        if ours is not None and others:
-            best = min(others, key=lambda b: others[b]["max"])
-            bound = ">= " if "failed" in others[best] else ""
-            print(f"  ratio of the maxima, {best} / etcd-v3: {bound}{others[best]['max'] / ours['max']:.2f}x")
-        elif ours is not None and len(stats) > 1:
-            print(f"  ratio: no other backend recovered every trial within {args.timeout:g} s")
+        others = {b: v for b, v in stats.items() if b not in OURS and v is not None}
+        for mode in OURS:
+            ours = stats.get(mode)
+            if ours is not None and others:
+                best = min(others, key=lambda b: others[b]["max"])
+                bound = ">= " if "failed" in others[best] else ""
+                print(f"  ratio of the maxima, {best} / {mode}: {bound}{others[best]['max'] / ours['max']:.2f}x")
+            elif ours is not None and len(stats) > 1:
+                print(f"  ratio ({mode}): no other backend recovered every trial within {args.timeout:g} s")
         summary[scenario] = stats
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"trials": [t.__dict__ for t in trials], "summary": summary}, indent=2))

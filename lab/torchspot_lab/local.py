@@ -75,6 +75,8 @@ class JobConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     program: list[str] = field(default_factory=list)
     """The worker program and its arguments (default: the toy program with the fields above)."""
+    toy_args: list[str] = field(default_factory=list)
+    """More of the toy program's flags (`--in-place`, `--stop-file`...)."""
 
     @property
     def events(self) -> Path:
@@ -111,6 +113,7 @@ class JobConfig:
             "--ckpt-every", str(self.ckpt_every),
             "--step-time", str(self.step_time),
             "--events", str(self.events),
+            *self.toy_args,
         ]  # fmt: skip
 
 

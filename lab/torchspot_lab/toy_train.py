@@ -13,6 +13,13 @@ recovery:
 - `ckpt`: a checkpoint was committed;
 - `done`: the last step completed.
 
+With `--in-place` it re-forms in place instead (handover.py, live.py): it registers with
+its agent, every membership change hands it the next round, and it rebuilds only its gloo group;
+at each generation's start the ranks agree on the newest step and take the weights from the lowest
+rank holding it (a joiner, or a worker its agent restarted, is healed from a live peer). Each
+generation writes `start` (the step it goes on from) and every rank `joined`, as a restart does;
+`generation` then names the group. At the end every rank writes `finished` with its weights.
+
 The full trainer (ResNet, exact-once data, Blob checkpoints) is a separate program;
 this one stays small so an agent restart costs what torch costs, not what a model costs.
 """
@@ -28,6 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from torchspot_trainer.handover import Handover
+from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest, wait_for_assignment
 
 _DIM = 32
 
@@ -73,7 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds of work per step")
     parser.add_argument("--events", type=Path, required=True, help="JSON-lines event file")
+    parser.add_argument("--in-place", action="store_true", help="re-form in place at a membership change")
+    parser.add_argument("--stop-file", type=Path, help="stop at the step this file names, once it exists")
+    parser.add_argument(
+        "--deaf-node",
+        default="",
+        help="with --in-place: on this node never acknowledge a round (its agent restarts it)",
+    )
     args = parser.parse_args(argv)
+    if args.in_place:
+        _InPlace(args).run()
+        return
 
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,14 +109,14 @@ def main(argv: list[str] | None = None) -> None:
     step = int(start.item())
     # What the launcher set for NCCL (nccl.py) reaches the worker whatever torchrun's agent would set.
     nccl = {key: os.environ.get(key) for key in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_RETHROW_CUDA_ERRORS")}
-    _emit(args.events, "joined", rank=rank, world=world, nccl=nccl)
+    _emit(args.events, "joined", rank=rank, world=world, nccl=nccl, pid=os.getpid())
     if rank == 0:
         _emit(args.events, "start", step=step, world=world,
               restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))  # fmt: skip
 
     target = torch.linspace(-1.0, 1.0, _DIM)
     generator = torch.Generator().manual_seed(rank)
-    while step < args.steps:
+    while step < _last_step(args):
         x = torch.randn(_DIM, generator=generator)
         grad = (w - target) + 0.01 * x
         dist.all_reduce(grad)
@@ -105,12 +125,108 @@ def main(argv: list[str] | None = None) -> None:
         step += 1
         if rank == 0:
             _emit(args.events, "step", step=step, world=world)
-            if step % args.ckpt_every == 0 or step == args.steps:
+            if step % args.ckpt_every == 0 or step == _last_step(args):
                 _save(args.ckpt_dir, step, w)
                 _emit(args.events, "ckpt", step=step)
     if rank == 0:
         _emit(args.events, "done", step=step, world=world, loss=float((w - target).norm()))
     dist.destroy_process_group()
+
+
+def _last_step(args: argparse.Namespace) -> int:
+    """`--steps`, or the step `--stop-file` names once it exists (every rank reads the same)."""
+    if args.stop_file is not None:
+        try:
+            return min(int(args.steps), int(args.stop_file.read_text()))
+        except (OSError, ValueError):
+            pass
+    return int(args.steps)
+
+
+KEEP: list[object] = []
+"""The live group and its graveyard, referenced until the process ends (launch.run_program says why)."""
+DEADLINE = 30.0
+"""Seconds a collective or a wait for the next round may take before the worker takes the restart path."""
+
+
+class _Deaf(Handover):
+    """`--deaf-node`: a worker that never acknowledges a round (as one stuck holding the GIL would
+    not), for the tests of its agent's fallback to the restart path."""
+
+    def _acknowledge(self, generation: int) -> None:
+        pass
+
+
+class _InPlace:
+    """The loop of `--in-place` (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        deaf = os.environ.get("TORCHSPOT_NODE", "?") == args.deaf_node
+        self.handover = _Deaf.from_environment() if deaf else Handover.from_environment()
+        self.live = LiveGroup()
+        KEEP.append(self.live)
+        self.generation = -1
+
+    def heal(self, step: int, w: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """The newest step and its weights, from the lowest rank holding it; None if the group failed."""
+        rows = self.live.agree([float(step)], time.monotonic() + DEADLINE)
+        if rows is None:
+            return None
+        _, source = newest(rows)
+        state = torch.cat([w, torch.tensor([float(step)])])
+        if self.live.broadcast(state, source, time.monotonic() + DEADLINE) is not Outcome.DONE:
+            return None
+        return int(state[-1]), state[:-1].clone()
+
+    def next_generation(self, step: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Enter the first round newer than the current one that forms; the state healed in it."""
+        while True:
+            assignment = wait_for_assignment(self.handover.read, self.generation, time.monotonic() + DEADLINE)
+            if assignment is None:
+                raise SystemExit(f"no round handed over within {DEADLINE:g} s")  # the restart path
+            self.generation = assignment.generation
+            if self.handover.enter(self.live, assignment, time.monotonic() + DEADLINE):
+                healed = self.heal(step, w)
+                if healed is not None:
+                    break
+            # It did not form, or failed at once (a peer restarted, a newer round came): the next one.
+        os.environ["MASTER_PORT"] = str(self.generation)  # names the group in _emit's records
+        _emit(self.args.events, "joined", rank=self.live.rank, world=self.live.world, pid=os.getpid())
+        if self.live.rank == 0:
+            _emit(self.args.events, "start", step=healed[0], world=self.live.world, generation=self.generation)
+        return healed
+
+    def run(self) -> None:
+        args, live = self.args, self.live
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.handover.register()
+        found = _newest_checkpoint(args.ckpt_dir)
+        step, w = self.next_generation(*(found if found else (0, torch.zeros(_DIM))))
+        self.handover.watch(live)
+        target = torch.linspace(-1.0, 1.0, _DIM)
+        generator = torch.Generator().manual_seed(live.rank)
+        while step < _last_step(args):
+            x = torch.randn(_DIM, generator=generator)
+            grad = (w - target) + 0.01 * x
+            outcome = live.all_reduce(grad, time.monotonic() + DEADLINE)
+            if outcome is not Outcome.DONE:
+                if outcome is Outcome.FAILED:
+                    self.handover.report_failure()
+                step, w = self.next_generation(step, w)
+                continue
+            w -= 0.1 * grad / live.world
+            time.sleep(args.step_time)
+            step += 1
+            if live.rank == 0:
+                _emit(args.events, "step", step=step, world=live.world)
+                if step % args.ckpt_every == 0:
+                    _save(args.ckpt_dir, step, w)
+                    _emit(args.events, "ckpt", step=step)
+        self.handover.stop()
+        _emit(args.events, "finished", rank=live.rank, step=step, w=w.tolist())
+        if live.rank == 0:
+            _emit(args.events, "done", step=step, world=live.world, loss=float((w - target).norm()))
 
 
 if __name__ == "__main__":

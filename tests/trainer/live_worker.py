@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from torchspot_trainer.recovery.live import Assignment, LiveGroup, Outcome, newest, wait_for_assignment
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest, wait_for_assignment
 
 GENERATIONS = 4
 DEADLINE = 20.0
@@ -60,7 +61,7 @@ def main(node: str, folder_text: str, partial: str = "-1") -> None:
     live = LiveGroup()
     first = wait_for_assignment(lambda: read_assignment(folder, node), -1, time.monotonic() + 60)
     assert first is not None
-    live.reconfigure(first)
+    assert live.reconfigure(first, time.monotonic() + DEADLINE)
 
     def watch() -> None:  # the hand-over: a newer assignment breaks the current generation at once
         while True:
@@ -102,7 +103,7 @@ def main(node: str, folder_text: str, partial: str = "-1") -> None:
         if new.rank < 0:  # left out: this node is gone from the job; its process lingers a moment, so
             time.sleep(3.0)  # that the collective it was frozen in can complete at its peers
             break
-        live.reconfigure(new)
+        assert live.reconfigure(new, time.monotonic() + DEADLINE), "the new generation did not form"
         rows = live.agree([float(counts.sum())], time.monotonic() + DEADLINE)
         assert rows is not None, "the new generation failed at once"
         _, source = newest(rows)

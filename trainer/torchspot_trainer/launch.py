@@ -24,6 +24,7 @@ import sys
 from collections.abc import Mapping
 from types import FrameType
 
+import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
@@ -33,6 +34,7 @@ from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
 from torchspot_trainer import ENV_PREFIX
+from torchspot_trainer.handover import InPlaceAgent
 from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
@@ -244,6 +246,13 @@ def _launch_forked(args: argparse.Namespace) -> None:
     elastic_launch(config=config, entrypoint=run_program)(args.training_script, kind, *args.training_script_args)
 
 
+def use_in_place_agent() -> None:
+    """Make torchrun's launch build our InPlaceAgent (handover.py) instead of torch's local
+    agent, which it names in its module: the same agent for every program, which re-forms in place
+    only the workers that register for it."""
+    launcher_api.LocalElasticAgent = InPlaceAgent  # type: ignore[attr-defined]
+
+
 def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM: take our node out of the rendezvous, then what torch's handler does (raise
     SignalException, so the agent stops its workers and exits). The other nodes re-form at
@@ -322,6 +331,7 @@ def _launch(args: argparse.Namespace) -> None:
     stage_data(args)  # before the rendezvous: a joiner's copy must not hold the others' set-up
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)
+        use_in_place_agent()
     try:
         if forks_workers(args):
             _launch_forked(args)

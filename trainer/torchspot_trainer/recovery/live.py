@@ -17,7 +17,10 @@ experiments with gloo showed, and how this module answers each:
   (`Outcome`), never by hanging.
 - **An old group's destructor blocks for its op timeout** (about 10 s with a 10 s timeout) while a
   zombie op is pending: old groups go to a *graveyard* that holds them, never freed on the training
-  thread; at most `GRAVEYARD` of them, after which the worker must take the restart path.
+  thread (a grave older than the op timeout is let go on a thread of its own); at most `GRAVEYARD`
+  at once, after which the worker must take the restart path.
+- **gloo's constructor blocks until every rank of the generation has come**: a group is built on a
+  thread of its own and abandoned when a newer round arrives first (a rank that moved on never comes).
 - **One TCPStore client serialises every thread that shares it**: each generation has a client of
   its own, used only by the thread that builds the group.
 """
@@ -28,7 +31,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -37,14 +39,16 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distributed re-exports
 
+from torchspot_trainer.handover import Assignment
+
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.001
 """Between looks at a collective's completion: a gloo all-reduce of a toy's gradient takes about
 a millisecond here, and a look costs microseconds."""
 GRAVEYARD = 8
-"""Old groups held at most (each keeps its staging buffers until its zombie op ends); beyond it a
-worker takes the restart path instead of another re-form."""
+"""Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
+once the op timeout has passed); beyond it a worker takes the restart path instead of another re-form."""
 
 
 class Outcome(Enum):
@@ -55,19 +59,6 @@ class Outcome(Enum):
     """A peer's socket closed (gloo raised) or the op timed out: the group is gone."""
     BROKEN = "broken"
     """The caller's `broken` event was set (a new assignment) or its deadline passed."""
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """What the agent hands its live workers at a membership change (one per round)."""
-
-    generation: int
-    """The rendezvous round: every group and store key of the round is named by it."""
-    rank: int
-    world: int
-    store_host: str
-    store_port: int
-    """The round's store, started by its rank-0 agent before the round was published."""
 
 
 class LiveGroup:
@@ -82,7 +73,7 @@ class LiveGroup:
         self.broken = threading.Event()
         self._group: Any = None
         self._store: Any = None
-        self._graveyard: list[tuple[Any, Any, list[torch.Tensor]]] = []
+        self._graveyard: list[tuple[Any, Any, list[torch.Tensor], float]] = []
         self._staging: list[torch.Tensor] = []
 
     @property
@@ -93,22 +84,61 @@ class LiveGroup:
     def world(self) -> int:
         return self._require().world
 
-    def reconfigure(self, assignment: Assignment) -> None:
+    def reconfigure(self, assignment: Assignment, deadline: float) -> bool:
         """Leave the current group for `assignment`'s: the old one goes to the graveyard, the new one
         is built on the round's store under `generation/<g>/` (a key of an older round is never read).
-        Raises RuntimeError when the graveyard is full (the caller takes the restart path)."""
+
+        The build runs on a thread of its own (gloo's constructor blocks until every rank has come, up
+        to the op timeout) and is abandoned when `broken` is set (a newer round) or the `deadline`
+        passes; it fails when the round's store is gone (its agent moved on to a newer round). Either
+        way this returns False and the caller waits for the next assignment. Raises RuntimeError when
+        the graveyard is full (the caller takes the restart path)."""
+        self._reap()
         if len(self._graveyard) >= GRAVEYARD:
             raise RuntimeError(f"{GRAVEYARD} old groups still held: restart instead of another re-form")
         if self._group is not None:
-            self._graveyard.append((self._group, self._store, self._staging))
+            self._bury(self._group, self._store, self._staging)
         self._group = self._store = None
         self._staging = []
-        store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self.op_timeout)
-        prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
-        self._group = dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self.op_timeout)
-        self._store = store
         self.assignment = assignment
         self.broken.clear()
+        built: list[tuple[Any, Any] | Exception] = []
+
+        def build() -> None:
+            try:
+                store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self.op_timeout)
+                prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
+                built.append(
+                    (dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self.op_timeout), store)
+                )
+            except Exception as exc:  # the store went away, or a peer never came within the op timeout
+                built.append(exc)
+
+        builder = threading.Thread(target=build, name=f"torchspot-group-{assignment.generation}", daemon=True)
+        builder.start()
+        while builder.is_alive():
+            if self.broken.is_set() or time.monotonic() > deadline:
+                self._bury(builder, None, [])  # it ends within the op timeout; what it built is dropped
+                return False
+            builder.join(POLL_SECONDS * 5)
+        outcome = built[0]
+        if isinstance(outcome, Exception):
+            log.warning("generation %d: group not formed (%s)", assignment.generation, outcome)
+            return False
+        self._group, self._store = outcome
+        return True
+
+    def _bury(self, group: Any, store: Any, staging: list[torch.Tensor]) -> None:
+        self._graveyard.append((group, store, staging, time.monotonic()))
+
+    def _reap(self) -> None:
+        """Let go of graves older than the op timeout on a thread of their own: their zombie ops have
+        timed out by then, and a destructor that still blocks blocks nobody who trains."""
+        horizon = time.monotonic() - self.op_timeout.total_seconds()
+        old = [grave for grave in self._graveyard if grave[3] < horizon]
+        if old:
+            self._graveyard = [grave for grave in self._graveyard if grave[3] >= horizon]
+            threading.Thread(target=old.clear, name="torchspot-reaper", daemon=True).start()
 
     def all_reduce(self, tensor: torch.Tensor, deadline: float) -> Outcome:
         """Sum `tensor` over the group, in place, through a staging copy (module docstring); the

@@ -242,6 +242,18 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Workers bootstrap from the store the round's rank-0 agent started (module docstring, point 2)."""
         return True
 
+    @property
+    def current_round(self) -> int:
+        """The round this agent last joined (0 before the first): the generation of its workers' group
+        (handover.py), alike on every agent of the round."""
+        return 0 if self._joined is None else int(self._joined[0])
+
+    def corroborate_loss(self) -> None:
+        """A local worker's collective failed while it stays up (it re-forms in place, so the agent
+        never sees it exit): judge with liveness's short timeout for a while, as after a failed worker."""
+        if self._liveness is not None:
+            self._liveness.corroborate()
+
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and remember who is in it."""
         if self._joined is not None and not self._change_reported and self._liveness is not None:

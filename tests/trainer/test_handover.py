@@ -1,0 +1,147 @@
+"""The agent's hand-over (handover.py) with real torchspot-run agents, a real etcd and gloo
+workers (the lab's toy program with `--in-place`): at a kill and at a join the registered workers
+re-form in place in the processes they started in, and a worker that does not acknowledge is
+restarted by its agent while the others still re-form in place."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, wait_for
+from torchspot_trainer.handover import (
+    Assignment,
+    Handover,
+    acknowledged,
+    assignment_record,
+    parse_assignment,
+    registered,
+)
+
+WAIT = 60.0
+"""Generous bound for each wait: failing it means "did not happen", not "slow"."""
+
+
+def test_an_assignment_names_each_local_worker_and_nobody_else() -> None:
+    record = json.loads(json.dumps(assignment_record(7, 6, "10.0.0.4", 29400, {0: 2, 1: 3})))
+    assert parse_assignment(record, 1) == Assignment(7, 3, 6, "10.0.0.4", 29400)
+    assert parse_assignment(record, 2) is None
+
+
+def test_only_registered_running_workers_and_only_newer_acknowledgements_count(tmp_path: Path) -> None:
+    assert not registered(tmp_path, {})  # no worker: nothing to hand a round to
+    (tmp_path / "live-0").write_text("100")
+    (tmp_path / "live-1").write_text("999")  # a stale file of a worker since replaced
+    assert registered(tmp_path, {0: 100})
+    assert not registered(tmp_path, {0: 100, 1: 101})
+    (tmp_path / "ack-0").write_text("4")
+    assert acknowledged(tmp_path, [0], 4)
+    assert not acknowledged(tmp_path, [0], 5)
+    assert not acknowledged(tmp_path, [0, 1], 4)
+
+
+def test_a_round_seen_before_a_reconfigure_still_breaks_the_generation(tmp_path: Path) -> None:
+    """`enter` looks once more after the reconfigure, which clears `broken`."""
+    handover = Handover(tmp_path, 0)
+    (tmp_path / "assignment.json").write_text(json.dumps(assignment_record(3, 1, "127.0.0.1", 0, {0: 0})))
+
+    class Group:  # LiveGroup's reconfigure needs a store: only the event matters here
+        assignment: Assignment | None = None
+
+        def __init__(self) -> None:
+            self.broken = threading.Event()
+
+        def reconfigure(self, assignment: Assignment, _deadline: float) -> bool:
+            self.assignment = assignment
+            self.broken.clear()
+            return True
+
+    group = Group()
+    assert handover.enter(group, Assignment(2, 0, 1, "127.0.0.1", 0), 0.0)
+    assert group.broken.is_set()
+    assert handover.enter(group, Assignment(3, 0, 1, "127.0.0.1", 0), 0.0)
+    assert not group.broken.is_set()
+
+
+Members = dict[str, dict[str, Any]]
+"""Node name -> its worker's `joined` record in one generation."""
+
+
+def _joined(
+    job: JobConfig, world: int, after: float, names: list[str], where: Callable[[Members], bool]
+) -> Members | None:
+    """For each of `names`, its worker's `joined` record of the first generation of `world` formed
+    after `after` in which they all took part, a step was taken, and `where` holds (None until one)."""
+    events = read_events(job.events)
+    starts = [e for e in events if e["event"] == "start" and e["world"] == world and e["t"] > after]
+    for start in starts:
+        members = {e["node"]: e for e in events if e["event"] == "joined" and e["group"] == start["group"]}
+        if all(name in members for name in names) and first_step_at(events, world, start["t"]) and where(members):
+            return {name: members[name] for name in names}
+    return None
+
+
+def _await(
+    job: JobConfig, nodes: list[LocalNode], world: int, after: float, what: str, *,
+    where: Callable[[Members], bool] = lambda _: True,
+) -> Members:  # fmt: skip
+    """`_joined` for `nodes`; on a timeout, the nodes' logs."""
+    try:
+        found: Members = wait_for(lambda: _joined(job, world, after, [n.name for n in nodes], where), WAIT, what)
+    except TimeoutError as exc:
+        logs = "\n".join(f"--- {n.name}\n{n.log_tail(60)}" for n in nodes)
+        pytest.fail(f"{exc}\n{logs}")
+    return found
+
+
+@pytest.mark.slow(seconds=40)
+def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restarted(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    stop = tmp_path / "stop"
+    job = JobConfig(
+        workdir=tmp_path / "job", backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3",
+        steps=100_000, step_time=0.02, toy_args=["--in-place", "--stop-file", str(stop), "--deaf-node", "n0"],
+    )  # fmt: skip
+    deaf, live, doomed = nodes(job, 3)
+    first = _await(job, [deaf, live, doomed], 3, 0, "a step of all three at world size 3")
+    pid = first["n1"]["pid"]
+
+    killed = time.time()
+    doomed.kill()
+    # The deaf worker's own collective failed too, so it may take a generation or two in place before
+    # its agent's wait for an acknowledgement runs out: then it is restarted, and the others re-form.
+    after_kill = _await(
+        job, [deaf, live], 2, killed, "the deaf worker restarted, at world size 2",
+        where=lambda members: members["n0"]["pid"] != first["n0"]["pid"],
+    )  # fmt: skip
+    assert after_kill["n1"]["pid"] == pid, "the survivor's worker was restarted, not re-formed in place"
+
+    joined = time.time()
+    (joiner,) = nodes(job, 1)
+    after_join = _await(
+        job, [deaf, live, joiner], 3, joined, "the deaf worker restarted again, at world size 3",
+        where=lambda members: members["n0"]["pid"] != after_kill["n0"]["pid"],
+    )  # fmt: skip
+    assert after_join["n1"]["pid"] == pid, "the joined-into worker was restarted, not re-formed in place"
+
+    last = max(e["step"] for e in read_events(job.events) if e["event"] == "step") + 20
+    stop.write_text(str(last))
+    for node in (deaf, live, joiner):
+        assert node.wait(WAIT) == 0, node.log_tail(60)
+    finished = [e for e in read_events(job.events) if e["event"] == "finished" and e["t"] > joined]
+    assert sorted(e["node"] for e in finished) == ["n0", "n1", "n3"]
+    assert {e["step"] for e in finished} == {last}
+    assert len({json.dumps(e["w"]) for e in finished}) == 1, "the ranks' weights differ: a peer was not healed"
+    # No step is committed twice: after each re-form the group goes on from the newest step a rank
+    # committed, so rank 0's steps only ever increase (the one in flight at the change is redone).
+    steps = [e["step"] for e in read_events(job.events) if e["event"] == "step"]
+    assert all(a < b for a, b in itertools.pairwise(steps))

@@ -1,0 +1,297 @@
+"""The agent's hand-over of a new round to its live workers (issue 28, item 3): the agent stays the
+membership authority, but at a change it forms the next round and tells its running workers their new
+rank and store instead of stopping them; they rebuild their process group (live.py) and go on.
+
+Only workers that said they can do this are handed a round: a worker of any other program never
+registers, and its agent restarts it as torchrun's does, without waiting for anything. The exchange is
+three kinds of file in the agent's own folder, beside its peer-lost marker (markers.py), so the
+environment variable that names that marker names them too:
+
+- `assignment.json`: written (atomically, by rename) after every rendezvous, before any worker
+  starts or is told: the round (`generation`), the world, the round's store (the one its rank-0 agent
+  started: handler.py, point 2), and each local worker's global rank;
+- `live-<local rank>`: a worker able to re-form in place writes its process id there once, at start
+  (a stale file of a worker that has since been replaced names another process, and does not count);
+- `ack-<local rank>`: the worker's watcher thread writes the generation it saw, at once, before the
+  worker re-forms: an acknowledgement means "alive and on it", not "done";
+- `failed-<local rank>`: touched when one of the worker's collectives failed (a peer's socket
+  closed: its process is likely gone). A live worker does not exit, so this is how its agent learns
+  what a failed worker's exit would tell it: liveness then judges with its short timeout (liveness.py).
+
+A worker that does not acknowledge within `ACK_SECONDS` (frozen, or stuck holding the GIL) is
+restarted with the others of its node in a round after this one (torch's restart: the agent leaves
+the round and joins the next), which the other nodes' live workers re-form into in place again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from torchspot_trainer.markers import PEER_LOST_ENV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What the agent hands a live worker at a membership change (one per round)."""
+
+    generation: int
+    """The rendezvous round: every group and store key of the round is named by it."""
+    rank: int
+    world: int
+    store_host: str
+    store_port: int
+    """The round's store, started by its rank-0 agent before the round was published."""
+
+
+class Generations(Protocol):
+    """What the worker's side needs of its group (recovery/live.py's LiveGroup): this module is the
+    contract between an agent and its workers, and imports nothing of either side's internals."""
+
+    assignment: Assignment | None
+    broken: threading.Event
+
+    def reconfigure(self, assignment: Assignment, deadline: float) -> bool: ...
+
+
+ASSIGNMENT_FILE = "assignment.json"
+LIVE_PREFIX = "live-"
+ACK_PREFIX = "ack-"
+FAILED_PREFIX = "failed-"
+ACK_SECONDS = 3.0
+"""How long an agent waits for its live workers to acknowledge a new round before it restarts them: a
+watcher thread answers in milliseconds; only a worker that cannot run Python at all misses it."""
+WATCH_SECONDS = 0.002
+"""Between a watcher's looks at the assignment file: a `stat` costs microseconds, and every
+millisecond here is a millisecond of the pause."""
+
+
+def agent_folder(environ: Mapping[str, str] = os.environ) -> Path:
+    """The folder of this agent's files: its peer-lost marker's (markers.py)."""
+    return Path(environ[PEER_LOST_ENV]).parent
+
+
+def assignment_record(generation: int, world: int, host: str, port: int, ranks: dict[int, int]) -> dict[str, Any]:
+    """The content of `assignment.json` (pure): `ranks` maps local rank to global rank."""
+    return {
+        "generation": generation,
+        "world": world,
+        "store_host": host,
+        "store_port": port,
+        "ranks": {str(local): rank for local, rank in ranks.items()},
+    }
+
+
+def parse_assignment(record: dict[str, Any], local_rank: int) -> Assignment | None:
+    """The assignment of local worker `local_rank` in `record` (pure); None if it names no such worker."""
+    rank = record["ranks"].get(str(local_rank))
+    if rank is None:
+        return None
+    return Assignment(
+        record["generation"], int(rank), int(record["world"]), record["store_host"], int(record["store_port"])
+    )
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):  # not there yet, or being replaced
+        return None
+
+
+def registered(folder: Path, pids: dict[int, int]) -> bool:
+    """Whether every worker in `pids` (local rank to process id) registered as able to re-form in place."""
+    return bool(pids) and all(_read_int(folder / f"{LIVE_PREFIX}{local}") == pid for local, pid in pids.items())
+
+
+def acknowledged(folder: Path, local_ranks: Iterable[int], generation: int) -> bool:
+    """Whether every one of `local_ranks` acknowledged `generation` (or a newer one)."""
+    return all((_read_int(folder / f"{ACK_PREFIX}{local}") or -1) >= generation for local in local_ranks)
+
+
+def _generation(worker_group: WorkerGroup) -> int:
+    """The round the group's handler last joined (handler.py's `current_round`)."""
+    round_: int = worker_group.spec.rdzv_handler.current_round  # type: ignore[attr-defined]
+    return round_
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (an ended child stays a zombie until its parent
+    reaps it, which torch's monitoring does; Linux's /proc says which)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def latest_failure(folder: Path) -> int:
+    """The newest `failed-*` file's modification time in nanoseconds (0: none)."""
+    return max((path.stat().st_mtime_ns for path in folder.glob(f"{FAILED_PREFIX}*")), default=0)
+
+
+class InPlaceAgent(LocalElasticAgent):
+    """torch's local agent, whose membership changes re-form registered workers in place (module
+    docstring). Needs a rendezvous handler with a `current_round` (etcd-v3's): every agent of a round
+    must name its generation alike."""
+
+    _failure_seen = 0
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        super()._rendezvous(worker_group)
+        self._write_assignment(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        """torch's monitoring, and a live worker's failed collective passed on to liveness."""
+        newest = latest_failure(agent_folder())
+        if newest > self._failure_seen:
+            self._failure_seen = newest
+            corroborate = getattr(worker_group.spec.rdzv_handler, "corroborate_loss", None)
+            if corroborate is not None:
+                corroborate()
+        result: RunResult = super()._monitor_workers(worker_group)
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """A change while every worker runs and is registered: hand them the next round; otherwise, or
+        when one does not acknowledge in time, torch's restart."""
+        folder = agent_folder()
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        if worker_group.state != WorkerState.HEALTHY or not registered(folder, pids):
+            super()._restart_workers(worker_group)
+            return
+        started = time.monotonic()
+        self._rendezvous(worker_group)
+        for worker in worker_group.workers:  # the round's Worker records are new: they run in these processes
+            worker.id = pids[worker.local_rank]
+        generation = _generation(worker_group)
+        deadline = time.monotonic() + ACK_SECONDS
+        while time.monotonic() < deadline:
+            if not all(map(running, pids.values())):  # one ended meanwhile (done, or failed): torch's
+                worker_group.state = WorkerState.HEALTHY  # monitoring takes it from here
+                return
+            if acknowledged(folder, pids, generation):
+                log.warning(
+                    "round %d: %d workers re-form in place (hand-over %.2f s after the change was seen)",
+                    generation, len(pids), time.monotonic() - started,
+                )  # fmt: skip
+                worker_group.state = WorkerState.HEALTHY
+                return
+            time.sleep(WATCH_SECONDS)
+        log.warning("round %d: a worker did not acknowledge within %.1f s; restarting them", generation, ACK_SECONDS)
+        # In a round of their own: the live workers of the other nodes are in this one's group already,
+        # and a worker restarted into it would break it under them; a new round re-forms them again.
+        super()._restart_workers(worker_group)
+
+    def _write_assignment(self, worker_group: WorkerGroup) -> None:
+        generation = _generation(worker_group)
+        ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
+        world = worker_group.workers[0].world_size if worker_group.workers else 0
+        record = assignment_record(
+            generation, world, str(worker_group.master_addr), int(worker_group.master_port or 0), ranks
+        )
+        _write_atomically(agent_folder() / ASSIGNMENT_FILE, json.dumps(record))
+
+
+class Handover:
+    """A worker's side of the hand-over: register, read its assignment, acknowledge a newer one and
+    break the current generation's collectives (`Generations.broken`) the moment it appears.
+
+    :param folder: the agent's folder (`agent_folder`).
+    :param local_rank: this worker's LOCAL_RANK.
+    """
+
+    def __init__(self, folder: Path, local_rank: int) -> None:
+        self.folder = folder
+        self.local_rank = local_rank
+        self._seen: tuple[int, int] | None = None
+        self._stop = threading.Event()
+        self._acked = -1
+        self._ack_lock = threading.Lock()
+
+    @classmethod
+    def from_environment(cls) -> Handover:
+        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK)."""
+        return cls(agent_folder(), int(os.environ.get("LOCAL_RANK", "0")))
+
+    def register(self) -> None:
+        """Say this process can re-form in place (module docstring)."""
+        _write_atomically(self.folder / f"{LIVE_PREFIX}{self.local_rank}", str(os.getpid()))
+
+    def read(self) -> Assignment | None:
+        """This worker's assignment in the agent's newest round (None before the first, or if the round
+        does not name this worker: the agent is stopping it)."""
+        try:
+            record = json.loads((self.folder / ASSIGNMENT_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return parse_assignment(record, self.local_rank)
+
+    def report_failure(self) -> None:
+        """A collective of this worker failed (a peer is likely gone): tell the agent (module docstring)."""
+        (self.folder / f"{FAILED_PREFIX}{self.local_rank}").write_text(str(time.time()))
+
+    def enter(self, live: Generations, assignment: Assignment, deadline: float) -> bool:
+        """`live.reconfigure(assignment, deadline)`, then a look for a newer round: one the watcher saw
+        before the reconfigure cleared `broken` would otherwise leave this generation waiting out its
+        deadline. False when the group did not form (the caller waits for the next round)."""
+        self._acknowledge(assignment.generation)
+        formed = live.reconfigure(assignment, deadline)
+        newer = self.read()
+        if newer is not None and newer.generation > assignment.generation:
+            live.broken.set()
+        return formed
+
+    def watch(self, live: Generations, on_new: Callable[[Assignment], None] | None = None) -> None:
+        """Start the watcher thread: a newer round is acknowledged and breaks `live`'s generation."""
+        threading.Thread(target=self._watch, args=(live, on_new), name="torchspot-handover", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _acknowledge(self, generation: int) -> None:
+        with self._ack_lock:  # the watcher and the main thread: the newest generation wins
+            if generation > self._acked:
+                self._acked = generation
+                _write_atomically(self.folder / f"{ACK_PREFIX}{self.local_rank}", str(generation))
+
+    def _watch(self, live: Generations, on_new: Callable[[Assignment], None] | None) -> None:
+        path = self.folder / ASSIGNMENT_FILE
+        while not self._stop.wait(WATCH_SECONDS):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            if (stat.st_mtime_ns, stat.st_ino) == self._seen:
+                continue
+            current = live.assignment
+            if current is None:  # not in a group yet: look again once it is
+                continue
+            self._seen = (stat.st_mtime_ns, stat.st_ino)
+            found = self.read()
+            if found is None:
+                continue
+            self._acknowledge(found.generation)  # also one the main thread entered first
+            if found.generation <= current.generation:
+                continue
+            live.broken.set()
+            if on_new is not None:
+                on_new(found)
