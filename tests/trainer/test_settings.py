@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from torchspot_trainer.launch import (
     parse_rdzv_conf,
     refuse_bad_fork,
 )
+from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
 
 
@@ -210,3 +214,20 @@ def test_a_worker_forked_after_cuda_was_initialised_stops_naming_the_opt_out(mon
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     with pytest.raises(SystemExit, match=f"{FORK_ENV}=0"):
         refuse_bad_fork()
+
+
+@pytest.mark.parametrize("marker", [None, RESTART_MARKER, LEAVING_MARKER])
+def test_a_worker_its_agent_stopped_while_it_started_stops_at_once(tmp_path: Path, marker: str | None) -> None:
+    """A forked worker starts with SIGTERM ignored (the fork server's disposition), so a SIGTERM sent
+    before it takes the default back is lost; the agent's mark, written before it signals, stands in."""
+    if marker is not None:
+        (tmp_path / marker).touch()
+    code = "from torchspot_trainer.launch import hear_sigterm\nhear_sigterm()\nprint('ran on')"
+    environ = {**os.environ, PEER_LOST_ENV: str(tmp_path / "peer-lost")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=environ, capture_output=True, text=True, timeout=60
+    )
+    if marker is None:
+        assert (done.returncode, done.stdout.strip()) == (0, "ran on")
+    else:
+        assert (done.returncode, done.stdout) == (-signal.SIGTERM, "")

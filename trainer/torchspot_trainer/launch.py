@@ -35,6 +35,7 @@ from torch.distributed.run import run as torchrun_run
 
 from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.handover import InPlaceAgent
+from torchspot_trainer.markers import agent_restarting, node_leaving
 from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
@@ -125,7 +126,7 @@ def run_trainer(*argv: str) -> int:
     from torchspot_trainer.__main__ import build  # noqa: PLC0415 - imported in the fork server already
 
     refuse_bad_fork()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_start_fork_server)
+    hear_sigterm()
     trainer = build(list(argv))
     trainer.train()
     _FINISHED.append(trainer)
@@ -140,7 +141,7 @@ def run_program(target: str, kind: str, *argv: str) -> int:
     its process group in a forked worker can block for ever. `sys.exit(0)` (or None) is a success;
     another exit status, or an exception, is the worker's failure as torchrun reports it."""
     refuse_bad_fork()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_start_fork_server)
+    hear_sigterm()
     sys.argv = [target, *argv]
     try:
         if kind == "module":
@@ -154,6 +155,18 @@ def run_program(target: str, kind: str, *argv: str) -> int:
         return 0
     _FINISHED.append(ran)
     return 0
+
+
+def hear_sigterm() -> None:
+    """Take SIGTERM's default back in a forked worker (the server ignores it: _start_fork_server), and
+    act on one that came before: a SIGTERM that arrives while a signal is ignored is lost, so a worker
+    its agent stopped while it was starting would run on until the agent's SIGKILL 30 s later, with no
+    snapshot (a CI run lost 9 steps so, when a second joiner came right after the first). The agent
+    marks why it stops its workers before it signals them (markers.py): a worker that finds the mark
+    when it starts stops as if the signal had reached it."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if agent_restarting() or node_leaving():
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _warm() -> None:
