@@ -84,6 +84,11 @@ class JobConfig:
         return self.workdir / "events.jsonl"
 
     @property
+    def stop_file(self) -> Path:
+        """The toy program stops at the step this file names once it exists (`stop_after`)."""
+        return self.workdir / "stop"
+
+    @property
     def ckpt_dir(self) -> Path:
         """Where the toy program keeps its checkpoints."""
         return self.workdir / "ckpt"
@@ -113,6 +118,7 @@ class JobConfig:
             "--ckpt-every", str(self.ckpt_every),
             "--step-time", str(self.step_time),
             "--events", str(self.events),
+            "--stop-file", str(self.stop_file),
             *self.toy_args,
         ]  # fmt: skip
 
@@ -197,6 +203,14 @@ class LocalNode:
 
 NodeFactory = Callable[[JobConfig, int], list[LocalNode]]
 """Starts `n` more nodes of a job and returns them (the tests' `nodes` fixture)."""
+
+
+def stop_after(job: JobConfig, steps: int) -> int:
+    """End the toy program's run `steps` steps after the newest one logged (every rank reads the file
+    at each step, so `steps` must leave them a second or so to see it); returns the last step."""
+    last = last_step_before(read_events(job.events), time.time()) + steps
+    job.stop_file.write_text(str(last))
+    return last
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

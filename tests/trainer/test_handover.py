@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from torchspot_lab.etcd import EtcdServer
-from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, wait_for
+from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, stop_after, wait_for
 from torchspot_trainer.handover import (
     Assignment,
     Handover,
@@ -102,14 +102,13 @@ def _await(
     return found
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=24)
 def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restarted(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
-    stop = tmp_path / "stop"
     job = JobConfig(
         workdir=tmp_path / "job", backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3",
-        steps=100_000, step_time=0.02, toy_args=["--in-place", "--stop-file", str(stop), "--deaf-node", "n0"],
+        steps=100_000, step_time=0.02, toy_args=["--in-place", "--deaf-node", "n0"],
     )  # fmt: skip
     deaf, live, doomed = nodes(job, 3)
     first = _await(job, [deaf, live, doomed], 3, 0, "a step of all three at world size 3")
@@ -133,8 +132,7 @@ def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restar
     )  # fmt: skip
     assert after_join["n1"]["pid"] == pid, "the joined-into worker was restarted, not re-formed in place"
 
-    last = max(e["step"] for e in read_events(job.events) if e["event"] == "step") + 20
-    stop.write_text(str(last))
+    last = stop_after(job, 20)
     for node in (deaf, live, joiner):
         assert node.wait(WAIT) == 0, node.log_tail(60)
     finished = [e for e in read_events(job.events) if e["event"] == "finished" and e["t"] > joined]
