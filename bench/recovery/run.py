@@ -217,7 +217,9 @@ def run_trial(
         resumed = resumed_step_after(events, fault)
         # Work redone: how far the old group got, minus where the new one resumed.
         reached = max(e["step"] for e in events if e["event"] == "step" and e["group"] == formed["group"])
-        lost = None if resumed is None else reached - resumed
+        # In place a step can be committed by some ranks and not by the old rank 0, which logs: the new
+        # generation then goes on from one step past rank 0's last line (healed, not redone): 0 lost.
+        lost = None if resumed is None else max(0, reached - resumed)
         before, after = _pids(events, formed["group"]), _pids(events, recovered["group"])
         restarted = sum(1 for name, pid in before.items() if name in after and after[name] != pid)
         return Trial(

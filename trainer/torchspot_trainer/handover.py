@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from torchspot_trainer.markers import PEER_LOST_ENV
@@ -154,13 +154,26 @@ class InPlaceAgent(LocalElasticAgent):
     must name its generation alike."""
 
     _failure_seen = 0
+    _tick = 0.1
+
+    def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
+        """torch's agent sleeps `monitor_interval` between looks; this one waits at most as long for a
+        write of the rendezvous state (handler.py's `wait_for_change`) and looks at once after one."""
+        self._tick = spec.monitor_interval
+        if hasattr(spec.rdzv_handler, "wait_for_change"):
+            spec.monitor_interval = WATCH_SECONDS  # torch's sleep; the wait is in _monitor_workers
+        super().__init__(spec, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
         self._write_assignment(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        """torch's monitoring, and a live worker's failed collective passed on to liveness."""
+        """torch's monitoring after the tick (or a state write), and a live worker's failed collective
+        passed on to liveness."""
+        wait = getattr(worker_group.spec.rdzv_handler, "wait_for_change", None)
+        if wait is not None:
+            wait(self._tick)
         newest = latest_failure(agent_folder())
         if newest > self._failure_seen:
             self._failure_seen = newest

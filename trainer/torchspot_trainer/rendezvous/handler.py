@@ -236,6 +236,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _liveness: Liveness | None
     _prompt: _PromptOpExecutor
     _change_reported: bool
+    _changed: threading.Event
 
     @property
     def use_agent_store(self) -> bool:
@@ -383,6 +384,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._prompt = _PromptOpExecutor(self._this_node, self._watch, self._settings, poll, self._round_ready)
         self._op_executor = self._prompt
         self._change_reported = False
+        self._changed = threading.Event()
         self._liveness = None
         if settings.liveness_timeout > 0:
             self._liveness = Liveness(
@@ -401,10 +403,18 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         _ACTIVE.append(self)
 
     def _state_written(self) -> None:
-        """The state key was written (liveness.py's watch): the next look reads it, and a round
-        being formed is looked at now."""
+        """The state key was written (liveness.py's watch): the next look reads it, a round being
+        formed is looked at now, and an agent waiting for its monitor tick (`wait_for_change`) looks."""
         self._watch.expire()
         self._prompt.wake()
+        self._changed.set()
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Return when the rendezvous state is written, or after `timeout` (handover.InPlaceAgent's
+        monitor tick): the agent sees a membership change when it is written instead of up to a tick
+        later. Without liveness (no watch) it only waits out the timeout, as torch's agent sleeps."""
+        if self._changed.wait(timeout):
+            self._changed.clear()
 
     def _judged(self) -> frozenset[str]:
         """The nodes liveness judges: our round's members, or the previous round's while one forms."""
