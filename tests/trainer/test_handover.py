@@ -25,6 +25,7 @@ from torchspot_trainer.handover import (
     parse_assignment,
     registered,
 )
+from torchspot_trainer.recovery.live import LiveGroup
 
 WAIT = 60.0
 """Generous bound for each wait: failing it means "did not happen", not "slow"."""
@@ -63,6 +64,10 @@ def test_a_round_seen_before_a_reconfigure_still_breaks_the_generation(tmp_path:
             self.assignment = assignment
             self.broken.clear()
             return True
+
+        def supersede(self, generation: int) -> None:
+            if self.assignment is None or generation > self.assignment.generation:
+                self.broken.set()
 
     group = Group()
     assert handover.enter(group, Assignment(2, 0, 1, "127.0.0.1", 0), 0.0)
@@ -143,3 +148,17 @@ def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restar
     # committed, so rank 0's steps only ever increase (the one in flight at the change is redone).
     steps = [e["step"] for e in read_events(job.events) if e["event"] == "step"]
     assert all(a < b for a, b in itertools.pairwise(steps))
+
+
+def test_a_round_breaks_only_a_generation_older_than_itself() -> None:
+    """The watcher's judgement is against the assignment under the lock `reconfigure` replaces it
+    under: the round being entered (a watcher that read the one before) breaks nothing."""
+    live = LiveGroup()
+    live.supersede(0)
+    assert live.broken.is_set()  # no group yet: any round is newer
+    live.broken.clear()
+    live.assignment = Assignment(3, 0, 2, "127.0.0.1", 0)
+    live.supersede(3)
+    assert not live.broken.is_set()
+    live.supersede(4)
+    assert live.broken.is_set()

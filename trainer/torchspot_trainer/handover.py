@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +64,8 @@ class Generations(Protocol):
     broken: threading.Event
 
     def reconfigure(self, assignment: Assignment, deadline: float) -> bool: ...
+
+    def supersede(self, generation: int) -> None: ...
 
 
 ASSIGNMENT_FILE = "assignment.json"
@@ -269,13 +271,13 @@ class Handover:
         self._acknowledge(assignment.generation)
         formed = live.reconfigure(assignment, deadline)
         newer = self.read()
-        if newer is not None and newer.generation > assignment.generation:
-            live.broken.set()
+        if newer is not None:
+            live.supersede(newer.generation)
         return formed
 
-    def watch(self, live: Generations, on_new: Callable[[Assignment], None] | None = None) -> None:
+    def watch(self, live: Generations) -> None:
         """Start the watcher thread: a newer round is acknowledged and breaks `live`'s generation."""
-        threading.Thread(target=self._watch, args=(live, on_new), name="torchspot-handover", daemon=True).start()
+        threading.Thread(target=self._watch, args=(live,), name="torchspot-handover", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -286,7 +288,7 @@ class Handover:
                 self._acked = generation
                 _write_atomically(self.folder / f"{ACK_PREFIX}{self.local_rank}", str(generation))
 
-    def _watch(self, live: Generations, on_new: Callable[[Assignment], None] | None) -> None:
+    def _watch(self, live: Generations) -> None:
         path = self.folder / ASSIGNMENT_FILE
         while not self._stop.wait(WATCH_SECONDS):
             try:
@@ -295,16 +297,8 @@ class Handover:
                 continue
             if (stat.st_mtime_ns, stat.st_ino) == self._seen:
                 continue
-            current = live.assignment
-            if current is None:  # not in a group yet: look again once it is
-                continue
             self._seen = (stat.st_mtime_ns, stat.st_ino)
             found = self.read()
-            if found is None:
-                continue
-            self._acknowledge(found.generation)  # also one the main thread entered first
-            if found.generation <= current.generation:
-                continue
-            live.broken.set()
-            if on_new is not None:
-                on_new(found)
+            if found is not None:
+                self._acknowledge(found.generation)  # also one the main thread entered first
+                live.supersede(found.generation)

@@ -71,6 +71,7 @@ class LiveGroup:
         self.op_timeout = op_timeout
         self.assignment: Assignment | None = None
         self.broken = threading.Event()
+        self._lock = threading.Lock()
         self._group: Any = None
         self._store: Any = None
         self._graveyard: list[tuple[Any, Any, list[torch.Tensor], float]] = []
@@ -100,8 +101,9 @@ class LiveGroup:
             self._bury(self._group, self._store, self._staging)
         self._group = self._store = None
         self._staging = []
-        self.assignment = assignment
-        self.broken.clear()
+        with self._lock:  # against a watcher's `supersede` judging by the assignment being replaced
+            self.assignment = assignment
+            self.broken.clear()
         built: list[tuple[Any, Any] | Exception] = []
 
         def build() -> None:
@@ -119,6 +121,7 @@ class LiveGroup:
         while builder.is_alive():
             if self.broken.is_set() or time.monotonic() > deadline:
                 self._bury(builder, None, [])  # it ends within the op timeout; what it built is dropped
+                log.warning("generation %d: group not formed (a newer round, or the deadline)", assignment.generation)
                 return False
             builder.join(POLL_SECONDS * 5)
         outcome = built[0]
@@ -127,6 +130,15 @@ class LiveGroup:
             return False
         self._group, self._store = outcome
         return True
+
+    def supersede(self, generation: int) -> None:
+        """Break the current generation if `generation` is newer (the hand-over's watcher thread). Judged
+        under the lock `reconfigure` replaces the assignment under: a watcher that read the generation
+        being replaced would otherwise break the new one, which its peers are forming (a bench trial
+        hung so: the abandoned group's sockets closed under the other rank, and no newer round came)."""
+        with self._lock:
+            if self.assignment is None or generation > self.assignment.generation:
+                self.broken.set()
 
     def _bury(self, group: Any, store: Any, staging: list[torch.Tensor]) -> None:
         self._graveyard.append((group, store, staging, time.monotonic()))
