@@ -4,7 +4,7 @@ rank and store instead of stopping them; they rebuild their process group (live.
 
 Only workers that said they can do this are handed a round: a worker of any other program never
 registers, and its agent restarts it as torchrun's does, without waiting for anything. The exchange is
-three kinds of file in the agent's own folder, beside its peer-lost marker (markers.py), so the
+four kinds of file in the agent's own folder, beside its peer-lost marker (markers.py), so the
 environment variable that names that marker names them too:
 
 - `assignment.json`: written (atomically, by rename) after every rendezvous, before any worker
