@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from torchspot_trainer.handover import Handover
-from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest, wait_for_assignment
+from torchspot_trainer.recovery.live import LiveGroup, Outcome, wait_for_assignment
 
 _DIM = 32
 
@@ -170,14 +170,9 @@ class _InPlace:
 
     def heal(self, step: int, w: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """The newest step and its weights, from the lowest rank holding it; None if the group failed."""
-        rows = self.live.agree([float(step)], time.monotonic() + DEADLINE)
-        if rows is None:
-            return None
-        _, source = newest(rows)
-        state = torch.cat([w, torch.tensor([float(step)])])
-        if self.live.broadcast(state, source, time.monotonic() + DEADLINE) is not Outcome.DONE:
-            return None
-        return int(state[-1]), state[:-1].clone()
+        healed = w.clone()
+        newest_step = self.live.heal(step, healed, time.monotonic() + DEADLINE)
+        return None if newest_step is None else (newest_step, healed)
 
     def next_generation(self, step: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Enter the first round newer than the current one that forms; the state healed in it."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest, wait_for_assignment
+from torchspot_trainer.recovery.live import LiveGroup, Outcome, wait_for_assignment
 
 GENERATIONS = 4
 DEADLINE = 20.0
@@ -104,11 +104,8 @@ def main(node: str, folder_text: str, partial: str = "-1") -> None:
             time.sleep(3.0)  # that the collective it was frozen in can complete at its peers
             break
         assert live.reconfigure(new, time.monotonic() + DEADLINE), "the new generation did not form"
-        rows = live.agree([float(counts.sum())], time.monotonic() + DEADLINE)
-        assert rows is not None, "the new generation failed at once"
-        _, source = newest(rows)
         state = torch.cat([w, counts])
-        assert live.broadcast(state, source, time.monotonic() + DEADLINE) is Outcome.DONE
+        assert live.heal(int(counts.sum()), state, time.monotonic() + DEADLINE) is not None, "the new generation failed"
         w, counts = state[:8].clone(), state[8:].clone()
     (folder / f"result-{node}.json").write_text(
         json.dumps({"w": w.tolist(), "counts": counts.tolist(), "reforms": reforms, "graves": live.graves()})

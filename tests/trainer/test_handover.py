@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch._C._distributed_c10d import TCPStore
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, stop_after, wait_for
 from torchspot_trainer.handover import (
     Assignment,
-    Handover,
     acknowledged,
     assignment_record,
     parse_assignment,
@@ -49,31 +49,17 @@ def test_only_registered_running_workers_and_only_newer_acknowledgements_count(t
     assert not acknowledged(tmp_path, [0, 1], 4)
 
 
-def test_a_round_seen_before_a_reconfigure_still_breaks_the_generation(tmp_path: Path) -> None:
-    """`enter` looks once more after the reconfigure, which clears `broken`."""
-    handover = Handover(tmp_path, 0)
-    (tmp_path / "assignment.json").write_text(json.dumps(assignment_record(3, 1, "127.0.0.1", 0, {0: 0})))
-
-    class Group:  # LiveGroup's reconfigure needs a store: only the event matters here
-        assignment: Assignment | None = None
-
-        def __init__(self) -> None:
-            self.broken = threading.Event()
-
-        def reconfigure(self, assignment: Assignment, _deadline: float) -> bool:
-            self.assignment = assignment
-            self.broken.clear()
-            return True
-
-        def supersede(self, generation: int) -> None:
-            if self.assignment is None or generation > self.assignment.generation:
-                self.broken.set()
-
-    group = Group()
-    assert handover.enter(group, Assignment(2, 0, 1, "127.0.0.1", 0), 0.0)
-    assert group.broken.is_set()
-    assert handover.enter(group, Assignment(3, 0, 1, "127.0.0.1", 0), 0.0)
-    assert not group.broken.is_set()
+def test_a_round_seen_before_a_reconfigure_gives_up_the_older_one_at_once() -> None:
+    """The watcher saw round 5 while the worker was about to enter round 4: 4 is given up at once, not
+    after its deadline (its peers moved on), and 5 forms (a one-rank group on a real store)."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    live = LiveGroup(op_timeout=timedelta(seconds=5))
+    live.supersede(5)
+    began = time.monotonic()
+    assert not live.reconfigure(Assignment(4, 0, 2, "127.0.0.1", store.port), began + 30)
+    assert time.monotonic() - began < 1.0
+    assert live.reconfigure(Assignment(5, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+    assert not live.broken.is_set()
 
 
 Members = dict[str, dict[str, Any]]

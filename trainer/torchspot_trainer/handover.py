@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -59,9 +59,6 @@ class Assignment:
 class Generations(Protocol):
     """What the worker's side needs of its group (recovery/live.py's LiveGroup): this module is the
     contract between an agent and its workers, and imports nothing of either side's internals."""
-
-    assignment: Assignment | None
-    broken: threading.Event
 
     def reconfigure(self, assignment: Assignment, deadline: float) -> bool: ...
 
@@ -155,14 +152,14 @@ class InPlaceAgent(LocalElasticAgent):
     docstring). Needs a rendezvous handler with a `current_round` (etcd-v3's): every agent of a round
     must name its generation alike."""
 
-    _failure_seen = 0
-    _tick = 0.1
-
     def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
         """torch's agent sleeps `monitor_interval` between looks; this one waits at most as long for a
         write of the rendezvous state (handler.py's `wait_for_change`) and looks at once after one."""
         self._tick = spec.monitor_interval
-        if hasattr(spec.rdzv_handler, "wait_for_change"):
+        self._failure_seen = 0
+        self._wait_for_change: Callable[[float], None] | None = getattr(spec.rdzv_handler, "wait_for_change", None)
+        self._corroborate: Callable[[], None] | None = getattr(spec.rdzv_handler, "corroborate_loss", None)
+        if self._wait_for_change is not None:
             spec.monitor_interval = WATCH_SECONDS  # torch's sleep; the wait is in _monitor_workers
         super().__init__(spec, *args, **kwargs)
 
@@ -173,15 +170,13 @@ class InPlaceAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         """torch's monitoring after the tick (or a state write), and a live worker's failed collective
         passed on to liveness."""
-        wait = getattr(worker_group.spec.rdzv_handler, "wait_for_change", None)
-        if wait is not None:
-            wait(self._tick)
+        if self._wait_for_change is not None:
+            self._wait_for_change(self._tick)
         newest = latest_failure(agent_folder())
         if newest > self._failure_seen:
             self._failure_seen = newest
-            corroborate = getattr(worker_group.spec.rdzv_handler, "corroborate_loss", None)
-            if corroborate is not None:
-                corroborate()
+            if self._corroborate is not None:
+                self._corroborate()
         result: RunResult = super()._monitor_workers(worker_group)
         return result
 
@@ -228,7 +223,7 @@ class InPlaceAgent(LocalElasticAgent):
 
 class Handover:
     """A worker's side of the hand-over: register, read its assignment, acknowledge a newer one and
-    break the current generation's collectives (`Generations.broken`) the moment it appears.
+    break the current generation's collectives (`Generations.supersede`) the moment it appears.
 
     :param folder: the agent's folder (`agent_folder`).
     :param local_rank: this worker's LOCAL_RANK.
@@ -265,15 +260,11 @@ class Handover:
         (self.folder / f"{FAILED_PREFIX}{self.local_rank}").write_text(str(time.time()))
 
     def enter(self, live: Generations, assignment: Assignment, deadline: float) -> bool:
-        """`live.reconfigure(assignment, deadline)`, then a look for a newer round: one the watcher saw
-        before the reconfigure cleared `broken` would otherwise leave this generation waiting out its
-        deadline. False when the group did not form (the caller waits for the next round)."""
+        """Acknowledge `assignment`, then `live.reconfigure(assignment, deadline)` (which gives it up
+        at once if the watcher saw a newer round already). False when the group did not form (the
+        caller waits for the next round)."""
         self._acknowledge(assignment.generation)
-        formed = live.reconfigure(assignment, deadline)
-        newer = self.read()
-        if newer is not None:
-            live.supersede(newer.generation)
-        return formed
+        return live.reconfigure(assignment, deadline)
 
     def watch(self, live: Generations) -> None:
         """Start the watcher thread: a newer round is acknowledged and breaks `live`'s generation."""

@@ -72,6 +72,8 @@ class LiveGroup:
         self.assignment: Assignment | None = None
         self.broken = threading.Event()
         self._lock = threading.Lock()
+        self._announced = -1
+        """The newest generation `supersede` was told of."""
         self._group: Any = None
         self._store: Any = None
         self._graveyard: list[tuple[Any, Any, list[torch.Tensor], float]] = []
@@ -103,7 +105,10 @@ class LiveGroup:
         self._staging = []
         with self._lock:  # against a watcher's `supersede` judging by the assignment being replaced
             self.assignment = assignment
-            self.broken.clear()
+            if self._announced > assignment.generation:  # a newer round was seen already: skip this one
+                self.broken.set()
+            else:
+                self.broken.clear()
         built: list[tuple[Any, Any] | Exception] = []
 
         def build() -> None:
@@ -131,12 +136,28 @@ class LiveGroup:
         self._group, self._store = outcome
         return True
 
+    def heal(self, committed: int, state: torch.Tensor, deadline: float) -> int | None:
+        """At a generation's start: agree on the newest committed step and give every rank `state` (in
+        place) from the lowest rank that holds it, so a rank that lost an update the others committed,
+        a joiner or a restarted worker goes on from the same state. The newest step, or None if the
+        group failed (the caller waits for the next round)."""
+        rows = self.agree([float(committed)], deadline)
+        if rows is None:
+            return None
+        step, source = newest(rows)
+        if self.broadcast(state, source, deadline) is not Outcome.DONE:
+            return None
+        return step
+
     def supersede(self, generation: int) -> None:
         """Break the current generation if `generation` is newer (the hand-over's watcher thread). Judged
         under the lock `reconfigure` replaces the assignment under: a watcher that read the generation
         being replaced would otherwise break the new one, which its peers are forming (a bench trial
-        hung so: the abandoned group's sockets closed under the other rank, and no newer round came)."""
+        hung so: the abandoned group's sockets closed under the other rank, and no newer round came).
+        Remembered: a `reconfigure` for an older generation than one seen here gives it up at once
+        (otherwise its build would wait its deadline for peers that moved on)."""
         with self._lock:
+            self._announced = max(self._announced, generation)
             if self.assignment is None or generation > self.assignment.generation:
                 self.broken.set()
 
