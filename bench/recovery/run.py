@@ -23,8 +23,11 @@ Backends:
 - `etcd-v3`: torchspot-run with our backend and its defaults (the restart path: every
   worker restarted, forked from the agent's warm server);
 - `etcd-v3-inplace`: the same agents, the toy program with `--in-place`: registered workers
-  re-form their gloo group in the processes they run in (handover.py). The toy, not
-  yet the project's trainer;
+  re-form their gloo group in the processes they run in (handover.py): the mechanism's cost
+  without a model;
+- `trainer-inplace`: the same agents, the project's trainer with `--in-place` (`-m
+  torchspot_trainer`, a small CNN on the digits, global batch 48, a progress line per step): the
+  in-place mode as a user runs it;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
   torch's defaults;
 - `etcd-v2-tuned`: the same with our heartbeat and last-call settings
@@ -71,8 +74,13 @@ from torchspot_lab.local import (
     wait_for,
 )
 
-BACKENDS = ("etcd-v3", "etcd-v3-inplace", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS)
-OURS = ("etcd-v3", "etcd-v3-inplace")
+BACKENDS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS)
+OURS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace")
+TRAINER = [
+    "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "", "--epochs", "100000",
+    "--global-batch-size", "48", "--workers", "0", "--log-every", "1", "--scheduled-events", "off", "--in-place",
+]  # fmt: skip
+"""`trainer-inplace`'s program (its --events-file is added per job)."""
 SCENARIOS = ("join", "hard", "frozen", "notice", "falsealarm")
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "recovery.json"
 STEP_TIME = 0.05
@@ -113,6 +121,9 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
     }
     if backend == "etcd-v3":
         return JobConfig(backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", **common)
+    if backend == "trainer-inplace":
+        program = [*TRAINER, "--events-file", str(workdir / "events.jsonl")]
+        return JobConfig(backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program, **common)
     if backend == "etcd-v3-inplace":
         return JobConfig(
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", toy_args=["--in-place"], **common
@@ -127,8 +138,36 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
     return JobConfig(backend="c10d", endpoint=f"127.0.0.1:{free_port()}", launcher="torchrun", **common)
 
 
+def as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's records in the toy's terms (toy_train.py's module docstring), which the
+    measurements read: a generation's `generation` records are its ranks' `joined`, its `start` the
+    group's, each `progress` line (one per step) a `step`. The group is the generation. Pure."""
+    found: list[dict[str, Any]] = []
+    group = "?"
+    for record in records:
+        kind = record.get("event")
+        if kind == "start":
+            group = str(record.get("generation", "?"))
+            found.append({"event": "start", "t": record["t"], "step": record["step"], "world": record["world_size"],
+                          "group": group})  # fmt: skip
+        elif kind == "generation":
+            found.append({"event": "joined", "t": record["t"], "rank": record["rank"], "world": record["world_size"],
+                          "pid": record["pid"], "node": record["node"],
+                          "group": str(record["generation"])})  # fmt: skip
+        elif kind == "progress":
+            found.append({"event": "step", "t": record["t"], "step": record["step"], "world": record["world_size"],
+                          "group": group})  # fmt: skip
+    return found
+
+
+def _read(job: JobConfig) -> list[dict[str, Any]]:
+    """The job's events, the trainer's in the toy's terms (`as_toy_events`)."""
+    records = read_events(job.events)
+    return as_toy_events(records) if job.program else records
+
+
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:
-    return ranks_of_group(read_events(job.events), group)
+    return ranks_of_group(_read(job), group)
 
 
 def _pids(events: list[dict[str, Any]], group: str) -> dict[str, int]:
@@ -173,14 +212,14 @@ def run_trial(
         for node in nodes:
             node.start()
         formed = wait_for(
-            lambda: first_step_at(read_events(job.events), initial, 0),
+            lambda: first_step_at(_read(job), initial, 0),
             120,
             f"{backend}: world {initial}",
         )
         wait_for(lambda: len(_ranks(job, formed["group"])) == initial, 30, "all ranks to join")
         # Let it train past a checkpoint or two, as a real job would be mid-epoch.
         wait_for(
-            lambda: last_step_before(read_events(job.events), time.time()) >= formed["step"] + 25,
+            lambda: last_step_before(_read(job), time.time()) >= formed["step"] + 25,
             60,
             "steps",
         )
@@ -190,7 +229,7 @@ def run_trial(
         if scenario == "falsealarm":
             began = time.time()
             hog_and_pause(victim.freeze, victim.thaw)
-            regrouped = any(e["event"] == "start" and e["t"] > began for e in read_events(job.events))
+            regrouped = any(e["event"] == "start" and e["t"] > began for e in _read(job))
             return Trial(backend, scenario, None, None, false_alarm=regrouped)
         if scenario == "join":
             fault = time.time()
@@ -208,10 +247,10 @@ def run_trial(
                 threading.Thread(target=victim.terminate, args=(NOTICE_GRACE,), daemon=True).start()
             target = 2
         try:
-            recovered = wait_for(lambda: first_step_at(read_events(job.events), target, fault), timeout, "recovery")
+            recovered = wait_for(lambda: first_step_at(_read(job), target, fault), timeout, "recovery")
         except TimeoutError:
             return Trial(backend, scenario, None, None)
-        events = read_events(job.events)
+        events = _read(job)
         steps = [e["t"] for e in events if e["event"] == "step" and fault - 1.0 <= e["t"] <= recovered["t"]]
         pause = max((b - a for a, b in itertools.pairwise(steps)), default=None)
         resumed = resumed_step_after(events, fault)

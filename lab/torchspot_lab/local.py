@@ -138,6 +138,7 @@ class LocalNode:
         env = {
             **os.environ,
             "TORCHSPOT_NODE": self.name,
+            "NODE_NAME": self.name,  # as the operator sets it in a pod (the downward API)
             "PYTHONUNBUFFERED": "1",
             **self.job.extra_env,
         }

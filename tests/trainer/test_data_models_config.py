@@ -17,12 +17,13 @@ from torchspot_trainer.data.datasets import CIFAR_FOLDER, load_cifar10, load_dig
 from torchspot_trainer.data.imaging import resized_crop_box
 from torchspot_trainer.data.loader import CPU_LOADER_WORKERS, cgroup_cpus, loader_workers, usable_cpus
 from torchspot_trainer.launch import max_world_environment
+from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import SmallCNN, resnet18, resnet50
 from torchspot_trainer.optim import RECIPES, BatchRule, build_optimizer, learning_rate, optimizer_kernels
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import Notice
-from torchspot_trainer.train import build_model, choose_device, format_progress, sync_bn_refusal
+from torchspot_trainer.train import build_model, choose_device, format_progress, in_place_refusal, sync_bn_refusal
 
 
 def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
@@ -281,6 +282,20 @@ def test_sync_bn_converts_every_batch_norm_and_is_refused_on_cpu() -> None:
     assert "--sync-bn" in refusal
     assert sync_bn_refusal(True, torch.device("cuda", 0)) is None
     assert sync_bn_refusal(False, torch.device("cpu")) is None
+
+
+def test_in_place_is_refused_on_gpus_and_outside_torchspot_run() -> None:
+    """--in-place: gloo generations only (NCCL's not built in), and only torchspot-run hands rounds over."""
+    agent = {PEER_LOST_ENV: "/tmp/agent/peer-lost"}
+    assert in_place_refusal(True, torch.device("cpu"), agent) is None
+    assert in_place_refusal(False, torch.device("cuda", 0), {}) is None
+    on_gpu = in_place_refusal(True, torch.device("cuda", 0), agent)
+    assert on_gpu is not None
+    assert "--in-place" in on_gpu
+    assert "cuda" in on_gpu
+    elsewhere = in_place_refusal(True, torch.device("cpu"), {})
+    assert elsewhere is not None
+    assert "torchspot-run" in elsewhere
 
 
 def test_model_initialisation_is_the_same_on_every_rank() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, stop_after, wait_for
@@ -22,9 +25,12 @@ from torchspot_trainer.handover import (
     Assignment,
     acknowledged,
     assignment_record,
+    live_workers,
     parse_assignment,
     registered,
 )
+from torchspot_trainer.launch import leave_then_stop
+from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV
 from torchspot_trainer.recovery.live import LiveGroup
 
 WAIT = 60.0
@@ -32,9 +38,30 @@ WAIT = 60.0
 
 
 def test_an_assignment_names_each_local_worker_and_nobody_else() -> None:
-    record = json.loads(json.dumps(assignment_record(7, 6, "10.0.0.4", 29400, {0: 2, 1: 3})))
-    assert parse_assignment(record, 1) == Assignment(7, 3, 6, "10.0.0.4", 29400)
+    record = json.loads(json.dumps(assignment_record(7, 6, "10.0.0.4", 29400, {0: 2, 1: 3}, node=1)))
+    assert parse_assignment(record, 1) == Assignment(7, 3, 6, "10.0.0.4", 29400, node=1)
     assert parse_assignment(record, 2) is None
+
+
+def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to an agent whose workers re-form in place: the leaving mark, not the rendezvous left at
+    once (the others would re-form without us and break the group the notice's checkpoint needs); the
+    same agent without live workers leaves at once (nothing to mark)."""
+    monkeypatch.setenv(PEER_LOST_ENV, str(tmp_path / "peer-lost"))
+    (tmp_path / "live-0").write_text(str(os.getpid()))
+    assert live_workers(tmp_path)
+    with pytest.raises(SignalException):
+        leave_then_stop(signal.SIGTERM, None)
+    assert (tmp_path / LEAVING_MARKER).exists()
+
+    (tmp_path / LEAVING_MARKER).unlink()
+    (tmp_path / "live-0").write_text("999999999")  # the worker is gone: a stale registration
+    assert not live_workers(tmp_path)
+    with pytest.raises(SignalException):
+        leave_then_stop(signal.SIGTERM, None)
+    assert not (tmp_path / LEAVING_MARKER).exists()  # left (no handler here to leave), not only marked
 
 
 def test_only_registered_running_workers_and_only_newer_acknowledgements_count(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ here wrote) with a fixed global batch: the same seed, run once on a group that n
 changes and once through an eviction with notice (SIGTERM to the node's agent, as the
 kubelet sends), a hard one (SIGKILL of the whole tree) and two nodes joining, must
 compute the same model (up to float32 reduction order), and the notice eviction must
-not make any step run twice.
+not make any step run twice. The same failures again with `--in-place` (the survivors
+re-form in their processes) must compute that model too.
 """
 
 from __future__ import annotations
@@ -93,10 +94,21 @@ def _wait_exit(nodes: list[LocalNode], timeout: float = 240) -> list[int]:
     return codes
 
 
+def _generations(events: list[dict[str, Any]]) -> dict[str, set[int]]:
+    """In place: node -> the process ids its worker had in the generations it was in."""
+    found: dict[str, set[int]] = {}
+    for event in events:
+        if event.get("event") == "generation":
+            found.setdefault(event["node"], set()).add(event["pid"])
+    return found
+
+
 def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     """Three nodes, then an eviction with notice (3 -> 2), a hard loss (2 -> 1) and two nodes
     joining (1 -> 3), each at a step the run reaches; the checks of each recovery along the way.
-    Returns what happened (the emergency checkpoint, the step before the hard loss)."""
+    Returns what happened (the emergency checkpoint, the step before the hard loss). With
+    `--in-place` in the job's program, also that no survivor's process was restarted."""
+    in_place = "--in-place" in job.program
     events_path = job.workdir / "train-events.jsonl"
     # A step at one node takes 40 ms and two nodes join in 10-20 s on 2 busy cores: unpaced, the
     # run (232 steps) could end at one node before they arrive, as it once did in CI.
@@ -134,7 +146,8 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     # The survivor resumed from its own copy of the state at its last completed step, not from
     # the last Blob checkpoint up to 10 steps back: at most the step in flight is redone.
     after_hard = [e for e in read_events(events_path) if e.get("event") == "start" and e["t"] > hard_at]
-    assert after_hard[0]["resumed_from"] == "snapshot", after_hard
+    # In place the survivor keeps the step it completed ("live") in the process it trains in.
+    assert after_hard[0]["resumed_from"] == ("live" if in_place else "snapshot"), after_hard
     assert after_hard[0]["step"] >= last_before
 
     # Capacity returns: two nodes join the survivor (training at world size 1, seen above).
@@ -148,6 +161,10 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     assert all(size in remaining for size in (3, 2, 1, 3)), sizes
     assert sizes[-1] == 3
     assert {e["loader_workers"] for e in read_events(events_path) if e.get("event") == "start"} == {0}  # --workers 0
+    if in_place:  # one process per node from start to end: n0 in all 4 generations, the evicted ones in theirs
+        pids = _generations(read_events(events_path))
+        assert sorted(pids) == sorted(node.name for node in [*started, *joined]), pids
+        assert all(len(ids) == 1 for ids in pids.values()), pids
     return {"emergency_step": emergency[-1]["step"]}
 
 
@@ -186,29 +203,32 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     elastic = _job(tmp_path / "elastic", etcd, azurite, run_id + "-elastic")
     per_worker = _job(tmp_path / "per-worker", etcd, azurite, run_id + "-per-worker",
                       global_batch_size="0", batch_size=str(GLOBAL_BATCH // 3))  # fmt: skip
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_elastic_run, job, nodes) for job in (elastic, per_worker)]
-    happened, _ = (run.result() for run in runs)
+    in_place = _job(tmp_path / "in-place", etcd, azurite, run_id + "-in-place")
+    in_place.program.append("--in-place")
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(_elastic_run, job, nodes) for job in (elastic, per_worker, in_place)]
+    happened, _, happened_in_place = (run.result() for run in runs)
 
-    elastic_events = read_events(tmp_path / "elastic" / "train-events.jsonl")
-    steps = Counter(e["step"] for e in _progress(elastic_events))
-    redone = [s for s, n in steps.items() if n > 1]
-    assert all(s > happened["emergency_step"] for s in redone), "a step ran twice after an eviction with notice"
-    assert len(redone) <= 2, redone  # at most the step in flight at the hard loss (and at the join)
-
-    fixed_losses, elastic_losses = _losses(fixed_events), _losses(elastic_events)
-    assert sorted(elastic_losses) == sorted(fixed_losses)  # the same optimizer steps, counted alike
-    worst_loss = max(abs(elastic_losses[s] - fixed_losses[s]) for s in fixed_losses)
+    fixed_losses = _losses(fixed_events)
     fixed_model = _final_parameters(f"az://ckpt/{run_id}-fixed", azurite)
-    difference = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-elastic", azurite))
-    print(f"fixed vs elastic: largest parameter difference {difference:.3g}, largest loss difference "
-          f"{worst_loss:.3g} over {len(fixed_losses)} steps")  # fmt: skip
-    assert difference <= TOLERANCE
-    assert worst_loss <= LOSS_TOLERANCE
-    assert _final(elastic_events)["test_accuracy"] == pytest.approx(_final(fixed_events)["test_accuracy"], abs=0.003)
-    latest = read_latest(open_storage(f"az://ckpt/{run_id}-elastic", azurite.env()))
-    assert latest is not None
-    assert latest["step"] == _final(elastic_events)["step"]
+    for name, what in (("elastic", happened), ("in-place", happened_in_place)):
+        events = read_events(tmp_path / name / "train-events.jsonl")
+        steps = Counter(e["step"] for e in _progress(events))
+        redone = [s for s, n in steps.items() if n > 1]
+        assert all(s > what["emergency_step"] for s in redone), f"{name}: a step ran twice after a notice"
+        assert len(redone) <= 2, redone  # at most the step in flight at the hard loss (and at the join)
+        losses = _losses(events)
+        assert sorted(losses) == sorted(fixed_losses)  # the same optimizer steps, counted alike
+        worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses)
+        difference = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-{name}", azurite))
+        print(f"fixed vs {name}: largest parameter difference {difference:.3g}, largest loss difference "
+              f"{worst_loss:.3g} over {len(fixed_losses)} steps")  # fmt: skip
+        assert difference <= TOLERANCE, name
+        assert worst_loss <= LOSS_TOLERANCE, name
+        assert _final(events)["test_accuracy"] == pytest.approx(_final(fixed_events)["test_accuracy"], abs=0.003)
+        latest = read_latest(open_storage(f"az://ckpt/{run_id}-{name}", azurite.env()))
+        assert latest is not None
+        assert latest["step"] == _final(events)["step"]
 
     diverged = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-per-worker", azurite))
     print(f"fixed vs per-worker batches: largest parameter difference {diverged:.3g}")

@@ -130,6 +130,10 @@ class TrainConfig:
     """Seconds a step (or any wait on the group) may take before the worker counts its group as
     broken: it writes its node's snapshot, aborts its communicator and exits, and the agents
     re-form the group. The process group's own timeout is twice this (the watchdog acts first)."""
+    in_place: bool = False
+    """Re-form in place at a membership change (torchspot-run with etcd-v3): the workers keep their
+    processes, rebuild only their group and take the newest state from a live peer, instead of being
+    restarted. CPU (gloo) only for now; a worker that cannot is restarted as without it."""
     snapshot_every: int = 1
     """GPUs: steps between host copies of the state, which a node's snapshot is written from (1:
     the snapshot holds the last completed step; K: a copy costs 1/K as much, and the snapshot may

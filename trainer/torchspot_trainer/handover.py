@@ -54,6 +54,8 @@ class Assignment:
     store_host: str
     store_port: int
     """The round's store, started by its rank-0 agent before the round was published."""
+    node: int = 0
+    """The agent's place in the round (torchrun's GROUP_RANK): which ranks share a node."""
 
 
 class Generations(Protocol):
@@ -82,7 +84,9 @@ def agent_folder(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ[PEER_LOST_ENV]).parent
 
 
-def assignment_record(generation: int, world: int, host: str, port: int, ranks: dict[int, int]) -> dict[str, Any]:
+def assignment_record(
+    generation: int, world: int, host: str, port: int, ranks: dict[int, int], *, node: int = 0
+) -> dict[str, Any]:
     """The content of `assignment.json` (pure): `ranks` maps local rank to global rank."""
     return {
         "generation": generation,
@@ -90,6 +94,7 @@ def assignment_record(generation: int, world: int, host: str, port: int, ranks: 
         "store_host": host,
         "store_port": port,
         "ranks": {str(local): rank for local, rank in ranks.items()},
+        "node": node,
     }
 
 
@@ -99,8 +104,9 @@ def parse_assignment(record: dict[str, Any], local_rank: int) -> Assignment | No
     if rank is None:
         return None
     return Assignment(
-        record["generation"], int(rank), int(record["world"]), record["store_host"], int(record["store_port"])
-    )
+        record["generation"], int(rank), int(record["world"]), record["store_host"], int(record["store_port"]),
+        int(record.get("node", 0)),
+    )  # fmt: skip
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -119,6 +125,11 @@ def _read_int(path: Path) -> int | None:
 def registered(folder: Path, pids: dict[int, int]) -> bool:
     """Whether every worker in `pids` (local rank to process id) registered as able to re-form in place."""
     return bool(pids) and all(_read_int(folder / f"{LIVE_PREFIX}{local}") == pid for local, pid in pids.items())
+
+
+def live_workers(folder: Path) -> bool:
+    """Whether a worker registered in `folder` still runs (a stale file names a process that ended)."""
+    return any(running(pid) for path in folder.glob(f"{LIVE_PREFIX}*") if (pid := _read_int(path)) is not None)
 
 
 def acknowledged(folder: Path, local_ranks: Iterable[int], generation: int) -> bool:
@@ -216,8 +227,9 @@ class InPlaceAgent(LocalElasticAgent):
         ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         record = assignment_record(
-            generation, world, str(worker_group.master_addr), int(worker_group.master_port or 0), ranks
-        )
+            generation, world, str(worker_group.master_addr), int(worker_group.master_port or 0), ranks,
+            node=int(worker_group.group_rank or 0),
+        )  # fmt: skip
         _write_atomically(agent_folder() / ASSIGNMENT_FILE, json.dumps(record))
 
 

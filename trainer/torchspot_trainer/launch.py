@@ -34,10 +34,10 @@ from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
 from torchspot_trainer import ENV_PREFIX
-from torchspot_trainer.handover import InPlaceAgent
+from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers
 from torchspot_trainer.markers import agent_restarting, node_leaving
 from torchspot_trainer.nccl import worker_environment
-from torchspot_trainer.rendezvous.handler import leave_rendezvous, name_peer_lost_marker, register
+from torchspot_trainer.rendezvous.handler import leave_rendezvous, mark_leaving, name_peer_lost_marker, register
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
 
 PROG = "torchspot-run"
@@ -269,8 +269,20 @@ def use_in_place_agent() -> None:
 def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM: take our node out of the rendezvous, then what torch's handler does (raise
     SignalException, so the agent stops its workers and exits). The other nodes re-form at
-    once instead of when our workers are done with their emergency checkpoint."""
-    leave_rendezvous()
+    once instead of when our workers are done with their emergency checkpoint.
+
+    Not while workers that re-form in place run here: the others' agents would hand them a round
+    without us at once, which breaks the group our workers need for the notice's agreement and
+    emergency checkpoint at their next boundary. The node is only marked leaving; it leaves once its
+    workers have stopped (`_launch`), and the others re-form in place then."""
+    try:
+        in_place = live_workers(agent_folder())
+    except KeyError:  # no agent folder named: no worker of ours registered
+        in_place = False
+    if in_place:
+        mark_leaving()
+    else:
+        leave_rendezvous()
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 

@@ -35,7 +35,7 @@ def model_inputs(
 
 
 def train_step(
-    ddp: DistributedDataParallel,
+    ddp: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     *,
@@ -49,6 +49,9 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
 
+    `ddp` is the model under DDP, or the bare model of a worker that re-forms in place, whose
+    gradients `before_update` averages (live.py's `LiveCollectives.average_gradients`).
+
     `before_update` runs between the last gradient all-reduce and the optimizer's step: from
     then until the caller counts the step, the model is between two states. Returns this
     rank's summed loss and correct predictions as device tensors (read them at log time:
@@ -57,7 +60,7 @@ def train_step(
     uint8 batch into the model's float input after the copy to the device (data.Normalize).
     """
     precision = precision or Precision("fp32", device)
-    ddp.train()  # type: ignore[no-untyped-call]
+    ddp.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
@@ -67,7 +70,7 @@ def train_step(
         inputs = model_inputs(inputs, device, precision, normalize)
         labels = labels.to(device, non_blocking=True)
         last = index == passes - 1
-        with contextlib.nullcontext() if last else ddp.no_sync():
+        with ddp.no_sync() if isinstance(ddp, DistributedDataParallel) and not last else contextlib.nullcontext():
             with precision.autocast():
                 logits = ddp(inputs)
             summed = nn.functional.cross_entropy(logits.float(), labels, reduction="sum")

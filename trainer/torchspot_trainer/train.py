@@ -44,7 +44,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -70,6 +70,8 @@ from torchspot_trainer.data.loader import (
 )
 from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.evaluate import evaluate
+from torchspot_trainer.handover import Handover
+from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import BatchRule, build_optimizer, learning_rate
 from torchspot_trainer.precision import Precision
@@ -84,7 +86,15 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
-from torchspot_trainer.recovery.notices import EXIT_FAILED, NOTICE_LEAVING, NoticeStop, leave, waits_for_save
+from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup, wait_for_assignment
+from torchspot_trainer.recovery.notices import (
+    EXIT_FAILED,
+    NOTICE_LEAVING,
+    GroupBroken,
+    NoticeStop,
+    leave,
+    waits_for_save,
+)
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
@@ -93,13 +103,17 @@ from torchspot_trainer.recovery.signals import (
     reset_sigterm,
     watch_sigterm,
 )
-from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
+from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, default_path
+from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.step import model_inputs, train_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+REFORM_SECONDS = 30.0
+"""With --in-place: how long a worker waits for its agent's next round, and for that round's group
+to form, before it leaves by the restart path (its snapshot kept)."""
 LEAVE_SAVE_WAIT = 5.0
 """Seconds a rank 0 that leaves its group gives its checkpoint save in flight before it exits,
 where that save matters (notices.waits_for_save: its node leaves, or it kept no snapshot as new).
@@ -216,6 +230,21 @@ def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
     return None
 
 
+def in_place_refusal(in_place: bool, device: torch.device, environ: Mapping[str, str]) -> str | None:
+    """Why `--in-place` cannot run in this worker, or None. Pure.
+
+    Its generations are gloo groups (live.py): NCCL's are designed (non-blocking communicators, abort,
+    the device probe) but not built into the loop, nor measured. And only torchspot-run's agent hands
+    a round over (handover.py); under another launcher no round would ever come."""
+    if not in_place:
+        return None
+    if device.type != "cpu":
+        return f"--in-place runs on CPU (gloo) only so far, and this worker runs on {device.type}; drop it on GPU nodes"
+    if PEER_LOST_ENV not in environ:
+        return "--in-place needs torchspot-run (etcd-v3), whose agent hands each new round to its live workers"
+    return None
+
+
 def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
     """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
     torch.manual_seed(config.seed)
@@ -230,7 +259,8 @@ class _Run:
     """What one training run holds between steps."""
 
     model: nn.Module
-    ddp: DistributedDataParallel
+    ddp: nn.Module
+    """The model under DDP, or the model itself in place (its gradients averaged by `_begin_update`)."""
     optimizer: torch.optim.Optimizer
     sampler: ElasticSampler
     rule: BatchRule
@@ -265,6 +295,15 @@ class _Window:
         self.samples += samples
 
 
+@dataclass
+class _InPlace:
+    """A worker that re-forms in place (--in-place): its side of the hand-over and its generations."""
+
+    handover: Handover
+    live: LiveGroup
+    generation: int = -1
+
+
 class Trainer:
     """Trains `config.model` on `config.dataset` under torchrun; see the module docstring."""
 
@@ -289,6 +328,14 @@ class Trainer:
             )  # fmt: skip
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
+        refusal = in_place_refusal(config.in_place, self.device, os.environ)
+        if refusal:
+            raise SystemExit(refusal)
+        self._in_place: _InPlace | None = None
+        if config.in_place:  # said at once: a round handed over during the set-up is acknowledged
+            self._in_place = _InPlace(Handover.from_environment(), LiveGroup())
+            self._in_place.handover.register()
+            self._in_place.handover.watch(self._in_place.live)
         self.precision = Precision(config.precision, self.device)
         self.loader_workers = loader_workers(
             config.workers, cuda=self.device.type == "cuda", cpus=usable_cpus(),
@@ -326,6 +373,10 @@ class Trainer:
 
     @property
     def group(self) -> Group:
+        if self._in_place is not None:
+            return LiveCollectives(
+                self.rank, self.world, self.device, live=self._in_place.live, op_seconds=self.config.collective_timeout
+            )
         return Group(self.rank, self.world, self.device, self._control)
 
     # -- the loop -------------------------------------------------------------------
@@ -346,22 +397,17 @@ class Trainer:
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
-        self._emit({"event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
-                    "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
-                    "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
-                    "loader_workers": self.loader_workers,
-                    "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()}})  # fmt: skip
+        self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
         while True:
-            # An epoch's end is evaluated once: also when a notice interrupted its evaluation.
-            if run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step:
-                self._evaluate(run, epoch=run.sampler.epoch - 1)
-            if run.sampler.epoch >= self.config.epochs or self._step_limit_reached():
-                break
-            self._train_epoch(run)
-        if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
-            self._evaluate(run, epoch=run.sampler.epoch)
+            try:
+                if not self._train_on(run):
+                    break
+            except (GroupChanged, GroupBroken) as exc:
+                if self._in_place is None:  # the restart path: train() leaves, the agents re-form
+                    raise
+                self._reform(run, failed=isinstance(exc, GroupChanged) and exc.failed)
         self._watchdog.armed = False  # the final save is not a step
         if self.manager is not None and self.rank == 0:
             self.manager.wait()
@@ -376,6 +422,38 @@ class Trainer:
         self._emit(summary)
         self._shutdown()
         return summary
+
+    def _train_on(self, run: _Run) -> bool:
+        """Evaluate an epoch's end if due, then train the rest of the epoch; False once training is over
+        (evaluated). In place, a membership change raises out of here and the loop comes back after the
+        re-form: the epoch is planned again for the new world from the sampler, which counts only
+        completed steps, so the interrupted step's samples are dealt again (exact-once)."""
+        # An epoch's end is evaluated once: also when a notice interrupted its evaluation.
+        if run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step:
+            self._evaluate(run, epoch=run.sampler.epoch - 1)
+        if run.sampler.epoch >= self.config.epochs or self._step_limit_reached():
+            if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
+                self._evaluate(run, epoch=run.sampler.epoch)
+            return False
+        self._train_epoch(run)
+        return True
+
+    def _started(self, run: _Run) -> None:
+        """The `start` event of a round (or, in place, of a generation), and in place each rank's
+        `generation` event: its process id shows that no process was restarted."""
+        record: dict[str, Any] = {
+            "event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
+            "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
+            "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
+            "loader_workers": self.loader_workers,
+            "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()},
+        }  # fmt: skip
+        if self._in_place is not None:
+            record["generation"] = self._in_place.generation
+            self._emit({"event": "generation", "generation": self._in_place.generation, "rank": self.rank,
+                        "world_size": self.world, "step": self.step, "pid": os.getpid(),
+                        "node": os.environ.get("NODE_NAME") or socket.gethostname()}, any_rank=True)  # fmt: skip
+        self._emit(record)
 
     def _train_epoch(self, run: _Run) -> None:
         """Train on the rest of the current epoch (or until --max-steps): the step loop."""
@@ -414,6 +492,13 @@ class Trainer:
         return lr
 
     def _begin_update(self) -> None:
+        """Between the step's last backward pass and its update. In place the gradients are averaged
+        here: a failed average raises GroupChanged before anything of the step is applied."""
+        if self._run is not None and self._in_place is not None:
+            group = self.group
+            assert isinstance(group, LiveCollectives)
+            model = self._run.model
+            group.average_gradients([p for p in model.parameters() if p.requires_grad], list(model.buffers()))
         self._host.before_update()
 
     def _step_limit_reached(self) -> bool:
@@ -466,16 +551,9 @@ class Trainer:
         # --decode gpu: the batch's JPEGs are decoded, cropped and resized on the GPU (loader.py); without
         # torchvision this stops here, before the group forms.
         decoder = DeviceDecoder(gpu_decoder(), self.device, config.image_size) if config.decode == "gpu" else None
-        if self.backend == "nccl":
-            os.environ.update(nccl_environment(os.environ))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            self.backend, timeout=group_timeout(config.collective_timeout), device_id=group_device(self.device)
-        )
-        self._control = control_group(self.backend, config.collective_timeout)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        lap("group")
+        if self._in_place is None:  # in place, the group is formed once data and model are ready
+            self._form_default_group()
+            lap("group")
         train_set, test_set, classes = self._datasets()
         if isinstance(train_set, SampleRandom):  # before the loader forks its workers, which keep it
             train_set.set_epoch(0, config.seed)
@@ -484,7 +562,9 @@ class Trainer:
         rule = config.batch_rule()
         run = _Run(
             model=model,
-            ddp=DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
+            ddp=model
+            if self._in_place is not None
+            else DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
             optimizer=build_optimizer(
                 model,
                 config.optimizer,
@@ -507,24 +587,24 @@ class Trainer:
             normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
+        if self._in_place is not None:
+            lap("model")
+            self._enter_next()
+            lap("group")
         if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
             self._reporter = CheckpointReporter.from_environment()
         if config.checkpoint_uri:
-            reopen = partial(open_storage, config.checkpoint_uri, retries=1, timeout=5.0)
-            saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
-            self.manager = CheckpointManager(
-                reopen(),
-                CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
-                on_report=self._on_checkpoint,
-                reopen=reopen if saves_in_child else None,
-            )
+            self.manager = self._open_checkpoints(config.checkpoint_uri)
         lap("model")
         # With or without a checkpoint URI: the nodes' snapshots of the last round are read either way
         # (they were written at every loss, and without this never read when no URI was given).
         mine = self._snapshot.read() if self._snapshot is not None else None
-        self.resumed_from, state = find_state(self.group, self.manager, mine)
-        if state is not None:
-            self._load(run, state)
+        if self._in_place is not None:
+            self._settle(run, live_step=-1, mine=mine, entered=True)
+        else:
+            self.resumed_from, state = find_state(self.group, self.manager, mine)
+            if state is not None:
+                self._load(run, state)
         self._base = self.step
         lap("resume")
         self._run = run
@@ -539,6 +619,34 @@ class Trainer:
                 raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
             self._tensorboard = SummaryWriter(config.tensorboard)
         return run
+
+    def _form_default_group(self) -> None:
+        """The round's default process group (NCCL bound to this rank's device, or gloo), and on NCCL the
+        gloo control group beside it."""
+        config = self.config
+        if self.backend == "nccl":
+            os.environ.update(nccl_environment(os.environ))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            self.backend, timeout=group_timeout(config.collective_timeout), device_id=group_device(self.device)
+        )
+        self._control = control_group(self.backend, config.collective_timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def _open_checkpoints(self, uri: str) -> CheckpointManager:
+        """The checkpoint manager: rank 0's saves in a child process with --checkpoint-saver process.
+        In place, a later rank 0 (its predecessor gone) saves on a thread: the child is started with the
+        manager, by the first generation's rank 0 only."""
+        config = self.config
+        reopen = partial(open_storage, uri, retries=1, timeout=5.0)
+        saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
+        return CheckpointManager(
+            reopen(),
+            CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
+            on_report=self._on_checkpoint,
+            reopen=reopen if saves_in_child else None,
+        )
 
     def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
         config = self.config
@@ -559,6 +667,103 @@ class Trainer:
             dataset, workers=workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
             decoder=decoder, ahead=self.device if cuda and decoder is None else None,
         )  # fmt: skip
+
+    # -- in place (--in-place) -------------------------------------------------------
+
+    def _enter_next(self) -> None:
+        """Enter the first newer round that forms (handover.py, live.py); leave by the restart path
+        (the snapshot kept) when none comes within REFORM_SECONDS."""
+        place = self._in_place
+        assert place is not None
+        while True:
+            assignment = wait_for_assignment(
+                place.handover.read, place.generation, time.monotonic() + REFORM_SECONDS
+            )  # fmt: skip
+            if assignment is None:
+                log.warning("rank %d: no round handed over within %.0f s; leaving for a restart", self.rank,
+                            REFORM_SECONDS)  # fmt: skip
+                self._leave_broken_group()
+            place.generation = assignment.generation
+            if place.handover.enter(place.live, assignment, time.monotonic() + REFORM_SECONDS):
+                break
+        self.rank, self.world, self.stop.node = assignment.rank, assignment.world, assignment.node
+
+    def _heal(self, run: _Run, *, live_step: int, mine: tuple[Held, dict[str, Any]] | None) -> None:
+        """At a generation's start: every rank goes on from the newest state any of them holds. A live
+        rank holds its last completed step (`live_step`); a new one (a joiner, or a worker its agent
+        restarted) its node's snapshot, if any (`mine`). While nobody trains yet (the first
+        generation), this is the restart path's resume (resume.py). Otherwise the newest step wins
+        (a rank that completed a step its peers' collectives did not: they take it from it), from
+        the lowest rank holding it, sent only when some rank lacks it."""
+        group = self.group
+        committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
+        rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed])
+        newest_committed = max(row[2] for row in rows)
+        if self.manager is not None and newest_committed >= 0:  # a new rank 0 knows the last checkpoint
+            self.manager.last_committed = newest_committed
+        live, held = [row[0] for row in rows], [row[1] for row in rows]
+        if max(live) < 0:
+            self.resumed_from, state = find_state(group, self.manager, mine)
+            if state is not None:
+                self._load(run, state)
+            return
+        best = max(*live, *held)
+        if all(step == best for step in live):
+            self.resumed_from = "live"
+            return
+        from_live = best == max(live)
+        source = (live if from_live else held).index(best)
+        sending = None
+        if self.rank == source:
+            sending = self._state(run) if from_live else (mine[1] if mine is not None else None)
+        state = broadcast_state(sending, source, self.rank, self.device, group.broadcast)
+        if live_step != best:
+            self._load(run, state)
+            self.resumed_from = "peer" if from_live else "snapshot"
+        else:
+            self.resumed_from = "live"
+
+    def _reform(self, run: _Run, *, failed: bool) -> None:
+        """In place, after a collective did not complete: enter the next round, heal, go on (module
+        docstring of live.py); the step watchdog rests meanwhile (REFORM_SECONDS bounds the wait)."""
+        place = self._in_place
+        assert place is not None
+        self._watchdog.armed = False
+        self.notice.parked = False  # a hold for a leaving peer ends with the round it leaves
+        if failed:
+            place.handover.report_failure()
+        self._settle(run, live_step=self.step, mine=None, entered=False)
+        self._base = self.step
+        self._ranks_changed()
+        self._capture(run)
+        self._started(run)
+        self.notice.step_boundary()
+        self._watchdog.armed = True
+
+    def _settle(self, run: _Run, *, live_step: int, mine: tuple[Held, dict[str, Any]] | None, entered: bool) -> None:
+        """Enter the next round (unless `entered` already) and heal in it; again in the next one while a
+        newer round or a lost peer breaks the heal."""
+        place = self._in_place
+        assert place is not None
+        while True:
+            if not entered:
+                self._enter_next()
+            entered = False
+            try:
+                self._heal(run, live_step=live_step, mine=mine)
+            except GroupChanged as exc:
+                if exc.failed:
+                    place.handover.report_failure()
+            else:
+                return
+
+    def _ranks_changed(self) -> None:
+        """Rank 0's duties (milestones for the operator) follow rank 0 from generation to generation."""
+        if self.rank == 0 and self._reporter is None:
+            self._reporter = CheckpointReporter.from_environment()
+        elif self.rank != 0 and self._reporter is not None:
+            self._reporter.close()
+            self._reporter = None
 
     # -- state ----------------------------------------------------------------------
 
@@ -721,6 +926,8 @@ class Trainer:
 
     def _shutdown(self) -> None:
         self._watchdog.stop()
+        if self._in_place is not None:  # its LiveGroup stays referenced with the trainer (launch.py)
+            self._in_place.handover.stop()
         if self._run is not None:
             self._run.train_loader.close()
             self._run.test_loader.close()

@@ -102,7 +102,8 @@ def abort_group(deadline: float = ABORT_SECONDS) -> None:
 
 @dataclass(frozen=True)
 class Group:
-    """This worker's place in the current group."""
+    """This worker's place in the current group, and the loop's collectives over the default group
+    (live.py's `LiveCollectives` runs the same ones over a group re-formed in place)."""
 
     rank: int
     world: int
@@ -143,6 +144,10 @@ class Group:
         dist.all_reduce(totals)
         result: list[float] = totals.tolist()
         return result
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """`tensor` from rank `src` to every rank, in place (wire.broadcast_state's `send`)."""
+        dist.broadcast(tensor, src=src)
 
 
 def _completed(work: Any, timeout: float) -> bool:

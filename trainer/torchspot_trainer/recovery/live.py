@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distributed re-exports
 
 from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.group import Group
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +229,83 @@ class LiveGroup:
     def _require_group(self) -> Any:
         self._require()
         return self._group
+
+
+class GroupChanged(RuntimeError):
+    """A collective of the trainer's loop did not complete in its generation: a newer round came (the
+    hand-over broke it), a peer's socket closed (`failed`), or its deadline passed. The loop re-forms
+    in the next round instead of leaving (train.py)."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(f"the group's collective ended {outcome.value}")
+        self.failed = outcome is Outcome.FAILED
+
+
+@dataclass(frozen=True)
+class LiveCollectives(Group):
+    """The loop's collectives (`Group`'s) over the current generation of a `LiveGroup`: what the
+    trainer's notices, resume, evaluation and progress lines call, run on the staging copies and
+    deadlines above, raising `GroupChanged` where the default group's collective would raise or hang.
+
+    :param live: the worker's generations.
+    :param op_seconds: the deadline of each collective (--collective-timeout): a frozen peer's round
+        is normally superseded long before it."""
+
+    live: LiveGroup = None  # type: ignore[assignment]  # a dataclass field after Group's defaulted one
+    op_seconds: float = 300.0
+
+    def gather_ints(self, row: list[int]) -> list[list[int]]:
+        table = torch.zeros(self.world, len(row), dtype=torch.long)
+        table[self.rank] = torch.tensor(row, dtype=torch.long)
+        self._done(self.live.all_reduce(table, time.monotonic() + self.op_seconds))
+        rows: list[list[int]] = table.tolist()
+        return rows
+
+    def ping(self, timeout: float) -> bool:
+        """False when the zero did not come back within `timeout` (a peer frozen or gone, no newer round
+        yet); GroupChanged when a newer round broke it or a peer's socket closed."""
+        outcome = self.live.all_reduce(torch.zeros(1), time.monotonic() + timeout)
+        if outcome is Outcome.BROKEN and not self.live.broken.is_set():
+            return False
+        self._done(outcome)
+        return True
+
+    def agree(self, timeout: float) -> bool:
+        return self.ping(timeout)
+
+    def sums(self, values: list[torch.Tensor]) -> list[float]:
+        totals = torch.stack([value.detach().to("cpu", torch.float64).reshape(()) for value in values])
+        self._done(self.live.all_reduce(totals, time.monotonic() + self.op_seconds))
+        result: list[float] = totals.tolist()
+        return result
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._done(self.live.broadcast(tensor, src, time.monotonic() + self.op_seconds))
+
+    def average_gradients(self, parameters: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """What DDP does to a step: the gradients averaged over ranks (each divided by the world, then
+        summed, in DDP's order of operations), and the model's floating-point buffers (BatchNorm's
+        running statistics) taken from rank 0, in one all-reduce of one flat buffer after the step's
+        last backward pass; a parameter without a gradient counts as zero. Unlike DDP's buckets it does
+        not overlap the backward pass: the price of a group that can be replaced between two steps."""
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+        floating = [buffer for buffer in buffers if buffer.is_floating_point()]
+        parts = [grad.reshape(-1) / self.world for grad in grads]
+        parts += [buffer.reshape(-1) if self.rank == 0 else torch.zeros(buffer.numel()) for buffer in floating]
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        self._done(self.live.all_reduce(flat, time.monotonic() + self.op_seconds))
+        offset = 0
+        for parameter, grad in zip(parameters, grads, strict=True):
+            parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
+            offset += grad.numel()
+        for buffer in floating:
+            buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
+
+    @staticmethod
+    def _done(outcome: Outcome) -> None:
+        if outcome is not Outcome.DONE:
+            raise GroupChanged(outcome)
 
 
 def newest(rows: list[list[float]]) -> tuple[int, int]:

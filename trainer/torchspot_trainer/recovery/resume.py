@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.recovery.group import Group
@@ -48,14 +47,14 @@ def find_state(
         else:
             loaded = None if manager is None else manager.load_latest()
             choice[1] = -1 if loaded is None else loaded.step
-    dist.broadcast(choice, src=0)
+    group.broadcast(choice, 0)
     source, step = int(choice[0]), int(choice[1])
     if source >= 0:
         return "snapshot", _state_from(group, source, held, mine)
     if step < 0 or manager is None:
         return "start", None
     manager.last_committed = step
-    state = broadcast_state(None if loaded is None else loaded.state, 0, group.rank, group.device)
+    state = broadcast_state(None if loaded is None else loaded.state, 0, group.rank, group.device, group.broadcast)
     return "checkpoint", state
 
 
@@ -74,6 +73,8 @@ def _state_from(
     chosen = held[source]
     state = mine[1] if mine is not None and mine[0] == chosen else None
     if any(h != chosen for h in held):
-        state = broadcast_state(state if group.rank == source else None, source, group.rank, group.device)
+        state = broadcast_state(
+            state if group.rank == source else None, source, group.rank, group.device, group.broadcast
+        )
     assert state is not None
     return state

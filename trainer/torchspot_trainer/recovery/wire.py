@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -96,19 +96,28 @@ def _dtype(name: str) -> torch.dtype:
     return found
 
 
-def broadcast_state(state: Any, src: int, rank: int, device: torch.device) -> Any:
-    """`state` from rank `src` to every rank of the default group (the others pass None); the
-    receivers' tensors end up in host memory. One broadcast for the skeleton's length, one for
-    the skeleton, one per dtype."""
+Send = Callable[[torch.Tensor, int], None]
+"""A broadcast of a tensor, in place, from a source rank (`Group.broadcast`)."""
+
+
+def _default_group(tensor: torch.Tensor, src: int) -> None:
+    dist.broadcast(tensor, src=src)
+
+
+def broadcast_state(state: Any, src: int, rank: int, device: torch.device, send: Send = _default_group) -> Any:
+    """`state` from rank `src` to every rank (the others pass None): over the default group, or
+    through `send` (a worker that re-forms in place has no default group: live.py); the receivers'
+    tensors end up in host memory. One broadcast for the skeleton's length, one for the skeleton,
+    one per dtype."""
     if rank == src:
         skeleton, tensors = flatten(state)
         encoded = torch.frombuffer(bytearray(skeleton.encode()), dtype=torch.uint8)
         size = torch.tensor([encoded.numel()], dtype=torch.long, device=device)
     else:
         size = torch.zeros(1, dtype=torch.long, device=device)
-    dist.broadcast(size, src=src)
+    send(size, src)
     text = encoded.to(device) if rank == src else torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(text, src=src)
+    send(text, src)
     if rank == src:
         sizes = {dtype: sum(t.numel() for t in parts) for dtype, parts in tensors.items()}
     else:
@@ -120,7 +129,7 @@ def broadcast_state(state: Any, src: int, rank: int, device: torch.device) -> An
             flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors[dtype]])
         else:
             flat = torch.empty(sizes[dtype], dtype=_dtype(dtype), device=device)
-        dist.broadcast(flat, src=src)
+        send(flat, src)
         buffers[dtype] = flat
     if rank == src:
         return state

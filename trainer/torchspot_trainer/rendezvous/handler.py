@@ -221,6 +221,14 @@ def leave_rendezvous() -> None:
         handler.leave()
 
 
+def mark_leaving() -> None:
+    """Say to this agent's workers that their node leaves (LEAVING_MARKER), without leaving the
+    rendezvous yet: workers that re-form in place (handover.py) agree on the notice with their peers
+    at their next step boundary, and the leaving one writes the emergency checkpoint, only while the
+    peers' group stands. Left after the workers stop (the launcher's `leave_rendezvous`)."""
+    _marker(LEAVING_MARKER).touch()
+
+
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
 
