@@ -108,6 +108,51 @@ def test_a_round_seen_before_a_reconfigure_gives_up_the_older_one_at_once() -> N
     assert second == "True False"
 
 
+_DEFER = """
+import os
+import sys
+import time
+from datetime import timedelta
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.live import READY_KEY, LiveGroup
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+live = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
+assert live.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+live.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))  # two join
+time.sleep(0.3)
+print(live.broken.is_set(), live.joiners_ready.is_set())  # deferred: training goes on
+PrefixStore("generation/4/", store).add(READY_KEY, 2)  # both joiners are in the round's build
+began = time.monotonic()
+while not live.joiners_ready.is_set() and time.monotonic() - began < 5:
+    time.sleep(0.01)
+print(live.broken.is_set(), live.joiners_ready.is_set(), time.monotonic() - began)
+live.offer(Assignment(5, 0, 2, "127.0.0.1", store.port))  # a newer round while 4 waits: at once
+print(live.broken.is_set())
+shrink = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
+assert shrink.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+shrink.offer(Assignment(4, 0, 1, "127.0.0.1", store.port))  # no rank added: nothing to wait for
+print(shrink.broken.is_set())
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_round_that_adds_ranks_waits_for_them_while_the_group_trains_on() -> None:
+    """With defer_joins (the trainer's), a round that grows the world does not break the current
+    generation until its joiners are in the round's group build (their counter on its store); then
+    `joiners_ready`, which the loop agrees on at a boundary. A newer round meanwhile, or a round that
+    adds nobody, breaks it at once. Real stores and a one-rank gloo group, in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", _DEFER], check=True, capture_output=True, text=True, timeout=60)
+    deferred, ready, newer, shrunk = done.stdout.split("\n")[:4]
+    assert deferred == "False False"
+    broken, set_, seconds = ready.split()
+    assert (broken, set_) == ("False", "True")
+    assert float(seconds) < 1.0
+    assert newer == "True"
+    assert shrunk == "True"
+
+
 Members = dict[str, dict[str, Any]]
 """Node name -> its worker's `joined` record in one generation."""
 

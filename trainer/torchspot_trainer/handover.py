@@ -66,6 +66,8 @@ class Generations(Protocol):
 
     def supersede(self, generation: int) -> None: ...
 
+    def offer(self, assignment: Assignment) -> None: ...
+
 
 ASSIGNMENT_FILE = "assignment.json"
 LIVE_PREFIX = "live-"
@@ -235,7 +237,8 @@ class InPlaceAgent(LocalElasticAgent):
 
 class Handover:
     """A worker's side of the hand-over: register, read its assignment, acknowledge a newer one and
-    break the current generation's collectives (`Generations.supersede`) the moment it appears.
+    break the current generation's collectives (`Generations.offer`: at once, or once joiners are
+    ready) the moment it appears.
 
     :param folder: the agent's folder (`agent_folder`).
     :param local_rank: this worker's LOCAL_RANK.
@@ -304,4 +307,4 @@ class Handover:
             found = self.read()
             if found is not None:
                 self._acknowledge(found.generation)  # also one the main thread entered first
-                live.supersede(found.generation)
+                live.offer(found)

@@ -333,7 +333,7 @@ class Trainer:
             raise SystemExit(refusal)
         self._in_place: _InPlace | None = None
         if config.in_place:  # said at once: a round handed over during the set-up is acknowledged
-            self._in_place = _InPlace(Handover.from_environment(), LiveGroup())
+            self._in_place = _InPlace(Handover.from_environment(), LiveGroup(defer_joins=True))
             self._in_place.handover.register()
             self._in_place.handover.watch(self._in_place.live)
         self.precision = Precision(config.precision, self.device)

@@ -45,12 +45,20 @@ from torchspot_trainer.recovery.group import Group
 
 log = logging.getLogger(__name__)
 
+READY_SECONDS = 30.0
+"""The most a deferred join waits for its joiners to be ready (`LiveGroup.offer`) before the current
+generation switches anyway: a joiner that never gets there is then waited for by the group build's
+deadline, and replaced by its agent's next round."""
 POLL_SECONDS = 0.001
 """Between looks at a collective's completion: a gloo all-reduce of a toy's gradient takes about
 a millisecond here, and a look costs microseconds."""
 GRAVEYARD = 8
 """Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
 once the op timeout has passed); beyond it a worker takes the restart path instead of another re-form."""
+
+
+READY_KEY = "ready"
+"""The counter of a generation's ranks in its group build, under `generation/<g>/` on its store."""
 
 
 class Outcome(Enum):
@@ -69,10 +77,16 @@ class LiveGroup:
     :param op_timeout: gloo's own timeout for an op: how long a zombie op lives (and so a grave).
     """
 
-    def __init__(self, op_timeout: timedelta = timedelta(seconds=30)) -> None:
+    def __init__(self, op_timeout: timedelta = timedelta(seconds=30), *, defer_joins: bool = False) -> None:
         self.op_timeout = op_timeout
+        self.defer_joins = defer_joins
+        """Train on in the current generation while a round that adds ranks waits for them (`offer`)."""
         self.assignment: Assignment | None = None
         self.broken = threading.Event()
+        self.joiners_ready = threading.Event()
+        """Set when the newcomers of a deferred round are in its group build: the caller's loop agrees
+        on a boundary to switch at (`LiveCollectives.gather_ints`)."""
+        self._pending: Assignment | None = None
         self._lock = threading.Lock()
         self._announced = -1
         """The newest generation `supersede` was told of."""
@@ -107,6 +121,8 @@ class LiveGroup:
         self._staging = []
         with self._lock:  # against a watcher's `supersede` judging by the assignment being replaced
             self.assignment = assignment
+            self._pending = None
+            self.joiners_ready.clear()
             if self._announced > assignment.generation:  # a newer round was seen already: skip this one
                 self.broken.set()
             else:
@@ -117,6 +133,7 @@ class LiveGroup:
             try:
                 store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self.op_timeout)
                 prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
+                prefixed.add(READY_KEY, 1)  # in the build: what a deferred round's members wait for
                 built.append(
                     (dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self.op_timeout), store)
                 )
@@ -162,6 +179,50 @@ class LiveGroup:
             self._announced = max(self._announced, generation)
             if self.assignment is None or generation > self.assignment.generation:
                 self.broken.set()
+
+    def offer(self, assignment: Assignment) -> None:
+        """A newer round, from the hand-over's watcher thread. Normally `supersede`. With `defer_joins`,
+        a round that only grows the world (as far as the sizes tell: a lost rank fails the current
+        generation's collectives anyway) is deferred: the loop trains on in the current generation
+        while the newcomers start and set up, and `joiners_ready` is set once as many ranks as join are
+        in the round's group build (a counter on its store), or after READY_SECONDS. So the others
+        pause only for the group build and the state's transfer, not for a joiner's start-up. A
+        second newer round while one is deferred supersedes at once."""
+        with self._lock:
+            current = self.assignment
+            deferred = (
+                self.defer_joins
+                and current is not None
+                and self._pending is None
+                and not self.broken.is_set()
+                and assignment.generation > current.generation
+                and assignment.world > current.world
+            )
+            if deferred:
+                self._pending = assignment
+        if not deferred:
+            self.supersede(assignment.generation)
+            return
+        assert current is not None
+        joining = assignment.world - current.world
+        threading.Thread(
+            target=self._await_joiners, args=(assignment, joining), name="torchspot-joiners", daemon=True
+        ).start()
+
+    def _await_joiners(self, assignment: Assignment, joining: int) -> None:
+        deadline = time.monotonic() + READY_SECONDS
+        try:  # a client of its own (one client serialises the threads sharing it)
+            store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self.op_timeout)
+            prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
+            while self._pending is assignment and time.monotonic() < deadline:
+                if prefixed.add(READY_KEY, 0) >= joining:
+                    break
+                time.sleep(POLL_SECONDS * 10)
+        except Exception as exc:  # the round's store is gone: a newer round is coming; switch now
+            log.warning("generation %d: joiners not awaited (%s)", assignment.generation, exc)
+        with self._lock:
+            if self._pending is assignment:
+                self.joiners_ready.set()
 
     def _bury(self, group: Any, store: Any, staging: list[torch.Tensor]) -> None:
         self._graveyard.append((group, store, staging, time.monotonic()))
@@ -255,11 +316,16 @@ class LiveCollectives(Group):
     op_seconds: float = 300.0
 
     def gather_ints(self, row: list[int]) -> list[list[int]]:
-        table = torch.zeros(self.world, len(row), dtype=torch.long)
-        table[self.rank] = torch.tensor(row, dtype=torch.long)
+        """`Group.gather_ints`, with one more column: whether this rank's deferred round has its joiners
+        ready (`LiveGroup.offer`). Any rank's yes ends the generation here, on every rank alike (they
+        all read the same table): GroupChanged, and the loop switches at this boundary."""
+        table = torch.zeros(self.world, len(row) + 1, dtype=torch.long)
+        table[self.rank] = torch.tensor([*row, int(self.live.joiners_ready.is_set())], dtype=torch.long)
         self._done(self.live.all_reduce(table, time.monotonic() + self.op_seconds))
         rows: list[list[int]] = table.tolist()
-        return rows
+        if any(line[-1] for line in rows):
+            raise GroupChanged(Outcome.BROKEN)
+        return [line[:-1] for line in rows]
 
     def ping(self, timeout: float) -> bool:
         """False when the zero did not come back within `timeout` (a peer frozen or gone, no newer round
