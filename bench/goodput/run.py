@@ -1,13 +1,15 @@
 """Goodput benchmark: torchspot against the AKS TorchElastic lab's stock recipe, one spot market, one run.
 
-    .venv/bin/python bench/goodput/run.py [--out DIR] [--calibrate 120] [--images 3000]
+    .venv/bin/python bench/goodput/run.py [--out DIR] [--calibrate 120] [--images 3000] [--in-place]
 
 In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in this order:
 1. calibration: torchspot's job without interruptions on k spot nodes, for every k the
    market's capacity takes; each gives the samples per second k nodes make. Each runs
    past its first epoch end, so the reference also pays for the evaluation every epoch
    ends with (2-3 s here), as the market's runs do;
-2. torchspot as shipped (bench/goodput/torchspot.yaml) through bench/goodput/market.yaml;
+2. torchspot as shipped (bench/goodput/torchspot.yaml) through bench/goodput/market.yaml; with
+   --in-place, the same job with the trainer's `--in-place` (the calibrations stay the job as
+   shipped: an uninterrupted run's speed with DDP is the reference either way);
 3. the calibration again: the reference is the mean of the two, because a shared
    machine's speed drifts by several percent in the minutes between them, as much as
    the gap the benchmark measures (run 13 trained slower between events than its
@@ -32,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from torchspot_lab import goodput
 from torchspot_lab.datasets import write_synthetic_cifar10
@@ -133,7 +137,7 @@ def _plot(results: list[dict[str, Any]], market: Scenario, rates: dict[int, floa
     start = min(r["window"][0] for r in results if "window" in r)
     ideal = goodput.expected_curve(goodput.capacity(market, MAX_NODES), rates, start, market.timeout)
     axis.plot([t for t, _ in ideal], [v for _, v in ideal], color="grey", linestyle=":", label="uninterrupted")
-    colours = {"torchspot": "tab:blue", "stock": "tab:red"}
+    colours = {"torchspot": "tab:blue", "in place": "tab:green", "stock": "tab:red"}
     for result in results:
         curve = [*(result.get("curve") or [(0.0, 0)])]
         curve.append((market.timeout, curve[-1][1]))  # flat to the end: no progress after the last line
@@ -157,6 +161,17 @@ def _plot(results: list[dict[str, Any]], market: Scenario, rates: dict[int, floa
     plt.close(figure)
 
 
+def _in_place_job(out: Path) -> Path:
+    """torchspot.yaml with the trainer's `--in-place`, written under `out`."""
+    job = yaml.safe_load((HERE / "torchspot.yaml").read_text())
+    job["metadata"]["name"] = "goodput-inplace"
+    job["spec"]["template"]["spec"]["containers"][0]["args"].append("--in-place")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "torchspot-inplace.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("goodput-%Y%m%d-%H%M%S"))
@@ -168,6 +183,7 @@ def main() -> int:
     parser.add_argument(
         "--keep-blobs", action="store_true", help="keep Azurite's data (every checkpoint, 4-6 GB) under --out"
     )
+    parser.add_argument("--in-place", action="store_true", help="torchspot's market run re-forms in place")
     args = parser.parse_args()
     out: Path = args.out.resolve()
     if out.exists() and any(out.iterdir()):
@@ -179,7 +195,8 @@ def main() -> int:
     )
     before = _calibrate(sizes, args.calibrate, args.images, out, "")
     _say(f"market {args.market}: {len(market.events)} events, {market.timeout:g} s; torchspot first")
-    ours = _events(HERE / "torchspot.yaml", market, out / "torchspot", synthetic_images=args.images)
+    ours_job = _in_place_job(out) if args.in_place else HERE / "torchspot.yaml"
+    ours = _events(ours_job, market, out / "torchspot", synthetic_images=args.images)
     _say("calibration again, after torchspot's market run")
     after = _calibrate(sizes, args.calibrate, args.images, out, "-after")
     rates = {nodes: (before[nodes] + after[nodes]) / 2 for nodes in sizes}
@@ -189,7 +206,8 @@ def main() -> int:
     with EtcdServer(out / "stock-etcd", enable_v2=True) as etcd:
         job = _stock_job(out, etcd, args.images)
         stock = _events(job, market, out / "stock", operator_env={constants.NODE_HANDLING_ENV: "off"})
-    results = [_summary("torchspot", ours, market, rates), _summary("stock", stock, market, rates)]
+    name = "in place" if args.in_place else "torchspot"
+    results = [_summary(name, ours, market, rates), _summary("stock", stock, market, rates)]
     ratio = results[0]["goodput"] / results[1]["goodput"] if results[1]["goodput"] else float("inf")
     out.mkdir(parents=True, exist_ok=True)
     calibrations = {"before": before, "after": after}

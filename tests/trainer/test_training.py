@@ -183,13 +183,14 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-@pytest.mark.slow(seconds=140, cpu_heavy=True)
+@pytest.mark.slow(seconds=165, cpu_heavy=True)
 def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
     """--global-batch-size: a run at a world size that never changes and the same run through
     3 -> 2 -> 1 -> 3 end with the same parameters, and every logged step has the same loss, up
-    to float32 reduction order (TOLERANCE says how much that is). The same run with a per-worker
+    to float32 reduction order (TOLERANCE says how much that is); by the restart path, and again
+    in place (`--in-place`, measured 2.8e-4 and 5.4e-5 on the first run). The same run with a per-worker
     batch (no learning-rate scaling) ends elsewhere, so the comparison can fail."""
     fixed = _job(tmp_path / "fixed", etcd, azurite, run_id + "-fixed", nnodes="3:3")
     assert _wait_exit(nodes(fixed, 3)) == [0, 0, 0]

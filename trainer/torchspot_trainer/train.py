@@ -30,6 +30,15 @@ state, and an eviction with notice costs none:
 - rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps), and
   reports the last committed step in `latest.json` beside them.
 
+With `--in-place` a membership change restarts nothing (handover.py, recovery/live.py): the agent
+hands its live workers the next round; every collective of the loop (the gradient average in place
+of DDP's, the boundary agreements, progress sums) runs over the current generation and raises
+GroupChanged when a newer round breaks it or a peer's socket closes; the loop then enters the next
+round, every rank goes on from the newest state any of them holds (`_heal`), and the epoch is
+planned again for the new world from the sampler, which never counted the interrupted step. A
+round that only adds ranks is entered once its joiners have set up (`LiveGroup.offer`). A notice
+works as above, the survivors re-forming in place once the leaving node is gone.
+
 With `--global-batch-size` the run computes the same model whatever happens to its nodes
 (up to the order of floating-point reductions; README, "The same model at any world size").
 """

@@ -1,7 +1,7 @@
 """A worker's process group rebuilt in place at a membership change: the group mechanics of recovery
 without a restart (issue 28, items 3 and 4). Built and tested on CPU with gloo, the NCCL decisions
-and the device probe at the end by NCCL's documented semantics; the trainer does not use it yet
-(README, "Recovery paths").
+and the device probe at the end by NCCL's documented semantics. The trainer runs on it with
+`--in-place` (`LiveCollectives`: its loop's collectives; README, "Recovery paths").
 
 At a membership change the agent forms the new round and hands the live workers an `Assignment`
 (the round, their new rank and world, the round's store); each worker drops its group, builds the
