@@ -166,7 +166,6 @@ class _InPlace:
         self.handover = _Deaf.from_environment() if deaf else Handover.from_environment()
         self.live = LiveGroup()
         KEEP.append(self.live)
-        self.generation = -1
 
     def heal(self, step: int, w: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """The newest step and its weights, from the lowest rank holding it; None if the group failed."""
@@ -177,19 +176,18 @@ class _InPlace:
     def next_generation(self, step: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Enter the first round newer than the current one that forms; the state healed in it."""
         while True:
-            assignment = wait_for_assignment(self.handover.read, self.generation, time.monotonic() + DEADLINE)
+            assignment = wait_for_assignment(self.handover.read, self.live.generation, time.monotonic() + DEADLINE)
             if assignment is None:
                 raise SystemExit(f"no round handed over within {DEADLINE:g} s")  # the restart path
-            self.generation = assignment.generation
             if self.handover.enter(self.live, assignment, time.monotonic() + DEADLINE):
                 healed = self.heal(step, w)
                 if healed is not None:
                     break
             # It did not form, or failed at once (a peer restarted, a newer round came): the next one.
-        os.environ["MASTER_PORT"] = str(self.generation)  # names the group in _emit's records
+        os.environ["MASTER_PORT"] = str(self.live.generation)  # names the group in _emit's records
         _emit(self.args.events, "joined", rank=self.live.rank, world=self.live.world, pid=os.getpid())
         if self.live.rank == 0:
-            _emit(self.args.events, "start", step=healed[0], world=self.live.world, generation=self.generation)
+            _emit(self.args.events, "start", step=healed[0], world=self.live.world, generation=self.live.generation)
         return healed
 
     def run(self) -> None:

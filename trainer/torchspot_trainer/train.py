@@ -310,7 +310,6 @@ class _InPlace:
 
     handover: Handover
     live: LiveGroup
-    generation: int = -1
 
 
 class Trainer:
@@ -458,8 +457,8 @@ class Trainer:
             "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()},
         }  # fmt: skip
         if self._in_place is not None:
-            record["generation"] = self._in_place.generation
-            self._emit({"event": "generation", "generation": self._in_place.generation, "rank": self.rank,
+            record["generation"] = self._in_place.live.generation
+            self._emit({"event": "generation", "generation": self._in_place.live.generation, "rank": self.rank,
                         "world_size": self.world, "step": self.step, "pid": os.getpid(),
                         "node": os.environ.get("NODE_NAME") or socket.gethostname()}, any_rank=True)  # fmt: skip
         self._emit(record)
@@ -686,13 +685,12 @@ class Trainer:
         assert place is not None
         while True:
             assignment = wait_for_assignment(
-                place.handover.read, place.generation, time.monotonic() + REFORM_SECONDS
+                place.handover.read, place.live.generation, time.monotonic() + REFORM_SECONDS
             )  # fmt: skip
             if assignment is None:
                 log.warning("rank %d: no round handed over within %.0f s; leaving for a restart", self.rank,
                             REFORM_SECONDS)  # fmt: skip
                 self._leave_broken_group()
-            place.generation = assignment.generation
             if place.handover.enter(place.live, assignment, time.monotonic() + REFORM_SECONDS):
                 break
         self.rank, self.world, self.stop.node = assignment.rank, assignment.world, assignment.node

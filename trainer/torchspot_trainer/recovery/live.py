@@ -103,6 +103,12 @@ class LiveGroup:
     def world(self) -> int:
         return self._require().world
 
+    @property
+    def generation(self) -> int:
+        """The round last entered (-1 before the first): the next assignment must be newer, whether
+        this one's group formed or not."""
+        return -1 if self.assignment is None else self.assignment.generation
+
     def reconfigure(self, assignment: Assignment, deadline: float) -> bool:
         """Leave the current group for `assignment`'s: the old one goes to the graveyard, the new one
         is built on the round's store under `generation/<g>/` (a key of an older round is never read).
