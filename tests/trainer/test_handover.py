@@ -111,6 +111,7 @@ def test_a_round_seen_before_a_reconfigure_gives_up_the_older_one_at_once() -> N
 _DEFER = """
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from torch._C._distributed_c10d import PrefixStore, TCPStore
@@ -133,6 +134,17 @@ shrink = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert shrink.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
 shrink.offer(Assignment(4, 0, 1, "127.0.0.1", store.port))  # no rank added: nothing to wait for
 print(shrink.broken.is_set())
+building = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
+formed = []
+entering = threading.Thread(target=lambda: formed.append(
+    building.reconfigure(Assignment(3, 0, 2, "127.0.0.1", store.port), time.monotonic() + 30)))
+entering.start()  # round 3's other rank never comes: its build waits
+while building.assignment is None:
+    time.sleep(0.01)
+began = time.monotonic()
+building.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))  # it moved on to round 4: so must this rank
+entering.join(10)
+print(formed, time.monotonic() - began)
 sys.stdout.flush()
 os._exit(0)
 """
@@ -141,16 +153,20 @@ os._exit(0)
 def test_a_round_that_adds_ranks_waits_for_them_while_the_group_trains_on() -> None:
     """With defer_joins (the trainer's), a round that grows the world does not break the current
     generation until its joiners are in the round's group build (their counter on its store); then
-    `joiners_ready`, which the loop agrees on at a boundary. A newer round meanwhile, or a round that
-    adds nobody, breaks it at once. Real stores and a one-rank gloo group, in a process of its own."""
+    `joiners_ready`, which the loop agrees on at a boundary. A newer round meanwhile, a round that
+    adds nobody, or one that comes while the current generation's group is still being built, breaks
+    it at once. Real stores and a one-rank gloo group, in a process of its own."""
     done = subprocess.run([sys.executable, "-c", _DEFER], check=True, capture_output=True, text=True, timeout=60)
-    deferred, ready, newer, shrunk = done.stdout.split("\n")[:4]
+    deferred, ready, newer, shrunk, building = done.stdout.split("\n")[:5]
     assert deferred == "False False"
     broken, set_, seconds = ready.split()
     assert (broken, set_) == ("False", "True")
     assert float(seconds) < 1.0
     assert newer == "True"
     assert shrunk == "True"
+    formed, seconds = building.rsplit(" ", 1)
+    assert formed == "[False]"  # given up for round 4, not deferred behind a build that cannot finish
+    assert float(seconds) < 1.0
 
 
 Members = dict[str, dict[str, Any]]

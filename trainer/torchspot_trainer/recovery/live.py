@@ -123,9 +123,9 @@ class LiveGroup:
             raise RuntimeError(f"{GRAVEYARD} old groups still held: restart instead of another re-form")
         if self._group is not None:
             self._bury(self._group, self._store, self._staging)
-        self._group = self._store = None
         self._staging = []
         with self._lock:  # against a watcher's `supersede` judging by the assignment being replaced
+            self._group = self._store = None
             self.assignment = assignment
             self._pending = None
             self.joiners_ready.clear()
@@ -158,7 +158,8 @@ class LiveGroup:
         if isinstance(outcome, Exception):
             log.warning("generation %d: group not formed (%s)", assignment.generation, outcome)
             return False
-        self._group, self._store = outcome
+        with self._lock:  # `offer` defers a join only for a generation that formed
+            self._group, self._store = outcome
         return True
 
     def heal(self, committed: int, state: torch.Tensor, deadline: float) -> int | None:
@@ -193,12 +194,16 @@ class LiveGroup:
         while the newcomers start and set up, and `joiners_ready` is set once as many ranks as join are
         in the round's group build (a counter on its store), or after READY_SECONDS. So the others
         pause only for the group build and the state's transfer, not for a joiner's start-up. A
-        second newer round while one is deferred supersedes at once."""
+        second newer round while one is deferred supersedes at once, and so does a round that comes
+        while the current generation's group is still being built: that build waits for ranks that
+        moved on to the newer round (an in-place run of the equivalence test stalled 30 s, its
+        build's deadline, when the second joiner's round came as the first joiner's was entered)."""
         with self._lock:
             current = self.assignment
             deferred = (
                 self.defer_joins
                 and current is not None
+                and self._group is not None  # a generation still being built has nothing to train on
                 and self._pending is None
                 and not self.broken.is_set()
                 and assignment.generation > current.generation
