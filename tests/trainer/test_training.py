@@ -169,17 +169,17 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
 
 
 def _control_run(job: JobConfig, nodes: NodeFactory) -> None:
-    """The control's failures: three nodes, one lost hard at step 25 or so, the run ends at two. A
-    world that changes once is enough for per-worker batches to compute another model (measured 0.61
-    from the fixed run; the assertion says by how much); the full schedule is the other runs'. Not
-    paced: no node has to join it in time."""
+    """The control's failure: two nodes, whose per-worker batches make the fixed run's group batch,
+    one lost hard at step 25 or so; the run ends at one, at half that batch. A world that changes once
+    is enough for per-worker batches to compute another model (the assertion says by how much); the
+    full schedule is the other runs'. Not paced: no node has to join it in time."""
     events_path = job.workdir / "train-events.jsonl"
-    started = nodes(job, 3)
-    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 3 for e in _progress(read_events(events_path))),
-             120, "25 steps at world size 3")  # fmt: skip
-    started[2].kill()
-    assert _wait_exit(started[:2]) == [0, 0]
-    assert _final(read_events(events_path))["world_size"] == 2
+    started = nodes(job, 2)
+    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 2 for e in _progress(read_events(events_path))),
+             120, "25 steps at world size 2")  # fmt: skip
+    started[1].kill()
+    assert _wait_exit(started[:1]) == [0]
+    assert _final(read_events(events_path))["world_size"] == 1
 
 
 def _losses(events: list[dict[str, Any]]) -> dict[int, float]:
@@ -201,8 +201,8 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
-    """--global-batch-size: a run at a world size that never changes and the same run through
-    3 -> 2 -> 1 -> 3 end with the same parameters, and every logged step has the same loss, up
+    """--global-batch-size: a run at a world size that never changes (one node) and the same run
+    through 3 -> 2 -> 1 -> 3 end with the same parameters, and every logged step has the same loss, up
     to float32 reduction order (TOLERANCE says how much that is); by the restart path, and again
     in place (`--in-place`, measured 2.8e-4 and 5.4e-5 on the first run). The same run with a per-worker
     batch (no learning-rate scaling) through one loss ends elsewhere, so the comparison can fail."""
@@ -210,16 +210,18 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     # --global-batch-size by the restart path and in place. Beside them, one after the other (neither
     # paced: nobody joins them), the fixed run and the control, --batch-size per worker through one
     # loss, where the group's batch (and so the optimisation) follows the world size and the model is
-    # another one.
-    fixed = _job(tmp_path / "fixed", etcd, azurite, run_id + "-fixed", nnodes="3:3")
+    # another one. Both at fewer nodes than the others (the fixed run at one, the control from two):
+    # the world size changes only float32's reduction order (TOLERANCE), and the suite's cores are
+    # spared the processes.
+    fixed = _job(tmp_path / "fixed", etcd, azurite, run_id + "-fixed", nnodes="1:1")
     elastic = _job(tmp_path / "elastic", etcd, azurite, run_id + "-elastic")
     per_worker = _job(tmp_path / "per-worker", etcd, azurite, run_id + "-per-worker",
-                      global_batch_size="0", batch_size=str(GLOBAL_BATCH // 3))  # fmt: skip
+                      global_batch_size="0", batch_size=str(GLOBAL_BATCH // 2))  # fmt: skip
     in_place = _job(tmp_path / "in-place", etcd, azurite, run_id + "-in-place")
     in_place.program.append("--in-place")
 
     def fixed_then_control() -> list[int]:
-        codes = _wait_exit(nodes(fixed, 3))
+        codes = _wait_exit(nodes(fixed, 1))
         _control_run(per_worker, nodes)
         return codes
 
@@ -227,7 +229,7 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
         runs = [pool.submit(_elastic_run, job, nodes) for job in (elastic, in_place)]
         fixed_codes = pool.submit(fixed_then_control)
     happened, happened_in_place = (run.result() for run in runs)
-    assert fixed_codes.result() == [0, 0, 0]
+    assert fixed_codes.result() == [0]
     fixed_events = read_events(tmp_path / "fixed" / "train-events.jsonl")
     assert _final(fixed_events)["test_accuracy"] > 0.9  # the model learned: the comparison means something
     assert {e["step_samples"] for e in _progress(fixed_events)} == {GLOBAL_BATCH}
