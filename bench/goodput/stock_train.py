@@ -70,7 +70,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     train_set, test_set = load_cifar10(args.data / CIFAR_TARBALL)
-    model = MODELS["resnet18"](10)
+    model = MODELS["resnet18"](10, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     epoch = step = 0
     if args.checkpoint_file.exists():

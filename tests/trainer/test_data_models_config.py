@@ -298,6 +298,16 @@ def test_in_place_is_refused_on_gpus_and_outside_torchspot_run() -> None:
     assert "torchspot-run" in elsewhere
 
 
+@pytest.mark.parametrize(("dataset", "model", "shape"), [
+    ("digits", "small_cnn", (1, 8, 8)), ("cifar10", "small_cnn", (3, 32, 32)), ("cifar10", "resnet18", (3, 32, 32)),
+])  # fmt: skip
+def test_a_model_takes_its_data_sets_images(dataset: str, model: str, shape: tuple[int, ...]) -> None:
+    """The first layer takes the data set's channels: small_cnn trains on CIFAR-10 as well as digits
+    (the sandbox's test runs the demo's CIFAR job with it, where ResNet-18's cost would not count)."""
+    built = build_model(TrainConfig(data="x", dataset=dataset, model=model), 10, torch.device("cpu"))
+    assert built(torch.zeros(2, *shape)).shape == (2, 10)
+
+
 def test_model_initialisation_is_the_same_on_every_rank() -> None:
     """Every rank builds the model from --seed, whatever its RNG did before."""
     config = TrainConfig(data="x", dataset="digits", model="small_cnn", seed=4)

@@ -25,6 +25,8 @@ from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 from torchspot_trainer.precision import PRECISIONS
 
 DATASETS = ("cifar10", "imagenet", "digits")
+CHANNELS = {"cifar10": 3, "imagenet": 3, "digits": 1}
+"""Each data set's image channels: the models' first layer takes them (`build_model`)."""
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 SAVERS = ("process", "thread")
@@ -40,7 +42,8 @@ class TrainConfig:
     dataset: str = "cifar10"
     """Data set format: cifar10, imagenet, or digits (scikit-learn's bundled 8x8 digits)."""
     model: str = "resnet18"
-    """Model: resnet18 (CIFAR variant), resnet50 (ImageNet), small_cnn (digits, tests)."""
+    """Model: resnet18 (CIFAR variant), resnet50 (ImageNet), small_cnn (two convolutions: digits, tests,
+    or any data set where the model's cost should not count, such as the sandbox's test)."""
     epochs: int = 1
     """Epochs to train (the run ends after this many, or after --max-steps)."""
     max_steps: int = 0

@@ -4,7 +4,8 @@
   32x32 images keep enough resolution (He et al. 2016, section 4.2 style).
 - `resnet50` is the ImageNet model: 7x7 stride-2 stem, max-pool, bottleneck blocks
   [3, 4, 6, 3]; about 25.6 M parameters, the same shapes as torchvision's.
-- `small_cnn` is a two-layer network for 8x8 digit images (tests, quick runs).
+- `small_cnn` is a two-layer network for 8x8 digit images (tests, quick runs), or any other
+  data set's images where the model's cost should not count.
 """
 
 from __future__ import annotations
@@ -78,14 +79,17 @@ class ResNet(nn.Module):
         num_classes: int,
         *,
         cifar_stem: bool,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         self.in_planes = 64
         if cifar_stem:
-            self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU()
+            )
         else:
             self.stem = nn.Sequential(
-                nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False),
+                nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False),
                 nn.BatchNorm2d(64),
                 nn.ReLU(),
                 nn.MaxPool2d(3, stride=2, padding=1),
@@ -111,14 +115,14 @@ class ResNet(nn.Module):
         return logits
 
 
-def resnet18(num_classes: int = 10) -> ResNet:
+def resnet18(num_classes: int = 10, in_channels: int = 3) -> ResNet:
     """ResNet-18 with the CIFAR stem (32x32 inputs)."""
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, cifar_stem=True)
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, cifar_stem=True, in_channels=in_channels)
 
 
-def resnet50(num_classes: int = 1000) -> ResNet:
+def resnet50(num_classes: int = 1000, in_channels: int = 3) -> ResNet:
     """ResNet-50 for ImageNet-sized inputs (224x224)."""
-    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, cifar_stem=False)
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, cifar_stem=False, in_channels=in_channels)
 
 
 class SmallCNN(nn.Module):
@@ -138,9 +142,9 @@ class SmallCNN(nn.Module):
         return logits
 
 
-MODELS: dict[str, Callable[[int], nn.Module]] = {
+MODELS: dict[str, Callable[[int, int], nn.Module]] = {
     "resnet18": resnet18,
     "resnet50": resnet50,
     "small_cnn": SmallCNN,
 }
-"""`--model` choices."""
+"""`--model` choices, each built from the classes and the image channels of the data set."""

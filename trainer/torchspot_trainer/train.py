@@ -67,7 +67,7 @@ from torch.utils.data import Dataset
 
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.config import TrainConfig, ensure_local_data, index_cache
+from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot_trainer.data.loader import (
     EVAL_LOADER_WORKERS,
@@ -257,7 +257,7 @@ def in_place_refusal(in_place: bool, device: torch.device, environ: Mapping[str,
 def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
     """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
     torch.manual_seed(config.seed)
-    model: nn.Module = MODELS[config.model](classes)
+    model: nn.Module = MODELS[config.model](classes, CHANNELS[config.dataset])
     if config.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
     return model.to(device)
