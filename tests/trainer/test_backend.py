@@ -29,7 +29,7 @@ from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
-from torchspot_trainer.rendezvous.store import EtcdStore
+from torchspot_trainer.rendezvous.store import EtcdStore, RoundAbandoned
 
 
 def _backend(etcd: EtcdServer, run_id: str, **overrides: Any) -> tuple[EtcdV3RendezvousBackend, EtcdClient]:
@@ -413,6 +413,32 @@ def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
         assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]
         c._stop_heartbeats()  # what a killed node does: nothing more
         assert wait_for(a.num_nodes_waiting, timeout=10, what="the member found dead") == 1
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+    finally:
+        for handler in (a, b):
+            handler.leave()
+
+
+def test_a_store_read_of_a_round_being_set_up_gives_up_when_a_member_is_gone(etcd: EtcdServer, run_id: str) -> None:
+    """A member dies after its round completed and before it wrote what the others wait for in the
+    round's store (torch's rank assignment): under `setting_up` the read gives up once the round has
+    lost it (its heartbeats expire after 3 s here), naming it, instead of waiting out the store's
+    timeout (30 s here, 300 s in torch); the agent then joins the next round (handover.py). A soak
+    froze a node so, and the survivor's agent sat there while its worker finished the run."""
+    a, b, c = handlers = _handlers(etcd, run_id, 3, keep_alive_interval="1")
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        store = infos[0].store  # a's
+        store.set_timeout(timedelta(seconds=30))
+        c._stop_heartbeats()
+        started = time.monotonic()
+        with a.setting_up() as set_up, pytest.raises(RoundAbandoned, match="stopped heartbeating"):
+            store.get("torchelastic/role_info/2")
+        assert time.monotonic() - started < 10
+        assert set_up.abandoned is not None
+        assert str(c._this_node) in set_up.abandoned
+        b.num_nodes_waiting()  # b learns of it too; the next round forms without c
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
     finally:
         for handler in (a, b):

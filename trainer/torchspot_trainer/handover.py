@@ -25,6 +25,7 @@ the round and joins the next), which the other nodes' live workers re-form into 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -177,7 +179,21 @@ class InPlaceAgent(LocalElasticAgent):
         super().__init__(spec, *args, **kwargs)
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        """torch's rendezvous, joined again when the round lost a member or moved on before its set-up
+        was done (the handler's `setting_up`: a store read that waited for the gone member's keys gave
+        up); then the round's assignment for the workers."""
+        setting_up: Callable[[], Any] = getattr(worker_group.spec.rdzv_handler, "setting_up", contextlib.nullcontext)
+        while True:
+            with setting_up() as set_up:
+                try:
+                    super()._rendezvous(worker_group)
+                except DistStoreError:
+                    if set_up is None or set_up.abandoned is None:
+                        raise
+                    log.warning("rendezvous: the round was abandoned during its set-up (%s); joining the next one",
+                                set_up.abandoned)  # fmt: skip
+                    continue
+            break
         self._write_assignment(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:

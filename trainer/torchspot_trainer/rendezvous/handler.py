@@ -52,12 +52,14 @@ ops; torch is pinned to 2.13.0 and the tests exercise all of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -229,9 +231,18 @@ def mark_leaving() -> None:
     _marker(LEAVING_MARKER).touch()
 
 
+@dataclass
+class SetUp:
+    """A round's set-up under `EtcdV3RendezvousHandler.setting_up`."""
+
+    abandoned: str | None = None
+    """Why a store read gave up (the round lost a member or moved on), or None."""
+
+
 class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
 
+    _store: EtcdStore  # create_handler's
     _etcd: EtcdClient
     _etcd_settings: EtcdV3Settings
     _lease: RunLease
@@ -275,7 +286,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         # torch then starts a store for the round if we are its rank 0 (point 2); the last one goes.
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
-        info = super().next_rendezvous()
+        try:
+            info = super().next_rendezvous()
+        except Exception:
+            self._joined = self._previous  # a next attempt completes early against the same members
+            raise
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
         if self._liveness is not None:
@@ -289,6 +304,39 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             else:
                 milestones.write(self._etcd, self._settings.run_id, milestones.ROUND, record, lease=lease)
         return info
+
+    @contextlib.contextmanager
+    def setting_up(self) -> Iterator[SetUp]:
+        """While the agent sets a round up (joins it, then trades addresses and ranks through the store),
+        a store read that waits gives up (`RoundAbandoned`) once the round lost a member or moved on: the
+        agent then joins the next round (handover.py's InPlaceAgent) instead of waiting out the store's
+        timeout for a member that is gone. The members are those of the state when the first read
+        waits, which is after the join (torch's set-up reads nothing before); etcd trouble abandons
+        nothing (module docstring, point 3). What it yields says whether it gave up, and why."""
+        joined: list[tuple[int, frozenset[Any]]] = []
+        set_up = SetUp()
+
+        def abandoned() -> str | None:
+            try:
+                with self._heartbeat_lock:
+                    if not joined:
+                        state = self._state_holder.state
+                        joined.append((state.round, frozenset(state.participants)))
+                        return None
+                    self._state_holder.sync()
+                    state = self._state_holder.state
+            except RendezvousConnectionError:
+                return None
+            changed, reason = membership_changed(*joined[0], state)
+            if changed:
+                set_up.abandoned = reason
+            return set_up.abandoned
+
+        self._store.abandon_when(abandoned)
+        try:
+            yield set_up
+        finally:
+            self._store.abandon_when(None)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, or 1 if our round lost a member (so the agent re-forms)."""

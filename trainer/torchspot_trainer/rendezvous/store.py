@@ -9,6 +9,12 @@ A blocking read watches the store's prefix while it waits, so it returns when th
 written, not at its next poll (a round's set-up waits on several keys in a row; polls of
 20-100 ms added up to a tenth of a second or more). The poll stays as the fallback while no
 watch can be opened.
+
+While the agent sets a round up (the handler's `setting_up`), a blocking read also gives up
+(`RoundAbandoned`) once the round it belongs to lost a member or moved on: the keys a frozen or
+killed member owed will never come, and torch's agent would wait out the store timeout (300 s)
+before failing. A soak (bench/soak) froze a node as its round completed, and the survivor's agent
+sat in torch's rank assignment while its worker finished the run.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from torch._C._distributed_c10d import Store
@@ -34,6 +41,10 @@ def _as_bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+class RoundAbandoned(DistStoreError):
+    """A blocking read given up because the round being set up lost a member or moved on (`abandon_when`)."""
+
+
 class EtcdStore(Store):
     """A c10d Store on etcd v3. Blocking reads poll with a short, growing interval.
 
@@ -48,6 +59,12 @@ class EtcdStore(Store):
         self._lease = lease
         self._prefix = f"{settings.run_prefix}store/"
         self._poll = settings.store_poll_interval
+        self._abandoned: Callable[[], str | None] | None = None
+
+    def abandon_when(self, check: Callable[[], str | None] | None) -> None:
+        """While `check` is set, a blocking read asks it each time it looks again (at a write under the
+        store's prefix, or within `_WATCHED_WAIT`) and raises RoundAbandoned with the reason it names."""
+        self._abandoned = check
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -150,6 +167,10 @@ class EtcdStore(Store):
                 self._read_missing(keys, found)
                 if len(found) == len(keys):
                     return found
+                reason = self._abandoned() if self._abandoned is not None else None
+                if reason is not None:
+                    missing = sorted(set(keys) - set(found))
+                    raise RoundAbandoned(f"gave up waiting for keys {missing} in the etcd store: {reason}")
                 now = time.monotonic()
                 if now >= deadline:
                     missing = sorted(set(keys) - set(found))
