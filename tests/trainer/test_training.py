@@ -244,7 +244,10 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
         assert len(redone) <= 2, redone  # at most the step in flight at the hard loss (and at the join)
         losses = _losses(events)
         assert sorted(losses) == sorted(fixed_losses)  # the same optimizer steps, counted alike
-        worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses)
+        # In place, a step whose group broke after its update logs this rank's share of its loss only.
+        partial = {e["step"] for e in _progress(events) if e.get("partial")}
+        assert len(partial) <= 1, partial
+        worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial)
         difference = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-{name}", azurite))
         print(f"fixed vs {name}: largest parameter difference {difference:.3g}, largest loss difference "
               f"{worst_loss:.3g} over {len(fixed_losses)} steps")  # fmt: skip

@@ -189,6 +189,9 @@ class Progress:
     twice): the measure of progress that does not depend on the world size."""
     step_samples: int = 0
     """Samples a full optimizer step averages over (the global batch)."""
+    partial: bool = False
+    """In place: the group broke after the step was applied and before its loss and accuracy were summed,
+    so they are this rank's share only (the step itself counts: the next generation goes on after it)."""
 
 
 def process_age() -> float:
@@ -513,8 +516,21 @@ class Trainer:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
 
     def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
-        """Sum the window's loss and accuracy over the group, and emit one progress record."""
-        loss, correct = self.group.sums([window.loss, window.correct])
+        """Sum the window's loss and accuracy over the group, and emit one progress record. In place, a
+        group that breaks before the sums leaves the step applied: its record is emitted all the same,
+        with this rank's share (`partial`), and the break goes on to the re-form. Without it a soak's
+        log missed 2 of 1,276 steps that were trained."""
+        try:
+            loss, correct = self.group.sums([window.loss, window.correct])
+        except GroupChanged:
+            self._emit_progress(run, window, lr, (float(window.loss), float(window.correct)), partial=True)
+            raise
+        self._emit_progress(run, window, lr, (loss, correct), partial=False)
+
+    def _emit_progress(
+        self, run: _Run, window: _Window, lr: float, sums: tuple[float, float], *, partial: bool
+    ) -> None:
+        loss, correct = sums
         samples = max(window.samples, 1)
         record = Progress(
             step=self.step,
@@ -528,9 +544,10 @@ class Trainer:
             checkpoint_error=self.manager.last_error if self.manager else None,
             trained_samples=_trained(run.sampler),
             step_samples=run.rule.step_batch(self.world),
+            partial=partial,
         )
         self._emit({"event": "progress", **asdict(record)})
-        if self._tensorboard is not None:
+        if self._tensorboard is not None and not partial:
             for key in ("loss", "accuracy", "samples_per_s", "lr"):
                 self._tensorboard.add_scalar(key, getattr(record, key), self.step)
 
