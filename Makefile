@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # finish it in about half the time one takes; three overload two cores (README, "Development").
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
 
 all: test
 
@@ -58,7 +58,7 @@ manifests: venv
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
-bench: bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input
+bench: bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak
 
 # TorchFT, the peer measured side by side, is installed here rather than with the tests: its
 # OpenTelemetry dependencies would sit in the venv the operator's import check reads.
@@ -93,6 +93,10 @@ bench-snapshot: venv
 
 bench-input: venv
 	$(PY) bench/input/run.py --reps 3
+
+# Recovery in place through 200 random kills, freezes, thaws and joins, against an undisturbed run.
+bench-soak: venv
+	$(PY) bench/soak/run.py
 
 clean:
 	rm -rf $(VENV) node_modules build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,426 @@
+"""A soak of recovery in place: random kills, freezes, thaws and joins, then the same model as a run without them.
+
+    .venv/bin/python bench/soak/run.py [--events 200] [--seed 0] [--out bench/results/soak.json]
+
+The project's trainer with `--in-place` (tests/trainer/test_training.py's configuration: digits,
+small_cnn, 48 samples per step whatever the world size) on the lab's local nodes: real
+`torchspot-run` agents, real workers, Azurite for the checkpoints, and an etcd started with the
+managed etcd's flags (`ETCD_SIZING`, as the operator starts it). Up to MAX_NODES nodes train; the
+soak draws one fault at a time, each after a random number of steps since the last one:
+
+- `kill`: SIGKILL of a node's whole tree (a VM gone);
+- `freeze`: SIGSTOP of a node's tree (a hung VM; sockets stay open), detected by liveness;
+- `thaw`: SIGCONT of a frozen node, which finds its round gone and comes back as a joiner would;
+- `join`: a new node (capacity returning), while fewer than MAX_NODES + 1 are started.
+
+Node n0 is never killed or frozen: its agent and worker live through every generation, so their
+memory is the one to watch. A kill or a freeze needs two nodes that run, so that some node
+always trains. Then the frozen nodes are thawed, the run trains to its end, and the same
+configuration runs again with nothing happening, on one node and on MAX_NODES nodes: the second gives
+the part of a difference that is float32's reduction order over this many steps.
+
+Measured: the seconds from each fault to the next completed step; steps redone (a step logged
+twice: at most the one in flight per kill or freeze); whether every step was trained once and
+the final model equals the undisturbed run's (against the reduction order's difference); the resident
+memory of n0's processes through the soak; the etcd's backend, data folder and memory against
+its quota and the pod's limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.trainer.test_training import LOSS_TOLERANCE, TOLERANCE  # noqa: E402
+from torchspot_lab.azurite import Azurite  # noqa: E402
+from torchspot_lab.etcd import EtcdServer  # noqa: E402
+from torchspot_lab.local import JobConfig, LocalNode, read_events, wait_for  # noqa: E402
+from torchspot_operator.builders import ETCD_DATA_LIMIT, ETCD_MEMORY, ETCD_SIZING  # noqa: E402
+from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
+from torchspot_trainer.checkpoint.storage import open_storage  # noqa: E402
+
+MAX_NODES = 3
+"""The job's --nnodes maximum; one more node may be started (it waits for a place)."""
+STEPS_PER_EPOCH = 29
+"""digits' 1,347 training samples at 48 a step."""
+GAP_STEPS = (8, 40)
+"""Steps trained between two faults, drawn uniformly."""
+STALL_SECONDS = 120.0
+"""No step for this long after a fault: the soak stops and says so (a failure)."""
+SAMPLE_SECONDS = 5.0
+"""How often memory and etcd are sampled."""
+ACTIONS = ("kill", "freeze", "thaw", "join")
+PROGRAM = [
+    "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
+    "--global-batch-size", "48", "--lr", "0.05", "--lr-scaling", "none", "--optimizer", "sgd", "--seed", "0",
+    "--workers", "0", "--log-every", "1", "--checkpoint-every", "50", "--scheduled-events", "off",
+]  # fmt: skip
+"""The equivalence test's configuration; the epochs follow from the number of faults."""
+
+
+def allowed(running: int, frozen: int, started: int) -> list[str]:
+    """The actions the soak may draw (pure): faults only while another node trains (n0 is never
+    one of them), a thaw only of a frozen node, a join only below MAX_NODES + 1 started nodes.
+    `running` counts the nodes that run, n0 included; `frozen` those stopped; `started` both."""
+    actions = []
+    if running >= 2:
+        actions += ["kill", "freeze"]
+    if frozen:
+        actions.append("thaw")
+    if started < MAX_NODES + 1:
+        actions.append("join")
+    return actions
+
+
+def epochs_for(events: int) -> int:
+    """Epochs enough for `events` faults at their mean gap, with room after the last (pure)."""
+    steps = events * sum(GAP_STEPS) / 2 + 10 * STEPS_PER_EPOCH
+    return int(steps // STEPS_PER_EPOCH) + 1
+
+
+@dataclass
+class Fault:
+    """One drawn action: when, on which node, at which step."""
+
+    action: str
+    node: str
+    t: float
+    step: int
+    recovered_s: float | None = None
+    """Seconds to the next completed step (for every action: a join or a thaw may pause the others)."""
+
+
+@dataclass
+class Watch:
+    """Samples taken on a thread while the soak runs: n0's processes' memory and the etcd's sizes."""
+
+    etcd: EtcdServer
+    anchor: LocalNode
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        etcd = psutil.Process(self.etcd.pid)
+        while not self.stop.wait(SAMPLE_SECONDS):
+            sample: dict[str, Any] = {"t": time.time(), "etcd_rss_mib": etcd.memory_info().rss / 2**20}
+            sample.update(_etcd_sizes(self.etcd))
+            sample["n0"] = _tree_rss(self.anchor.pid)
+            self.samples.append(sample)
+
+
+def _tree_rss(pid: int) -> dict[str, float]:
+    """Resident MiB of an agent and each of its descendants, by "<role> <pid>": the agent, its fork
+    server (Python's forkserver), the workers forked from it, and the others (the checkpoint saver,
+    multiprocessing's resource tracker)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    servers = set()
+    found = {}
+    for proc in procs:
+        try:
+            parent, cmdline, rss = proc.ppid(), " ".join(proc.cmdline()), proc.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            continue
+        if proc.pid == pid:
+            role = "agent"
+        elif parent == pid and "forkserver" in cmdline:
+            role = "fork-server"
+            servers.add(proc.pid)
+        elif parent in servers:
+            role = "worker"
+        else:
+            role = "other"
+        found[f"{role} {proc.pid}"] = rss
+    return found
+
+
+def _etcd_sizes(etcd: EtcdServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{etcd.endpoint}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    metrics = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("etcd_mvcc_db_total_size_in_bytes", "etcd_server_quota_backend_bytes"):
+            metrics[name] = float(value)
+    data = sum(p.stat().st_size for p in etcd.data_dir.rglob("*") if p.is_file())
+    return {
+        "db_mib": metrics["etcd_mvcc_db_total_size_in_bytes"] / 2**20,
+        "quota_mib": metrics["etcd_server_quota_backend_bytes"] / 2**20,
+        "data_dir_mib": data / 2**20,
+    }
+
+
+def _alarms(etcd: EtcdServer) -> list[Any]:
+    """etcd's raised alarms (NOSPACE when the backend passed its quota), through its JSON gateway."""
+    request = urllib.request.Request(
+        f"http://{etcd.endpoint}/v3/maintenance/alarm", data=json.dumps({"action": "GET"}).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        alarms: list[Any] = json.loads(answer.read()).get("alarms", [])
+    return alarms
+
+
+class Newest:
+    """The newest step and world size the run logged, read from where the last look stopped: the
+    event file grows to thousands of lines, and the soak looks at it 20 times a second."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.step = 0
+        self.world = 0
+
+    def __call__(self) -> int:
+        if self.path.exists():
+            with self.path.open("rb") as file:
+                file.seek(self.offset)
+                chunk = file.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits for the next look
+            self.offset += len(complete)
+            for line in complete.splitlines():
+                if b'"progress"' in line:
+                    record = json.loads(line)
+                    self.step, self.world = max(self.step, record["step"]), record["world_size"]
+        return self.step
+
+    def reached(self, step: int) -> bool:
+        return self() >= step
+
+
+def _job(root: Path, etcd: EtcdServer, blob: Azurite, name: str, *, nnodes: str, epochs: int) -> JobConfig:
+    workdir = root / name
+    return JobConfig(
+        workdir=workdir, backend="etcd-v3", endpoint=etcd.endpoint, run_id=f"soak-{name}", nnodes=nnodes,
+        extra_env=blob.env(), max_restarts=1000,
+        program=[*PROGRAM, "--epochs", str(epochs), "--checkpoint-uri", f"az://ckpt/soak-{name}",
+                 "--events-file", str(workdir / "train-events.jsonl"), *(["--in-place"] if name == "soak" else [])],
+    )  # fmt: skip
+
+
+def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.Random) -> dict[str, Any]:
+    """The faults, the watch, and what the soak's run logged."""
+    job = _job(root, etcd, blob, "soak", nnodes=f"1:{MAX_NODES}", epochs=epochs_for(events))
+    events_file = job.workdir / "train-events.jsonl"
+    newest = Newest(events_file)
+    nodes: dict[str, LocalNode] = {}
+    frozen: set[str] = set()
+    count = 0
+
+    def start() -> LocalNode:
+        nonlocal count
+        node = LocalNode(f"n{count}", job)
+        count += 1
+        node.start()
+        nodes[node.name] = node
+        return node
+
+    anchor = start()
+    for _ in range(MAX_NODES - 1):
+        start()
+    wait_for(lambda: newest() and newest.world == MAX_NODES, 180, "the first steps at full size", interval=0.5)
+    watch = Watch(etcd, anchor)
+    watcher = threading.Thread(target=watch.run, name="soak-watch", daemon=True)
+    watcher.start()
+    faults: list[Fault] = []
+    began = time.monotonic()
+    try:
+        for index in range(events):
+            target = newest() + rng.randint(*GAP_STEPS)
+            try:
+                wait_for(functools.partial(newest.reached, target), STALL_SECONDS, f"step {target}")
+            except TimeoutError:
+                tails = "\n".join(f"--- {n.name}\n{n.log_tail(30)}" for n in nodes.values() if n.poll() is None)
+                raise SystemExit(f"stalled before fault {index + 1} (last: {faults[-1:]}):\n{tails}") from None
+            for name, node in list(nodes.items()):  # a node whose agent ended (a thawed one may) is gone
+                if node.poll() is not None and name not in frozen:
+                    del nodes[name]
+            running = [n for n in nodes if n not in frozen]
+            action = rng.choice(allowed(len(running), len(frozen), len(nodes)))
+            if action == "join":
+                name = start().name
+            elif action == "thaw":
+                name = rng.choice(sorted(frozen))
+                frozen.discard(name)
+                nodes[name].thaw()
+            else:
+                name = rng.choice([n for n in running if n != anchor.name])
+                if action == "kill":
+                    nodes.pop(name).kill()
+                else:
+                    nodes[name].freeze()
+                    frozen.add(name)
+            faults.append(Fault(action, name, time.time(), newest()))
+            if (index + 1) % 10 == 0:
+                rate = (index + 1) / (time.monotonic() - began)
+                print(f"  {index + 1}/{events} faults ({rate * 60:.0f} a minute), step {faults[-1].step}, "
+                      f"nodes {sorted(nodes)}, frozen {sorted(frozen)}", flush=True)  # fmt: skip
+        for name in sorted(frozen):
+            nodes[name].thaw()
+        frozen.clear()
+        print("  faults done; training to the end", flush=True)
+        if anchor.wait(1800) != 0:
+            raise SystemExit(f"n0 ended with {anchor.poll()}:\n{anchor.log_tail(40)}")
+    finally:
+        watch.stop.set()
+        watcher.join()
+        for node in nodes.values():
+            node.stop()
+    alarms = _alarms(etcd)
+    return {"faults": faults, "samples": watch.samples, "events": read_events(events_file), "alarms": alarms}
+
+
+def undisturbed(root: Path, etcd: EtcdServer, blob: Azurite, events: int, nodes: int) -> list[dict[str, Any]]:
+    """The same configuration on `nodes` nodes with nothing happening (no --in-place: nothing to re-form)."""
+    job = _job(root, etcd, blob, f"fixed-{nodes}", nnodes=f"{nodes}:{nodes}", epochs=epochs_for(events))
+    group = [LocalNode(f"f{nodes}-{index}", job) for index in range(nodes)]
+    for node in group:
+        node.start()
+    for node in group:
+        if node.wait(1800) != 0:
+            raise SystemExit(f"the undisturbed run on {nodes} ended with {node.poll()}:\n{node.log_tail(40)}")
+    return read_events(job.workdir / "train-events.jsonl")
+
+
+def _model(blob: Azurite, name: str) -> dict[str, torch.Tensor]:
+    loaded = CheckpointManager(open_storage(f"az://ckpt/soak-{name}", blob.env()), CheckpointConfig()).load_latest()
+    assert loaded is not None, name
+    return {key: tensor.double() for key, tensor in loaded.state["model"].items()}
+
+
+def _mib(text: str) -> float:
+    """Kubernetes' quantity with a Mi suffix, in MiB."""
+    assert text.endswith("Mi"), text
+    return float(text[:-2])
+
+
+def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> dict[str, Any]:
+    """`fixed` is the undisturbed run on one node; the one on MAX_NODES nodes gives float32's reduction
+    order's share of a difference over this many steps (the equivalence test's TOLERANCE was set for
+    232)."""
+    """The figures (module docstring), printed and returned."""
+    faults: list[Fault] = run["faults"]
+    progress = [e for e in run["events"] if e.get("event") == "progress"]
+    for fault in faults:
+        after = [e["t"] for e in progress if e["t"] > fault.t]
+        fault.recovered_s = round(after[0] - fault.t, 3) if after else None
+    by_action: dict[str, Any] = {}
+    for action in ACTIONS:
+        seconds = [f.recovered_s for f in faults if f.action == action and f.recovered_s is not None]
+        if seconds:
+            by_action[action] = {"count": len(seconds), "p50": round(statistics.median(seconds), 2),
+                                 "max": round(max(seconds), 2)}  # fmt: skip
+    steps = Counter(e["step"] for e in progress)
+    fixed_losses = {e["step"]: e["loss"] for e in fixed if e.get("event") == "progress"}
+    losses = {e["step"]: e["loss"] for e in progress}
+    partial = {e["step"] for e in progress if e.get("partial")}  # this rank's share of the loss only
+    same_steps = sorted(losses) == sorted(fixed_losses)
+    worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial) if same_steps else None
+    ours, theirs, wider = _model(blob, "soak"), _model(blob, "fixed-1"), _model(blob, f"fixed-{MAX_NODES}")
+    difference = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    floor = max(float((wider[k] - theirs[k]).abs().max()) for k in theirs)
+    samples = run["samples"]
+    n0: dict[str, list[float]] = {}
+    for sample in samples:
+        for pid, rss in sample["n0"].items():
+            n0.setdefault(pid, []).append(rss)
+    third = max(1, len(samples) // 3)
+    growth = {pid: round(max(rss[-third:]) - max(rss[:third]), 1) for pid, rss in n0.items() if len(rss) >= 3 * third}
+    peak_etcd = max(s["etcd_rss_mib"] + s["data_dir_mib"] for s in samples)
+    result = {
+        "faults": len(faults),
+        "by_action": by_action,
+        "steps": max(steps),
+        "redone": sum(n - 1 for n in steps.values()),
+        "partial_records": len(partial),
+        "kills_and_freezes": sum(f.action in ("kill", "freeze") for f in faults),
+        "same_steps_as_undisturbed": same_steps,
+        "parameter_difference": difference,
+        "reduction_order_difference": floor,
+        "loss_difference": worst_loss,
+        "generations": len({e.get("generation") for e in run["events"] if e.get("event") == "start"}),
+        "n0_pids": len({e["pid"] for e in run["events"] if e.get("event") == "generation" and e["node"] == "n0"}),
+        "n0_rss_mib": {
+            pid: {"first": round(rss[0], 1), "max": round(max(rss), 1), "last": round(rss[-1], 1)}
+            for pid, rss in n0.items()
+        },
+        "n0_growth_mib": growth,
+        "etcd": {
+            "db_mib_max": round(max(s["db_mib"] for s in samples), 2),
+            "quota_mib": samples[-1]["quota_mib"],
+            "data_dir_mib_max": round(max(s["data_dir_mib"] for s in samples), 1),
+            "data_dir_limit_mib": _mib(ETCD_DATA_LIMIT),
+            "rss_mib_max": round(max(s["etcd_rss_mib"] for s in samples), 1),
+            "rss_plus_data_mib_max": round(peak_etcd, 1),
+            "memory_limit_mib": _mib(ETCD_MEMORY["limits"]["memory"]),
+            "alarms": run["alarms"],
+        },
+        "fault_log": [vars(f) for f in faults],
+    }
+    print(f"\n{len(faults)} faults over {result['steps']} steps, {result['generations']} generations:")
+    for action, figures in by_action.items():
+        p50, most = figures["p50"], figures["max"]
+        print(f"  {action:7} x{figures['count']:3}: the next step after p50 {p50:.2f} s, max {most:.2f} s")
+    print(f"steps redone: {result['redone']} (kills and freezes: {result['kills_and_freezes']}); progress records "
+          f"with one rank's share of the loss (the group broke before its sums): {len(partial)}")  # fmt: skip
+    print(f"against the undisturbed run on one node: same steps {same_steps}, largest parameter difference "
+          f"{difference:.3g} (the undisturbed run on {MAX_NODES} nodes: {floor:.3g}; the equivalence test allows "
+          f"{TOLERANCE:g} over 232 steps), largest loss difference "
+          f"{worst_loss if worst_loss is None else f'{worst_loss:.3g}'} (allowed {LOSS_TOLERANCE:g})")  # fmt: skip
+    print(f"n0's worker processes over the soak: {result['n0_pids']}; memory growth, last third's peak against "
+          f"the first third's (MiB): {growth}")  # fmt: skip
+    etcd = result["etcd"]
+    print(
+        f"etcd: backend max {etcd['db_mib_max']} MiB of a {etcd['quota_mib']:.0f} MiB quota, data folder max "
+        f"{etcd['data_dir_mib_max']} MiB of {etcd['data_dir_limit_mib']:.0f}, memory and data max "
+        f"{etcd['rss_plus_data_mib_max']} MiB of {etcd['memory_limit_mib']:.0f}, alarms {etcd['alarms']}"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=200, help="faults to draw")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run's folders here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="torchspot-soak-") as tmp:
+        root = args.keep or Path(tmp)
+        with EtcdServer(root / "etcd", extra_flags=ETCD_SIZING) as etcd, Azurite(root / "azurite") as blob:
+            print(f"soak: {args.events} faults, seed {args.seed}, {epochs_for(args.events)} epochs", flush=True)
+            started = time.monotonic()
+            run = soak(root, etcd, blob, args.events, random.Random(args.seed))
+            print(f"  soak: {time.monotonic() - started:.0f} s; the undisturbed run...", flush=True)
+            fixed = undisturbed(root, etcd, blob, args.events, 1)
+            print(f"  the undisturbed run on {MAX_NODES} nodes...", flush=True)
+            undisturbed(root, etcd, blob, args.events, MAX_NODES)
+            result = report(run, fixed, blob)
+    result["args"] = {k: str(v) for k, v in vars(args).items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
