@@ -91,8 +91,10 @@ def allowed(running: int, frozen: int, started: int) -> list[str]:
 
 
 def epochs_for(events: int) -> int:
-    """Epochs enough for `events` faults at their mean gap, with room after the last (pure)."""
-    steps = events * sum(GAP_STEPS) / 2 + 10 * STEPS_PER_EPOCH
+    """Epochs enough for `events` faults at twice their mean gap (the others train on while a fault is
+    made: a kill waits for the node's processes to end), with room after the last (pure). At the
+    mean gap, a 200-fault run ended before its 199th fault."""
+    steps = events * sum(GAP_STEPS) + 10 * STEPS_PER_EPOCH
     return int(steps // STEPS_PER_EPOCH) + 1
 
 
@@ -250,6 +252,8 @@ def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.R
             try:
                 wait_for(functools.partial(newest.reached, target), STALL_SECONDS, f"step {target}")
             except TimeoutError:
+                if anchor.poll() is not None:
+                    raise SystemExit(f"the run ended (n0: exit {anchor.poll()}) before fault {index + 1}") from None
                 tails = "\n".join(f"--- {n.name}\n{n.log_tail(30)}" for n in nodes.values() if n.poll() is None)
                 raise SystemExit(f"stalled before fault {index + 1} (last: {faults[-1:]}):\n{tails}") from None
             for name, node in list(nodes.items()):  # a node whose agent ended (a thawed one may) is gone
@@ -330,10 +334,11 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
         if seconds:
             by_action[action] = {"count": len(seconds), "p50": round(statistics.median(seconds), 2),
                                  "max": round(max(seconds), 2)}  # fmt: skip
-    steps = Counter(e["step"] for e in progress)
+    steps = Counter(e["step"] for e in progress if not e.get("partial"))  # partial: one from each rank it hit
     fixed_losses = {e["step"]: e["loss"] for e in fixed if e.get("event") == "progress"}
-    losses = {e["step"]: e["loss"] for e in progress}
-    partial = {e["step"] for e in progress if e.get("partial")}  # this rank's share of the loss only
+    losses = {e["step"]: e["loss"] for e in progress if e.get("partial")}
+    losses.update({e["step"]: e["loss"] for e in progress if not e.get("partial")})  # a whole record first
+    partial = {e["step"] for e in progress if e.get("partial")} - set(steps)  # no whole record: a share only
     same_steps = sorted(losses) == sorted(fixed_losses)
     worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial) if same_steps else None
     ours, theirs, wider = _model(blob, "soak"), _model(blob, "fixed-1"), _model(blob, f"fixed-{MAX_NODES}")
