@@ -6,9 +6,11 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -25,6 +27,10 @@ XDIST_WORKER_ENV = "PYTEST_XDIST_WORKER"
 """Set by pytest-xdist in each of its worker processes (gw0, gw1...)."""
 HEAVY_TIMEOUT = 600
 """pytest-timeout's limit for a CPU-heavy test, which may first wait for another to finish."""
+HEAVY_SLOTS = 2
+"""CPU-heavy tests share this many slots: one of weight 1 takes a slot, one of weight 2 takes all."""
+SLOT_LOOK_SECONDS = 0.2
+"""Between a weight-1 test's tries at the free slots (flock cannot wait for any one of several)."""
 
 
 def expected_seconds(item: pytest.Item) -> float:
@@ -35,12 +41,20 @@ def expected_seconds(item: pytest.Item) -> float:
     return float(marker.kwargs.get("seconds", SLOW_DEFAULT_SECONDS))
 
 
-def cpu_heavy(item: pytest.Item) -> bool:
-    """A test marked `slow(cpu_heavy=True)`: several real trainers computing at once. Two of them side
-    by side on two cores slow each other by a third and more, past what their timelines allow (a CI
-    run failed the sandbox's that way), so they never overlap (`_one_cpu_heavy_test_at_a_time`)."""
+def cpu_weight(item: pytest.Item) -> int:
+    """A test marked `slow(cpu_heavy=N)` (True is 1): real trainers computing at once. Two that hold
+    both cores side by side slow each other by a third and more, past what their timelines allow (a
+    CI run failed the sandbox's that way). A test of weight 2 (HEAVY_SLOTS: the same-model test's
+    five jobs, the liveness test's busy loops) runs beside no other heavy one; two of weight 1 (the
+    sandbox's paced job, 0.6 of a core; two paced workers per node) may run together
+    (`_cpu_heavy_slots`). 0 for any other test."""
     marker = item.get_closest_marker("slow")
-    return marker is not None and bool(marker.kwargs.get("cpu_heavy", False))
+    return 0 if marker is None else int(marker.kwargs.get("cpu_heavy", 0))
+
+
+def cpu_heavy(item: pytest.Item) -> bool:
+    """Whether a test is CPU-heavy at all (`cpu_weight`)."""
+    return cpu_weight(item) > 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,7 +70,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     worker waits for the lock). Serially the order changes nothing: each test cleans up after itself.
     """
     workers = int(config.getoption("numprocesses", default=None) or 1)
-    heavy = sorted((i for i in items if cpu_heavy(i)), key=expected_seconds, reverse=True)
+    heavy = sorted((i for i in items if cpu_heavy(i)), key=lambda i: (cpu_weight(i), expected_seconds(i)), reverse=True)
     slow = sorted((i for i in items if i.get_closest_marker("slow") and not cpu_heavy(i)), key=expected_seconds,
                   reverse=True)  # fmt: skip
     quick = [i for i in items if not i.get_closest_marker("slow")]
@@ -67,13 +81,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             light.append(quick[index])
     light.extend(quick[len(slow) :])
     ordered: list[pytest.Item] = []
-    for item in heavy:
+    for index, item in enumerate(heavy):
         item.add_marker(pytest.mark.timeout(HEAVY_TIMEOUT))
         ordered.append(item)
         quick_next = next((i for i in light if not i.get_closest_marker("slow")), None)
         if quick_next is not None:  # what its worker holds next waits for it: something short
             light.remove(quick_next)
             ordered.append(quick_next)
+        following = heavy[index + 1] if index + 1 < len(heavy) else None
+        if following is not None and cpu_weight(item) + cpu_weight(following) <= HEAVY_SLOTS:
+            continue  # the next heavy one may run beside this one: let another worker take it now
         budget = expected_seconds(item) * max(workers - 1, 1)
         while budget > 0 and light:
             filler = light.pop(0)
@@ -95,19 +112,37 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _one_cpu_heavy_test_at_a_time(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """A CPU-heavy test runs only while no other one does, on any xdist worker: a lock file in the
-    folder the run's workers share (each worker's temp folder is one below it). One process runs
-    one test at a time anyway, and its temp folder's parent is shared with other runs: no lock."""
-    if not cpu_heavy(request.node) or XDIST_WORKER_ENV not in os.environ:
+def _cpu_heavy_slots(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A CPU-heavy test holds as many of HEAVY_SLOTS lock files as its weight (`cpu_weight`), in the
+    folder the run's xdist workers share (each worker's temp folder is one below it): a test of
+    weight 2 takes them in order (so two such never deadlock), one of weight 1 the first that is
+    free. One process runs one test at a time anyway, and its temp folder's parent is shared with
+    other runs: no lock."""
+    weight = cpu_weight(request.node)
+    if not weight or XDIST_WORKER_ENV not in os.environ:
         yield
         return
-    lock = tmp_path_factory.getbasetemp().parent / "cpu-heavy.lock"
-    with lock.open("a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+    folder = tmp_path_factory.getbasetemp().parent
+    slots = [(folder / f"cpu-heavy-{index}.lock").open("a") for index in range(HEAVY_SLOTS)]
+    try:  # a lock is released when its file closes, or the worker dies
+        if weight >= HEAVY_SLOTS:
+            for slot in slots:
+                fcntl.flock(slot, fcntl.LOCK_EX)
+        else:
+            while not any(_took(slot) for slot in slots):  # stops at the first slot it takes
+                time.sleep(SLOT_LOOK_SECONDS)
         yield
+    finally:
+        for slot in slots:
+            slot.close()
+
+
+def _took(slot: IO[str]) -> bool:
+    try:
+        fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 # Every operator these tests start (in-process or as a subprocess) serves /metrics on a free port:

@@ -30,7 +30,6 @@ import pickle
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -76,14 +75,7 @@ class Soaked:
 
     def metrics(self) -> dict[str, float]:
         """etcd's own gauges, from its /metrics."""
-        with urllib.request.urlopen(f"http://{self.server.endpoint}/metrics", timeout=10) as answer:
-            text = answer.read().decode()
-        found = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("etcd_mvcc_db_total_size_in_bytes", "etcd_mvcc_db_total_size_in_use_in_bytes"):
-                found[name] = float(value)
-        return found
+        return self.server.gauges(("etcd_mvcc_db_total_size_in_bytes", "etcd_mvcc_db_total_size_in_use_in_bytes"))
 
     def sample(self, written: int) -> None:
         status = self.metrics()

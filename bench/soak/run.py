@@ -158,13 +158,7 @@ def _tree_rss(pid: int) -> dict[str, float]:
 
 
 def _etcd_sizes(etcd: EtcdServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{etcd.endpoint}/metrics", timeout=10) as answer:
-        text = answer.read().decode()
-    metrics = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("etcd_mvcc_db_total_size_in_bytes", "etcd_server_quota_backend_bytes"):
-            metrics[name] = float(value)
+    metrics = etcd.gauges(("etcd_mvcc_db_total_size_in_bytes", "etcd_server_quota_backend_bytes"))
     data = sum(p.stat().st_size for p in etcd.data_dir.rglob("*") if p.is_file())
     return {
         "db_mib": metrics["etcd_mvcc_db_total_size_in_bytes"] / 2**20,

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 from torchspot_lab.service import LocalService
@@ -79,6 +80,18 @@ class EtcdServer(LocalService):
     def endpoint(self) -> str:
         """`127.0.0.1:<port>`, as `--rdzv-endpoint` takes it."""
         return f"127.0.0.1:{self.port}"
+
+    def gauges(self, names: tuple[str, ...]) -> dict[str, float]:
+        """Those of etcd's own gauges (its /metrics, plain HTTP) that `names` lists, for the benchmarks
+        that watch its size (bench/etcd_soak, bench/soak)."""
+        with urllib.request.urlopen(f"http://{self.endpoint}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in names:
+                found[name] = float(value)
+        return found
 
     def start(self, timeout: float = 20.0) -> None:
         """Start etcd and wait until it answers. A port taken between `free_port` choosing it and etcd

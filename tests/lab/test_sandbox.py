@@ -63,7 +63,7 @@ MARKET = {
 }
 
 
-@pytest.mark.slow(seconds=130, cpu_heavy=True)  # its market is timed: no other heavy test beside it
+@pytest.mark.slow(seconds=130, cpu_heavy=True)  # its market is timed: beside one light heavy test at most
 def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Path) -> None:
     lines: list[str] = []
     seen: dict[str, Any] = {}
