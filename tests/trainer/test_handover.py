@@ -166,6 +166,10 @@ shrink = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert shrink.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
 shrink.offer(Assignment(4, 0, 1, "127.0.0.1", store.port))  # no rank added: nothing to wait for
 print(shrink.broken.is_set())
+thawed = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
+assert thawed.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+thawed.offer(Assignment(6, 0, 3, "127.0.0.1", store.port))  # rounds 4 and 5 went by without this node
+print(thawed.broken.is_set())
 building = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 formed = []
 entering = threading.Thread(target=lambda: formed.append(
@@ -186,16 +190,18 @@ def test_a_round_that_adds_ranks_waits_for_them_while_the_group_trains_on() -> N
     """With defer_joins (the trainer's), a round that grows the world does not break the current
     generation until its joiners are in the round's group build (their counter on its store); then
     `joiners_ready`, which the loop agrees on at a boundary. A newer round meanwhile, a round that
-    adds nobody, or one that comes while the current generation's group is still being built, breaks
-    it at once. Real stores and a one-rank gloo group, in a process of its own."""
+    adds nobody, one that comes while the current generation's group is still being built, or one
+    that does not follow it directly (a thawed node's), breaks it at once. Real stores and a one-rank
+    gloo group, in a process of its own."""
     done = subprocess.run([sys.executable, "-c", _DEFER], check=True, capture_output=True, text=True, timeout=60)
-    deferred, ready, newer, shrunk, building = done.stdout.split("\n")[:5]
+    deferred, ready, newer, shrunk, thawed, building = done.stdout.split("\n")[:6]
     assert deferred == "False False"
     broken, set_, seconds = ready.split()
     assert (broken, set_) == ("False", "True")
     assert float(seconds) < 1.0
     assert newer == "True"
     assert shrunk == "True"
+    assert thawed == "True"  # a node that missed rounds has no generation to train on in
     formed, seconds = building.rsplit(" ", 1)
     assert formed == "[False]"  # given up for round 4, not deferred behind a build that cannot finish
     assert float(seconds) < 1.0

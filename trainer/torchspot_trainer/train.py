@@ -421,10 +421,14 @@ class Trainer:
                     raise
                 self._reform(run, failed=isinstance(exc, GroupChanged) and exc.failed)
         self._watchdog.armed = False  # the final save is not a step
-        if self.manager is not None and self.rank == 0:
-            self.manager.wait()
-            if self.manager.last_committed != self.step:
-                self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+        if self.manager is not None:
+            if self.rank == 0:
+                self.manager.wait()
+                if self.manager.last_committed != self.step:
+                    self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
+            # Every rank that holds one: in place, a rank 0 that a re-form made rank 2 still holds its
+            # saver process, which the interpreter's exit waits for (the equivalence test's survivor
+            # never exited when both joiners came in one round and took ranks 0 and 1).
             self.manager.close()
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": run.evaluated[1]}  # fmt: skip

@@ -199,7 +199,10 @@ class LiveGroup:
         second newer round while one is deferred supersedes at once, and so does a round that comes
         while the current generation's group is still being built: that build waits for ranks that
         moved on to the newer round (an in-place run of the equivalence test stalled 30 s, its
-        build's deadline, when the second joiner's round came as the first joiner's was entered)."""
+        build's deadline, when the second joiner's round came as the first joiner's was entered). So
+        does a round that does not follow the current generation directly: this node missed the
+        rounds between (it was frozen, and has just thawed), so its generation is gone, and training on
+        in it would wait in a collective for gloo's op timeout (a soak's thaw stalled 30 s so)."""
         with self._lock:
             current = self.assignment
             deferred = (
@@ -208,7 +211,7 @@ class LiveGroup:
                 and self._group is not None  # a generation still being built has nothing to train on
                 and self._pending is None
                 and not self.broken.is_set()
-                and assignment.generation > current.generation
+                and assignment.generation == current.generation + 1  # a later one: this node missed rounds
                 and assignment.world > current.world
             )
             if deferred:

@@ -376,10 +376,14 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         return f"{self._etcd_settings.liveness_timeout / 2:g}"
 
     def shutdown(self) -> bool:
-        """Close the rendezvous; the last agent to leave deletes the run's keys.
+        """Close the rendezvous; the last agent of the last round to leave deletes the run's keys.
 
         Deleting earlier would pull the exit barrier's keys from under agents that
         are still in it; an agent that never gets here leaves keys that expire by lease.
+        The agents are counted per round: an agent that left an earlier round (a node gone
+        on notice shuts its handler down too) once made the last round's second-to-last
+        agent delete the keys while the last still waited in the exit barrier (the
+        equivalence test's in-place survivor never exited).
         """
         if self._liveness is not None:
             self._liveness.stop()
@@ -387,7 +391,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         settings = self._etcd_settings
         try:
             members = max(len(self._state_holder.state.participants), 1)
-            left = EtcdStore(self._etcd, settings, self._lease).add(_LEFT_COUNTER, 1)
+            counter = f"{_LEFT_COUNTER}/{self.current_round}"
+            left = EtcdStore(self._etcd, settings, self._lease).add(counter, 1)
             if left >= members:
                 self._etcd.delete_prefix(settings.run_prefix)
                 log.info("rendezvous %s: last agent out, keys deleted", settings.run_id)
