@@ -427,8 +427,8 @@ class Trainer:
                 if self.manager.last_committed != self.step:
                     self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
             # Every rank that holds one: in place, a rank 0 that a re-form made rank 2 still holds its
-            # saver process, which the interpreter's exit waits for (the equivalence test's survivor
-            # never exited when both joiners came in one round and took ranks 0 and 1).
+            # manager (the save thread, the saver process). A suspected, not proven, cause of a CI run
+            # whose survivor never exited after both joiners came in one round and took ranks 0 and 1.
             self.manager.close()
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": run.evaluated[1]}  # fmt: skip
