@@ -251,9 +251,12 @@ class LiveGroup:
         (bench/soak) filled the graveyard with idle groups within the op timeout and fell back to a
         restart."""
         horizon = time.monotonic() - self.op_timeout.total_seconds()
-        old = [grave for grave in self._graveyard if grave[3] < horizon or not grave[2]]
+        old: list[tuple[Any, Any, list[torch.Tensor], float]] = []
+        kept: list[tuple[Any, Any, list[torch.Tensor], float]] = []
+        for grave in self._graveyard:
+            (old if grave[3] < horizon or not grave[2] else kept).append(grave)
         if old:
-            self._graveyard = [grave for grave in self._graveyard if not any(grave is gone for gone in old)]
+            self._graveyard = kept
             threading.Thread(target=old.clear, name="torchspot-reaper", daemon=True).start()
 
     def all_reduce(self, tensor: torch.Tensor, deadline: float) -> Outcome:
