@@ -290,8 +290,6 @@ class Kube:
         self, method: str, path: str, body: Any = None, content_type: str = "", *, urgent: bool = False
     ) -> Any:
         """One call, retried as the module docstring says; the decoded answer."""
-        if self.closed:  # a handler still finishing while the operator stops: no new session to leak
-            raise ApiError(UNREACHABLE, f"{method} {path}: the API session was closed")
         data = None if body is None else json.dumps(body)
         relogged = False
         attempt = 0
@@ -323,7 +321,7 @@ class Kube:
     async def _send(
         self, method: str, path: str, data: str | None, content_type: str, urgent: bool
     ) -> tuple[int, bytes, str | None]:
-        session = self._session()
+        session = self._session(f"{method} {path}")
         await self.limiter.take(urgent=urgent)
         headers = {**self.headers, "Content-Type": content_type or "application/json"}  # the current credentials
         async with session.request(
@@ -454,9 +452,7 @@ class Kube:
             f"timeoutSeconds={WATCH_SECONDS}",
             "labelSelector=" + quote(label_selector(labels)),
         ]  # fmt: skip
-        if self.closed:
-            raise ApiError(UNREACHABLE, f"watch {path}: the API session was closed")
-        session = self._session()
+        session = self._session(f"watch {path}")
         await self.limiter.take()
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT_SECONDS, sock_read=WATCH_SECONDS + 60)
         async with session.get(
@@ -478,7 +474,13 @@ class Kube:
                         raise ApiError(int(obj.get("code") or 500), str(obj.get("message") or obj))
                     yield kind_of, obj
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _session(self, what: str) -> aiohttp.ClientSession:
+        """The open session, or a new one; never after `close` (`what` names the call refused). A
+        handler still finishing while the operator stops may be in a retry's backoff sleep as `close`
+        runs, and its next attempt would open a session nobody closes: a CI run saw aiohttp's
+        ResourceWarning for one, in a later test."""
+        if self.closed:
+            raise ApiError(UNREACHABLE, f"{what}: the API session was closed")
         if self.session is None or self.session.closed:
             timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS)
             self.session = aiohttp.ClientSession(timeout=timeout, trust_env=self.trust_env)

@@ -138,6 +138,31 @@ def test_every_request_has_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_request_retrying_when_the_client_closes_opens_no_new_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`close` while a request sleeps before its next attempt (the operator stopping under a
+    throttled API): the request fails as unreachable and leaves no session open behind it."""
+    monkeypatch.setattr(kube, "BACKOFF_BASE_SECONDS", 0.3)
+    throttled = Script(_json(503))
+
+    async def close_during_backoff() -> tuple[ApiError, Kube]:
+        async for url in _serve(throttled):
+            api = Kube(server=url, headers={}, ssl_context=True)
+            request = asyncio.create_task(api.get("v1", "pods", "default", "p"))
+            while not throttled.seen:  # the first attempt was answered 503: its backoff begins
+                await asyncio.sleep(0.01)
+            await api.close()
+            with pytest.raises(ApiError) as refused:
+                await request
+            return refused.value, api
+        raise AssertionError("not served")
+
+    error, api = asyncio.run(close_during_backoff())
+    assert error.status == UNREACHABLE
+    assert "the API session was closed" in str(error)
+    assert api.session is None
+    assert len(throttled.seen) == 1
+
+
 def test_a_401_logs_in_again_once_and_retries_with_the_fresh_credentials() -> None:
     script = Script(lambda r: web.json_response({}, status=200 if r.headers["Authorization"] == "Bearer new" else 401))
 
