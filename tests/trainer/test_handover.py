@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, stop_after, wait_for
+from torchspot_trainer import launch
 from torchspot_trainer.handover import (
     Assignment,
     acknowledged,
@@ -44,11 +45,13 @@ def test_an_assignment_names_each_local_worker_and_nobody_else() -> None:
 
 
 def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """SIGTERM to an agent whose workers re-form in place: the leaving mark, not the rendezvous left at
     once (the others would re-form without us and break the group the notice's checkpoint needs); the
-    same agent without live workers leaves at once (nothing to mark)."""
+    same agent without live workers leaves at once (nothing to mark). Either way, an agent still
+    running STACKS_AFTER_NOTICE later prints its threads' stacks (here after 0.1 s)."""
+    monkeypatch.setattr(launch, "STACKS_AFTER_NOTICE", 0.1)
     monkeypatch.setenv(PEER_LOST_ENV, str(tmp_path / "peer-lost"))
     (tmp_path / "live-0").write_text(str(os.getpid()))
     assert live_workers(tmp_path)
@@ -62,6 +65,14 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     with pytest.raises(SignalException):
         leave_then_stop(signal.SIGTERM, None)
     assert not (tmp_path / LEAVING_MARKER).exists()  # left (no handler here to leave), not only marked
+    printed: list[str] = []
+
+    def stacks() -> bool:
+        printed.append(capfd.readouterr().err)
+        return "most recent call first" in "".join(printed)
+
+    wait_for(stacks, WAIT, "the stacks of a stopping agent that is still here")
+    assert "test_a_node_leaving_with_live_workers" in "".join(printed)  # this thread's stack, where it waits
 
 
 def test_only_registered_running_workers_and_only_newer_acknowledgements_count(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import multiprocessing
 import os
 import runpy
@@ -63,6 +64,11 @@ PRELOAD_ENV = "TORCHSPOT_FORK_PRELOAD"
 """Comma-separated modules the fork server also imports for a program that is not our trainer
 (its own heavy imports: torchvision, transformers...), once per agent instead of at every restart.
 A module that queries CUDA at import makes every worker refuse to start (refuse_bad_fork)."""
+STACKS_AFTER_NOTICE = 20.0
+"""Seconds after its SIGTERM at which an agent still running prints every thread's stack to its log
+(the kubelet's default grace is 30 s): its workers' emergency checkpoint and its leaving take a
+few seconds, and an agent that hung instead (a CI run's never left) says where before its SIGKILL."""
+
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _TORCHRUN_DEFAULT_RUN_ID = "none"
 
@@ -275,6 +281,7 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     without us at once, which breaks the group our workers need for the notice's agreement and
     emergency checkpoint at their next boundary. The node is only marked leaving; it leaves once its
     workers have stopped (`_launch`), and the others re-form in place then."""
+    faulthandler.dump_traceback_later(STACKS_AFTER_NOTICE, exit=False)
     try:
         in_place = live_workers(agent_folder())
     except KeyError:  # no agent folder named: no worker of ours registered
