@@ -46,6 +46,10 @@ def signal_tree(pid: int, sig: signal.Signals) -> int:
     return sent
 
 
+NODE_ADDR = "127.0.0.1"
+"""A local node's `--local-addr` unless its job names another."""
+
+
 @dataclass
 class JobConfig:
     """What every node of one local job shares.
@@ -77,6 +81,9 @@ class JobConfig:
     """The worker program and its arguments (default: the toy program with the fields above)."""
     toy_args: list[str] = field(default_factory=list)
     """More of the toy program's flags (`--in-place`, `--stop-file`...)."""
+    local_addrs: dict[str, str] = field(default_factory=dict)
+    """`--local-addr` of the nodes named here (any other: NODE_ADDR). torch ranks a round's nodes by
+    address first, then agent pid: addresses of the loopback net (127.0.0.0/8) fix who is rank 0."""
 
     @property
     def events(self) -> Path:
@@ -93,7 +100,7 @@ class JobConfig:
         """Where the toy program keeps its checkpoints."""
         return self.workdir / "ckpt"
 
-    def command(self) -> list[str]:
+    def command(self, local_addr: str = NODE_ADDR) -> list[str]:
         """The launcher command line for one node (pure)."""
         cmd = [
             *LAUNCHERS[self.launcher],
@@ -104,7 +111,7 @@ class JobConfig:
             "--rdzv-id", self.run_id,
             "--max-restarts", str(self.max_restarts),
             "--monitor-interval", str(self.monitor_interval),
-            "--local-addr", "127.0.0.1",
+            "--local-addr", local_addr,
         ]  # fmt: skip
         if self.rdzv_conf:
             cmd += ["--rdzv-conf", self.rdzv_conf]
@@ -142,11 +149,9 @@ class LocalNode:
             "PYTHONUNBUFFERED": "1",
             **self.job.extra_env,
         }
+        command = self.job.command(self.job.local_addrs.get(self.name, NODE_ADDR))
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                self.job.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True,
-            )  # fmt: skip
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property
     def pid(self) -> int:

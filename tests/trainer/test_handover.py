@@ -253,9 +253,13 @@ def _await(
 def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restarted(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
+    """A kill (3 -> 2), then a join (2 -> 3). torch ranks a round's nodes by address: the survivor n1
+    (127.0.0.2) is rank 0 after the kill, and the joiner (127.0.0.1) takes rank 0 from it in place
+    (a CI run's survivor, made rank 2 so, once never exited: now the run ends with every node's exit)."""
     job = JobConfig(
         workdir=tmp_path / "job", backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3",
         steps=100_000, step_time=0.02, toy_args=["--in-place", "--deaf-node", "n0"],
+        local_addrs={"n0": "127.0.0.3", "n1": "127.0.0.2"},
     )  # fmt: skip
     deaf, live, doomed = nodes(job, 3)
     first = _await(job, [deaf, live, doomed], 3, 0, "a step of all three at world size 3")
@@ -270,6 +274,7 @@ def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restar
         where=lambda members: members["n0"]["pid"] != first["n0"]["pid"],
     )  # fmt: skip
     assert after_kill["n1"]["pid"] == pid, "the survivor's worker was restarted, not re-formed in place"
+    assert after_kill["n1"]["rank"] == 0
 
     joined = time.time()
     (joiner,) = nodes(job, 1)
@@ -278,6 +283,7 @@ def test_survivors_and_joined_peers_re_form_in_place_and_a_deaf_worker_is_restar
         where=lambda members: members["n0"]["pid"] != after_kill["n0"]["pid"],
     )  # fmt: skip
     assert after_join["n1"]["pid"] == pid, "the joined-into worker was restarted, not re-formed in place"
+    assert (after_join["n3"]["rank"], after_join["n1"]["rank"]) == (0, 1)  # rank 0 went to the joiner
 
     last = stop_after(job, 20)
     for node in (deaf, live, joiner):
