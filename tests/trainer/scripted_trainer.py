@@ -11,6 +11,9 @@ else about the trainer changes, and neither hook changes what it computes.
   eviction: a notice that arrives in the middle of an evaluation at a point the test
   chooses, instead of one raced against a clock. Only the first evaluation is held: the
   mark stays, and later ones pass.
+- EMERGENCY_SAVE_DELAY (seconds): a synchronous save on a node that leaves (the emergency
+  checkpoint of its notice) starts this much later, as a large model's would take longer:
+  whether the other nodes wait for it shows. The run's final save is not delayed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from torch.utils.data import Dataset
 
 from torchspot_trainer import train
 from torchspot_trainer.__main__ import main
+from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.data.datasets import TensorImages, load_digits
+from torchspot_trainer.markers import node_leaving
 
 
 class NoticeAt(Dataset[Any]):
@@ -79,9 +84,24 @@ def _paced(step: Callable[..., Any], pace: float) -> Callable[..., Any]:
     return paced
 
 
+def _delayed(save_sync: Callable[..., Any], delay: float) -> Callable[..., Any]:
+    """`save_sync`, started `delay` seconds late on a node that leaves."""
+
+    @functools.wraps(save_sync)
+    def delayed(*args: Any, **kwargs: Any) -> Any:
+        if node_leaving():
+            time.sleep(delay)  # standing in for a longer upload, not waiting for a condition
+        return save_sync(*args, **kwargs)
+
+    return delayed
+
+
 if __name__ == "__main__":
     if "NOTICE_AT_SAMPLE" in os.environ:
         train.load_digits = _digits  # type: ignore[attr-defined,assignment]
     if "STEP_PACE" in os.environ:
         train.train_step = _paced(train.train_step, float(os.environ["STEP_PACE"]))  # type: ignore[attr-defined]
+    if "EMERGENCY_SAVE_DELAY" in os.environ:
+        manager = CheckpointManager
+        manager.save_sync = _delayed(manager.save_sync, float(os.environ["EMERGENCY_SAVE_DELAY"]))  # type: ignore[method-assign]
     sys.exit(main())

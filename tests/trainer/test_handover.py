@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,11 @@ from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at
 from torchspot_trainer import launch
 from torchspot_trainer.handover import (
     Assignment,
+    Handover,
     acknowledged,
     assignment_record,
     live_workers,
+    notice_agreed,
     parse_assignment,
     registered,
 )
@@ -49,7 +52,8 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
 ) -> None:
     """SIGTERM to an agent whose workers re-form in place: the leaving mark, not the rendezvous left at
     once (the others would re-form without us and break the group the notice's checkpoint needs); the
-    same agent without live workers leaves at once (nothing to mark). Either way, an agent still
+    same agent without live workers leaves at once (nothing to mark). The first leaves once its worker
+    has shared the notice with its group (before its emergency checkpoint). Either way, an agent still
     running STACKS_AFTER_NOTICE later prints its threads' stacks (here after 0.1 s)."""
     monkeypatch.setattr(launch, "STACKS_AFTER_NOTICE", 0.1)
     monkeypatch.setenv(PEER_LOST_ENV, str(tmp_path / "peer-lost"))
@@ -58,6 +62,11 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     with pytest.raises(SignalException):
         leave_then_stop(signal.SIGTERM, None)
     assert (tmp_path / LEAVING_MARKER).exists()
+    (leaving,) = [thread for thread in threading.enumerate() if thread.name == "torchspot-leave"]
+    assert leaving.is_alive()  # it leaves once the worker has shared the notice with its group
+    Handover(tmp_path, 0).agreed()
+    leaving.join(WAIT)
+    assert not leaving.is_alive()
 
     (tmp_path / LEAVING_MARKER).unlink()
     (tmp_path / "live-0").write_text("999999999")  # the worker is gone: a stale registration
@@ -73,6 +82,21 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
 
     wait_for(stacks, WAIT, "the stacks of a stopping agent that is still here")
     assert "test_a_node_leaving_with_live_workers" in "".join(printed)  # this thread's stack, where it waits
+
+
+def test_a_leaving_agent_waits_for_the_notice_of_every_running_worker_and_of_none_ended(tmp_path: Path) -> None:
+    """`notice_agreed`: each registered worker that still runs must have shared the notice with its
+    group (its `agreed-` file); one that has ended is not waited for."""
+    (tmp_path / "live-0").write_text(str(os.getpid()))
+    (tmp_path / "live-1").write_text(str(os.getpid()))
+    assert not notice_agreed(tmp_path)
+    Handover(tmp_path, 0).agreed()
+    assert not notice_agreed(tmp_path)  # local rank 1 has not
+    Handover(tmp_path, 1).agreed()
+    assert notice_agreed(tmp_path)
+    (tmp_path / "agreed-1").unlink()
+    (tmp_path / "live-1").write_text("999999999")  # it ended: nothing to wait for
+    assert notice_agreed(tmp_path)
 
 
 def test_only_registered_running_workers_and_only_newer_acknowledgements_count(tmp_path: Path) -> None:

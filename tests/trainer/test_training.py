@@ -43,6 +43,9 @@ reduction order only (largest parameter 0.92). Measured: this test's runs, 2.8e-
 run's loss spikes); the fixed run on 1 or 2 nodes against 3 nodes (`make bench-equivalence`),
 1.0e-4 and 2.8e-4. Per-worker batches through the same failures: 0.28-0.35, 30 times this bound
 or more (asserted)."""
+EMERGENCY_SAVE_DELAY = 3.0
+"""Seconds the in-place run's leaving node waits before its emergency checkpoint (scripted_trainer.py),
+as a large model's upload would take: the survivors must train at the new size before it is done."""
 LOSS_TOLERANCE = 1e-3
 """Largest absolute difference allowed between the losses two runs log for one step (losses
 run from 2.8 down to 0.007: a relative bound is loosest where the loss is largest and tightest
@@ -112,7 +115,9 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     events_path = job.workdir / "train-events.jsonl"
     # A step at one node takes 40 ms and two nodes join in 10-20 s on 2 busy cores: unpaced, the
     # run (232 steps) could end at one node before they arrive, as it once did in CI.
-    _scripted(job, STEP_PACE=str(STEP_PACE))
+    _scripted(
+        job, STEP_PACE=str(STEP_PACE), **({"EMERGENCY_SAVE_DELAY": str(EMERGENCY_SAVE_DELAY)} if in_place else {})
+    )
 
     def newest() -> int:
         return max((e["step"] for e in _progress(read_events(events_path))), default=0)
@@ -133,6 +138,9 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     assert '"event": "emergency_checkpoint"' in started[2].log_path.read_text(errors="replace")  # written by it
     resumed = [e for e in read_events(events_path) if e.get("event") == "start" and e["t"] > notice_at]
     assert resumed[0]["step"] == emergency[-1]["step"]
+    if in_place:  # the others trained on while the leaving node still wrote: they did not wait for it
+        at_2 = min(e["t"] for e in _progress(read_events(events_path)) if e["world_size"] == 2 and e["t"] > notice_at)
+        assert at_2 < emergency[-1]["t"], "the survivors waited for the leaving node's emergency checkpoint"
     # Its agent took itself out of the rendezvous (the others did not wait for its heartbeats). Once
     # an in-place agent did not (CI, 81f6063): its log's end has the stacks it prints when it hangs.
     leaving_log = started[2].log_path.read_text(errors="replace")

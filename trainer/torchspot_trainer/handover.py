@@ -16,7 +16,11 @@ environment variable that names that marker names them too:
   worker re-forms: an acknowledgement means "alive and on it", not "done";
 - `failed-<local rank>`: touched when one of the worker's collectives failed (a peer's socket
   closed: its process is likely gone). A live worker does not exit, so this is how its agent learns
-  what a failed worker's exit would tell it: liveness then judges with its short timeout (liveness.py).
+  what a failed worker's exit would tell it: liveness then judges with its short timeout (liveness.py);
+- `agreed-<local rank>`: touched by a worker of a node that leaves on notice once its group has shared
+  the notice (the step boundary's all-gather), before its emergency checkpoint: it needs the group no
+  more, so its agent takes the node out of the rendezvous then (`notice_agreed`), and the other nodes
+  re-form in place while the checkpoint is written instead of after it.
 
 A worker that does not acknowledge within `ACK_SECONDS` (frozen, or stuck holding the GIL) is
 restarted with the others of its node in a round after this one (torch's restart: the agent leaves
@@ -75,6 +79,7 @@ ASSIGNMENT_FILE = "assignment.json"
 LIVE_PREFIX = "live-"
 ACK_PREFIX = "ack-"
 FAILED_PREFIX = "failed-"
+AGREED_PREFIX = "agreed-"
 ACK_SECONDS = 3.0
 """How long an agent waits for its live workers to acknowledge a new round before it restarts them: a
 watcher thread answers in milliseconds; only a worker that cannot run Python at all misses it."""
@@ -134,6 +139,17 @@ def registered(folder: Path, pids: dict[int, int]) -> bool:
 def live_workers(folder: Path) -> bool:
     """Whether a worker registered in `folder` still runs (a stale file names a process that ended)."""
     return any(running(pid) for path in folder.glob(f"{LIVE_PREFIX}*") if (pid := _read_int(path)) is not None)
+
+
+def notice_agreed(folder: Path) -> bool:
+    """Whether every worker registered in `folder` that still runs has shared its node's notice with its
+    group (`agreed-`): true too once none runs."""
+    running_ranks = (
+        path.name.removeprefix(LIVE_PREFIX)
+        for path in folder.glob(f"{LIVE_PREFIX}*")
+        if (pid := _read_int(path)) is not None and running(pid)
+    )
+    return all((folder / f"{AGREED_PREFIX}{local}").exists() for local in running_ranks)
 
 
 def acknowledged(folder: Path, local_ranks: Iterable[int], generation: int) -> bool:
@@ -285,6 +301,10 @@ class Handover:
         except (OSError, ValueError):
             return None
         return parse_assignment(record, self.local_rank)
+
+    def agreed(self) -> None:
+        """This worker's node leaves and its group has shared the notice (module docstring)."""
+        (self.folder / f"{AGREED_PREFIX}{self.local_rank}").touch()
 
     def report_failure(self) -> None:
         """A collective of this worker failed (a peer is likely gone): tell the agent (module docstring)."""

@@ -22,7 +22,10 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 
 import torch.distributed.launcher.api as launcher_api
@@ -35,7 +38,7 @@ from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
 from torchspot_trainer import ENV_PREFIX
-from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers
+from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers, notice_agreed
 from torchspot_trainer.markers import agent_restarting, node_leaving
 from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.handler import leave_rendezvous, mark_leaving, name_peer_lost_marker, register
@@ -68,6 +71,10 @@ STACKS_AFTER_NOTICE = 20.0
 """Seconds after its SIGTERM at which an agent still running prints every thread's stack to its log
 (the kubelet's default grace is 30 s): its workers' emergency checkpoint and its leaving take a
 few seconds, and an agent that hung instead (a CI run's never left) says where before its SIGKILL."""
+
+AGREED_LOOK = 0.005
+"""Between a leaving agent's looks for its workers' `agreed-` files: a few `stat`s, for the moment
+after SIGTERM until the node leaves; every millisecond here delays the others' re-form."""
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 _TORCHRUN_DEFAULT_RUN_ID = "none"
@@ -278,9 +285,10 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     once instead of when our workers are done with their emergency checkpoint.
 
     Not while workers that re-form in place run here: the others' agents would hand them a round
-    without us at once, which breaks the group our workers need for the notice's agreement and
-    emergency checkpoint at their next boundary. The node is only marked leaving; it leaves once its
-    workers have stopped (`_launch`), and the others re-form in place then."""
+    without us at once, which breaks the group our workers need for the notice's agreement at their
+    next boundary. The node is only marked leaving; it leaves once its workers have shared the notice
+    with their group (`leave_once_agreed`: their emergency checkpoint needs no collective), or have
+    stopped (`_launch`), whichever comes first, and the others re-form in place then."""
     faulthandler.dump_traceback_later(STACKS_AFTER_NOTICE, exit=False)
     try:
         in_place = live_workers(agent_folder())
@@ -288,9 +296,18 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
         in_place = False
     if in_place:
         mark_leaving()
+        threading.Thread(target=leave_once_agreed, args=(agent_folder(),), name="torchspot-leave", daemon=True).start()
     else:
         leave_rendezvous()
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def leave_once_agreed(folder: Path) -> None:
+    """Take our node out of the rendezvous once every worker of ours that runs has shared the notice
+    with its group (handover.py's `agreed-` files), looking every AGREED_LOOK seconds."""
+    while not notice_agreed(folder):
+        time.sleep(AGREED_LOOK)
+    leave_rendezvous()
 
 
 def handle_sigterm_ourselves(args: argparse.Namespace) -> None:

@@ -348,6 +348,7 @@ class Trainer:
             self._in_place = _InPlace(Handover.from_environment(), LiveGroup(defer_joins=True))
             self._in_place.handover.register()
             self._in_place.handover.watch(self._in_place.live)
+            self.stop.done_with_group = self._in_place.handover.agreed
         self.precision = Precision(config.precision, self.device)
         self.loader_workers = loader_workers(
             config.workers, cuda=self.device.type == "cuda", cpus=usable_cpus(),

@@ -120,6 +120,9 @@ class NoticeStop:
         self.keep_snapshot = keep_snapshot
         self.watcher: ScheduledEventsWatcher | None = None
         """The Scheduled Events poller, when on: its event is approved once the checkpoint is safe."""
+        self.done_with_group: Callable[[], None] = lambda: None
+        """Called on a leaving rank once the group has shared the notice, before its emergency
+        checkpoint: in place, its agent may take the node out of the rendezvous then (handover.py)."""
 
     def level(self) -> int:
         """notice_level from our notice and our agent's markers (the restart marker is read only
@@ -149,14 +152,17 @@ class NoticeStop:
         node of ours leaves): each node's snapshot carries the state to the next round. A rank
         that got its own SIGTERM, or whose agent marked its node leaving, leaves without waiting
         for the checkpoint (its snapshot holds the same step), so the nodes that stay re-form
-        while the leaving one writes.
+        while the leaving one writes. In place, such a rank says so before it writes
+        (`done_with_group`): the checkpoint needs no collective, and the others need not wait for it.
         """
+        if self._leaving():
+            self.done_with_group()
         if save is not None:
             report = save()
             self.emit({"event": "emergency_checkpoint", "step": step, "ok": report.ok, "rank": group.rank,
                        "seconds": round(report.seconds, 3)}, any_rank=True)  # fmt: skip
         notice = self.notice.notice
-        if (notice is not None and notice.source == "SIGTERM") or node_leaving():
+        if self._leaving():  # again: our agent may have marked the node leaving during the save
             self.keep_snapshot()  # the node may stay (torchrun restarting us for a new member)
             self.exit_evicted()
         self.notice.parked = True  # our agent's SIGTERM (the leaving node is gone) ends us at once
@@ -179,6 +185,11 @@ class NoticeStop:
         self.emit({"event": "notice_expired", "step": step, "held_s": self.hold})
         self.notice.parked = False
         self.notice.clear()
+
+    def _leaving(self) -> bool:
+        """Whether this rank's node leaves: its own SIGTERM, or its agent's mark."""
+        notice = self.notice.notice
+        return (notice is not None and notice.source == "SIGTERM") or node_leaving()
 
     def exit_evicted(self) -> NoReturn:
         """Leave at once after the emergency checkpoint; peers see our sockets close."""

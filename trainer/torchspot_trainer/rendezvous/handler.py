@@ -251,6 +251,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _previous: tuple[int, frozenset[Any]]
     _watch: _WatchfulStateHolder
     _left: bool
+    _leaving: threading.RLock
     _last_warning: float
     _liveness: Liveness | None
     _prompt: _PromptOpExecutor
@@ -408,6 +409,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         of the main thread's own use of the handler's. Once left, a second call (the
         launcher's fallback after the agent stops) does nothing.
         """
+        with self._leaving:  # the launcher's thread (leave_once_agreed) and its main thread, one at a time
+            self._leave()
+
+    def _leave(self) -> None:
         if self._left:
             return
         _marker(LEAVING_MARKER).touch()  # before anyone can see us gone
@@ -439,6 +444,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._joined = None
         self._previous = (0, frozenset())
         self._left = False
+        self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
         self._last_warning = 0.0
         poll = settings.state_poll_interval
         self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
