@@ -226,8 +226,8 @@ def leave_rendezvous() -> None:
 def mark_leaving() -> None:
     """Say to this agent's workers that their node leaves (LEAVING_MARKER), without leaving the
     rendezvous yet: workers that re-form in place (handover.py) agree on the notice with their peers
-    at their next step boundary, and the leaving one writes the emergency checkpoint, only while the
-    peers' group stands. Left after the workers stop (the launcher's `leave_rendezvous`)."""
+    at their next step boundary, which needs the peers' group to stand. Left once they have (the
+    launcher's `leave_once_agreed`: their emergency checkpoint needs no collective), or stopped."""
     _marker(LEAVING_MARKER).touch()
 
 
