@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from torchspot_lab.etcd import EtcdServer
@@ -25,7 +25,12 @@ from torchspot_trainer.markers import PEER_LOST_ENV, node_leaving
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient
-from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler, name_peer_lost_marker
+from torchspot_trainer.rendezvous.handler import (
+    EtcdV3RendezvousHandler,
+    create_handler,
+    method_name,
+    name_peer_lost_marker,
+)
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
@@ -366,6 +371,23 @@ def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
     assert complete_early(frozenset(), "a", state, min_nodes=1) is False  # a first round waits its last call
 
 
+def test_torchs_records_are_named_as_it_names_them_without_reading_the_stack(run_id: str) -> None:
+    """`method_name` answers as torch's `get_method_name` (the caller of the function that asks),
+    and every handler built here makes torch's dynamic rendezvous use it."""
+
+    def record() -> str:  # as torch's `_record` asks, for its caller
+        return method_name()
+
+    def named_here() -> str:
+        return record()
+
+    assert named_here() == "named_here"
+    params = RendezvousParameters("etcd-v3", "127.0.0.1:1", run_id, 1, 1, connect_timeout="0.1")
+    with pytest.raises(RendezvousConnectionError):  # nobody listens there: built up to the connection
+        create_handler(params)
+    assert dynamic_rendezvous.get_method_name is method_name
+
+
 def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:
     """`n` handlers of one run (torch gives each its own node id in one process). By default
     heartbeats every 5 s (dead after 15 s) and a 30 s last call: neither can be what makes a
@@ -382,13 +404,27 @@ def _join(handlers: list[EtcdV3RendezvousHandler]) -> list[tuple[int, int]]:
     return [(info.rank, info.world_size) for info in infos]
 
 
-def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdServer, run_id: str) -> None:
+def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(
+    etcd: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A node stopped by a signal takes itself out: the others see it within 5 s (not the 15 s
     its heartbeats would take) and form their round of two at once. The last call (30 s) is
-    longer than the join timeout (10 s): a round that waited for the member that left fails."""
+    longer than the join timeout (10 s): a round that waited for the member that left fails.
+    torch spreads the first joins of round 0 over up to 0.3 s; the re-form (from round 0 too)
+    is not spread."""
+    delays: list[float | tuple[float, float]] = []
+    spread = dynamic_rendezvous._delay  # type: ignore[attr-defined]
+
+    def recorded(seconds: float | tuple[float, float]) -> None:
+        delays.append(seconds)
+        spread(seconds)
+
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", recorded)
     a, b, c = handlers = _handlers(etcd, run_id, 3)
     try:
         assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
+        assert delays == [(0, 0.3)] * 3
+        delays.clear()
         assert a.num_nodes_waiting() == 0
 
         assert not node_leaving()
@@ -399,6 +435,7 @@ def test_leaving_node_and_prompt_round_let_the_others_reform_at_once(etcd: EtcdS
         # finish the step, where the leaving node's emergency checkpoint is written.
         assert Path(os.environ[PEER_LOST_ENV]).read_text() == ""
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+        assert delays == []  # the re-form from round 0 was not spread
         assert b.num_nodes_waiting() == 0
     finally:
         for handler in handlers:
