@@ -113,7 +113,12 @@ class Trial:
     false_alarm: bool | None = None
     pause_s: float | None = None
     """At a join: the longest the nodes already training went without completing a step, from the
-    joiner's start until the first step at the new size."""
+    joiner's start until the first step at the new size. On nodes that share cores this also counts
+    steps slowed by the joiner's start-up (its imports and set-up take a core): a compute-bound step
+    (the trainer's) shows it, a sleeping one (the toy's, TorchFT's here) does not."""
+    switch_s: float | None = None
+    """At a join: from the last step at the old size to the first at the new, the switch itself (the
+    group's re-form, the joiner's state, one step at the new size)."""
     restarted: int | None = None
     """Survivors whose worker process is not the one they had before the fault (0 in place)."""
 
@@ -264,6 +269,7 @@ def run_trial(
         events = _read(job)
         steps = [e["t"] for e in events if e["event"] == "step" and fault - 1.0 <= e["t"] <= recovered["t"]]
         pause = max((b - a for a, b in itertools.pairwise(steps)), default=None)
+        switch = recovered["t"] - steps[-2] if len(steps) >= 2 else None
         resumed = resumed_step_after(events, fault)
         # Work redone: how far the old group got, minus where the new one resumed.
         reached = max(e["step"] for e in events if e["event"] == "step" and e["group"] == formed["group"])
@@ -273,8 +279,9 @@ def run_trial(
         before, after = _pids(events, formed["group"]), _pids(events, recovered["group"])
         restarted = sum(1 for name, pid in before.items() if name in after and after[name] != pid)
         return Trial(
-            backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause), restarted=restarted
-        )
+            backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause),
+            switch_s=_rounded(switch) if scenario == "join" else None, restarted=restarted,
+        )  # fmt: skip
     finally:
         for node in nodes:
             node.stop()
@@ -317,7 +324,11 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
         events = read_events(cluster.events)
         lost = torchft_peer.failed_commits(events, fault, recovered["t"], skip)
         pause = torchft_peer.longest_pause(events, fault - 1.0, recovered["t"], skip)
-        return Trial(backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause))
+        switch = torchft_peer.switch_gap(events, recovered)
+        return Trial(
+            backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause),
+            switch_s=_rounded(switch) if scenario == "join" else None,
+        )  # fmt: skip
     finally:
         cluster.close()
 
@@ -354,6 +365,10 @@ def _fmt(trials: list[Trial], timeout: float) -> tuple[str, dict[str, float] | N
     if trials[0].scenario == "join" and pauses:
         stats["pause_max"] = max(pauses)
         text += f"; the others' longest pause p50 {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s"
+    switches = [t.switch_s for t in trials if t.switch_s is not None]
+    if switches:
+        stats["switch_max"] = max(switches)
+        text += f"; the switch p50 {statistics.median(switches):.2f} s, max {max(switches):.2f} s"
     if len(times) < len(trials):
         text += f" ({len(trials) - len(times)} with no recovery within {timeout:g} s, counted as {timeout:g})"
         stats["failed"] = len(trials) - len(times)

@@ -126,6 +126,15 @@ def failed_commits(events: list[dict[str, Any]], after: float, before: float, sk
     return max(per_replica.values(), default=0)
 
 
+def switch_gap(events: list[dict[str, Any]], recovered: dict[str, Any]) -> float | None:
+    """From the recovered replica's last committed step before `recovered` (its first commit at the new
+    size) to that commit: the switch itself, as `run.Trial.switch_s`."""
+    before = [
+        e["t"] for e in events if e["replica"] == recovered["replica"] and e["committed"] and e["t"] < recovered["t"]
+    ]
+    return recovered["t"] - max(before) if before else None
+
+
 def longest_pause(events: list[dict[str, Any]], after: float, before: float, skip: int) -> float | None:
     """The longest a replica other than `skip` went between committed steps in [after, before]."""
     longest: float | None = None
