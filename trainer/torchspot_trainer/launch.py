@@ -288,7 +288,8 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     without us at once, which breaks the group our workers need for the notice's agreement at their
     next boundary. The node is only marked leaving; it leaves once its workers have shared the notice
     with their group (`leave_once_agreed`: their emergency checkpoint needs no collective), or have
-    stopped (`_launch`), whichever comes first, and the others re-form in place then."""
+    stopped (`_launch`), whichever comes first, and the others re-form in place then. Either way an
+    agent still here STACKS_AFTER_NOTICE seconds later prints its threads' stacks."""
     faulthandler.dump_traceback_later(STACKS_AFTER_NOTICE, exit=False)
     try:
         in_place = live_workers(agent_folder())
