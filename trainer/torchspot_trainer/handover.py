@@ -136,20 +136,25 @@ def registered(folder: Path, pids: dict[int, int]) -> bool:
     return bool(pids) and all(_read_int(folder / f"{LIVE_PREFIX}{local}") == pid for local, pid in pids.items())
 
 
+def _running_ranks(folder: Path) -> list[str]:
+    """The local ranks registered in `folder` whose process still runs (a stale file names a process
+    that ended)."""
+    return [
+        path.name.removeprefix(LIVE_PREFIX)
+        for path in folder.glob(f"{LIVE_PREFIX}*")
+        if (pid := _read_int(path)) is not None and running(pid)
+    ]
+
+
 def live_workers(folder: Path) -> bool:
-    """Whether a worker registered in `folder` still runs (a stale file names a process that ended)."""
-    return any(running(pid) for path in folder.glob(f"{LIVE_PREFIX}*") if (pid := _read_int(path)) is not None)
+    """Whether a worker registered in `folder` still runs."""
+    return bool(_running_ranks(folder))
 
 
 def notice_agreed(folder: Path) -> bool:
     """Whether every worker registered in `folder` that still runs has shared its node's notice with its
     group (`agreed-`): true too once none runs."""
-    running_ranks = (
-        path.name.removeprefix(LIVE_PREFIX)
-        for path in folder.glob(f"{LIVE_PREFIX}*")
-        if (pid := _read_int(path)) is not None and running(pid)
-    )
-    return all((folder / f"{AGREED_PREFIX}{local}").exists() for local in running_ranks)
+    return all((folder / f"{AGREED_PREFIX}{local}").exists() for local in _running_ranks(folder))
 
 
 def acknowledged(folder: Path, local_ranks: Iterable[int], generation: int) -> bool:

@@ -292,12 +292,12 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     agent still here STACKS_AFTER_NOTICE seconds later prints its threads' stacks."""
     faulthandler.dump_traceback_later(STACKS_AFTER_NOTICE, exit=False)
     try:
-        in_place = live_workers(agent_folder())
+        folder: Path | None = agent_folder()
     except KeyError:  # no agent folder named: no worker of ours registered
-        in_place = False
-    if in_place:
+        folder = None
+    if folder is not None and live_workers(folder):
         mark_leaving()
-        threading.Thread(target=leave_once_agreed, args=(agent_folder(),), name="torchspot-leave", daemon=True).start()
+        threading.Thread(target=leave_once_agreed, args=(folder,), name="torchspot-leave", daemon=True).start()
     else:
         leave_rendezvous()
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
