@@ -9,6 +9,12 @@
 - agree: rank 1 exits (a leaving node's rank) before rank 0 reaches the notice's barrier
   (Group.agree, through a control group, device `meta`); rank 0 writes what it returned and
   the seconds it took.
+- late-leaving: two nodes of two ranks (node = rank // 2), markers under STORE's folder as each node's
+  agent writes them (markers.py). Node 0's agent restarts its workers (its restart marker; rank 1
+  has its SIGTERM already); node 1 leaves, and its agent's leaving marker appears only while its
+  ranks are in the boundary's all-gather, after they shared level 0. Every rank appends to OUT what
+  NoticeStop did (`save`, `snapshot`, `exit <code>`; rank 0, which stays, `broken` once the others
+  are gone).
 - ping: rank 0 pings with a 1 s timeout while rank 1 (a frozen peer) never joins the
   collective; rank 0 writes the ping's result and the seconds it took to OUT.
 """
@@ -20,13 +26,17 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
+from torchspot_trainer.checkpoint.manager import SaveReport
+from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
 from torchspot_trainer.recovery.group import Group
+from torchspot_trainer.recovery.notices import GroupBroken, NoticeStop
 from torchspot_trainer.recovery.rng import rng_state
+from torchspot_trainer.recovery.signals import EvictionNotice
 from torchspot_trainer.recovery.wire import broadcast_state
 
 
@@ -45,6 +55,57 @@ def training_state() -> dict[str, Any]:
         "evaluated": {"step": -1, "accuracy": float("nan")},
         "pair": (1, "two"),
     }
+
+
+class _MarkedDuringGather(Group):
+    """A real group whose all-gather, once done, leaves `marker` (the agent marking the node leaving
+    while its ranks were in the collective: the timing a CI run met by chance)."""
+
+    def __init__(self, rank: int, world: int, marker: str | None) -> None:
+        super().__init__(rank, world, torch.device("cpu"))
+        self.marker = marker
+
+    def gather_ints(self, row: list[int]) -> list[list[int]]:
+        rows = super().gather_ints(row)
+        if self.marker is not None:
+            open(self.marker, "a").close()
+        return rows
+
+
+def _late_leaving(rank: int, world: int, store: str, out: str) -> None:
+    """The late-leaving scenario (module docstring)."""
+    node = rank // 2
+    folder = os.path.join(os.path.dirname(store), f"node-{node}")
+    os.makedirs(folder, exist_ok=True)
+    os.environ[PEER_LOST_ENV] = os.path.join(folder, "peer-lost")
+    if node == 0:
+        open(marker_beside(os.environ[PEER_LOST_ENV], RESTART_MARKER), "a").close()
+    group = _MarkedDuringGather(rank, world, marker_beside(os.environ[PEER_LOST_ENV], LEAVING_MARKER) if node else None)
+
+    def said(what: str) -> None:
+        with open(out, "a") as file:
+            file.write(what + "\n")
+
+    def save() -> SaveReport:
+        said("save")
+        return SaveReport(step=3, ok=True, seconds=0.0)
+
+    notice = EvictionNotice()
+    if rank == 1:
+        notice.set("SIGTERM", "its agent restarts it")
+    stop = NoticeStop(notice, hold=5.0, emit=lambda *_a, **_k: None, keep_snapshot=lambda: said("snapshot"),
+                      node=node, ping_timeout=1.0)  # fmt: skip
+
+    def exit_evicted() -> NoReturn:  # the trainer's exit code would fail _group's check: 0, said
+        said("exit evicted")
+        os._exit(0)
+
+    stop.exit_evicted = exit_evicted  # type: ignore[method-assign]
+    dist.barrier()  # every rank connected before any can go
+    try:
+        said(f"stopped {stop.at_boundary(group, step=3, save=save)}")
+    except (GroupBroken, RuntimeError):  # gloo's error for a closed socket, or the barrier's timeout
+        said("broken")
 
 
 def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
@@ -75,6 +136,8 @@ def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
                 json.dump({"done": done, "seconds": time.monotonic() - started}, file)
         else:
             os._exit(0)  # the leaving node's rank: gone before the barrier
+    elif scenario == "late-leaving":
+        _late_leaving(rank, world, store, out)
     elif scenario == "ping":
         if rank == 0:
             started = time.monotonic()

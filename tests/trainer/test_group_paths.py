@@ -41,6 +41,7 @@ from torchspot_trainer.recovery.notices import (
     NOTICE_RESTART,
     emergency_saver,
     node_levels,
+    saves_emergency,
     waits_for_save,
 )
 from torchspot_trainer.recovery.resume import find_state
@@ -355,6 +356,39 @@ def test_a_checkpoint_is_taken_from_the_rings_copy_of_its_step_once_whole() -> N
 def test_a_notice_belongs_to_the_whole_node(rows: list[list[int]], levels: list[int], saver: int | None) -> None:
     assert node_levels(rows) == levels
     assert emergency_saver(levels) == saver
+
+
+@pytest.mark.parametrize(
+    ("rows", "leaving_now", "savers"),
+    [
+        ([[0, 0], [0, 0], [NOTICE_LEAVING, 1], [0, 1]], [False] * 4, [2]),  # agreed: the late look changes nothing
+        (
+            [[0, 0], [NOTICE_LEAVING, 0], [0, 1], [0, 1]],
+            [False, False, True, True],
+            [0],
+        ),  # node 0 agreed (its first rank): one is enough
+        ([[0, 0], [NOTICE_RESTART, 0], [0, 1], [0, 1]], [False, False, True, True], [2]),  # node 1 learned late
+        ([[0, 0], [NOTICE_RESTART, 0], [0, 1], [0, 1]], [False, False, False, True], []),  # only node 1's first decides
+        ([[0, 0], [NOTICE_RESTART, 0], [0, 1], [0, 1]], [False] * 4, []),  # a restart: the snapshots carry it
+    ],
+    ids=["agreed", "agreed-and-late", "late", "late-seen-by-a-second-rank", "restart"],
+)
+def test_a_node_that_learns_it_leaves_after_the_agreement_still_saves(
+    rows: list[list[int]], leaving_now: list[bool], savers: list[int]
+) -> None:
+    assert [r for r in range(len(rows)) if saves_emergency(r, rows, leaving_now=leaving_now[r])] == savers
+
+
+def test_a_group_stopped_before_the_leaving_node_knew_still_gets_its_emergency_checkpoint(tmp_path: Path) -> None:
+    """Four gloo ranks, two nodes: node 0's agent restarts its workers (rank 1 has its SIGTERM), and node 1's
+    leaving marker appears only while its ranks are in the boundary's all-gather, after they shared 0 (the
+    timing of a CI run that lost the emergency checkpoint). Node 1's first rank writes it, once."""
+    outs = _group(tmp_path, "late-leaving", 4)
+    said = [out.read_text().split("\n")[:-1] for out in outs]
+    assert said[0] == ["broken"]  # stays: its barrier fails once the others are gone
+    assert said[1] == ["snapshot", "exit evicted"]  # its own SIGTERM: a restart, its snapshot carries it
+    assert said[2] == ["save", "snapshot", "exit evicted"]
+    assert said[3] == ["snapshot", "exit evicted"]
 
 
 @pytest.mark.parametrize(

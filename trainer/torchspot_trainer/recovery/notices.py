@@ -3,7 +3,8 @@
 
 Every step all ranks share their notice level (one tiny all-gather); any notice stops
 the group at that boundary, and the lowest rank whose node leaves writes the emergency
-checkpoint. The same agreement runs before every evaluation batch.
+checkpoint (or, when no node said it leaves there, the first rank of a node that learned it
+just after: `saves_emergency`). The same agreement runs before every evaluation batch.
 
 A notice belongs to a node: only one local rank polls Scheduled Events (the metadata
 service allows about 5 requests/s per VM; 8 pollers would pass it), so a rank's level in
@@ -45,6 +46,25 @@ def emergency_saver(levels: list[int]) -> int | None:
     """The rank that writes the emergency checkpoint: the lowest one whose node leaves, or None
     when no node leaves (every notice is an agent's restart). Pure."""
     return next((rank for rank, level in enumerate(levels) if level >= NOTICE_LEAVING), None)
+
+
+def saves_emergency(rank: int, rows: list[list[int]], *, leaving_now: bool) -> bool:
+    """Whether `rank` writes the emergency checkpoint at a boundary whose all-gathered rows are `rows`
+    (`rows[r]` is rank r's [level, node]). Pure.
+
+    The agreed saver (`emergency_saver`) when there is one. Otherwise the first rank of a node that
+    learned only after sharing its level that it leaves (`leaving_now`, its level read again): a notice
+    can stop the group at a boundary where the leaving node still said 0. A CI run lost the emergency
+    checkpoint so, by its logs: the other node's agent restarted its workers for our node's departure,
+    one of its ranks reached the all-gather after that SIGTERM (its level 1), ours before theirs
+    (level 0), and the group stopped there with no saver. Every rank then holds this boundary's state, so the one
+    that learned late writes it; two nodes that both learn late write the same step twice.
+    """
+    saver = emergency_saver(node_levels(rows))
+    if saver is not None:
+        return rank == saver
+    node = rows[rank][1]
+    return leaving_now and rank == min(r for r, (_, n) in enumerate(rows) if n == node)
 
 
 def node_levels(rows: list[list[int]]) -> list[int]:
@@ -136,12 +156,15 @@ class NoticeStop:
         notice stop the group here (`stop`) and return True. `save` writes the emergency
         checkpoint of this boundary's state (None: no checkpoints in this run)."""
         self.notice.step_boundary()
-        noticed = node_levels(group.gather_ints([self.level(), self.node]))
+        rows = group.gather_ints([self.level(), self.node])
         if self.notice.is_set():
             self.notice.acknowledged.set()
-        if not any(noticed):
+        if not any(node_levels(rows)):
             return False
-        self.stop(group, step=step, save=save if group.rank == emergency_saver(noticed) else None)
+        saves = saves_emergency(group.rank, rows, leaving_now=self.level() >= NOTICE_LEAVING)
+        if saves and emergency_saver(node_levels(rows)) is None:
+            log.warning("rank %d: our node leaves, learned after this boundary's agreement: it saves", group.rank)
+        self.stop(group, step=step, save=save if saves else None)
         return True
 
     def stop(self, group: Group, *, step: int, save: Callable[[], SaveReport] | None) -> None:
