@@ -11,6 +11,11 @@ else about the trainer changes, and neither hook changes what it computes.
   eviction: a notice that arrives in the middle of an evaluation at a point the test
   chooses, instead of one raced against a clock. Only the first evaluation is held: the
   mark stays, and later ones pass.
+- HOLD_REQUEST and HOLD_MARK: once HOLD_REQUEST (a file) names this node, its worker holds at its
+  next step after the step's update, before the loss's sums over the group: it writes the step to
+  HOLD_MARK and waits (60 s at most) for the test to kill the node. The others wait in the sums
+  meanwhile, so the loss lands inside them at a step the test knows (the step is applied everywhere;
+  its record can only be a survivor's share), instead of wherever a kill happens to fall.
 - EMERGENCY_SAVE_DELAY (seconds): a synchronous save on a node that leaves (the emergency
   checkpoint of its notice) starts this much later, as a large model's would take longer:
   whether the other nodes wait for it shows. The run's final save is not delayed.
@@ -84,6 +89,23 @@ def _paced(step: Callable[..., Any], pace: float) -> Callable[..., Any]:
     return paced
 
 
+def _held_before_sums(log_progress: Callable[..., None], request: Path, mark: Path) -> Callable[..., None]:
+    """`Trainer._log_progress` (the sums, then the record), held on the node HOLD_REQUEST names (see the
+    module docstring)."""
+
+    @functools.wraps(log_progress)
+    def held(trainer: Any, *args: Any, **kwargs: Any) -> None:
+        node = os.environ.get("TORCHSPOT_NODE", "?")
+        if not mark.exists() and request.exists() and request.read_text().strip() == node:
+            mark.write_text(str(trainer.step))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)  # held until the test's SIGKILL ends this process
+        log_progress(trainer, *args, **kwargs)
+
+    return held
+
+
 def _delayed(save_sync: Callable[..., Any], delay: float) -> Callable[..., Any]:
     """`save_sync`, started `delay` seconds late on a node that leaves."""
 
@@ -101,6 +123,11 @@ if __name__ == "__main__":
         train.load_digits = _digits  # type: ignore[attr-defined,assignment]
     if "STEP_PACE" in os.environ:
         train.train_step = _paced(train.train_step, float(os.environ["STEP_PACE"]))  # type: ignore[attr-defined]
+    if "HOLD_REQUEST" in os.environ:
+        hold = _held_before_sums(
+            train.Trainer._log_progress, Path(os.environ["HOLD_REQUEST"]), Path(os.environ["HOLD_MARK"])
+        )
+        train.Trainer._log_progress = hold  # type: ignore[method-assign]
     if "EMERGENCY_SAVE_DELAY" in os.environ:
         manager = CheckpointManager
         manager.save_sync = _delayed(manager.save_sync, float(os.environ["EMERGENCY_SAVE_DELAY"]))  # type: ignore[method-assign]

@@ -522,14 +522,15 @@ class Trainer:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
 
     def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
-        """Sum the window's loss and accuracy over the group, and emit one progress record. In place, a
-        group that breaks before the sums leaves the step applied: its record is emitted all the same,
-        by every rank this happened to (rank 0 may be the one that is gone), with its share (`partial`),
-        and the break goes on to the re-form. Without it a soak's log missed 2 of 1,276 steps that were
-        trained; with rank 0's partial record only, 1 of 9,918."""
+        """Sum the window's loss and accuracy over the group, and emit one progress record. A group that
+        breaks before the sums leaves the step applied (in place it goes on from it; by the restart path
+        the snapshot holds it): its record is emitted all the same, by every rank this happened to (rank
+        0 may be the one that is gone), with its share (`partial`), and the break goes on to the re-form
+        (GroupChanged in place; gloo's or NCCL's RuntimeError otherwise). Without it a soak's log missed
+        2 of 1,276 steps that were trained; with rank 0's partial record only, 1 of 9,918."""
         try:
             loss, correct = self.group.sums([window.loss, window.correct])
-        except GroupChanged:
+        except RuntimeError:  # GroupChanged is one
             self._emit_progress(run, window, lr, (float(window.loss), float(window.correct)), partial=True)
             raise
         self._emit_progress(run, window, lr, (loss, correct), partial=False)
