@@ -56,6 +56,7 @@ from torchspot_lab.local import JobConfig, LocalNode, read_events, wait_for  # n
 from torchspot_operator.builders import ETCD_DATA_LIMIT, ETCD_MEMORY, ETCD_SIZING  # noqa: E402
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 from torchspot_trainer.checkpoint.storage import open_storage  # noqa: E402
+from torchspot_trainer.launch import SERVER_NAME  # noqa: E402
 
 MAX_NODES = 3
 """The job's --nnodes maximum; one more node may be started (it waits for a place)."""
@@ -130,8 +131,8 @@ class Watch:
 
 def _tree_rss(pid: int) -> dict[str, float]:
     """Resident MiB of an agent and each of its descendants, by "<role> <pid>": the agent, its fork
-    server (Python's forkserver), the workers forked from it, and the others (the checkpoint saver,
-    multiprocessing's resource tracker)."""
+    server (a fork of the agent named SERVER_NAME, or Python's own forkserver), the workers forked from
+    it, and the others (the checkpoint saver, multiprocessing's resource tracker)."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -142,11 +143,12 @@ def _tree_rss(pid: int) -> dict[str, float]:
     for proc in procs:
         try:
             parent, cmdline, rss = proc.ppid(), " ".join(proc.cmdline()), proc.memory_info().rss / 2**20
+            name = proc.name()
         except psutil.NoSuchProcess:
             continue
         if proc.pid == pid:
             role = "agent"
-        elif parent == pid and "forkserver" in cmdline:
+        elif parent == pid and (name == SERVER_NAME.decode() or "forkserver" in cmdline):
             role = "fork-server"
             servers.add(proc.pid)
         elif parent in servers:

@@ -351,7 +351,8 @@ def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
 def test_the_data_set_is_staged_before_the_agent_joins(azurite: Azurite, tmp_path: Path) -> None:
     """An ImageNet folder under az:// is copied and indexed by the node's agent before the rendezvous
     (here unreachable: the launcher stops there, the data set already on the node), so a joiner's
-    copy never holds a round's set-up. Real torchspot-run, real Blob API calls against Azurite."""
+    copy never holds a round's set-up; a copy that fails stops the launcher before it joins, saying
+    so. Real torchspot-run, real Blob API calls against Azurite."""
     source = tmp_path / "imagenet"
     write_synthetic_imagenet(source, classes=2, per_class=6, size=48)
     prefix = f"az://datasets/{uuid.uuid4().hex}"
@@ -374,6 +375,15 @@ def test_the_data_set_is_staged_before_the_agent_joins(azurite: Azurite, tmp_pat
     for path in files:
         assert (cache / path.relative_to(source)).read_bytes() == path.read_bytes()
     assert len(list((cache / "index").glob("index-*/"))) == 2  # train and val, for the trainer to map
+
+    cmd[cmd.index(prefix)] = f"az://missing-{uuid.uuid4().hex}/imagenet"  # no such container
+    cmd[cmd.index(str(cache))] = str(tmp_path / "cache-2")
+    env = os.environ | azurite.env()
+    failed = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert failed.returncode != 0
+    assert "torchspot-run: error: staging the data set failed (exit 1); see above" in failed.stderr, failed.stderr
+    assert "cannot list" in failed.stderr  # the staging's own message, above ours
+    assert "unreachable" not in failed.stderr  # it never tried to join
 
 
 @pytest.mark.parametrize(
@@ -404,9 +414,12 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 ones = __import__("torch").ones(2)
 dist.all_reduce(ones)
-parent = open(f"/proc/{os.getppid()}/cmdline").read().replace("\\0", " ")
+server = os.getppid()
+name = open(f"/proc/{server}/comm").read().strip()
+agent = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1]  # the server's parent
+agent_line = open(f"/proc/{agent}/cmdline").read().replace("\\0", " ")
 with open(sys.argv[1], "w") as out:
-    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{parent}")
+    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{name}|{agent_line}")
 dist.destroy_process_group()
 sys.exit(int(os.environ.get("SCRIPT_EXIT", "0")))
 """
@@ -414,9 +427,9 @@ sys.exit(int(os.environ.get("SCRIPT_EXIT", "0")))
 
 @pytest.mark.slow(seconds=20)
 def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path, etcd: EtcdServer) -> None:
-    """Any program under etcd-v3 is forked from the warm server (not started as a new interpreter): a
-    script runs as __main__ with its arguments, its exit status 0 is a success and another one the
-    launcher's failure."""
+    """Any program under etcd-v3 is forked from the warm server (not started as a new interpreter), itself
+    a fork of the agent: a script runs as __main__ with its arguments, its exit status 0 is a success and
+    another one the launcher's failure."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     runs = []
@@ -429,9 +442,12 @@ def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path,
         ]  # fmt: skip
         env = os.environ | {"SCRIPT_EXIT": str(exit_code)}
         runs.append(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env))
-        name, total, argv, parent = out.read_text().split("|", 3)
+        name, total, argv, server, agent = out.read_text().split("|", 4)
         assert (name, total, argv) == ("__main__", "2", "['--epochs', '2']")
-        assert "forkserver" in parent  # the warm server's child, not the agent's new interpreter
+        # The warm server's child, not the agent's new interpreter; the server a fork of the agent (it
+        # shares the agent's imports), not a new interpreter of multiprocessing's.
+        assert server == "torchspot-forks"
+        assert "torchspot_trainer.launch" in agent
     assert runs[0].returncode == 0, runs[0].stderr[-2000:]
     assert runs[1].returncode != 0
 

@@ -15,16 +15,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import multiprocessing
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Mapping
+from multiprocessing import connection, forkserver, resource_tracker
 from pathlib import Path
 from types import FrameType
 
@@ -234,16 +237,25 @@ def fork_preload(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
     return [*PROGRAM_PRELOAD, *(module for module in extra if module)]
 
 
-def _start_fork_server() -> None:
-    """Start the fork server and wait until it has imported FORK_PRELOAD.
+SERVER_NAME = b"torchspot-forks"
+"""The fork server's process name (what `ps` and `top` show; Linux's 15-byte `comm`): forked from the
+agent, its command line is the agent's."""
 
-    It ignores SIGTERM (the disposition survives its exec): a SIGTERM sent to every process
-    of the pod must leave it to the agent to stop the workers. The agent hears of a worker's
-    exit through the server, so a server killed first reads as every worker gone at once,
-    and the agent would leave while its workers still write their emergency checkpoint.
+
+def _start_fork_server(preload: list[str]) -> None:
+    """Start the fork server, and wait until it has imported `preload`.
+
+    A fork of this process where Python allows it (`fork_server_here`), so torch, which the agent has
+    imported already, is not imported a second time; else multiprocessing's own, a new interpreter.
+    It ignores SIGTERM: a SIGTERM sent to every process of the pod must leave it to the agent to stop
+    the workers. The agent hears of a worker's exit through the server, so a server killed first
+    reads as every worker gone at once, and the agent would leave while its workers still write
+    their emergency checkpoint.
     """
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a new interpreter keeps it through exec
     try:
+        if not fork_server_here(preload):
+            multiprocessing.set_forkserver_preload(preload)
         warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
         warm.start()
     finally:
@@ -253,18 +265,66 @@ def _start_fork_server() -> None:
         raise SystemExit(f"{PROG}: error: the warm fork server cannot start workers (exit {warm.exitcode})")
 
 
+def fork_server_here(preload: list[str]) -> bool:
+    """Start multiprocessing's fork server as a fork of this process, which then imports `preload` and
+    serves forks as the server multiprocessing starts would; False (nothing started) where this
+    Python's forkserver module is not the one this was written against (3.11-3.13's).
+
+    Why: multiprocessing starts its server as a new interpreter, which imports torch again: 3.0-3.6 s
+    of CPU on an idle core here (1.3 s on a faster one), paid by every agent before its node joins,
+    and by a joining node on cores the others may be training on. Forked after the agent's own
+    imports, the server pays only for what it adds (torch._dynamo, the trainer). Safe to fork here:
+    the agent has started no thread, connection or store yet (this runs before the rendezvous), as
+    the server itself is a process that imported torch and forks workers."""
+    server = getattr(forkserver, "_forkserver", None)
+    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if server is None or not all(hasattr(server, f) for f in fields) or hasattr(server, "_forkserver_authkey"):
+        return False
+    if server._forkserver_pid is not None:  # started already (a second launch in one process)
+        return True
+    resource_tracker.ensure_running()  # shared with the server's children, as multiprocessing's server does
+    address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # untyped in typeshed
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # EOF for the server once every client (this agent) is gone
+        pid = os.fork()
+        if pid == 0:  # the server: it never returns from here
+            try:
+                os.close(alive_w)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                name_process(SERVER_NAME)
+                forkserver.main(listener.fileno(), alive_r, preload)
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True
+
+
+def name_process(name: bytes) -> None:
+    """Set this process's name as `ps` shows it (Linux's prctl PR_SET_NAME); nothing elsewhere."""
+    try:
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux, or no prctl
+        return
+
+
 def _launch_forked(args: argparse.Namespace) -> None:
     """torchrun's launch with the program as a function (run_trainer, or run_program for any other), each
     worker forked from a server that preloaded torch and the rest of `fork_preload`."""
     config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
     config.start_method = "forkserver"
-    multiprocessing.set_forkserver_preload(fork_preload(args, os.environ))
     # Start it, and wait for its imports, before joining the rendezvous: a node that joins a
     # running job makes everyone restart, and its first worker would hold up the new group
     # while it imported torch; the group trains on meanwhile instead. It copies this
     # environment now: whatever workers read must be set before.
     name_peer_lost_marker()
-    _start_fork_server()
+    _start_fork_server(fork_preload(args, os.environ))
+    stage_forked(args)
     if forks_our_trainer(args):
         elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
         return
@@ -363,13 +423,48 @@ def needs_staging(trainer_args: list[str], environ: Mapping[str, str]) -> bool:
 
 def stage_data(args: argparse.Namespace) -> None:
     """Run `staging_command` and wait: its progress goes to our stderr; a failure stops the launcher
-    before it joins, with the staging's own message above ours."""
+    before it joins, with the staging's own message above ours. Where workers are not forked."""
     command = staging_command(args)
     if command is None:
         return
     done = subprocess.run(command, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{PROG}: error: staging the data set failed (exit {done.returncode}); see above")
+        _staging_failed(done.returncode)
+
+
+def stage_forked(args: argparse.Namespace) -> None:
+    """`stage_data`, in a process forked from the warm server (`run_stage`) instead of a new interpreter,
+    which would import torch once more before the node joins."""
+    if staging_command(args) is None:
+        return
+    stage = multiprocessing.get_context("forkserver").Process(
+        target=run_stage, args=tuple(args.training_script_args), name="torchspot-stage"
+    )
+    stage.start()
+    try:
+        stage.join()
+    except BaseException:  # our SIGTERM (leave_then_stop): the pod goes, and its staging with it
+        stage.terminate()
+        stage.join(STAGE_STOP_SECONDS)
+        raise
+    if stage.exitcode:
+        _staging_failed(stage.exitcode)
+
+
+STAGE_STOP_SECONDS = 5.0
+"""How long a stopping agent waits for its staging process to end after SIGTERM."""
+
+
+def run_stage(*argv: str) -> None:
+    """The staging's entry point in a forked process (module-level, as run_trainer: pickled by name)."""
+    from torchspot_trainer.data.stage import stage  # noqa: PLC0415 - imported in the fork server already
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it; the agent may stop us
+    stage(list(argv))
+
+
+def _staging_failed(code: int) -> None:
+    raise SystemExit(f"{PROG}: error: staging the data set failed (exit {code}); see above")
 
 
 @record
@@ -378,14 +473,15 @@ def _launch(args: argparse.Namespace) -> None:
     # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (nccl.py says why not).
     os.environ.update(worker_environment(os.environ))
     os.environ.update(max_world_environment(args, os.environ))
-    stage_data(args)  # before the rendezvous: a joiner's copy must not hold the others' set-up
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)
         use_in_place_agent()
+    # The data set is staged before the rendezvous: a joiner's copy must not hold the others' set-up.
     try:
         if forks_workers(args):
             _launch_forked(args)
         else:
+            stage_data(args)
             torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RendezvousConnectionError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None

@@ -1,14 +1,17 @@
 """Stage the trainer's data set on the node before its agent joins the rendezvous.
 
-`torchspot-run` runs `python -m torchspot_trainer.data.stage <the trainer's arguments>` before it
-joins, for our trainer (`launch.staging_command`). Why: a node that joins a running job makes every
-node restart its workers, and a joiner whose trainer copied an `az://` data set (ImageNet: hours)
-and scanned its file index inside the new round held every other node's GPUs in set-up meanwhile.
+`torchspot-run` runs `stage(<the trainer's arguments>)` before it joins, for our trainer: in a process
+forked from its warm server (`launch.stage_forked`), or as `python -m torchspot_trainer.data.stage
+<the trainer's arguments>` where workers are not forked (`launch.staging_command`). Why: a node that
+joins a running job makes every node restart its workers, and a joiner whose trainer copied an `az://`
+data set (ImageNet: hours) and scanned its file index inside the new round held every other node's
+GPUs in set-up meanwhile.
 Staged here, the copy (`fetch.fetch_prefix`, 16 objects at a time) and the index (`node_index`)
 are done before anyone waits, and the trainer finds both complete in the node's cache.
 
 A process of its own because the agent imports nothing of the worker side (the import contract in
-pyproject.toml): it names this module and waits for it, as it names the trainer.
+pyproject.toml): it names this module and waits for it, as it names the trainer; forked from the warm
+server, it finds torch and the trainer imported already.
 """
 
 from __future__ import annotations
