@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for the test's configuration
+from tests.trainer.test_training import EPOCHS, SAME_MODEL
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, read_events
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager
 from torchspot_trainer.checkpoint.storage import open_storage
 
-PROGRAM = [
-    "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "", "--epochs", "8",
-    "--global-batch-size", "48", "--lr", "0.05", "--lr-scaling", "none", "--optimizer", "sgd", "--seed", "0",
-    "--workers", "0", "--log-every", "1", "--checkpoint-every", "10", "--scheduled-events", "off",
-]  # fmt: skip
+PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--epochs", str(EPOCHS), "--checkpoint-every", "10"]
 """tests/trainer/test_training.py's configuration (without its eviction settings)."""
 
 

@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.trainer.test_training import LOSS_TOLERANCE, TOLERANCE  # noqa: E402
+from tests.trainer.test_training import LOSS_TOLERANCE, SAME_MODEL, TOLERANCE  # noqa: E402
 from torchspot_lab.azurite import Azurite  # noqa: E402
 from torchspot_lab.etcd import EtcdServer  # noqa: E402
 from torchspot_lab.local import JobConfig, LocalNode, read_events, wait_for  # noqa: E402
@@ -69,11 +69,7 @@ STALL_SECONDS = 120.0
 SAMPLE_SECONDS = 5.0
 """How often memory and etcd are sampled."""
 ACTIONS = ("kill", "freeze", "thaw", "join")
-PROGRAM = [
-    "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
-    "--global-batch-size", "48", "--lr", "0.05", "--lr-scaling", "none", "--optimizer", "sgd", "--seed", "0",
-    "--workers", "0", "--log-every", "1", "--checkpoint-every", "50", "--scheduled-events", "off",
-]  # fmt: skip
+PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--checkpoint-every", "50"]
 """The equivalence test's configuration; the epochs follow from the number of faults."""
 
 

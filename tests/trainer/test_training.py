@@ -32,35 +32,47 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 8
 GLOBAL_BATCH = 48
+LR = 0.03
+"""The peak learning rate of the same-model configuration. At 0.05 (until 2026-11-27) the run is
+chaotic: one float32 sum per step added in another order grows to a parameter difference of 4e-3
+by the end, 1.3e-3 at 0.04, 2e-5 at 0.03 and 7e-5 at 0.025 (/tmp-style simulation of this
+configuration's steps in one process, bench/README.md's equivalence section). A machine without
+AVX-512 measured 8.9e-3 between the fixed runs on 1 and 3 nodes at 0.05, where another had measured
+1.0e-4: the comparison then tested which way the machine's rounding fell, not the runtime."""
+SAME_MODEL = [
+    "--dataset", "digits", "--model", "small_cnn", "--data", "", "--global-batch-size", str(GLOBAL_BATCH),
+    "--lr", str(LR), "--lr-scaling", "none", "--optimizer", "sgd", "--seed", "0", "--workers", "0",
+    "--log-every", "1", "--scheduled-events", "off",
+]  # fmt: skip
+"""The trainer's arguments of the same-model configuration (digits, small_cnn, a fixed global batch),
+which this test, `make bench-equivalence` and `make bench-soak` train; each adds its own epochs,
+checkpoints and event file."""
 STEP_PACE = 0.2
 """Seconds an elastic run's step takes at least (scripted_trainer.py): 232 steps then last over
 45 s, and after the hard loss (step 50 or so) the run at one node has 35 s left for two nodes
 to join it."""
-TOLERANCE = 3e-3
+TOLERANCE = 1e-3
 """Largest difference allowed between a parameter of the fixed and of the elastic run: float32
-reduction order only (largest parameter 0.92). Measured: this test's runs, 2.8e-6 twice and
-5.4e-4 once (a CI run: differences of 1e-7 from the steps at 1 and 2 nodes grew through the
-run's loss spikes); the fixed run on 1 or 2 nodes against 3 nodes (`make bench-equivalence`),
-1.0e-4 and 2.8e-4. Per-worker batches through the same failures: 0.28-0.35, 30 times this bound
-or more (asserted)."""
+reduction order only (largest parameter 0.72). Measured at LR 0.03 on a machine without AVX-512
+(2026-11-27): 8.0e-5 for the elastic and the in-place runs, and 8.0e-5 and 1.8e-7 between fixed runs
+on 1 and on 2 nodes and one on 3 (`make bench-equivalence`). Per-worker batches through one loss:
+0.21, 30 times this bound or more (asserted). At 0.05, before: 2.8e-6 to 5.4e-4 on one machine,
+8.9e-3 on this one (LR says why)."""
 EMERGENCY_SAVE_DELAY = 3.0
 """Seconds the in-place run's leaving node waits before its emergency checkpoint (scripted_trainer.py),
 as a large model's upload would take: the survivors must train at the new size before it is done."""
-LOSS_TOLERANCE = 1e-3
+LOSS_TOLERANCE = 2e-4
 """Largest absolute difference allowed between the losses two runs log for one step (losses
-run from 2.8 down to 0.007: a relative bound is loosest where the loss is largest and tightest
-where the noise is most amplified, late in the run). Measured: 5.4e-5 in the CI run above."""
+run from 2.3 down to 0.01: a relative bound is loosest where the loss is largest and tightest
+where the noise is most amplified, late in the run). Measured: 1.1e-5 (LR 0.03; 5.4e-5 in a CI run
+at 0.05)."""
 
 
 def _job(tmp: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, *, nnodes: str = "1:3", **extra: str) -> JobConfig:
     events = tmp / "train-events.jsonl"
     program = [
-        "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
-        "--epochs", str(EPOCHS), "--global-batch-size", str(GLOBAL_BATCH), "--lr", "0.05",
-        "--lr-scaling", "none", "--optimizer", "sgd",
-        "--seed", "0", "--workers", "0", "--log-every", "1", "--checkpoint-every", "10",
-        "--checkpoint-uri", f"az://ckpt/{run_id}", "--scheduled-events", "off",
-        "--events-file", str(events), "--notice-hold", "60",
+        "-m", "torchspot_trainer", *SAME_MODEL, "--epochs", str(EPOCHS), "--checkpoint-every", "10",
+        "--checkpoint-uri", f"az://ckpt/{run_id}", "--events-file", str(events), "--notice-hold", "60",
     ]  # fmt: skip
     for key, value in extra.items():
         program += [f"--{key.replace('_', '-')}", value]
