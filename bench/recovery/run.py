@@ -36,7 +36,9 @@ Backends:
   (keep_alive_interval=1, last_call_timeout=2), to separate tuning from design;
 - `c10d`: stock torchrun, c10d backend, torch's defaults;
 - `torchft`, `torchft-1s`, `torchft-0.5s`: TorchFT 0.2.0 with its defaults, a 1 s heartbeat
-  timeout, and its tests' 0.5 s (torchft_peer.py).
+  timeout, and its tests' 0.5 s (torchft_peer.py), each step the toy's;
+- `torchft-0.5s-trainer`: its tests' settings, each step our trainer's (torchft_replica.py's
+  `--work trainer`): the counterpart of `trainer-inplace*`.
 
 Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] [--scenarios ...]
 """

@@ -7,7 +7,11 @@ settings:
 - `torchft`: its defaults (heartbeat timeout 5 s, join timeout 60 s, gloo and Manager timeouts 60 s);
 - `torchft-1s`: a 1 s heartbeat timeout (what TorchFT's issue #35 suggests for 100 ms beats), gloo and
   Manager timeouts 5 s (its DDP example's gloo timeout), join timeout 10 s (its README's advice);
-- `torchft-0.5s`: the settings of TorchFT's own tests (500 ms heartbeat timeout, 2 s gloo timeout).
+- `torchft-0.5s`: the settings of TorchFT's own tests (500 ms heartbeat timeout, 2 s gloo timeout);
+- `torchft-0.5s-trainer`: the same settings, each step our trainer's work in `trainer-inplace*` (the
+  same small CNN on the same digits, the global batch of 48 shared by the participants) instead of
+  the toy's 0.05 s sleep: the side-by-side of the trainer in place, where a step is compute that a
+  joiner's start-up on the same cores slows, as it slows ours.
 
 A fault is measured as ours is: from the fault (or the joiner's start) until a survivor commits a
 step with the new number of participants.
@@ -36,12 +40,15 @@ class Settings:
     join_timeout_ms: int | None
     gloo_timeout: float
     manager_timeout: float
+    work: str = "sleep"
+    """A step's work (torchft_replica.py's --work): the toy's sleep, or our trainer's step."""
 
 
 SETTINGS = {
     "torchft": Settings(None, None, 60.0, 60.0),
     "torchft-1s": Settings(1000, 10_000, 5.0, 5.0),
     "torchft-0.5s": Settings(500, 10_000, 2.0, 2.0),
+    "torchft-0.5s-trainer": Settings(500, 10_000, 2.0, 2.0, work="trainer"),
 }
 
 
@@ -78,6 +85,7 @@ class Cluster:
                 "--lighthouse", self.lighthouse.address(),
                 "--events", str(self.events),
                 "--step-time", str(self.step_time),
+                "--work", self.settings.work,
                 "--gloo-timeout", str(self.settings.gloo_timeout),
                 "--manager-timeout", str(self.settings.manager_timeout),
             ],

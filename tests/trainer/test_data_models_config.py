@@ -101,10 +101,19 @@ def test_resized_crops_follow_the_standard_recipe() -> None:
 
 
 def test_digits_are_sklearns_bundled_set() -> None:
+    """The same images and labels as scikit-learn's own loader gives (read from its file without it)."""
+    from sklearn.datasets import load_digits as sklearns
+
     train, test = load_digits()
     assert len(train) + len(test) == 1797
     image, _ = train[0]
     assert image.shape == (1, 8, 8)
+    bunch = sklearns()
+    ours = torch.cat([train.images, test.images]).squeeze(1)
+    expected = torch.from_numpy((bunch.images * (255.0 / 16.0)).astype("uint8"))
+    order = torch.randperm(1797, generator=torch.Generator().manual_seed(0))  # load_digits' split
+    assert torch.equal(ours, expected[order])
+    assert torch.cat([train.labels, test.labels]).tolist() == [int(bunch.target[i]) for i in order]
 
 
 @pytest.mark.parametrize(
