@@ -55,9 +55,9 @@ TOLERANCE = 1e-3
 """Largest difference allowed between a parameter of the fixed and of the elastic run: float32
 reduction order only (largest parameter 0.72). Measured at LR 0.03 on a machine without AVX-512
 (2026-11-27): 8.0e-5 for the elastic and the in-place runs, and 8.0e-5 and 1.8e-7 between fixed runs
-on 1 and on 2 nodes and one on 3 (`make bench-equivalence`). Per-worker batches through one loss:
-0.21, 30 times this bound or more (asserted). At 0.05, before: 2.8e-6 to 5.4e-4 on one machine,
-8.9e-3 on this one (LR says why)."""
+on 1 and on 2 nodes and one on 3 (`make bench-equivalence`). Per-worker batches through one loss
+(that benchmark's control): 0.18-0.21, about 200 times this bound. At 0.05, before: 2.8e-6 to 5.4e-4 on one
+machine, 8.9e-3 on this one (LR says why)."""
 EMERGENCY_SAVE_DELAY = 3.0
 """Seconds the in-place run's leaving node waits before its emergency checkpoint (scripted_trainer.py),
 as a large model's upload would take: the survivors must train at the new size before it is done."""
@@ -197,20 +197,6 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     return {"emergency_step": emergency[-1]["step"], "held_step": held_step}
 
 
-def _control_run(job: JobConfig, nodes: NodeFactory) -> None:
-    """The control's failure: two nodes, whose per-worker batches make the fixed run's group batch,
-    one lost hard at step 25 or so; the run ends at one, at half that batch. A world that changes once
-    is enough for per-worker batches to compute another model (the assertion says by how much); the
-    full schedule is the other runs'. Not paced: no node has to join it in time."""
-    events_path = job.workdir / "train-events.jsonl"
-    started = nodes(job, 2)
-    wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 2 for e in _progress(read_events(events_path))),
-             120, "25 steps at world size 2")  # fmt: skip
-    started[1].kill()
-    assert _wait_exit(started[:1]) == [0]
-    assert _final(read_events(events_path))["world_size"] == 1
-
-
 def _losses(events: list[dict[str, Any]]) -> dict[int, float]:
     """Each logged step's loss (a step redone after the hard loss: its last run; in place, a step with
     only partial records, a rank's share of it: one of them)."""
@@ -229,37 +215,28 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-@pytest.mark.slow(seconds=125, cpu_heavy=2)  # five jobs at once
+@pytest.mark.slow(seconds=125, cpu_heavy=2)  # three jobs at once
 def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
     """--global-batch-size: a run at a world size that never changes (one node) and the same run
     through 3 -> 2 -> 1 -> 3 end with the same parameters, and every logged step has the same loss, up
     to float32 reduction order (TOLERANCE says how much that is); by the restart path, and again
-    in place (`--in-place`, measured 2.8e-4 and 5.4e-5 on the first run). The same run with a per-worker
-    batch (no learning-rate scaling) through one loss ends elsewhere, so the comparison can fail."""
+    in place (`--in-place`). What the bound must tell apart is `make bench-equivalence`'s control: the
+    same run with per-worker batches through one loss ends 0.18-0.21 away, about 200 times the bound (it ran here
+    until 2026-11-27, one more job of 232 steps after the fixed run, on the suite's longest path)."""
     # The same schedule of failures twice, side by side (each run is paced and mostly waits): with
-    # --global-batch-size by the restart path and in place. Beside them, one after the other (neither
-    # paced: nobody joins them), the fixed run and the control, --batch-size per worker through one
-    # loss, where the group's batch (and so the optimisation) follows the world size and the model is
-    # another one. Both at fewer nodes than the others (the fixed run at one, the control from two):
-    # the world size changes only float32's reduction order (TOLERANCE), and the suite's cores are
-    # spared the processes.
+    # --global-batch-size by the restart path and in place. Beside them the fixed run (not paced:
+    # nobody joins it), at fewer nodes than the others (one): the world size changes only float32's
+    # reduction order (TOLERANCE), and the suite's cores are spared the processes.
     fixed = _job(tmp_path / "fixed", etcd, azurite, run_id + "-fixed", nnodes="1:1")
     elastic = _job(tmp_path / "elastic", etcd, azurite, run_id + "-elastic")
-    per_worker = _job(tmp_path / "per-worker", etcd, azurite, run_id + "-per-worker",
-                      global_batch_size="0", batch_size=str(GLOBAL_BATCH // 2))  # fmt: skip
     in_place = _job(tmp_path / "in-place", etcd, azurite, run_id + "-in-place")
     in_place.program.append("--in-place")
 
-    def fixed_then_control() -> list[int]:
-        codes = _wait_exit(nodes(fixed, 1))
-        _control_run(per_worker, nodes)
-        return codes
-
     with ThreadPoolExecutor(3) as pool:
         runs = [pool.submit(_elastic_run, job, nodes) for job in (elastic, in_place)]
-        fixed_codes = pool.submit(fixed_then_control)
+        fixed_codes = pool.submit(lambda: _wait_exit(nodes(fixed, 1)))
     happened, happened_in_place = (run.result() for run in runs)
     assert fixed_codes.result() == [0]
     fixed_events = read_events(tmp_path / "fixed" / "train-events.jsonl")
@@ -291,10 +268,6 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
         latest = read_latest(open_storage(f"az://ckpt/{run_id}-{name}", azurite.env()))
         assert latest is not None
         assert latest["step"] == _final(events)["step"]
-
-    diverged = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-per-worker", azurite))
-    print(f"fixed vs per-worker batches: largest parameter difference {diverged:.3g}")
-    assert diverged > 30 * TOLERANCE
 
 
 def test_blob_outage_during_training_does_not_stop_it(
@@ -346,10 +319,10 @@ def test_scheduled_preempt_triggers_emergency_checkpoint_then_approval(
     imds = FakeImds()
     try:
         job = _job(tmp_path, etcd, azurite, run_id, nnodes="1:1", scheduled_events=imds.events_url,
-                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="6",
+                   vm_name="aks-spot-vmss_3", notice_hold="2", epochs="3",
                    tensorboard=str(tmp_path / "tb"))  # fmt: skip
         job.nproc_per_node = 2
-        _scripted(job, STEP_PACE="0.1")  # 174 steps over 17 s or more: room for six polls before the notice
+        _scripted(job, STEP_PACE="0.2")  # 87 steps over 17 s or more: room for six polls before the notice
         events_path = tmp_path / "train-events.jsonl"
         (node,) = nodes(job, 1)
         wait_for(lambda: any(e.get("event") == "progress" and e["step"] >= 15 for e in read_events(events_path)), 120,
