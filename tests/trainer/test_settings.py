@@ -13,6 +13,7 @@ import pytest
 from torchspot_trainer.launch import (
     FORK_ENV,
     FORK_PRELOAD,
+    IN_PLACE_ENV,
     PRELOAD_ENV,
     PROGRAM_PRELOAD,
     check_args,
@@ -20,6 +21,7 @@ from torchspot_trainer.launch import (
     forks_our_trainer,
     forks_workers,
     handle_sigterm_ourselves,
+    joins_while_warming,
     leave_then_stop,
     main,
     parse_rdzv_conf,
@@ -175,6 +177,28 @@ def test_python_programs_under_our_rendezvous_are_forked_from_a_warm_server(
     assert forks_workers(stock, {FORK_ENV: "1"}) is False
     preload = fork_preload(args, {PRELOAD_ENV: "torchvision, transformers"})
     assert preload == (list(FORK_PRELOAD) if trainer else [*PROGRAM_PRELOAD, "torchvision", "transformers"])
+
+
+@pytest.mark.parametrize(
+    ("program", "environ", "early"),
+    [
+        (["-m", "torchspot_trainer", "--dataset", "digits", "--in-place"], {}, True),
+        (["-m", "torchspot_trainer", "--dataset", "digits"], {IN_PLACE_ENV: "true"}, True),  # the operator's way
+        (["-m", "torchspot_trainer", "--dataset", "digits", "--no-in-place"], {IN_PLACE_ENV: "true"}, False),
+        (["-m", "torchspot_trainer", "--dataset", "digits"], {}, False),  # the restart path: once warm
+        (["-m", "torchspot_trainer", "--in-place", "--data", "az://datasets/cifar10"], {}, False),  # stages first
+        (["-m", "torchspot_lab.toy_train", "--in-place"], {}, False),  # not ours: it may be restarted
+    ],
+)
+def test_only_our_trainer_in_place_joins_while_its_server_warms(
+    program: list[str], environ: dict[str, str], early: bool
+) -> None:
+    """A joiner whose workers re-form in place joins while its fork server imports (the others train on
+    until its worker is in their group build); any other agent joins once its server is warm."""
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(["--nnodes", "1:3", *_GOOD, *program])
+    assert joins_while_warming(args, environ) is early
 
 
 def test_sigterm_is_ours_unless_the_user_left_it_out() -> None:

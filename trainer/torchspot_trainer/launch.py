@@ -242,8 +242,8 @@ SERVER_NAME = b"torchspot-forks"
 agent, its command line is the agent's."""
 
 
-def _start_fork_server(preload: list[str]) -> None:
-    """Start the fork server, and wait until it has imported `preload`.
+def _start_fork_server(preload: list[str], *, wait: bool = True) -> None:
+    """Start the fork server, and (`wait`) wait until it has imported `preload`.
 
     A fork of this process where Python allows it (`fork_server_here`), so torch, which the agent has
     imported already, is not imported a second time; else multiprocessing's own, a new interpreter.
@@ -256,10 +256,14 @@ def _start_fork_server(preload: list[str]) -> None:
     try:
         if not fork_server_here(preload):
             multiprocessing.set_forkserver_preload(preload)
-        warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
-        warm.start()
+            forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not wait:  # the first worker's fork waits for the imports instead, and refuses a bad fork itself
+        return
+    # A fork is served once the server's imports are done: this one returns then.
+    warm = multiprocessing.get_context("forkserver").Process(target=_warm, name="torchspot-warm-up")
+    warm.start()
     warm.join()
     if warm.exitcode:  # refuse_bad_fork said why on its stderr
         raise SystemExit(f"{PROG}: error: the warm fork server cannot start workers (exit {warm.exitcode})")
@@ -320,10 +324,11 @@ def _launch_forked(args: argparse.Namespace) -> None:
     config.start_method = "forkserver"
     # Start it, and wait for its imports, before joining the rendezvous: a node that joins a
     # running job makes everyone restart, and its first worker would hold up the new group
-    # while it imported torch; the group trains on meanwhile instead. It copies this
-    # environment now: whatever workers read must be set before.
+    # while it imported torch; the group trains on meanwhile instead. Not for our trainer in
+    # place with nothing to stage (`joins_while_warming`). It copies this environment now:
+    # whatever workers read must be set before.
     name_peer_lost_marker()
-    _start_fork_server(fork_preload(args, os.environ))
+    _start_fork_server(fork_preload(args, os.environ), wait=not joins_while_warming(args, os.environ))
     stage_forked(args)
     if forks_our_trainer(args):
         elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
@@ -407,6 +412,28 @@ def staging_command(args: argparse.Namespace, environ: Mapping[str, str] = os.en
     if not runs_our_trainer(args) or not needs_staging(args.training_script_args, environ):
         return None
     return [sys.executable, "-m", STAGE_MODULE, *args.training_script_args]
+
+
+IN_PLACE_ENV = f"{ENV_PREFIX}IN_PLACE"
+"""The trainer's --in-place, from its environment (config.py's TORCHSPOT_<FLAG> rule)."""
+
+
+def joins_while_warming(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the agent joins the rendezvous while its fork server still imports, instead of after:
+    for our trainer with `--in-place` and no data set to stage. Pure.
+
+    Why: a running job's workers that re-form in place train on in their generation until a joiner's
+    worker is in the new round's group build (live.py's deferred join), so the joiner's imports cost
+    them nothing, and its rendezvous (0.5-0.9 s) overlaps them instead of following them. A restarted
+    worker would wait for them instead: every other program (we cannot know whether it re-forms in
+    place) joins once warm, as does a node that stages its data set from the server first."""
+    if not runs_our_trainer(args) or needs_staging(args.training_script_args, environ):
+        return False
+    parser = argparse.ArgumentParser(add_help=False)
+    on = environ.get(IN_PLACE_ENV, "").lower() in ("1", "true", "yes", "on")
+    parser.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=on)
+    known, _ = parser.parse_known_args(args.training_script_args)
+    return bool(known.in_place)
 
 
 def needs_staging(trainer_args: list[str], environ: Mapping[str, str]) -> bool:
