@@ -31,14 +31,26 @@ HEAVY_SLOTS = 2
 """CPU-heavy tests share this many slots: one of weight 1 takes a slot, one of weight 2 takes all."""
 SLOT_LOOK_SECONDS = 0.2
 """Between a weight-1 test's tries at the free slots (flock cannot wait for any one of several)."""
+WAITING_FOLDER = "operator"
+"""The tests of tests/operator/ run the operator against the API emulator: mostly waits on backoffs and
+timeouts (the suite's 321 of them took 236 s at 20-60% of one core, 2026-11-27), none of them trains.
+They are what a CPU-heavy test's neighbour should be (`pytest_collection_modifyitems`)."""
+WAITING_SECONDS = 0.75
+"""What one of the WAITING_FOLDER tests takes on average, for the order (236 s over 321 tests)."""
 
 
 def expected_seconds(item: pytest.Item) -> float:
-    """How long a test is expected to run: its `slow` marker's `seconds` (10 without), else QUICK_SECONDS."""
+    """How long a test is expected to run: its `slow` marker's `seconds` (10 without), else WAITING_SECONDS
+    for an operator test (`waits`), else QUICK_SECONDS."""
     marker = item.get_closest_marker("slow")
     if marker is None:
-        return QUICK_SECONDS
+        return WAITING_SECONDS if waits(item) else QUICK_SECONDS
     return float(marker.kwargs.get("seconds", SLOW_DEFAULT_SECONDS))
+
+
+def waits(item: pytest.Item) -> bool:
+    """Whether a test mostly waits rather than computes: a test of WAITING_FOLDER that is not `slow`."""
+    return item.path.parent.name == WAITING_FOLDER and item.get_closest_marker("slow") is None
 
 
 def cpu_weight(item: pytest.Item) -> int:
@@ -59,8 +71,9 @@ def cpu_heavy(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The order in which the workers take the tests: CPU-heavy ones longest first, each followed by a
-    quick one and then enough other tests to keep the other workers busy while it runs; the other
-    slow tests longest first, each followed by a quick one; then the rest.
+    quick one and then enough other tests to keep the other workers busy while it runs, operator tests
+    first (`waits`: they leave it the cores); the other slow tests longest first, each followed by a
+    quick one; then the rest.
 
     `make test` runs the suite on pytest-xdist workers that each hold the test they run and the
     next one (`--maxschedchunk 1`), and take the next test in this order as they finish one. So:
@@ -73,7 +86,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     heavy = sorted((i for i in items if cpu_heavy(i)), key=lambda i: (cpu_weight(i), expected_seconds(i)), reverse=True)
     slow = sorted((i for i in items if i.get_closest_marker("slow") and not cpu_heavy(i)), key=expected_seconds,
                   reverse=True)  # fmt: skip
-    quick = [i for i in items if not i.get_closest_marker("slow")]
+    waiting = [i for i in items if waits(i)]
+    quick = [i for i in items if not i.get_closest_marker("slow") and not waits(i)]
     light: list[pytest.Item] = []
     for index, item in enumerate(slow):
         light.append(item)
@@ -92,11 +106,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if following is not None and cpu_weight(item) + cpu_weight(following) <= HEAVY_SLOTS:
             continue  # the next heavy one may run beside this one: let another worker take it now
         budget = expected_seconds(item) * max(workers - 1, 1)
-        while budget > 0 and light:
-            filler = light.pop(0)
+        while budget > 0 and (waiting or light):
+            filler = waiting.pop(0) if waiting else light.pop(0)
             ordered.append(filler)
             budget -= expected_seconds(filler)
     ordered.extend(light)
+    ordered.extend(waiting)
     items[:] = ordered
 
 

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from torchspot_lab.azurite import Azurite
@@ -409,8 +410,11 @@ def test_staging_runs_for_our_trainer_with_something_to_stage(
 
 
 SCRIPT = """
-import os, sys
+import os, signal, sys
+from functools import partial
 import torch.distributed as dist
+from torchspot_trainer.checkpoint.manager import CheckpointManager
+from torchspot_trainer.checkpoint.storage import LocalStorage
 dist.init_process_group("gloo")
 ones = __import__("torch").ones(2)
 dist.all_reduce(ones)
@@ -418,10 +422,17 @@ server = os.getppid()
 name = open(f"/proc/{server}/comm").read().strip()
 agent = open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1]  # the server's parent
 agent_line = open(f"/proc/{agent}/cmdline").read().replace("\\0", " ")
+folder = sys.argv[1] + ".ckpt"
+saver = CheckpointManager(LocalStorage(folder), reopen=partial(LocalStorage, folder))
+helper = saver.saver_pid
+sibling = open(f"/proc/{helper}/stat").read().rsplit(")", 1)[1].split()[1] == str(server)
 with open(sys.argv[1], "w") as out:
-    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{name}|{agent_line}")
+    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{name}|{agent_line}|{helper}|{sibling}")
 dist.destroy_process_group()
-sys.exit(int(os.environ.get("SCRIPT_EXIT", "0")))
+if os.environ.get("SCRIPT_EXIT", "0") != "0":
+    os.kill(os.getpid(), signal.SIGKILL)  # gone without a word: its saver must not outlive it
+saver.close()
+sys.exit(0)
 """
 
 
@@ -429,7 +440,8 @@ sys.exit(int(os.environ.get("SCRIPT_EXIT", "0")))
 def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path, etcd: EtcdServer) -> None:
     """Any program under etcd-v3 is forked from the warm server (not started as a new interpreter), itself
     a fork of the agent: a script runs as __main__ with its arguments, its exit status 0 is a success and
-    another one the launcher's failure."""
+    a worker's death the launcher's failure. A checkpoint saver it starts is forked from the same server
+    (forks.py: no torch import of its own), and ends with the worker that started it."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     runs = []
@@ -442,12 +454,15 @@ def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path,
         ]  # fmt: skip
         env = os.environ | {"SCRIPT_EXIT": str(exit_code)}
         runs.append(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env))
-        name, total, argv, server, agent = out.read_text().split("|", 4)
+        name, total, argv, server, agent, saver, saver_forked = out.read_text().split("|")
         assert (name, total, argv) == ("__main__", "2", "['--epochs', '2']")
         # The warm server's child, not the agent's new interpreter; the server a fork of the agent (it
         # shares the agent's imports), not a new interpreter of multiprocessing's.
         assert server == "torchspot-forks"
         assert "torchspot_trainer.launch" in agent
+        assert saver_forked == "True"  # the saver is the worker's sibling, forked by the same server
+        saver_pid = int(saver)
+        wait_for(lambda: not psutil.pid_exists(saver_pid), 10, "the saver to end with its worker")  # noqa: B023
     assert runs[0].returncode == 0, runs[0].stderr[-2000:]
     assert runs[1].returncode != 0
 

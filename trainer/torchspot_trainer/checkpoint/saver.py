@@ -16,9 +16,10 @@ a failing upload, a note of each failed attempt, so the parent can tell a save t
 is slow from one that is stuck on an outage).
 
 The child ignores SIGTERM and SIGINT (an eviction signals the whole pod; the
-trainer's emergency checkpoint is its business) and dies with its parent
-(`PR_SET_PDEATHSIG` on Linux, end of pipe elsewhere): an orphan must never commit a
-checkpoint behind the next round's back.
+trainer's emergency checkpoint is its business) and dies with the worker that started it
+(`_die_with_worker`): an orphan must never commit a checkpoint behind the next round's back.
+Under `torchspot-run` it is forked from the worker's warm server (forks.py), so its parent is that
+server, not the worker; elsewhere it is a new interpreter, the worker's child.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -40,6 +43,7 @@ import torch
 import torch.multiprocessing
 
 from torchspot_trainer.checkpoint.storage import quiet_sdk_logs
+from torchspot_trainer.forks import helper_context
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +147,7 @@ class SaverProcess:
         on_done: Callable[[Any], None],
         on_retry: RetryHook,
     ) -> None:
-        context = torch.multiprocessing.get_context("spawn")
+        context = helper_context()  # forked from the worker's warm server where there is one (forks.py)
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_child_main, args=(child_conn, make_writer), name="torchspot-saver", daemon=True
@@ -230,12 +234,46 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _die_with_worker() -> None:
+    """Exit at once, from a watcher thread, when the worker that started this process ends, even in the
+    middle of an upload. Its parent may be the worker's fork server (forks.py), whose death
+    `_die_with_parent` covers; the worker is watched through a pidfd (Linux 5.3+), which is readable
+    once it exits, else through multiprocessing's sentinel of it, a pipe whose last writer may also
+    be a process the worker forked later (a data loader's worker, which follows it within seconds)."""
+    worker = multiprocessing.parent_process()
+    if worker is None or worker.pid is None:
+        return
+    try:
+        handle = os.pidfd_open(worker.pid)
+    except (OSError, AttributeError):  # an older kernel, or not Linux
+        handle = worker.sentinel
+    if not _alive(worker.pid):  # it ended before the watch began
+        os._exit(0)
+
+    def watch() -> None:
+        select.select([handle], [], [])  # readable once the worker has ended
+        os._exit(0)
+
+    threading.Thread(target=watch, name="torchspot-saver-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: the pid was reused
+        return False
+    return True
+
+
 def _child_main(conn: Connection, make_writer: Callable[[RetryHook], Writer]) -> None:
     """The saver's loop: take the buffer, write each state it is sent, answer, stop on request or EOF."""
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         return
+    _die_with_worker()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):
