@@ -417,8 +417,11 @@ def wait_for_assignment(read: Callable[[], Assignment | None], after: int, deadl
     return None
 
 
-# NCCL (GPUs): the same generations, by NCCL's documented semantics. Not run here (no GPU was lent
-# to this work): what can be decided or probed without one is tested on CPU, the rest is labelled.
+# NCCL (GPUs): the same generations, by NCCL's documented semantics. What can be decided or probed
+# without a GPU is tested on CPU; the options and the probe passed on an H200 (tests marked cuda), and
+# bench/recovery/nccl_generations.py ran a generation's abort and successor there (README, "Recovery
+# paths"): an abort takes up to 1 s (overlap it with the next communicator's creation), and a failed
+# NCCL work reads as completed, with error handling off: the communicator's get_error() tells.
 
 NCCL_SHRINK_VERSION = (2, 27, 0)
 """NCCL's `ncclCommShrink`: a communicator without the excluded ranks, built from the parent's
