@@ -255,3 +255,26 @@ def test_a_worker_its_agent_stopped_while_it_started_stops_at_once(tmp_path: Pat
         assert (done.returncode, done.stdout.strip()) == (0, "ran on")
     else:
         assert (done.returncode, done.stdout) == (-signal.SIGTERM, "")
+
+
+def test_the_agent_logs_a_failed_worker_without_importing_torch_compile() -> None:
+    """torch's log formatter imported torch._dynamo to print any traceback: 2.2-2.5 s of the agent's
+    main thread when it logged its failed worker group, the restart path's hard loss (launch.py's
+    `format_tracebacks_plainly`). A fresh interpreter logs such a failure as the agent does: the
+    traceback is printed, torch._dynamo is not imported. Fails without the filter."""
+    code = (
+        "import logging, sys\n"
+        "import torch.distributed.elastic.multiprocessing.api\n"
+        "from torchspot_trainer.launch import format_tracebacks_plainly\n"
+        "format_tracebacks_plainly()\n"
+        "try:\n"
+        "    raise RuntimeError('the worker failed')\n"
+        "except RuntimeError:\n"
+        "    logging.getLogger('torch.distributed.elastic.multiprocessing.api').exception('failed')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+    assert "RuntimeError: the worker failed" in done.stderr
+    assert "Traceback (most recent call last)" in done.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import faulthandler
+import logging
 import multiprocessing
 import os
 import runpy
@@ -494,8 +495,45 @@ def _staging_failed(code: int) -> None:
     raise SystemExit(f"{PROG}: error: staging the data set failed (exit {code}); see above")
 
 
+_TRACEBACKS = logging.Formatter()
+"""Formats a record's exception as logging's own Formatter does (`format_tracebacks_plainly`)."""
+
+
+def _plain_traceback(record: logging.LogRecord) -> bool:
+    """A handler filter: the record's exception formatted into its `exc_text` and its `exc_info`
+    dropped, so torch's formatter appends the same text without importing torch._dynamo. Passes
+    every record."""
+    if record.exc_info:
+        if not record.exc_text:
+            record.exc_text = _TRACEBACKS.formatException(record.exc_info)
+        record.exc_info = None
+    return True
+
+
+def format_tracebacks_plainly() -> None:
+    """Format the tracebacks torch's log handlers print here, not in torch's formatter.
+
+    Why: torch's formatter (torch/_logging/_internal.py, `TorchLogsFormatter.format`) imports
+    torch._dynamo to format any record that carries an exception, and torch's agent logs its failed
+    worker group with `logger.exception` at the moment it sees the failure. That first import took
+    2.2-2.5 s of the agent's main thread on 2 cores, between its worker's end and its re-form: the
+    restart path's hard loss took 2.8 s at p50 where a freeze, whose workers the agent stops itself
+    without logging an exception, took 1.2 s (bench/README.md, the restart path on 2026-11-27). The
+    log says the same; the import, and its CPU, happen only where torch.compile is used. torch gives
+    some of its loggers handlers of their own (torch.distributed's, which the agent's records reach):
+    every handler of torch's loggers gets the filter."""
+    loggers = logging.root.manager.loggerDict.items()
+    for name, logger in [("torch", logging.getLogger("torch")), *loggers]:
+        if not isinstance(logger, logging.Logger) or not (name == "torch" or name.startswith("torch.")):
+            continue
+        for handler in logger.handlers:
+            if _plain_traceback not in handler.filters:
+                handler.addFilter(_plain_traceback)
+
+
 @record
 def _launch(args: argparse.Namespace) -> None:
+    format_tracebacks_plainly()
     # Before any worker or the fork server starts (each copies this environment): torchrun's agent
     # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (nccl.py says why not).
     os.environ.update(worker_environment(os.environ))
