@@ -6,3 +6,14 @@ checkpoint settings so). Here, not in config.py, so the operator can import it w
 SNAPSHOT_DIR_ENV = f"{ENV_PREFIX}SNAPSHOT_DIR"
 """Environment variable naming the folder of the node-local snapshots (recovery/snapshot.py; default:
 the temp folder). Here so the sandbox's kubelet can set it without importing torch."""
+
+
+def env_switch(value: str) -> bool | None:
+    """An on/off flag's value from its TORCHSPOT_ variable: True, False (unset counts as off), or None
+    for anything else. Pure; here so the launcher reads the trainer's switches as the trainer does
+    (config.py) without importing it."""
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    return None

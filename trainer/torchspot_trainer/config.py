@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from torchspot_trainer import ENV_PREFIX
+from torchspot_trainer import ENV_PREFIX, env_switch
 from torchspot_trainer.data.loader import DECODERS
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
@@ -342,10 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _switch(flag: str, value: str) -> bool:
     """An on/off flag's value from the environment."""
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off", ""):
-        return False
+    switch = env_switch(value)
+    if switch is not None:
+        return switch
     raise SystemExit(f"{ENV_PREFIX}{flag[2:].upper().replace('-', '_')}={value!r} ({flag}): use true or false")
 
 

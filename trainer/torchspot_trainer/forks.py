@@ -9,8 +9,7 @@ the same server instead, the helper is a sibling of the worker and starts in mil
 Where the worker was not forked by a server (torchrun, `TORCHSPOT_FORK_WORKERS=0`, a test's own
 process), `helper_context` is `spawn`, as before. The server ignores SIGTERM and so do its children
 until they say otherwise (the saver ignores it anyway). A helper forked so is the server's child, not
-the worker's: it learns of the worker's end from its pipe's end (the saver stops at EOF) rather than
-from its parent.
+the worker's: it watches the worker itself (the saver's `_die_with_worker`) rather than its parent.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
-from torchspot_trainer import ENV_PREFIX
+from torchspot_trainer import ENV_PREFIX, env_switch
 from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers, notice_agreed
 from torchspot_trainer.markers import agent_restarting, node_leaving
 from torchspot_trainer.nccl import worker_environment
@@ -431,7 +431,7 @@ def joins_while_warming(args: argparse.Namespace, environ: Mapping[str, str] = o
     if not runs_our_trainer(args) or needs_staging(args.training_script_args, environ):
         return False
     parser = argparse.ArgumentParser(add_help=False)
-    on = environ.get(IN_PLACE_ENV, "").lower() in ("1", "true", "yes", "on")
+    on = env_switch(environ.get(IN_PLACE_ENV, "")) is True  # a bad value: the trainer says so, once warm
     parser.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=on)
     known, _ = parser.parse_known_args(args.training_script_args)
     return bool(known.in_place)
@@ -522,13 +522,10 @@ def format_tracebacks_plainly() -> None:
     log says the same; the import, and its CPU, happen only where torch.compile is used. torch gives
     some of its loggers handlers of their own (torch.distributed's, which the agent's records reach):
     every handler of torch's loggers gets the filter."""
-    loggers = logging.root.manager.loggerDict.items()
-    for name, logger in [("torch", logging.getLogger("torch")), *loggers]:
-        if not isinstance(logger, logging.Logger) or not (name == "torch" or name.startswith("torch.")):
-            continue
-        for handler in logger.handlers:
-            if _plain_traceback not in handler.filters:
-                handler.addFilter(_plain_traceback)
+    for name, logger in logging.root.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and (name == "torch" or name.startswith("torch.")):
+            for handler in logger.handlers:
+                handler.addFilter(_plain_traceback)  # once: addFilter skips a filter it has
 
 
 @record
