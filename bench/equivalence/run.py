@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for the test's configuration
-from tests.trainer.test_training import EPOCHS, GLOBAL_BATCH, SAME_MODEL, TOLERANCE
+from tests.trainer.test_training import EPOCHS, GLOBAL_BATCH, SAME_MODEL, TOLERANCE, largest_difference
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, read_events, wait_for
@@ -99,13 +99,13 @@ def main() -> None:
         params, losses = runs[nodes]
         if sorted(losses) != sorted(reference_losses):
             raise SystemExit(f"{nodes} nodes logged other steps than 3 nodes")
-        difference = max(float((params[k] - reference[k]).abs().max()) for k in reference)
+        difference = largest_difference(reference, params)
         loss = max(abs(losses[s] - reference_losses[s]) / reference_losses[s] for s in reference_losses)
         rows.append({"nodes": nodes, "parameter_difference": difference, "relative_loss_difference": loss})
         print(f"  {nodes} node(s): largest parameter difference {difference:.2g}, "
               f"largest relative loss difference {loss:.2g} over {len(losses)} steps")  # fmt: skip
     one_node = runs[1][0]
-    diverged = max(float((control[k] - one_node[k]).abs().max()) for k in one_node)
+    diverged = largest_difference(one_node, control)
     print(f"\nThe control (per-worker batches of {GLOBAL_BATCH // 2}, 2 nodes, one lost at step {CONTROL_LOSS_AT}) "
           f"against the 1-node run: largest parameter difference {diverged:.2g}, {diverged / TOLERANCE:.0f} times "
           f"the same-model test's bound ({TOLERANCE:g})")  # fmt: skip

@@ -211,7 +211,8 @@ def _final_parameters(uri: str, azurite: Azurite) -> dict[str, torch.Tensor]:
     return {name: tensor.double() for name, tensor in loaded.state["model"].items()}
 
 
-def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest difference between two models' parameters of one name (bench/equivalence reads it too)."""
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
@@ -259,7 +260,7 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
         assert what["held_step"] in partial  # the hard loss's, in its sums (a join in place may add one)
         assert len(partial) <= 2, partial
         worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial)
-        difference = _largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-{name}", azurite))
+        difference = largest_difference(fixed_model, _final_parameters(f"az://ckpt/{run_id}-{name}", azurite))
         print(f"fixed vs {name}: largest parameter difference {difference:.3g}, largest loss difference "
               f"{worst_loss:.3g} over {len(fixed_losses)} steps")  # fmt: skip
         assert difference <= TOLERANCE, name
