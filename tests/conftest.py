@@ -33,10 +33,11 @@ SLOT_LOOK_SECONDS = 0.2
 """Between a weight-1 test's tries at the free slots (flock cannot wait for any one of several)."""
 WAITING_FOLDER = "operator"
 """The tests of tests/operator/ run the operator against the API emulator: mostly waits on backoffs and
-timeouts (the suite's 321 of them took 236 s at 20-60% of one core, 2026-11-27), none of them trains.
-They are what a CPU-heavy test's neighbour should be (`pytest_collection_modifyitems`)."""
-WAITING_SECONDS = 0.75
-"""What one of the WAITING_FOLDER tests takes on average, for the order (236 s over 321 tests)."""
+timeouts (the suite's 321 of them took 178 s at about 22% of one core, 2026-11-27, once the CRD was
+parsed once per process: tests/operator/jobs.py), none of them trains. They are what a CPU-heavy
+test's neighbour should be (`pytest_collection_modifyitems`)."""
+WAITING_SECONDS = 0.55
+"""What one of the WAITING_FOLDER tests takes on average, for the order (178 s over 321 tests)."""
 
 
 def expected_seconds(item: pytest.Item) -> float:
