@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 # Condition types.
@@ -79,6 +79,15 @@ class CreateFailure:
 def timestamp(when: datetime) -> str:
     """RFC 3339 in UTC with a Z, as Kubernetes writes times."""
     return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def not_before(when: datetime) -> datetime:
+    """`when` rounded up to the whole second: a time that `timestamp` keeps as it is. A time the status
+    carries is read back in whole seconds, so a wait that ends at `when` must be written this way or
+    it ends up to a second early (a 1 s backoff in a test once let a replacement come 0.3 s after the
+    failure)."""
+    whole = when.replace(microsecond=0)
+    return whole if whole == when else whole + timedelta(seconds=1)
 
 
 def parse_timestamp(text: str) -> datetime:

@@ -100,7 +100,7 @@ class Backoff:
         quiet = last is None or (now - last).total_seconds() >= constants.BACKOFF_RESET_SECONDS
         self.streak = (0 if quiet else self.streak) + count
         delay = min(constants.BACKOFF_BASE_SECONDS * 2 ** (self.streak - 1), constants.BACKOFF_CAP_SECONDS)
-        self.until = now + timedelta(seconds=delay)
+        self.until = conditions.not_before(now + timedelta(seconds=delay))  # read back from the status
         self.replacements += count
 
     def hold(self, now: datetime) -> int:

@@ -572,6 +572,14 @@ class TestFailureRules:
         assert done.status["restarts"] == 1
         assert done.status["backoff"]["replacements"] == 0
 
+    def test_a_wait_read_back_from_the_status_in_whole_seconds_is_never_shorter(self) -> None:
+        failed_at = T0 + timedelta(seconds=0.9)
+        failed = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running(), now=failed_at)
+        early = _plan([_pod(1), _pod(2)], old=failed.status, now=failed_at + timedelta(seconds=9.95))
+        assert early.create == []  # 10.0 s would have been the truncated `until`
+        done = _plan([_pod(1), _pod(2)], old=failed.status, now=T0 + timedelta(seconds=11))
+        assert _created(done) == ["cifar-worker-0"]
+
     def test_evictions_are_replaced_at_once_even_during_a_backoff(self) -> None:
         failed = _plan([_exited(0, 1), _pod(1), _pod(2)], old=_running())
         disrupted = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
