@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchspot_lab.local import SHARED_CORES_ENV
+
 HERE = Path(__file__).resolve().parent
 REPLICA = HERE / "torchft_replica.py"
 
@@ -77,7 +79,7 @@ class Cluster:
     def start(self, replica: int) -> None:
         """Start replica group `replica` (a process of its own; its log beside the events)."""
         log = (self.workdir / f"replica-{replica}.log").open("ab")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**SHARED_CORES_ENV, **os.environ}  # as each of our nodes has (LocalNode)
         self.replicas[replica] = subprocess.Popen(
             [
                 sys.executable, str(REPLICA),

@@ -178,6 +178,9 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     # In place the survivor keeps the step it completed ("live") in the process it trains in.
     assert after_hard[0]["resumed_from"] == ("live" if in_place else "snapshot"), after_hard
     assert after_hard[0]["step"] >= last_before
+    # Where the time went: a restarted worker's set-up, or in place the re-form's own parts.
+    assert set(after_hard[0]["setup_s"]) == ({"group", "resume"} if in_place else {"process", "group", "data", "model",
+                                             "checkpoints", "resume"}), after_hard  # fmt: skip
 
     # Capacity returns: two nodes join the survivor (training at world size 1, seen above).
     joined_at = time.time()

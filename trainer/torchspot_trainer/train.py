@@ -206,13 +206,14 @@ def process_age() -> float:
 
 
 def _lap(clock: dict[str, float]) -> Callable[[str], None]:
-    """A stopwatch that records, under each name it is called with, the time since its previous call."""
+    """A stopwatch that adds, under each name it is called with, the time since its previous call (a
+    name called twice sums its two parts: a re-form that enters a second round counts both)."""
     last = time.perf_counter()
 
     def lap(name: str) -> None:
         nonlocal last
         now = time.perf_counter()
-        clock[name], last = now - last, now
+        clock[name], last = clock.get(name, 0.0) + now - last, now
 
     return lap
 
@@ -360,7 +361,8 @@ class Trainer:
         self.manager: CheckpointManager | None = None
         self._reporter: CheckpointReporter | None = None
         self.setup_seconds: dict[str, float] = {}
-        """Where a (re)start's time went: process start-up to here, then each part of `_setup`."""
+        """Where a (re)start's time went: process start-up to here, then each part of `_setup`; in place,
+        after a re-form, where the re-form's went (`_reform`)."""
         self._snapshot: LocalSnapshot | None = LocalSnapshot(default_path(os.environ), round_started=time.time())
         """This node's copy of the state as its workers stop (see snapshot.py): one file per node,
         written by whichever local rank gets there first."""
@@ -623,20 +625,20 @@ class Trainer:
             normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
         )
+        lap("model")
         if self._in_place is not None:
-            lap("model")
             self._enter_next()
             lap("group")
         if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
             self._reporter = CheckpointReporter.from_environment()
         if config.checkpoint_uri:
             self.manager = self._open_checkpoints(config.checkpoint_uri)
-        lap("model")
+        lap("checkpoints")
         # With or without a checkpoint URI: the nodes' snapshots of the last round are read either way
         # (they were written at every loss, and without this never read when no URI was given).
         mine = self._snapshot.read() if self._snapshot is not None else None
         if self._in_place is not None:
-            self._settle(run, live_step=-1, mine=mine, entered=True)
+            self._settle(run, live_step=-1, mine=mine, entered=True, lap=lap)
         else:
             self.resumed_from, state = find_state(self.group, self.manager, mine)
             if state is not None:
@@ -767,7 +769,8 @@ class Trainer:
         self.notice.parked = False  # a hold for a leaving peer ends with the round it leaves
         if failed:
             place.handover.report_failure()
-        self._settle(run, live_step=self.step, mine=None, entered=False)
+        self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
+        self._settle(run, live_step=self.step, mine=None, entered=False, lap=_lap(self.setup_seconds))
         self._base = self.step
         self._ranks_changed()
         self._capture(run)
@@ -775,14 +778,23 @@ class Trainer:
         self.notice.step_boundary()
         self._watchdog.armed = True
 
-    def _settle(self, run: _Run, *, live_step: int, mine: tuple[Held, dict[str, Any]] | None, entered: bool) -> None:
+    def _settle(
+        self,
+        run: _Run,
+        *,
+        live_step: int,
+        mine: tuple[Held, dict[str, Any]] | None,
+        entered: bool,
+        lap: Callable[[str], None],
+    ) -> None:
         """Enter the next round (unless `entered` already) and heal in it; again in the next one while a
-        newer round or a lost peer breaks the heal."""
+        newer round or a lost peer breaks the heal. `lap` times the parts (`group`, `resume`)."""
         place = self._in_place
         assert place is not None
         while True:
             if not entered:
                 self._enter_next()
+                lap("group")
             entered = False
             try:
                 self._heal(run, live_step=live_step, mine=mine)
@@ -791,6 +803,8 @@ class Trainer:
                     place.handover.report_failure()
             else:
                 return
+            finally:
+                lap("resume")
 
     def _ranks_changed(self) -> None:
         """Rank 0's duties (milestones for the operator) follow rank 0 from generation to generation."""

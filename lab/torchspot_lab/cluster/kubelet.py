@@ -33,7 +33,7 @@ from typing import Any
 from torchspot_lab.cluster.cloud import SimNode
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.kubeapi import KubeApi
-from torchspot_lab.local import signal_tree
+from torchspot_lab.local import SHARED_CORES_ENV, signal_tree
 from torchspot_operator import certs, conditions, constants
 from torchspot_operator.kube import Kube
 from torchspot_trainer import SNAPSHOT_DIR_ENV
@@ -329,9 +329,7 @@ class Kubelet:
         namespace = pod["metadata"]["namespace"]
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV")}
         env["HOME"] = str(self.workdir)
-        # The pods share this machine's cores: one thread each instead of one per core in every
-        # pod (three ResNet workers on 2 cores train twice as fast so). The pod's env may override.
-        env["OMP_NUM_THREADS"] = "1"
+        env.update(SHARED_CORES_ENV)  # the pods share this machine's cores; the pod's env may override
         for source in container.get("envFrom", []):
             ref = source.get("secretRef")
             if ref is None:
