@@ -219,7 +219,7 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[name] - b[name]).abs().max()) for name in a)
 
 
-@pytest.mark.slow(seconds=125, cpu_heavy=2)  # three jobs at once
+@pytest.mark.slow(seconds=90, cpu_heavy=2)  # three jobs at once
 def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     tmp_path: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, nodes: NodeFactory
 ) -> None:
