@@ -40,12 +40,13 @@ Backends:
 - `torchft-0.5s-trainer`: its tests' settings, each step our trainer's (torchft_replica.py's
   `--work trainer`): the counterpart of `trainer-inplace*`.
 
-Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] [--scenarios ...]
+Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] [--scenarios ...] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -386,12 +387,18 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--falsealarm-reps", type=int, default=1, help="false-alarm checks per backend (20 s each)")
     parser.add_argument("--seed", type=int, default=0, help="of the random point in the step each fault lands at")
+    parser.add_argument(
+        "--keep", type=Path, default=None, metavar="DIR",
+        help="keep each trial's folder (its nodes' logs, its events) under DIR, to trace an odd trial; by "
+        "default they go to a temporary folder that is removed",
+    )  # fmt: skip
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
     trials: list[Trial] = []
-    with tempfile.TemporaryDirectory(prefix="torchspot-bench-") as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as cleanup:
+        root = args.keep or Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="torchspot-bench-")))
+        root.mkdir(parents=True, exist_ok=True)
         with EtcdServer(root / "etcd", enable_v2=True) as etcd:
             for rep in range(args.reps):
                 for scenario in args.scenarios:
@@ -409,7 +416,8 @@ def main() -> None:
                         else:
                             shown = "none" if trial.recovery_s is None else f"{trial.recovery_s:.2f} s"
                             shown = f"recovery {shown}, steps lost {trial.steps_lost}, restarted {trial.restarted}"
-                        print(f"[{rep + 1}/{args.reps}] {scenario:10} {backend:14} {shown}", flush=True)
+                        kept = f" ({workdir})" if args.keep else ""
+                        print(f"[{rep + 1}/{args.reps}] {scenario:10} {backend:14} {shown}{kept}", flush=True)
 
     print("\nRecovery: fault -> first step at the new world size (toy gloo step, 1 process per node)")
     summary: dict[str, dict[str, Any]] = {}
