@@ -110,9 +110,14 @@ def _three_then_pick(
     started = nodes(job, 3)
     three = _await_world(job, 3, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, three["group"])) == 3, 10, "all ranks to join")
-    name = ranks_of_group(_events(job), three["group"])[rank]
+    return three, *_pick(job, three["group"], started, rank)
+
+
+def _pick(job: JobConfig, group: str, started: list[LocalNode], rank: int) -> tuple[LocalNode, list[LocalNode]]:
+    """The node of `started` holding `rank` in `group`, and the others."""
+    name = ranks_of_group(_events(job), group)[rank]
     picked = next(n for n in started if n.name == name)
-    return three, picked, [n for n in started if n is not picked]
+    return picked, [n for n in started if n is not picked]
 
 
 def _assert_same_group_trains_on(job: JobConfig, formed: dict[str, Any], *, since: float, steps: int, why: str) -> None:
@@ -163,9 +168,7 @@ def test_forms_group_admits_late_joiner_and_survives_losing_the_rank0_node(
 
     # Past a checkpoint of the group of three, then its rank 0's node is gone without a word.
     wait_for(lambda: last_step_before(_events(job), time.time()) >= three["step"] + 2 * job.ckpt_every, 60, "steps")
-    name = ranks_of_group(_events(job), three["group"])[0]
-    victim = next(n for n in started if n.name == name)
-    survivors = [n for n in started if n is not victim]
+    victim, survivors = _pick(job, three["group"], started, 0)
     fault = time.time()
     victim.kill()
     _await_world(job, 2, fault, RECOVER, show=survivors)
