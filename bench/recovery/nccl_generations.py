@@ -76,7 +76,7 @@ def rank_main(rank: int, world: int, port: int, scenario: str, deadline: float) 
     torch.ones(1, device=device)
     torch.cuda.synchronize(device)
     marks["cuda"] = _now()
-    from torchspot_trainer.recovery.live import (  # noqa: PLC0415 - after torch, as above
+    from torchspot_trainer.recovery.planes import (  # noqa: PLC0415 - after torch, as above
         Replace,
         cuda_probe,
         device_healthy,

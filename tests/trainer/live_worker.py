@@ -1,4 +1,4 @@
-"""One worker of test_live.py: `live_worker.py NODE FOLDER [PARTIAL_STEP]`.
+"""One worker of test_live.py: `live_worker.py NODE FOLDER [PARTIAL_STEP [PLANE]]`.
 
 It trains a toy weight through recovery/live.py's LiveGroup: each step takes a local step of
 `0.01 x (rank + 1)` and averages the ranks' weights with one all-reduce of the weight itself (the
@@ -10,13 +10,14 @@ When a step fails it waits for the next assignment, re-forms, and the ranks agre
 committed step; a rank behind it receives the weight and the per-generation step counts from the
 lowest rank that holds it (healing). `PARTIAL_STEP`: at that committed step this node drops its
 update after the all-reduce (a fault between the all-reduce and the optimizer step, where its peers
-committed) and waits for a new assignment.
+committed) and waits for a new assignment. `PLANE`: `host` (the gloo group carries everything, as on
+CPU) or `separate` (`SeparateGloo`: the data on a group of its own, as NCCL's on a GPU).
 
 It writes `FOLDER/progress-<node>.json` after each step (generation, committed steps by generation)
 and, when it has committed the number of steps `FOLDER/stop` names or it is left out of an
 assignment, `FOLDER/result-<node>.json`:
 the weight, the counts, and each re-form's seconds from the verdict (the new assignment's file) to
-the first step done in the new generation.
+the first step done in the new generation, and the plane's counts (data groups retired, device probes).
 """
 
 from __future__ import annotations
@@ -25,15 +26,38 @@ import json
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.live import LiveGroup, Outcome, wait_for_assignment
+from torchspot_trainer.recovery.planes import HostPlane, Parent
 
 GENERATIONS = 4
 DEADLINE = 20.0
+
+
+class SeparateGloo(HostPlane):
+    """Stands in for planes.NcclPlane, which cannot run here (no GPU): each generation's data on a gloo
+    group of its own beside its control group, the old one retired with gloo's abort while the next
+    forms, and a probe that passes. What it exercises is ours: the two groups of a generation, the
+    data's staging, the retirement overlapped with the build, the graves kept until it returned, the
+    probe owed after work abandoned in flight. NCCL's own semantics (get_error, eager non-blocking
+    init, shrink) are not."""
+
+    separate = True
+
+    def make(self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None) -> Any:
+        if parent is not None:
+            parent.retire()
+        return dist.ProcessGroupGloo(store, control.rank(), control.size(), timeout)
+
+    def abort(self, group: Any) -> None:
+        group.abort()
 
 
 def read_assignment(folder: Path, node: str) -> Assignment | None:
@@ -56,9 +80,9 @@ def _stopping(folder: Path, committed: int) -> bool:
         return False
 
 
-def main(node: str, folder_text: str, partial: str = "-1") -> None:
+def main(node: str, folder_text: str, partial: str = "-1", plane: str = "host") -> None:
     folder = Path(folder_text)
-    live = LiveGroup()
+    live = LiveGroup(plane=SeparateGloo() if plane == "separate" else HostPlane())
     first = wait_for_assignment(lambda: read_assignment(folder, node), -1, time.monotonic() + 60)
     assert first is not None
     assert live.reconfigure(first, time.monotonic() + DEADLINE)
@@ -108,7 +132,16 @@ def main(node: str, folder_text: str, partial: str = "-1") -> None:
         assert live.heal(int(counts.sum()), state, time.monotonic() + DEADLINE) is not None, "the new generation failed"
         w, counts = state[:8].clone(), state[8:].clone()
     (folder / f"result-{node}.json").write_text(
-        json.dumps({"w": w.tolist(), "counts": counts.tolist(), "reforms": reforms, "graves": live.graves()})
+        json.dumps(
+            {
+                "w": w.tolist(),
+                "counts": counts.tolist(),
+                "reforms": reforms,
+                "graves": live.graves(),
+                "retirements": live.retirements,
+                "probes": live.probes,
+            }
+        )
     )
 
 

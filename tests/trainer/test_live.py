@@ -21,15 +21,21 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from torchspot_lab.local import wait_for
-from torchspot_trainer.recovery.live import (
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest
+from torchspot_trainer.recovery.planes import (
     NCCL_SHRINK_HANG_VERSION,
     NCCL_SHRINK_VERSION,
+    SHRINK_ABORT,
+    SHRINK_DEFAULT,
     Replace,
     cuda_probe,
     device_healthy,
     generation_options,
-    newest,
+    plane_for,
     replacement,
+    shrink_flags,
+    shrink_plan,
 )
 
 WORKER = Path(__file__).with_name("live_worker.py")
@@ -41,12 +47,12 @@ timeout an old group's destructor would wait for (what the graveyard avoids)."""
 class Job:
     """The workers of one test, its rounds' stores and assignments."""
 
-    def __init__(self, folder: Path, nodes: dict[str, str]) -> None:
+    def __init__(self, folder: Path, nodes: dict[str, str], plane: str = "host") -> None:
         self.folder = folder
         self.stores: list[Any] = []
         self.worlds: list[int] = []
         self.procs = {
-            node: subprocess.Popen([sys.executable, str(WORKER), node, str(folder), partial])
+            node: subprocess.Popen([sys.executable, str(WORKER), node, str(folder), partial, plane])
             for node, partial in nodes.items()
         }
 
@@ -130,8 +136,11 @@ def test_survivors_of_a_kill_go_on_in_the_same_processes(tmp_path: Path) -> None
 def test_a_partial_commit_heals_and_a_frozen_peer_thawed_later_changes_nothing(tmp_path: Path) -> None:
     """a loses its 8th update after the all-reduce (b and c committed it): the re-form's agreement
     heals a from b. Then c freezes inside a collective and the survivors go on; when c thaws, its
-    abandoned all-reduce completes into the survivors' staging copies, not their weights."""
-    job = Job(tmp_path, {"a": "8", "b": "-1", "c": "-1"})
+    abandoned all-reduce completes into the survivors' staging copies, not their weights. The data
+    travel on a group of their own beside the agreements' (as NCCL's on a GPU: live_worker.SeparateGloo
+    stands in for it), retired at each change, and the device is probed after each generation left
+    with data work in flight."""
+    job = Job(tmp_path, {"a": "8", "b": "-1", "c": "-1"}, plane="separate")
     try:
         job.assign({"a": 0, "b": 1, "c": 2})
         wait_for(lambda: job.reached(["b", "c"], 0, 8), 60, "b and c past a's lost step")
@@ -149,6 +158,10 @@ def test_a_partial_commit_heals_and_a_frozen_peer_thawed_later_changes_nothing(t
         # Held: the groups abandoned inside a collective. Generation 1's by both (c froze inside one), 0's
         # only by b, whose next all-reduce a never joined (a's last op had completed: let go at once).
         assert {name: r["graves"] for name, r in results.items()} == {"a": 1, "b": 2}
+        assert {name: r["retirements"] for name, r in results.items()} == {"a": 2, "b": 2}
+        # Probed: after generation 1 by both (c froze inside its all-reduce), after 0 only by b (a had
+        # dropped its update after a completed all-reduce; b's next one waited for a in vain).
+        assert {name: r["probes"] for name, r in results.items()} == {"a": 1, "b": 2}
     finally:
         job.close()
 
@@ -168,6 +181,40 @@ def test_a_communicator_shrinks_only_after_a_loss_on_an_nccl_that_can(
     version: tuple[int, int, int] | None, loss_only: bool, how: Replace
 ) -> None:
     assert replacement(version, loss_only=loss_only) is how
+
+
+@pytest.mark.parametrize(
+    ("how", "clean", "flags"),
+    [
+        (Replace.NEW, True, None),
+        (Replace.SHRINK, True, SHRINK_DEFAULT),  # a departure with notice: nothing in flight
+        (Replace.SHRINK, False, SHRINK_ABORT),  # a loss inside a collective: end the parent's work first
+        (Replace.SHRINK_THEN_ABORT, True, SHRINK_DEFAULT),
+        (Replace.SHRINK_THEN_ABORT, False, None),  # SHRINK_ABORT hangs there: a new communicator
+    ],
+)
+def test_a_parent_with_work_in_flight_shrinks_only_with_abort_and_only_where_that_works(
+    how: Replace, clean: bool, flags: int | None
+) -> None:
+    assert shrink_flags(how, clean=clean) == flags
+
+
+@pytest.mark.parametrize(
+    ("members", "parent", "excluded"),
+    [
+        ([(4, 0), (4, 2)], (4, 3), [1]),  # rank 1 lost, the others keep their order
+        ([(4, 1), (4, 2)], (4, 3), [0]),
+        ([(4, 0), (4, 1), (4, 2)], (4, 3), None),  # nobody lost
+        ([(4, 2), (4, 0)], (4, 3), None),  # renumbered against the old order: a shrink cannot
+        ([(4, 0), (-1, -1)], (4, 3), None),  # a joiner
+        ([(4, 0), (3, 1)], (4, 3), None),  # a rank that missed generation 4 (frozen through it)
+        ([], (4, 3), None),
+    ],
+)
+def test_a_generation_is_a_shrink_of_its_parent_only_when_its_ranks_are_the_survivors_in_order(
+    members: list[tuple[int, int]], parent: tuple[int, int], excluded: list[int] | None
+) -> None:
+    assert shrink_plan(members, parent) == excluded
 
 
 def test_the_device_probe_fails_a_device_that_raises_or_hangs_within_its_deadline() -> None:
@@ -197,3 +244,25 @@ def test_a_generation_communicator_is_non_blocking_and_a_healthy_device_passes_t
     options = generation_options(timedelta(seconds=30))
     assert options.config.blocking == 0  # an int field of NCCL's config: 0 is non-blocking
     assert device_healthy(cuda_probe(torch.device("cuda", 0)))
+
+
+@pytest.mark.cuda
+def test_one_ranks_generations_on_nccl_carry_device_data_and_retire_the_old_communicator() -> None:
+    """Needs a CUDA build and GPU: a rank's generations on the NCCL plane, one after another on its
+    device (one rank: a shrink is never planned, each generation gets a new communicator): the data
+    all-reduced on the device, the agreements on gloo, the old communicator aborted while the next one
+    forms. A loss between GPUs cannot be made on one device (design.md): not measured."""
+    device = torch.device("cuda", 0)
+    live = LiveGroup(plane=plane_for(device))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    for generation in range(3):
+        deadline = time.monotonic() + 60
+        assert live.reconfigure(Assignment(generation, 0, 1, "127.0.0.1", store.port), deadline)
+        data = torch.full((1024,), 2.0, device=device)
+        assert live.all_reduce(data, deadline) is Outcome.DONE
+        assert data.device == device
+        assert float(data[0]) == 2.0
+        assert live.agree([float(generation)], deadline) == [[float(generation)]]
+    assert live.retirements == 2
+    assert live.probes == 0  # nothing was abandoned in flight
+    wait_for(lambda: live.retiring() == 0, 10, "the old communicators' aborts (an H200 took up to 1 s)")

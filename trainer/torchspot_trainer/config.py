@@ -136,7 +136,9 @@ class TrainConfig:
     in_place: bool = False
     """Re-form in place at a membership change (torchspot-run with etcd-v3): the workers keep their
     processes, rebuild only their group and take the newest state from a live peer, instead of being
-    restarted. CPU (gloo) only for now; a worker that cannot is restarted as without it."""
+    restarted; a worker that cannot is restarted as without it. On GPUs each generation's data travel
+    on an NCCL communicator of its own (recovery/planes.py): built by NCCL's documented semantics,
+    not measured across GPUs."""
     snapshot_every: int = 1
     """GPUs: steps between host copies of the state, which a node's snapshot is written from (1:
     the snapshot holds the last completed step; K: a copy costs 1/K as much, and the snapshot may

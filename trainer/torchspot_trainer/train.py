@@ -37,7 +37,9 @@ GroupChanged when a newer round breaks it or a peer's socket closes; the loop th
 round, every rank goes on from the newest state any of them holds (`_heal`), and the epoch is
 planned again for the new world from the sampler, which never counted the interrupted step. A
 round that only adds ranks is entered once its joiners have set up (`LiveGroup.offer`). A notice
-works as above, the survivors re-forming in place once the leaving node is gone.
+works as above, the survivors re-forming in place once the leaving node is gone. On GPUs the
+gradients and the state travel on each generation's NCCL communicator, the agreements on its gloo
+group (recovery/planes.py).
 
 With `--global-batch-size` the run computes the same model whatever happens to its nodes
 (up to the order of floating-point reductions; README, "The same model at any world size").
@@ -104,6 +106,7 @@ from torchspot_trainer.recovery.notices import (
     leave,
     waits_for_save,
 )
+from torchspot_trainer.recovery.planes import plane_for
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
@@ -244,16 +247,13 @@ def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
     return None
 
 
-def in_place_refusal(in_place: bool, device: torch.device, environ: Mapping[str, str]) -> str | None:
+def in_place_refusal(in_place: bool, environ: Mapping[str, str]) -> str | None:
     """Why `--in-place` cannot run in this worker, or None. Pure.
 
-    Its generations are gloo groups (live.py): NCCL's are designed (non-blocking communicators, abort,
-    the device probe) but not built into the loop, nor measured. And only torchspot-run's agent hands
-    a round over (handover.py); under another launcher no round would ever come."""
+    Only torchspot-run's agent hands a round over (handover.py); under another launcher no round
+    would ever come. (On GPUs its generations' data travel on NCCL communicators: planes.py.)"""
     if not in_place:
         return None
-    if device.type != "cpu":
-        return f"--in-place runs on CPU (gloo) only so far, and this worker runs on {device.type}; drop it on GPU nodes"
     if PEER_LOST_ENV not in environ:
         return "--in-place needs torchspot-run (etcd-v3), whose agent hands each new round to its live workers"
     return None
@@ -341,12 +341,15 @@ class Trainer:
             )  # fmt: skip
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
-        refusal = in_place_refusal(config.in_place, self.device, os.environ)
+        refusal = in_place_refusal(config.in_place, os.environ)
         if refusal:
             raise SystemExit(refusal)
         self._in_place: _InPlace | None = None
         if config.in_place:  # said at once: a round handed over during the set-up is acknowledged
-            self._in_place = _InPlace(Handover.from_environment(), LiveGroup(defer_joins=True))
+            if self.backend == "nccl":  # before the first generation's communicator reads it
+                os.environ.update(nccl_environment(os.environ))
+            live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
+            self._in_place = _InPlace(Handover.from_environment(), live)
             self._in_place.handover.register()
             self._in_place.handover.watch(self._in_place.live)
             self.stop.done_with_group = self._in_place.handover.agreed

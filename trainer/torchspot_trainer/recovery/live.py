@@ -24,6 +24,10 @@ experiments with gloo showed, and how this module answers each:
   thread of its own and abandoned when a newer round arrives first (a rank that moved on never comes).
 - **One TCPStore client serialises every thread that shares it**: each generation has a client of
   its own, used only by the thread that builds the group.
+
+On GPUs a generation has two groups: the gloo one for the agreements (`control=True`) and an NCCL
+communicator for the gradients and a heal's state, made, aborted and probed by its data plane
+(planes.py, which says how NCCL differs). On CPU the gloo group carries both.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distr
 
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.group import Group
+from torchspot_trainer.recovery.planes import HostPlane, Parent
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,20 @@ the restart path instead of another re-form."""
 
 READY_KEY = "ready"
 """The counter of a generation's ranks in its group build, under `generation/<g>/` on its store."""
+DATA_PREFIX = "data/"
+"""Under `generation/<g>/`: the keys of the generation's data group where it is a group of its own."""
+
+
+@dataclass
+class _Grave:
+    """An old generation, held until nothing of it can run (`LiveGroup._reap`)."""
+
+    control: Any
+    parent: Parent
+    """Its data group, retired (aborted) by the next generation's build."""
+    store: Any
+    staging: list[torch.Tensor]
+    since: float
 
 
 class Outcome(Enum):
@@ -74,13 +93,21 @@ class Outcome(Enum):
 
 
 class LiveGroup:
-    """The current generation's gloo group, its re-forms, and its graveyard (module docstring).
+    """The current generation's groups, its re-forms, and its graveyard (module docstring).
 
     :param op_timeout: gloo's own timeout for an op: how long a zombie op lives (and so a grave).
+    :param plane: where the generation's data travel (planes.py): the gloo group itself by default.
     """
 
-    def __init__(self, op_timeout: timedelta = timedelta(seconds=30), *, defer_joins: bool = False) -> None:
+    def __init__(
+        self,
+        op_timeout: timedelta = timedelta(seconds=30),
+        *,
+        defer_joins: bool = False,
+        plane: HostPlane | None = None,
+    ) -> None:
         self.op_timeout = op_timeout
+        self.plane = plane or HostPlane()
         self.defer_joins = defer_joins
         """Train on in the current generation while a round that adds ranks waits for them (`offer`)."""
         self.assignment: Assignment | None = None
@@ -93,9 +120,19 @@ class LiveGroup:
         self._announced = -1
         """The newest generation `supersede` was told of."""
         self._group: Any = None
+        """The generation's gloo group: its agreements, and its data too unless the plane has its own."""
+        self._data: Any = None
+        self._clean = True
+        """No work of the data group abandoned in flight or failed (a shrink may then go without abort)."""
         self._store: Any = None
-        self._graveyard: list[tuple[Any, Any, list[torch.Tensor], float]] = []
+        self._graveyard: list[_Grave] = []
         self._staging: list[torch.Tensor] = []
+        self.retirements = 0
+        """Old data groups handed to the plane to retire (for tests and logs)."""
+        self.probes = 0
+        """Device probes run after a re-form from a generation whose data group had work in flight."""
+        self._owed_probe = False
+        """A data group was retired with work in flight and no generation has formed since."""
 
     @property
     def rank(self) -> int:
@@ -119,15 +156,11 @@ class LiveGroup:
         to the op timeout) and is abandoned when `broken` is set (a newer round) or the `deadline`
         passes; it fails when the round's store is gone (its agent moved on to a newer round). Either
         way this returns False and the caller waits for the next assignment. Raises RuntimeError when
-        the graveyard is full (the caller takes the restart path)."""
-        self._reap()
-        if len(self._graveyard) >= GRAVEYARD:
-            raise RuntimeError(f"{GRAVEYARD} old groups still held: restart instead of another re-form")
-        if self._group is not None:
-            self._bury(self._group, self._store, self._staging)
-        self._staging = []
+        the graveyard is full, when an old data group's abort has hung, or when the device fails its
+        probe after an abort of work in flight (the caller takes the restart path)."""
+        parent = self._leave()
         with self._lock:  # against a watcher's `supersede` judging by the assignment being replaced
-            self._group = self._store = None
+            self._group = self._data = self._store = None
             self.assignment = assignment
             self._pending = None
             self.joiners_ready.clear()
@@ -135,24 +168,29 @@ class LiveGroup:
                 self.broken.set()
             else:
                 self.broken.clear()
-        built: list[tuple[Any, Any] | Exception] = []
+        built: list[tuple[Any, Any, Any] | Exception] = []
 
         def build() -> None:
             try:
                 store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self.op_timeout)
                 prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
                 prefixed.add(READY_KEY, 1)  # in the build: what a deferred round's members wait for
-                built.append(
-                    (dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self.op_timeout), store)
+                control = dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self.op_timeout)
+                data = self.plane.make(
+                    PrefixStore(DATA_PREFIX, prefixed), control, timeout=self.op_timeout, parent=parent
                 )
+                built.append((control, data, store))
             except Exception as exc:  # the store went away, or a peer never came within the op timeout
                 built.append(exc)
+            finally:
+                if parent is not None:  # never made (the build failed first): retired all the same
+                    parent.retire()
 
         builder = threading.Thread(target=build, name=f"torchspot-group-{assignment.generation}", daemon=True)
         builder.start()
         while builder.is_alive():
             if self.broken.is_set() or time.monotonic() > deadline:
-                self._bury(builder, None, [])  # it ends within the op timeout; what it built is dropped
+                self._bury(builder)  # it ends within the op timeout; what it built is dropped
                 log.warning("generation %d: group not formed (a newer round, or the deadline)", assignment.generation)
                 return False
             builder.join(POLL_SECONDS * 5)
@@ -160,9 +198,37 @@ class LiveGroup:
         if isinstance(outcome, Exception):
             log.warning("generation %d: group not formed (%s)", assignment.generation, outcome)
             return False
+        if self._owed_probe:  # after the build, which the old communicator's abort overlapped
+            self.probes += 1
+            if not self.plane.healthy():
+                raise RuntimeError("the device failed its probe after an abort: restart")
+            self._owed_probe = False
         with self._lock:  # `offer` defers a join only for a generation that formed
-            self._group, self._store = outcome
+            self._group, self._data, self._store = outcome
         return True
+
+    def _leave(self) -> Parent | None:
+        """The current generation to the graveyard (its data group handed on as the next build's
+        `Parent`); raises RuntimeError where `reconfigure` says."""
+        self._reap()
+        if len(self._graveyard) >= GRAVEYARD:
+            raise RuntimeError(f"{GRAVEYARD} old groups still held: restart instead of another re-form")
+        now = time.monotonic()
+        if any(grave.parent.stuck(now) for grave in self._graveyard):
+            raise RuntimeError("an old communicator's abort has not returned: restart instead of another re-form")
+        parent = None
+        if self._group is not None:
+            previous = self._require()
+            parent = Parent(
+                self._data if self.plane.separate else None, previous.generation, previous.rank, previous.world,
+                clean=self._clean, abort=self.plane.abort,
+            )  # fmt: skip
+            self._graveyard.append(_Grave(self._group, parent, self._store, self._staging, now))
+            self.retirements += parent.group is not None
+            self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
+        self._staging = []
+        self._clean = True
+        return parent
 
     def heal(self, committed: int, state: torch.Tensor, deadline: float) -> int | None:
         """At a generation's start: agree on the newest committed step and give every rank `state` (in
@@ -240,50 +306,59 @@ class LiveGroup:
             if self._pending is assignment:
                 self.joiners_ready.set()
 
-    def _bury(self, group: Any, store: Any, staging: list[torch.Tensor]) -> None:
-        self._graveyard.append((group, store, staging, time.monotonic()))
+    def _bury(self, builder: threading.Thread) -> None:
+        """An abandoned group build: held like a generation's grave (nothing of it to retire)."""
+        parent = Parent(None, self.generation, -1, 0, clean=True, abort=None)
+        parent.retire()
+        self._graveyard.append(_Grave(builder, parent, None, [], time.monotonic()))
 
     def _reap(self) -> None:
-        """Let go, on a thread of their own, of the graves no op of which can still run: those older than
-        the op timeout (their zombie ops have timed out by then) and those with no collective abandoned
-        in flight (no staging copy held: each is released when its op completes). A destructor that
-        still blocks blocks nobody who trains. Without the second kind, a soak of 40 faults a minute
-        (bench/soak) filled the graveyard with idle groups within the op timeout and fell back to a
-        restart."""
+        """Let go, on a thread of their own, of the graves no op of which can still run: those whose
+        data group's abort has returned and that are older than the op timeout (their zombie ops have
+        timed out by then) or have no collective abandoned in flight (no staging copy held: each is
+        released when its op completes). A destructor that still blocks blocks nobody who trains.
+        Without the second kind, a soak of 40 faults a minute (bench/soak) filled the graveyard with
+        idle groups within the op timeout and fell back to a restart."""
         horizon = time.monotonic() - self.op_timeout.total_seconds()
-        old: list[tuple[Any, Any, list[torch.Tensor], float]] = []
-        kept: list[tuple[Any, Any, list[torch.Tensor], float]] = []
+        old: list[_Grave] = []
+        kept: list[_Grave] = []
         for grave in self._graveyard:
-            (old if grave[3] < horizon or not grave[2] else kept).append(grave)
+            done = grave.parent.retired.is_set() and (grave.since < horizon or not grave.staging)
+            (old if done else kept).append(grave)
         if old:
             self._graveyard = kept
             threading.Thread(target=old.clear, name="torchspot-reaper", daemon=True).start()
 
-    def all_reduce(self, tensor: torch.Tensor, deadline: float) -> Outcome:
+    def all_reduce(self, tensor: torch.Tensor, deadline: float, *, control: bool = False) -> Outcome:
         """Sum `tensor` over the group, in place, through a staging copy (module docstring); the
-        tensor is unchanged unless the outcome is DONE. `deadline` is a `time.monotonic()` time."""
+        tensor is unchanged unless the outcome is DONE. `deadline` is a `time.monotonic()` time.
+        `control`: on the gloo group (a host tensor: an agreement), else on the data plane's."""
         staging = tensor.detach().clone()
-        outcome = self._wait(self._require_group().allreduce([staging]), staging, deadline)
+        group = self._pick(control)
+        outcome = self._wait(group, group.allreduce([staging]), staging, deadline)
         if outcome is Outcome.DONE:
             tensor.copy_(staging)
         return outcome
 
     def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> Outcome:
-        """`tensor` from rank `src` to every rank, through a staging copy, as `all_reduce`."""
+        """`tensor` from rank `src` to every rank, through a staging copy, on the data plane's group,
+        as `all_reduce`."""
         staging = tensor.detach().clone()
         options = dist.BroadcastOptions()
         options.rootRank = src
-        outcome = self._wait(self._require_group().broadcast([staging], options), staging, deadline)
+        group = self._pick(False)
+        outcome = self._wait(group, group.broadcast([staging], options), staging, deadline)
         if outcome is Outcome.DONE:
             tensor.copy_(staging)
         return outcome
 
     def agree(self, row: list[float], deadline: float) -> list[list[float]] | None:
         """Every rank's `row` (the same length on every rank), by rank; None if the group failed.
-        One all-reduce of a world x len(row) table in which each rank fills its own line."""
+        One all-reduce of a world x len(row) table in which each rank fills its own line, on the
+        gloo group."""
         table = torch.zeros(self.world, len(row), dtype=torch.float64)
         table[self.rank] = torch.tensor(row, dtype=torch.float64)
-        if self.all_reduce(table, deadline) is not Outcome.DONE:
+        if self.all_reduce(table, deadline, control=True) is not Outcome.DONE:
             return None
         return [[float(value) for value in line] for line in table.tolist()]
 
@@ -291,17 +366,27 @@ class LiveGroup:
         """Old groups held (for tests and logs)."""
         return len(self._graveyard)
 
-    def _wait(self, work: Any, staging: torch.Tensor, deadline: float) -> Outcome:
+    def retiring(self) -> int:
+        """Old data groups whose abort has not returned yet (for tests and logs)."""
+        return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
+
+    def _wait(self, group: Any, work: Any, staging: torch.Tensor, deadline: float) -> Outcome:
         self._staging.append(staging)  # held with its group: a zombie may still write into it
+        data = self.plane.separate and group is self._data
         while not work.is_completed():
             if self.broken.is_set() or time.monotonic() > deadline:
+                self._clean = self._clean and not data
                 return Outcome.BROKEN
             time.sleep(POLL_SECONDS)
         try:
             work.wait()
+            failure = "the communicator reports an error" if data and self.plane.failed(group) else None
         except RuntimeError as exc:  # gloo: a peer's connection closed, or the op timed out
-            log.warning("generation %s: collective failed (%s)", self.assignment and self.assignment.generation, exc)
+            failure = str(exc)
+        if failure is not None:
+            log.warning("generation %s: collective failed (%s)", self.generation, failure)
             self._staging.remove(staging)  # the op has ended, in error: nothing writes into the copy later
+            self._clean = self._clean and not data
             return Outcome.FAILED
         self._staging.remove(staging)
         return Outcome.DONE
@@ -311,9 +396,9 @@ class LiveGroup:
             raise RuntimeError("no generation yet: call reconfigure first")
         return self.assignment
 
-    def _require_group(self) -> Any:
+    def _pick(self, control: bool) -> Any:
         self._require()
-        return self._group
+        return self._group if control else self._data
 
 
 class GroupChanged(RuntimeError):
@@ -345,7 +430,7 @@ class LiveCollectives(Group):
         all read the same table): GroupChanged, and the loop switches at this boundary."""
         table = torch.zeros(self.world, len(row) + 1, dtype=torch.long)
         table[self.rank] = torch.tensor([*row, int(self.live.joiners_ready.is_set())], dtype=torch.long)
-        self._done(self.live.all_reduce(table, time.monotonic() + self.op_seconds))
+        self._done(self.live.all_reduce(table, time.monotonic() + self.op_seconds, control=True))
         rows: list[list[int]] = table.tolist()
         if any(line[-1] for line in rows):
             raise GroupChanged(Outcome.BROKEN)
@@ -354,7 +439,7 @@ class LiveCollectives(Group):
     def ping(self, timeout: float) -> bool:
         """False when the zero did not come back within `timeout` (a peer frozen or gone, no newer round
         yet); GroupChanged when a newer round broke it or a peer's socket closed."""
-        outcome = self.live.all_reduce(torch.zeros(1), time.monotonic() + timeout)
+        outcome = self.live.all_reduce(torch.zeros(1), time.monotonic() + timeout, control=True)
         if outcome is Outcome.BROKEN and not self.live.broken.is_set():
             return False
         self._done(outcome)
@@ -365,7 +450,7 @@ class LiveCollectives(Group):
 
     def sums(self, values: list[torch.Tensor]) -> list[float]:
         totals = torch.stack([value.detach().to("cpu", torch.float64).reshape(()) for value in values])
-        self._done(self.live.all_reduce(totals, time.monotonic() + self.op_seconds))
+        self._done(self.live.all_reduce(totals, time.monotonic() + self.op_seconds, control=True))
         result: list[float] = totals.tolist()
         return result
 
@@ -381,8 +466,8 @@ class LiveCollectives(Group):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
         floating = [buffer for buffer in buffers if buffer.is_floating_point()]
         parts = [grad.reshape(-1) / self.world for grad in grads]
-        parts += [buffer.reshape(-1) if self.rank == 0 else torch.zeros(buffer.numel()) for buffer in floating]
-        flat = torch.cat(parts) if parts else torch.zeros(0)
+        parts += [buffer.reshape(-1) if self.rank == 0 else torch.zeros_like(buffer).reshape(-1) for buffer in floating]
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
         self._done(self.live.all_reduce(flat, time.monotonic() + self.op_seconds))
         offset = 0
         for parameter, grad in zip(parameters, grads, strict=True):
@@ -415,90 +500,3 @@ def wait_for_assignment(read: Callable[[], Assignment | None], after: int, deadl
             return found
         time.sleep(POLL_SECONDS * 5)
     return None
-
-
-# NCCL (GPUs): the same generations, by NCCL's documented semantics. What can be decided or probed
-# without a GPU is tested on CPU; the options and the probe passed on an H200 (tests marked cuda), and
-# bench/recovery/nccl_generations.py ran a generation's abort and successor there (README, "Recovery
-# paths"): an abort takes up to 1 s (overlap it with the next communicator's creation), and a failed
-# NCCL work reads as completed, with error handling off: the communicator's get_error() tells.
-
-NCCL_SHRINK_VERSION = (2, 27, 0)
-"""NCCL's `ncclCommShrink`: a communicator without the excluded ranks, built from the parent's
-bootstrap (torch's `shrink_group`), cheaper than a fresh communicator after a loss."""
-NCCL_SHRINK_HANG_VERSION = (2, 31, 0)
-"""From this version torch 2.13's `SHRINK_ABORT` survivors block destroying the parent
-(pytorch#194679, fix open): shrink without it, then abort the parent ourselves."""
-PROBE_SECONDS = 5.0
-"""The most a device health probe may take: a tiny kernel and a synchronize take milliseconds on a
-healthy device."""
-
-
-class Replace(Enum):
-    """How the communicator of the next generation is made (`replacement`)."""
-
-    NEW = "new"
-    """A fresh communicator on the next round's store (every join: c10d 2.13 has no grow)."""
-    SHRINK = "shrink"
-    SHRINK_THEN_ABORT = "shrink, then abort the parent"
-
-
-def replacement(version: tuple[int, int, int] | None, *, loss_only: bool) -> Replace:
-    """How a generation's NCCL communicator is replaced at a membership change. Pure.
-
-    Only a change that removes ranks and adds none can shrink, and only on an NCCL that has
-    `ncclCommShrink`; everything else (a join, an old NCCL, no NCCL at all) gets a new one."""
-    if not loss_only or version is None or version < NCCL_SHRINK_VERSION:
-        return Replace.NEW
-    if version >= NCCL_SHRINK_HANG_VERSION:
-        return Replace.SHRINK_THEN_ABORT
-    return Replace.SHRINK
-
-
-def generation_options(timeout: timedelta) -> Any:
-    """ProcessGroupNCCL's options for one generation: non-blocking (`config.blocking = False`: its
-    init and collectives return at once and stay abortable, where a blocking init with a dead peer
-    cannot be aborted), with the generation's op timeout. Eager init comes from binding the group to
-    its device (`group.group_device`). Needs an NCCL build of torch."""
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.blocking = False
-    options._timeout = timeout
-    return options
-
-
-def device_healthy(probe: Callable[[], None], timeout: float = PROBE_SECONDS) -> bool:
-    """Whether the device still works after a communicator's abort: `probe` (a tiny kernel and a
-    synchronize: `cuda_probe`) on a thread of its own, within `timeout`. An abort frees the kernels
-    that spun on a dead peer and leaves the CUDA context healthy unless a sticky error hit it (an
-    Xid, an ECC error, an illegal address); then every call fails or hangs, and the process must
-    take the restart path (and the node, perhaps, be replaced)."""
-    outcome: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            probe()
-        except BaseException as exc:  # whatever it raised, the device is not usable
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
-    thread = threading.Thread(target=run, name="torchspot-device-probe", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        log.warning("device probe still running after %.1f s: the device is not usable", timeout)
-        return False
-    if outcome[0] is not None:
-        log.warning("device probe failed: %s", outcome[0])
-        return False
-    return True
-
-
-def cuda_probe(device: torch.device) -> Callable[[], None]:
-    """A probe for `device_healthy`: one element added on the device, then a synchronize."""
-
-    def probe() -> None:
-        torch.ones(1, device=device).add_(1)
-        torch.cuda.synchronize(device)
-
-    return probe
