@@ -51,7 +51,9 @@ class SeparateGloo(HostPlane):
 
     separate = True
 
-    def make(self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None) -> Any:
+    def make(
+        self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None, abandoned: threading.Event
+    ) -> Any:
         if parent is not None:
             parent.retire()
         return dist.ProcessGroupGloo(store, control.rank(), control.size(), timeout)

@@ -169,6 +169,7 @@ class LiveGroup:
             else:
                 self.broken.clear()
         built: list[tuple[Any, Any, Any] | Exception] = []
+        abandoned = threading.Event()
 
         def build() -> None:
             try:
@@ -177,8 +178,11 @@ class LiveGroup:
                 prefixed.add(READY_KEY, 1)  # in the build: what a deferred round's members wait for
                 control = dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self.op_timeout)
                 data = self.plane.make(
-                    PrefixStore(DATA_PREFIX, prefixed), control, timeout=self.op_timeout, parent=parent
-                )
+                    PrefixStore(DATA_PREFIX, prefixed), control, timeout=self.op_timeout, parent=parent,
+                    abandoned=abandoned,
+                )  # fmt: skip
+                if abandoned.is_set() and self.plane.separate:  # made too late: nobody will use or end it
+                    self.plane.abort(data)
                 built.append((control, data, store))
             except Exception as exc:  # the store went away, or a peer never came within the op timeout
                 built.append(exc)
@@ -190,6 +194,9 @@ class LiveGroup:
         builder.start()
         while builder.is_alive():
             if self.broken.is_set() or time.monotonic() > deadline:
+                abandoned.set()
+                if parent is not None:  # no later build shrinks it: its abort need not wait for this one
+                    parent.retire()
                 self._bury(builder)  # it ends within the op timeout; what it built is dropped
                 log.warning("generation %d: group not formed (a newer round, or the deadline)", assignment.generation)
                 return False

@@ -69,7 +69,7 @@ RETIRE_SECONDS = 10.0
 """The most an old communicator's abort may run (it took up to 1 s on an H200) before the worker
 takes the restart path at its next re-form: an abort that never returns means a wedged driver."""
 WARM_UP_POLL = 0.001
-"""Between looks at the warm-up all-reduce's completion."""
+"""Between looks at the warm-up all-reduce's completion (and at whether its build was abandoned)."""
 
 
 class Replace(Enum):
@@ -228,10 +228,13 @@ class HostPlane:
 
     separate = False
 
-    def make(self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None) -> Any:
+    def make(
+        self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None, abandoned: threading.Event
+    ) -> Any:
         """The generation's data group, on the generation's `store` (its own prefix), built on the
         group build's thread after `control` (the generation's gloo group: its rank and size) formed;
-        may shrink `parent`, and retires it."""
+        may shrink `parent`, and retires it. Raises RuntimeError when `abandoned` is set first (the
+        caller gave the build up: a newer round, or its deadline)."""
         if parent is not None:
             parent.retire()
         return control
@@ -261,7 +264,9 @@ class NcclPlane(HostPlane):
         self.device = device
         self.version = version
 
-    def make(self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None) -> Any:
+    def make(
+        self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None, abandoned: threading.Event
+    ) -> Any:
         torch.cuda.set_device(self.device)  # the build's thread: the current device is per thread
         rank, world = control.rank(), control.size()
         options = generation_options(timeout)
@@ -275,8 +280,11 @@ class NcclPlane(HostPlane):
         zero = torch.zeros(1, device=self.device)
         work = data.allreduce([zero])  # waits for the init: here, not on the training thread
         while not work.is_completed():
-            time.sleep(WARM_UP_POLL)  # the caller abandons this thread at a newer round or its deadline
+            if abandoned.wait(WARM_UP_POLL):  # a peer that never comes: end its kernels, not the thread's wait
+                self.abort(data)
+                raise RuntimeError("the new communicator's build was abandoned")
         if self.failed(data):
+            self.abort(data)
             raise RuntimeError(f"the new communicator failed its first all-reduce ({data.get_error()})")
         return data
 
