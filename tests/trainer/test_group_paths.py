@@ -46,7 +46,7 @@ from torchspot_trainer.recovery.notices import (
 )
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import Held
-from torchspot_trainer.recovery.wire import WireError, flatten, unflatten
+from torchspot_trainer.recovery.wire import ALIGN, WireError, flatten, layout, unflatten
 
 WORKER = Path(__file__).with_name("group_worker.py")
 sys.path.insert(0, str(WORKER.parent))
@@ -75,6 +75,16 @@ def test_a_training_state_goes_through_the_wire_unchanged() -> None:
     back = unflatten(skeleton, buffers)
     assert _same(state, back)
     assert list(back["optimizer"]["state"]) == [0, 1, 2, 3]  # int keys stay int (JSON would make them str)
+
+
+def test_each_dtype_has_an_aligned_section_of_the_one_buffer_after_the_skeleton() -> None:
+    """One broadcast carries the skeleton and every tensor: each dtype's section starts on ALIGN bytes
+    (a byte buffer's slice is viewed as that dtype), none overlaps the next, the buffer holds them all."""
+    places, total = layout(37, {"uint8": 5, "float64": 3, "bool": 1, "float32": 0})
+    assert list(places) == ["bool", "float32", "float64", "uint8"]  # the same order on every rank
+    assert places == {"bool": (48, 1), "float32": (64, 0), "float64": (64, 3), "uint8": (96, 5)}
+    assert total == 112
+    assert all(offset % ALIGN == 0 for offset, _ in places.values())
 
 
 def test_what_a_checkpoint_cannot_hold_is_refused_naming_where() -> None:

@@ -80,3 +80,34 @@ def train_step(
     before_update()
     precision.step(optimizer)
     return loss_sum, correct
+
+
+def warm_up(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    device: torch.device,
+    precision: Precision,
+    normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """One forward and backward pass of `model` on a loader-shaped batch, its effects undone: the
+    buffers (BatchNorm's running statistics and counts) restored, the gradients dropped. Nothing of
+    the model's state changes; what stays is what a process's first pass pays once (the autograd
+    engine's start, oneDNN's or cuDNN's kernels for these shapes, the allocator's pools).
+
+    A worker that joins a group training in place takes its first step with the others waiting for
+    it in the gradient all-reduce. Cold, that step cost the small CNN 22 ms on these CPU cores
+    against 5 ms warm; on GPUs cudnn.benchmark's search made ResNet-50's first step 3-11 s on an
+    H200 (README, "Recovery paths"). Paid here, during its set-up, the others never wait for it.
+    The caller keeps the random number generators' states around it (dropout draws from them)."""
+    kept = [buffer.detach().clone() for buffer in model.buffers()]
+    model.train()
+    with precision.autocast():
+        logits = model(model_inputs(inputs, device, precision, normalize))
+    nn.functional.cross_entropy(logits.float(), labels.to(device)).backward()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        for buffer, value in zip(model.buffers(), kept, strict=True):
+            buffer.copy_(value)
+    for parameter in model.parameters():
+        parameter.grad = None

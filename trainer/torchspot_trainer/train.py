@@ -118,7 +118,7 @@ from torchspot_trainer.recovery.signals import (
 from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, default_path
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
-from torchspot_trainer.step import model_inputs, train_step
+from torchspot_trainer.step import model_inputs, train_step, warm_up
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -630,6 +630,8 @@ class Trainer:
         )
         lap("model")
         if self._in_place is not None:
+            self._warm_up(run, decoder)
+            lap("warm_up")
             self._enter_next()
             lap("group")
         if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
@@ -710,6 +712,22 @@ class Trainer:
         )  # fmt: skip
 
     # -- in place (--in-place) -------------------------------------------------------
+
+    def _warm_up(self, run: _Run, decoder: DeviceDecoder | None) -> None:
+        """The first pass's one-off costs paid before entering the group (step.warm_up), on a batch
+        of this rank's first micro-batch's size, the random number generators left as they were.
+        Not with --decode gpu, whose data set holds encoded images (its first step stays cold)."""
+        if decoder is not None:
+            return
+        plan = next(run.sampler.epoch_steps(self.rank, self.world), [])
+        size = max((len(part) for part in plan), default=1)
+        image, _label = run.train_set[0]
+        kept = rng_state()
+        warm_up(
+            run.model, torch.stack([image] * size), torch.zeros(size, dtype=torch.long), device=self.device,
+            precision=self.precision, normalize=run.normalize,
+        )  # fmt: skip
+        set_rng_state(kept)
 
     def _enter_next(self) -> None:
         """Enter the first newer round that forms (handover.py, live.py); leave by the restart path
