@@ -520,7 +520,10 @@ class Trainer:
             group = self.group
             assert isinstance(group, LiveCollectives)
             model = self._run.model
-            group.average_gradients([p for p in model.parameters() if p.requires_grad], list(model.buffers()))
+            group.average_gradients(
+                [p for p in model.parameters() if p.requires_grad], list(model.buffers()),
+                boundary=(self.step + 1, self.stop.row),
+            )  # fmt: skip
         self._host.before_update()
 
     def _step_limit_reached(self) -> bool:

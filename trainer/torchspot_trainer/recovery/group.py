@@ -123,6 +123,13 @@ class Group:
         gathered: list[list[int]] = torch.stack(rows).tolist()
         return gathered
 
+    def boundary(self, step: int, row: Callable[[], list[int]]) -> list[list[int]]:
+        """The agreement at the boundary after `step` (the notices': notices.py): every rank's `row()`,
+        by rank, gathered now (`gather_ints`). In place on CPU it came with the step's gradients
+        (live.py's `LiveCollectives.boundary`)."""
+        del step  # (the default group has nothing gathered ahead)
+        return self.gather_ints(row())
+
     def ping(self, timeout: float) -> bool:
         """All-reduce a zero and wait for it on the host, at most `timeout` seconds: False when it
         did not complete (a peer is frozen or gone and the collective hangs, as on NCCL); a

@@ -66,6 +66,8 @@ the restart path instead of another re-form."""
 
 READY_KEY = "ready"
 """The counter of a generation's ranks in its group build, under `generation/<g>/` on its store."""
+EXACT_ROWS = (torch.float32, torch.float64)
+"""Gradient dtypes whose sums carry a boundary's rows exactly (integers below 2**24)."""
 DATA_PREFIX = "data/"
 """Under `generation/<g>/`: the keys of the generation's data group where it is a group of its own."""
 
@@ -115,6 +117,9 @@ class LiveGroup:
         self.joiners_ready = threading.Event()
         """Set when the newcomers of a deferred round are in its group build: the caller's loop agrees
         on a boundary to switch at (`LiveCollectives.gather_ints`)."""
+        self.agreed: tuple[int, list[list[int]]] | None = None
+        """The next boundary's agreement, gathered with a step's gradients (`LiveCollectives.boundary`):
+        (the step it follows, the rows)."""
         self._pending: Assignment | None = None
         self._lock = threading.Lock()
         self._announced = -1
@@ -235,6 +240,7 @@ class LiveGroup:
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
         self._staging = []
         self._clean = True
+        self.agreed = None
         return parent
 
     def heal(self, committed: int, state: torch.Tensor, deadline: float) -> int | None:
@@ -436,9 +442,25 @@ class LiveCollectives(Group):
         ready (`LiveGroup.offer`). Any rank's yes ends the generation here, on every rank alike (they
         all read the same table): GroupChanged, and the loop switches at this boundary."""
         table = torch.zeros(self.world, len(row) + 1, dtype=torch.long)
-        table[self.rank] = torch.tensor([*row, int(self.live.joiners_ready.is_set())], dtype=torch.long)
+        table[self.rank] = torch.tensor(self._with_joiners(row), dtype=torch.long)
         self._done(self.live.all_reduce(table, time.monotonic() + self.op_seconds, control=True))
-        rows: list[list[int]] = table.tolist()
+        return self._switch_or(table.tolist())
+
+    def boundary(self, step: int, row: Callable[[], list[int]]) -> list[list[int]]:
+        """`Group.boundary`: the rows `average_gradients` gathered with `step`'s gradients if it did
+        (one all-reduce a step instead of two: on 2 CPU cores a gloo all-reduce of three ranks costs
+        several milliseconds, most of it waiting for the slowest), else gathered now."""
+        agreed, self.live.agreed = self.live.agreed, None
+        if agreed is not None and agreed[0] == step:
+            return self._switch_or(agreed[1])
+        return self.gather_ints(row())
+
+    def _with_joiners(self, row: list[int]) -> list[int]:
+        return [*row, int(self.live.joiners_ready.is_set())]
+
+    @staticmethod
+    def _switch_or(rows: list[list[int]]) -> list[list[int]]:
+        """The rows without their joiners' column, or GroupChanged where any rank's says ready."""
         if any(line[-1] for line in rows):
             raise GroupChanged(Outcome.BROKEN)
         return [line[:-1] for line in rows]
@@ -464,18 +486,39 @@ class LiveCollectives(Group):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self._done(self.live.broadcast(tensor, src, time.monotonic() + self.op_seconds))
 
-    def average_gradients(self, parameters: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    def average_gradients(
+        self,
+        parameters: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        *,
+        boundary: tuple[int, Callable[[], list[int]]] | None = None,
+    ) -> None:
         """What DDP does to a step: the gradients averaged over ranks (each divided by the world, then
         summed, in DDP's order of operations), and the model's floating-point buffers (BatchNorm's
         running statistics) taken from rank 0, in one all-reduce of one flat buffer after the step's
         last backward pass; a parameter without a gradient counts as zero. Unlike DDP's buckets it does
-        not overlap the backward pass: the price of a group that can be replaced between two steps."""
+        not overlap the backward pass: the price of a group that can be replaced between two steps.
+
+        `boundary`: (the step these gradients make, its agreement's row function). Where the gradients
+        travel on the agreements' group (gloo: not on a GPU, whose host would then wait for the
+        device), the rows ride along, each rank's on its line of a table (sums of small integers are
+        exact in float32) and `boundary` reads them; the step is not applied unless the all-reduce
+        completed, so the agreement's rows and its update stand or fall together."""
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
         floating = [buffer for buffer in buffers if buffer.is_floating_point()]
         parts = [grad.reshape(-1) / self.world for grad in grads]
         parts += [buffer.reshape(-1) if self.rank == 0 else torch.zeros_like(buffer).reshape(-1) for buffer in floating]
+        table = None
+        if boundary is not None and not self.live.plane.separate and parts and parts[0].dtype in EXACT_ROWS:
+            row = self._with_joiners(boundary[1]())
+            table = torch.zeros(self.world, len(row), dtype=parts[0].dtype)
+            table[self.rank] = torch.tensor(row, dtype=table.dtype)
+            parts.append(table.reshape(-1))
         flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
         self._done(self.live.all_reduce(flat, time.monotonic() + self.op_seconds))
+        if boundary is not None and table is not None:
+            rows = flat[flat.numel() - table.numel() :].view(table.shape)
+            self.live.agreed = (boundary[0], [[round(value) for value in line] for line in rows.tolist()])
         offset = 0
         for parameter, grad in zip(parameters, grads, strict=True):
             parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)

@@ -151,12 +151,18 @@ class NoticeStop:
         restarting = notice is not None and notice.source == "SIGTERM" and agent_restarting()
         return notice_level(notice, restarting=restarting, leaving=node_leaving())
 
+    def row(self) -> list[int]:
+        """This rank's line of the boundary's agreement: its notice level and its node."""
+        return [self.level(), self.node]
+
     def at_boundary(self, group: Group, *, step: int, save: Callable[[], SaveReport] | None) -> bool:
         """Share every rank's notice level (all ranks call this at the same boundary); on any
         notice stop the group here (`stop`) and return True. `save` writes the emergency
-        checkpoint of this boundary's state (None: no checkpoints in this run)."""
+        checkpoint of this boundary's state (None: no checkpoints in this run). In place on CPU the
+        levels were shared with the step's gradients (`Group.boundary`): a notice that came after
+        them is shared at the next boundary, as one that came during the agreement would be."""
         self.notice.step_boundary()
-        rows = group.gather_ints([self.level(), self.node])
+        rows = group.boundary(step, self.row)
         if self.notice.is_set():
             self.notice.acknowledged.set()
         if not any(node_levels(rows)):
