@@ -181,22 +181,44 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from torch._C._distributed_c10d import PrefixStore, TCPStore
+import torch
+from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import READY_KEY, LiveGroup
+from torchspot_trainer.recovery.live import LiveGroup, Outcome
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 live = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert live.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
 live.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))  # two join
 time.sleep(0.3)
-print(live.broken.is_set(), live.joiners_ready.is_set())  # deferred: training goes on
-PrefixStore("generation/4/", store).add(READY_KEY, 2)  # both joiners are in the round's build
+trains_on = live.all_reduce(torch.ones(1), time.monotonic() + 5)  # round 4's group is being built beside
+print(live.broken.is_set(), live.joiners_ready.is_set(), trains_on is Outcome.DONE)  # deferred: training goes on
+joiners = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(2)]
+entered = []
+threads = [threading.Thread(target=lambda rank=rank: entered.append(joiners[rank - 1].reconfigure(
+    Assignment(4, rank, 3, "127.0.0.1", store.port), time.monotonic() + 30))) for rank in (1, 2)]
+for thread in threads:
+    thread.start()  # both joiners are set up and enter round 4: its group forms
 began = time.monotonic()
 while not live.joiners_ready.is_set() and time.monotonic() - began < 5:
     time.sleep(0.01)
-print(live.broken.is_set(), live.joiners_ready.is_set(), time.monotonic() - began)
-live.offer(Assignment(5, 0, 2, "127.0.0.1", store.port))  # a newer round while 4 waits: at once
-print(live.broken.is_set())
+for thread in threads:
+    thread.join(5)  # the joiners' groups formed with the one built beside round 3: before this rank switched
+print(live.broken.is_set(), live.joiners_ready.is_set(), time.monotonic() - began, entered.count(True))
+began = time.monotonic()
+switched = live.reconfigure(Assignment(4, 0, 3, "127.0.0.1", store.port), time.monotonic() + 30)
+three = torch.ones(1)
+sums = [threading.Thread(target=joiner.all_reduce, args=(torch.ones(1), time.monotonic() + 5)) for joiner in joiners]
+for thread in sums:
+    thread.start()
+outcome = live.all_reduce(three, time.monotonic() + 5)
+print(switched, entered.count(True), time.monotonic() - began, outcome.value, float(three))
+for thread in sums:
+    thread.join(10)
+again = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
+assert again.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+again.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))
+again.offer(Assignment(5, 0, 2, "127.0.0.1", store.port))  # a newer round while 4 waits: at once
+print(again.broken.is_set())
 shrink = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert shrink.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
 shrink.offer(Assignment(4, 0, 1, "127.0.0.1", store.port))  # no rank added: nothing to wait for
@@ -223,17 +245,21 @@ os._exit(0)
 
 def test_a_round_that_adds_ranks_waits_for_them_while_the_group_trains_on() -> None:
     """With defer_joins (the trainer's), a round that grows the world does not break the current
-    generation until its joiners are in the round's group build (their counter on its store); then
-    `joiners_ready`, which the loop agrees on at a boundary. A newer round meanwhile, a round that
+    generation, which trains on while the round's group is built beside it; once the joiners came
+    and it formed, `joiners_ready`, which the loop agrees on at a boundary, and the switch takes the
+    group as built. A newer round meanwhile, a round that
     adds nobody, one that comes while the current generation's group is still being built, or one
     that does not follow it directly (a thawed node's), breaks it at once. Real stores and a one-rank
     gloo group, in a process of its own."""
     done = subprocess.run([sys.executable, "-c", _DEFER], check=True, capture_output=True, text=True, timeout=60)
-    deferred, ready, newer, shrunk, thawed, building = done.stdout.split("\n")[:6]
-    assert deferred == "False False"
-    broken, set_, seconds = ready.split()
-    assert (broken, set_) == ("False", "True")
+    deferred, ready, switch, newer, shrunk, thawed, building = done.stdout.split("\n")[:7]
+    assert deferred == "False False True"
+    broken, set_, seconds, joined = ready.split()
+    assert (broken, set_, joined) == ("False", "True", "2")
     assert float(seconds) < 1.0
+    switched, entered, seconds, outcome, total = switch.rsplit(" ", 4)
+    assert (switched, entered, outcome, total) == ("True", "2", "done", "3.0")
+    assert float(seconds) < 1.0  # the group built while round 3 trained on: taken as it is
     assert newer == "True"
     assert shrunk == "True"
     assert thawed == "True"  # a node that missed rounds has no generation to train on in
