@@ -37,6 +37,7 @@ from torchspot_trainer.recovery.planes import (
     shrink_flags,
     shrink_plan,
 )
+from torchspot_trainer.recovery.resume import evaluation_source
 
 WORKER = Path(__file__).with_name("live_worker.py")
 REFORM_BOUND = 5.0
@@ -107,6 +108,24 @@ def _check(job: Job, results: dict[str, dict[str, Any]]) -> None:
         assert result["w"] == first["w"]
         assert all(reform < REFORM_BOUND for reform in result["reforms"]), result["reforms"]
     assert first["w"] == pytest.approx([job.expected_w(first["counts"])] * 8, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("rows", "best", "source", "sender"),
+    [
+        ([[29, -1, -1, 29], [29, -1, -1, -1]], 29, None, 0),  # rank 0's evaluation completed, rank 1's did not
+        ([[29, -1, -1, -1], [29, -1, -1, 29]], 29, None, 1),
+        ([[29, -1, -1, 29], [29, -1, -1, 29]], 29, None, None),  # the same already: no broadcast
+        ([[28, -1, -1, 20], [29, -1, -1, 20]], 29, 1, None),  # rank 0 takes rank 1's state, evaluation and all
+        ([[29, -1, -1, 29], [28, -1, -1, 20], [29, -1, -1, 20]], 29, 0, 0),  # rank 2 kept its own: it differs
+    ],
+)
+def test_after_a_heal_every_rank_holds_the_newest_evaluation_of_the_ranks_that_go_on(
+    rows: list[list[int]], best: int, source: int | None, sender: int | None
+) -> None:
+    """Otherwise a survivor whose epoch-end evaluation completed trains while one whose evaluation a
+    frozen peer broke evaluates again, and gloo aborts both on the mismatched collective."""
+    assert evaluation_source(rows, best, source) == sender
 
 
 @pytest.mark.parametrize(("rows", "chosen"), [([[7.0], [8.0], [8.0]], (8, 1)), ([[3.0], [3.0]], (3, 0))])

@@ -107,7 +107,7 @@ from torchspot_trainer.recovery.notices import (
     waits_for_save,
 )
 from torchspot_trainer.recovery.planes import plane_for
-from torchspot_trainer.recovery.resume import find_state
+from torchspot_trainer.recovery.resume import evaluation_source, find_state
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
     EvictionNotice,
@@ -758,7 +758,7 @@ class Trainer:
         the lowest rank holding it, sent only when some rank lacks it."""
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
-        rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed])
+        rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0]])
         newest_committed = max(row[2] for row in rows)
         if self.manager is not None and newest_committed >= 0:  # a new rank 0 knows the last checkpoint
             self.manager.last_committed = newest_committed
@@ -771,6 +771,7 @@ class Trainer:
         best = max(*live, *held)
         if all(step == best for step in live):
             self.resumed_from = "live"
+            self._agree_on_evaluation(run, rows, best, None)
             return
         from_live = best == max(live)
         source = (live if from_live else held).index(best)
@@ -783,6 +784,19 @@ class Trainer:
             self.resumed_from = "peer" if from_live else "snapshot"
         else:
             self.resumed_from = "live"
+        if from_live:  # (from a snapshot every rank loaded the same state)
+            self._agree_on_evaluation(run, rows, best, source)
+
+    def _agree_on_evaluation(self, run: _Run, rows: list[list[int]], best: int, source: int | None) -> None:
+        """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
+        would evaluate while another trains. One broadcast of its accuracy, only when they differ."""
+        sender = evaluation_source(rows, best, source)
+        if sender is None:
+            return
+        accuracy = torch.tensor([run.evaluated[1]], dtype=torch.float64, device=self.device)
+        self.group.broadcast(accuracy, sender)
+        run.evaluated = (rows[sender][3], float(accuracy))
+        log.warning("rank %d: the evaluation of step %d taken from rank %d", self.rank, rows[sender][3], sender)
 
     def _reform(self, run: _Run, *, failed: bool) -> None:
         """In place, after a collective did not complete: enter the next round, heal, go on (module

@@ -88,8 +88,8 @@ class _Build:
     ended either way; `result` then holds (control, data, store) or the exception. `abandoned`: the
     caller gave it up (what it makes after is ended, not used).
 
-    :param connect: how long gloo's constructor waits for the other ranks; the group's op timeout is
-        `timeout` after that.
+    :param connect: how long gloo's constructor waits for the other ranks (a deferred round's build
+        waits for its joiners' set-up); the group's op timeout is `live.op_timeout` after that.
     """
 
     def __init__(
@@ -166,8 +166,8 @@ class LiveGroup:
         self.assignment: Assignment | None = None
         self.broken = threading.Event()
         self.joiners_ready = threading.Event()
-        """Set when the newcomers of a deferred round are in its group build: the caller's loop agrees
-        on a boundary to switch at (`LiveCollectives.gather_ints`)."""
+        """Set when a deferred round's group formed (its newcomers came), or READY_SECONDS passed: the
+        caller's loop agrees on a boundary to switch at (`LiveCollectives.gather_ints`)."""
         self.agreed: tuple[int, list[list[int]]] | None = None
         """The next boundary's agreement, gathered with a step's gradients (`LiveCollectives.boundary`):
         (the step it follows, the rows)."""

@@ -24,6 +24,25 @@ from torchspot_trainer.recovery.snapshot import Held, choose_source
 from torchspot_trainer.recovery.wire import broadcast_state
 
 
+def evaluation_source(rows: list[list[int]], best: int, source: int | None) -> int | None:
+    """After a heal in place: the rank whose epoch-end evaluation every rank takes, or None when they
+    hold the same one already. Pure.
+
+    `rows`: each rank's (live step, held step, committed step, evaluated step) from the heal's
+    agreement; `best`: the step they go on from; `source`: the rank whose state the ranks behind
+    `best` received (None: none was sent). A rank at `best` keeps its own evaluation, one behind
+    takes the source's. They can differ: a frozen peer can leave an all-reduce completed on one
+    rank and not on another (gloo's ring), and so the epoch end's evaluation counted by one survivor
+    and not by the other, which then evaluated while its peer trained, and gloo aborted both on the
+    mismatched collective (a bench freeze trial's restarted survivor, 2 in about 100). The newest
+    evaluation among the ranks at `best` wins, from the lowest rank that holds it."""
+    after = [row[3] if source is None or row[0] == best else rows[source][3] for row in rows]
+    if len(set(after)) <= 1:
+        return None
+    newest = max(row[3] for row in rows if row[0] == best)
+    return next(rank for rank, row in enumerate(rows) if row[0] == best and row[3] == newest)
+
+
 def find_state(
     group: Group, manager: CheckpointManager | None, mine: tuple[Held, dict[str, Any]] | None
 ) -> tuple[str, dict[str, Any] | None]:
