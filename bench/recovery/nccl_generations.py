@@ -77,16 +77,17 @@ def rank_main(rank: int, world: int, port: int, scenario: str, deadline: float) 
     torch.cuda.synchronize(device)
     marks["cuda"] = _now()
     from torchspot_trainer.recovery.planes import (  # noqa: PLC0415 - after torch, as above
+        NcclPlane,
         Replace,
-        cuda_probe,
-        device_healthy,
         generation_options,
+        nccl_version,
         replacement,
     )
 
     store = TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=timedelta(seconds=120))
-    raw = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
-    version = (int(raw[0]), int(raw[1]), int(raw[2]))
+    version = nccl_version()
+    assert version is not None  # a CUDA build of torch (the module docstring)
+    plane = NcclPlane(device, version)  # the trainer's way to read a communicator's error and abort it
     facts["nccl"] = ".".join(str(part) for part in version)
     facts["torch"] = torch.__version__
     facts["gpu"] = torch.cuda.get_device_name(device)
@@ -111,7 +112,7 @@ def rank_main(rank: int, world: int, port: int, scenario: str, deadline: float) 
                 # Completed, or failed: with NCCL's error handling off, a work that NCCL failed
                 # (ncclRemoteError) is "completed", its wait() does not raise and WorkNCCL has no
                 # is_success: the communicator's error state tells (torch 2.8+: get_error).
-                if not failed(backend):
+                if not plane.failed(backend):
                     return True
                 facts["failure"] = "error reported"
                 return False
@@ -119,16 +120,9 @@ def rank_main(rank: int, world: int, port: int, scenario: str, deadline: float) 
         facts["failure"] = "deadline missed"
         return False
 
-    def failed(backend: Any) -> bool:
-        """Whether the communicator holds an error; a torch without get_error (before 2.8) cannot
-        tell, and a completed work then counts as done."""
-        get_error = getattr(backend, "get_error", None)
-        return get_error is not None and not str(get_error()).endswith("SUCCESS")
-
     def abort(backend: Any) -> bool:
         """The communicator's abort on a thread of its own: whether it returned within ABORT_SECONDS."""
-        call = getattr(backend, "abort", None) or backend._abort  # the binding's name differs by release
-        thread = threading.Thread(target=call, name="nccl-abort", daemon=True)
+        thread = threading.Thread(target=plane.abort, args=(backend,), name="nccl-abort", daemon=True)
         thread.start()
         thread.join(ABORT_SECONDS)
         return not thread.is_alive()
@@ -144,7 +138,7 @@ def rank_main(rank: int, world: int, port: int, scenario: str, deadline: float) 
         marks["detected"] = _now()
         facts["abort_returned"] = abort(first)
         marks["aborted"] = _now()
-        facts["device_healthy"] = device_healthy(cuda_probe(device))
+        facts["device_healthy"] = plane.healthy()
         marks["probed"] = _now()
         nxt = communicator(1, rank, world)
         check = torch.ones(SMALL, device=device)
@@ -176,7 +170,7 @@ def rank_main(rank: int, world: int, port: int, scenario: str, deadline: float) 
         victim = rank == world - 1
         facts["abort_returned"] = abort(first)
         marks["aborted"] = _now()
-        facts["device_healthy"] = device_healthy(cuda_probe(device))
+        facts["device_healthy"] = plane.healthy()
         marks["probed"] = _now()
         if victim:  # thawed after a freeze: it leaves, as its agent would make it
             facts["thawed"] = True
