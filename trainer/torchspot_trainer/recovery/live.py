@@ -90,17 +90,25 @@ class _Build:
 
     :param connect: how long gloo's constructor waits for the other ranks (a deferred round's build
         waits for its joiners' set-up); the group's op timeout is `live.op_timeout` after that.
+    :param on_done: called on the build's thread when it ended (given here: a build that fails at
+        once may end before its caller could set anything on it).
     """
 
     def __init__(
-        self, live: LiveGroup, assignment: Assignment, parent: Parent | None, *, connect: timedelta | None = None
+        self,
+        live: LiveGroup,
+        assignment: Assignment,
+        parent: Parent | None,
+        *,
+        connect: timedelta | None = None,
+        on_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.assignment = assignment
         self.parent = parent
         self.result: tuple[Any, Any, Any] | Exception | None = None
         self.done = threading.Event()
         self.abandoned = threading.Event()
-        self.on_done: Callable[[], None] = lambda: None
+        self.on_done = on_done
         self._live = live
         self._connect = connect or live.op_timeout
         self.thread = threading.Thread(target=self._run, name=f"torchspot-group-{assignment.generation}", daemon=True)
@@ -331,8 +339,10 @@ class LiveGroup:
         if not deferred:
             self.supersede(assignment.generation)
             return
-        build = _Build(self, assignment, None, connect=self.op_timeout + timedelta(seconds=READY_SECONDS))
-        build.on_done = lambda: self._ready(assignment)
+        build = _Build(
+            self, assignment, None, connect=self.op_timeout + timedelta(seconds=READY_SECONDS),
+            on_done=lambda: self._ready(assignment),
+        )  # fmt: skip
         with self._lock:
             self._prebuilt, previous = build, self._prebuilt
         if previous is not None:
