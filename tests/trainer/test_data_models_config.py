@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import io
 import pickle
+import random
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -324,12 +326,31 @@ def test_model_initialisation_is_the_same_on_every_rank() -> None:
         assert torch.equal(a, b)
 
 
+def _draws() -> tuple[torch.Tensor, float, float, float]:
+    """One draw of each generator the state holds (Python's Gaussian uses its spare value first)."""
+    return torch.rand(3), random.random(), random.gauss(0.0, 1.0), float(np.random.rand())
+
+
 def test_rng_state_roundtrips_through_a_safe_load(tmp_path: Path) -> None:
-    state = rng_state()
-    torch.save(state, tmp_path / "rng.pt")
-    expected = torch.rand(3)
+    random.gauss(0.0, 1.0)  # leaves a spare Gaussian value in Python's state
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = _draws()
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
-    assert torch.equal(torch.rand(3), expected)
+    drawn = _draws()
+    assert torch.equal(drawn[0], expected[0])
+    assert drawn[1:] == expected[1:]
+
+
+def test_rng_state_of_an_older_checkpoint_still_loads() -> None:
+    """Before 2026-11-28 Python's words and its spare Gaussian value were saved as one list."""
+    version, words, gauss = random.getstate()
+    older = {**rng_state(), "python": [*words, gauss], "python_version": version}
+    del older["python_gauss"]
+    expected = _draws()
+    set_rng_state(older)
+    drawn = _draws()
+    assert torch.equal(drawn[0], expected[0])
+    assert drawn[1:] == expected[1:]
 
 
 @pytest.mark.parametrize(

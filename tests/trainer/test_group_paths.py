@@ -46,7 +46,7 @@ from torchspot_trainer.recovery.notices import (
 )
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import Held
-from torchspot_trainer.recovery.wire import ALIGN, WireError, flatten, layout, unflatten
+from torchspot_trainer.recovery.wire import ALIGN, WireError, flatten, layout, pack, unflatten, unpack
 
 WORKER = Path(__file__).with_name("group_worker.py")
 sys.path.insert(0, str(WORKER.parent))
@@ -530,3 +530,13 @@ def test_evaluation_runs_under_inference_mode_and_the_runs_autocast(tmp_path: Pa
         dist.destroy_process_group()
     assert seen == [(True, torch.bfloat16)] * 3
     assert 0.0 <= accuracy <= 1.0
+
+
+def test_a_packed_state_unpacks_unchanged_and_a_buffer_of_another_size_is_refused() -> None:
+    """`pack` and `unpack`: the two tensors a heal in place sends to each rank that lacks the state."""
+    state = training_state()
+    sizes, buffer = pack(state, torch.device("cpu"))
+    assert sizes.tolist()[1] == buffer.numel()
+    assert _same(state, unpack(sizes, buffer))
+    with pytest.raises(WireError, match="bytes came in a buffer of"):
+        unpack(sizes, buffer[:-16])

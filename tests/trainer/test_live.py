@@ -37,7 +37,7 @@ from torchspot_trainer.recovery.planes import (
     shrink_flags,
     shrink_plan,
 )
-from torchspot_trainer.recovery.resume import evaluation_source
+from torchspot_trainer.recovery.resume import evaluation_source, trainers_of_next_step
 
 WORKER = Path(__file__).with_name("live_worker.py")
 REFORM_BOUND = 5.0
@@ -126,6 +126,105 @@ def test_after_a_heal_every_rank_holds_the_newest_evaluation_of_the_ranks_that_g
     """Otherwise a survivor whose epoch-end evaluation completed trains while one whose evaluation a
     frozen peer broke evaluates again, and gloo aborts both on the mismatched collective."""
     assert evaluation_source(rows, best, source) == sender
+
+
+@pytest.mark.parametrize(
+    ("rows", "trainers"),
+    [
+        ([[40, -1, -1, 28, 1], [40, -1, -1, 28, 1], [-1, -1, -1, -1, 1]], [0, 1]),  # a joiner sits out
+        ([[-1, -1, -1, -1, 1], [40, -1, -1, 28, 1], [39, -1, -1, 28, 1]], [1]),  # and a rank a step behind
+        ([[40, -1, -1, 28, 0], [40, -1, -1, 28, 0], [-1, -1, -1, -1, 1]], None),  # an evaluation is due next
+        ([[40, -1, -1, 28, 1], [40, -1, -1, 28, 1], [-1, -1, -1, -1, 0]], None),  # fp16 or SyncBatchNorm
+        ([[40, -1, -1, 28, 1], [40, -1, -1, 40, 1], [-1, -1, -1, -1, 1]], None),  # evaluations differ first
+    ],
+)
+def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_can(
+    rows: list[list[int]], trainers: list[int] | None
+) -> None:
+    """The ranks at the newest step train the next one while the others receive the state, unless a
+    rank says it cannot (its next collective would not be the step's), or the evaluation agreement
+    must come first: then the state is broadcast before the step, as before."""
+    source = next(rank for rank, row in enumerate(rows) if row[0] == max(r[0] for r in rows))
+    assert trainers_of_next_step(rows, max(r[0] for r in rows), source) == trainers
+
+
+_SIT_OUT = """
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+import torch
+from torch._C._distributed_c10d import TCPStore
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, Outcome, StateArrival, send_state
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
+def enter(generation, rank):
+    assert lives[rank].reconfigure(Assignment(generation, rank, 3, "127.0.0.1", store.port), time.monotonic() + 30)
+threads = [threading.Thread(target=enter, args=(1, rank)) for rank in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(10)
+state = {"model": {"w": torch.arange(6.0)}, "step": 40, "rng": {"python": torch.arange(625)}}
+began = time.monotonic()
+send_state(lives[0], state, [2], torch.device("cpu"))  # the receiver has not asked yet
+posted = time.monotonic() - began
+sums = {}
+def step(rank):  # the trainers' step: its all-reduce waits for the receiver's zeros
+    value = torch.ones(1) if rank < 2 else torch.zeros(1)
+    sums[rank] = (lives[rank].all_reduce(value, time.monotonic() + 5), float(value))
+trainers = [threading.Thread(target=step, args=(rank,)) for rank in (0, 1)]
+for thread in trainers:
+    thread.start()
+time.sleep(0.2)
+arrived = StateArrival(lives[2], 0, torch.device("cpu"), time.monotonic() + 5).result()
+step(2)
+for thread in trainers:
+    thread.join(10)
+print(round(posted, 3), arrived["step"], arrived["model"]["w"].tolist(), torch.equal(arrived["rng"]["python"],
+      torch.arange(625)), sep="|")
+print(sorted((rank, outcome.value, value) for rank, (outcome, value) in sums.items()))
+ended = time.monotonic() + 5
+while lives[0]._staging and time.monotonic() < ended:
+    time.sleep(0.01)
+print(len(lives[0]._staging))  # the sends ended: their buffers let go
+threads = [threading.Thread(target=enter, args=(2, rank)) for rank in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join(10)
+waiting = StateArrival(lives[2], 0, torch.device("cpu"), time.monotonic() + 30)  # nothing is sent
+began = time.monotonic()
+threading.Timer(0.2, lives[2].supersede, args=(3,)).start()  # a newer round breaks the generation
+try:
+    waiting.result()
+    print("arrived")
+except GroupChanged as exc:
+    print(exc.failed, round(time.monotonic() - began, 1))
+sys.stdout.flush()
+os._exit(0)  # the abandoned receive's thread is still in gloo
+"""
+
+
+@pytest.mark.slow(seconds=5)
+def test_a_heal_sends_the_state_while_its_trainers_step_and_a_broken_generation_ends_the_wait() -> None:
+    """`send_state` returns before its receiver asks (the source trains meanwhile); the receiver's
+    `StateArrival` gets the state whole, after which its zeros complete the trainers' all-reduce; the
+    sends' buffers are let go once they ended. A receiver waiting for a state that never comes gives
+    up when a newer round breaks the generation, not at its deadline. Three real gloo ranks on one
+    store, in a process of their own (its group threads must not be there when another test forks)."""
+    done = subprocess.run([sys.executable, "-c", _SIT_OUT], check=True, capture_output=True, text=True, timeout=60)
+    arrival, sums, held, broken = done.stdout.split("\n")[:4]
+    posted, *received = arrival.split("|")
+    assert float(posted) < 0.2
+    assert received == ["40", "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]", "True"]
+    assert sums == "[(0, 'done', 2.0), (1, 'done', 2.0), (2, 'done', 2.0)]"
+    assert held == "0"
+    failed, seconds = broken.split()
+    assert failed == "False"
+    assert float(seconds) < 2.0
 
 
 @pytest.mark.parametrize(("rows", "chosen"), [([[7.0], [8.0], [8.0]], (8, 1)), ([[3.0], [3.0]], (3, 0))])

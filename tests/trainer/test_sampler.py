@@ -93,3 +93,14 @@ def test_micro_batches_cover_the_share_once_in_the_same_count_on_every_rank(chun
     counts = Counter(i for plan in plans for part in plan for i in part)
     assert sorted(counts) == sorted(sampler.step_chunk(world))
     assert set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize(("world", "among"), [(3, 2), (3, 1), (5, 3)])
+def test_a_step_dealt_among_fewer_ranks_is_the_same_step(world: int, among: int) -> None:
+    """A heal in place whose receivers sit out a step deals it over its trainers only: the same samples,
+    each once, and the step counted as the world's (what the next step starts from is unchanged)."""
+    sampler = ElasticSampler(100, batch_size=1, seed=5, global_batch=24, micro_batch=8)
+    dealt = [i for rank in range(among) for part in sampler.micro_batches(rank, world, among=among) for i in part]
+    assert sorted(dealt) == sorted(sampler.step_chunk(world))
+    assert max(len(part) for rank in range(among) for part in sampler.micro_batches(rank, world, among=among)) <= 8
+    assert sampler.advance(world) == 24

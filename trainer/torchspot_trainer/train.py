@@ -97,7 +97,14 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
-from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup, wait_for_assignment
+from torchspot_trainer.recovery.live import (
+    GroupChanged,
+    LiveCollectives,
+    LiveGroup,
+    StateArrival,
+    send_state,
+    wait_for_assignment,
+)
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -107,7 +114,7 @@ from torchspot_trainer.recovery.notices import (
     waits_for_save,
 )
 from torchspot_trainer.recovery.planes import plane_for
-from torchspot_trainer.recovery.resume import evaluation_source, find_state
+from torchspot_trainer.recovery.resume import evaluation_source, find_state, trainers_of_next_step
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
     EvictionNotice,
@@ -311,10 +318,21 @@ class _Window:
 
 @dataclass
 class _InPlace:
-    """A worker that re-forms in place (--in-place): its side of the hand-over and its generations."""
+    """A worker that re-forms in place (--in-place): its side of the hand-over and its generations, and
+    what its last heal left for the next step (`Trainer._heal`)."""
 
     handover: Handover
     live: LiveGroup
+    holds_state: bool = False
+    """The model and step are a state of the run (not a joiner's before its heal's state arrived), so a
+    re-form may go on from them (`Trainer._reform`)."""
+    trainers: list[int] | None = None
+    """After a heal whose receivers sit out the next step: the ranks that train it (`Trainer._hand_over`);
+    its samples are dealt over them only (`Trainer._train_epoch`)."""
+    buffers_from: int = 0
+    """The rank whose BatchNorm buffers the next gradient all-reduce takes (`Trainer._average`)."""
+    arriving: tuple[StateArrival, int] | None = None
+    """A heal's receiver: the state on its way, and the step it is of (`Trainer._sit_out`)."""
 
 
 class Trainer:
@@ -415,7 +433,8 @@ class Trainer:
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
-        self._started(run)
+        if self._arrival() is None:  # (a receiver's start record comes with its state: `_sit_out`)
+            self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
         while True:
@@ -450,10 +469,14 @@ class Trainer:
         (evaluated). In place, a membership change raises out of here and the loop comes back after the
         re-form: the epoch is planned again for the new world from the sampler, which counts only
         completed steps, so the interrupted step's samples are dealt again (exact-once)."""
-        # An epoch's end is evaluated once: also when a notice interrupted its evaluation.
-        if run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step:
+        arrival = self._arrival()
+        if arrival is not None:
+            assert self._in_place is not None
+            self._in_place.arriving = None
+            self._sit_out(run, *arrival)
+        if self._evaluation_due(run):
             self._evaluate(run, epoch=run.sampler.epoch - 1)
-        if run.sampler.epoch >= self.config.epochs or self._step_limit_reached():
+        if self._training_over(run):
             if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
                 self._evaluate(run, epoch=run.sampler.epoch)
             return False
@@ -477,11 +500,26 @@ class Trainer:
                         "node": os.environ.get("NODE_NAME") or socket.gethostname()}, any_rank=True)  # fmt: skip
         self._emit(record)
 
+    def _arrival(self) -> tuple[StateArrival, int] | None:
+        return None if self._in_place is None else self._in_place.arriving
+
+    def _evaluation_due(self, run: _Run) -> bool:
+        """An epoch's end not evaluated yet (once: also when a notice interrupted its evaluation)."""
+        return run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step
+
+    def _training_over(self, run: _Run) -> bool:
+        return run.sampler.epoch >= self.config.epochs or self._step_limit_reached()
+
     def _train_epoch(self, run: _Run) -> None:
         """Train on the rest of the current epoch (or until --max-steps): the step loop."""
         sampler = run.sampler
         epoch = sampler.epoch
         plans = list(sampler.epoch_steps(self.rank, self.world))
+        trainers = None
+        if self._in_place is not None:
+            trainers, self._in_place.trainers = self._in_place.trainers, None
+        if trainers is not None and plans:  # the heal's receivers sit this step out (`_heal`)
+            plans[0] = sampler.micro_batches(trainers.index(self.rank), self.world, among=len(trainers))
         batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
         window = _Window(self.device)
         for plan in plans:
@@ -492,16 +530,24 @@ class Trainer:
                 device=self.device, before_update=self._begin_update, precision=self.precision,
                 normalize=run.normalize,
             )  # fmt: skip
-            sampler.advance(self.world)
-            self.step += 1
-            self._capture(run)
-            window.add(loss, correct, step_samples)
-            if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
-                self._log_progress(run, window, lr)
-                window = _Window(self.device)
-            self._after_step(run)
+            window = self._finish_step(run, window, (loss, correct), step_samples, lr)
             if self._step_limit_reached():
                 break
+
+    def _finish_step(
+        self, run: _Run, window: _Window, sums: tuple[torch.Tensor, torch.Tensor], step_samples: int, lr: float
+    ) -> _Window:
+        """After a step's update: count it, copy it to the host, log it when due, then its boundary
+        (notices, the checkpoint schedule). The window to go on with."""
+        run.sampler.advance(self.world)
+        self.step += 1
+        self._capture(run)
+        window.add(*sums, step_samples)
+        if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
+            self._log_progress(run, window, lr)
+            window = _Window(self.device)
+        self._after_step(run)
+        return window
 
     def _set_learning_rate(self, run: _Run) -> float:
         """Set the scheduled learning rate for the next step (a function of samples consumed)."""
@@ -516,13 +562,18 @@ class Trainer:
     def _begin_update(self) -> None:
         """Between the step's last backward pass and its update. In place the gradients are averaged
         here: a failed average raises GroupChanged before anything of the step is applied."""
+        self._average(self.step + 1)
+
+    def _average(self, step: int) -> None:
+        """`_begin_update` for the update that makes `step`."""
         if self._run is not None and self._in_place is not None:
+            buffers_from, self._in_place.buffers_from = self._in_place.buffers_from, 0
             group = self.group
             assert isinstance(group, LiveCollectives)
             model = self._run.model
             group.average_gradients(
                 [p for p in model.parameters() if p.requires_grad], list(model.buffers()),
-                boundary=(self.step + 1, self.stop.row),
+                boundary=(step, self.stop.row), buffers_from=buffers_from,
             )  # fmt: skip
         self._host.before_update()
 
@@ -755,10 +806,15 @@ class Trainer:
         restarted) its node's snapshot, if any (`mine`). While nobody trains yet (the first
         generation), this is the restart path's resume (resume.py). Otherwise the newest step wins
         (a rank that completed a step its peers' collectives did not: they take it from it), from
-        the lowest rank holding it, sent only when some rank lacks it."""
+        the lowest rank holding it, sent only when some rank lacks it: where it can, while the ranks
+        that hold it train the next step without the others (`_hand_over`)."""
+        place = self._in_place
+        if place is not None:  # (a state on its way in a generation that broke is given up)
+            place.arriving, place.trainers, place.buffers_from = None, None, 0
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
-        rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0]])
+        rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0],
+                                  int(self._may_sit_out(run, live_step))])  # fmt: skip
         newest_committed = max(row[2] for row in rows)
         if self.manager is not None and newest_committed >= 0:  # a new rank 0 knows the last checkpoint
             self.manager.last_committed = newest_committed
@@ -775,6 +831,10 @@ class Trainer:
             return
         from_live = best == max(live)
         source = (live if from_live else held).index(best)
+        trainers = trainers_of_next_step(rows, best, source) if from_live else None
+        if trainers is not None:
+            self._hand_over(run, trainers, best)
+            return
         sending = None
         if self.rank == source:
             sending = self._state(run) if from_live else (mine[1] if mine is not None else None)
@@ -786,6 +846,56 @@ class Trainer:
             self.resumed_from = "live"
         if from_live:  # (from a snapshot every rank loaded the same state)
             self._agree_on_evaluation(run, rows, best, source)
+
+    def _may_sit_out(self, run: _Run, live_step: int) -> bool:
+        """This rank's column of `resume.trainers_of_next_step`: its data plane sends point to point (the
+        host one; NCCL's heal still broadcasts), no gradient scaler needs a step it took part in (fp16)
+        nor SyncBatchNorm a forward pass, and, holding a live state, its next step is a training step."""
+        place = self._in_place
+        if place is None or place.live.plane.separate or self.precision.scaler is not None or self.config.sync_bn:
+            return False
+        return live_step < 0 or not (self._evaluation_due(run) or self._training_over(run))
+
+    def _hand_over(self, run: _Run, trainers: list[int], best: int) -> None:
+        """A heal whose receivers sit out the next step (`resume.trainers_of_next_step`). The lowest of
+        `trainers` (the ranks at `best`) sends its state to each of the others point to point and goes
+        on without waiting for it; the trainers take the next step among themselves (`_train_epoch`
+        deals its samples over them) while the state travels; a receiver loads it, then takes part in
+        the step's gradient all-reduce with zeros and applies the step (`_sit_out`). The same samples
+        make the same step whoever computes them, and the step's BatchNorm buffers come from a
+        trainer."""
+        place = self._in_place
+        assert place is not None
+        place.buffers_from = trainers[0]
+        receivers = [rank for rank in range(self.world) if rank not in trainers]
+        if self.rank == trainers[0]:
+            send_state(place.live, self._state(run), receivers, self.device)
+        if self.rank in trainers:
+            place.trainers = trainers
+            self.resumed_from = "live"
+            return
+        deadline = time.monotonic() + self.config.collective_timeout
+        place.arriving = (StateArrival(place.live, trainers[0], self.device, deadline), best)
+        self.resumed_from = "peer"
+
+    def _sit_out(self, run: _Run, arriving: StateArrival, step: int) -> None:
+        """A heal's receiver in the step its trainers take without it (`_hand_over`): it loads the state
+        (`step`'s) once it arrived, the trainers meanwhile computing; then its gradients count zero in
+        the step's all-reduce (the step's scale is the world's, so the average is the trainers'
+        samples' mean), which also brings the step's BatchNorm buffers, and it applies the step as
+        the others do and goes on with them."""
+        self._load(run, arriving.result())
+        assert self._in_place is not None
+        self._in_place.holds_state = True
+        self._base = self.step
+        self._started(run)
+        lr = self._set_learning_rate(run)
+        step_samples = run.sampler.next_step_samples(self.world)
+        run.optimizer.zero_grad(set_to_none=True)
+        self._average(step + 1)
+        self.precision.step(run.optimizer)
+        nothing = torch.zeros((), device=self.device)
+        self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr)
 
     def _agree_on_evaluation(self, run: _Run, rows: list[list[int]], best: int, source: int | None) -> None:
         """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
@@ -808,11 +918,13 @@ class Trainer:
         if failed:
             place.handover.report_failure()
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
-        self._settle(run, live_step=self.step, mine=None, entered=False, lap=_lap(self.setup_seconds))
+        live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
+        self._settle(run, live_step=live_step, mine=None, entered=False, lap=_lap(self.setup_seconds))
         self._base = self.step
         self._ranks_changed()
         self._capture(run)
-        self._started(run)
+        if place.arriving is None:  # (a receiver's comes with its state: `_sit_out`)
+            self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
 
@@ -840,6 +952,7 @@ class Trainer:
                 if exc.failed:
                     place.handover.report_failure()
             else:
+                place.holds_state = place.arriving is None or live_step >= 0
                 return
             finally:
                 lap("resume")
@@ -893,8 +1006,8 @@ class Trainer:
 
     def _capture(self, run: _Run) -> None:
         """The host copy of this boundary's state (hostcopy.py), its BatchNorm statistics copied now;
-        nothing built when no copy is due."""
-        if self._host.keeps(self.step):
+        nothing built when no copy is due, nor by a heal's receiver before its state came."""
+        if self._arrival() is None and self._host.keeps(self.step):
             self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
 
     def _keep_snapshot(self) -> None:

@@ -101,9 +101,12 @@ class ElasticSampler:
             self.consumed = 0
         return used
 
-    def micro_batches(self, rank: int, world: int) -> list[list[int]]:
-        """The index lists `rank` runs forward and backward in the next step."""
-        return split_share(self.step_chunk(world), rank, world, self.micro_batch)
+    def micro_batches(self, rank: int, world: int, *, among: int = 0) -> list[list[int]]:
+        """The index lists `rank` runs forward and backward in the next step of a group of `world`.
+        `among`: the step's samples are dealt over that many of its ranks only, `rank` counted
+        among them (0: all). A heal in place deals a step so while its receivers wait for the state
+        (train.py): the same samples, the same step, computed by fewer ranks."""
+        return split_share(self.step_chunk(world), rank, among or world, self.micro_batch)
 
     def epoch_steps(self, rank: int, world: int) -> Iterator[list[list[int]]]:
         """This rank's micro-batches for each remaining step of the epoch. Computed once

@@ -48,6 +48,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distr
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.planes import HostPlane, Parent
+from torchspot_trainer.recovery.wire import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ once the op timeout has passed; one with no op abandoned in flight at once); bey
 the restart path instead of another re-form."""
 
 
+SIZES_TAG, STATE_TAG = 1, 2
+"""The tags of a heal's two sends to a receiver (`send_state`, `StateArrival`): the state's sizes, then
+its buffer. A generation's group is new, so its tags are too."""
 EXACT_ROWS = (torch.float32, torch.float64)
 """Gradient dtypes whose sums carry a boundary's rows exactly (integers below 2**24)."""
 DATA_PREFIX = "data/"
@@ -78,7 +82,8 @@ class _Grave:
     parent: Parent
     """Its data group, retired (aborted) by the next generation's build."""
     store: Any
-    staging: list[torch.Tensor]
+    staging: dict[int, torch.Tensor]
+    """Buffers a collective or send of it may still write or read, by id (`LiveGroup._staging`)."""
     since: float
 
 
@@ -192,7 +197,10 @@ class LiveGroup:
         """No work of the data group abandoned in flight or failed (a shrink may then go without abort)."""
         self._store: Any = None
         self._graveyard: list[_Grave] = []
-        self._staging: list[torch.Tensor] = []
+        self._staging: dict[int, torch.Tensor] = {}
+        """The generation's staging copies and send buffers in use, by id: a dict, whose setting and
+        popping of one key are atomic, because a heal's receiving thread uses it beside the training
+        thread (`StateArrival`, `post_send`), and a list's removal compares tensors with `==`."""
         self.retirements = 0
         """Old data groups handed to the plane to retire (for tests and logs)."""
         self.probes = 0
@@ -277,7 +285,7 @@ class LiveGroup:
             self._graveyard.append(_Grave(self._group, parent, self._store, self._staging, now))
             self.retirements += parent.group is not None
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
-        self._staging = []
+        self._staging = {}
         self._clean = True
         self.agreed = None
         return parent
@@ -372,7 +380,7 @@ class LiveGroup:
         """An abandoned group build: held like a generation's grave (nothing of it to retire)."""
         parent = Parent(None, self.generation, -1, 0, clean=True, abort=None)
         parent.retire()
-        self._graveyard.append(_Grave(builder, parent, None, [], time.monotonic()))
+        self._graveyard.append(_Grave(builder, parent, None, {}, time.monotonic()))
 
     def _reap(self) -> None:
         """Let go, on a thread of their own, of the graves no op of which can still run: those whose
@@ -414,6 +422,28 @@ class LiveGroup:
             tensor.copy_(staging)
         return outcome
 
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Send `tensor` to rank `dst` on the data plane's group without waiting: the caller goes on
+        (a heal's source trains while its state travels). The tensor is the send's from now on (the
+        caller passes one it does not write again, one per send) and is held with the generation,
+        like a staging copy, until the send ended. Gloo matches it to the receiver's receive of the
+        same `tag` (`StateArrival`).
+
+        A gloo send's work reports completion only to `wait()` (its `is_completed()` stays False until
+        then; so does a receive's), so a thread of its own waits for it: the data flow meanwhile,
+        whoever waits. A send whose receiver went ends with gloo's op timeout."""
+        held = self._staging
+        held[id(tensor)] = tensor
+        work = self._pick(False).send([tensor], dst, tag)
+        threading.Thread(target=self._end_send, args=(work, held, tensor), name="torchspot-send", daemon=True).start()
+
+    def _end_send(self, work: Any, held: dict[int, torch.Tensor], tensor: torch.Tensor) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:  # the receiver went, or the op timed out: its buffer is read no more
+            log.warning("generation %s: a send ended in error (%s)", self.generation, exc)
+        held.pop(id(tensor), None)
+
     def agree(self, row: list[float], deadline: float) -> list[list[float]] | None:
         """Every rank's `row` (the same length on every rank), by rank; None if the group failed.
         One all-reduce of a world x len(row) table in which each rank fills its own line, on the
@@ -433,7 +463,8 @@ class LiveGroup:
         return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
 
     def _wait(self, group: Any, work: Any, staging: torch.Tensor, deadline: float) -> Outcome:
-        self._staging.append(staging)  # held with its group: a zombie may still write into it
+        held = self._staging
+        held[id(staging)] = staging  # held with its group: a zombie may still write into it
         data = self.plane.separate and group is self._data
         while not work.is_completed():
             if self.broken.is_set() or time.monotonic() > deadline:
@@ -447,10 +478,10 @@ class LiveGroup:
             failure = str(exc)
         if failure is not None:
             log.warning("generation %s: collective failed (%s)", self.generation, failure)
-            self._staging.remove(staging)  # the op has ended, in error: nothing writes into the copy later
+            held.pop(id(staging))  # the op has ended, in error: nothing writes into the copy later
             self._clean = self._clean and not data
             return Outcome.FAILED
-        self._staging.remove(staging)
+        held.pop(id(staging))
         return Outcome.DONE
 
     def _require(self) -> Assignment:
@@ -461,6 +492,66 @@ class LiveGroup:
     def _pick(self, control: bool) -> Any:
         self._require()
         return self._group if control else self._data
+
+
+def send_state(live: LiveGroup, state: Any, receivers: list[int], device: torch.device) -> None:
+    """A heal's source: `state` (`wire.pack`) to each of `receivers` (`StateArrival`), without waiting
+    for it to arrive (`LiveGroup.post_send`): the source trains its next step meanwhile."""
+    sizes, buffer = pack(state, device)
+    for rank in receivers:  # a send's buffer is its own until it completes (one per receiver)
+        live.post_send(sizes.clone(), rank, SIZES_TAG)
+        live.post_send(buffer if rank == receivers[0] else buffer.clone(), rank, STATE_TAG)
+
+
+class StateArrival:
+    """A heal's state on its way from rank `source` (`send_state`), received on a thread of its own
+    while the training thread goes on (train.py: a receiver waits for it only when it must load it,
+    its trainers computing meanwhile). `result()` waits for it, giving up when the generation breaks.
+
+    The thread receives in the data group current at construction, into buffers of its own held with
+    that generation (a gloo receive's work completes only in its blocking `wait()`, which nothing can
+    cancel: one given up on ends with gloo's op timeout, and its buffers stay held until then)."""
+
+    def __init__(self, live: LiveGroup, source: int, device: torch.device, deadline: float) -> None:
+        self._live, self._deadline = live, deadline
+        self._done = threading.Event()
+        self._state: Any = None
+        self._error: Exception | None = None
+        self._failed = False
+        threading.Thread(
+            target=self._run, args=(live._pick(False), live._staging, source, device), name="torchspot-arrival",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _run(self, group: Any, held: dict[int, torch.Tensor], source: int, device: torch.device) -> None:
+        try:
+            sizes = torch.zeros(2, dtype=torch.long, device=device)
+            held[id(sizes)] = sizes
+            group.recv([sizes], source, SIZES_TAG).wait()
+            buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
+            held[id(buffer)] = buffer
+            group.recv([buffer], source, STATE_TAG).wait()
+            held.pop(id(sizes)), held.pop(id(buffer))  # both received whole: nothing writes into them later
+            self._state = unpack(sizes, buffer)
+        except RuntimeError as exc:  # gloo: the source's socket closed, or the op timed out
+            log.warning("the state from rank %d did not arrive (%s)", source, exc)
+            self._failed = True
+        except Exception as exc:  # a malformed state (WireError): the caller raises it
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        """The state; GroupChanged if it did not arrive (the receive failed, a newer round broke the
+        generation, or the deadline passed)."""
+        while not self._done.wait(POLL_SECONDS * 5):
+            if self._live.broken.is_set() or time.monotonic() > self._deadline:
+                raise GroupChanged(Outcome.BROKEN)
+        if self._error is not None:
+            raise self._error
+        if self._failed:
+            raise GroupChanged(Outcome.FAILED)
+        return self._state
 
 
 class GroupChanged(RuntimeError):
@@ -541,12 +632,15 @@ class LiveCollectives(Group):
         buffers: list[torch.Tensor],
         *,
         boundary: tuple[int, Callable[[], list[int]]] | None = None,
+        buffers_from: int = 0,
     ) -> None:
         """What DDP does to a step: the gradients averaged over ranks (each divided by the world, then
         summed, in DDP's order of operations), and the model's floating-point buffers (BatchNorm's
-        running statistics) taken from rank 0, in one all-reduce of one flat buffer after the step's
-        last backward pass; a parameter without a gradient counts as zero. Unlike DDP's buckets it does
-        not overlap the backward pass: the price of a group that can be replaced between two steps.
+        running statistics) taken from rank `buffers_from` (DDP's rank 0; after a heal whose
+        receivers sat out the step, a rank that trained it: train.py), in one all-reduce of one flat
+        buffer after the step's last backward pass; a parameter without a gradient counts as zero.
+        Unlike DDP's buckets it does not overlap the backward pass: the price of a group that can be
+        replaced between two steps.
 
         `boundary`: (the step these gradients make, its agreement's row function). Where the gradients
         travel on the agreements' group (gloo: not on a GPU, whose host would then wait for the
@@ -556,7 +650,8 @@ class LiveCollectives(Group):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
         floating = [buffer for buffer in buffers if buffer.is_floating_point()]
         parts = [grad.reshape(-1) / self.world for grad in grads]
-        parts += [buffer.reshape(-1) if self.rank == 0 else torch.zeros_like(buffer).reshape(-1) for buffer in floating]
+        mine = self.rank == buffers_from
+        parts += [buffer.reshape(-1) if mine else torch.zeros_like(buffer).reshape(-1) for buffer in floating]
         table = None
         if boundary is not None and not self.live.plane.separate and parts and parts[0].dtype in EXACT_ROWS:
             row = self._with_joiners(boundary[1]())

@@ -28,7 +28,7 @@ def evaluation_source(rows: list[list[int]], best: int, source: int | None) -> i
     """After a heal in place: the rank whose epoch-end evaluation every rank takes, or None when they
     hold the same one already. Pure.
 
-    `rows`: each rank's (live step, held step, committed step, evaluated step) from the heal's
+    `rows`: each rank's (live step, held step, committed step, evaluated step, ...) from the heal's
     agreement; `best`: the step they go on from; `source`: the rank whose state the ranks behind
     `best` received (None: none was sent). A rank at `best` keeps its own evaluation, one behind
     takes the source's. They can differ: a frozen peer can leave an all-reduce completed on one
@@ -41,6 +41,25 @@ def evaluation_source(rows: list[list[int]], best: int, source: int | None) -> i
         return None
     newest = max(row[3] for row in rows if row[0] == best)
     return next(rank for rank, row in enumerate(rows) if row[0] == best and row[3] == newest)
+
+
+def trainers_of_next_step(rows: list[list[int]], best: int, source: int) -> list[int] | None:
+    """After a heal in place that sends a live rank's state (`source`'s, at step `best`) to the ranks
+    behind it: the ranks that train the next step while the others receive the state, or None when
+    the others must have it first. Pure.
+
+    `rows` as for `evaluation_source`, with a fifth column: whether the rank may sit out (its data
+    plane sends point to point, no gradient scaler or SyncBatchNorm needs it in the step, and for a
+    rank at its own live step, the next thing it does is a training step: no evaluation, not the
+    end). Every rank's must say yes, and the ranks at `best` must agree on their evaluation.
+    A joiner would otherwise be healed first, then train: on 2 CPU cores the others waited 10-20 ms
+    for the state's broadcast before their step (bench/README.md). TorchFT heals so as well: a
+    joining replica's gradients count zero in its first step, which it takes with the state it
+    receives meanwhile."""
+    if not all(row[4] for row in rows) or evaluation_source(rows, best, source) is not None:
+        return None
+    trainers = [rank for rank, row in enumerate(rows) if row[0] == best]
+    return trainers if len(trainers) < len(rows) else None
 
 
 def find_state(

@@ -12,8 +12,9 @@ tensors only, and a receiver that runs whatever the pickle says. Here the source
 
 The skeleton and the sections travel as one byte buffer (each section aligned, `layout`), after its
 sizes: two broadcasts in all, whatever the state holds (on the group's device: NCCL moves only
-device tensors). A heal in place pays them while the others wait, and each broadcast cost 3-6 ms
-on 2 CPU cores, mostly waiting for the slowest rank; a skeleton, then one buffer per dtype, took five.
+device tensors); a skeleton, then one buffer per dtype, took five, and each broadcast cost 3-6 ms on
+2 CPU cores, mostly waiting for the slowest rank. In place the two go as sends to each rank that
+lacks the state instead (`pack`, `unpack`), while the others train a step without it (train.py).
 
 The receivers cut the sections into the tensors again (`unflatten`; views, no copy on the
 host). The state the trainer checkpoints (checkpoint/manager.py, `torch.load(weights_only=True)`)
@@ -108,39 +109,50 @@ def _default_group(tensor: torch.Tensor, src: int) -> None:
     dist.broadcast(tensor, src=src)
 
 
+def pack(state: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sizes, the buffer) that carry `state`: the skeleton's bytes and the buffer's as two longs,
+    then the skeleton and each dtype's section in one aligned byte buffer (`layout`), on `device`."""
+    skeleton, tensors = flatten(state)
+    encoded = skeleton.encode()
+    places, total = layout(len(encoded), {dtype: sum(t.numel() for t in parts) for dtype, parts in tensors.items()})
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    for dtype, parts in tensors.items():
+        section = _section(buffer, dtype, places[dtype])
+        start = 0
+        for tensor in parts:
+            section[start : start + tensor.numel()] = tensor.detach().reshape(-1)
+            start += tensor.numel()
+    return torch.tensor([len(encoded), total], dtype=torch.long, device=device), buffer
+
+
+def unpack(sizes: torch.Tensor, buffer: torch.Tensor) -> Any:
+    """The state `pack` made `sizes` and `buffer` of, its tensors in host memory. A skeleton whose
+    tensors do not fill the buffer exactly is refused (WireError)."""
+    length, total = (int(value) for value in sizes.tolist())
+    skeleton = buffer[:length].cpu().numpy().tobytes().decode()
+    places, expected = layout(length, _sizes(skeleton))
+    if expected != total or buffer.numel() != total:
+        raise WireError(f"a state skeleton that needs {expected} bytes came in a buffer of {buffer.numel()}")
+    # A section each of its own in host memory: views of one storage as several dtypes cannot be saved.
+    sections = {dtype: _section(buffer, dtype, place).to("cpu", copy=True) for dtype, place in places.items()}
+    return unflatten(skeleton, sections)
+
+
 def broadcast_state(state: Any, src: int, rank: int, device: torch.device, send: Send = _default_group) -> Any:
     """`state` from rank `src` to every rank (the others pass None): over the default group, or
     through `send` (a worker that re-forms in place has no default group: live.py); the receivers'
     tensors end up in host memory. One broadcast for the sizes (the skeleton's bytes, the buffer's),
     one for the buffer (module docstring)."""
     if rank == src:
-        skeleton, tensors = flatten(state)
-        encoded = skeleton.encode()
-        places, total = layout(len(encoded), {dtype: sum(t.numel() for t in parts) for dtype, parts in tensors.items()})
-        sizes = torch.tensor([len(encoded), total], dtype=torch.long, device=device)
+        sizes, buffer = pack(state, device)
     else:
         sizes = torch.zeros(2, dtype=torch.long, device=device)
     send(sizes, src)
-    length, total = (int(value) for value in sizes.tolist())
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    if rank == src:
-        buffer[:length] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        for dtype, parts in tensors.items():
-            section = _section(buffer, dtype, places[dtype])
-            start = 0
-            for tensor in parts:
-                section[start : start + tensor.numel()] = tensor.detach().reshape(-1)
-                start += tensor.numel()
+    if rank != src:
+        buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
     send(buffer, src)
-    if rank == src:
-        return state
-    skeleton = buffer[:length].cpu().numpy().tobytes().decode()
-    places, expected = layout(length, _sizes(skeleton))
-    if expected != total:
-        raise WireError(f"a state skeleton that needs {expected} bytes came in a buffer of {total}")
-    # A section each of its own in host memory: views of one storage as several dtypes cannot be saved.
-    sections = {dtype: _section(buffer, dtype, place).to("cpu", copy=True) for dtype, place in places.items()}
-    return unflatten(skeleton, sections)
+    return state if rank == src else unpack(sizes, buffer)
 
 
 ALIGN = 16
