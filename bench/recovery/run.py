@@ -37,8 +37,9 @@ Backends:
 - `c10d`: stock torchrun, c10d backend, torch's defaults;
 - `torchft`, `torchft-1s`, `torchft-0.5s`: TorchFT 0.2.0 with its defaults, a 1 s heartbeat
   timeout, and its tests' 0.5 s (torchft_peer.py), each step the toy's;
-- `torchft-0.5s-trainer`: its tests' settings, each step our trainer's (torchft_replica.py's
-  `--work trainer`): the counterpart of `trainer-inplace*`.
+- `torchft-0.5s-trainer`, `torchft-1s-trainer`: its tests' settings and the 1 s ones, each step our
+  trainer's (torchft_replica.py's `--work trainer`): the counterparts of `trainer-inplace*` (the 1 s
+  ones for where the 0.5 s ones fail the false-alarm check, as they did once on 2026-11-27).
 
 Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] [--scenarios ...] [--keep DIR]
 """
