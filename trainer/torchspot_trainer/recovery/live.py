@@ -68,6 +68,9 @@ the restart path instead of another re-form."""
 SIZES_TAG, STATE_TAG = 1, 2
 """The tags of a heal's two sends to a receiver (`send_state`, `StateArrival`): the state's sizes, then
 its buffer. A generation's group is new, so its tags are too."""
+SEND_SETTLED = timedelta(milliseconds=50)
+"""How long `_settle_sends` waits for a send it expects ended (a positive timeout: gloo's wait takes
+zero for none)."""
 EXACT_ROWS = (torch.float32, torch.float64)
 """Gradient dtypes whose sums carry a boundary's rows exactly (integers below 2**24)."""
 DATA_PREFIX = "data/"
@@ -197,10 +200,12 @@ class LiveGroup:
         """No work of the data group abandoned in flight or failed (a shrink may then go without abort)."""
         self._store: Any = None
         self._graveyard: list[_Grave] = []
+        self._sending: list[tuple[Any, torch.Tensor]] = []
+        """Sends posted and not yet seen ended (`post_send`), each with its buffer."""
         self._staging: dict[int, torch.Tensor] = {}
         """The generation's staging copies and send buffers in use, by id: a dict, whose setting and
         popping of one key are atomic, because a heal's receiving thread uses it beside the training
-        thread (`StateArrival`, `post_send`), and a list's removal compares tensors with `==`."""
+        thread (`StateArrival`), and a list's removal compares tensors with `==`."""
         self.retirements = 0
         """Old data groups handed to the plane to retire (for tests and logs)."""
         self.probes = 0
@@ -285,7 +290,7 @@ class LiveGroup:
             self._graveyard.append(_Grave(self._group, parent, self._store, self._staging, now))
             self.retirements += parent.group is not None
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
-        self._staging = {}
+        self._staging, self._sending = {}, []
         self._clean = True
         self.agreed = None
         return parent
@@ -408,6 +413,8 @@ class LiveGroup:
         outcome = self._wait(group, group.allreduce([staging]), staging, deadline)
         if outcome is Outcome.DONE:
             tensor.copy_(staging)
+            if self._sending and group is self._data:
+                self._settle_sends()
         return outcome
 
     def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> Outcome:
@@ -426,23 +433,28 @@ class LiveGroup:
         """Send `tensor` to rank `dst` on the data plane's group without waiting: the caller goes on
         (a heal's source trains while its state travels). The tensor is the send's from now on (the
         caller passes one it does not write again, one per send) and is held with the generation,
-        like a staging copy, until the send ended. Gloo matches it to the receiver's receive of the
-        same `tag` (`StateArrival`).
+        like a staging copy, until the send is seen ended. Gloo matches it to the receiver's receive
+        of the same `tag` (`StateArrival`).
 
         A gloo send's work reports completion only to `wait()` (its `is_completed()` stays False until
-        then; so does a receive's), so a thread of its own waits for it: the data flow meanwhile,
-        whoever waits. A send whose receiver went ends with gloo's op timeout."""
-        held = self._staging
-        held[id(tensor)] = tensor
-        work = self._pick(False).send([tensor], dst, tag)
-        threading.Thread(target=self._end_send, args=(work, held, tensor), name="torchspot-send", daemon=True).start()
+        then; so does a receive's), and the data flow whoever waits. A receiver takes part in the next
+        collective only once it received the state (train.py's `_sit_out`), so when that collective
+        completes here every send has: `all_reduce` then lets their buffers go (`_settle_sends`). Here,
+        not on a thread per send: starting one cost the source milliseconds on busy cores."""
+        self._staging[id(tensor)] = tensor
+        self._sending.append((self._pick(False).send([tensor], dst, tag), tensor))
 
-    def _end_send(self, work: Any, held: dict[int, torch.Tensor], tensor: torch.Tensor) -> None:
-        try:
-            work.wait()
-        except RuntimeError as exc:  # the receiver went, or the op timed out: its buffer is read no more
-            log.warning("generation %s: a send ended in error (%s)", self.generation, exc)
-        held.pop(id(tensor), None)
+    def _settle_sends(self) -> None:
+        """After a completed collective of every rank: the sends' buffers let go (`post_send`); one not
+        ended after all (it cannot happen as the trainer uses them) stays held with the generation."""
+        sending, self._sending = self._sending, []
+        for work, tensor in sending:
+            try:
+                work.wait(SEND_SETTLED)
+            except RuntimeError as exc:
+                log.warning("generation %s: a send had not ended (%s)", self.generation, exc)
+                continue
+            self._staging.pop(id(tensor), None)
 
     def agree(self, row: list[float], deadline: float) -> list[list[float]] | None:
         """Every rank's `row` (the same length on every rank), by rank; None if the group failed.
