@@ -470,17 +470,19 @@ class Trainer:
         re-form: the epoch is planned again for the new world from the sampler, which counts only
         completed steps, so the interrupted step's samples are dealt again (exact-once)."""
         arrival = self._arrival()
+        carried = None
         if arrival is not None:
             assert self._in_place is not None
             self._in_place.arriving = None
-            self._sit_out(run, *arrival)
+            carried = self._sit_out(run, *arrival)
         if self._evaluation_due(run):
             self._evaluate(run, epoch=run.sampler.epoch - 1)
         if self._training_over(run):
             if run.evaluated[0] != self.step:  # stopped mid-epoch (--max-steps)
                 self._evaluate(run, epoch=run.sampler.epoch)
             return False
-        self._train_epoch(run)
+        # The sit-out step's window goes on as the trainers' does, unless it ended an epoch (theirs ended too).
+        self._train_epoch(run, carried if run.sampler.consumed else None)
         return True
 
     def _started(self, run: _Run) -> None:
@@ -510,8 +512,9 @@ class Trainer:
     def _training_over(self, run: _Run) -> bool:
         return run.sampler.epoch >= self.config.epochs or self._step_limit_reached()
 
-    def _train_epoch(self, run: _Run) -> None:
-        """Train on the rest of the current epoch (or until --max-steps): the step loop."""
+    def _train_epoch(self, run: _Run, window: _Window | None = None) -> None:
+        """Train on the rest of the current epoch (or until --max-steps): the step loop. `window`: the
+        progress window to go on with (a heal's receiver's, after the step it sat out)."""
         sampler = run.sampler
         epoch = sampler.epoch
         plans = list(sampler.epoch_steps(self.rank, self.world))
@@ -521,7 +524,7 @@ class Trainer:
         if trainers is not None and plans:  # the heal's receivers sit this step out (`_heal`)
             plans[0] = sampler.micro_batches(trainers.index(self.rank), self.world, among=len(trainers))
         batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
-        window = _Window(self.device)
+        window = window or _Window(self.device)
         for plan in plans:
             lr = self._set_learning_rate(run)
             step_samples = sampler.next_step_samples(self.world)
@@ -878,12 +881,13 @@ class Trainer:
         place.arriving = (StateArrival(place.live, trainers[0], self.device, deadline), best)
         self.resumed_from = "peer"
 
-    def _sit_out(self, run: _Run, arriving: StateArrival, step: int) -> None:
+    def _sit_out(self, run: _Run, arriving: StateArrival, step: int) -> _Window:
         """A heal's receiver in the step its trainers take without it (`_hand_over`): it loads the state
         (`step`'s) once it arrived, the trainers meanwhile computing; then its gradients count zero in
         the step's all-reduce (the step's scale is the world's, so the average is the trainers'
         samples' mean), which also brings the step's BatchNorm buffers, and it applies the step as
-        the others do and goes on with them."""
+        the others do and goes on with them. Returns its progress window: with --log-every above 1 the
+        step's samples count in the next record, as on the trainers (rank 0 may be a receiver)."""
         self._load(run, arriving.result())
         assert self._in_place is not None
         self._in_place.holds_state = True
@@ -895,7 +899,7 @@ class Trainer:
         self._average(step + 1)
         self.precision.step(run.optimizer)
         nothing = torch.zeros((), device=self.device)
-        self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr)
+        return self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr)
 
     def _agree_on_evaluation(self, run: _Run, rows: list[list[int]], best: int, source: int | None) -> None:
         """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
