@@ -327,10 +327,9 @@ class _InPlace:
     """The model and step are a state of the run (not a joiner's before its heal's state arrived), so a
     re-form may go on from them (`Trainer._reform`)."""
     trainers: list[int] | None = None
-    """After a heal whose receivers sit out the next step: the ranks that train it (`Trainer._hand_over`);
-    its samples are dealt over them only (`Trainer._train_epoch`)."""
-    buffers_from: int = 0
-    """The rank whose BatchNorm buffers the next gradient all-reduce takes (`Trainer._average`)."""
+    """After a heal whose receivers sit out the next step: the ranks that train it (`Trainer._hand_over`),
+    on every rank until that step's all-reduce. The step's samples are dealt over them only
+    (`Trainer._train_epoch`), and its BatchNorm buffers come from the first (`Trainer._average`)."""
     arriving: tuple[StateArrival, int] | None = None
     """A heal's receiver: the state on its way, and the step it is of (`Trainer._sit_out`)."""
 
@@ -518,9 +517,7 @@ class Trainer:
         sampler = run.sampler
         epoch = sampler.epoch
         plans = list(sampler.epoch_steps(self.rank, self.world))
-        trainers = None
-        if self._in_place is not None:
-            trainers, self._in_place.trainers = self._in_place.trainers, None
+        trainers = None if self._in_place is None else self._in_place.trainers
         if trainers is not None and plans:  # the heal's receivers sit this step out (`_heal`)
             plans[0] = sampler.micro_batches(trainers.index(self.rank), self.world, among=len(trainers))
         batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
@@ -570,13 +567,13 @@ class Trainer:
     def _average(self, step: int) -> None:
         """`_begin_update` for the update that makes `step`."""
         if self._run is not None and self._in_place is not None:
-            buffers_from, self._in_place.buffers_from = self._in_place.buffers_from, 0
+            trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
             model = self._run.model
             group.average_gradients(
                 [p for p in model.parameters() if p.requires_grad], list(model.buffers()),
-                boundary=(step, self.stop.row), buffers_from=buffers_from,
+                boundary=(step, self.stop.row), buffers_from=0 if trainers is None else trainers[0],
             )  # fmt: skip
         self._host.before_update()
 
@@ -813,7 +810,7 @@ class Trainer:
         that hold it train the next step without the others (`_hand_over`)."""
         place = self._in_place
         if place is not None:  # (a state on its way in a generation that broke is given up)
-            place.arriving, place.trainers, place.buffers_from = None, None, 0
+            place.arriving, place.trainers = None, None
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
         rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0],
@@ -869,12 +866,11 @@ class Trainer:
         trainer."""
         place = self._in_place
         assert place is not None
-        place.buffers_from = trainers[0]
+        place.trainers = trainers
         receivers = [rank for rank in range(self.world) if rank not in trainers]
         if self.rank == trainers[0]:
             send_state(place.live, self._state(run), receivers, self.device)
         if self.rank in trainers:
-            place.trainers = trainers
             self.resumed_from = "live"
             return
         deadline = time.monotonic() + self.config.collective_timeout
