@@ -56,6 +56,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -102,7 +103,6 @@ from torchspot_trainer.recovery.live import (
     LiveCollectives,
     LiveGroup,
     StateArrival,
-    send_state,
     wait_for_assignment,
 )
 from torchspot_trainer.recovery.notices import (
@@ -332,6 +332,15 @@ class _InPlace:
     (`Trainer._train_epoch`), and its BatchNorm buffers come from the first (`Trainer._average`)."""
     arriving: tuple[StateArrival, int] | None = None
     """A heal's receiver: the state on its way, and the step it is of (`Trainer._sit_out`)."""
+    sending: Future[None] | None = None
+    """A heal's source: its state being packed and sent beside its next step (`Trainer._hand_over`),
+    until that step's all-reduce (`Trainer._average`)."""
+
+    def sends_posted(self) -> None:
+        """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
+        sending, self.sending = self.sending, None
+        if sending is not None:
+            sending.result()
 
 
 class Trainer:
@@ -567,6 +576,7 @@ class Trainer:
     def _average(self, step: int) -> None:
         """`_begin_update` for the update that makes `step`."""
         if self._run is not None and self._in_place is not None:
+            self._in_place.sends_posted()
             trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
@@ -858,18 +868,19 @@ class Trainer:
 
     def _hand_over(self, run: _Run, trainers: list[int], best: int) -> None:
         """A heal whose receivers sit out the next step (`resume.trainers_of_next_step`). The lowest of
-        `trainers` (the ranks at `best`) sends its state to each of the others point to point and goes
-        on without waiting for it; the trainers take the next step among themselves (`_train_epoch`
-        deals its samples over them) while the state travels; a receiver loads it, then takes part in
-        the step's gradient all-reduce with zeros and applies the step (`_sit_out`). The same samples
-        make the same step whoever computes them, and the step's BatchNorm buffers come from a
-        trainer."""
+        `trainers` (the ranks at `best`) sends its state to each of the others point to point, packed
+        and posted on its sending thread beside its own passes (`LiveGroup.send_beside`); the
+        trainers take the next step among themselves (`_train_epoch` deals its samples over them)
+        while the state travels; a receiver loads it, then takes part in the step's gradient
+        all-reduce with zeros and applies the step (`_sit_out`). The same samples make the same step
+        whoever computes them, and the step's BatchNorm buffers come from a trainer."""
         place = self._in_place
         assert place is not None
         place.trainers = trainers
         receivers = [rank for rank in range(self.world) if rank not in trainers]
         if self.rank == trainers[0]:
-            send_state(place.live, self._state(run), receivers, self.device)
+            state = with_boundary_buffers(run.model, partial(self._state, run))()
+            place.sending = place.live.send_beside(state, receivers, self.device)
         if self.rank in trainers:
             self.resumed_from = "live"
             return
@@ -917,6 +928,10 @@ class Trainer:
         self.notice.parked = False  # a hold for a leaving peer ends with the round it leaves
         if failed:
             place.handover.report_failure()
+        try:  # a heal's sends posted on the generation being left, before it goes to the graveyard
+            place.sends_posted()
+        except Exception as exc:  # that generation is over; a state that cannot be sent fails the next heal
+            log.warning("rank %d: a heal's state was not sent (%s)", self.rank, exc)
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
         live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
         self._settle(run, live_step=live_step, mine=None, entered=False, lap=_lap(self.setup_seconds))

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -57,8 +58,11 @@ READY_SECONDS = 30.0
 generation switches anyway: a joiner that never gets there is then waited for by the group build's
 deadline, and replaced by its agent's next round."""
 POLL_SECONDS = 0.001
-"""Between looks at a collective's completion: a gloo all-reduce of a toy's gradient takes about
-a millisecond here, and a look costs microseconds."""
+"""Between looks at a device collective's completion (a host one wakes its waiter: `LiveGroup._wait`):
+a gloo all-reduce of a toy's gradient takes about a millisecond here, and a look costs microseconds."""
+WAKE_SECONDS = 0.005
+"""The longest a wait on a host collective sleeps without a look at its deadline (its completion and a
+newer round wake it at once: `LiveGroup._wait`)."""
 GRAVEYARD = 8
 """Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
 once the op timeout has passed; one with no op abandoned in flight at once); beyond it a worker takes
@@ -212,6 +216,12 @@ class LiveGroup:
         """Device probes run after a re-form from a generation whose data group had work in flight."""
         self._owed_probe = False
         """A data group was retired with work in flight and no generation has formed since."""
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-send")
+        self._sender.submit(lambda: None)  # its thread started now: a start waits for the new thread to run,
+        # which at a heal on busy cores cost the source 2-4 ms (`send_beside`)
+        self._waking: threading.Event | None = None
+        """What wakes the host collective being waited for (`_wait`): set by its completion, and by
+        `supersede` with `broken`."""
 
     @property
     def rank(self) -> int:
@@ -319,6 +329,9 @@ class LiveGroup:
             self._announced = max(self._announced, generation)
             if self.assignment is None or generation > self.assignment.generation:
                 self.broken.set()
+                waking = self._waking
+                if waking is not None:
+                    waking.set()
 
     def offer(self, assignment: Assignment) -> None:
         """A newer round, from the hand-over's watcher thread. Normally `supersede`. With `defer_joins`,
@@ -444,6 +457,17 @@ class LiveGroup:
         self._staging[id(tensor)] = tensor
         self._sending.append((self._pick(False).send([tensor], dst, tag), tensor))
 
+    def send_beside(self, state: Any, receivers: list[int], device: torch.device) -> Future[None]:
+        """`send_state` on this group's sending thread, beside the caller's forward and backward passes
+        of the step its receivers sit out (train.py): packing the state first kept them waiting 3-6 ms
+        of the busy cores before it left. `state` is built at the boundary, its tensors ones that no
+        pass writes (the model's buffers copied: `hostcopy.with_boundary_buffers`); the step's update
+        cannot come before the state is packed, as its receivers join the step's all-reduce only once
+        they have it. The caller waits for the future before the generation's next collective, so its
+        sends and staging are only ever touched by one thread at a time; the future raises what
+        stopped the sends (a state that cannot be sent)."""
+        return self._sender.submit(send_state, self, state, receivers, device)
+
     def _settle_sends(self) -> None:
         """After a completed collective of every rank: the sends' buffers let go (`post_send`); one not
         ended after all (it cannot happen as the trainer uses them) stays held with the generation."""
@@ -478,11 +502,9 @@ class LiveGroup:
         held = self._staging
         held[id(staging)] = staging  # held with its group: a zombie may still write into it
         data = self.plane.separate and group is self._data
-        while not work.is_completed():
-            if self.broken.is_set() or time.monotonic() > deadline:
-                self._clean = self._clean and not data
-                return Outcome.BROKEN
-            time.sleep(POLL_SECONDS)
+        if not (self._awaited(work, deadline) if not data else self._polled(work, deadline)):
+            self._clean = self._clean and not data
+            return Outcome.BROKEN
         try:
             work.wait()
             failure = "the communicator reports an error" if data and self.plane.failed(group) else None
@@ -495,6 +517,34 @@ class LiveGroup:
             return Outcome.FAILED
         held.pop(id(staging))
         return Outcome.DONE
+
+    def _awaited(self, work: Any, deadline: float) -> bool:
+        """Wait for a host (gloo) collective's `work`; False when `broken` was set or the deadline
+        passed first. Woken by its future's completion, not by polling: a poll's sleep added about a
+        millisecond to every collective (two a step), and each look took a slice of the cores the
+        other ranks were computing on. The future completes (an error too) before the work reports
+        it, so the caller's `wait()` may block for the microseconds in between."""
+        future = work.get_future()
+        waking = threading.Event()
+        self._waking = waking
+        future.add_done_callback(lambda _done: waking.set())
+        while not future.done():
+            if self.broken.is_set():
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            waking.wait(min(left, WAKE_SECONDS))
+        return True
+
+    def _polled(self, work: Any, deadline: float) -> bool:
+        """`_awaited` for a device communicator's work, whose future NCCL may complete as the work is
+        queued on its stream (planes.py): its completion is looked at every POLL_SECONDS instead."""
+        while not work.is_completed():
+            if self.broken.is_set() or time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_SECONDS)
+        return True
 
     def _require(self) -> Assignment:
         if self.assignment is None:

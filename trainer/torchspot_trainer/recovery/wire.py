@@ -117,12 +117,9 @@ def pack(state: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     places, total = layout(len(encoded), {dtype: sum(t.numel() for t in parts) for dtype, parts in tensors.items()})
     buffer = torch.empty(total, dtype=torch.uint8, device=device)
     buffer[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    for dtype, parts in tensors.items():
-        section = _section(buffer, dtype, places[dtype])
-        start = 0
-        for tensor in parts:
-            section[start : start + tensor.numel()] = tensor.detach().reshape(-1)
-            start += tensor.numel()
+    for dtype, parts in tensors.items():  # one copy per dtype, not a slice assignment per tensor
+        flat = [tensor.detach().reshape(-1).to(device) for tensor in parts]
+        torch.cat(flat, out=_section(buffer, dtype, places[dtype]))
     return torch.tensor([len(encoded), total], dtype=torch.long, device=device), buffer
 
 
