@@ -157,7 +157,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, Outcome, StateArrival, send_state
+from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, Outcome, StateArrival
+from torchspot_trainer.recovery.wire import WireError
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
 def enter(generation, rank):
@@ -169,10 +170,12 @@ for thread in threads:
     thread.join(10)
 state = {"model": {"w": torch.arange(6.0)}, "step": 40, "rng": {"python": torch.arange(625)}}
 began = time.monotonic()
-send_state(lives[0], state, [2], torch.device("cpu"))  # the receiver has not asked yet
+sending = lives[0].send_beside(state, [2], torch.device("cpu"))  # the receiver has not asked yet
 posted = time.monotonic() - began
 sums = {}
 def step(rank):  # the trainers' step: its all-reduce waits for the receiver's zeros
+    if rank == 0:
+        sending.result()  # the source's sends are posted before its all-reduce, as the trainer's are
     value = torch.ones(1) if rank < 2 else torch.zeros(1)
     sums[rank] = (lives[rank].all_reduce(value, time.monotonic() + 5), float(value))
 trainers = [threading.Thread(target=step, args=(rank,)) for rank in (0, 1)]
@@ -190,6 +193,11 @@ ended = time.monotonic() + 5
 while lives[0]._staging and time.monotonic() < ended:
     time.sleep(0.01)
 print(len(lives[0]._staging))  # the sends ended: their buffers let go
+try:
+    lives[0].send_beside({"model": object()}, [2], torch.device("cpu")).result()  # nothing sent
+    print("sent")
+except WireError as exc:
+    print(type(exc).__name__, len(lives[0]._staging))
 threads = [threading.Thread(target=enter, args=(2, rank)) for rank in range(3)]
 for thread in threads:
     thread.start()
@@ -210,18 +218,21 @@ os._exit(0)  # the abandoned receive's thread is still in gloo
 
 @pytest.mark.slow(seconds=5)
 def test_a_heal_sends_the_state_while_its_trainers_step_and_a_broken_generation_ends_the_wait() -> None:
-    """`send_state` returns before its receiver asks (the source trains meanwhile); the receiver's
-    `StateArrival` gets the state whole, after which its zeros complete the trainers' all-reduce; the
-    sends' buffers are let go once they ended. A receiver waiting for a state that never comes gives
-    up when a newer round breaks the generation, not at its deadline. Three real gloo ranks on one
-    store, in a process of their own (its group threads must not be there when another test forks)."""
+    """`send_beside` returns before its receiver asks, packing and posting on the group's sending thread
+    (the source trains meanwhile); the receiver's `StateArrival` gets the state whole, after which its
+    zeros complete the trainers' all-reduce; the sends' buffers are let go once they ended; a state
+    that cannot be sent raises to the source when it waits for its sends. A receiver waiting for a
+    state that never comes gives up when a newer round breaks the generation, not at its deadline.
+    Three real gloo ranks on one store, in a process of their own (its group threads must not be
+    there when another test forks)."""
     done = subprocess.run([sys.executable, "-c", _SIT_OUT], check=True, capture_output=True, text=True, timeout=60)
-    arrival, sums, held, broken = done.stdout.split("\n")[:4]
+    arrival, sums, held, refused, broken = done.stdout.split("\n")[:5]
     posted, *received = arrival.split("|")
     assert float(posted) < 0.2
     assert received == ["40", "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]", "True"]
     assert sums == "[(0, 'done', 2.0), (1, 'done', 2.0), (2, 'done', 2.0)]"
     assert held == "0"
+    assert refused == "WireError 0"  # raised to whoever waits for the sends; nothing posted nor held
     failed, seconds = broken.split()
     assert failed == "False"
     assert float(seconds) < 2.0

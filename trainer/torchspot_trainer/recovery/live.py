@@ -12,9 +12,9 @@ experiments with gloo showed, and how this module answers each:
   was given.** Every collective here runs on a *staging copy* of the caller's tensor and copies the
   result back only if it completed in time: a zombie writes into a copy nobody reads.
 - **Neither `abort()` nor `shutdown()` cancels a gloo collective blocked on a frozen peer**, so the
-  calling thread never blocks in one: it polls the work's completion against a deadline and the
-  `broken` event (set by whoever learns of a new assignment), and reports failure as a flag
-  (`Outcome`), never by hanging.
+  calling thread never blocks in one: it waits for the work's completion (woken by it) against a
+  deadline and the `broken` event (set by whoever learns of a new assignment), and reports failure
+  as a flag (`Outcome`), never by hanging.
 - **An old group's destructor blocks for its op timeout** (about 10 s with a 10 s timeout) while a
   zombie op is pending: old groups go to a *graveyard* that holds them, never freed on the training
   thread (a grave is let go on a thread of its own once the op timeout has passed, or at once if no
