@@ -28,6 +28,7 @@ from torchspot_trainer.handover import (
     Handover,
     acknowledged,
     assignment_record,
+    last_step,
     live_workers,
     notice_agreed,
     parse_assignment,
@@ -117,6 +118,27 @@ def test_only_registered_running_workers_and_only_newer_acknowledgements_count(t
     assert acknowledged(tmp_path, [0], 4)
     assert not acknowledged(tmp_path, [0], 5)
     assert not acknowledged(tmp_path, [0, 1], 4)
+
+
+def test_a_completed_step_is_stamped_with_its_generation_and_read_back_only_for_it(tmp_path: Path) -> None:
+    """`Handover.stepped` leaves the step's time for the agent's liveness judge (`last_step`), for the
+    generation it was completed in only: a step of an older group proves nothing about a newer one."""
+    assert last_step(tmp_path, 4) is None  # no live worker stepped
+    worker, other = Handover(tmp_path, 0), Handover(tmp_path, 1)
+    worker.stepped(4)
+    path = tmp_path / "stepped-0"
+    os.utime(path, (1_000.0, 1_000.0))  # as if long ago
+    worker.stepped(4)  # the next step: only touched
+    stamp = last_step(tmp_path, 4)
+    assert stamp is not None
+    assert abs(stamp - time.time()) < 60
+    assert last_step(tmp_path, 5) is None
+    other.stepped(3)  # another local worker still in an older generation
+    assert last_step(tmp_path, 3) is not None
+    assert last_step(tmp_path, 4) == stamp
+    worker.stepped(5)  # the next generation's first step rewrites the file
+    assert path.read_text() == "5"
+    assert last_step(tmp_path, 4) is None
 
 
 _GIVE_UP = """

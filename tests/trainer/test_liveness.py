@@ -17,6 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
+from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler
 from torchspot_trainer.rendezvous.liveness import stale_members
@@ -36,6 +37,15 @@ AGENT = Path(__file__).with_name("liveness_agent.py")
 )
 def test_stale_members_judges_only_while_its_own_puts_arrive(receipts: dict[str, float], stale: list[str]) -> None:
     assert stale_members(receipts, {"me", "a", "b"}, "me", now=10.0, timeout=1.0) == stale
+
+
+@pytest.mark.parametrize(("proven", "stale"), [(9.5, []), (8.5, ["b"]), (None, ["b"])])
+def test_a_step_completed_with_every_member_counts_as_a_receipt_from_each(
+    proven: float | None, stale: list[str]
+) -> None:
+    """b's last put 1.5 s ago, but a local worker's step completed with it 0.5 s ago: alive then."""
+    receipts = {"me": 9.9, "a": 9.5, "b": 8.5}
+    assert stale_members(receipts, {"me", "a", "b"}, "me", now=10.0, timeout=1.0, proven=proven) == stale
 
 
 def _handlers(etcd: EtcdServer, run_id: str, **settings: str) -> list[EtcdV3RendezvousHandler]:
@@ -78,6 +88,45 @@ def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_nod
         assert _join([a, b]) == [(0, 2), (1, 2)]
         assert str(c._this_node) in a._watch.found_dead or str(c._this_node) in b._watch.found_dead
     finally:
+        for handler in handlers:
+            handler.leave()
+
+
+@pytest.mark.slow(seconds=6)
+def test_a_member_whose_puts_stop_while_its_group_steps_stays_in_the_round(etcd: EtcdServer, run_id: str) -> None:
+    """Node c's liveness puts stop (its agent starved, or etcd slow for its puts: the goodput market's
+    false alarm) while a local live worker keeps completing steps in the round's generation: the
+    others keep c for three timeouts. Once the steps stop too, c is taken out within about a second."""
+    a, b, c = handlers = _handlers(etcd, run_id, liveness_timeout="1")
+    folder = Path(os.environ[PEER_LOST_ENV]).parent
+    stepping = threading.Event()
+    try:
+        assert _join(handlers) == [(0, 3), (1, 3), (2, 3)]
+        for survivor in (a, b):
+            heard = survivor._liveness
+            assert heard is not None
+            wait_for(lambda: str(c._this_node) in heard._receipts, 5, what="a put of c")  # noqa: B023
+        worker = Handover(folder, 7)
+
+        def steps() -> None:  # a live worker's steps in the round's generation (train.py's `_finish_step`)
+            while not stepping.wait(0.05):
+                worker.stepped(a.current_round)
+
+        threading.Thread(target=steps, daemon=True).start()
+        assert c._liveness is not None
+        c._liveness.stop()  # no more puts from c
+        c._stop_heartbeats()  # nor torch's heartbeats
+        time.sleep(3.0)  # three timeouts: without the steps, c would be out after one
+        assert a.num_nodes_waiting() == 0
+        assert b.num_nodes_waiting() == 0
+        assert str(c._this_node) not in a._watch.found_dead | b._watch.found_dead
+        stepping.set()  # the steps stop: c's group no longer completes any (c frozen or gone)
+        stopped = time.monotonic()
+        wait_for(lambda: a.num_nodes_waiting() == 1, timeout=10, what="c taken out")
+        assert time.monotonic() - stopped < 2.5
+    finally:
+        stepping.set()
+        (folder / "stepped-7").unlink(missing_ok=True)
         for handler in handlers:
             handler.leave()
 

@@ -4,7 +4,7 @@ rank and store instead of stopping them; they rebuild their process group (live.
 
 Only workers that said they can do this are handed a round: a worker of any other program never
 registers, and its agent restarts it as torchrun's does, without waiting for anything. The exchange is
-four kinds of file in the agent's own folder, beside its peer-lost marker (markers.py), so the
+six kinds of file in the agent's own folder, beside its peer-lost marker (markers.py), so the
 environment variable that names that marker names them too:
 
 - `assignment.json`: written (atomically, by rename) after every rendezvous, before any worker
@@ -20,7 +20,10 @@ environment variable that names that marker names them too:
 - `agreed-<local rank>`: touched by a worker of a node that leaves on notice once its group has shared
   the notice (the step boundary's all-gather), before its emergency checkpoint: it needs the group no
   more, so its agent takes the node out of the rendezvous then (`notice_agreed`), and the other nodes
-  re-form in place while the checkpoint is written instead of after it.
+  re-form in place while the checkpoint is written instead of after it;
+- `stepped-<local rank>`: the generation of the worker's last completed step, the file's time that
+  step's: its gradient all-reduce completed with every member of the generation, so the agent's
+  liveness judge counts it as a receipt from each of them (liveness.py, `last_step`).
 
 A worker that does not acknowledge within `ACK_SECONDS` (frozen, or stuck holding the GIL) is
 restarted with the others of its node in a round after this one (torch's restart: the agent leaves
@@ -80,6 +83,9 @@ LIVE_PREFIX = "live-"
 ACK_PREFIX = "ack-"
 FAILED_PREFIX = "failed-"
 AGREED_PREFIX = "agreed-"
+STEPPED_PREFIX = "stepped-"
+"""A live worker's last completed step: its generation in the file, the step's time as its modification
+time (`Handover.stepped`, `last_step`)."""
 ACK_SECONDS = 3.0
 """How long an agent waits for its live workers to acknowledge a new round before it restarts them: a
 watcher thread answers in milliseconds; only a worker that cannot run Python at all misses it."""
@@ -176,6 +182,21 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def last_step(folder: Path, generation: int) -> float | None:
+    """The wall-clock time of the newest step a local live worker completed in `generation` (None:
+    none). Its gradient all-reduce completed, so every member of that generation was alive then: the
+    agent's liveness judge counts it as a receipt from each (handler.py's `_proven`)."""
+    newest: float | None = None
+    for path in folder.glob(f"{STEPPED_PREFIX}*"):
+        try:
+            stamp = path.stat().st_mtime
+        except OSError:  # being replaced
+            continue
+        if _read_int(path) == generation and (newest is None or stamp > newest):
+            newest = stamp
+    return newest
 
 
 def latest_failure(folder: Path) -> int:
@@ -288,6 +309,8 @@ class Handover:
         self._stop = threading.Event()
         self._acked = -1
         self._ack_lock = threading.Lock()
+        self._stepped = -1
+        """The generation `stepped` last wrote."""
 
     @classmethod
     def from_environment(cls) -> Handover:
@@ -310,6 +333,16 @@ class Handover:
     def agreed(self) -> None:
         """This worker's node leaves and its group has shared the notice (module docstring)."""
         (self.folder / f"{AGREED_PREFIX}{self.local_rank}").touch()
+
+    def stepped(self, generation: int) -> None:
+        """A step of `generation` completed (its all-reduce did): the file's time says when (`last_step`).
+        Written when the generation changes, else only touched: a `utime` a step, microseconds."""
+        path = self.folder / f"{STEPPED_PREFIX}{self.local_rank}"
+        if generation != self._stepped:
+            _write_atomically(path, str(generation))
+            self._stepped = generation
+        else:
+            os.utime(path)
 
     def report_failure(self) -> None:
         """A collective of this worker failed (a peer is likely gone): tell the agent (module docstring)."""

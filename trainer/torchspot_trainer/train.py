@@ -550,6 +550,8 @@ class Trainer:
         (notices, the checkpoint schedule). The window to go on with."""
         run.sampler.advance(self.world)
         self.step += 1
+        if self._in_place is not None:  # its all-reduce completed: every member was alive (liveness.py)
+            self._in_place.handover.stepped(self._in_place.live.generation)
         self._capture(run)
         window.add(*sums, step_samples)
         if self.step % self.config.log_every == 0:  # before a notice may end this round at this step

@@ -86,6 +86,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
+from torchspot_trainer.handover import agent_folder, last_step
 from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
@@ -471,6 +472,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 evict=self._evict,
                 state_key=backend.key,
                 on_state=self._state_written,
+                proof=self._proven,
             )
             self._liveness.start()
         _ACTIVE.append(self)
@@ -494,6 +496,18 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         joined = self._joined
         members = self._previous[1] if joined is None else joined[1]
         return frozenset(map(str, members))
+
+    def _proven(self) -> float | None:
+        """When a local live worker last completed a step in the generation of the round liveness judges
+        (`_judged`; handover.py's `last_step`: its all-reduce completed with every member), on the
+        monotonic clock liveness judges by; None without one (a worker that does not re-form in place
+        writes none)."""
+        joined = self._joined
+        round_ = self._previous[0] if joined is None else joined[0]
+        if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours
+            return None
+        stamp = last_step(agent_folder(), int(round_))
+        return None if stamp is None else time.monotonic() - max(0.0, time.time() - stamp)
 
     def _evict(self, name: str) -> None:
         """Take `name` out of the rendezvous (liveness.py found it lost): say it departed, for the

@@ -22,6 +22,11 @@ No false alarms, by construction:
 - **Corroboration shortens the wait, never decides alone**: after a local worker failed (a
   collective raised: a peer's process is likely gone) the timeout is `CORROBORATED_PUTS` missed
   puts (0.5 s) for `CORROBORATED_SECONDS`.
+- **A completed step is a receipt from every member of its group** (`proof`): a live worker's
+  gradient all-reduce completes only with every rank of its generation in it. Found on the goodput
+  market (bench/README.md, run 20): while rank 0 wrote a 90 MB checkpoint to Blob on the same
+  disk, etcd took 0.1-0.5 s per request and one node's puts arrived 1.08 s apart; it was taken out
+  of the round while every step still completed with it.
 
 The same watch stream carries the rendezvous state key: each write of it calls `on_state`, so an
 agent waiting for a round, or looking for a change at its monitor tick, reads the new state when it
@@ -53,18 +58,26 @@ _WARN_EVERY = 10.0
 
 
 def stale_members(
-    receipts: Mapping[str, float], members: Iterable[str], me: str, now: float, timeout: float
+    receipts: Mapping[str, float],
+    members: Iterable[str],
+    me: str,
+    now: float,
+    timeout: float,
+    *,
+    proven: float | None = None,
 ) -> list[str]:
     """The members whose last liveness put arrived more than `timeout` seconds before `now`. Pure.
 
     Nobody while our own last put is older than `timeout / 2` (we cannot see: starved, cut off,
     or a lagging watch), and never a member we have not heard from since the watch opened
-    (`receipts` lacks it: torch's heartbeat judges it).
+    (`receipts` lacks it: torch's heartbeat judges it). `proven`: when a local worker last completed
+    a step with all of `members` (module docstring), a receipt from each.
     """
     own = receipts.get(me)
     if own is None or now - own > timeout / 2:
         return []
-    return sorted(m for m in members if m != me and m in receipts and now - receipts[m] > timeout)
+    last = receipts if proven is None else {m: max(at, proven) for m, at in receipts.items()}
+    return sorted(m for m in members if m != me and m in last and now - last[m] > timeout)
 
 
 class Liveness:
@@ -76,6 +89,8 @@ class Liveness:
         means the next look tries again.
     :param state_key: the rendezvous state's key, and `on_state`, called on the watch thread
         whenever it is written (quickly: it delays the next liveness receipt).
+    :param proof: when (on the monotonic clock) a local worker last completed a step with all of
+        `members()`, or None (module docstring); called from the judging thread.
     """
 
     def __init__(
@@ -91,6 +106,7 @@ class Liveness:
         evict: Callable[[str], None],
         state_key: str,
         on_state: Callable[[], None],
+        proof: Callable[[], float | None] = lambda: None,
     ) -> None:
         self._client = client
         self._prefix = f"{prefix}{ALIVE}"
@@ -102,6 +118,7 @@ class Liveness:
         self._evict = evict
         self._state_key = state_key
         self._on_state = on_state
+        self._proof = proof
         self._receipts: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -200,7 +217,7 @@ class Liveness:
             with self._lock:
                 receipts = dict(self._receipts)
                 evicted = set(self._evicted)
-            for name in stale_members(receipts, self._members(), self._me, now, timeout):
+            for name in stale_members(receipts, self._members(), self._me, now, timeout, proven=self._proof()):
                 if name in evicted:
                     continue
                 age = now - receipts[name]
