@@ -217,7 +217,11 @@ class Liveness:
             with self._lock:
                 receipts = dict(self._receipts)
                 evicted = set(self._evicted)
-            for name in stale_members(receipts, self._members(), self._me, now, timeout, proven=self._proof()):
+            members = self._members()
+            stale = stale_members(receipts, members, self._me, now, timeout)
+            if stale:  # the proof reads the agent's folder: only when a put is overdue, not every look
+                stale = stale_members(receipts, members, self._me, now, timeout, proven=self._proof())
+            for name in stale:
                 if name in evicted:
                     continue
                 age = now - receipts[name]
