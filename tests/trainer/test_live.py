@@ -37,7 +37,7 @@ from torchspot_trainer.recovery.planes import (
     shrink_flags,
     shrink_plan,
 )
-from torchspot_trainer.recovery.resume import evaluation_source, trainers_of_next_step
+from torchspot_trainer.recovery.resume import evaluation_source, heal_source, kept_ranks, trainers_of_next_step
 
 WORKER = Path(__file__).with_name("live_worker.py")
 REFORM_BOUND = 5.0
@@ -236,6 +236,119 @@ def test_a_heal_sends_the_state_while_its_trainers_step_and_a_broken_generation_
     failed, seconds = broken.split()
     assert failed == "False"
     assert float(seconds) < 2.0
+
+
+_SWITCH = """
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+import torch
+from torch._C._distributed_c10d import TCPStore
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup, Outcome
+from torchspot_trainer.recovery.resume import kept_ranks
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+lives = [LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True) for _ in range(3)]
+def assignment(generation, rank, world):
+    return Assignment(generation, rank, world, "127.0.0.1", store.port)
+def on(live, generation):
+    return LiveCollectives(live.rank, live.world, torch.device("cpu"), live=live, op_seconds=5)
+def run(target, *ranks):
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+run(lambda old: lives[old].reconfigure(assignment(1, old, 2), time.monotonic() + 10), 0, 1)
+new = {0: 2, 1: 0}  # old rank 0 becomes rank 2, old rank 1 rank 0; the joiner is rank 1
+lives[1].offer(assignment(2, new[1], 3))  # offered to one old rank only, so far
+rows = {}
+def boundary(old):
+    try:
+        rows[old] = on(lives[old], 1).gather_ints([7])
+    except GroupChanged:
+        rows[old] = "switch"
+run(boundary, 0, 1)
+print(rows[0], rows[1], lives[0].roster, lives[1].roster)  # nobody's joiners ready: no switch
+lives[0].offer(assignment(2, new[0], 3))
+joined = threading.Thread(target=lambda: lives[2].reconfigure(assignment(2, 1, 3), time.monotonic() + 10))
+joined.start()
+ended = time.monotonic() + 10
+while not (lives[0].joiners_ready.is_set() and lives[1].joiners_ready.is_set()) and time.monotonic() < ended:
+    time.sleep(0.01)
+run(boundary, 0, 1)
+print(rows[0], rows[1], lives[0].roster, lives[1].roster)
+run(lambda old: lives[old].reconfigure(assignment(2, new[old], 3), time.monotonic() + 10), 0, 1)
+joined.join(10)
+print(kept_ranks(lives[0].roster, lives[0].generation, 3), kept_ranks(lives[1].roster, lives[1].generation, 3))
+began = time.monotonic()
+pending = {old: on(lives[old], 2).gather_ints_beside([10 + old]) for old in (0, 1)}
+posted = time.monotonic() - began
+time.sleep(0.2)  # the kept ranks go on; the joiner's row comes later
+joiner = on(lives[2], 2).gather_ints([99])
+print(round(posted, 3), pending[0](), pending[1](), joiner)
+finish = lives[0].post(torch.zeros(1), control=True)  # nobody else takes part
+threading.Timer(0.2, lives[0].supersede, args=(3,)).start()
+began = time.monotonic()
+print(finish(time.monotonic() + 30).value, round(time.monotonic() - began, 1))
+sys.stdout.flush()
+os._exit(0)  # the abandoned all-reduce's thread is still in gloo
+"""
+
+
+@pytest.mark.slow(seconds=5)
+def test_a_switch_keeps_the_old_ranks_places_and_their_heal_agreement_runs_beside_their_step() -> None:
+    """At a boundary where some old rank's deferred round has its joiners ready, every old rank
+    switches and keeps the new rank of each (`LiveGroup.roster`), from which the kept ranks, the
+    heal's trainers, are known without the heal's agreement; a boundary before that, where one old
+    rank had not been offered the round, does not switch. The agreement is posted at once
+    (`gather_ints_beside`) and its rows, the joiner's included, come when asked for; a posted
+    collective whose generation a newer round broke says so when waited for. Three real gloo ranks in
+    a process of their own (its group threads must not be there when another test forks)."""
+    done = subprocess.run([sys.executable, "-c", _SWITCH], check=True, capture_output=True, text=True, timeout=60)
+    before, switched, kept, beside, broken = done.stdout.split("\n")[:5]
+    assert before == "[[7], [7]] [[7], [7]] None None"
+    assert switched == "switch switch (2, [2, 0]) (2, [2, 0])"
+    assert kept == "[0, 2] [0, 2]"
+    posted, *rows = beside.split(" ", 1)
+    assert float(posted) < 0.1
+    assert rows == ["[[11], [99], [10]] [[11], [99], [10]] [[11], [99], [10]]"]
+    outcome, seconds = broken.split()
+    assert outcome == "broken"
+    assert float(seconds) < 2.0
+
+
+@pytest.mark.parametrize(
+    ("roster", "kept"),
+    [
+        ((5, [2, 0]), [0, 2]),
+        ((4, [2, 0]), None),  # another round's
+        ((5, [2, -1]), None),  # an old rank that had not been offered it
+        ((5, [0, 1, 2]), None),  # nobody new: no receiver
+        ((5, [0, 3]), None),  # not a rank of the round
+        (None, None),
+    ],
+)
+def test_the_kept_ranks_are_the_old_ranks_places_in_the_round_switched_to(
+    roster: tuple[int, list[int]] | None, kept: list[int] | None
+) -> None:
+    assert kept_ranks(roster, 5, 3) == kept
+
+
+@pytest.mark.parametrize(
+    ("rows", "plan"),
+    [
+        ([[12, -1, 3, 0, 1], [12, -1, 3, 0, 1], [-1, 9, -1, 0, 1]], (12, 0, True)),  # a joiner's older snapshot
+        ([[12, -1, 3, 0, 1], [-1, 14, -1, 0, 1]], (14, 1, False)),  # a newer snapshot wins
+        ([[11, -1, 3, 0, 1], [12, -1, 3, 0, 1]], (12, 1, True)),
+    ],
+)
+def test_a_heal_goes_on_from_the_newest_state_from_the_lowest_rank_holding_it(
+    rows: list[list[int]], plan: tuple[int, int, bool]
+) -> None:
+    assert heal_source(rows) == plan
 
 
 @pytest.mark.parametrize(("rows", "chosen"), [([[7.0], [8.0], [8.0]], (8, 1)), ([[3.0], [3.0]], (3, 0))])

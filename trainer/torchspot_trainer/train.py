@@ -102,6 +102,7 @@ from torchspot_trainer.recovery.live import (
     GroupChanged,
     LiveCollectives,
     LiveGroup,
+    Outcome,
     StateArrival,
     wait_for_assignment,
 )
@@ -114,7 +115,13 @@ from torchspot_trainer.recovery.notices import (
     waits_for_save,
 )
 from torchspot_trainer.recovery.planes import plane_for
-from torchspot_trainer.recovery.resume import evaluation_source, find_state, trainers_of_next_step
+from torchspot_trainer.recovery.resume import (
+    evaluation_source,
+    find_state,
+    heal_source,
+    kept_ranks,
+    trainers_of_next_step,
+)
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
     EvictionNotice,
@@ -335,6 +342,9 @@ class _InPlace:
     sending: Future[None] | None = None
     """A heal's source: its state being packed and sent beside its next step (`Trainer._hand_over`),
     until that step's all-reduce (`Trainer._average`)."""
+    confirming: tuple[Callable[[], list[list[int]]], list[int], int] | None = None
+    """A heal handed over before its agreement came (`Trainer._heal`, at a switch to a deferred round):
+    the agreement's rows to come, and the trainers and step it took, until the step's all-reduce."""
 
     def sends_posted(self) -> None:
         """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
@@ -579,6 +589,7 @@ class Trainer:
         """`_begin_update` for the update that makes `step`."""
         if self._run is not None and self._in_place is not None:
             self._in_place.sends_posted()
+            self._confirm_hand_over()
             trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
@@ -819,30 +830,41 @@ class Trainer:
         generation), this is the restart path's resume (resume.py). Otherwise the newest step wins
         (a rank that completed a step its peers' collectives did not: they take it from it), from
         the lowest rank holding it, sent only when some rank lacks it: where it can, while the ranks
-        that hold it train the next step without the others (`_hand_over`)."""
+        that hold it train the next step without the others (`_hand_over`).
+
+        At a switch to a round that only adds ranks (`LiveGroup.roster`), the old ranks completed the
+        same step and are its trainers: they hand over without waiting for the agreement, which runs
+        beside their step and is checked before its update (`_confirm_hand_over`). Waiting for it
+        cost the switch 1-5 ms of the 30 ms it took on 2 CPU cores (bench/README.md); a newcomer
+        waits for it as before, to learn where its state comes from."""
         place = self._in_place
         if place is not None:  # (a state on its way in a generation that broke is given up)
-            place.arriving, place.trainers = None, None
+            place.arriving, place.trainers, place.confirming = None, None, None
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
-        rows = group.gather_ints([live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0],
-                                  int(self._may_sit_out(run, live_step))])  # fmt: skip
-        newest_committed = max(row[2] for row in rows)
-        if self.manager is not None and newest_committed >= 0:  # a new rank 0 knows the last checkpoint
-            self.manager.last_committed = newest_committed
-        live, held = [row[0] for row in rows], [row[1] for row in rows]
+        may_sit_out = self._may_sit_out(run, live_step)
+        row = [live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], int(may_sit_out)]
+        kept = None
+        if place is not None and live_step >= 0 and may_sit_out:
+            kept = kept_ranks(place.live.roster, place.live.generation, self.world)
+        if place is not None and kept is not None and self.rank in kept:  # a switch: no wait for the agreement
+            assert isinstance(group, LiveCollectives)
+            place.confirming = (group.gather_ints_beside(row), kept, live_step)
+            self._hand_over(run, kept, live_step)
+            return
+        rows = group.gather_ints(row)
+        self._note_committed(rows)
+        live = [row[0] for row in rows]
         if max(live) < 0:
             self.resumed_from, state = find_state(group, self.manager, mine)
             if state is not None:
                 self._load(run, state)
             return
-        best = max(*live, *held)
+        best, source, from_live = heal_source(rows)
         if all(step == best for step in live):
             self.resumed_from = "live"
             self._agree_on_evaluation(run, rows, best, None)
             return
-        from_live = best == max(live)
-        source = (live if from_live else held).index(best)
         trainers = trainers_of_next_step(rows, best, source) if from_live else None
         if trainers is not None:
             self._hand_over(run, trainers, best)
@@ -858,6 +880,33 @@ class Trainer:
             self.resumed_from = "live"
         if from_live:  # (from a snapshot every rank loaded the same state)
             self._agree_on_evaluation(run, rows, best, source)
+
+    def _note_committed(self, rows: list[list[int]]) -> None:
+        """From a heal's rows: a new rank 0 knows the last checkpoint."""
+        newest_committed = max(row[2] for row in rows)
+        if self.manager is not None and newest_committed >= 0:
+            self.manager.last_committed = newest_committed
+
+    def _confirm_hand_over(self) -> None:
+        """Before the update of the step a hand-over taken at a switch let the old ranks train
+        (`_heal`): its agreement, which ran beside their passes, must say the same (it does unless a
+        newcomer held a newer state than theirs, or a newer round broke the group). Otherwise the
+        step is not applied: GroupChanged as a failure, and the next round heals from the rows
+        agreed there (the step's forward passes have moved BatchNorm's running statistics; the
+        next step's all-reduce makes them one rank's again)."""
+        place = self._in_place
+        assert place is not None
+        confirming, place.confirming = place.confirming, None
+        if confirming is None:
+            return
+        agreement, kept, best = confirming
+        rows = agreement()
+        self._note_committed(rows)
+        step, source, from_live = heal_source(rows)
+        if step != best or not from_live or trainers_of_next_step(rows, step, source) != kept:
+            log.warning("rank %d: the heal's agreement (%s) is not the hand-over taken (step %d, trainers %s)",
+                        self.rank, rows, best, kept)  # fmt: skip
+            raise GroupChanged(Outcome.FAILED)
 
     def _may_sit_out(self, run: _Run, live_step: int) -> bool:
         """This rank's column of `resume.trainers_of_next_step`: its data plane sends point to point (the
@@ -934,6 +983,7 @@ class Trainer:
             place.sends_posted()
         except Exception as exc:  # that generation is over; a state that cannot be sent fails the next heal
             log.warning("rank %d: a heal's state was not sent (%s)", self.rank, exc)
+        place.confirming = None  # (its agreement's staging copy goes with the generation)
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
         live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
         self._settle(run, live_step=live_step, mine=None, entered=False, lap=_lap(self.setup_seconds))

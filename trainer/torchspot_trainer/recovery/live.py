@@ -191,6 +191,11 @@ class LiveGroup:
         self.agreed: tuple[int, list[list[int]]] | None = None
         """The next boundary's agreement, gathered with a step's gradients (`LiveCollectives.boundary`):
         (the step it follows, the rows)."""
+        self.roster: tuple[int, list[int]] | None = None
+        """Set at a switch to a deferred round (`LiveCollectives._switch_or`): (that round's generation,
+        the rank in it of each rank of the generation switched from, -1 for one that had not been
+        offered it yet). Every rank of it completed the same step, so the new ranks that trained it
+        are known before the next generation's heal agrees on it (train.py's `_heal`)."""
         self._pending: Assignment | None = None
         self._prebuilt: _Build | None = None
         """The deferred round's group, built while the current generation trains on (`offer`)."""
@@ -377,6 +382,17 @@ class LiveGroup:
         timer.daemon = True
         timer.start()
 
+    def pending_rank(self) -> int:
+        """This rank's rank in the deferred round (`offer`), or -1 when none is deferred."""
+        with self._lock:
+            return -1 if self._pending is None else self._pending.rank
+
+    def switching(self, ranks: list[int]) -> None:
+        """The loop switches to the deferred round at this boundary: `roster` from each old rank's
+        `pending_rank` (theirs by old rank)."""
+        with self._lock:
+            self.roster = None if self._pending is None else (self._pending.generation, ranks)
+
     def _ready(self, assignment: Assignment) -> None:
         """The deferred round's group formed (its joiners came: they were the ranks it waited for), or
         READY_SECONDS passed: the loop switches at its next boundary."""
@@ -429,6 +445,28 @@ class LiveGroup:
             if self._sending and group is self._data:
                 self._settle_sends()
         return outcome
+
+    def post(self, tensor: torch.Tensor, *, control: bool) -> Callable[[float], Outcome]:
+        """`all_reduce` started now and waited for later: the returned function waits (given the
+        deadline) and writes the sum into `tensor` if it completed. A heal's agreement so runs beside
+        the step its trainers take (train.py's `_heal`). Waited for after the generation was left, it
+        says BROKEN (the staging copy stays held with that generation's grave). It does not let a
+        heal's sends go (`_settle_sends`): their receivers may not have them yet."""
+        staging = tensor.detach().clone()
+        group = self._pick(control)
+        held = self._staging
+        held[id(staging)] = staging
+        work = group.allreduce([staging])
+
+        def finish(deadline: float) -> Outcome:
+            if held is not self._staging:  # left for a newer generation meanwhile
+                return Outcome.BROKEN
+            outcome = self._wait(group, work, staging, deadline)
+            if outcome is Outcome.DONE:
+                tensor.copy_(staging)
+            return outcome
+
+        return finish
 
     def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> Outcome:
         """`tensor` from rank `src` to every rank, through a staging copy, on the data plane's group,
@@ -640,13 +678,23 @@ class LiveCollectives(Group):
     op_seconds: float = 300.0
 
     def gather_ints(self, row: list[int]) -> list[list[int]]:
-        """`Group.gather_ints`, with one more column: whether this rank's deferred round has its joiners
-        ready (`LiveGroup.offer`). Any rank's yes ends the generation here, on every rank alike (they
-        all read the same table): GroupChanged, and the loop switches at this boundary."""
-        table = torch.zeros(self.world, len(row) + 1, dtype=torch.long)
+        """`Group.gather_ints`, with two more columns: whether this rank's deferred round has its
+        joiners ready (`LiveGroup.offer`), and its rank in that round. Any rank's yes ends the
+        generation here, on every rank alike (they all read the same table): GroupChanged, and the
+        loop switches at this boundary (`LiveGroup.roster`)."""
+        return self.gather_ints_beside(row)()
+
+    def gather_ints_beside(self, row: list[int]) -> Callable[[], list[list[int]]]:
+        """`gather_ints` started now; the returned function waits for its rows (or raises as it)."""
+        table = torch.zeros(self.world, len(row) + 2, dtype=torch.long)
         table[self.rank] = torch.tensor(self._with_joiners(row), dtype=torch.long)
-        self._done(self.live.all_reduce(table, time.monotonic() + self.op_seconds, control=True))
-        return self._switch_or(table.tolist())
+        finish = self.live.post(table, control=True)
+
+        def rows() -> list[list[int]]:
+            self._done(finish(time.monotonic() + self.op_seconds))
+            return self._switch_or(table.tolist())
+
+        return rows
 
     def boundary(self, step: int, row: Callable[[], list[int]]) -> list[list[int]]:
         """`Group.boundary`: the rows `average_gradients` gathered with `step`'s gradients if it did
@@ -658,14 +706,15 @@ class LiveCollectives(Group):
         return self.gather_ints(row())
 
     def _with_joiners(self, row: list[int]) -> list[int]:
-        return [*row, int(self.live.joiners_ready.is_set())]
+        return [*row, int(self.live.joiners_ready.is_set()), self.live.pending_rank()]
 
-    @staticmethod
-    def _switch_or(rows: list[list[int]]) -> list[list[int]]:
-        """The rows without their joiners' column, or GroupChanged where any rank's says ready."""
-        if any(line[-1] for line in rows):
+    def _switch_or(self, rows: list[list[int]]) -> list[list[int]]:
+        """The rows without their joiners' columns, or GroupChanged where any rank's says ready (the
+        ranks' places in the round switched to kept: `LiveGroup.switching`)."""
+        if any(line[-2] for line in rows):
+            self.live.switching([line[-1] for line in rows])
             raise GroupChanged(Outcome.BROKEN)
-        return [line[:-1] for line in rows]
+        return [line[:-2] for line in rows]
 
     def ping(self, timeout: float) -> bool:
         """False when the zero did not come back within `timeout` (a peer frozen or gone, no newer round

@@ -62,6 +62,31 @@ def trainers_of_next_step(rows: list[list[int]], best: int, source: int) -> list
     return trainers if len(trainers) < len(rows) else None
 
 
+def heal_source(rows: list[list[int]]) -> tuple[int, int, bool]:
+    """After a heal in place with some live rank (a row's live step at least 0): (the step every rank
+    goes on from, the lowest rank that holds it, whether that is a live state rather than a
+    snapshot). Pure. `rows` as for `evaluation_source`."""
+    live, held = [row[0] for row in rows], [row[1] for row in rows]
+    best = max(*live, *held)
+    from_live = best == max(live)
+    return best, (live if from_live else held).index(best), from_live
+
+
+def kept_ranks(roster: tuple[int, list[int]] | None, generation: int, world: int) -> list[int] | None:
+    """At a switch to a round that only adds ranks: the ranks in it (`generation`, of `world` ranks)
+    of the generation switched from, sorted; None when `roster` (live.py's `LiveGroup.roster`) is of
+    another round, or some old rank had not been offered it. Pure. Every one of them completed the
+    step the switch came after, so they are the heal's trainers (`trainers_of_next_step`) whatever a
+    newcomer holds, as far as the heal's agreement, which the trainers check before their step's
+    update, confirms (train.py's `_heal`)."""
+    if roster is None or roster[0] != generation:
+        return None
+    ranks = roster[1]
+    if len(set(ranks)) != len(ranks) or len(ranks) >= world or any(not 0 <= rank < world for rank in ranks):
+        return None
+    return sorted(ranks)
+
+
 def find_state(
     group: Group, manager: CheckpointManager | None, mine: tuple[Held, dict[str, Any]] | None
 ) -> tuple[str, dict[str, Any] | None]:
