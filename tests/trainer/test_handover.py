@@ -24,6 +24,7 @@ from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, stop_after, wait_for
 from torchspot_trainer import launch
 from torchspot_trainer.handover import (
+    STEP_CREDIT_SECONDS,
     Assignment,
     Handover,
     acknowledged,
@@ -141,6 +142,26 @@ def test_a_completed_step_is_stamped_with_its_generation_and_read_back_only_for_
     worker.stepped(5)  # the next generation's first step rewrites the file
     assert path.read_text() == "5"
     assert last_step(tmp_path, 4) is None
+
+
+def test_a_steps_stamp_counts_ahead_by_the_step_before_it_in_its_generation(tmp_path: Path) -> None:
+    """Each member is busy with the next step after a completed one: the stamp counts until that step is
+    due by the last one's duration (capped), so the liveness judge does not take out a member whose
+    agent is starved while the group's slow steps go on; a generation's first step counts as of its
+    own time."""
+    clock = [1_000_000.0]
+    worker = Handover(tmp_path, 0, clock=lambda: clock[0])
+    worker.stepped(4)
+    assert last_step(tmp_path, 4) == 1_000_000.0  # the generation's first: no credit
+    clock[0] += 3.3
+    worker.stepped(4)
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_003.3 + 3.3)
+    clock[0] += 60.0  # a step that took a minute (an evaluation between): the credit is capped
+    worker.stepped(4)
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_063.3 + STEP_CREDIT_SECONDS)
+    clock[0] += 2.0
+    worker.stepped(5)  # a new generation: the time since was the re-form's
+    assert last_step(tmp_path, 5) == pytest.approx(1_000_065.3)
 
 
 _GIVE_UP = """

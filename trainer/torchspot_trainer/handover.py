@@ -22,8 +22,9 @@ environment variable that names that marker names them too:
   more, so its agent takes the node out of the rendezvous then (`notice_agreed`), and the other nodes
   re-form in place while the checkpoint is written instead of after it;
 - `stepped-<local rank>`: the generation of the worker's last completed step, the file's time that
-  step's: its gradient all-reduce completed with every member of the generation, so the agent's
-  liveness judge counts it as a receipt from each of them (liveness.py, `last_step`).
+  step's, moved ahead by the step before's duration: its gradient all-reduce completed with every
+  member of the generation, each of them is then busy with the next step, so the agent's liveness
+  judge counts it as a receipt from each of them until that time (liveness.py, `last_step`).
 
 A worker that does not acknowledge within `ACK_SECONDS` (frozen, or stuck holding the GIL) is
 restarted with the others of its node in a round after this one (torch's restart: the agent leaves
@@ -84,8 +85,11 @@ ACK_PREFIX = "ack-"
 FAILED_PREFIX = "failed-"
 AGREED_PREFIX = "agreed-"
 STEPPED_PREFIX = "stepped-"
-"""A live worker's last completed step: its generation in the file, the step's time as its modification
-time (`Handover.stepped`, `last_step`)."""
+"""A live worker's last completed step: its generation in the file, the step's time (moved ahead by
+STEP_CREDIT) as its modification time (`Handover.stepped`, `last_step`)."""
+STEP_CREDIT_SECONDS = 5.0
+"""The most a step's stamp is moved ahead (`Handover.stepped`): a frozen member is found at most this
+much later than by its puts alone."""
 ACK_SECONDS = 3.0
 """How long an agent waits for its live workers to acknowledge a new round before it restarts them: a
 watcher thread answers in milliseconds; only a worker that cannot run Python at all misses it."""
@@ -185,9 +189,11 @@ def running(pid: int) -> bool:
 
 
 def last_step(folder: Path, generation: int) -> float | None:
-    """The wall-clock time of the newest step a local live worker completed in `generation` (None:
-    none). Its gradient all-reduce completed, so every member of that generation was alive then: the
-    agent's liveness judge counts it as a receipt from each (handler.py's `_proven`)."""
+    """The wall-clock time of the newest step a local live worker completed in `generation`, moved
+    ahead by the step before's duration, so possibly in the future (`Handover.stepped`); None: none.
+    Its gradient all-reduce completed, so every member of that generation was alive then: the
+    agent's liveness judge counts it as a receipt from each, now until that time (handler.py's
+    `_proven`)."""
     newest: float | None = None
     for path in folder.glob(f"{STEPPED_PREFIX}*"):
         try:
@@ -300,17 +306,21 @@ class Handover:
 
     :param folder: the agent's folder (`agent_folder`).
     :param local_rank: this worker's LOCAL_RANK.
+    :param clock: the wall clock the stamps are written by (`stepped`).
     """
 
-    def __init__(self, folder: Path, local_rank: int) -> None:
+    def __init__(self, folder: Path, local_rank: int, *, clock: Callable[[], float] = time.time) -> None:
         self.folder = folder
         self.local_rank = local_rank
+        self._clock = clock
         self._seen: tuple[int, int] | None = None
         self._stop = threading.Event()
         self._acked = -1
         self._ack_lock = threading.Lock()
         self._stepped = -1
         """The generation `stepped` last wrote."""
+        self._stepped_at = 0.0
+        """When `stepped` was last called (by `clock`)."""
 
     @classmethod
     def from_environment(cls) -> Handover:
@@ -335,14 +345,24 @@ class Handover:
         (self.folder / f"{AGREED_PREFIX}{self.local_rank}").touch()
 
     def stepped(self, generation: int) -> None:
-        """A step of `generation` completed (its all-reduce did): the file's time says when (`last_step`).
-        Written when the generation changes, else only touched: a `utime` a step, microseconds."""
+        """A step of `generation` completed (its all-reduce did): the file's time says when (`last_step`),
+        moved ahead by the duration of the step before it in the generation (at most
+        STEP_CREDIT_SECONDS): every member is busy with the next step, which is likely to take as
+        long, and its agent may get no CPU meanwhile. On the goodput market (bench/README.md) steps
+        of 3.3 s at three nodes on 2 cores left a node's agent starved 1.06 s after a step's stamp:
+        the node was taken out while it trained, and 10 s were lost. The generation's first step has
+        no credit (the time before it was the re-form's). Written when the generation changes, else
+        only its times set: a `utime` a step, microseconds."""
         path = self.folder / f"{STEPPED_PREFIX}{self.local_rank}"
+        now = self._clock()
         if generation != self._stepped:
             _write_atomically(path, str(generation))
+            os.utime(path, (now, now))
             self._stepped = generation
         else:
-            os.utime(path)
+            credit = min(max(0.0, now - self._stepped_at), STEP_CREDIT_SECONDS)
+            os.utime(path, (now, now + credit))
+        self._stepped_at = now
 
     def report_failure(self) -> None:
         """A collective of this worker failed (a peer is likely gone): tell the agent (module docstring)."""

@@ -5,8 +5,9 @@ and the device probe at the end by NCCL's documented semantics. The trainer runs
 
 At a membership change the agent forms the new round and hands the live workers an `Assignment`
 (the round, their new rank and world, the round's store); each worker drops its group, builds the
-next one on the new store, and the ranks agree on the newest committed step before they go on. What
-experiments with gloo showed, and how this module answers each:
+next one on the new store, and the ranks agree on the newest committed step before they go on (at
+a switch to a round that only adds ranks the old ranks go on at once, the agreement beside their
+step: train.py's `_heal`). What experiments with gloo showed, and how this module answers each:
 
 - **An abandoned collective completes when a frozen peer thaws, and writes into whatever buffer it
   was given.** Every collective here runs on a *staging copy* of the caller's tensor and copies the

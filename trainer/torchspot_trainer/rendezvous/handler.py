@@ -501,7 +501,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """When a local live worker last completed a step in the generation of the round liveness judges
         (`_judged`; handover.py's `last_step`: its all-reduce completed with every member), on the
         monotonic clock liveness judges by; None without one (a worker that does not re-form in place
-        writes none)."""
+        writes none). A stamp moved ahead of now (the next step's expected time) counts as now."""
         joined = self._joined
         round_ = self._previous[0] if joined is None else joined[0]
         if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours

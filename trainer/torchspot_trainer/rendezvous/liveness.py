@@ -26,7 +26,9 @@ No false alarms, by construction:
   gradient all-reduce completes only with every rank of its generation in it. Found on the goodput
   market (bench/README.md, run 20): while rank 0 wrote a 90 MB checkpoint to Blob on the same
   disk, etcd took 0.1-0.5 s per request and one node's puts arrived 1.08 s apart; it was taken out
-  of the round while every step still completed with it.
+  of the round while every step still completed with it. Its members are busy with the next
+  step, so the receipt counts until that step is due by the last one's duration (`Handover.stepped`:
+  at most 5 s): with steps of 3.3 s a node's agent was starved 1.06 s after a stamp (run 21).
 
 The same watch stream carries the rendezvous state key: each write of it calls `on_state`, so an
 agent waiting for a round, or looking for a change at its monitor tick, reads the new state when it
