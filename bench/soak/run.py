@@ -6,7 +6,8 @@ The project's trainer with `--in-place` (tests/trainer/test_training.py's config
 small_cnn, 48 samples per step whatever the world size) on the lab's local nodes: real
 `torchspot-run` agents, real workers, Azurite for the checkpoints, and an etcd started with the
 managed etcd's flags (`ETCD_SIZING`, as the operator starts it). Up to MAX_NODES nodes train; the
-soak draws one fault at a time, each after a random number of steps since the last one:
+soak draws one fault at a time, each a random number of seconds after the last one (GAP_SECONDS)
+and after at least one step since it:
 
 - `kill`: SIGKILL of a node's whole tree (a VM gone);
 - `freeze`: SIGSTOP of a node's tree (a hung VM; sockets stay open), detected by liveness;
@@ -15,9 +16,11 @@ soak draws one fault at a time, each after a random number of steps since the la
 
 Node n0 is never killed or frozen: its agent and worker live through every generation, so their
 memory is the one to watch. A kill or a freeze needs two nodes that run, so that some node
-always trains. Then the frozen nodes are thawed, the run trains to its end, and the same
-configuration runs again with nothing happening, on one node and on MAX_NODES nodes: the second gives
-the part of a difference that is float32's reduction order over this many steps.
+always trains. Then the frozen nodes are thawed, the run trains on to its first checkpoint at least
+SETTLE_STEPS after the last fault (step S) and is stopped there, and the same configuration runs
+again to step S with nothing happening (`--max-steps`), on one node and on MAX_NODES nodes: the
+second gives the part of a difference that is float32's reduction order over this many steps. The
+models are compared at S.
 
 Measured: the seconds from each fault to the next completed step; steps redone (a step logged
 twice: at most the one in flight per kill or freeze); whether every step was trained once and
@@ -62,14 +65,22 @@ MAX_NODES = 3
 """The job's --nnodes maximum; one more node may be started (it waits for a place)."""
 STEPS_PER_EPOCH = 29
 """digits' 1,347 training samples at 48 a step."""
-GAP_STEPS = (8, 40)
-"""Steps trained between two faults, drawn uniformly."""
+GAP_SECONDS = (1.0, 4.0)
+"""Seconds between two faults, drawn uniformly. They were steps (8-40) until 2026-11-27: once steps
+took 10-20 ms in place, faults came 143 a minute, a joiner never finished its start-up (7-10 s)
+before the next fault, and 200 faults formed only 10 generations."""
+STEPS_PER_SECOND = 100
+"""More steps a second than the soak's run trains here (about 40-60), for the run's epochs
+(`epochs_for`): the run is stopped at a checkpoint after the last fault, not at its end."""
+SETTLE_STEPS = 50
+"""Steps after the last fault (the frozen nodes thawed) before the checkpoint the models are compared at."""
+CHECKPOINT_EVERY = 50
 STALL_SECONDS = 120.0
 """No step for this long after a fault: the soak stops and says so (a failure)."""
 SAMPLE_SECONDS = 5.0
 """How often memory and etcd are sampled."""
 ACTIONS = ("kill", "freeze", "thaw", "join")
-PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--checkpoint-every", "50"]
+PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--checkpoint-every", str(CHECKPOINT_EVERY)]
 """The equivalence test's configuration; the epochs follow from the number of faults."""
 
 
@@ -88,11 +99,18 @@ def allowed(running: int, frozen: int, started: int) -> list[str]:
 
 
 def epochs_for(events: int) -> int:
-    """Epochs enough for `events` faults at twice their mean gap (the others train on while a fault is
-    made: a kill waits for the node's processes to end), with room after the last (pure). At the
-    mean gap, a 200-fault run ended before its 199th fault."""
-    steps = events * sum(GAP_STEPS) + 10 * STEPS_PER_EPOCH
+    """Epochs enough for `events` faults at their longest gap and STEPS_PER_SECOND, with room after
+    the last (pure). The run never gets there: it is stopped at a checkpoint after the last fault,
+    and the undisturbed runs stop at the same step; the epochs only set the learning-rate schedule,
+    the same for all three."""
+    steps = events * GAP_SECONDS[1] * STEPS_PER_SECOND + 10 * STEPS_PER_EPOCH
     return int(steps // STEPS_PER_EPOCH) + 1
+
+
+def comparison_step(last_fault_step: int) -> int:
+    """The first checkpoint step at least SETTLE_STEPS after the last fault's (pure)."""
+    step = last_fault_step + SETTLE_STEPS
+    return -(-step // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
 
 
 @dataclass
@@ -184,6 +202,7 @@ class Newest:
         self.offset = 0
         self.step = 0
         self.world = 0
+        self.checkpoints: set[int] = set()
 
     def __call__(self) -> int:
         if self.path.exists():
@@ -196,25 +215,36 @@ class Newest:
                 if b'"progress"' in line:
                     record = json.loads(line)
                     self.step, self.world = max(self.step, record["step"]), record["world_size"]
+                elif b'"checkpoint"' in line:
+                    record = json.loads(line)
+                    if record.get("ok"):
+                        self.checkpoints.add(record["step"])
         return self.step
 
     def reached(self, step: int) -> bool:
         return self() >= step
 
+    def checkpoint_from(self, step: int) -> int | None:
+        """The first committed checkpoint (its event in the file) of `step` or later, if any yet."""
+        self()
+        return min((done for done in self.checkpoints if done >= step), default=None)
 
-def _job(root: Path, etcd: EtcdServer, blob: Azurite, name: str, *, nnodes: str, epochs: int) -> JobConfig:
+
+def _job(
+    root: Path, etcd: EtcdServer, blob: Azurite, name: str, *, nnodes: str, epochs: int, extra: tuple[str, ...] = ()
+) -> JobConfig:
     workdir = root / name
     return JobConfig(
         workdir=workdir, backend="etcd-v3", endpoint=etcd.endpoint, run_id=f"soak-{name}", nnodes=nnodes,
         extra_env=blob.env(), max_restarts=1000,
         program=[*PROGRAM, "--epochs", str(epochs), "--checkpoint-uri", f"az://ckpt/soak-{name}",
-                 "--events-file", str(workdir / "train-events.jsonl"), *(["--in-place"] if name == "soak" else [])],
+                 "--events-file", str(workdir / "train-events.jsonl"), *extra],
     )  # fmt: skip
 
 
 def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.Random) -> dict[str, Any]:
     """The faults, the watch, and what the soak's run logged."""
-    job = _job(root, etcd, blob, "soak", nnodes=f"1:{MAX_NODES}", epochs=epochs_for(events))
+    job = _job(root, etcd, blob, "soak", nnodes=f"1:{MAX_NODES}", epochs=epochs_for(events), extra=("--in-place",))
     events_file = job.workdir / "train-events.jsonl"
     newest = Newest(events_file)
     nodes: dict[str, LocalNode] = {}
@@ -239,10 +269,13 @@ def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.R
     faults: list[Fault] = []
     began = time.monotonic()
     try:
+        last = time.monotonic()
         for index in range(events):
-            target = newest() + rng.randint(*GAP_STEPS)
+            target = newest() + 1 if not faults else faults[-1].step + 1
+            due = last + rng.uniform(*GAP_SECONDS)
             try:
                 wait_for(functools.partial(newest.reached, target), STALL_SECONDS, f"step {target}")
+                time.sleep(max(0.0, due - time.monotonic()))  # the gap is the point here: a time, not a condition
             except TimeoutError:
                 if anchor.poll() is not None:
                     raise SystemExit(f"the run ended (n0: exit {anchor.poll()}) before fault {index + 1}") from None
@@ -267,6 +300,7 @@ def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.R
                     nodes[name].freeze()
                     frozen.add(name)
             faults.append(Fault(action, name, time.time(), newest()))
+            last = time.monotonic()
             if (index + 1) % 10 == 0:
                 rate = (index + 1) / (time.monotonic() - began)
                 print(f"  {index + 1}/{events} faults ({rate * 60:.0f} a minute), step {faults[-1].step}, "
@@ -274,21 +308,30 @@ def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.R
         for name in sorted(frozen):
             nodes[name].thaw()
         frozen.clear()
-        print("  faults done; training to the end", flush=True)
-        if anchor.wait(1800) != 0:
-            raise SystemExit(f"n0 ended with {anchor.poll()}:\n{anchor.log_tail(40)}")
+        due = comparison_step(newest())
+        print(f"  faults done; training to the checkpoint of step {due}", flush=True)
+        try:
+            compared = wait_for(functools.partial(newest.checkpoint_from, due), STALL_SECONDS, f"checkpoint {due}+")
+        except TimeoutError:
+            tails = "\n".join(f"--- {n.name}\n{n.log_tail(30)}" for n in nodes.values() if n.poll() is None)
+            raise SystemExit(f"no checkpoint from step {due}:\n{tails}") from None
     finally:
         watch.stop.set()
         watcher.join()
         for node in nodes.values():
             node.stop()
     alarms = _alarms(etcd)
-    return {"faults": faults, "samples": watch.samples, "events": read_events(events_file), "alarms": alarms}
+    events_read = read_events(events_file)
+    return {"faults": faults, "samples": watch.samples, "events": events_read, "alarms": alarms, "step": compared}
 
 
-def undisturbed(root: Path, etcd: EtcdServer, blob: Azurite, events: int, nodes: int) -> list[dict[str, Any]]:
-    """The same configuration on `nodes` nodes with nothing happening (no --in-place: nothing to re-form)."""
-    job = _job(root, etcd, blob, f"fixed-{nodes}", nnodes=f"{nodes}:{nodes}", epochs=epochs_for(events))
+def undisturbed(
+    root: Path, etcd: EtcdServer, blob: Azurite, events: int, *, nodes: int, step: int
+) -> list[dict[str, Any]]:
+    """The same configuration on `nodes` nodes with nothing happening (no --in-place: nothing to
+    re-form), to `step`."""
+    job = _job(root, etcd, blob, f"fixed-{nodes}", nnodes=f"{nodes}:{nodes}", epochs=epochs_for(events),
+               extra=("--max-steps", str(step)))  # fmt: skip
     group = [LocalNode(f"f{nodes}-{index}", job) for index in range(nodes)]
     for node in group:
         node.start()
@@ -298,9 +341,9 @@ def undisturbed(root: Path, etcd: EtcdServer, blob: Azurite, events: int, nodes:
     return read_events(job.workdir / "train-events.jsonl")
 
 
-def _model(blob: Azurite, name: str) -> dict[str, torch.Tensor]:
-    loaded = CheckpointManager(open_storage(f"az://ckpt/soak-{name}", blob.env()), CheckpointConfig()).load_latest()
-    assert loaded is not None, name
+def _model(blob: Azurite, name: str, step: int) -> dict[str, torch.Tensor]:
+    loaded = CheckpointManager(open_storage(f"az://ckpt/soak-{name}", blob.env()), CheckpointConfig()).load_step(step)
+    assert loaded is not None, (name, step)
     return {key: tensor.double() for key, tensor in loaded.state["model"].items()}
 
 
@@ -316,7 +359,8 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
     232)."""
     """The figures (module docstring), printed and returned."""
     faults: list[Fault] = run["faults"]
-    progress = [e for e in run["events"] if e.get("event") == "progress"]
+    compared: int = run["step"]
+    progress = [e for e in run["events"] if e.get("event") == "progress" and e["step"] <= compared]
     for fault in faults:
         after = [e["t"] for e in progress if e["t"] > fault.t]
         fault.recovered_s = round(after[0] - fault.t, 3) if after else None
@@ -333,7 +377,7 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
     partial = {e["step"] for e in progress if e.get("partial")} - set(steps)  # no whole record: a share only
     same_steps = sorted(losses) == sorted(fixed_losses)
     worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial) if same_steps else None
-    ours, theirs, wider = _model(blob, "soak"), _model(blob, "fixed-1"), _model(blob, f"fixed-{MAX_NODES}")
+    ours, theirs, wider = (_model(blob, name, compared) for name in ("soak", "fixed-1", f"fixed-{MAX_NODES}"))
     difference = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
     floor = max(float((wider[k] - theirs[k]).abs().max()) for k in theirs)
     samples = run["samples"]
@@ -408,10 +452,11 @@ def main() -> None:
             print(f"soak: {args.events} faults, seed {args.seed}, {epochs_for(args.events)} epochs", flush=True)
             started = time.monotonic()
             run = soak(root, etcd, blob, args.events, random.Random(args.seed))
-            print(f"  soak: {time.monotonic() - started:.0f} s; the undisturbed run...", flush=True)
-            fixed = undisturbed(root, etcd, blob, args.events, 1)
+            print(f"  soak: {time.monotonic() - started:.0f} s; the undisturbed run to step {run['step']}...",
+                  flush=True)  # fmt: skip
+            fixed = undisturbed(root, etcd, blob, args.events, nodes=1, step=run["step"])
             print(f"  the undisturbed run on {MAX_NODES} nodes...", flush=True)
-            undisturbed(root, etcd, blob, args.events, MAX_NODES)
+            undisturbed(root, etcd, blob, args.events, nodes=MAX_NODES, step=run["step"])
             result = report(run, fixed, blob)
     result["args"] = {k: str(v) for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
