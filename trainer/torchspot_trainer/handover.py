@@ -86,7 +86,7 @@ FAILED_PREFIX = "failed-"
 AGREED_PREFIX = "agreed-"
 STEPPED_PREFIX = "stepped-"
 """A live worker's last completed step: its generation in the file, the step's time (moved ahead by
-STEP_CREDIT) as its modification time (`Handover.stepped`, `last_step`)."""
+up to STEP_CREDIT_SECONDS) as its modification time (`Handover.stepped`, `last_step`)."""
 STEP_CREDIT_SECONDS = 5.0
 """The most a step's stamp is moved ahead (`Handover.stepped`): a frozen member is found at most this
 much later than by its puts alone."""
@@ -350,7 +350,7 @@ class Handover:
         STEP_CREDIT_SECONDS): every member is busy with the next step, which is likely to take as
         long, and its agent may get no CPU meanwhile. On the goodput market (bench/README.md) steps
         of 3.3 s at three nodes on 2 cores left a node's agent starved 1.06 s after a step's stamp:
-        the node was taken out while it trained, and 10 s were lost. The generation's first step has
+        the node was taken out while it trained, and about 2.7 s of training were lost. The generation's first step has
         no credit (the time before it was the re-form's). Written when the generation changes, else
         only its times set: a `utime` a step, microseconds."""
         path = self.folder / f"{STEPPED_PREFIX}{self.local_rank}"

@@ -834,9 +834,11 @@ class Trainer:
 
         At a switch to a round that only adds ranks (`LiveGroup.roster`), the old ranks completed the
         same step and are its trainers: they hand over without waiting for the agreement, which runs
-        beside their step and is checked before its update (`_confirm_hand_over`). Waiting for it
-        cost the switch 1-5 ms of the 30 ms it took on 2 CPU cores (bench/README.md); a newcomer
-        waits for it as before, to learn where its state comes from."""
+        beside their step and is checked before its update (`_confirm_hand_over`); a newcomer waits
+        for it as before, to learn where its state comes from. The wait took 1-5 ms of a 30 ms
+        switch on 2 CPU cores, yet skipping it measured neutral there: the joiner, sharing the cores,
+        then got less CPU for its part (bench/README.md). Where each rank has cores of its own the
+        wait is latency alone (not measured)."""
         place = self._in_place
         if place is not None:  # (a state on its way in a generation that broke is given up)
             place.arriving, place.trainers, place.confirming = None, None, None
