@@ -31,7 +31,7 @@ from torchspot_lab.datasets import write_synthetic_cifar10
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.kubeapi.admission import Admission, AdmissionError
 from torchspot_lab.report import Report, build_report, read_pod_events
-from torchspot_lab.scenario import Scenario
+from torchspot_lab.scenario import CLOCK_SUBMITTED, Scenario
 from torchspot_operator import constants, handlers
 from torchspot_operator.kube import Kube
 from torchspot_operator.metrics import METRICS_PORT_ENV
@@ -236,12 +236,23 @@ def _play(
     timeline: Timeline,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Apply the scenario's events on time and print progress until the job ends or time runs out."""
+    """Apply the scenario's events on time and print progress until the job ends or time runs out.
+
+    Events count from the scenario's clock; a job that ends before a `firstCheckpoint` clock starts
+    ends the run there, its events unplayed, rather than waiting for the timeout."""
     pending = list(scenario.events)
     next_line = 0.0
+    market_start = timeline.start if scenario.clock == CLOCK_SUBMITTED else None
+    status: dict[str, Any] = {}
     while True:
-        elapsed = time.time() - timeline.start
-        while pending and pending[0].at <= elapsed:
+        now = time.time()
+        elapsed = now - timeline.start
+        if market_start is None and isinstance((status.get("lastCheckpoint") or {}).get("step"), int):
+            market_start = now
+            step = status["lastCheckpoint"]["step"]
+            timeline.add("market", f"market clock starts: the job's first checkpoint (step {step}) is in its status")
+        market = -1.0 if market_start is None else now - market_start
+        while pending and pending[0].at <= market:
             event = pending.pop(0)
             if event.action == "evict":
                 agent.evict(event.node, notice=event.notice)
@@ -257,11 +268,11 @@ def _play(
             else:
                 agent.add_spot(event.count)
         body = api.run(kube.get(constants.API_VERSION, constants.PLURAL, NAMESPACE, name)) or {}
-        status: dict[str, Any] = body.get("status") or {}
+        status = body.get("status") or {}
         if elapsed >= next_line:
             next_line = elapsed + PROGRESS_EVERY
             say(_progress_line(elapsed, status))
-        if status.get("phase") in ("Succeeded", "Failed", "Invalid") and not pending:
+        if status.get("phase") in ("Succeeded", "Failed", "Invalid") and (not pending or market_start is None):
             say(_progress_line(elapsed, status))
             timeline.add("end", f"job {status['phase']}")
             return status

@@ -7,6 +7,7 @@ A scenario file (YAML)::
       spot: {nodes: 3, gpus: 1}       # GPU spot nodes (AKS's label and taint)
     notReadyAfter: 8                  # a frozen node turns NotReady this many seconds later
     timeout: 300                      # stop the run (and fail) after this many seconds
+    clock: submitted                  # or firstCheckpoint: when the events' `at` counts from
     events:
       - {at: 40, evict: spot-3, notice: true}    # SIGTERM, SIGKILL after the pod's grace period
       - {at: 90, evict: spot-2}                  # hard: everything SIGKILLed at once
@@ -17,12 +18,17 @@ A scenario file (YAML)::
 
 Nodes are named `ondemand-<n>` and `spot-<n>`, numbered from 1 in the order they
 appear (added spot nodes continue the count). `at` counts seconds from the moment
-the job was submitted. Parsing is pure and reports every problem at once, each
-naming its field, before anything starts.
+the job was submitted, or with `clock: firstCheckpoint` from the moment the job's
+status first shows a committed checkpoint: a market that must strike a job that
+trains (an eviction with notice that writes an emergency checkpoint, say) then does
+so however long the cluster took to start it. `timeout` always counts from the
+submission. Parsing is pure and reports every problem at once, each naming its
+field, before anything starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +38,9 @@ import yaml
 
 ACTIONS = ("evict", "freeze", "addSpot", "suspend")
 DEFAULT_TIMEOUT = 600.0
+CLOCK_SUBMITTED = "submitted"
+CLOCK_FIRST_CHECKPOINT = "firstCheckpoint"
+CLOCKS = (CLOCK_SUBMITTED, CLOCK_FIRST_CHECKPOINT)
 
 
 class ScenarioError(ValueError):
@@ -74,6 +83,8 @@ class Scenario:
     events: tuple[Event, ...] = ()
     not_ready_after: float = 8.0
     timeout: float = DEFAULT_TIMEOUT
+    clock: str = CLOCK_SUBMITTED
+    """What the events' `at` counts from: the submission, or the job's first committed checkpoint."""
 
     def initial_nodes(self) -> list[tuple[str, bool]]:
         """(name, is_spot) of the nodes present at the start."""
@@ -167,11 +178,16 @@ def parse_scenario(raw: Any, source: str = "scenario") -> Scenario:
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ScenarioError(source, ["the file must hold a mapping (pools, events, notReadyAfter, timeout)"])
+        raise ScenarioError(source, ["the file must hold a mapping (pools, events, notReadyAfter, timeout, clock)"])
     problems: list[str] = []
-    unknown = sorted(set(raw) - {"pools", "events", "notReadyAfter", "timeout"})
+    top = ("pools", "events", "notReadyAfter", "timeout", "clock")
+    unknown = sorted(set(raw) - set(top))
     if unknown:
-        problems.append(f"unknown keys {', '.join(unknown)} (expected pools, events, notReadyAfter, timeout)")
+        problems.append(f"unknown keys {', '.join(unknown)} (expected {', '.join(top)})")
+    clock = raw.get("clock", CLOCK_SUBMITTED)
+    if clock not in CLOCKS:
+        problems.append(f"clock: must be one of {', '.join(CLOCKS)}, not {clock!r}")
+        clock = CLOCK_SUBMITTED
     pools = raw.get("pools") or {}
     if not isinstance(pools, Mapping):
         problems.append("pools: must be a mapping with onDemand and spot")
@@ -191,6 +207,7 @@ def parse_scenario(raw: Any, source: str = "scenario") -> Scenario:
         events=tuple(e for e in events if e is not None),
         not_ready_after=_number(raw.get("notReadyAfter"), "notReadyAfter", problems, low=0, default=8.0),
         timeout=_number(raw.get("timeout"), "timeout", problems, low=1, default=DEFAULT_TIMEOUT),
+        clock=clock,
     )
     if scenario.on_demand.nodes < 1:
         problems.append("pools.onDemand.nodes: at least 1 (the managed etcd and nothing else runs there)")
@@ -198,13 +215,7 @@ def parse_scenario(raw: Any, source: str = "scenario") -> Scenario:
         _check_nodes(scenario, problems)
     if problems:
         raise ScenarioError(source, problems)
-    return Scenario(
-        scenario.on_demand,
-        scenario.spot,
-        tuple(sorted(scenario.events, key=lambda e: e.at)),
-        scenario.not_ready_after,
-        scenario.timeout,
-    )
+    return dataclasses.replace(scenario, events=tuple(sorted(scenario.events, key=lambda e: e.at)))
 
 
 def load_scenario(path: Path) -> Scenario:

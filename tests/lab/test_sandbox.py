@@ -27,7 +27,8 @@ SCRIPTED = ROOT / "tests" / "trainer" / "scripted_trainer.py"
 STEPS = 150
 STEP_PACE = 0.6
 """Seconds a step takes at least (scripted_trainer.py): 150 steps last 90 s of training or more, so the
-market's last events (85 s, 95 s, 105 s) fall inside the run however idle the cores. With ResNet-18's
+market's last events (65 s, 75 s, 85 s after the first checkpoint at step 5) fall inside the run
+however idle the cores. With ResNet-18's
 steps the run's length followed the machine's load instead (122 s alone, 225 s in the suite)."""
 
 
@@ -52,13 +53,16 @@ MARKET = {
     "pools": {"onDemand": {"nodes": 1}, "spot": {"nodes": 3, "gpus": 1}},
     "notReadyAfter": 4,
     "timeout": 400,
+    # From the first checkpoint, not the submission: a CI run whose job started late on its busy cores
+    # had the notice come while the first round still built DDP, with no step to checkpoint.
+    "clock": "firstCheckpoint",
     "events": [
-        {"at": 25, "evict": "spot-3", "notice": True},
-        {"at": 50, "freeze": "spot-2"},
-        {"at": 55, "addSpot": 2},
-        {"at": 85, "evict": "spot-1"},  # capacity never comes back: a replacement stays Pending to the end
-        {"at": 95, "suspend": True},
-        {"at": 105, "suspend": False},
+        {"at": 5, "evict": "spot-3", "notice": True},
+        {"at": 30, "freeze": "spot-2"},
+        {"at": 35, "addSpot": 2},
+        {"at": 65, "evict": "spot-1"},  # capacity never comes back: a replacement stays Pending to the end
+        {"at": 75, "suspend": True},  # by step 5 + 75 / STEP_PACE = 130 at the most: before the last
+        {"at": 85, "suspend": False},
     ],
 }
 
@@ -84,6 +88,10 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert report.status["evictions"] >= 3, report.summary()
     assert report.status["failures"] == 0
     texts = [e["text"] for e in report.timeline]
+    # The market's clock started at the first checkpoint, before any of its events.
+    kinds = [e["kind"] for e in report.timeline]
+    assert any(t.startswith("market clock starts: the job's first checkpoint (step ") for t in texts), texts
+    assert kinds.index("market") < min(kinds.index(k) for k in kinds if k in ("evict", "freeze", "suspend"))
     lost = [t for t in texts if t.startswith("Warning Evicted")]
     # With notice the kubelet ends the pod (a DisruptionTarget, TerminationByKubelet, or reason
     # Terminated) before the VM goes; the operator may see either first.

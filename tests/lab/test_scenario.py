@@ -43,7 +43,13 @@ def test_a_full_scenario_parses_in_time_order() -> None:
     assert (scenario.not_ready_after, scenario.timeout) == (5.0, 200.0)
 
 
+def test_the_market_clock_counts_from_the_submission_unless_told_the_first_checkpoint() -> None:
+    assert parse_scenario({}).clock == "submitted"
+    assert parse_scenario({"clock": "firstCheckpoint"}).clock == "firstCheckpoint"
+
+
 BAD = [
+    ("unknown-clock", {"clock": "firstStep"}, "clock: must be one of submitted, firstCheckpoint, not 'firstStep'"),
     ("not-a-mapping", ["evict"], "must hold a mapping"),
     ("unknown-top", {"evnets": []}, "unknown keys evnets"),
     ("unknown-pool", {"pools": {"gpu": {}}}, "pools: unknown keys gpu"),
