@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from torchspot_lab.local import wait_for
 from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.buckets import plan_buckets
 from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest
 from torchspot_trainer.recovery.planes import (
     NCCL_SHRINK_HANG_VERSION,
@@ -318,6 +319,95 @@ def test_a_switch_keeps_the_old_ranks_places_and_their_heal_agreement_runs_besid
     outcome, seconds = broken.split()
     assert outcome == "broken"
     assert float(seconds) < 2.0
+
+
+_BUCKETS = """
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+import torch
+from torch import nn
+from torch._C._distributed_c10d import TCPStore
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.buckets import GradientBuckets
+from torchspot_trainer.recovery.live import LiveCollectives, LiveGroup
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
+def enter(rank):
+    assert lives[rank].reconfigure(Assignment(1, rank, 3, "127.0.0.1", store.port), time.monotonic() + 30)
+def run(target):
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+run(enter)
+def model():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
+    net.unused = nn.Parameter(torch.ones(5))  # in no forward pass: its bucket goes at the update, with zeros
+    return net
+nets = [model() for _ in range(3)]
+buckets = [GradientBuckets(list(net.parameters()), first=64, cap=256) for net in nets]
+local, statistics, posted_in_backward = {}, {}, {}
+def step(rank):
+    net, mine = nets[rank], buckets[rank]
+    group = LiveCollectives(rank, 3, torch.device("cpu"), live=lives[rank], op_seconds=5)
+    posts = []
+    def post(tensor):
+        posts.append(tensor.numel())
+        return lives[rank].post(tensor, control=False, owned=True)
+    local[rank] = [torch.zeros_like(p) for p in net.parameters()]
+    if rank < 2:  # rank 2 sits the step out: no pass, no gradient, nothing armed
+        mine.arm(post, 3)
+        torch.manual_seed(10 + rank)
+        net(torch.randn(6, 4)).square().sum().backward()
+        local[rank] = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.parameters()]
+    statistics[rank] = net[1].running_mean.clone()
+    posted_in_backward[rank] = len(posts)
+    group.average_gradients(list(net.parameters()), list(net.buffers()), buffers_from=1, buckets=mine)
+run(step)
+grads = [[p.grad for p in net.parameters()] for net in nets]
+expected = [(a + b + c) / 3 for a, b, c in zip(local[0], local[1], local[2])]
+print(len(buckets[0].buckets), posted_in_backward[0], posted_in_backward[1], posted_in_backward[2])
+print(all(torch.allclose(grads[rank][i], expected[i], atol=1e-6) for rank in range(3) for i in range(len(expected))))
+print(all(torch.equal(grads[0][i], grads[rank][i]) for rank in range(3) for i in range(len(expected))))
+print(torch.equal(statistics[0], statistics[1]), all(torch.equal(net[1].running_mean, statistics[1]) for net in nets),
+      grads[0][0].abs().sum().item())  # `unused`: a module's own parameters come before its children's
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.slow(seconds=5)
+def test_gradient_buckets_are_posted_during_the_backward_pass_and_average_as_ddp_does() -> None:
+    """In place, a step's gradients go in DDP's buckets while the backward pass computes
+    (recovery/buckets.py): every bucket whose parameters all got their gradient is posted before
+    the update, one holding a parameter that no pass used goes at the update with zeros for it, and a
+    rank that sat the step out (no pass at all: a heal's receiver) posts them all there, in the same
+    order. Every rank ends with the same averaged gradients, each the mean of the two ranks' own over
+    the world of three, and the BatchNorm statistics of the rank they are taken from. Three real
+    gloo ranks in a process of their own (its group threads must not be there when another test
+    forks)."""
+    done = subprocess.run([sys.executable, "-c", _BUCKETS], check=True, capture_output=True, text=True, timeout=60)
+    posted, close, same, buffers = done.stdout.split("\n")[:4]
+    count, *during = posted.split()
+    assert count == "3"  # 108, 288 and 244 bytes of parameters (caps of 64 and 256)
+    assert during == ["2", "2", "0"]  # all but the last (the unused parameter's) during the pass
+    assert close == "True"
+    assert same == "True"
+    assert buffers == "False True 0.0"  # the two ranks' statistics differed; every rank holds rank 1's
+
+
+def test_buckets_deal_the_parameters_in_reverse_closing_at_their_caps() -> None:
+    """DDP's bucketing: the last parameters first (their gradients come first), a small first bucket
+    and larger ones after it, no parameter split, whatever is left in a last bucket."""
+    assert plan_buckets([10, 10, 10, 10], [4, 4, 4, 4], first=40, cap=80) == [[3], [2, 1], [0]]
+    assert plan_buckets([100, 1, 1], [4, 4, 4], first=4, cap=400) == [[2], [1, 0]]
+    assert plan_buckets([5], [2], first=1024, cap=4096) == [[0]]
+    assert plan_buckets([], [], first=1, cap=1) == []
 
 
 @pytest.mark.parametrize(

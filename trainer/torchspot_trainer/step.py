@@ -46,11 +46,15 @@ def train_step(
     before_update: Callable[[], None] = lambda: None,
     precision: Precision | None = None,
     normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    before_last_pass: Callable[[], None] = lambda: None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
 
     `ddp` is the model under DDP, or the bare model of a worker that re-forms in place, whose
     gradients `before_update` averages (live.py's `LiveCollectives.average_gradients`).
+
+    `before_last_pass` runs before the last micro-batch's forward pass, where DDP's `no_sync` ends:
+    in place, the gradient buckets are armed there (recovery/buckets.py).
 
     `before_update` runs between the last gradient all-reduce and the optimizer's step: from
     then until the caller counts the step, the model is between two states. Returns this
@@ -70,6 +74,8 @@ def train_step(
         inputs = model_inputs(inputs, device, precision, normalize)
         labels = labels.to(device, non_blocking=True)
         last = index == passes - 1
+        if last:
+            before_last_pass()
         with ddp.no_sync() if isinstance(ddp, DistributedDataParallel) and not last else contextlib.nullcontext():
             with precision.autocast():
                 logits = ddp(inputs)

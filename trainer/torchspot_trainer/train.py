@@ -87,6 +87,7 @@ from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import BatchRule, build_optimizer, learning_rate
 from torchspot_trainer.precision import Precision
+from torchspot_trainer.recovery.buckets import GradientBuckets
 from torchspot_trainer.recovery.group import (
     Group,
     StepWatchdog,
@@ -300,6 +301,8 @@ class _Run:
     total_samples: int
     evaluated: tuple[int, float] = (-1, math.nan)
     """(step, top-1 accuracy) of the last completed evaluation."""
+    buckets: GradientBuckets | None = None
+    """In place on the host plane: the gradients' buckets, reduced beside the backward pass."""
 
 
 @dataclass
@@ -547,7 +550,7 @@ class Trainer:
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
                 device=self.device, before_update=self._begin_update, precision=self.precision,
-                normalize=run.normalize,
+                normalize=run.normalize, before_last_pass=self._arm_buckets,
             )  # fmt: skip
             window = self._finish_step(run, window, (loss, correct), step_samples, lr)
             if self._step_limit_reached():
@@ -585,18 +588,33 @@ class Trainer:
         here: a failed average raises GroupChanged before anything of the step is applied."""
         self._average(self.step + 1)
 
+    def _arm_buckets(self) -> None:
+        """Before a step's last backward pass in place: its gradient buckets are posted as they fill
+        (recovery/buckets.py), after a heal's sends are."""
+        run, place = self._run, self._in_place
+        if run is None or run.buckets is None or place is None:
+            return
+        run.buckets.arm(partial(place.live.post, control=False, owned=True), self.world,
+                        before_first=place.sends_posted)  # fmt: skip
+
     def _average(self, step: int) -> None:
         """`_begin_update` for the update that makes `step`."""
         if self._run is not None and self._in_place is not None:
-            self._in_place.sends_posted()
-            self._confirm_hand_over()
+            run = self._run
+            try:
+                self._in_place.sends_posted()
+                self._confirm_hand_over()
+            except BaseException:
+                if run.buckets is not None:  # what was posted belongs to the generation being left
+                    run.buckets.disarm()
+                raise
             trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
-            model = self._run.model
             group.average_gradients(
-                [p for p in model.parameters() if p.requires_grad], list(model.buffers()),
+                [p for p in run.model.parameters() if p.requires_grad], list(run.model.buffers()),
                 boundary=(step, self.stop.row), buffers_from=0 if trainers is None else trainers[0],
+                buckets=run.buckets,
             )  # fmt: skip
         self._host.before_update()
 
@@ -704,6 +722,9 @@ class Trainer:
             test_loader=self._loader(test_set, decoder, min(self.loader_workers, EVAL_LOADER_WORKERS)),
             normalize=train_set.normalize,  # type: ignore[attr-defined]
             total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
+            buckets=GradientBuckets([p for p in model.parameters() if p.requires_grad])
+            if self._in_place is not None and not self._in_place.live.plane.separate
+            else None,
         )
         lap("model")
         if self._in_place is not None:
@@ -842,6 +863,8 @@ class Trainer:
         place = self._in_place
         if place is not None:  # (a state on its way in a generation that broke is given up)
             place.arriving, place.trainers, place.confirming = None, None, None
+        if run.buckets is not None:  # a step's buckets posted in a generation left are that generation's
+            run.buckets.disarm()
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
         may_sit_out = self._may_sit_out(run, live_step)

@@ -41,7 +41,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,9 @@ from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.planes import HostPlane, Parent
 from torchspot_trainer.recovery.wire import pack, unpack
+
+if TYPE_CHECKING:
+    from torchspot_trainer.recovery.buckets import GradientBuckets
 
 log = logging.getLogger(__name__)
 
@@ -447,13 +451,17 @@ class LiveGroup:
                 self._settle_sends()
         return outcome
 
-    def post(self, tensor: torch.Tensor, *, control: bool) -> Callable[[float], Outcome]:
+    def post(self, tensor: torch.Tensor, *, control: bool, owned: bool = False) -> Callable[[float], Outcome]:
         """`all_reduce` started now and waited for later: the returned function waits (given the
         deadline) and writes the sum into `tensor` if it completed. A heal's agreement so runs beside
-        the step its trainers take (train.py's `_heal`). Waited for after the generation was left, it
-        says BROKEN (the staging copy stays held with that generation's grave). It does not let a
-        heal's sends go (`_settle_sends`): their receivers may not have them yet."""
-        staging = tensor.detach().clone()
+        the step its trainers take (train.py's `_heal`), and a step's gradient buckets beside its
+        backward pass (buckets.py). Waited for after the generation was left, it says BROKEN (the
+        staging copy stays held with that generation's grave). It does not let a heal's sends go
+        (`_settle_sends`): their receivers may not have them yet.
+
+        `owned`: the caller gives `tensor` to the collective (it never reads or writes it again unless
+        the outcome is DONE), so it is its own staging copy: no copy of a gradient bucket's 25 MiB."""
+        staging = tensor if owned else tensor.detach().clone()
         group = self._pick(control)
         held = self._staging
         held[id(staging)] = staging
@@ -463,7 +471,7 @@ class LiveGroup:
             if held is not self._staging:  # left for a newer generation meanwhile
                 return Outcome.BROKEN
             outcome = self._wait(group, work, staging, deadline)
-            if outcome is Outcome.DONE:
+            if outcome is Outcome.DONE and staging is not tensor:
                 tensor.copy_(staging)
             return outcome
 
@@ -745,40 +753,58 @@ class LiveCollectives(Group):
         *,
         boundary: tuple[int, Callable[[], list[int]]] | None = None,
         buffers_from: int = 0,
+        buckets: GradientBuckets | None = None,
     ) -> None:
         """What DDP does to a step: the gradients averaged over ranks (each divided by the world, then
         summed, in DDP's order of operations), and the model's floating-point buffers (BatchNorm's
         running statistics) taken from rank `buffers_from` (DDP's rank 0; after a heal whose
-        receivers sat out the step, a rank that trained it: train.py), in one all-reduce of one flat
-        buffer after the step's last backward pass; a parameter without a gradient counts as zero.
-        Unlike DDP's buckets it does not overlap the backward pass: the price of a group that can be
-        replaced between two steps.
+        receivers sat out the step, a rank that trained it: train.py); a parameter without a
+        gradient counts as zero. With `buckets` (buckets.py: `parameters` are theirs) the gradients
+        went in DDP's buckets, posted while the backward pass computed (the rest are posted now),
+        and the buffers go in one more all-reduce; without, everything goes in one all-reduce of one
+        flat buffer after the step's last backward pass.
 
         `boundary`: (the step these gradients make, its agreement's row function). Where the gradients
         travel on the agreements' group (gloo: not on a GPU, whose host would then wait for the
         device), the rows ride along, each rank's on its line of a table (sums of small integers are
-        exact in float32) and `boundary` reads them; the step is not applied unless the all-reduce
+        exact in float32) and `boundary` reads them; the step is not applied unless every all-reduce
         completed, so the agreement's rows and its update stand or fall together."""
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
         floating = [buffer for buffer in buffers if buffer.is_floating_point()]
-        parts = [grad.reshape(-1) / self.world for grad in grads]
         mine = self.rank == buffers_from
+        dtype = parameters[0].dtype if parameters else None
+        launched = []
+        if buckets is not None:
+            assert len(buckets.parameters) == len(parameters)
+            assert all(ours is given for ours, given in zip(buckets.parameters, parameters, strict=True))
+            launched = buckets.complete(partial(self.live.post, control=False, owned=True), self.world)
+            grads: list[torch.Tensor] = []
+        else:
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+        parts = [grad.reshape(-1) / self.world for grad in grads]
         parts += [buffer.reshape(-1) if mine else torch.zeros_like(buffer).reshape(-1) for buffer in floating]
         table = None
-        if boundary is not None and not self.live.plane.separate and parts and parts[0].dtype in EXACT_ROWS:
+        if boundary is not None and not self.live.plane.separate and dtype in EXACT_ROWS:
             row = self._with_joiners(boundary[1]())
-            table = torch.zeros(self.world, len(row), dtype=parts[0].dtype)
+            table = torch.zeros(self.world, len(row), dtype=dtype)
             table[self.rank] = torch.tensor(row, dtype=table.dtype)
             parts.append(table.reshape(-1))
+        if not parts and launched:  # one collective after the buckets all the same: it settles a heal's sends
+            parts.append(torch.zeros(1, dtype=dtype))
         flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-        self._done(self.live.all_reduce(flat, time.monotonic() + self.op_seconds))
+        deadline = time.monotonic() + self.op_seconds
+        self._done(self.live.all_reduce(flat, deadline))
+        for _bucket, finish in launched:
+            self._done(finish(deadline))
         if boundary is not None and table is not None:
             rows = flat[flat.numel() - table.numel() :].view(table.shape)
             self.live.agreed = (boundary[0], [[round(value) for value in line] for line in rows.tolist()])
         offset = 0
-        for parameter, grad in zip(parameters, grads, strict=True):
-            parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
-            offset += grad.numel()
+        if buckets is not None:
+            buckets.assign([bucket for bucket, _finish in launched])
+        else:
+            for parameter, grad in zip(parameters, grads, strict=True):
+                parameter.grad = flat[offset : offset + grad.numel()].view_as(grad)
+                offset += grad.numel()
         for buffer in floating:
             buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
             offset += buffer.numel()
