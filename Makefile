@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # finish it in about half the time one takes; three overload two cores (README, "Development").
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
+.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-steady bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
 
 all: test
 
@@ -58,7 +58,7 @@ manifests: venv
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 
-bench: bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak
+bench: bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-steady bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak
 
 # TorchFT, the peer measured side by side, is installed here rather than with the tests: its
 # OpenTelemetry dependencies would sit in the venv the operator's import check reads.
@@ -81,6 +81,10 @@ bench-operator-thousand: venv
 
 bench-goodput: venv
 	$(PY) bench/goodput/run.py
+
+# The in-place trainer's training rate between events against DDP's, the goodput job on quiet nodes.
+bench-steady: venv
+	$(PY) bench/goodput/steady.py
 
 bench-etcd-soak: venv
 	$(PY) bench/etcd_soak/run.py
