@@ -1,6 +1,6 @@
 """The in-place trainer's training rate between events, against DDP's, in the same run.
 
-    .venv/bin/python bench/goodput/steady.py [--out DIR] [--reps 2] [--seconds 90] [--nodes 3]
+    .venv/bin/python bench/goodput/steady.py [--out DIR] [--reps 2] [--seconds 180] [--nodes 3]
 
 The goodput benchmark's reference is torchspot's job as shipped (DDP) without interruptions;
 its in-place runs trained 10-20% below that reference between events (runs 18-22), whatever
@@ -47,7 +47,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("steady-%Y%m%d-%H%M%S"))
     parser.add_argument("--reps", type=int, default=2, help="runs of each job")
-    parser.add_argument("--seconds", type=float, default=90.0, help="each run's length, from the submission")
+    parser.add_argument(
+        "--seconds", type=float, default=180.0, help="each run's length, from the submission (90 s: 24 steps, noisy)"
+    )
     parser.add_argument("--nodes", type=int, default=3, help="spot nodes, all of them training")
     parser.add_argument("--images", type=int, default=3000, help="training images")
     args = parser.parse_args()
