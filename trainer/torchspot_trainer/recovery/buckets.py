@@ -94,7 +94,7 @@ class GradientBuckets:
                 self._place[index] = (number, offset)
                 offset += self.parameters[index].numel()
         self._step: _Step | None = None
-        self._handles = [
+        self._hooks = [  # held for the run: the model's parameters keep their buckets to the end
             p.register_post_accumulate_grad_hook(partial(self._accumulated, index))  # type: ignore[no-untyped-call]
             for index, p in enumerate(self.parameters)
         ]
@@ -132,11 +132,6 @@ class GradientBuckets:
                 parameter = self.parameters[index]
                 offset = self._place[index][1]
                 parameter.grad = flats[number][offset : offset + parameter.numel()].view_as(parameter)
-
-    def remove(self) -> None:
-        """Take the hooks off the parameters."""
-        for handle in self._handles:
-            handle.remove()
 
     def _gathered(self, number: int, world: int) -> torch.Tensor:
         """Bucket `number`'s buffer from the gradients as they are (zeros where there is none)."""
