@@ -601,13 +601,8 @@ class Trainer:
         """`_begin_update` for the update that makes `step`."""
         if self._run is not None and self._in_place is not None:
             run = self._run
-            try:
-                self._in_place.sends_posted()
-                self._confirm_hand_over()
-            except BaseException:
-                if run.buckets is not None:  # what was posted belongs to the generation being left
-                    run.buckets.disarm()
-                raise
+            self._in_place.sends_posted()
+            self._confirm_hand_over()
             trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
@@ -863,8 +858,6 @@ class Trainer:
         place = self._in_place
         if place is not None:  # (a state on its way in a generation that broke is given up)
             place.arriving, place.trainers, place.confirming = None, None, None
-        if run.buckets is not None:  # a step's buckets posted in a generation left are that generation's
-            run.buckets.disarm()
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
         may_sit_out = self._may_sit_out(run, live_step)
@@ -1009,6 +1002,8 @@ class Trainer:
         except Exception as exc:  # that generation is over; a state that cannot be sent fails the next heal
             log.warning("rank %d: a heal's state was not sent (%s)", self.rank, exc)
         place.confirming = None  # (its agreement's staging copy goes with the generation)
+        if run.buckets is not None:  # so do a broken step's buckets posted in it
+            run.buckets.disarm()
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
         live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
         self._settle(run, live_step=live_step, mine=None, entered=False, lap=_lap(self.setup_seconds))
