@@ -444,7 +444,9 @@ class LiveGroup:
         `control`: on the gloo group (a host tensor: an agreement), else on the data plane's."""
         staging = tensor.detach().clone()
         group = self._pick(control)
-        outcome = self._wait(group, group.allreduce([staging]), staging, deadline)
+        work = group.allreduce([staging])
+        self._hold(group, work, staging)
+        outcome = self._wait(group, work, staging, deadline)
         if outcome is Outcome.DONE:
             tensor.copy_(staging)
             if self._sending and group is self._data:
@@ -456,7 +458,8 @@ class LiveGroup:
         deadline) and writes the sum into `tensor` if it completed. A heal's agreement so runs beside
         the step its trainers take (train.py's `_heal`), and a step's gradient buckets beside its
         backward pass (buckets.py). Waited for after the generation was left, it says BROKEN (the
-        staging copy stays held with that generation's grave). It does not let a heal's sends go
+        staging copy is held with that generation's grave until the collective ends: `_hold`). It
+        does not let a heal's sends go
         (`_settle_sends`): their receivers may not have them yet.
 
         `owned`: the caller gives `tensor` to the collective (it never reads or writes it again unless
@@ -464,8 +467,8 @@ class LiveGroup:
         staging = tensor if owned else tensor.detach().clone()
         group = self._pick(control)
         held = self._staging
-        held[id(staging)] = staging
         work = group.allreduce([staging])
+        self._hold(group, work, staging)
 
         def finish(deadline: float) -> Outcome:
             if held is not self._staging:  # left for a newer generation meanwhile
@@ -484,7 +487,9 @@ class LiveGroup:
         options = dist.BroadcastOptions()
         options.rootRank = src
         group = self._pick(False)
-        outcome = self._wait(group, group.broadcast([staging], options), staging, deadline)
+        work = group.broadcast([staging], options)
+        self._hold(group, work, staging)
+        outcome = self._wait(group, work, staging, deadline)
         if outcome is Outcome.DONE:
             tensor.copy_(staging)
         return outcome
@@ -545,9 +550,30 @@ class LiveGroup:
         """Old data groups whose abort has not returned yet (for tests and logs)."""
         return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
 
-    def _wait(self, group: Any, work: Any, staging: torch.Tensor, deadline: float) -> Outcome:
+    def _hold(self, group: Any, work: Any, staging: torch.Tensor) -> None:
+        """Hold `staging`, which `work` writes into, with the generation while a zombie may still
+        write: a host (gloo) collective lets it go itself as it ends, completed or failed (its
+        future's callback), whether or not anyone waits for it. So a grave whose collectives have
+        all ended is let go at the next re-form (`_reap`). A step's gradient buckets are posted and
+        then not waited for when the step breaks first (a peer killed: the update's all-reduce
+        fails before them); held until the op timeout, their copies kept a soak's generations in
+        the graveyard (one every few seconds, 30 s each) until it was full, and a worker fell back
+        to a restart. A device communicator's future may complete as its work is queued
+        (planes.py): its copies go when `_wait` sees the work end, or with the grave."""
+        key = id(staging)
         held = self._staging
-        held[id(staging)] = staging  # held with its group: a zombie may still write into it
+        held[key] = staging
+        if self.plane.separate and group is self._data:
+            return
+
+        def ended(_future: Any) -> None:
+            if held.get(key) is staging:  # (this closure keeps `staging`, so its id names no other tensor)
+                held.pop(key, None)  # (`_wait` may pop it meanwhile)
+
+        work.get_future().add_done_callback(ended)
+
+    def _wait(self, group: Any, work: Any, staging: torch.Tensor, deadline: float) -> Outcome:
+        held = self._staging  # `staging` is held (`_hold`) until its collective has ended
         data = self.plane.separate and group is self._data
         if not (self._awaited(work, deadline) if not data else self._polled(work, deadline)):
             self._clean = self._clean and not data
@@ -559,10 +585,10 @@ class LiveGroup:
             failure = str(exc)
         if failure is not None:
             log.warning("generation %s: collective failed (%s)", self.generation, failure)
-            held.pop(id(staging))  # the op has ended, in error: nothing writes into the copy later
+            held.pop(id(staging), None)  # the op has ended, in error: nothing writes into the copy later
             self._clean = self._clean and not data
             return Outcome.FAILED
-        held.pop(id(staging))
+        held.pop(id(staging), None)
         return Outcome.DONE
 
     def _awaited(self, work: Any, deadline: float) -> bool:
