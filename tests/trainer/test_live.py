@@ -38,7 +38,13 @@ from torchspot_trainer.recovery.planes import (
     shrink_flags,
     shrink_plan,
 )
-from torchspot_trainer.recovery.resume import evaluation_source, heal_source, kept_ranks, trainers_of_next_step
+from torchspot_trainer.recovery.resume import (
+    evaluation_source,
+    hand_over_refuted,
+    heal_source,
+    kept_ranks,
+    trainers_of_next_step,
+)
 
 WORKER = Path(__file__).with_name("live_worker.py")
 REFORM_BOUND = 5.0
@@ -147,6 +153,28 @@ def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_ca
     must come first: then the state is broadcast before the step, as before."""
     source = next(rank for rank, row in enumerate(rows) if row[0] == max(r[0] for r in rows))
     assert trainers_of_next_step(rows, max(r[0] for r in rows), source) == trainers
+
+
+@pytest.mark.parametrize(
+    ("rows", "refuted"),
+    [
+        ([[40, -1, 30, 29, 1, 1], [-1, -1, -1, -1, 1, 0]], False),  # a fresh joiner sits the step out
+        ([[40, -1, 30, 29, 1, 1], [40, -1, 30, 29, 1, 1], [-1, 12, -1, -1, 1, 0]], False),  # an old snapshot
+        ([[40, -1, 30, 29, 1, 0], [-1, -1, -1, -1, 0, 0]], False),  # nobody went ahead: the heal as before
+        # The soak's thawed node: a live state at an epoch's end, its evaluation due, so it cannot sit out.
+        ([[21940, -1, 21900, 21924, 1, 1], [21837, -1, 21650, 21808, 0, 0]], True),
+        ([[40, -1, 30, 29, 1, 1], [-1, 44, -1, -1, 1, 0]], True),  # the newcomer's snapshot is newer
+        ([[40, -1, 30, 29, 1, 1], [41, -1, 30, 29, 1, 0]], True),  # a newer live state than theirs
+        ([[40, -1, 30, 29, 1, 1], [40, -1, 30, 0, 1, 1], [-1, -1, -1, -1, 1, 0]], True),  # evaluations differ
+    ],
+)
+def test_a_hand_over_taken_at_a_switch_is_refuted_alike_on_every_rank_by_the_heal_rows(
+    rows: list[list[int]], refuted: bool
+) -> None:
+    """The old ranks that went ahead at a switch (the sixth column) check their hand-over against the
+    heal's rows before their update; a newcomer checks the same rows at once, so where they refute it
+    both leave the generation, instead of the newcomer waiting for a state the others never send."""
+    assert hand_over_refuted(rows) is refuted
 
 
 _SIT_OUT = """

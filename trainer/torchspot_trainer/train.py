@@ -119,6 +119,7 @@ from torchspot_trainer.recovery.planes import plane_for
 from torchspot_trainer.recovery.resume import (
     evaluation_source,
     find_state,
+    hand_over_refuted,
     heal_source,
     kept_ranks,
     trainers_of_next_step,
@@ -345,9 +346,9 @@ class _InPlace:
     sending: Future[None] | None = None
     """A heal's source: its state being packed and sent beside its next step (`Trainer._hand_over`),
     until that step's all-reduce (`Trainer._average`)."""
-    confirming: tuple[Callable[[], list[list[int]]], list[int], int] | None = None
+    confirming: Callable[[], list[list[int]]] | None = None
     """A heal handed over before its agreement came (`Trainer._heal`, at a switch to a deferred round):
-    the agreement's rows to come, and the trainers and step it took, until the step's all-reduce."""
+    the agreement's rows to come, until the step's all-reduce."""
 
     def sends_posted(self) -> None:
         """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
@@ -851,7 +852,9 @@ class Trainer:
         At a switch to a round that only adds ranks (`LiveGroup.roster`), the old ranks completed the
         same step and are its trainers: they hand over without waiting for the agreement, which runs
         beside their step and is checked before its update (`_confirm_hand_over`); a newcomer waits
-        for it as before, to learn where its state comes from. The wait took 1-5 ms of a 30 ms
+        for it as before, to learn where its state comes from; the rows say which ranks went ahead
+        so, and where the agreement refutes their hand-over a newcomer fails the heal at once, as
+        they fail their step (`resume.hand_over_refuted`). The wait took 1-5 ms of a 30 ms
         switch on 2 CPU cores, yet skipping it measured neutral there: the joiner, sharing the cores,
         then got less CPU for its part (bench/README.md). Where each rank has cores of its own the
         wait is latency alone (not measured)."""
@@ -861,17 +864,22 @@ class Trainer:
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
         may_sit_out = self._may_sit_out(run, live_step)
-        row = [live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], int(may_sit_out)]
         kept = None
         if place is not None and live_step >= 0 and may_sit_out:
             kept = kept_ranks(place.live.roster, place.live.generation, self.world)
-        if place is not None and kept is not None and self.rank in kept:  # a switch: no wait for the agreement
+        ahead = kept is not None and self.rank in kept  # a switch: no wait for the agreement
+        row = [live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], int(may_sit_out),
+               int(ahead)]  # fmt: skip
+        if place is not None and kept is not None and ahead:
             assert isinstance(group, LiveCollectives)
-            place.confirming = (group.gather_ints_beside(row), kept, live_step)
+            place.confirming = group.gather_ints_beside(row)
             self._hand_over(run, kept, live_step)
             return
         rows = group.gather_ints(row)
         self._note_committed(rows)
+        if hand_over_refuted(rows):
+            log.warning("rank %d: the heal's agreement (%s) refutes the hand-over the old ranks took", self.rank, rows)
+            raise GroupChanged(Outcome.FAILED)
         live = [row[0] for row in rows]
         if max(live) < 0:
             self.resumed_from, state = find_state(group, self.manager, mine)
@@ -908,22 +916,19 @@ class Trainer:
     def _confirm_hand_over(self) -> None:
         """Before the update of the step a hand-over taken at a switch let the old ranks train
         (`_heal`): its agreement, which ran beside their passes, must say the same (it does unless a
-        newcomer held a newer state than theirs, or a newer round broke the group). Otherwise the
-        step is not applied: GroupChanged as a failure, and the next round heals from the rows
-        agreed there (the step's forward passes have moved BatchNorm's running statistics; the
+        newcomer held a newer state than theirs or cannot sit the step out, or a newer round broke
+        the group). Otherwise the step is not applied: GroupChanged as a failure, and the next round
+        heals from the rows agreed there (the step's forward passes have moved BatchNorm's running statistics; the
         next step's all-reduce makes them one rank's again)."""
         place = self._in_place
         assert place is not None
         confirming, place.confirming = place.confirming, None
         if confirming is None:
             return
-        agreement, kept, best = confirming
-        rows = agreement()
+        rows = confirming()
         self._note_committed(rows)
-        step, source, from_live = heal_source(rows)
-        if step != best or not from_live or trainers_of_next_step(rows, step, source) != kept:
-            log.warning("rank %d: the heal's agreement (%s) is not the hand-over taken (step %d, trainers %s)",
-                        self.rank, rows, best, kept)  # fmt: skip
+        if hand_over_refuted(rows):  # (the newcomers fail their heal on the same rows)
+            log.warning("rank %d: the heal's agreement (%s) refutes the hand-over taken", self.rank, rows)
             raise GroupChanged(Outcome.FAILED)
 
     def _may_sit_out(self, run: _Run, live_step: int) -> bool:

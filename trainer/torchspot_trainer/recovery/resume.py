@@ -62,6 +62,25 @@ def trainers_of_next_step(rows: list[list[int]], best: int, source: int) -> list
     return trainers if len(trainers) < len(rows) else None
 
 
+def hand_over_refuted(rows: list[list[int]]) -> bool:
+    """Whether the ranks that went ahead at a switch (a sixth column: they handed over and train
+    without waiting for the heal's agreement, train.py's `_heal`) took a hand-over the agreement
+    does not give: the newest step is not theirs, not a live state, or they are not the next
+    step's trainers. Pure. False when none went ahead.
+
+    Every rank of the generation reads the same rows and so decides alike: the ranks that went
+    ahead fail their step before its update, and the others fail the heal instead of waiting for
+    a state or a broadcast the ranks ahead will never send. A soak's node, thawed at an epoch's end
+    (its evaluation due: it could not sit out), came back as a joiner; the old rank failed its step
+    and left, and the thawed one waited in the heal's broadcast for gloo's op timeout (27.7 s
+    without a step, bench/README.md)."""
+    ahead = [rank for rank, row in enumerate(rows) if row[5]]
+    if not ahead:
+        return False
+    best, source, from_live = heal_source(rows)
+    return best != rows[ahead[0]][0] or not from_live or trainers_of_next_step(rows, best, source) != ahead
+
+
 def heal_source(rows: list[list[int]]) -> tuple[int, int, bool]:
     """After a heal in place with some live rank (a row's live step at least 0): (the step every rank
     goes on from, the lowest rank that holds it, whether that is a live state rather than a
