@@ -918,8 +918,8 @@ class Trainer:
         (`_heal`): its agreement, which ran beside their passes, must say the same (it does unless a
         newcomer held a newer state than theirs or cannot sit the step out, or a newer round broke
         the group). Otherwise the step is not applied: GroupChanged as a failure, and the next round
-        heals from the rows agreed there (the step's forward passes have moved BatchNorm's running statistics; the
-        next step's all-reduce makes them one rank's again)."""
+        heals from the rows agreed there (the step's forward passes have moved BatchNorm's running
+        statistics; the next step's all-reduce makes them one rank's again)."""
         place = self._in_place
         assert place is not None
         confirming, place.confirming = place.confirming, None

@@ -557,8 +557,8 @@ class LiveGroup:
         all ended is let go at the next re-form (`_reap`). A step's gradient buckets are posted and
         then not waited for when the step breaks first (a peer killed: the update's all-reduce
         fails before them); held until the op timeout, their copies kept a soak's generations in
-        the graveyard (one every few seconds, 30 s each) until it was full, and a worker fell back
-        to a restart. A device communicator's future may complete as its work is queued
+        the graveyard (one every few seconds, 30 s each): 7 held of the 8 at which a worker falls
+        back to a restart (bench/README.md). A device communicator's future may complete as its work is queued
         (planes.py): its copies go when `_wait` sees the work end, or with the grave."""
         key = id(staging)
         held = self._staging
