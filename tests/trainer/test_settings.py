@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from torchspot_trainer.launch import (
+    BLOB_PRELOAD,
     FORK_ENV,
     FORK_PRELOAD,
     IN_PLACE_ENV,
@@ -177,6 +178,28 @@ def test_python_programs_under_our_rendezvous_are_forked_from_a_warm_server(
     assert forks_workers(stock, {FORK_ENV: "1"}) is False
     preload = fork_preload(args, {PRELOAD_ENV: "torchvision, transformers"})
     assert preload == (list(FORK_PRELOAD) if trainer else [*PROGRAM_PRELOAD, "torchvision", "transformers"])
+
+
+@pytest.mark.parametrize(
+    ("program", "environ", "blob"),
+    [
+        (["--dataset", "digits"], {}, False),
+        (["--checkpoint-uri", "/ckpt"], {}, False),
+        (["--checkpoint-uri", "az://checkpoints/run-1"], {}, True),
+        (["--checkpoint-uri=az://checkpoints/run-1"], {}, True),
+        ([], {"TORCHSPOT_CHECKPOINT_URI": "az://checkpoints/run-1"}, True),  # the operator's way
+        (["--data", "az://datasets/cifar10", "--dataset", "cifar10"], {}, True),  # staged from the server
+    ],
+)
+def test_the_blob_sdk_is_preloaded_only_for_a_trainer_that_uses_blob(
+    program: list[str], environ: dict[str, str], blob: bool
+) -> None:
+    """Its import is on a joining node's path to its first step (0.3 s of CPU here): only where the
+    trainer's checkpoints or data set are in Blob."""
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(["--nnodes", "1:3", *_GOOD, "-m", "torchspot_trainer", *program])
+    assert fork_preload(args, environ) == ([*FORK_PRELOAD, BLOB_PRELOAD] if blob else list(FORK_PRELOAD))
 
 
 @pytest.mark.parametrize(

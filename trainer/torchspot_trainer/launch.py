@@ -57,12 +57,19 @@ costs about 0.1 s of process start instead of 1.3-2.9 s, and 0.2-0.5 s of model 
 of 1.3-2.6 s. Early measurements (bench/README.md, run 6) had forked workers 9-16% slower per
 step; side by side without a market they are not (0.756 against 0.737 s at 2 nodes, 1.194
 against 1.266 s at 3)."""
-FORK_PRELOAD = ("torch._dynamo", "torchspot_trainer.train", "azure.storage.blob")
+FORK_PRELOAD = ("torch._dynamo", "torchspot_trainer.train")
 """What the fork server imports once, so that a worker restarted at every membership change
-does not: torch and our trainer (about 1.3 s alone, 2-3 s on a busy node), torch._dynamo, which
-DistributedDataParallel imports on first use (another 1.5-2.5 s), and the Blob SDK (0.2 s;
-skipped where it is not installed). Measured in the trainer's start line (`setup_s`). For any
+does not: torch and our trainer (about 1.3 s alone, 2-3 s on a busy node), and torch._dynamo, which
+DistributedDataParallel and the first optimizer imports on first use (another 1.0-2.5 s). Measured
+in the trainer's start line (`setup_s`). BLOB_PRELOAD as well where the trainer uses Blob; for any
 other program PROGRAM_PRELOAD instead."""
+BLOB_PRELOAD = "azure.storage.blob"
+"""The Blob SDK, preloaded only for a trainer with an `az://` checkpoint URI or data set (`uses_blob`):
+0.3 s of CPU on an idle core here, on the path of a joining node's first step (its worker forks once
+the server's imports are done) and paid for nothing by a job without Blob. Skipped by the server
+where it is not installed."""
+BLOB_SCHEME = "az://"
+"""How the trainer's flags name a Blob container (config.py)."""
 PROGRAM_PRELOAD = ("torch._dynamo",)
 """What the fork server imports for a program that is not our trainer: torch and torch._dynamo
 (DistributedDataParallel's first use), and the modules PRELOAD_ENV names; not our trainer or the
@@ -233,7 +240,7 @@ def fork_preload(args: argparse.Namespace, environ: Mapping[str, str]) -> list[s
     """What the fork server imports: FORK_PRELOAD for our trainer; PROGRAM_PRELOAD and PRELOAD_ENV's
     modules for another program. Pure."""
     if forks_our_trainer(args, environ):
-        return list(FORK_PRELOAD)
+        return [*FORK_PRELOAD, BLOB_PRELOAD] if uses_blob(args.training_script_args, environ) else list(FORK_PRELOAD)
     extra = (module.strip() for module in environ.get(PRELOAD_ENV, "").split(","))
     return [*PROGRAM_PRELOAD, *(module for module in extra if module)]
 
@@ -442,11 +449,26 @@ def needs_staging(trainer_args: list[str], environ: Mapping[str, str]) -> bool:
     index (`--dataset imagenet`). Pure. Read from its `--data` and `--dataset` (or their TORCHSPOT_
     variables) without the trainer's own parser, which imports torch: the stage's process costs a
     torch import, paid only where there is something to do (not for a local CIFAR-10 or digits)."""
+    known = _trainer_places(trainer_args, environ)
+    return str(known.data).startswith(BLOB_SCHEME) or known.dataset == "imagenet"
+
+
+def uses_blob(trainer_args: list[str], environ: Mapping[str, str]) -> bool:
+    """Whether the trainer reads or writes Azure Blob: an `az://` data set or checkpoint URI. Pure; read
+    as `needs_staging` reads its flags."""
+    known = _trainer_places(trainer_args, environ)
+    return any(str(place).startswith(BLOB_SCHEME) for place in (known.data, known.checkpoint_uri))
+
+
+def _trainer_places(trainer_args: list[str], environ: Mapping[str, str]) -> argparse.Namespace:
+    """The trainer's `--data`, `--dataset` and `--checkpoint-uri` (or their TORCHSPOT_ variables), parsed
+    without its own parser (`needs_staging` says why)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--data", default=environ.get(f"{ENV_PREFIX}DATA", ""))
     parser.add_argument("--dataset", default=environ.get(f"{ENV_PREFIX}DATASET", ""))
+    parser.add_argument("--checkpoint-uri", default=environ.get(f"{ENV_PREFIX}CHECKPOINT_URI", ""))
     known, _ = parser.parse_known_args(trainer_args)
-    return str(known.data).startswith("az://") or known.dataset == "imagenet"
+    return known
 
 
 def stage_data(args: argparse.Namespace) -> None:
