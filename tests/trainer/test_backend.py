@@ -21,7 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
-from torchspot_trainer.markers import PEER_LOST_ENV, node_leaving
+from torchspot_trainer.markers import PEER_LOST_ENV, name_peer_lost_marker, node_leaving
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient
@@ -29,7 +29,6 @@ from torchspot_trainer.rendezvous.handler import (
     EtcdV3RendezvousHandler,
     create_handler,
     method_name,
-    name_peer_lost_marker,
 )
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed

@@ -301,3 +301,23 @@ def test_the_agent_logs_a_failed_worker_without_importing_torch_compile() -> Non
     assert done.stdout.strip() == "False"
     assert "RuntimeError: the worker failed" in done.stderr
     assert "Traceback (most recent call last)" in done.stderr
+
+
+def test_the_launcher_loads_the_etcd_client_only_when_it_registers_the_backend() -> None:
+    """The handler's etcd client (pyetcd, gRPC) is the agent's alone: imported at the launcher's top it
+    delayed the fork server, whose imports a joining node's first step waits for, and every worker
+    inherited gRPC. A fresh interpreter imports the launcher, leaves a rendezvous it never joined (a
+    SIGTERM that early: nothing to do), and only `register` loads the client."""
+    code = (
+        "import sys\n"
+        "from torchspot_trainer import launch\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'pyetcd') or m == "
+        "launch.HANDLER_MODULE)\n"
+        "launch.leave_rendezvous()\n"
+        "print(loaded())\n"
+        "launch.register()\n"
+        "print(launch.HANDLER_MODULE in loaded(), 'grpc' in loaded())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[]", "True True"]

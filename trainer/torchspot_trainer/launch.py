@@ -43,9 +43,8 @@ from torch.distributed.run import run as torchrun_run
 
 from torchspot_trainer import ENV_PREFIX, env_switch
 from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers, notice_agreed
-from torchspot_trainer.markers import agent_restarting, node_leaving
+from torchspot_trainer.markers import agent_restarting, mark_leaving, name_peer_lost_marker, node_leaving
 from torchspot_trainer.nccl import worker_environment
-from torchspot_trainer.rendezvous.handler import leave_rendezvous, mark_leaving, name_peer_lost_marker, register
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
 
 PROG = "torchspot-run"
@@ -337,12 +336,39 @@ def _launch_forked(args: argparse.Namespace) -> None:
     # whatever workers read must be set before.
     name_peer_lost_marker()
     _start_fork_server(fork_preload(args, os.environ), wait=not joins_while_warming(args, os.environ))
+    register()
     stage_forked(args)
     if forks_our_trainer(args):
         elastic_launch(config=config, entrypoint=run_trainer)(*args.training_script_args)
         return
     kind = "module" if args.module else "script"
     elastic_launch(config=config, entrypoint=run_program)(args.training_script, kind, *args.training_script_args)
+
+
+HANDLER_MODULE = "torchspot_trainer.rendezvous.handler"
+"""The etcd-v3 rendezvous handler's module: the agent's alone, imported once the fork server has
+started (`register`)."""
+
+
+def register() -> None:
+    """Make `--rdzv-backend etcd-v3` available to torchrun in this process (the handler's `register`).
+
+    Imported here, after the fork server has started, not at this module's top: the handler's etcd
+    client (pyetcd and gRPC, 0.13 s of CPU on an idle core here) serves the agent alone, and imported
+    first it delayed the server's fork, whose imports a joining node's first step waits for
+    (bench/README.md, the join beside TorchFT). The server and its workers never load gRPC either."""
+    from torchspot_trainer.rendezvous.handler import register as register_backend  # noqa: PLC0415 - see above
+
+    register_backend()
+
+
+def leave_rendezvous() -> None:
+    """Take this agent out of its rendezvous (the handler's `leave_rendezvous`): nothing before the
+    handler's module is loaded, since no rendezvous was joined then. Looked up, not imported: a
+    signal handler (`leave_then_stop`) calls this, and may have interrupted that import."""
+    leave = getattr(sys.modules.get(HANDLER_MODULE), "leave_rendezvous", None)
+    if leave is not None:
+        leave()
 
 
 def use_in_place_agent() -> None:
@@ -565,6 +591,7 @@ def _launch(args: argparse.Namespace) -> None:
         if forks_workers(args):
             _launch_forked(args)
         else:
+            register()
             stage_data(args)
             torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RendezvousConnectionError as exc:
@@ -583,7 +610,6 @@ def main(argv: list[str] | None = None) -> None:
     problem = check_args(args)
     if problem is not None:
         parser.error(problem)
-    register()
     _launch(args)
 
 

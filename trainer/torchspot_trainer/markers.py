@@ -11,6 +11,7 @@ worker looks.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -75,3 +76,29 @@ def peer_lost_grace(environ: Mapping[str, str] = os.environ) -> float | None:
         return float(Path(path).read_text().strip()) if path else None
     except (OSError, ValueError):
         return None
+
+
+_MARKER_NAMED: list[str] = []
+"""The marker this process chose (name_peer_lost_marker), once chosen."""
+
+
+def name_peer_lost_marker() -> None:
+    """Choose this agent's peer-lost marker file (rendezvous/handler.py's module docstring, point 1),
+    once per process.
+
+    Workers learn its name from the environment, so it must be set before the first one
+    (or the fork server they come from) starts. A name inherited from a parent process is
+    replaced: it is the parent's (agents started by one test process shared one, and one
+    agent's restart marker made another's leaving worker skip its emergency checkpoint).
+    """
+    if not _MARKER_NAMED:
+        _MARKER_NAMED.append(str(Path(tempfile.mkdtemp(prefix="torchspot-agent-")) / "peer-lost"))
+    os.environ[PEER_LOST_ENV] = _MARKER_NAMED[0]
+
+
+def mark_leaving() -> None:
+    """Say to this agent's workers that their node leaves (LEAVING_MARKER), without leaving the
+    rendezvous yet: workers that re-form in place (handover.py) agree on the notice with their peers
+    at their next step boundary, which needs the peers' group to stand. Left once they have (the
+    launcher's `leave_once_agreed`: their emergency checkpoint needs no collective), or stopped."""
+    Path(marker_beside(os.environ[PEER_LOST_ENV], LEAVING_MARKER)).touch()

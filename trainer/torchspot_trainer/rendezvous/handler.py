@@ -58,7 +58,6 @@ import contextlib
 import logging
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -87,7 +86,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from torchspot_trainer.handover import agent_folder, last_step
-from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
+from torchspot_trainer.markers import (
+    LEAVING_MARKER,
+    PEER_LOST_ENV,
+    RESTART_MARKER,
+    marker_beside,
+    name_peer_lost_marker,
+)
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
@@ -226,14 +231,6 @@ def leave_rendezvous() -> None:
     """
     for handler in _ACTIVE:
         handler.leave()
-
-
-def mark_leaving() -> None:
-    """Say to this agent's workers that their node leaves (LEAVING_MARKER), without leaving the
-    rendezvous yet: workers that re-form in place (handover.py) agree on the notice with their peers
-    at their next step boundary, which needs the peers' group to stand. Left once they have (the
-    launcher's `leave_once_agreed`: their emergency checkpoint needs no collective), or stopped."""
-    _marker(LEAVING_MARKER).touch()
 
 
 @dataclass
@@ -553,23 +550,6 @@ def _peer_lost_marker() -> Path:
 def _marker(name: str) -> Path:
     """This agent's marker `name` (eviction.RESTART_MARKER, eviction.LEAVING_MARKER)."""
     return Path(marker_beside(os.environ[PEER_LOST_ENV], name))
-
-
-_MARKER_NAMED: list[str] = []
-"""The marker this process chose (name_peer_lost_marker), once chosen."""
-
-
-def name_peer_lost_marker() -> None:
-    """Choose this agent's peer-lost marker file (module docstring, point 1), once per process.
-
-    Workers learn its name from the environment, so it must be set before the first one
-    (or the fork server they come from) starts. A name inherited from a parent process is
-    replaced: it is the parent's (agents started by one test process shared one, and one
-    agent's restart marker made another's leaving worker skip its emergency checkpoint).
-    """
-    if not _MARKER_NAMED:
-        _MARKER_NAMED.append(str(Path(tempfile.mkdtemp(prefix="torchspot-agent-")) / "peer-lost"))
-    os.environ[PEER_LOST_ENV] = _MARKER_NAMED[0]
 
 
 @contextlib.contextmanager
