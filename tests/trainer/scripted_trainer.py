@@ -12,10 +12,11 @@ else about the trainer changes, and neither hook changes what it computes.
   chooses, instead of one raced against a clock. Only the first evaluation is held: the
   mark stays, and later ones pass.
 - HOLD_REQUEST and HOLD_MARK: once HOLD_REQUEST (a file) names this node, its worker holds at its
-  next step after the step's update, before the loss's sums over the group: it writes the step to
-  HOLD_MARK and waits (60 s at most) for the test to kill the node. The others wait in the sums
-  meanwhile, so the loss lands inside them at a step the test knows (the step is applied everywhere;
-  its record can only be a survivor's share), instead of wherever a kill happens to fall.
+  next step after the step's update, before its progress record: it writes the step to HOLD_MARK
+  and waits (60 s at most) for the test to kill the node. The others wait meanwhile in the record's
+  sums over the group (the restart path: the step is applied everywhere, its record can only be a
+  survivor's share) or, in place, where those sums came with the gradients, in the next step's
+  all-reduce; so the loss lands at a step the test knows, instead of wherever a kill happens to fall.
 - EMERGENCY_SAVE_DELAY (seconds): a synchronous save on a node that leaves (the emergency
   checkpoint of its notice) starts this much later, as a large model's would take longer:
   whether the other nodes wait for it shows. The run's final save is not delayed.
@@ -90,8 +91,8 @@ def _paced(step: Callable[..., Any], pace: float) -> Callable[..., Any]:
 
 
 def _held_before_sums(log_progress: Callable[..., None], request: Path, mark: Path) -> Callable[..., None]:
-    """`Trainer._log_progress` (the sums, then the record), held on the node HOLD_REQUEST names (see the
-    module docstring)."""
+    """`Trainer._log_progress` (the record, its sums over the group first unless they came with the
+    gradients), held on the node HOLD_REQUEST names (see the module docstring)."""
 
     @functools.wraps(log_progress)
     def held(trainer: Any, *args: Any, **kwargs: Any) -> None:

@@ -379,7 +379,7 @@ def model():
     return net
 nets = [model() for _ in range(3)]
 buckets = [GradientBuckets(list(net.parameters()), first=64, cap=256) for net in nets]
-local, statistics, posted_in_backward = {}, {}, {}
+local, statistics, posted_in_backward, summed = {}, {}, {}, {}
 def step(rank):
     net, mine = nets[rank], buckets[rank]
     group = LiveCollectives(rank, 3, torch.device("cpu"), live=lives[rank], op_seconds=5)
@@ -395,7 +395,9 @@ def step(rank):
         local[rank] = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in net.parameters()]
     statistics[rank] = net[1].running_mean.clone()
     posted_in_backward[rank] = len(posts)
-    group.average_gradients(list(net.parameters()), list(net.buffers()), buffers_from=1, buckets=mine)
+    sums = torch.tensor([rank + 1.0, 10.0 * rank], dtype=torch.float64)  # a progress record's, say
+    summed[rank] = group.average_gradients(list(net.parameters()), list(net.buffers()), buffers_from=1,
+                                           buckets=mine, sums=sums)
 run(step)
 grads = [[p.grad for p in net.parameters()] for net in nets]
 expected = [(a + b + c) / 3 for a, b, c in zip(local[0], local[1], local[2])]
@@ -404,6 +406,7 @@ print(all(torch.allclose(grads[rank][i], expected[i], atol=1e-6) for rank in ran
 print(all(torch.equal(grads[0][i], grads[rank][i]) for rank in range(3) for i in range(len(expected))))
 print(torch.equal(statistics[0], statistics[1]), all(torch.equal(net[1].running_mean, statistics[1]) for net in nets),
       grads[0][0].abs().sum().item())  # `unused`: a module's own parameters come before its children's
+print([summed[rank] for rank in range(3)])
 sys.stdout.flush()
 os._exit(0)
 """
@@ -416,17 +419,19 @@ def test_gradient_buckets_are_posted_during_the_backward_pass_and_average_as_ddp
     the update, one holding a parameter that no pass used goes at the update with zeros for it, and a
     rank that sat the step out (no pass at all: a heal's receiver) posts them all there, in the same
     order. Every rank ends with the same averaged gradients, each the mean of the two ranks' own over
-    the world of three, and the BatchNorm statistics of the rank they are taken from. Three real
+    the world of three, and the BatchNorm statistics of the rank they are taken from; values given
+    beside (a progress record's sums) come back summed over the ranks. Three real
     gloo ranks in a process of their own (its group threads must not be there when another test
     forks)."""
     done = subprocess.run([sys.executable, "-c", _BUCKETS], check=True, capture_output=True, text=True, timeout=60)
-    posted, close, same, buffers = done.stdout.split("\n")[:4]
+    posted, close, same, buffers, summed = done.stdout.split("\n")[:5]
     count, *during = posted.split()
     assert count == "3"  # 108, 288 and 244 bytes of parameters (caps of 64 and 256)
     assert during == ["2", "2", "0"]  # all but the last (the unused parameter's) during the pass
     assert close == "True"
     assert same == "True"
     assert buffers == "False True 0.0"  # the two ranks' statistics differed; every rank holds rank 1's
+    assert summed == str([[6.0, 30.0]] * 3)  # values summed in the same all-reduce, on every rank
 
 
 _UNWAITED = """

@@ -43,7 +43,7 @@ def train_step(
     step_samples: int,
     world: int,
     device: torch.device,
-    before_update: Callable[[], None] = lambda: None,
+    before_update: Callable[[torch.Tensor, torch.Tensor], None] = lambda _loss, _correct: None,
     precision: Precision | None = None,
     normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
     before_last_pass: Callable[[], None] = lambda: None,
@@ -56,7 +56,8 @@ def train_step(
     `before_last_pass` runs before the last micro-batch's forward pass, where DDP's `no_sync` ends:
     in place, the gradient buckets are armed there (recovery/buckets.py).
 
-    `before_update` runs between the last gradient all-reduce and the optimizer's step: from
+    `before_update` runs between the last gradient all-reduce and the optimizer's step, given the
+    step's summed loss and correct predictions (they may ride in place with the gradients): from
     then until the caller counts the step, the model is between two states. Returns this
     rank's summed loss and correct predictions as device tensors (read them at log time:
     no host synchronisation per step). `precision` (default fp32) runs the forward passes
@@ -83,7 +84,7 @@ def train_step(
             precision.backward(summed * scale)
         loss_sum += summed.detach()
         correct += (logits.detach().argmax(1) == labels).sum()
-    before_update()
+    before_update(loss_sum, correct)
     precision.step(optimizer)
     return loss_sum, correct
 

@@ -349,6 +349,9 @@ class _InPlace:
     confirming: Callable[[], list[list[int]]] | None = None
     """A heal handed over before its agreement came (`Trainer._heal`, at a switch to a deferred round):
     the agreement's rows to come, until the step's all-reduce."""
+    progress: tuple[int, tuple[float, float]] | None = None
+    """A step due a progress record, and the record's sums over the group, summed with the step's
+    gradients (`Trainer._average`) for `Trainer._log_progress`."""
 
     def sends_posted(self) -> None:
         """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
@@ -550,7 +553,7 @@ class Trainer:
             step_samples = sampler.next_step_samples(self.world)
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
-                device=self.device, before_update=self._begin_update, precision=self.precision,
+                device=self.device, before_update=partial(self._begin_update, window), precision=self.precision,
                 normalize=run.normalize, before_last_pass=self._arm_buckets,
             )  # fmt: skip
             window = self._finish_step(run, window, (loss, correct), step_samples, lr)
@@ -584,10 +587,11 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _begin_update(self) -> None:
-        """Between the step's last backward pass and its update. In place the gradients are averaged
-        here: a failed average raises GroupChanged before anything of the step is applied."""
-        self._average(self.step + 1)
+    def _begin_update(self, window: _Window, loss: torch.Tensor, correct: torch.Tensor) -> None:
+        """Between the step's last backward pass and its update (`loss`, `correct`: the step's sums, not
+        yet in `window`). In place the gradients are averaged here: a failed average raises
+        GroupChanged before anything of the step is applied."""
+        self._average(self.step + 1, (window.loss + loss, window.correct + correct))
 
     def _arm_buckets(self) -> None:
         """Before a step's last backward pass in place: its gradient buckets are posted as they fill
@@ -598,8 +602,12 @@ class Trainer:
         run.buckets.arm(partial(place.live.post, control=False, owned=True), self.world,
                         before_first=place.sends_posted)  # fmt: skip
 
-    def _average(self, step: int) -> None:
-        """`_begin_update` for the update that makes `step`."""
+    def _average(self, step: int, window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """`_begin_update` for the update that makes `step`. Where `step` is due a progress record, the
+        window's sums so far (`window`, this step's included; None: nothing) ride with the gradients
+        (`LiveCollectives.average_gradients`), and `_log_progress` reads them (`_InPlace.progress`).
+        Every rank packs them at the same steps, a rank that sat the step out too: the all-reduce's
+        sizes must match."""
         if self._run is not None and self._in_place is not None:
             run = self._run
             self._in_place.sends_posted()
@@ -607,23 +615,35 @@ class Trainer:
             trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
-            group.average_gradients(
+            sums = None
+            if step % self.config.log_every == 0:
+                loss, correct = window or (torch.zeros((), device=self.device), torch.zeros((), device=self.device))
+                sums = torch.stack([loss.to(torch.float64), correct.to(torch.float64)])
+            summed = group.average_gradients(
                 [p for p in run.model.parameters() if p.requires_grad], list(run.model.buffers()),
                 boundary=(step, self.stop.row), buffers_from=0 if trainers is None else trainers[0],
-                buckets=run.buckets,
+                buckets=run.buckets, sums=sums,
             )  # fmt: skip
+            self._in_place.progress = None if summed is None else (step, (summed[0], summed[1]))
         self._host.before_update()
 
     def _step_limit_reached(self) -> bool:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
 
     def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
-        """Sum the window's loss and accuracy over the group, and emit one progress record. A group that
+        """Sum the window's loss and accuracy over the group, and emit one progress record. In place the
+        sums came with the step's gradients (`_average`): no collective here. A group that
         breaks before the sums leaves the step applied (in place it goes on from it; by the restart path
         the snapshot holds it): its record is emitted all the same, by every rank this happened to (rank
         0 may be the one that is gone), with its share (`partial`), and the break goes on to the re-form
         (GroupChanged in place; gloo's or NCCL's RuntimeError otherwise). Without it a soak's log missed
         2 of 1,276 steps that were trained; with rank 0's partial record only, 1 of 9,918."""
+        packed = None
+        if self._in_place is not None:
+            packed, self._in_place.progress = self._in_place.progress, None
+        if packed is not None and packed[0] == self.step:  # summed with the step's gradients (`_average`)
+            self._emit_progress(run, window, lr, packed[1], partial=False)
+            return
         try:
             loss, correct = self.group.sums([window.loss, window.correct])
         except RuntimeError:  # GroupChanged is one
