@@ -296,8 +296,7 @@ def test_the_agent_logs_a_failed_worker_without_importing_torch_compile() -> Non
         "    logging.getLogger('torch.distributed.elastic.multiprocessing.api').exception('failed')\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    done = _fresh_python(code)
     assert done.stdout.strip() == "False"
     assert "RuntimeError: the worker failed" in done.stderr
     assert "Traceback (most recent call last)" in done.stderr
@@ -318,6 +317,11 @@ def test_the_launcher_loads_the_etcd_client_only_when_it_registers_the_backend()
         "launch.register()\n"
         "print(launch.HANDLER_MODULE in loaded(), 'grpc' in loaded())\n"
     )
+    assert _fresh_python(code).stdout.splitlines() == ["[]", "True True"]
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run in a new interpreter (what it imports is then its own), which must succeed."""
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["[]", "True True"]
+    return done
