@@ -406,7 +406,7 @@ print(all(torch.allclose(grads[rank][i], expected[i], atol=1e-6) for rank in ran
 print(all(torch.equal(grads[0][i], grads[rank][i]) for rank in range(3) for i in range(len(expected))))
 print(torch.equal(statistics[0], statistics[1]), all(torch.equal(net[1].running_mean, statistics[1]) for net in nets),
       grads[0][0].abs().sum().item())  # `unused`: a module's own parameters come before its children's
-print([summed[rank] for rank in range(3)])
+print([summed[rank].tolist() for rank in range(3)])
 sys.stdout.flush()
 os._exit(0)
 """

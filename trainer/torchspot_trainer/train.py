@@ -349,7 +349,7 @@ class _InPlace:
     confirming: Callable[[], list[list[int]]] | None = None
     """A heal handed over before its agreement came (`Trainer._heal`, at a switch to a deferred round):
     the agreement's rows to come, until the step's all-reduce."""
-    progress: tuple[int, tuple[float, float]] | None = None
+    progress: tuple[int, torch.Tensor] | None = None
     """A step due a progress record, and the record's sums over the group, summed with the step's
     gradients (`Trainer._average`) for `Trainer._log_progress`."""
 
@@ -591,7 +591,7 @@ class Trainer:
         """Between the step's last backward pass and its update (`loss`, `correct`: the step's sums, not
         yet in `window`). In place the gradients are averaged here: a failed average raises
         GroupChanged before anything of the step is applied."""
-        self._average(self.step + 1, (window.loss + loss, window.correct + correct))
+        self._average(self.step + 1, lambda: (window.loss + loss, window.correct + correct))
 
     def _arm_buckets(self) -> None:
         """Before a step's last backward pass in place: its gradient buckets are posted as they fill
@@ -602,9 +602,9 @@ class Trainer:
         run.buckets.arm(partial(place.live.post, control=False, owned=True), self.world,
                         before_first=place.sends_posted)  # fmt: skip
 
-    def _average(self, step: int, window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _average(self, step: int, window: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """`_begin_update` for the update that makes `step`. Where `step` is due a progress record, the
-        window's sums so far (`window`, this step's included; None: nothing) ride with the gradients
+        window's sums so far (`window()`, this step's included; None: nothing) ride with the gradients
         (`LiveCollectives.average_gradients`), and `_log_progress` reads them (`_InPlace.progress`).
         Every rank packs them at the same steps, a rank that sat the step out too: the all-reduce's
         sizes must match."""
@@ -617,14 +617,14 @@ class Trainer:
             assert isinstance(group, LiveCollectives)
             sums = None
             if step % self.config.log_every == 0:
-                loss, correct = window or (torch.zeros((), device=self.device), torch.zeros((), device=self.device))
+                loss, correct = (torch.zeros((), device=self.device),) * 2 if window is None else window()
                 sums = torch.stack([loss.to(torch.float64), correct.to(torch.float64)])
             summed = group.average_gradients(
                 [p for p in run.model.parameters() if p.requires_grad], list(run.model.buffers()),
                 boundary=(step, self.stop.row), buffers_from=0 if trainers is None else trainers[0],
                 buckets=run.buckets, sums=sums,
             )  # fmt: skip
-            self._in_place.progress = None if summed is None else (step, (summed[0], summed[1]))
+            self._in_place.progress = None if summed is None else (step, summed)
         self._host.before_update()
 
     def _step_limit_reached(self) -> bool:
@@ -642,7 +642,8 @@ class Trainer:
         if self._in_place is not None:
             packed, self._in_place.progress = self._in_place.progress, None
         if packed is not None and packed[0] == self.step:  # summed with the step's gradients (`_average`)
-            self._emit_progress(run, window, lr, packed[1], partial=False)
+            loss, correct = packed[1].tolist()
+            self._emit_progress(run, window, lr, (loss, correct), partial=False)
             return
         try:
             loss, correct = self.group.sums([window.loss, window.correct])
