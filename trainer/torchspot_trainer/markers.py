@@ -101,4 +101,9 @@ def mark_leaving() -> None:
     rendezvous yet: workers that re-form in place (handover.py) agree on the notice with their peers
     at their next step boundary, which needs the peers' group to stand. Left once they have (the
     launcher's `leave_once_agreed`: their emergency checkpoint needs no collective), or stopped."""
-    Path(marker_beside(os.environ[PEER_LOST_ENV], LEAVING_MARKER)).touch()
+    agent_marker(LEAVING_MARKER).touch()
+
+
+def agent_marker(name: str) -> Path:
+    """This agent's marker `name` (RESTART_MARKER, LEAVING_MARKER): beside the peer-lost marker it named."""
+    return Path(marker_beside(os.environ[PEER_LOST_ENV], name))

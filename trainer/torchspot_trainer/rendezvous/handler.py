@@ -90,7 +90,7 @@ from torchspot_trainer.markers import (
     LEAVING_MARKER,
     PEER_LOST_ENV,
     RESTART_MARKER,
-    marker_beside,
+    agent_marker,
     name_peer_lost_marker,
 )
 from torchspot_trainer.rendezvous import milestones
@@ -285,7 +285,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._previous = (0, frozenset()) if self._joined is None else self._joined
         self._joined = None
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
-        _marker(RESTART_MARKER).unlink(missing_ok=True)
+        agent_marker(RESTART_MARKER).unlink(missing_ok=True)
         # torch then starts a store for the round if we are its rank 0 (point 2); the last one goes.
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None
@@ -359,11 +359,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 lost = lost_members(self._joined[1], state)
                 if lost:
                     _peer_lost_marker().write_text(self._lost_grace(lost))
-                _marker(RESTART_MARKER).touch()
+                agent_marker(RESTART_MARKER).touch()
                 self._change_reported = True
                 return max(waiting, 1)
         if waiting:  # the agent restarts its workers for the joiners next
-            _marker(RESTART_MARKER).touch()
+            agent_marker(RESTART_MARKER).touch()
             self._change_reported = True
         return waiting
 
@@ -418,7 +418,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def _leave(self) -> None:
         if self._left:
             return
-        _marker(LEAVING_MARKER).touch()  # before anyone can see us gone
+        agent_marker(LEAVING_MARKER).touch()  # before anyone can see us gone
         self._stop_heartbeats()
         if self._liveness is not None:
             self._liveness.stop()
@@ -545,11 +545,6 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
 def _peer_lost_marker() -> Path:
     return Path(os.environ[PEER_LOST_ENV])
-
-
-def _marker(name: str) -> Path:
-    """This agent's marker `name` (eviction.RESTART_MARKER, eviction.LEAVING_MARKER)."""
-    return Path(marker_beside(os.environ[PEER_LOST_ENV], name))
 
 
 @contextlib.contextmanager
