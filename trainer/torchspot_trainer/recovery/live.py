@@ -816,10 +816,9 @@ class LiveCollectives(Group):
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
         parts = [grad.reshape(-1) / self.world for grad in grads]
         parts += [buffer.reshape(-1) if mine else torch.zeros_like(buffer).reshape(-1) for buffer in floating]
-        packed = sums is not None and dtype in EXACT_ROWS
-        if packed:
-            assert sums is not None
-            parts.append(sums.detach().reshape(-1).to(self.device, dtype))
+        packed = sums.detach().reshape(-1).to(self.device, dtype) if sums is not None and dtype in EXACT_ROWS else None
+        if packed is not None:
+            parts.append(packed)
         table = None
         if boundary is not None and not self.live.plane.separate and dtype in EXACT_ROWS:
             row = self._with_joiners(boundary[1]())
@@ -846,10 +845,7 @@ class LiveCollectives(Group):
         for buffer in floating:
             buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
             offset += buffer.numel()
-        if not packed:
-            return None
-        assert sums is not None
-        return flat[offset : offset + sums.numel()].clone()
+        return None if packed is None else flat[offset : offset + packed.numel()].clone()
 
     @staticmethod
     def _done(outcome: Outcome) -> None:
