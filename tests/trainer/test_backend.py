@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
+from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV, name_peer_lost_marker, node_leaving
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
@@ -31,7 +32,15 @@ from torchspot_trainer.rendezvous.handler import (
     method_name,
 )
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
-from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
+from torchspot_trainer.rendezvous.rounds import (
+    complete_early,
+    departed_since,
+    expected_members,
+    joiners_to_release,
+    lost_members,
+    membership_changed,
+    newcomers_of,
+)
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 from torchspot_trainer.rendezvous.store import EtcdStore, RoundAbandoned
 
@@ -364,6 +373,51 @@ def test_departed_since_reads_the_round_each_node_left(records: dict[str, bytes]
     assert departed_since(records, "p/", since) == names
 
 
+@pytest.mark.parametrize(
+    ("trained", "early"), [(False, True), (True, False)], ids=["join-never-trained", "join-trained"]
+)
+def test_a_joiner_of_a_round_that_never_trained_is_not_waited_for(trained: bool, early: bool) -> None:
+    """Round 8 added d to a, b, c; c is lost before the survivors' workers switched to it (they train
+    on in round 7 while d sets up): round 9 completes with a and b. Had round 8 trained, d is a
+    member like any other and is waited for."""
+    joined = frozenset({"a", "b", "c", "d"})
+    newcomers = newcomers_of(joined, frozenset({"a", "b", "c"}))
+    assert newcomers == {"d"}
+    expected = expected_members(joined, newcomers, trained=trained)
+    state = _state(9, ["a", "b"], complete=False, last_heartbeats={"a": 0, "b": 0, "d": 0})
+    assert complete_early(expected, "a", state, min_nodes=1, gone=frozenset({"c"})) is early
+
+
+@pytest.mark.parametrize(
+    ("round_", "participants", "extra", "released"),
+    [
+        (8, ["a", "b", "d"], {}, ["d"]),
+        (8, ["a", "b", "c", "d"], {"wait_list": {"e"}}, []),
+        (8, ["a", "d"], {"complete": False}, []),
+        (9, ["a", "d"], {}, []),
+        (8, ["a", "b"], {}, []),
+    ],
+    ids=["lost-one", "a-second-joiner", "not-complete", "moved-on", "joiner-left-already"],
+)  # fmt: skip
+def test_a_survivor_releases_the_joiners_of_the_round_it_leaves_only_after_a_loss(
+    round_: int, participants: list[str], extra: dict[str, Any], released: list[str]
+) -> None:
+    """Round 8 added d to a, b, c and never trained: after c's loss a survivor takes d out of it, so the
+    round moves on once the survivors left it; a change that lost nobody leaves d in (the survivors'
+    deferred join goes on), and so does a state that is no longer round 8 as it was."""
+    state = _state(round_, participants, **({"complete": True} | extra))
+    members = frozenset({"a", "b", "c", "d"})
+    assert joiners_to_release(8, members, frozenset({"d"}), state) == released
+
+
+def test_nobody_is_a_newcomer_of_a_nodes_first_round() -> None:
+    """A node's first round (nothing before it): every member is new to it, none a known joiner, so
+    the next round waits for them all even before anyone trained."""
+    joined = frozenset({"a", "b"})
+    assert newcomers_of(joined, frozenset()) == frozenset()
+    assert expected_members(joined, newcomers_of(joined, frozenset()), trained=False) == joined
+
+
 def test_complete_early_needs_min_nodes_and_a_previous_round() -> None:
     state = _state(8, ["a", "b"], complete=False, last_heartbeats={"a": 0, "b": 0})
     assert complete_early(frozenset({"a", "b"}), "a", state, min_nodes=3) is False
@@ -452,6 +506,46 @@ def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
     finally:
         for handler in (a, b):
+            handler.leave()
+
+
+def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_never_trained(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """Round 3 adds d to a and b, whose workers re-form in place and train on in round 2 while d sets
+    up (a live worker registered here, its last step of round 2). b leaves before any of them stepped
+    in round 3, and d, still setting up, does not come back: a forms round 4 alone at once, not at
+    the 30 s last call (past the 10 s join timeout: a round that waited for d fails). d then joins
+    the round after, as any joiner does."""
+    a, b, c, d = _handlers(etcd, run_id, 4)
+    folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
+    worker = Handover(folder, 7)
+    try:
+        worker.register()  # this process: a live worker that re-forms in place
+        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
+        c.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="c's departure")
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+        worker.stepped(a.current_round)  # round 2 trains
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(d.next_rendezvous)
+            wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
+            assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
+            assert joining.result(timeout=10).world_size == 3
+        joined = a.current_round  # round 3: its workers still train in round 2 (no step of it)
+        b.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
+        assert _join([a]) == [(0, 1)]  # without d, which has not come back
+        assert a.current_round == joined + 1
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(d.next_rendezvous)
+            wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join again")
+            assert _join([a]) == [(0, 2)]
+            assert joining.result(timeout=10).world_size == 2
+    finally:
+        for name in ("live-7", "stepped-7"):
+            (folder / name).unlink(missing_ok=True)
+        for handler in (a, d):
             handler.leave()
 
 

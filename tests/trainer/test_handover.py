@@ -34,6 +34,7 @@ from torchspot_trainer.handover import (
     notice_agreed,
     parse_assignment,
     registered,
+    stepped_generation,
 )
 from torchspot_trainer.launch import leave_then_stop
 from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV
@@ -125,8 +126,11 @@ def test_only_registered_running_workers_and_only_newer_acknowledgements_count(t
 
 def test_a_completed_step_is_stamped_with_its_generation_and_read_back_only_for_it(tmp_path: Path) -> None:
     """`Handover.stepped` leaves the step's time for the agent's liveness judge (`last_step`), for the
-    generation it was completed in only: a step of an older group proves nothing about a newer one."""
+    generation it was completed in only: a step of an older group proves nothing about a newer one.
+    The newest generation stepped in (`stepped_generation`) tells the rendezvous whether a round
+    trained."""
     assert last_step(tmp_path, 4) is None  # no live worker stepped
+    assert stepped_generation(tmp_path) is None
     worker, other = Handover(tmp_path, 0), Handover(tmp_path, 1)
     worker.stepped(4)
     path = tmp_path / "stepped-0"
@@ -139,9 +143,11 @@ def test_a_completed_step_is_stamped_with_its_generation_and_read_back_only_for_
     other.stepped(3)  # another local worker still in an older generation
     assert last_step(tmp_path, 3) is not None
     assert last_step(tmp_path, 4) == stamp
+    assert stepped_generation(tmp_path) == 4
     worker.stepped(5)  # the next generation's first step rewrites the file
     assert path.read_text() == "5"
     assert last_step(tmp_path, 4) is None
+    assert stepped_generation(tmp_path) == 5
 
 
 def test_a_steps_stamp_counts_ahead_by_the_step_before_it_in_its_generation(tmp_path: Path) -> None:

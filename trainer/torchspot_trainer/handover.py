@@ -205,6 +205,13 @@ def last_step(folder: Path, generation: int) -> float | None:
     return newest
 
 
+def stepped_generation(folder: Path) -> int | None:
+    """The newest generation a local worker completed a step in (`Handover.stepped`); None: no step
+    stamped here (a program that does not stamp its steps, or none taken yet)."""
+    generations = [_read_int(path) for path in folder.glob(f"{STEPPED_PREFIX}*")]
+    return max((g for g in generations if g is not None), default=None)
+
+
 def latest_failure(folder: Path) -> int:
     """The newest `failed-*` file's modification time in nanoseconds (0: none)."""
     return max((path.stat().st_mtime_ns for path in folder.glob(f"{FAILED_PREFIX}*")), default=0)

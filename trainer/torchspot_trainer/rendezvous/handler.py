@@ -36,9 +36,13 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    at the latest every `state_poll_interval` (0.25 s), and a round
    completes as soon as every member of the previous round has joined it or is
    known to be gone (`complete_early`); the last call still bounds the wait for
-   anyone slower. An agent stopped by a signal (its node leaves) takes itself out
-   of the rendezvous (`leave_rendezvous`) instead of leaving the others to wait
-   until its heartbeats expire, and says so under `<run prefix>departed/`; a node
+   anyone slower. Where the previous round added a node and lost another before it
+   trained (its workers re-form in place and were still waiting for the joiner's
+   set-up), the survivors take the joiner out of it and do not wait for it
+   (`joiners_to_release`, `expected_members`): it joins the round after. An agent
+   stopped by a signal (its node leaves) takes itself out of the rendezvous
+   (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
+   expire, and says so under `<run prefix>departed/`; a node
    whose heartbeats expired is known gone to every agent that read the state then.
    torch's state cannot tell either from a member that left the old round and has
    not joined the new one yet.
@@ -63,6 +67,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +90,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from torchspot_trainer.handover import agent_folder, last_step
+from torchspot_trainer.handover import agent_folder, last_step, live_workers, stepped_generation
 from torchspot_trainer.markers import (
     LEAVING_MARKER,
     PEER_LOST_ENV,
@@ -97,7 +102,15 @@ from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot_trainer.rendezvous.liveness import Liveness
-from torchspot_trainer.rendezvous.rounds import complete_early, departed_since, lost_members, membership_changed
+from torchspot_trainer.rendezvous.rounds import (
+    complete_early,
+    departed_since,
+    expected_members,
+    joiners_to_release,
+    lost_members,
+    membership_changed,
+    newcomers_of,
+)
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot_trainer.rendezvous.store import EtcdStore
 
@@ -132,16 +145,34 @@ class _WatchfulStateHolder(_BackendRendezvousStateHolder):
 
 
 def evict_node(holder: _BackendRendezvousStateHolder, settings: Any, name: str, attempts: int = 5) -> int | None:
-    """Take the node called `name` out of the rendezvous state with one compare-and-set, as torch's
-    `_sanitize` drops a node whose heartbeat expired (the participants, the lists, its heartbeat,
-    then torch's epilogue: a complete round left empty moves on). Returns the round it was taken
-    out of, or None if the state no longer holds it (another agent was first). A write that loses
-    the race reads the state again and retries, up to `attempts` times."""
+    """Take the node called `name` out of the rendezvous state (`take_out`), as torch's `_sanitize`
+    drops a node whose heartbeat expired. Returns the round it was taken out of, or None if the state
+    no longer holds it (another agent was first)."""
+
+    def named(state: Any) -> list[Any]:
+        known = {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
+        return [node for node in known if str(node) == name]
+
+    taken = take_out(holder, settings, named, f"node {name}", attempts)
+    return None if taken is None else taken[0]
+
+
+def take_out(
+    holder: _BackendRendezvousStateHolder,
+    settings: Any,
+    choose: Callable[[Any], list[Any]],
+    what: str,
+    attempts: int = 5,
+) -> tuple[int, list[Any]] | None:
+    """Take the nodes `choose` picks (`what` names them in the error) out of the rendezvous state with
+    one compare-and-set: the participants, the lists, their heartbeats, then torch's epilogue (a
+    complete round left empty moves on). Returns the round they were taken out of and the nodes, or
+    None if it picked none. A write that loses the race reads the state again, picks again and
+    retries, up to `attempts` times."""
     for _ in range(attempts):
         holder.sync()
         state = holder.state
-        known = {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
-        nodes = [node for node in known if str(node) == name]
+        nodes = choose(state)
         if not nodes:
             return None
         removed = False
@@ -155,8 +186,8 @@ def evict_node(holder: _BackendRendezvousStateHolder, settings: Any, name: str, 
             _remove_participant_epilogue(state, settings)
         holder.mark_dirty()
         if holder.sync():
-            return round_
-    raise RendezvousConnectionError(f"node {name} not evicted: the state changed under {attempts} writes in a row")
+            return round_, nodes
+    raise RendezvousConnectionError(f"{what} not taken out: the state changed under {attempts} writes in a row")
 
 
 class _LeaveOp:
@@ -251,6 +282,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _backend: EtcdV3RendezvousBackend
     _joined: tuple[int, frozenset[Any]] | None
     _previous: tuple[int, frozenset[Any]]
+    _newcomers: frozenset[Any]
+    """The members of the round last joined that were not in the one before it (`newcomers_of`)."""
     _watch: _WatchfulStateHolder
     _left: bool
     _leaving: threading.RLock
@@ -284,6 +317,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._change_reported = False
         self._previous = (0, frozenset()) if self._joined is None else self._joined
         self._joined = None
+        self._release_joiners()
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
         agent_marker(RESTART_MARKER).unlink(missing_ok=True)
         # torch then starts a store for the round if we are its rank 0 (point 2); the last one goes.
@@ -297,6 +331,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             raise
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
+        self._newcomers = newcomers_of(self._joined[1], self._previous[1])
         if self._liveness is not None:
             self._liveness.forget(map(str, state.participants))
         if info.rank == 0:  # one writer per round
@@ -446,6 +481,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._backend = backend
         self._joined = None
         self._previous = (0, frozenset())
+        self._newcomers = frozenset()
         self._left = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
         self._last_warning = 0.0
@@ -521,9 +557,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._watch.expire()  # the agent's next look reads the change
 
     def _round_ready(self, state: Any) -> bool:
-        """complete_early for the forming round; etcd is asked who departed only while a
-        member of the previous round is missing and not already known dead here."""
-        round_, members = self._previous
+        """complete_early for the forming round, against the members of the previous round it waits for
+        (`expected_members`: not one that joined it, if it never trained here); etcd is asked who
+        departed only while one of them is missing and not already known dead here."""
+        round_, previous = self._previous
+        members = expected_members(previous, self._newcomers, trained=self._trained(round_))
         if not complete_early(members, self._this_node, state, self._settings.min_nodes, frozenset(map(str, members))):
             return False  # not ready, whoever is gone
         dead = {name for name, at in self._watch.found_dead.items() if at >= round_}
@@ -535,6 +573,42 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             return missing <= departed_since(self._etcd.get_prefix(prefix), prefix, round_)
         except EtcdError:
             return False  # the last call completes it
+
+    def _release_joiners(self) -> None:
+        """As this agent leaves the round it was in (`_previous` now), after a loss: take that round's
+        joiners out of it where it never trained here (`joiners_to_release`), so the next round forms
+        without waiting for their agents to leave it; each joins the round after, as any joiner does.
+        The others' agents do the same: whoever writes first, the rest find nothing to take. Nothing is
+        lost if the write fails: the round then waits for them as before."""
+        round_, members = self._previous
+        if not self._newcomers or self._trained(round_):
+            return
+        holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
+        choose = partial(joiners_to_release, round_, members, self._newcomers)
+        try:
+            taken = take_out(holder, self._settings, choose, f"round {round_}'s joiners")
+        except Exception as exc:  # etcd trouble, or a race lost 5 times: the round waits for them
+            self._warn(f"round {round_}'s joiners not taken out ({exc})")
+            return
+        if taken is not None:
+            log.warning("rendezvous %s: round %d lost a member before it trained; its joiner(s) %s join the next one",
+                        self._settings.run_id, round_, ", ".join(map(str, taken[1])))  # fmt: skip
+            self._watch.expire()
+
+    def _trained(self, round_: int) -> bool:
+        """Whether round `round_` trained, as far as this agent knows (`expected_members`): no only where
+        local workers re-form in place and the newest step they stamped is of an older generation
+        (they train on in it: handover.py's `stepped_generation`). Yes where none re-forms in place
+        (restarted workers train in no round before it forms whole, and a node left out would cost
+        everyone another restart), and where no step is stamped at all (a program that does not
+        stamp its steps: nothing is known)."""
+        if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours
+            return True
+        folder = agent_folder()
+        if not live_workers(folder):
+            return True
+        newest = stepped_generation(folder)
+        return newest is None or newest >= round_
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

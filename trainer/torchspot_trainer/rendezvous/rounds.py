@@ -1,5 +1,6 @@
 """The rules of a rendezvous round, pure: when the round a node trains in has ended, which members
-are lost, when a forming round may complete before its last call, and which nodes left.
+are lost, when a forming round may complete before its last call (and whom it waits for), and which
+nodes left.
 
 Each takes torch's (sanitized) rendezvous state, or the records under the run's prefix, and
 decides; handler.py reads the state and acts. Why these rules and not torch's is in handler.py's
@@ -58,6 +59,42 @@ def complete_early(
     if node not in state.participants or len(state.participants) < min_nodes:
         return False
     return all(member in state.participants or str(member) in gone for member in previous)
+
+
+def expected_members(previous: frozenset[Any], newcomers: frozenset[Any], *, trained: bool) -> frozenset[Any]:
+    """The members of the previous round that a forming round waits for (`complete_early`): all of
+    them, less the nodes that joined it (`newcomers`) where it never trained (`trained`: a local
+    worker completed a step in its generation). Pure.
+
+    Why: workers that re-form in place train on in their generation while a round that adds a node
+    waits for that node's worker to set up (live.py's deferred join). A loss meanwhile ends that
+    round before it trained, and the next one, waited for its joiner, waited for the joiner's
+    start-up too: a soak's survivors stood 1.76 s so (bench/README.md), and on a GPU node the
+    start-up is CUDA's and NCCL's. Such a joiner holds no state the others need; it joins the round
+    after, as any stranger does, while the survivors train."""
+    return previous if trained else previous - newcomers
+
+
+def joiners_to_release(round_: int, members: frozenset[Any], newcomers: frozenset[Any], state: Any) -> list[Any]:
+    """The joiners (`newcomers`) of round `round_` (whose members were `members`) that a survivor takes
+    out of it as it leaves it, where that round never trained (the caller knows; `expected_members`
+    says why). Pure. Only while the state still holds that round, complete, and it has lost another
+    member: torch moves a complete round on only once every participant has left it, so a joiner
+    whose agent cannot leave yet (it waits for its fork server's imports before it looks again)
+    held the survivors' next round as long. Another change (a second joiner) releases nobody: the
+    survivors' deferred join goes on into the next round."""
+    if state.round != round_ or not state.complete:
+        return []
+    if all(member in state.participants for member in members - newcomers):
+        return []
+    return sorted((node for node in newcomers if node in state.participants), key=str)
+
+
+def newcomers_of(joined: frozenset[Any], previous: frozenset[Any]) -> frozenset[Any]:
+    """The members of a round just joined (`joined`) that were not in the round this node was in before
+    (`previous`). Pure. None for a node's first round: every member of it is new to it, and none is
+    known to be a joiner."""
+    return joined - previous if previous else frozenset()
 
 
 def departed_since(records: dict[str, bytes], prefix: str, round_: int) -> frozenset[str]:
