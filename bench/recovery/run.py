@@ -10,8 +10,10 @@ we apply the fault to a whole process tree and measure
 - steps lost: work redone (ours and stock: the last step completed before the fault minus
   the step the new group resumed from; TorchFT: steps the survivors did not commit).
 
-Scenarios: `join` (2 nodes, a third arrives), `hard` (3 nodes, one SIGKILLed with
-its workers), `frozen` (3 nodes, one SIGSTOPped with its workers, at a random point of
+Scenarios: `join` (2 nodes, a third arrives), `joinloss` (2 nodes, a third arrives, and one of
+the two is SIGKILLed while the joiner still starts: JOIN_LOSS_WINDOW; recovery is then the
+survivor's first step in a group the victim is not in, whatever its size), `hard` (3 nodes, one
+SIGKILLed with its workers), `frozen` (3 nodes, one SIGSTOPped with its workers, at a random point of
 the step), `notice` (3 nodes, one agent SIGTERMed as the kubelet does at an eviction;
 TorchFT has no notice path: its replica is SIGTERMed), and `falsealarm` (3 nodes, busy
 loops on every core for 10 s while one node is stopped three times for 0.5 s: passes if
@@ -93,7 +95,9 @@ TRAINER = [
     "--global-batch-size", "48", "--workers", "0", "--log-every", "1", "--scheduled-events", "off", "--in-place",
 ]  # fmt: skip
 """`trainer-inplace`'s program (its --events-file is added per job)."""
-SCENARIOS = ("join", "hard", "frozen", "notice", "falsealarm")
+SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm")
+JOINS = ("join", "joinloss")
+"""The scenarios that start from 2 nodes and start a third."""
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "recovery.json"
 STEP_TIME = 0.05
 """Seconds of work per step, for every backend (the toy's default)."""
@@ -102,6 +106,10 @@ PAUSES = 3
 PAUSE_SECONDS = 0.5
 """The false-alarm check: busy loops on every core for HOG_SECONDS, and the victim stopped PAUSES
 times for PAUSE_SECONDS meanwhile."""
+JOIN_LOSS_WINDOW = (2.0, 3.0)
+"""`joinloss`: seconds from the joiner's start to the kill, drawn uniformly. Here a joiner's agent has
+joined the round by about 2 s and its worker is training about 4 s after its start (the `join`
+rows of bench/README.md): the kill lands while the others wait for it, not yet trained with it."""
 NOTICE_GRACE = 30.0
 """Seconds between SIGTERM and SIGKILL at a notice (the kubelet's default grace)."""
 
@@ -125,6 +133,9 @@ class Trial:
     group's re-form, the joiner's state, one step at the new size)."""
     restarted: int | None = None
     """Survivors whose worker process is not the one they had before the fault (0 in place)."""
+    rejoined_s: float | None = None
+    """At `joinloss`: from the kill to the first step with the joiner (at world size 2), after the
+    survivor's recovery: the joiner is not lost, only later."""
 
 
 def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfig:
@@ -224,9 +235,9 @@ def run_trial(
     workdir: Path, backend: str, scenario: str, etcd: EtcdServer, *, timeout: float, rng: random.Random
 ) -> Trial:
     """Start a job, apply one fault, and measure recovery and lost steps."""
-    nnodes = "2:3" if scenario == "join" else "1:3"
+    nnodes = "2:3" if scenario == "join" else "1:3"  # joinloss: a survivor may train alone
     job = _job(workdir, backend, etcd, nnodes)
-    initial = 2 if scenario == "join" else 3
+    initial = 2 if scenario in JOINS else 3
     nodes = [LocalNode(f"n{i}", job) for i in range(initial)]
     try:
         for node in nodes:
@@ -251,12 +262,18 @@ def run_trial(
             hog_and_pause(victim.freeze, victim.thaw)
             regrouped = any(e["event"] == "start" and e["t"] > began for e in _read(job))
             return Trial(backend, scenario, None, None, false_alarm=regrouped)
-        if scenario == "join":
+        groups: set[str] = set()  # joinloss: the groups that had stepped before the kill
+        if scenario in JOINS:
             fault = time.time()
             extra = LocalNode(f"n{initial}", job)
             nodes.append(extra)
             extra.start()
             target = 3
+            if scenario == "joinloss":
+                time.sleep(rng.uniform(*JOIN_LOSS_WINDOW))
+                groups = {e["group"] for e in _read(job) if e["event"] == "step"}
+                fault = time.time()
+                victim.kill()
         else:
             fault = time.time()
             if scenario == "hard":
@@ -267,9 +284,21 @@ def run_trial(
                 threading.Thread(target=victim.terminate, args=(NOTICE_GRACE,), daemon=True).start()
             target = 2
         try:
-            recovered = wait_for(lambda: first_step_at(_read(job), target, fault), timeout, "recovery")
+            recovered = wait_for(
+                lambda: (
+                    first_step_in_new_group(_read(job), fault, groups)
+                    if scenario == "joinloss"
+                    else first_step_at(_read(job), target, fault)
+                ),
+                timeout,
+                "recovery",
+            )
         except TimeoutError:
             return Trial(backend, scenario, None, None)
+        rejoined = None
+        if scenario == "joinloss":
+            with contextlib.suppress(TimeoutError):
+                rejoined = wait_for(lambda: first_step_at(_read(job), 2, recovered["t"]), timeout, "the joiner")
         events = _read(job)
         steps = [e["t"] for e in events if e["event"] == "step" and fault - 1.0 <= e["t"] <= recovered["t"]]
         pause = max((b - a for a, b in itertools.pairwise(steps)), default=None)
@@ -285,17 +314,28 @@ def run_trial(
         return Trial(
             backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause),
             switch_s=_rounded(switch) if scenario == "join" else None, restarted=restarted,
+            rejoined_s=None if rejoined is None else round(rejoined["t"] - fault, 2),
         )  # fmt: skip
     finally:
         for node in nodes:
             node.stop()
 
 
+def first_step_in_new_group(events: list[dict[str, Any]], after: float, old: set[str]) -> dict[str, Any] | None:
+    """The first step completed after `after` in a group none of `old` (those that had stepped by
+    then): `joinloss`'s recovery, at whatever world size the survivors re-formed. Pure."""
+    for event in events:
+        if event["event"] == "step" and event["t"] > after and event["group"] not in old:
+            return event
+    return None
+
+
 def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: float, rng: random.Random) -> Trial:
     """The same fault to TorchFT's replica groups (torchft_peer.py), measured the same way."""
-    initial = 2 if scenario == "join" else 3
+    initial = 2 if scenario in JOINS else 3
     cluster = torchft_peer.Cluster(workdir, backend, STEP_TIME)
     victim = initial - 1
+    old: set[int] = set()  # joinloss: the quorums that had committed before the kill
     try:
         for replica in range(initial):
             cluster.start(replica)
@@ -310,21 +350,39 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
             events = [e for e in read_events(cluster.events) if e["t"] > began and e["committed"]]
             return Trial(backend, scenario, None, None, false_alarm=any(e["participants"] < initial for e in events))
         fault = time.time()
-        if scenario == "join":
+        if scenario in JOINS:
             cluster.start(initial)
             target, skip = 3, initial
+            if scenario == "joinloss":  # the survivor's first commit after the kill, in a new quorum
+                time.sleep(rng.uniform(*JOIN_LOSS_WINDOW))
+                old = torchft_peer.quorums(read_events(cluster.events))
+                fault = time.time()
+                cluster.signal(victim, signal.SIGKILL)
+                target, skip = 0, victim
         else:
             sig = {"hard": signal.SIGKILL, "frozen": signal.SIGSTOP, "notice": signal.SIGTERM}[scenario]
             cluster.signal(victim, sig)
             target, skip = 2, victim
         try:
             recovered = wait_for(
-                lambda: torchft_peer.first_commit_at(read_events(cluster.events), target, fault, skip),
+                lambda: (
+                    torchft_peer.first_commit_in_new_quorum(read_events(cluster.events), 0, fault, old)
+                    if scenario == "joinloss"
+                    else torchft_peer.first_commit_at(read_events(cluster.events), target, fault, skip)
+                ),
                 timeout,
                 "recovery",
             )
         except TimeoutError:
             return Trial(backend, scenario, None, None)
+        rejoined = None
+        if scenario == "joinloss":
+            with contextlib.suppress(TimeoutError):
+                rejoined = wait_for(
+                    lambda: torchft_peer.first_commit_at(read_events(cluster.events), 2, recovered["t"], victim),
+                    timeout,
+                    "the joiner",
+                )
         events = read_events(cluster.events)
         lost = torchft_peer.failed_commits(events, fault, recovered["t"], skip)
         pause = torchft_peer.longest_pause(events, fault - 1.0, recovered["t"], skip)
@@ -332,6 +390,7 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
         return Trial(
             backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause),
             switch_s=_rounded(switch) if scenario == "join" else None,
+            rejoined_s=None if rejoined is None else round(rejoined["t"] - fault, 2),
         )  # fmt: skip
     finally:
         cluster.close()
@@ -373,6 +432,12 @@ def _fmt(trials: list[Trial], timeout: float) -> tuple[str, dict[str, float] | N
     if switches:
         stats["switch_max"] = max(switches)
         text += f"; the switch p50 {statistics.median(switches):.2f} s, max {max(switches):.2f} s"
+    rejoins = [t.rejoined_s for t in trials if t.rejoined_s is not None]
+    if trials[0].scenario == "joinloss":
+        stats["rejoined"] = len(rejoins)
+        text += f"; the joiner training {len(rejoins)} of {len(trials)} times" + (
+            f", p50 {statistics.median(rejoins):.2f} s after the kill, max {max(rejoins):.2f} s" if rejoins else ""
+        )
     if len(times) < len(trials):
         text += f" ({len(trials) - len(times)} with no recovery within {timeout:g} s, counted as {timeout:g})"
         stats["failed"] = len(trials) - len(times)

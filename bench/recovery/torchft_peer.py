@@ -131,6 +131,24 @@ def first_commit_at(events: list[dict[str, Any]], participants: int, after: floa
     return None
 
 
+def first_commit_in_new_quorum(
+    events: list[dict[str, Any]], replica: int, after: float, old: set[int]
+) -> dict[str, Any] | None:
+    """The first step `replica` committed after `after` in a quorum none of `old` (those that had
+    committed by then), with however many participants: `joinloss`'s recovery. A replica commits
+    on its own group's vote, so its step in flight at a kill may commit in the old quorum."""
+    for event in sorted(events, key=lambda e: e["t"]):
+        fresh = event["t"] > after and event["replica"] == replica and event["committed"]
+        if fresh and event["quorum"] not in old:
+            return event
+    return None
+
+
+def quorums(events: list[dict[str, Any]]) -> set[int]:
+    """The quorums some replica committed a step in."""
+    return {e["quorum"] for e in events if e["committed"]}
+
+
 def failed_commits(events: list[dict[str, Any]], after: float, before: float, skip: int) -> int:
     """Steps the survivors did not commit between the fault and the recovery (work redone)."""
     survivors = [e for e in events if e["replica"] != skip and after < e["t"] <= before]

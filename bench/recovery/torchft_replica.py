@@ -155,6 +155,7 @@ def main() -> None:
                 "step": manager.current_step(),
                 "participants": participants,
                 "committed": committed,
+                "quorum": manager._quorum_id,  # private in 0.2.0, which has no accessor: the step's quorum
             }
             out.write(json.dumps(record) + "\n")  # one short O_APPEND write: lines never interleave
             out.flush()

@@ -36,6 +36,7 @@ from torchspot_trainer.rendezvous.rounds import (
     complete_early,
     departed_since,
     expected_members,
+    joiners_to_defer,
     joiners_to_release,
     lost_members,
     membership_changed,
@@ -410,6 +411,26 @@ def test_a_survivor_releases_the_joiners_of_the_round_it_leaves_only_after_a_los
     assert joiners_to_release(8, members, frozenset({"d"}), state) == released
 
 
+@pytest.mark.parametrize(
+    ("participants", "expected", "min_nodes", "deferred"),
+    [
+        (["a", "b", "d"], {"a", "b", "c"}, 1, ["d"]),
+        (["a", "b", "c", "d"], {"a", "b", "c"}, 1, []),
+        (["a", "d"], {"a", "b", "c"}, 2, []),
+        (["a", "d"], set(), 1, []),
+    ],
+    ids=["after-a-loss", "no-loss", "needed-for-min-nodes", "not-deferring"],
+)  # fmt: skip
+def test_a_round_after_a_loss_leaves_its_joiners_for_the_next_one(
+    participants: list[str], expected: set[str], min_nodes: int, deferred: list[str]
+) -> None:
+    """c is lost as d comes: the survivors form their round without d, whose round follows as a
+    deferred join. A pure growth keeps d (that is the deferred join); so does a round that needs d
+    for its minimum size, and one whose completer's workers do not train on meanwhile."""
+    state = _state(9, participants, complete=False)
+    assert joiners_to_defer(frozenset(expected), state, min_nodes) == deferred
+
+
 def test_nobody_is_a_newcomer_of_a_nodes_first_round() -> None:
     """A node's first round (nothing before it): every member is new to it, none a known joiner, so
     the next round waits for them all even before anyone trained."""
@@ -448,6 +469,13 @@ def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[Et
     conf = {"keep_alive_interval": "5", "last_call_timeout": "30", "join_timeout": "10"} | settings
     params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 3, **conf)
     return [create_handler(params) for _ in range(n)]  # type: ignore[misc]
+
+
+def _waiting(handler: EtcdV3RendezvousHandler) -> int:
+    """The nodes in the rendezvous's wait list, read afresh."""
+    handler._watch.expire()
+    handler._watch.sync()
+    return len(handler._watch.state.wait_list)
 
 
 def _join(handlers: list[EtcdV3RendezvousHandler]) -> list[tuple[int, int]]:
@@ -516,7 +544,7 @@ def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_nev
     up (a live worker registered here, its last step of round 2). b leaves before any of them stepped
     in round 3, and d, still setting up, does not come back: a forms round 4 alone at once, not at
     the 30 s last call (past the 10 s join timeout: a round that waited for d fails). d then joins
-    the round after, as any joiner does."""
+    the round after, as any joiner does, once a's workers trained in their round."""
     a, b, c, d = _handlers(etcd, run_id, 4)
     folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
     worker = Handover(folder, 7)
@@ -539,7 +567,45 @@ def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_nev
         assert a.current_round == joined + 1
         with ThreadPoolExecutor(1) as pool:
             joining = pool.submit(d.next_rendezvous)
-            wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join again")
+            wait_for(lambda: _waiting(a), timeout=5, what="d waiting to join again")
+            assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
+            worker.stepped(a.current_round)
+            wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
+            assert _join([a]) == [(0, 2)]
+            assert joining.result(timeout=10).world_size == 2
+    finally:
+        for name in ("live-7", "stepped-7"):
+            (folder / name).unlink(missing_ok=True)
+        for handler in (a, d):
+            handler.leave()
+
+
+def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivors_re_formed(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """a and b train in round 1 (a live worker here stamps its steps, so these agents' workers train on
+    while a joiner sets up). d waits to join as b leaves: a completes the next round without d, so
+    its workers re-form at once instead of waiting in the new group for d's start-up, and d joins
+    the round after, once they trained in theirs, as a deferred join."""
+    a, b, c, d = _handlers(etcd, run_id, 4)
+    folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
+    worker = Handover(folder, 7)
+    try:
+        worker.register()
+        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]
+        c.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="c's departure")
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+        worker.stepped(a.current_round)
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(d.next_rendezvous)
+            wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
+            b.leave()
+            assert _join([a]) == [(0, 1)]  # the survivor alone, d left waiting
+            assert _waiting(a) == 1
+            assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
+            worker.stepped(a.current_round)
+            wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
             assert _join([a]) == [(0, 2)]
             assert joining.result(timeout=10).world_size == 2
     finally:

@@ -66,8 +66,12 @@ def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_nod
 ) -> None:
     """A liveness timeout of 3 s, shortened to 2.5 puts (0.5 s) after a local failure: the survivors
     see the killed node gone well before 3 s, form their round of two at once (the 30 s last call
-    is past the 10 s join timeout), and the node's departure is on record for the next round."""
+    is past the 10 s join timeout), and the node's departure is on record for the next round. The
+    failure is a live worker's `failed-` file, which liveness's judge reads itself once a put is
+    late, whatever the agent is doing (it was read in the agent's monitor loop, and a kill during a
+    round's set-up was judged by the long timeout)."""
     a, b, c = handlers = _handlers(etcd, run_id, liveness_timeout="3")
+    folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
     try:
         assert _join(handlers) == [(0, 3), (1, 3), (2, 3)]
         for survivor in (a, b):
@@ -77,7 +81,7 @@ def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_nod
             heard = survivor._liveness
             heard_from_c = lambda: str(c._this_node) in heard._receipts  # noqa: B023, E731 - called in this iteration
             wait_for(heard_from_c, 5, what="a put of the member")
-            heard.corroborate()  # what next_rendezvous does after its workers failed
+        Handover(folder, 7).report_failure()  # a live worker's collective failed
         assert c._liveness is not None
         c._liveness.stop()
         c._stop_heartbeats()  # a killed node: nothing more from it
@@ -88,6 +92,7 @@ def test_a_failed_worker_corroborates_and_the_round_reforms_without_the_lost_nod
         assert _join([a, b]) == [(0, 2), (1, 2)]
         assert str(c._this_node) in a._watch.found_dead or str(c._this_node) in b._watch.found_dead
     finally:
+        (folder / "failed-7").unlink(missing_ok=True)
         for handler in handlers:
             handler.leave()
 

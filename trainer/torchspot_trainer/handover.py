@@ -16,7 +16,8 @@ environment variable that names that marker names them too:
   worker re-forms: an acknowledgement means "alive and on it", not "done";
 - `failed-<local rank>`: touched when one of the worker's collectives failed (a peer's socket
   closed: its process is likely gone). A live worker does not exit, so this is how its agent learns
-  what a failed worker's exit would tell it: liveness then judges with its short timeout (liveness.py);
+  what a failed worker's exit would tell it: liveness's judge reads it once a member's put is late,
+  and then judges with its short timeout (liveness.py);
 - `agreed-<local rank>`: touched by a worker of a node that leaves on notice once its group has shared
   the notice (the step boundary's all-gather), before its emergency checkpoint: it needs the group no
   more, so its agent takes the node out of the rendezvous then (`notice_agreed`), and the other nodes
@@ -226,9 +227,7 @@ class InPlaceAgent(LocalElasticAgent):
         """torch's agent sleeps `monitor_interval` between looks; this one waits at most as long for a
         write of the rendezvous state (handler.py's `wait_for_change`) and looks at once after one."""
         self._tick = spec.monitor_interval
-        self._failure_seen = 0
         self._wait_for_change: Callable[[float], None] | None = getattr(spec.rdzv_handler, "wait_for_change", None)
-        self._corroborate: Callable[[], None] | None = getattr(spec.rdzv_handler, "corroborate_loss", None)
         if self._wait_for_change is not None:
             spec.monitor_interval = WATCH_SECONDS  # torch's sleep; the wait is in _monitor_workers
         super().__init__(spec, *args, **kwargs)
@@ -252,15 +251,10 @@ class InPlaceAgent(LocalElasticAgent):
         self._write_assignment(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        """torch's monitoring after the tick (or a state write), and a live worker's failed collective
-        passed on to liveness."""
+        """torch's monitoring after the tick (or a state write). (A live worker's failed collective
+        reaches liveness through the handler's judge, whatever the agent is doing.)"""
         if self._wait_for_change is not None:
             self._wait_for_change(self._tick)
-        newest = latest_failure(agent_folder())
-        if newest > self._failure_seen:
-            self._failure_seen = newest
-            if self._corroborate is not None:
-                self._corroborate()
         result: RunResult = super()._monitor_workers(worker_group)
         return result
 

@@ -39,7 +39,9 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    anyone slower. Where the previous round added a node and lost another before it
    trained (its workers re-form in place and were still waiting for the joiner's
    set-up), the survivors take the joiner out of it and do not wait for it
-   (`joiners_to_release`, `expected_members`): it joins the round after. An agent
+   (`joiners_to_release`, `expected_members`); and a round after a loss leaves a
+   node that came meanwhile waiting (`joiners_to_defer`). Either joins the round
+   after, which follows at once and which such workers take as a deferred join. An agent
    stopped by a signal (its node leaves) takes itself out of the rendezvous
    (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
    expire, and says so under `<run prefix>departed/`; a node
@@ -90,7 +92,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from torchspot_trainer.handover import agent_folder, last_step, live_workers, stepped_generation
+from torchspot_trainer.handover import agent_folder, last_step, latest_failure, live_workers, stepped_generation
 from torchspot_trainer.markers import (
     LEAVING_MARKER,
     PEER_LOST_ENV,
@@ -106,6 +108,7 @@ from torchspot_trainer.rendezvous.rounds import (
     complete_early,
     departed_since,
     expected_members,
+    joiners_to_defer,
     joiners_to_release,
     lost_members,
     membership_changed,
@@ -118,6 +121,10 @@ log = logging.getLogger(__name__)
 
 _DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _WARN_EVERY = 10.0
+JOIN_HOLD_SECONDS = 30.0
+"""The most a node waiting to join is held back while this agent's workers have not trained in the
+round they are in (`_holding_joiners`): as long as a deferred join waits for its joiners
+(live.py's READY_SECONDS)."""
 _LEFT_COUNTER = "torchspot.agents_left"
 _DEPARTED = "departed/"
 """Under the run prefix: one key per node that left, valued with the round it left."""
@@ -211,13 +218,24 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
 
     torch sleeps 1 s whenever an op answers "wait"; here the op is asked again after
     `poll` seconds against a fresh state, and a join that `ready` approves completes
-    the round at once.
+    the round at once. A join that completes the round first lets `admit` change the
+    state it then writes (who waits for the next round instead).
     """
 
-    def __init__(self, node: Any, state_holder: Any, settings: Any, poll: float, ready: Callable[[Any], bool]) -> None:
+    def __init__(
+        self,
+        node: Any,
+        state_holder: Any,
+        settings: Any,
+        poll: float,
+        *,
+        ready: Callable[[Any], bool],
+        admit: Callable[[Any], None],
+    ) -> None:
         super().__init__(node, state_holder, settings)
         self._poll = poll
         self._ready = ready
+        self._admit = admit
         self._written = threading.Event()
 
     def wake(self) -> None:
@@ -236,10 +254,12 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
         def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
             while True:
                 action = state_handler(ctx, deadline)
+                if action == _Action.SYNC and joining and self._ready(ctx.state):
+                    action = _Action.MARK_RENDEZVOUS_COMPLETE
+                if action == _Action.MARK_RENDEZVOUS_COMPLETE and joining:
+                    self._admit(ctx.state)  # ctx.state is the state torch completes and writes
                 if action != _Action.SYNC:
                     return action
-                if joining and self._ready(ctx.state):
-                    return _Action.MARK_RENDEZVOUS_COMPLETE
                 self._written.wait(self._poll)
                 self._written.clear()
                 self._state_holder.sync()
@@ -284,6 +304,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _previous: tuple[int, frozenset[Any]]
     _newcomers: frozenset[Any]
     """The members of the round last joined that were not in the one before it (`newcomers_of`)."""
+    _joined_at: float
+    """When this agent joined its round (`time.monotonic()`)."""
+    _failure_seen: int
+    """The newest local worker failure passed on to liveness (`_corroborate_failures`), in nanoseconds."""
     _watch: _WatchfulStateHolder
     _left: bool
     _leaving: threading.RLock
@@ -304,10 +328,19 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         (handover.py), alike on every agent of the round."""
         return 0 if self._joined is None else int(self._joined[0])
 
-    def corroborate_loss(self) -> None:
-        """A local worker's collective failed while it stays up (it re-forms in place, so the agent
-        never sees it exit): judge with liveness's short timeout for a while, as after a failed worker."""
-        if self._liveness is not None:
+    def _corroborate_failures(self) -> None:
+        """If a local worker's collective failed since the last look (its `failed-` file is newer:
+        handover.py's `latest_failure`) while it stays up (it re-forms in place, so the agent never
+        sees it exit): liveness judges with its short timeout for a while, as after a failed worker.
+        Asked by liveness's judge whenever a member's put is that late, whatever the agent is doing:
+        the agent's monitor loop asked before, and a kill that landed while the agent set a joiner's
+        round up was judged by the long timeout (0.84 s against 0.25 s, a `joinloss` trial of
+        bench/recovery)."""
+        if self._liveness is None or PEER_LOST_ENV not in os.environ:  # no agent folder: not under our agent
+            return
+        newest = latest_failure(agent_folder())
+        if newest > self._failure_seen:
+            self._failure_seen = newest
             self._liveness.corroborate()
 
     def next_rendezvous(self) -> RendezvousInfo:
@@ -331,6 +364,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             raise
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
+        self._joined_at = time.monotonic()
         self._newcomers = newcomers_of(self._joined[1], self._previous[1])
         if self._liveness is not None:
             self._liveness.forget(map(str, state.participants))
@@ -397,6 +431,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 agent_marker(RESTART_MARKER).touch()
                 self._change_reported = True
                 return max(waiting, 1)
+        if waiting and self._holding_joiners():
+            return 0
         if waiting:  # the agent restarts its workers for the joiners next
             agent_marker(RESTART_MARKER).touch()
             self._change_reported = True
@@ -482,13 +518,17 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._joined = None
         self._previous = (0, frozenset())
         self._newcomers = frozenset()
+        self._joined_at = 0.0
+        self._failure_seen = 0
         self._left = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
         self._last_warning = 0.0
         poll = settings.state_poll_interval
         self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
         self._state_holder = self._watch
-        self._prompt = _PromptOpExecutor(self._this_node, self._watch, self._settings, poll, self._round_ready)
+        self._prompt = _PromptOpExecutor(
+            self._this_node, self._watch, self._settings, poll, ready=self._round_ready, admit=self._defer_joiners
+        )
         self._op_executor = self._prompt
         self._change_reported = False
         self._changed = threading.Event()
@@ -506,6 +546,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 state_key=backend.key,
                 on_state=self._state_written,
                 proof=self._proven,
+                failures=self._corroborate_failures,
             )
             self._liveness.start()
         _ACTIVE.append(self)
@@ -595,20 +636,55 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                         self._settings.run_id, round_, ", ".join(map(str, taken[1])))  # fmt: skip
             self._watch.expire()
 
+    def _defer_joiners(self, state: Any) -> None:
+        """As this agent completes a round after a loss: the participants that were not expected
+        (`joiners_to_defer`: a joiner that came as a member was lost) wait for the next round
+        instead, which follows at once as a deferred join; only where this agent's workers train
+        on while a joiner sets up (`_defers_joins`). Changes `state`, which the completion writes."""
+        if not self._defers_joins():
+            return
+        round_, previous = self._previous
+        expected = expected_members(previous, self._newcomers, trained=self._trained(round_))
+        joiners = joiners_to_defer(expected, state, self._settings.min_nodes)
+        for node in joiners:
+            del state.participants[node]
+            state.wait_list.add(node)
+        if joiners:
+            log.warning("rendezvous %s: the round after a loss forms without its joiner(s) %s: they join the next one",
+                        self._settings.run_id, ", ".join(map(str, joiners)))  # fmt: skip
+
+    def _holding_joiners(self) -> bool:
+        """Whether nodes waiting to join wait a little longer: while this agent's workers, which train
+        on while a joiner sets up (`_defers_joins`), have not trained in the round they are in, for
+        at most JOIN_HOLD_SECONDS after it formed. Their next round then follows a generation they
+        train in, and they take it as a deferred join; handed over sooner, it came while they were
+        still building their group (a survivor's after a loss, or a deferred join's waiting for its
+        joiner), so they entered it at once and waited in it for the joiner's start-up: 1.6 s in a
+        `joinloss` trial of bench/recovery, and for every joiner's when two came one after another."""
+        joined = self._joined
+        if joined is None or time.monotonic() - self._joined_at > JOIN_HOLD_SECONDS:
+            return False
+        return not self._trained(joined[0])
+
+    def _defers_joins(self) -> bool:
+        """Whether this agent's workers train on while a round that adds a node waits for its worker
+        (live.py's deferred join): they re-form in place and stamp their steps (handover.py's
+        `stepped_generation`). Not so on the restart path, whose workers train in no round before
+        it forms whole (a node left out of one would cost everyone another restart), nor for a
+        program that stamps no step (nothing is known of it)."""
+        if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours
+            return False
+        folder = agent_folder()
+        return live_workers(folder) and stepped_generation(folder) is not None
+
     def _trained(self, round_: int) -> bool:
         """Whether round `round_` trained, as far as this agent knows (`expected_members`): no only where
-        local workers re-form in place and the newest step they stamped is of an older generation
-        (they train on in it: handover.py's `stepped_generation`). Yes where none re-forms in place
-        (restarted workers train in no round before it forms whole, and a node left out would cost
-        everyone another restart), and where no step is stamped at all (a program that does not
-        stamp its steps: nothing is known)."""
-        if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours
+        its workers train on while a joiner sets up (`_defers_joins`) and the newest step they
+        stamped is of an older generation."""
+        if not self._defers_joins():
             return True
-        folder = agent_folder()
-        if not live_workers(folder):
-            return True
-        newest = stepped_generation(folder)
-        return newest is None or newest >= round_
+        newest = stepped_generation(agent_folder())
+        return newest is not None and newest >= round_
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

@@ -109,6 +109,7 @@ class Liveness:
         state_key: str,
         on_state: Callable[[], None],
         proof: Callable[[], float | None] = lambda: None,
+        failures: Callable[[], None] = lambda: None,
     ) -> None:
         self._client = client
         self._prefix = f"{prefix}{ALIVE}"
@@ -121,6 +122,7 @@ class Liveness:
         self._state_key = state_key
         self._on_state = on_state
         self._proof = proof
+        self._failures = failures
         self._receipts: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -213,13 +215,14 @@ class Liveness:
                 self._open_watches()
                 continue
             now = time.monotonic()
-            timeout = self._timeout
-            if now < self._short_until:
-                timeout = min(timeout, CORROBORATED_PUTS * self._interval)
             with self._lock:
                 receipts = dict(self._receipts)
                 evicted = set(self._evicted)
             members = self._members()
+            short = CORROBORATED_PUTS * self._interval
+            if now >= self._short_until and stale_members(receipts, members, self._me, now, short):
+                self._failures()  # a local failure now (the agent's folder: only when a put is this late)
+            timeout = min(self._timeout, short) if now < self._short_until else self._timeout
             stale = stale_members(receipts, members, self._me, now, timeout)
             if stale:  # the proof reads the agent's folder: only when a put is overdue, not every look
                 stale = stale_members(receipts, members, self._me, now, timeout, proven=self._proof())

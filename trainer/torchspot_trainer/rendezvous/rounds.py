@@ -90,6 +90,23 @@ def joiners_to_release(round_: int, members: frozenset[Any], newcomers: frozense
     return sorted((node for node in newcomers if node in state.participants), key=str)
 
 
+def joiners_to_defer(expected: frozenset[Any], state: Any, min_nodes: int) -> list[Any]:
+    """The participants of a forming round that wait for the next round instead: those not among the
+    previous round's `expected` members (`expected_members`), where the round follows a loss (one of
+    them is not in it) and has `min_nodes` without them. Pure. None where `expected` is empty (a
+    first round, or the caller's workers do not train on while a joiner sets up).
+
+    Why: a round that both loses a member and adds one is no pure growth, so workers that re-form in
+    place cannot train on in their generation while the joiner sets up (live.py's deferred join):
+    they waited in its group build for the joiner's start-up (bench/README.md, `joinloss`: 1.2 s).
+    Formed of the survivors, the round re-forms them at once, and the joiner's round follows as a
+    deferred join."""
+    if not expected or all(member in state.participants for member in expected):
+        return []
+    joiners = sorted((node for node in state.participants if node not in expected), key=str)
+    return joiners if len(state.participants) - len(joiners) >= min_nodes else []
+
+
 def newcomers_of(joined: frozenset[Any], previous: frozenset[Any]) -> frozenset[Any]:
     """The members of a round just joined (`joined`) that were not in the round this node was in before
     (`previous`). Pure. None for a node's first round: every member of it is new to it, and none is
