@@ -660,9 +660,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         train in, and they take it as a deferred join; handed over sooner, it came while they were
         still building their group (a survivor's after a loss, or a deferred join's waiting for its
         joiner), so they entered it at once and waited in it for the joiner's start-up: 1.6 s in a
-        `joinloss` trial of bench/recovery, and for every joiner's when two came one after another."""
+        `joinloss` trial of bench/recovery, and for every joiner's when two came one after another.
+        Never for more than half the joiner's own join timeout (`--rdzv-conf join_timeout`)."""
         joined = self._joined
-        if joined is None or time.monotonic() - self._joined_at > JOIN_HOLD_SECONDS:
+        hold = min(JOIN_HOLD_SECONDS, self._settings.timeout.join.total_seconds() / 2)  # the joiner's own wait
+        if joined is None or time.monotonic() - self._joined_at > hold:
             return False
         return not self._trained(joined[0])
 
