@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -537,82 +539,75 @@ def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
             handler.leave()
 
 
-def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_never_trained(
+@contextlib.contextmanager
+def _trained_pair(
     etcd: EtcdServer, run_id: str
-) -> None:
-    """Round 3 adds d to a and b, whose workers re-form in place and train on in round 2 while d sets
-    up (a live worker registered here, its last step of round 2). b leaves before any of them stepped
-    in round 3, and d, still setting up, does not come back: a forms round 4 alone at once, not at
-    the 30 s last call (past the 10 s join timeout: a round that waited for d fails). d then joins
-    the round after, as any joiner does, once a's workers trained in their round."""
-    a, b, c, d = _handlers(etcd, run_id, 4)
-    folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
-    worker = Handover(folder, 7)
-    try:
-        worker.register()  # this process: a live worker that re-forms in place
-        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
-        c.leave()
-        wait_for(a.num_nodes_waiting, timeout=5, what="c's departure")
-        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
-        worker.stepped(a.current_round)  # round 2 trains
-        with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(d.next_rendezvous)
-            wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
-            assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
-            assert joining.result(timeout=10).world_size == 3
-        joined = a.current_round  # round 3: its workers still train in round 2 (no step of it)
-        b.leave()
-        wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
-        assert _join([a]) == [(0, 1)]  # without d, which has not come back
-        assert a.current_round == joined + 1
-        with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(d.next_rendezvous)
-            wait_for(lambda: _waiting(a), timeout=5, what="d waiting to join again")
-            assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
-            worker.stepped(a.current_round)
-            wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
-            assert _join([a]) == [(0, 2)]
-            assert joining.result(timeout=10).world_size == 2
-    finally:
-        for name in ("live-7", "stepped-7"):
-            (folder / name).unlink(missing_ok=True)
-        for handler in (a, d):
-            handler.leave()
-
-
-def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivors_re_formed(
-    etcd: EtcdServer, run_id: str
-) -> None:
-    """a and b train in round 1 (a live worker here stamps its steps, so these agents' workers train on
-    while a joiner sets up). d waits to join as b leaves: a completes the next round without d, so
-    its workers re-form at once instead of waiting in the new group for d's start-up, and d joins
-    the round after, once they trained in theirs, as a deferred join."""
+) -> Iterator[tuple[EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, Handover]]:
+    """a and b in a round of two that trained, as agents whose workers train on while a joiner sets up
+    (this process's live worker, registered, stamped a step of it); d a node not in it yet; and the
+    worker, to stamp the next steps. (c, the third of the first round, left.)"""
     a, b, c, d = _handlers(etcd, run_id, 4)
     folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
     worker = Handover(folder, 7)
     try:
         worker.register()
-        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]
+        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
         c.leave()
         wait_for(a.num_nodes_waiting, timeout=5, what="c's departure")
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
         worker.stepped(a.current_round)
-        with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(d.next_rendezvous)
-            wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
-            b.leave()
-            assert _join([a]) == [(0, 1)]  # the survivor alone, d left waiting
-            assert _waiting(a) == 1
-            assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
-            worker.stepped(a.current_round)
-            wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
-            assert _join([a]) == [(0, 2)]
-            assert joining.result(timeout=10).world_size == 2
+        yield a, b, d, worker
     finally:
         for name in ("live-7", "stepped-7"):
             (folder / name).unlink(missing_ok=True)
-        for handler in (a, d):
+        for handler in (a, b, d):
             handler.leave()
+
+
+def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_never_trained(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """The next round adds d to a and b, whose workers train on in their round while d sets up (no
+    step of the new one). b leaves, and d, still setting up, does not come back: a forms its next
+    round alone at once, not at the 30 s last call (past the 10 s join timeout: a round that waited
+    for d fails). d then joins the round after, as any joiner does, once a's workers trained in
+    their round."""
+    with _trained_pair(etcd, run_id) as (a, b, d, worker), ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(d.next_rendezvous)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
+        assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
+        assert joining.result(timeout=10).world_size == 3
+        joined = a.current_round  # its workers still train in the round before (no step of this one)
+        b.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
+        assert _join([a]) == [(0, 1)]  # without d, which has not come back
+        assert a.current_round == joined + 1
+        joining = pool.submit(d.next_rendezvous)
+        wait_for(lambda: _waiting(a), timeout=5, what="d waiting to join again")
+        assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
+        worker.stepped(a.current_round)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
+        assert _join([a]) == [(0, 2)]
+        assert joining.result(timeout=10).world_size == 2
+
+
+def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivors_re_formed(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """d waits to join as b leaves: a completes the next round without d, so its workers re-form at
+    once instead of waiting in the new group for d's start-up, and d joins the round after, once
+    they trained in theirs, as a deferred join."""
+    with _trained_pair(etcd, run_id) as (a, b, d, worker), ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(d.next_rendezvous)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
+        b.leave()
+        assert _join([a]) == [(0, 1)]  # the survivor alone, d left waiting
+        assert _waiting(a) == 1
+        assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
+        worker.stepped(a.current_round)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
+        assert _join([a]) == [(0, 2)]
+        assert joining.result(timeout=10).world_size == 2
 
 
 def test_a_store_read_of_a_round_being_set_up_gives_up_when_a_member_is_gone(etcd: EtcdServer, run_id: str) -> None:
