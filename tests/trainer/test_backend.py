@@ -610,6 +610,25 @@ def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivo
         assert joining.result(timeout=10).world_size == 2
 
 
+def test_a_re_join_while_etcd_does_not_answer_waits_for_it_instead_of_failing(etcd: EtcdServer, run_id: str) -> None:
+    """The nodes re-join while etcd is down for a moment (a thawed node's first requests time out so):
+    they form their round once it answers again. torch's join fails at the first error, and the
+    agent's shutdown then closed the rendezvous for every node."""
+    a, _, _ = handlers = _handlers(etcd, run_id, 3)
+    try:
+        assert sorted(_join(handlers)) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
+        etcd.stop()
+        with ThreadPoolExecutor(3) as pool:
+            joins = [pool.submit(h.next_rendezvous) for h in handlers]
+            wait_for(lambda: a._backend._failing_since is not None, timeout=10, what="a join meeting the outage")
+            etcd.start()
+            infos = [join.result(timeout=20) for join in joins]
+        assert sorted((info.rank, info.world_size) for info in infos) == [(0, 3), (1, 3), (2, 3)]
+    finally:
+        for handler in handlers:
+            handler.leave()
+
+
 def test_a_store_read_of_a_round_being_set_up_gives_up_when_a_member_is_gone(etcd: EtcdServer, run_id: str) -> None:
     """A member dies after its round completed and before it wrote what the others wait for in the
     round's store (torch's rank assignment): under `setting_up` the read gives up once the round has

@@ -121,6 +121,8 @@ log = logging.getLogger(__name__)
 
 _DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _WARN_EVERY = 10.0
+ETCD_RETRY_SECONDS = 0.2
+"""Between tries of a round's join while etcd does not answer (`_join_next`)."""
 JOIN_HOLD_SECONDS = 30.0
 """The most a node waiting to join is held back while this agent's workers have not trained in the
 round they are in (`_holding_joiners`): as long as a deferred join waits for its joiners
@@ -353,12 +355,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._release_joiners()
         _peer_lost_marker().unlink(missing_ok=True)  # the new round's workers start afresh
         agent_marker(RESTART_MARKER).unlink(missing_ok=True)
-        # torch then starts a store for the round if we are its rank 0 (point 2); the last one goes.
-        self._bootstrap_store_info = None
-        self._shared_tcp_store_server = None
         try:
-            with _no_spread() if self._previous[1] else contextlib.nullcontext():
-                info = super().next_rendezvous()
+            info = self._join_next()
         except Exception:
             self._joined = self._previous  # a next attempt completes early against the same members
             raise
@@ -377,6 +375,25 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             else:
                 milestones.write(self._etcd, self._settings.run_id, milestones.ROUND, record, lease=lease)
         return info
+
+    def _join_next(self) -> RendezvousInfo:
+        """torch's `next_rendezvous`, tried again while etcd does not answer (module docstring, point
+        3), until the join timeout: torch gives up at the first failed read or write, and the agent
+        then failed, and its shutdown closed the rendezvous for every node (a soak's thawed joiner
+        met one etcd timeout as it re-joined, and the job ended)."""
+        deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
+        while True:
+            # torch starts a store for the round if we are its rank 0 (point 2); the last one goes.
+            self._bootstrap_store_info = None
+            self._shared_tcp_store_server = None
+            try:
+                with _no_spread() if self._previous[1] else contextlib.nullcontext():
+                    return super().next_rendezvous()
+            except RendezvousConnectionError as exc:
+                if time.monotonic() + ETCD_RETRY_SECONDS >= deadline:
+                    raise
+                self._warn(f"etcd did not answer while joining the next round ({exc}); trying again")
+                time.sleep(ETCD_RETRY_SECONDS)
 
     @contextlib.contextmanager
     def setting_up(self) -> Iterator[SetUp]:
