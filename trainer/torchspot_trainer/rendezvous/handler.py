@@ -28,8 +28,9 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    Here the rank-0 agent of every round starts a fresh store before it publishes its
    address through the etcd store, so it listens before any worker of the round starts.
 3. **etcd trouble is not a membership change.** While etcd is unreachable the
-   agent keeps training (workers do not need etcd) instead of crashing, and a
-   finished run deletes its keys when the last agent leaves.
+   agent keeps training (workers do not need etcd) instead of crashing, an agent
+   joining a round tries again until etcd answers (`_join_next`), and a finished
+   run deletes its keys when the last agent leaves.
 4. **Rounds form promptly.** torch re-reads the state once a second while it waits
    for other nodes, and a round of fewer than `max_nodes` always waits out its last
    call. Here an agent re-reads the state as soon as it is written (liveness.py's watch),
@@ -309,6 +310,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _joined_at: float
     """When this agent joined its round (`time.monotonic()`)."""
     _failure_seen: int
+    _failed_at_join: int
+    """The newest local worker failure when this agent joined its round (`_holding_joiners`)."""
     """The newest local worker failure passed on to liveness (`_corroborate_failures`), in nanoseconds."""
     _watch: _WatchfulStateHolder
     _left: bool
@@ -363,6 +366,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
         self._joined_at = time.monotonic()
+        self._failed_at_join = latest_failure(agent_folder()) if PEER_LOST_ENV in os.environ else 0
         self._newcomers = newcomers_of(self._joined[1], self._previous[1])
         if self._liveness is not None:
             self._liveness.forget(map(str, state.participants))
@@ -537,6 +541,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._newcomers = frozenset()
         self._joined_at = 0.0
         self._failure_seen = 0
+        self._failed_at_join = 0
         self._left = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
         self._last_warning = 0.0
@@ -678,12 +683,15 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         still building their group (a survivor's after a loss, or a deferred join's waiting for its
         joiner), so they entered it at once and waited in it for the joiner's start-up: 1.6 s in a
         `joinloss` trial of bench/recovery, and for every joiner's when two came one after another.
-        Never for more than half the joiner's own join timeout (`--rdzv-conf join_timeout`)."""
+        Never for more than half the joiner's own join timeout (`--rdzv-conf join_timeout`), and not
+        once a local worker failed in the round (a `failed-` file newer than the join): it waits for
+        the next round then, and a soak's survivor whose heal a thawed node refuted waited 30 s for
+        one, held back with the node, and was restarted."""
         joined = self._joined
         hold = min(JOIN_HOLD_SECONDS, self._settings.timeout.join.total_seconds() / 2)  # the joiner's own wait
-        if joined is None or time.monotonic() - self._joined_at > hold:
+        if joined is None or time.monotonic() - self._joined_at > hold or self._trained(joined[0]):
             return False
-        return not self._trained(joined[0])
+        return latest_failure(agent_folder()) <= self._failed_at_join
 
     def _defers_joins(self) -> bool:
         """Whether this agent's workers train on while a round that adds a node waits for its worker
