@@ -42,7 +42,8 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    set-up), the survivors take the joiner out of it and do not wait for it
    (`joiners_to_release`, `expected_members`); and a round after a loss leaves a
    node that came meanwhile waiting (`joiners_to_defer`). Either joins the round
-   after, which follows at once and which such workers take as a deferred join. An agent
+   after, once the survivors' workers trained in theirs (`_holding_joiners`), which
+   they take as a deferred join. An agent
    stopped by a signal (its node leaves) takes itself out of the rendezvous
    (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
    expire, and says so under `<run prefix>departed/`; a node
@@ -310,9 +311,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _joined_at: float
     """When this agent joined its round (`time.monotonic()`)."""
     _failure_seen: int
+    """The newest local worker failure passed on to liveness (`_corroborate_failures`), in nanoseconds."""
     _failed_at_join: int
     """The newest local worker failure when this agent joined its round (`_holding_joiners`)."""
-    """The newest local worker failure passed on to liveness (`_corroborate_failures`), in nanoseconds."""
     _watch: _WatchfulStateHolder
     _left: bool
     _leaving: threading.RLock
@@ -341,9 +342,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         the agent's monitor loop asked before, and a kill that landed while the agent set a joiner's
         round up was judged by the long timeout (0.84 s against 0.25 s, a `joinloss` trial of
         bench/recovery)."""
-        if self._liveness is None or PEER_LOST_ENV not in os.environ:  # no agent folder: not under our agent
+        folder = _our_folder()
+        if self._liveness is None or folder is None:
             return
-        newest = latest_failure(agent_folder())
+        newest = latest_failure(folder)
         if newest > self._failure_seen:
             self._failure_seen = newest
             self._liveness.corroborate()
@@ -366,7 +368,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
         self._joined_at = time.monotonic()
-        self._failed_at_join = latest_failure(agent_folder()) if PEER_LOST_ENV in os.environ else 0
+        folder = _our_folder()
+        self._failed_at_join = 0 if folder is None else latest_failure(folder)
         self._newcomers = newcomers_of(self._joined[1], self._previous[1])
         if self._liveness is not None:
             self._liveness.forget(map(str, state.participants))
@@ -600,9 +603,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         writes none). A stamp moved ahead of now (the next step's expected time) counts as now."""
         joined = self._joined
         round_ = self._previous[0] if joined is None else joined[0]
-        if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours
+        folder = _our_folder()
+        if folder is None:
             return None
-        stamp = last_step(agent_folder(), int(round_))
+        stamp = last_step(folder, int(round_))
         return None if stamp is None else time.monotonic() - max(0.0, time.time() - stamp)
 
     def _evict(self, name: str) -> None:
@@ -661,7 +665,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def _defer_joiners(self, state: Any) -> None:
         """As this agent completes a round after a loss: the participants that were not expected
         (`joiners_to_defer`: a joiner that came as a member was lost) wait for the next round
-        instead, which follows at once as a deferred join; only where this agent's workers train
+        instead, which follows as a deferred join once this agent's workers trained in this one
+        (`_holding_joiners`); only where this agent's workers train
         on while a joiner sets up (`_defers_joins`). Changes `state`, which the completion writes."""
         if not self._defers_joins():
             return
@@ -699,10 +704,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         `stepped_generation`). Not so on the restart path, whose workers train in no round before
         it forms whole (a node left out of one would cost everyone another restart), nor for a
         program that stamps no step (nothing is known of it)."""
-        if PEER_LOST_ENV not in os.environ:  # no agent folder: not under an agent of ours
-            return False
-        folder = agent_folder()
-        return live_workers(folder) and stepped_generation(folder) is not None
+        folder = _our_folder()
+        return folder is not None and live_workers(folder) and stepped_generation(folder) is not None
 
     def _trained(self, round_: int) -> bool:
         """Whether round `round_` trained, as far as this agent knows (`expected_members`): no only where
@@ -722,6 +725,12 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
 def _peer_lost_marker() -> Path:
     return Path(os.environ[PEER_LOST_ENV])
+
+
+def _our_folder() -> Path | None:
+    """This agent's folder (handover.py's `agent_folder`), where its workers leave their files; None
+    where no agent of ours set one up (a handler made outside torchspot-run)."""
+    return agent_folder() if PEER_LOST_ENV in os.environ else None
 
 
 @contextlib.contextmanager
