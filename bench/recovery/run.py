@@ -172,11 +172,17 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
 def as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The trainer's records in the toy's terms (toy_train.py's module docstring), which the
     measurements read: a generation's `generation` records are its ranks' `joined`, its `start` the
-    group's, each `progress` line (one per step) a `step`. The group is the generation. Pure."""
+    group's, each `progress` line (one per step) a `step`, but for a line written again of a step
+    already logged (train.py's `Progress.replayed`). The group is the generation. Pure."""
     found: list[dict[str, Any]] = []
     group = "?"
+    logged: set[int] = set()
     for record in records:
         kind = record.get("event")
+        if kind == "progress":
+            if record.get("replayed") and record["step"] in logged:
+                continue
+            logged.add(record["step"])
         if kind == "start":
             group = str(record.get("generation", "?"))
             found.append({"event": "start", "t": record["t"], "step": record["step"], "world": record["world_size"],

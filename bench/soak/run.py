@@ -41,7 +41,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,7 @@ from torchspot_operator.builders import ETCD_DATA_LIMIT, ETCD_MEMORY, ETCD_SIZIN
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 from torchspot_trainer.checkpoint.storage import open_storage  # noqa: E402
 from torchspot_trainer.launch import SERVER_NAME  # noqa: E402
+from torchspot_trainer.train import whole_records  # noqa: E402
 
 MAX_NODES = 3
 """The job's --nnodes maximum; one more node may be started (it waits for a place)."""
@@ -370,7 +370,7 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
         if seconds:
             by_action[action] = {"count": len(seconds), "p50": round(statistics.median(seconds), 2),
                                  "max": round(max(seconds), 2)}  # fmt: skip
-    steps = Counter(e["step"] for e in progress if not e.get("partial"))  # partial: one from each rank it hit
+    steps = whole_records(progress)  # partial: one from each rank it hit; one written again counts once
     fixed_losses = {e["step"]: e["loss"] for e in fixed if e.get("event") == "progress"}
     losses = {e["step"]: e["loss"] for e in progress if e.get("partial")}
     losses.update({e["step"]: e["loss"] for e in progress if not e.get("partial")})  # a whole record first
@@ -388,7 +388,7 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
     third = max(1, len(samples) // 3)
     growth = {pid: round(max(rss[-third:]) - max(rss[:third]), 1) for pid, rss in n0.items() if len(rss) >= 3 * third}
     peak_etcd = max(s["etcd_rss_mib"] + s["data_dir_mib"] for s in samples)
-    result = {
+    result: dict[str, Any] = {
         "faults": len(faults),
         "by_action": by_action,
         "steps": max(steps),

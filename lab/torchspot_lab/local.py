@@ -88,8 +88,11 @@ class JobConfig:
     toy_args: list[str] = field(default_factory=list)
     """More of the toy program's flags (`--in-place`, `--stop-file`...)."""
     local_addrs: dict[str, str] = field(default_factory=dict)
-    """`--local-addr` of the nodes named here (any other: NODE_ADDR). torch ranks a round's nodes by
+    """`--local-addr` of the nodes named here (any other: `node_addr`). torch ranks a round's nodes by
     address first, then agent pid: addresses of the loopback net (127.0.0.0/8) fix who is rank 0."""
+    node_addr: str = NODE_ADDR
+    """`--local-addr` of a node not in `local_addrs` (a copy of the job with another one, through
+    `dataclasses.replace`, ranks the nodes started with it where their names are not known ahead)."""
 
     @property
     def events(self) -> Path:
@@ -156,7 +159,7 @@ class LocalNode:
             "PYTHONUNBUFFERED": "1",
             **self.job.extra_env,
         }
-        command = self.job.command(self.job.local_addrs.get(self.name, NODE_ADDR))
+        command = self.job.command(self.job.local_addrs.get(self.name, self.job.node_addr))
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -12,8 +12,8 @@ else about the trainer changes, and neither hook changes what it computes.
   chooses, instead of one raced against a clock. Only the first evaluation is held: the
   mark stays, and later ones pass.
 - HOLD_REQUEST and HOLD_MARK: once HOLD_REQUEST (a file) names this node, its worker holds at its
-  next step after the step's update, before its progress record: it writes the step to HOLD_MARK
-  and waits (60 s at most) for the test to kill the node. The others wait meanwhile in the record's
+  next step after the step's update, before its progress record: it writes the step and its rank
+  to HOLD_MARK and waits (60 s at most) for the test to kill the node. The others wait in the record's
   sums over the group (the restart path: the step is applied everywhere, its record can only be a
   survivor's share) or, in place, where those sums came with the gradients, in the next step's
   all-reduce; so the loss lands at a step the test knows, instead of wherever a kill happens to fall.
@@ -98,7 +98,7 @@ def _held_before_sums(log_progress: Callable[..., None], request: Path, mark: Pa
     def held(trainer: Any, *args: Any, **kwargs: Any) -> None:
         node = os.environ.get("TORCHSPOT_NODE", "?")
         if not mark.exists() and request.exists() and request.read_text().strip() == node:
-            mark.write_text(str(trainer.step))
+            mark.write_text(f"{trainer.step} {trainer.rank}")
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 time.sleep(0.05)  # held until the test's SIGKILL ends this process

@@ -43,6 +43,7 @@ from torchspot_trainer.recovery.resume import (
     hand_over_refuted,
     heal_source,
     kept_ranks,
+    record_writer,
     trainers_of_next_step,
 )
 
@@ -527,6 +528,28 @@ def test_a_heal_goes_on_from_the_newest_state_from_the_lowest_rank_holding_it(
     rows: list[list[int]], plan: tuple[int, int, bool]
 ) -> None:
     assert heal_source(rows) == plan
+
+
+def _written(live: int, summed: int, written: int) -> list[int]:
+    """A heal row with the columns `record_writer` reads (the live step, the last record summed and written)."""
+    return [live, -1, -1, 0, 1, 0, summed, written]
+
+
+@pytest.mark.parametrize(
+    ("rows", "writer"),
+    [
+        ([_written(40, 40, -1), _written(40, 40, -1)], 0),  # rank 0 lost after the step's all-reduce
+        ([_written(40, 40, 40), _written(40, 40, -1)], None),  # rank 0 stayed: it wrote it
+        ([_written(-1, -1, -1), _written(40, 40, -1)], 1),  # a joiner is rank 0 now: it never summed it
+        ([_written(39, 30, -1), _written(40, 40, -1)], 1),  # a peer committed the step the other did not
+        ([_written(43, 40, -1), _written(43, 40, -1)], None),  # --log-every 10: step 43 has no record
+        ([_written(40, 40, -1), _written(40, 40, 40)], None),  # written again already, in a heal that broke
+    ],
+)
+def test_a_step_is_logged_again_by_a_survivor_that_summed_it_when_nobody_left_wrote_it(
+    rows: list[list[int]], writer: int | None
+) -> None:
+    assert record_writer(rows, max(row[0] for row in rows)) == writer
 
 
 @pytest.mark.parametrize(("rows", "chosen"), [([[7.0], [8.0], [8.0]], (8, 1)), ([[3.0], [3.0]], (3, 0))])

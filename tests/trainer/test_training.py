@@ -12,9 +12,9 @@ re-form in their processes) must compute that model too.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from torchspot_lab.imds import FakeImds
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, read_latest
 from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.train import whole_records
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +138,10 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     def newest() -> int:
         return max((e["step"] for e in _progress(read_events(events_path))), default=0)
 
-    started = nodes(job, 3)
+    # torch ranks a round's nodes by address, then agent pid: the node that stays to the end (started[0])
+    # after the two it is started with, the joiners after it. So the hard loss's node is rank 0.
+    stays = nodes(replace(job, node_addr="127.0.0.2"), 1)
+    started = [*stays, *nodes(job, 2)]
     wait_for(lambda: any(e["step"] >= 25 and e["world_size"] == 3 for e in _progress(read_events(events_path))),
              120, "25 steps at world size 3")  # fmt: skip
 
@@ -161,13 +165,16 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     leaving_log = started[2].log_path.read_text(errors="replace")
     assert "left it (this node is going)" in leaving_log, leaving_log[-8000:]
 
-    # Hard eviction: the node vanishes with its workers after a step's update, before its progress record
-    # (scripted_trainer.py's hold): the step is applied on both nodes. The restart path's survivor waits
-    # in the record's sums and can log only its share (`partial`); in place the sums came with the
-    # step's gradients, so it logs the whole record and waits in the next step's all-reduce instead.
+    # Hard eviction: rank 0's node vanishes with its workers after a step's update, before its progress
+    # record (scripted_trainer.py's hold): the step is applied on both nodes. The restart path's survivor
+    # waits in the record's sums and can log only its share (`partial`); in place the sums came with the
+    # step's gradients, so it waits in the next step's all-reduce instead, and writes the whole record
+    # the lost rank 0 never wrote once they re-formed (`replayed`).
     wait_for(lambda: newest() >= emergency[-1]["step"] + 20, 120, "20 more steps")
     hold_request.write_text(started[1].name)
-    held_step = int(wait_for(lambda: hold_mark.exists() and hold_mark.read_text(), 60, "the node held in a step"))
+    mark = wait_for(lambda: hold_mark.exists() and hold_mark.read_text(), 60, "the node held in a step")
+    held_step, held_rank = (int(part) for part in mark.split())
+    assert held_rank == 0, mark
     last_before = newest()
     hard_at = time.time()
     started[1].kill()
@@ -175,6 +182,7 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
              90, "training at world size 1")  # fmt: skip
     survivors_share = [e for e in _progress(read_events(events_path)) if e["step"] == held_step]
     assert [e.get("partial") for e in survivors_share] == [not in_place], survivors_share  # trained, logged once
+    assert [e.get("replayed") for e in survivors_share] == [in_place], survivors_share
     # The survivor resumed from its own copy of the state at its last completed step, not from
     # the last Blob checkpoint up to 10 steps back: at most the step in flight is redone.
     after_hard = [e for e in read_events(events_path) if e.get("event") == "start" and e["t"] > hard_at]
@@ -187,7 +195,7 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
 
     # Capacity returns: two nodes join the survivor (training at world size 1, seen above).
     joined_at = time.time()
-    joined = nodes(job, 2)
+    joined = nodes(replace(job, node_addr="127.0.0.3"), 2)
     wait_for(lambda: any(e["world_size"] == 3 and e["t"] > joined_at for e in _progress(read_events(events_path))),
              120, "training at world size 3 again")  # fmt: skip
     assert _wait_exit([started[0], *joined]) == [0, 0, 0]
@@ -256,7 +264,7 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
         events = read_events(tmp_path / name / "train-events.jsonl")
         # A partial record (the restart path: the group broke between the step's update and its loss's
         # sums) comes from every rank it happened to; a step's records are one run of it.
-        steps = Counter(e["step"] for e in _progress(events) if not e.get("partial"))
+        steps = whole_records(events)
         redone = [s for s, n in steps.items() if n > 1]
         assert all(s > what["emergency_step"] for s in redone), f"{name}: a step ran twice after a notice"
         assert len(redone) <= 2, redone  # at most the step in flight at the hard loss (and at the join)

@@ -55,7 +55,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -122,6 +123,7 @@ from torchspot_trainer.recovery.resume import (
     hand_over_refuted,
     heal_source,
     kept_ranks,
+    record_writer,
     trainers_of_next_step,
 )
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
@@ -189,6 +191,15 @@ def format_progress(record: dict[str, Any]) -> str:
     return line
 
 
+def whole_records(events: Iterable[Mapping[str, Any]]) -> Counter[int]:
+    """How many times each step was trained, from its whole progress records (not `partial`): a
+    record written again (`Progress.replayed`) counts only for a step with no other. Pure."""
+    whole = [e for e in events if e.get("event") == "progress" and not e.get("partial")]
+    counts = Counter(e["step"] for e in whole if not e.get("replayed"))
+    counts.update({e["step"]: 1 for e in whole if e.get("replayed") and e["step"] not in counts})
+    return counts
+
+
 @dataclass
 class Progress:
     """One progress record (a JSON line on stdout)."""
@@ -212,6 +223,11 @@ class Progress:
     """In place: the group broke after the step was applied and before its loss and accuracy were summed,
     so they are this rank's share only (the step itself counts: the next generation goes on after it).
     Such a record comes from every rank this happened to (with its `rank`): a reader takes one per step."""
+    replayed: bool = False
+    """In place: written again after a re-form by a survivor that summed it (with its `rank`, and the
+    time the step completed), because rank 0, which writes records, left without a successor that saw
+    it written (`resume.record_writer`): it may have been written before, so a reader takes one whole
+    record per step."""
 
 
 def process_age() -> float:
@@ -352,6 +368,11 @@ class _InPlace:
     progress: tuple[int, torch.Tensor] | None = None
     """A step due a progress record, and the record's sums over the group, summed with the step's
     gradients (`Trainer._average`) for `Trainer._log_progress`."""
+    summed: dict[str, Any] | None = None
+    """The last whole progress record this rank summed, as rank 0 writes it (every rank has the sums):
+    a survivor writes it again where rank 0 is lost before it did (`Trainer._write_again`)."""
+    written: int = -1
+    """The step of the last whole progress record this process wrote (as rank 0, or again)."""
 
     def sends_posted(self) -> None:
         """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
@@ -674,7 +695,11 @@ class Trainer:
         if partial:  # every rank whose sums broke: rank 0 may be the one that is gone
             self._emit({"event": "progress", **asdict(record), "rank": self.rank}, any_rank=True)
             return
-        self._emit({"event": "progress", **asdict(record)})
+        event = {"t": time.time(), "event": "progress", **asdict(record)}
+        self._emit(event)
+        if self._in_place is not None:
+            self._in_place.summed = event
+            self._in_place.written = record.step if self.rank == 0 else self._in_place.written
         if self._tensorboard is not None:
             for key in ("loss", "accuracy", "samples_per_s", "lr"):
                 self._tensorboard.add_scalar(key, getattr(record, key), self.step)
@@ -889,8 +914,9 @@ class Trainer:
         if place is not None and live_step >= 0 and may_sit_out:
             kept = kept_ranks(place.live.roster, place.live.generation, self.world)
         ahead = kept is not None and self.rank in kept  # a switch: no wait for the agreement
+        summed = -1 if place is None or place.summed is None else int(place.summed["step"])
         row = [live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], int(may_sit_out),
-               int(ahead)]  # fmt: skip
+               int(ahead), summed, -1 if place is None else place.written]  # fmt: skip
         if place is not None and kept is not None and ahead:
             assert isinstance(group, LiveCollectives)
             place.confirming = group.gather_ints_beside(row)
@@ -908,6 +934,7 @@ class Trainer:
                 self._load(run, state)
             return
         best, source, from_live = heal_source(rows)
+        self._write_again(rows, best)
         if all(step == best for step in live):
             self.resumed_from = "live"
             self._agree_on_evaluation(run, rows, best, None)
@@ -927,6 +954,18 @@ class Trainer:
             self.resumed_from = "live"
         if from_live:  # (from a snapshot every rank loaded the same state)
             self._agree_on_evaluation(run, rows, best, source)
+
+    def _write_again(self, rows: list[list[int]], best: int) -> None:
+        """Where this rank is the heal's `resume.record_writer`: write the progress record of `best`,
+        the step the group goes on from, again, as this rank summed it and with the time the step
+        completed (rank 0 may have been lost between the step's all-reduce and its record)."""
+        place = self._in_place
+        if place is None or place.summed is None or record_writer(rows, best) != self.rank:
+            return
+        log.warning("rank %d: the record of step %d written again (rank 0 left before it was seen written)",
+                    self.rank, best)  # fmt: skip
+        self._emit({**place.summed, "replayed": True, "rank": self.rank}, any_rank=True)
+        place.written = best
 
     def _note_committed(self, rows: list[list[int]]) -> None:
         """From a heal's rows: a new rank 0 knows the last checkpoint."""
@@ -1219,7 +1258,8 @@ class Trainer:
 
     def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
         """Print one event line (and append it to --events-file): rank 0's, or any rank's
-        with `any_rank` (an event only that rank sees)."""
+        with `any_rank` (an event only that rank sees). Stamped with the time now unless it has
+        its own (`_write_again`'s)."""
         if self.rank != 0 and not any_rank:
             return
         record = {"t": time.time(), **record}

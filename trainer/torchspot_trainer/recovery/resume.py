@@ -81,6 +81,23 @@ def hand_over_refuted(rows: list[list[int]]) -> bool:
     return best != rows[ahead[0]][0] or not from_live or trainers_of_next_step(rows, best, source) != ahead
 
 
+def record_writer(rows: list[list[int]], best: int) -> int | None:
+    """After a heal in place: the rank that writes the progress record of `best` (the step every rank
+    goes on from) again, or None when none needs to. Pure. `rows` as for `hand_over_refuted`, with
+    two more columns: the step of the last whole record the rank summed (every rank sums it, with
+    the step's gradients) and of the last one it wrote (rank 0 writes).
+
+    A step is applied once its gradient all-reduce completed on every rank, and only rank 0 writes
+    its record after that: where rank 0 is lost in between, the step is trained and was never
+    logged (a soak's step 8376 of 40,400, bench/README.md). Nobody can tell whether the lost rank
+    wrote it before it went, so the lowest live rank at `best` that summed the record writes it
+    whenever no rank of the new group wrote it: a step is logged at least once, and a record
+    written again says so (train.py's `Progress.replayed`)."""
+    if any(row[7] == best for row in rows):
+        return None
+    return next((rank for rank, row in enumerate(rows) if row[0] == best and row[6] == best), None)
+
+
 def heal_source(rows: list[list[int]]) -> tuple[int, int, bool]:
     """After a heal in place with some live rank (a row's live step at least 0): (the step every rank
     goes on from, the lowest rank that holds it, whether that is a live state rather than a
