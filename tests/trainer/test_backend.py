@@ -18,12 +18,19 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters, dynamic_rendezvous
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousParameters,
+    RendezvousTimeoutError,
+    dynamic_rendezvous,
+)
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+from torch.distributed.launcher import api as launcher_api
+from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
-from torchspot_trainer.handover import Handover
+from torchspot_trainer.handover import Handover, InPlaceAgent
 from torchspot_trainer.markers import PEER_LOST_ENV, name_peer_lost_marker, node_leaving
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
@@ -32,6 +39,7 @@ from torchspot_trainer.rendezvous.handler import (
     EtcdV3RendezvousHandler,
     create_handler,
     method_name,
+    register,
 )
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.rendezvous.rounds import (
@@ -464,12 +472,14 @@ def test_torchs_records_are_named_as_it_names_them_without_reading_the_stack(run
     assert dynamic_rendezvous.get_method_name is method_name
 
 
-def _handlers(etcd: EtcdServer, run_id: str, n: int, **settings: str) -> list[EtcdV3RendezvousHandler]:
+def _handlers(
+    etcd: EtcdServer, run_id: str, n: int, min_nodes: int = 1, **settings: str
+) -> list[EtcdV3RendezvousHandler]:
     """`n` handlers of one run (torch gives each its own node id in one process). By default
     heartbeats every 5 s (dead after 15 s) and a 30 s last call: neither can be what makes a
     round form within the 10 s join timeout."""
     conf = {"keep_alive_interval": "5", "last_call_timeout": "30", "join_timeout": "10"} | settings
-    params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, 1, 3, **conf)
+    params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, min_nodes, 3, **conf)
     return [create_handler(params) for _ in range(n)]  # type: ignore[misc]
 
 
@@ -626,6 +636,40 @@ def test_a_re_join_while_etcd_does_not_answer_waits_for_it_instead_of_failing(et
         assert sorted((info.rank, info.world_size) for info in infos) == [(0, 3), (1, 3), (2, 3)]
     finally:
         for handler in handlers:
+            handler.leave()
+
+
+def _no_workers() -> None:
+    """The entry point of an agent whose rendezvous never completes (it starts no worker)."""
+
+
+def test_an_agent_that_fails_leaves_the_rendezvous_open_for_the_nodes_in_it(
+    etcd: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's agent fails (here at its join timeout, in a round that needs 3 nodes): torch's launcher
+    then shuts its handler down, which closed the rendezvous for the node waiting in the round with it
+    (and, the round's last member out, deleted the run's keys). The agent (InPlaceAgent, through
+    torch's own `launch_agent`) leaves instead, and the round forms once the nodes it needs come."""
+    register()
+    monkeypatch.setattr(launcher_api, "LocalElasticAgent", InPlaceAgent)  # as the launcher does
+    waiting, *late = _handlers(etcd, run_id, 3, min_nodes=3, join_timeout="30")
+    config = LaunchConfig(
+        min_nodes=3, max_nodes=3, nproc_per_node=1, run_id=run_id, rdzv_endpoint=etcd.endpoint,
+        rdzv_backend="etcd-v3", rdzv_configs={"join_timeout": "2", "keep_alive_interval": "5"}, max_restarts=0,
+        monitor_interval=0.1,
+    )  # fmt: skip
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            joining = pool.submit(waiting.next_rendezvous)
+            wait_for(lambda: len(waiting._state_holder.state.participants) == 1, timeout=5, what="a node waiting")
+            with pytest.raises(RendezvousTimeoutError):
+                launch_agent(config, _no_workers, [])
+            assert not waiting.is_closed()
+            rounds = [pool.submit(handler.next_rendezvous) for handler in late]
+            assert joining.result(timeout=20).world_size == 3
+            assert [info.result(timeout=20).world_size for info in rounds] == [3, 3]
+    finally:
+        for handler in (waiting, *late):
             handler.leave()
 
 

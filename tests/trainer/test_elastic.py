@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +135,18 @@ def test_forms_group_admits_late_joiner_and_survives_losing_the_rank0_node(
 ) -> None:
     """Two nodes form a group, a third joins it, then the node whose worker is rank 0 (and which would
     host c10d's store) is killed: the survivors re-form without it, lose no rendezvous state, and
-    resume from a checkpoint. One job for the three (each used to start its own: 17 s of CPU apiece)."""
+    resume from a checkpoint. One job for the three (each used to start its own: 17 s of CPU apiece).
+    First a node alone, as the last node of a job whose others were all evicted: it fails at its join
+    timeout with a message that says so (torch's says nothing), having left the rendezvous, and the
+    nodes that come back form it (test_backend.py's agent test shows why it leaves, not closes)."""
     # The run ends when the test says (stop_after): with a fixed 300 steps, two nodes once finished
     # before a joiner starting on loaded CI cores was admitted.
     job = _job(tmp_path, etcd, run_id, nnodes="2:3")
+    (alone,) = nodes(replace(job, rdzv_conf="join_timeout=3"), 1)
+    assert alone.wait(60) != 0
+    said = alone.log_path.read_text(errors="replace")
+    assert "no round of at least 2 node(s) formed within the join timeout" in said, said[-3000:]
+    assert "the others go on without it" in said, said[-3000:]
     first = nodes(job, 2)
     two = _await_world(job, 2, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, two["group"])) == 2, 10, "both ranks to join")

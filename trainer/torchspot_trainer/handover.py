@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torch.distributed import DistStoreError
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from torchspot_trainer.markers import PEER_LOST_ENV
 
@@ -231,6 +232,21 @@ class InPlaceAgent(LocalElasticAgent):
         if self._wait_for_change is not None:
             spec.monitor_interval = WATCH_SECONDS  # torch's sleep; the wait is in _monitor_workers
         super().__init__(spec, *args, **kwargs)
+
+    def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """torch's run. Where the agent itself fails (an exception: its workers' failure is a result,
+        a signal is the node going), the handler is told to leave at its shutdown rather than close
+        the rendezvous for every node (`keep_open`)."""
+        try:
+            result: RunResult = super().run(role)
+        except SignalException:
+            raise
+        except Exception:
+            keep_open: Callable[[], None] | None = getattr(self._worker_group.spec.rdzv_handler, "keep_open", None)
+            if keep_open is not None:
+                keep_open()
+            raise
+        return result
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """torch's rendezvous, joined again when the round lost a member or moved on before its set-up

@@ -35,7 +35,7 @@ from types import FrameType
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
@@ -596,6 +596,11 @@ def _launch(args: argparse.Namespace) -> None:
             torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RendezvousConnectionError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None
+    except RendezvousTimeoutError:  # (torch's says nothing) the rendezvous stays open: handler.py's `shutdown`
+        raise SystemExit(
+            f"{PROG}: error: no round of at least {str(args.nnodes).split(':')[0]} node(s) formed within the join "
+            "timeout (--rdzv-conf join_timeout); this node left the rendezvous, which stays open for the others"
+        ) from None
     except SignalException:
         # Our node is going (the agent has stopped its workers): let the others re-form now.
         leave_rendezvous()

@@ -545,7 +545,8 @@ class Trainer:
             record["generation"] = self._in_place.live.generation
             self._emit({"event": "generation", "generation": self._in_place.live.generation, "rank": self.rank,
                         "world_size": self.world, "step": self.step, "pid": os.getpid(),
-                        "node": os.environ.get("NODE_NAME") or socket.gethostname()}, any_rank=True)  # fmt: skip
+                        "node": os.environ.get("NODE_NAME") or socket.gethostname(),
+                        "setup_s": record["setup_s"]}, any_rank=True)  # fmt: skip
         self._emit(record)
 
     def _arrival(self) -> tuple[StateArrival, int] | None:

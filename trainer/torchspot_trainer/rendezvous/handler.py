@@ -474,8 +474,17 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             return ""
         return f"{self._etcd_settings.liveness_timeout / 2:g}"
 
+    def keep_open(self) -> None:
+        """This node's agent failed (handover.py's `InPlaceAgent.run`): its shutdown takes the node out
+        of the rendezvous instead of closing it (`shutdown`)."""
+        self._keep_open = True
+
     def shutdown(self) -> bool:
-        """Close the rendezvous; the last agent of the last round to leave deletes the run's keys.
+        """Close the rendezvous; the last agent of the last round to leave deletes the run's keys. Where
+        the agent failed (`keep_open`), leave it instead, as a node that is going does: torch's launcher
+        shuts the handler down after any exception but a signal's, and a closed rendezvous ends the
+        run for every node at its next change, where for the others a node whose agent failed is a
+        node lost. A joiner that met its join timeout at a full round so closed a running job's.
 
         Deleting earlier would pull the exit barrier's keys from under agents that
         are still in it; an agent that never gets here leaves keys that expire by lease.
@@ -485,6 +494,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         torch skips the shutdown then.) Suspected, not proven, in a CI run whose in-place
         survivor never exited.
         """
+        if self._keep_open:
+            log.warning("rendezvous %s: this node's agent failed; it leaves, and the others go on without it",
+                        self._settings.run_id)  # fmt: skip
+            self.leave()
+            return False
         if self._liveness is not None:
             self._liveness.stop()
         closed = super().shutdown()
@@ -546,6 +560,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._failure_seen = 0
         self._failed_at_join = 0
         self._left = False
+        self._keep_open = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
         self._last_warning = 0.0
         poll = settings.state_poll_interval
