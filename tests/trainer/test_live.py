@@ -136,14 +136,41 @@ def test_after_a_heal_every_rank_holds_the_newest_evaluation_of_the_ranks_that_g
     assert evaluation_source(rows, best, source) == sender
 
 
+def _heal_row(
+    live: int, held: int, committed: int, evaluated: int, sits: int, *, ahead: int = 0, trains: int = 1
+) -> list[int]:
+    """A heal row (train.py's `_heal`): the live, held, committed and evaluated steps, whether the rank
+    may sit out a step and went ahead at a switch, its records' columns, whether it trains next."""
+    return [live, held, committed, evaluated, sits, ahead, -1, -1, trains]
+
+
 @pytest.mark.parametrize(
     ("rows", "trainers"),
     [
-        ([[40, -1, -1, 28, 1], [40, -1, -1, 28, 1], [-1, -1, -1, -1, 1]], [0, 1]),  # a joiner sits out
-        ([[-1, -1, -1, -1, 1], [40, -1, -1, 28, 1], [39, -1, -1, 28, 1]], [1]),  # and a rank a step behind
-        ([[40, -1, -1, 28, 0], [40, -1, -1, 28, 0], [-1, -1, -1, -1, 1]], None),  # an evaluation is due next
-        ([[40, -1, -1, 28, 1], [40, -1, -1, 28, 1], [-1, -1, -1, -1, 0]], None),  # fp16 or SyncBatchNorm
-        ([[40, -1, -1, 28, 1], [40, -1, -1, 40, 1], [-1, -1, -1, -1, 1]], None),  # evaluations differ first
+        (
+            [_heal_row(40, -1, -1, 28, 1), _heal_row(40, -1, -1, 28, 1), _heal_row(-1, -1, -1, -1, 1)],
+            [0, 1],
+        ),  # a joiner
+        (
+            [_heal_row(-1, -1, -1, -1, 1), _heal_row(40, -1, -1, 28, 1), _heal_row(39, -1, -1, 28, 1)],
+            [1],
+        ),  # a step behind
+        # an evaluation is due next for the ranks at the newest step: they evaluate before the step
+        (
+            [
+                _heal_row(40, -1, -1, 28, 1, trains=0),
+                _heal_row(40, -1, -1, 28, 1, trains=0),
+                _heal_row(-1, -1, -1, -1, 1),
+            ],
+            None,
+        ),
+        # but not where it is due on a rank behind them (a thawed node's old state): it takes theirs
+        ([_heal_row(40, -1, -1, 28, 1), _heal_row(12, -1, -1, 3, 1, trains=0)], [0]),
+        ([_heal_row(40, -1, -1, 28, 1), _heal_row(40, -1, -1, 28, 1), _heal_row(-1, -1, -1, -1, 0)], None),  # fp16
+        (
+            [_heal_row(40, -1, -1, 28, 1), _heal_row(40, -1, -1, 40, 1), _heal_row(-1, -1, -1, -1, 1)],
+            None,
+        ),  # evaluations
     ],
 )
 def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_can(
@@ -159,14 +186,30 @@ def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_ca
 @pytest.mark.parametrize(
     ("rows", "refuted"),
     [
-        ([[40, -1, 30, 29, 1, 1], [-1, -1, -1, -1, 1, 0]], False),  # a fresh joiner sits the step out
-        ([[40, -1, 30, 29, 1, 1], [40, -1, 30, 29, 1, 1], [-1, 12, -1, -1, 1, 0]], False),  # an old snapshot
-        ([[40, -1, 30, 29, 1, 0], [-1, -1, -1, -1, 0, 0]], False),  # nobody went ahead: the heal as before
-        # The soak's thawed node: a live state at an epoch's end, its evaluation due, so it cannot sit out.
-        ([[21940, -1, 21900, 21924, 1, 1], [21837, -1, 21650, 21808, 0, 0]], True),
-        ([[40, -1, 30, 29, 1, 1], [-1, 44, -1, -1, 1, 0]], True),  # the newcomer's snapshot is newer
-        ([[40, -1, 30, 29, 1, 1], [41, -1, 30, 29, 1, 0]], True),  # a newer live state than theirs
-        ([[40, -1, 30, 29, 1, 1], [40, -1, 30, 0, 1, 1], [-1, -1, -1, -1, 1, 0]], True),  # evaluations differ
+        ([_heal_row(40, -1, 30, 29, 1, ahead=1), _heal_row(-1, -1, -1, -1, 1)], False),  # a fresh joiner sits it out
+        (
+            [
+                _heal_row(40, -1, 30, 29, 1, ahead=1),
+                _heal_row(40, -1, 30, 29, 1, ahead=1),
+                _heal_row(-1, 12, -1, -1, 1),
+            ],
+            False,
+        ),  # an old snapshot
+        ([_heal_row(40, -1, 30, 29, 1), _heal_row(-1, -1, -1, -1, 0)], False),  # nobody went ahead: as before
+        # Soaks' thawed nodes: a live state at an epoch's end, its evaluation due there. They take the
+        # state of the ranks ahead (refuted until 2026-11-28, and every switch with them was refuted).
+        ([_heal_row(21940, -1, 21900, 21924, 1, ahead=1), _heal_row(21837, -1, 21650, 21808, 1, trains=0)], False),
+        ([_heal_row(26816, -1, 26800, 26796, 1, ahead=1), _heal_row(22562, -1, 26550, 22533, 1, trains=0)], False),
+        ([_heal_row(40, -1, 30, 29, 1, ahead=1), _heal_row(-1, -1, -1, -1, 0)], True),  # the newcomer cannot sit out
+        (
+            [_heal_row(40, -1, 30, 29, 1, ahead=1), _heal_row(-1, 44, -1, -1, 1)],
+            True,
+        ),  # the newcomer's snapshot is newer
+        ([_heal_row(40, -1, 30, 29, 1, ahead=1), _heal_row(41, -1, 30, 29, 1)], True),  # a newer live state than theirs
+        (
+            [_heal_row(40, -1, 30, 29, 1, ahead=1), _heal_row(40, -1, 30, 0, 1, ahead=1), _heal_row(-1, -1, -1, -1, 1)],
+            True,
+        ),  # evaluations differ
     ],
 )
 def test_a_hand_over_taken_at_a_switch_is_refuted_alike_on_every_rank_by_the_heal_rows(

@@ -910,14 +910,14 @@ class Trainer:
             place.arriving, place.trainers, place.confirming = None, None, None
         group = self.group
         committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
-        may_sit_out = self._may_sit_out(run, live_step)
+        may_sit_out, trains_next = self._may_sit_out(), self._trains_next(run, live_step)
         kept = None
-        if place is not None and live_step >= 0 and may_sit_out:
+        if place is not None and live_step >= 0 and may_sit_out and trains_next:
             kept = kept_ranks(place.live.roster, place.live.generation, self.world)
         ahead = kept is not None and self.rank in kept  # a switch: no wait for the agreement
         summed = -1 if place is None or place.summed is None else int(place.summed["step"])
         row = [live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], int(may_sit_out),
-               int(ahead), summed, -1 if place is None else place.written]  # fmt: skip
+               int(ahead), summed, -1 if place is None else place.written, int(trains_next)]  # fmt: skip
         if place is not None and kept is not None and ahead:
             assert isinstance(group, LiveCollectives)
             place.confirming = group.gather_ints_beside(row)
@@ -992,13 +992,18 @@ class Trainer:
             log.warning("rank %d: the heal's agreement (%s) refutes the hand-over taken", self.rank, rows)
             raise GroupChanged(Outcome.FAILED)
 
-    def _may_sit_out(self, run: _Run, live_step: int) -> bool:
-        """This rank's column of `resume.trainers_of_next_step`: its data plane sends point to point (the
-        host one; NCCL's heal still broadcasts), no gradient scaler needs a step it took part in (fp16)
-        nor SyncBatchNorm a forward pass, and, holding a live state, its next step is a training step."""
+    def _may_sit_out(self) -> bool:
+        """This rank's first column of `resume.trainers_of_next_step`: its data plane sends point to point
+        (the host one; NCCL's heal still broadcasts), no gradient scaler needs a step it took part in
+        (fp16) nor SyncBatchNorm a forward pass."""
         place = self._in_place
-        if place is None or place.live.plane.separate or self.precision.scaler is not None or self.config.sync_bn:
-            return False
+        return not (place is None or place.live.plane.separate or self.precision.scaler is not None
+                    or self.config.sync_bn)  # fmt: skip
+
+    def _trains_next(self, run: _Run, live_step: int) -> bool:
+        """Its second: holding a live state, the next thing this rank does from it is a training step
+        (no evaluation, not the end). It counts only where the rank is one of the step's trainers: one
+        behind takes the state, and what comes next, from them."""
         return live_step < 0 or not (self._evaluation_due(run) or self._training_over(run))
 
     def _hand_over(self, run: _Run, trainers: list[int], best: int) -> None:

@@ -49,14 +49,20 @@ def trainers_of_next_step(rows: list[list[int]], best: int, source: int) -> list
     the others must have it first. Pure.
 
     `rows` as for `evaluation_source`, with a fifth column: whether the rank may sit out (its data
-    plane sends point to point, no gradient scaler or SyncBatchNorm needs it in the step, and for a
-    rank at its own live step, the next thing it does is a training step: no evaluation, not the
-    end). Every rank's must say yes, and the ranks at `best` must agree on their evaluation.
+    plane sends point to point, no gradient scaler or SyncBatchNorm needs it in the step), and a
+    ninth: whether the next thing it does from its own live state is a training step (no
+    evaluation, not the end). Every rank's fifth must say yes, the ninth of the ranks at `best`, and
+    those must agree on their evaluation. A rank behind `best` takes the state, evaluation and all,
+    from them: a soak's node thawed with a live state at an epoch's end, its evaluation due there,
+    was counted unable to sit out once, and every switch to a round with it was refuted, three in a
+    row, until a join broke the pattern (2.6 s without a step, bench/README.md).
     A joiner would otherwise be healed first, then train: on 2 CPU cores the others waited 10-20 ms
     for the state's broadcast before their step (bench/README.md). TorchFT heals so as well: a
     joining replica's gradients count zero in its first step, which it takes with the state it
     receives meanwhile."""
-    if not all(row[4] for row in rows) or evaluation_source(rows, best, source) is not None:
+    if not all(row[4] for row in rows) or not all(row[8] for row in rows if row[0] == best):
+        return None
+    if evaluation_source(rows, best, source) is not None:
         return None
     trainers = [rank for rank, row in enumerate(rows) if row[0] == best]
     return trainers if len(trainers) < len(rows) else None
@@ -70,10 +76,9 @@ def hand_over_refuted(rows: list[list[int]]) -> bool:
 
     Every rank of the generation reads the same rows and so decides alike: the ranks that went
     ahead fail their step before its update, and the others fail the heal instead of waiting for
-    a state or a broadcast the ranks ahead will never send. A soak's node, thawed at an epoch's end
-    (its evaluation due: it could not sit out), came back as a joiner; the old rank failed its step
-    and left, and the thawed one waited in the heal's broadcast for gloo's op timeout (27.7 s
-    without a step, bench/README.md)."""
+    a state or a broadcast the ranks ahead will never send. A soak's thawed node whose heal was
+    refuted so (it was counted unable to sit out: `trainers_of_next_step`) waited in the heal's
+    broadcast for gloo's op timeout before (27.7 s without a step, bench/README.md)."""
     ahead = [rank for rank, row in enumerate(rows) if row[5]]
     if not ahead:
         return False
