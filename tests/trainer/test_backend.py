@@ -551,12 +551,12 @@ def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
 
 @contextlib.contextmanager
 def _trained_pair(
-    etcd: EtcdServer, run_id: str
+    etcd: EtcdServer, run_id: str, **settings: str
 ) -> Iterator[tuple[EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, Handover]]:
     """a and b in a round of two that trained, as agents whose workers train on while a joiner sets up
     (this process's live worker, registered, stamped a step of it); d a node not in it yet; and the
     worker, to stamp the next steps. (c, the third of the first round, left.)"""
-    a, b, c, d = _handlers(etcd, run_id, 4)
+    a, b, c, d = _handlers(etcd, run_id, 4, 1, **settings)
     folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
     worker = Handover(folder, 7)
     try:
@@ -568,10 +568,32 @@ def _trained_pair(
         worker.stepped(a.current_round)
         yield a, b, d, worker
     finally:
-        for name in ("live-7", "stepped-7", "failed-7"):
+        for name in ("live-7", "stepped-7", "failed-7", "ack-7"):
             (folder / name).unlink(missing_ok=True)
         for handler in (a, b, d):
             handler.leave()
+
+
+def test_a_worker_failed_in_its_round_with_no_member_lost_gets_a_next_round(etcd: EtcdServer, run_id: str) -> None:
+    """Every rank fails a step alike where the heal's agreement refutes a hand-over, and no member is
+    lost: nothing would change the round, and the workers waited for a next one until their 30 s
+    ran out (a soak's survivor was restarted so). Twice the liveness timeout after the failure the
+    agents re-form, the same members; a failure from before the worker entered the round does not
+    count, however old."""
+    with _trained_pair(etcd, run_id, liveness_timeout="0.75") as (a, b, _, worker):
+        worker.report_failure()  # in the round before
+        failed = Path(os.environ[PEER_LOST_ENV]).parent / "failed-7"
+        os.utime(failed, (time.time() - 60, time.time() - 60))
+        worker._acknowledge(a.current_round)  # it entered the round (`Handover.enter`)
+        assert (a.num_nodes_waiting(), b.num_nodes_waiting()) == (0, 0)
+        worker.report_failure()  # then failed in it
+        failed_at = time.monotonic()
+        assert a.num_nodes_waiting() == 0  # a lost member's is judged by liveness first
+        wait_for(a.num_nodes_waiting, timeout=5, what="a re-forming")
+        assert time.monotonic() - failed_at >= 1.5
+        assert b.num_nodes_waiting() >= 1
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+        assert a.num_nodes_waiting() == 0  # once: the failure was of the round before this one
 
 
 def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_never_trained(

@@ -214,6 +214,22 @@ def stepped_generation(folder: Path) -> int | None:
     return max((g for g in generations if g is not None), default=None)
 
 
+def failed_in(folder: Path, generation: int) -> float | None:
+    """When (wall-clock seconds) the first local worker that entered `generation` (acknowledged it) and
+    failed in it since did so: it waits for a next round (`Handover.report_failure`). None: none
+    did (a failure before it entered is an older round's)."""
+    found: list[float] = []
+    for ack in folder.glob(f"{ACK_PREFIX}*"):
+        failed = folder / f"{FAILED_PREFIX}{ack.name.removeprefix(ACK_PREFIX)}"
+        try:
+            entered, failed_at = ack.stat().st_mtime_ns, failed.stat().st_mtime_ns
+        except OSError:  # no failure of this rank (or a file being replaced)
+            continue
+        if _read_int(ack) == generation and failed_at > entered:
+            found.append(failed_at / 1e9)
+    return min(found, default=None)
+
+
 def latest_failure(folder: Path) -> int:
     """The newest `failed-*` file's modification time in nanoseconds (0: none)."""
     return max((path.stat().st_mtime_ns for path in folder.glob(f"{FAILED_PREFIX}*")), default=0)

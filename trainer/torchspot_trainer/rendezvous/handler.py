@@ -94,7 +94,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousJoinOp,
 )
 
-from torchspot_trainer.handover import agent_folder, last_step, latest_failure, live_workers, stepped_generation
+from torchspot_trainer.handover import (
+    agent_folder,
+    failed_in,
+    last_step,
+    latest_failure,
+    live_workers,
+    stepped_generation,
+)
 from torchspot_trainer.markers import (
     LEAVING_MARKER,
     PEER_LOST_ENV,
@@ -455,12 +462,34 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
                 agent_marker(RESTART_MARKER).touch()
                 self._change_reported = True
                 return max(waiting, 1)
+        if self._joined is not None and self._failed_alone():
+            log.warning("rendezvous %s: a local worker failed in round %s and no member is lost; re-forming",
+                        self._settings.run_id, self._joined[0])  # fmt: skip
+            agent_marker(RESTART_MARKER).touch()
+            self._change_reported = True
+            return max(waiting, 1)
         if waiting and self._holding_joiners():
             return 0
         if waiting:  # the agent restarts its workers for the joiners next
             agent_marker(RESTART_MARKER).touch()
             self._change_reported = True
         return waiting
+
+    def _failed_alone(self) -> bool:
+        """Whether a local worker failed in this agent's round, in place, longer ago than twice the
+        liveness timeout, and no member is lost: it waits for a next round that no change would
+        bring. Every rank fails alike where the heal's agreement refutes a hand-over (train.py's
+        `_heal`), and a soak's survivor so waited 30 s for one, until it was restarted (before
+        27d6ae6 let a held joiner in, and again, 2.6 s, where no joiner came). A failure that a
+        lost member caused is judged by liveness first, within the liveness timeout."""
+        folder = _our_folder()
+        if folder is None or self._joined is None or not self._defers_joins():
+            return False
+        failed = failed_in(folder, int(self._joined[0]))
+        settings = self._settings
+        dead_after = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt  # torch's
+        wait = 2 * (self._etcd_settings.liveness_timeout or dead_after)
+        return failed is not None and time.time() - failed > wait
 
     def _lost_grace(self, lost: list[str]) -> str:
         """What the peer-lost marker says of the workers' grace after their last step boundary
