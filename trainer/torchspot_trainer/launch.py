@@ -596,10 +596,12 @@ def _launch(args: argparse.Namespace) -> None:
             torchrun_run(args)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     except RendezvousConnectionError as exc:
         raise SystemExit(f"{PROG}: error: {exc}") from None
-    except RendezvousTimeoutError:  # (torch's says nothing) the rendezvous stays open: handler.py's `shutdown`
+    except RendezvousTimeoutError:  # torch's says nothing
+        ours = args.rdzv_backend == BACKEND_NAME
+        left = "; this node left the rendezvous, which stays open for the others" if ours else ""
         raise SystemExit(
             f"{PROG}: error: no round of at least {str(args.nnodes).split(':')[0]} node(s) formed within the join "
-            "timeout (--rdzv-conf join_timeout); this node left the rendezvous, which stays open for the others"
+            f"timeout (--rdzv-conf join_timeout){left}"  # ours leaves: handler.py's `shutdown`; torch's closes it
         ) from None
     except SignalException:
         # Our node is going (the agent has stopped its workers): let the others re-form now.

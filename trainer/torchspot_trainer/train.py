@@ -700,7 +700,8 @@ class Trainer:
         self._emit(event)
         if self._in_place is not None:
             self._in_place.summed = event
-            self._in_place.written = record.step if self.rank == 0 else self._in_place.written
+            if self.rank == 0:
+                self._in_place.written = record.step
         if self._tensorboard is not None:
             for key in ("loss", "accuracy", "samples_per_s", "lr"):
                 self._tensorboard.add_scalar(key, getattr(record, key), self.step)

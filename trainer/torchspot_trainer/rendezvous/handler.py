@@ -483,13 +483,13 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         27d6ae6 let a held joiner in, and again, 2.6 s, where no joiner came). A failure that a
         lost member caused is judged by liveness first, within the liveness timeout."""
         folder = _our_folder()
-        if folder is None or self._joined is None or not self._defers_joins():
+        if folder is None or self._joined is None:
             return False
-        failed = failed_in(folder, int(self._joined[0]))
+        failed = failed_in(folder, int(self._joined[0]))  # before `_defers_joins`' scans, rarely due
         settings = self._settings
         dead_after = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt  # torch's
         wait = 2 * (self._etcd_settings.liveness_timeout or dead_after)
-        return failed is not None and time.time() - failed > wait
+        return failed is not None and time.time() - failed > wait and self._defers_joins()
 
     def _lost_grace(self, lost: list[str]) -> str:
         """What the peer-lost marker says of the workers' grace after their last step boundary
