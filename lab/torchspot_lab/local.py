@@ -22,6 +22,8 @@ from typing import Any
 
 import psutil
 
+from torchspot_trainer import SNAPSHOT_DIR_ENV
+
 TOY_MODULE = "torchspot_lab.toy_train"
 LAUNCHERS = {
     "torchspot": [sys.executable, "-m", "torchspot_trainer.launch"],
@@ -157,6 +159,9 @@ class LocalNode:
             "TORCHSPOT_NODE": self.name,
             "NODE_NAME": self.name,  # as the operator sets it in a pod (the downward API)
             "PYTHONUNBUFFERED": "1",
+            # A node's snapshot is its machine's; in the job's folder a killed node's file goes with the job
+            # rather than piling up in this machine's /tmp (the kubelet's pods do the same).
+            SNAPSHOT_DIR_ENV: str(self.job.workdir / "snapshots"),
             **self.job.extra_env,
         }
         command = self.job.command(self.job.local_addrs.get(self.name, self.job.node_addr))

@@ -11,6 +11,7 @@ re-form in their processes) must compute that model too.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -416,7 +417,6 @@ def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     workers keep one snapshot (one writes it, the other finds it written) and resume from it."""
     job = _job(tmp_path, etcd, azurite, run_id, nnodes="1:2", epochs="40", max_steps="900")
     job.nproc_per_node = 2
-    job.extra_env["TORCHSPOT_SNAPSHOT_DIR"] = str(tmp_path / "snapshots")
     _scripted(job, STEP_PACE="0.1")
     events_path = tmp_path / "train-events.jsonl"
 
@@ -473,3 +473,6 @@ def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     written = log.count("local snapshot of step")
     assert written >= 4, log[-3000:]
     assert log.count("the node's snapshot was written by another local rank of this round") == written
+    # The sandbox keeps a node's snapshot in the job's folder, never in this machine's /tmp.
+    assert list((job.workdir / "snapshots").glob(f"torchspot-{run_id}-*.pt"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"torchspot-{run_id}-*"))
