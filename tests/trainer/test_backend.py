@@ -551,21 +551,23 @@ def test_dead_node_is_not_waited_for(etcd: EtcdServer, run_id: str) -> None:
 
 @contextlib.contextmanager
 def _trained_pair(
-    etcd: EtcdServer, run_id: str, **settings: str
+    etcd: EtcdServer, run_id: str, *, trained: bool = True, **settings: str
 ) -> Iterator[tuple[EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, Handover]]:
-    """a and b in a round of two that trained, as agents whose workers train on while a joiner sets up
-    (this process's live worker, registered, stamped a step of it); d a node not in it yet; and the
-    worker, to stamp the next steps. (c, the third of the first round, left.)"""
+    """a and b in a round of two that trained (unless not `trained`: the workers took no step yet), as
+    agents whose workers train on while a joiner sets up (this process's live worker, registered as the
+    trainer registers, stamped a step of it); d a node not in it yet; and the worker, to stamp the next
+    steps. (c, the third of the first round, left.)"""
     a, b, c, d = _handlers(etcd, run_id, 4, 1, **settings)
     folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
     worker = Handover(folder, 7)
     try:
-        worker.register()
+        worker.register(stamps_steps=True)
         assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
         c.leave()
         wait_for(a.num_nodes_waiting, timeout=5, what="c's departure")
         assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
-        worker.stepped(a.current_round)
+        if trained:
+            worker.stepped(a.current_round)
         yield a, b, d, worker
     finally:
         for name in ("live-7", "stepped-7", "failed-7", "ack-7"):
@@ -638,6 +640,26 @@ def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivo
         assert a.num_nodes_waiting() == 0  # held until a's workers train in their round, or fail in it
         worker.report_failure()  # (a heal refuted: the worker waits for the next round)
         wait_for(a.num_nodes_waiting, timeout=2, what="d let in")  # well within the hold's 5 s bound here
+        assert _join([a]) == [(0, 2)]
+        assert joining.result(timeout=10).world_size == 2
+
+
+def test_a_node_lost_before_anyone_trained_leaves_a_joiner_for_the_round_after(etcd: EtcdServer, run_id: str) -> None:
+    """a and b are set up in place and took no step in their round (the workers of a joiner's first
+    round, or of a round that lost a member as it formed); d comes as b is lost. a completes the next
+    round without d and holds d until its workers trained, as a survivor that trained would: a soak's
+    joiner (n55) completed such a round with another joiner in it (n56) still starting, and the
+    survivors waited 1.0 s in the new group for its start-up. A worker that stamps its steps says so as
+    it registers, before its first step."""
+    with _trained_pair(etcd, run_id, trained=False) as (a, b, d, worker), ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(d.next_rendezvous)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
+        b.leave()
+        assert _join([a]) == [(0, 1)]  # without d, whether or not it came first
+        assert _waiting(a) == 1
+        assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
+        worker.stepped(a.current_round)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
         assert _join([a]) == [(0, 2)]
         assert joining.result(timeout=10).world_size == 2
 

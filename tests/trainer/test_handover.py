@@ -24,6 +24,7 @@ from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, first_step_at, read_events, stop_after, wait_for
 from torchspot_trainer import launch
 from torchspot_trainer.handover import (
+    NO_STEP,
     STEP_CREDIT_SECONDS,
     Assignment,
     Handover,
@@ -132,6 +133,9 @@ def test_a_completed_step_is_stamped_with_its_generation_and_read_back_only_for_
     assert last_step(tmp_path, 4) is None  # no live worker stepped
     assert stepped_generation(tmp_path) is None
     worker, other = Handover(tmp_path, 0), Handover(tmp_path, 1)
+    worker.register(stamps_steps=True)  # before its first step: a stamp that no round can match
+    assert stepped_generation(tmp_path) == NO_STEP
+    assert last_step(tmp_path, 0) is None
     worker.stepped(4)
     path = tmp_path / "stepped-0"
     os.utime(path, (1_000.0, 1_000.0))  # as if long ago
@@ -147,6 +151,8 @@ def test_a_completed_step_is_stamped_with_its_generation_and_read_back_only_for_
     worker.stepped(5)  # the next generation's first step rewrites the file
     assert path.read_text() == "5"
     assert last_step(tmp_path, 4) is None
+    assert stepped_generation(tmp_path) == 5
+    worker.register(stamps_steps=True)  # registered again: a stamp already there is kept
     assert stepped_generation(tmp_path) == 5
 
 

@@ -414,7 +414,7 @@ class Trainer:
                 os.environ.update(nccl_environment(os.environ))
             live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
             self._in_place = _InPlace(Handover.from_environment(), live)
-            self._in_place.handover.register()
+            self._in_place.handover.register(stamps_steps=True)
             self._in_place.handover.watch(self._in_place.live)
             self.stop.done_with_group = self._in_place.handover.agreed
         self.precision = Precision(config.precision, self.device)
