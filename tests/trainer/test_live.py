@@ -39,6 +39,7 @@ from torchspot_trainer.recovery.planes import (
     shrink_plan,
 )
 from torchspot_trainer.recovery.resume import (
+    HealRow,
     evaluation_source,
     hand_over_refuted,
     heal_source,
@@ -133,15 +134,15 @@ def test_after_a_heal_every_rank_holds_the_newest_evaluation_of_the_ranks_that_g
 ) -> None:
     """Otherwise a survivor whose epoch-end evaluation completed trains while one whose evaluation a
     frozen peer broke evaluates again, and gloo aborts both on the mismatched collective."""
-    assert evaluation_source(rows, best, source) == sender
+    assert evaluation_source([HealRow(*steps, True) for steps in rows], best, source) == sender
 
 
 def _heal_row(
     live: int, held: int, committed: int, evaluated: int, sits: int, *, ahead: int = 0, trains: int = 1
-) -> list[int]:
-    """A heal row (train.py's `_heal`): the live, held, committed and evaluated steps, whether the rank
-    may sit out a step and went ahead at a switch, its records' columns, whether it trains next."""
-    return [live, held, committed, evaluated, sits, ahead, -1, -1, trains]
+) -> HealRow:
+    """A heal row (train.py's `_heal`) as gathered: the live, held, committed and evaluated steps, whether
+    the rank may sit out a step and went ahead at a switch, no records, whether it trains next."""
+    return HealRow.parse([live, held, committed, evaluated, sits, ahead, -1, -1, trains])
 
 
 @pytest.mark.parametrize(
@@ -174,13 +175,13 @@ def _heal_row(
     ],
 )
 def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_can(
-    rows: list[list[int]], trainers: list[int] | None
+    rows: list[HealRow], trainers: list[int] | None
 ) -> None:
     """The ranks at the newest step train the next one while the others receive the state, unless a
     rank says it cannot (its next collective would not be the step's), or the evaluation agreement
     must come first: then the state is broadcast before the step, as before."""
-    source = next(rank for rank, row in enumerate(rows) if row[0] == max(r[0] for r in rows))
-    assert trainers_of_next_step(rows, max(r[0] for r in rows), source) == trainers
+    source = next(rank for rank, row in enumerate(rows) if row.live == max(r.live for r in rows))
+    assert trainers_of_next_step(rows, max(r.live for r in rows), source) == trainers
 
 
 @pytest.mark.parametrize(
@@ -213,7 +214,7 @@ def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_ca
     ],
 )
 def test_a_hand_over_taken_at_a_switch_is_refuted_alike_on_every_rank_by_the_heal_rows(
-    rows: list[list[int]], refuted: bool
+    rows: list[HealRow], refuted: bool
 ) -> None:
     """The old ranks that went ahead at a switch (the sixth column) check their hand-over against the
     heal's rows before their update; a newcomer checks the same rows at once, so where they refute it
@@ -570,12 +571,12 @@ def test_the_kept_ranks_are_the_old_ranks_places_in_the_round_switched_to(
 def test_a_heal_goes_on_from_the_newest_state_from_the_lowest_rank_holding_it(
     rows: list[list[int]], plan: tuple[int, int, bool]
 ) -> None:
-    assert heal_source(rows) == plan
+    assert heal_source([HealRow(*steps[:4], bool(steps[4])) for steps in rows]) == plan
 
 
-def _written(live: int, summed: int, written: int) -> list[int]:
+def _written(live: int, summed: int, written: int) -> HealRow:
     """A heal row with the columns `record_writer` reads (the live step, the last record summed and written)."""
-    return [live, -1, -1, 0, 1, 0, summed, written]
+    return HealRow(live, -1, -1, 0, True, summed=summed, written=written)
 
 
 @pytest.mark.parametrize(
@@ -590,9 +591,9 @@ def _written(live: int, summed: int, written: int) -> list[int]:
     ],
 )
 def test_a_step_is_logged_again_by_a_survivor_that_summed_it_when_nobody_left_wrote_it(
-    rows: list[list[int]], writer: int | None
+    rows: list[HealRow], writer: int | None
 ) -> None:
-    assert record_writer(rows, max(row[0] for row in rows)) == writer
+    assert record_writer(rows, max(row.live for row in rows)) == writer
 
 
 @pytest.mark.parametrize(("rows", "chosen"), [([[7.0], [8.0], [8.0]], (8, 1)), ([[3.0], [3.0]], (3, 0))])

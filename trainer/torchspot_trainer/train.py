@@ -118,6 +118,7 @@ from torchspot_trainer.recovery.notices import (
 )
 from torchspot_trainer.recovery.planes import plane_for
 from torchspot_trainer.recovery.resume import (
+    HealRow,
     evaluation_source,
     find_state,
     hand_over_refuted,
@@ -917,19 +918,19 @@ class Trainer:
             kept = kept_ranks(place.live.roster, place.live.generation, self.world)
         ahead = kept is not None and self.rank in kept  # a switch: no wait for the agreement
         summed = -1 if place is None or place.summed is None else int(place.summed["step"])
-        row = [live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], int(may_sit_out),
-               int(ahead), summed, -1 if place is None else place.written, int(trains_next)]  # fmt: skip
+        row = HealRow(live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], may_sit_out,
+                      ahead, summed, -1 if place is None else place.written, trains_next)  # fmt: skip
         if place is not None and kept is not None and ahead:
             assert isinstance(group, LiveCollectives)
-            place.confirming = group.gather_ints_beside(row)
+            place.confirming = group.gather_ints_beside(row.as_ints())
             self._hand_over(run, kept, live_step)
             return
-        rows = group.gather_ints(row)
+        rows = [HealRow.parse(line) for line in group.gather_ints(row.as_ints())]
         self._note_committed(rows)
         if hand_over_refuted(rows):
             log.warning("rank %d: the heal's agreement (%s) refutes the hand-over the old ranks took", self.rank, rows)
             raise GroupChanged(Outcome.FAILED)
-        live = [row[0] for row in rows]
+        live = [row.live for row in rows]
         if max(live) < 0:
             self.resumed_from, state = find_state(group, self.manager, mine)
             if state is not None:
@@ -957,7 +958,7 @@ class Trainer:
         if from_live:  # (from a snapshot every rank loaded the same state)
             self._agree_on_evaluation(run, rows, best, source)
 
-    def _write_again(self, rows: list[list[int]], best: int) -> None:
+    def _write_again(self, rows: list[HealRow], best: int) -> None:
         """Where this rank is the heal's `resume.record_writer`: write the progress record of `best`,
         the step the group goes on from, again, as this rank summed it and with the time the step
         completed (rank 0 may have been lost between the step's all-reduce and its record)."""
@@ -969,9 +970,9 @@ class Trainer:
         self._emit({**place.summed, "replayed": True, "rank": self.rank}, any_rank=True)
         place.written = best
 
-    def _note_committed(self, rows: list[list[int]]) -> None:
+    def _note_committed(self, rows: list[HealRow]) -> None:
         """From a heal's rows: a new rank 0 knows the last checkpoint."""
-        newest_committed = max(row[2] for row in rows)
+        newest_committed = max(row.committed for row in rows)
         if self.manager is not None and newest_committed >= 0:
             self.manager.last_committed = newest_committed
 
@@ -987,14 +988,14 @@ class Trainer:
         confirming, place.confirming = place.confirming, None
         if confirming is None:
             return
-        rows = confirming()
+        rows = [HealRow.parse(line) for line in confirming()]
         self._note_committed(rows)
         if hand_over_refuted(rows):  # (the newcomers fail their heal on the same rows)
             log.warning("rank %d: the heal's agreement (%s) refutes the hand-over taken", self.rank, rows)
             raise GroupChanged(Outcome.FAILED)
 
     def _may_sit_out(self) -> bool:
-        """This rank's first column of `resume.trainers_of_next_step`: its data plane sends point to point
+        """This rank's `HealRow.may_sit_out` (`resume.trainers_of_next_step`): its data plane sends point to point
         (the host one; NCCL's heal still broadcasts), no gradient scaler needs a step it took part in
         (fp16) nor SyncBatchNorm a forward pass."""
         place = self._in_place
@@ -1002,7 +1003,7 @@ class Trainer:
                     or self.config.sync_bn)  # fmt: skip
 
     def _trains_next(self, run: _Run, live_step: int) -> bool:
-        """Its second: holding a live state, the next thing this rank does from it is a training step
+        """Its `HealRow.trains_next`: holding a live state, the next thing this rank does from it is a training step
         (no evaluation, not the end). It counts only where the rank is one of the step's trainers: one
         behind takes the state, and what comes next, from them."""
         return live_step < 0 or not (self._evaluation_due(run) or self._training_over(run))
@@ -1049,7 +1050,7 @@ class Trainer:
         nothing = torch.zeros((), device=self.device)
         return self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr)
 
-    def _agree_on_evaluation(self, run: _Run, rows: list[list[int]], best: int, source: int | None) -> None:
+    def _agree_on_evaluation(self, run: _Run, rows: list[HealRow], best: int, source: int | None) -> None:
         """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
         would evaluate while another trains. One broadcast of its accuracy, only when they differ."""
         sender = evaluation_source(rows, best, source)
@@ -1057,8 +1058,8 @@ class Trainer:
             return
         accuracy = torch.tensor([run.evaluated[1]], dtype=torch.float64, device=self.device)
         self.group.broadcast(accuracy, sender)
-        run.evaluated = (rows[sender][3], float(accuracy))
-        log.warning("rank %d: the evaluation of step %d taken from rank %d", self.rank, rows[sender][3], sender)
+        run.evaluated = (rows[sender].evaluated, float(accuracy))
+        log.warning("rank %d: the evaluation of step %d taken from rank %d", self.rank, rows[sender].evaluated, sender)
 
     def _reform(self, run: _Run, *, failed: bool) -> None:
         """In place, after a collective did not complete: enter the next round, heal, go on (module

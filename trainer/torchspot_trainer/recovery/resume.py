@@ -14,7 +14,8 @@ Both are sent as tensors (wire.py), not as pickled objects.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,52 +25,85 @@ from torchspot_trainer.recovery.snapshot import Held, choose_source
 from torchspot_trainer.recovery.wire import broadcast_state
 
 
-def evaluation_source(rows: list[list[int]], best: int, source: int | None) -> int | None:
+class HealRow(NamedTuple):
+    """One rank's line of a heal's agreement in place (train.py's `_heal`): every rank gathers every
+    rank's (`Group.gather_ints`, as integers: `as_ints`, `parse`) and decides alike from the same
+    table. A step is -1 where there is none."""
+
+    live: int
+    """The last step this rank completed in place (-1: a new process, a joiner or a restarted worker)."""
+    held: int
+    """The step of its node's snapshot (a new process's state on disk)."""
+    committed: int
+    """The step of the last checkpoint it knows committed to Blob (a new rank 0 learns it here)."""
+    evaluated: int
+    """The step of its last epoch-end evaluation (`evaluation_source`)."""
+    may_sit_out: bool
+    """It can sit a step out while the state travels (`trainers_of_next_step`): a capability."""
+    went_ahead: bool = False
+    """It handed over at a switch without waiting for this agreement (`hand_over_refuted`)."""
+    summed: int = -1
+    """The step of the last whole progress record it summed (`record_writer`)."""
+    written: int = -1
+    """The step of the last record it wrote (`record_writer`)."""
+    trains_next: bool = True
+    """The next thing it does from its live state is a training step (`trainers_of_next_step`)."""
+
+    def as_ints(self) -> list[int]:
+        """The row as the agreement gathers it."""
+        return [int(value) for value in self]
+
+    @classmethod
+    def parse(cls, line: Sequence[int]) -> HealRow:
+        """A gathered line back as a row (its flags as booleans)."""
+        live, held, committed, evaluated, sits, ahead, summed, written, trains = line
+        return cls(live, held, committed, evaluated, bool(sits), bool(ahead), summed, written, bool(trains))
+
+
+def evaluation_source(rows: Sequence[HealRow], best: int, source: int | None) -> int | None:
     """After a heal in place: the rank whose epoch-end evaluation every rank takes, or None when they
     hold the same one already. Pure.
 
-    `rows`: each rank's (live step, held step, committed step, evaluated step, ...) from the heal's
-    agreement; `best`: the step they go on from; `source`: the rank whose state the ranks behind
-    `best` received (None: none was sent). A rank at `best` keeps its own evaluation, one behind
-    takes the source's. They can differ: a frozen peer can leave an all-reduce completed on one
+    `rows`: the heal's agreement; `best`: the step they go on from; `source`: the rank whose state the
+    ranks behind `best` received (None: none was sent). A rank at `best` keeps its own evaluation, one
+    behind takes the source's. They can differ: a frozen peer can leave an all-reduce completed on one
     rank and not on another (gloo's ring), and so the epoch end's evaluation counted by one survivor
     and not by the other, which then evaluated while its peer trained, and gloo aborted both on the
     mismatched collective (a bench freeze trial's restarted survivor, 2 in about 100). The newest
     evaluation among the ranks at `best` wins, from the lowest rank that holds it."""
-    after = [row[3] if source is None or row[0] == best else rows[source][3] for row in rows]
+    after = [row.evaluated if source is None or row.live == best else rows[source].evaluated for row in rows]
     if len(set(after)) <= 1:
         return None
-    newest = max(row[3] for row in rows if row[0] == best)
-    return next(rank for rank, row in enumerate(rows) if row[0] == best and row[3] == newest)
+    newest = max(row.evaluated for row in rows if row.live == best)
+    return next(rank for rank, row in enumerate(rows) if row.live == best and row.evaluated == newest)
 
 
-def trainers_of_next_step(rows: list[list[int]], best: int, source: int) -> list[int] | None:
+def trainers_of_next_step(rows: Sequence[HealRow], best: int, source: int) -> list[int] | None:
     """After a heal in place that sends a live rank's state (`source`'s, at step `best`) to the ranks
     behind it: the ranks that train the next step while the others receive the state, or None when
     the others must have it first. Pure.
 
-    `rows` as for `evaluation_source`, with a fifth column: whether the rank may sit out (its data
-    plane sends point to point, no gradient scaler or SyncBatchNorm needs it in the step), and a
-    ninth: whether the next thing it does from its own live state is a training step (no
-    evaluation, not the end). Every rank's fifth must say yes, the ninth of the ranks at `best`, and
-    those must agree on their evaluation. A rank behind `best` takes the state, evaluation and all,
-    from them: a soak's node thawed with a live state at an epoch's end, its evaluation due there,
-    was counted unable to sit out once, and every switch to a round with it was refuted, three in a
-    row, until a join broke the pattern (2.6 s without a step, bench/README.md).
+    Every rank must be able to sit out (`HealRow.may_sit_out`: its data plane sends point to point,
+    no gradient scaler or SyncBatchNorm needs it in the step), the ranks at `best` must train next
+    (`HealRow.trains_next`: no evaluation, not the end), and those must agree on their evaluation.
+    A rank behind `best` takes the state, evaluation and all, from them: a soak's node thawed with a
+    live state at an epoch's end, its evaluation due there, was counted unable to sit out once, and
+    every switch to a round with it was refuted, three in a row, until a join broke the pattern
+    (2.6 s without a step, bench/README.md).
     A joiner would otherwise be healed first, then train: on 2 CPU cores the others waited 10-20 ms
     for the state's broadcast before their step (bench/README.md). TorchFT heals so as well: a
     joining replica's gradients count zero in its first step, which it takes with the state it
     receives meanwhile."""
-    if not all(row[4] for row in rows) or not all(row[8] for row in rows if row[0] == best):
+    if not all(row.may_sit_out for row in rows) or not all(row.trains_next for row in rows if row.live == best):
         return None
     if evaluation_source(rows, best, source) is not None:
         return None
-    trainers = [rank for rank, row in enumerate(rows) if row[0] == best]
+    trainers = [rank for rank, row in enumerate(rows) if row.live == best]
     return trainers if len(trainers) < len(rows) else None
 
 
-def hand_over_refuted(rows: list[list[int]]) -> bool:
-    """Whether the ranks that went ahead at a switch (a sixth column: they handed over and train
+def hand_over_refuted(rows: Sequence[HealRow]) -> bool:
+    """Whether the ranks that went ahead at a switch (`HealRow.went_ahead`: they handed over and train
     without waiting for the heal's agreement, train.py's `_heal`) took a hand-over the agreement
     does not give: the newest step is not theirs, not a live state, or they are not the next
     step's trainers. Pure. False when none went ahead.
@@ -79,18 +113,18 @@ def hand_over_refuted(rows: list[list[int]]) -> bool:
     a state or a broadcast the ranks ahead will never send. A soak's thawed node whose heal was
     refuted so (it was counted unable to sit out: `trainers_of_next_step`) waited in the heal's
     broadcast for gloo's op timeout before (27.7 s without a step, bench/README.md)."""
-    ahead = [rank for rank, row in enumerate(rows) if row[5]]
+    ahead = [rank for rank, row in enumerate(rows) if row.went_ahead]
     if not ahead:
         return False
     best, source, from_live = heal_source(rows)
-    return best != rows[ahead[0]][0] or not from_live or trainers_of_next_step(rows, best, source) != ahead
+    return best != rows[ahead[0]].live or not from_live or trainers_of_next_step(rows, best, source) != ahead
 
 
-def record_writer(rows: list[list[int]], best: int) -> int | None:
+def record_writer(rows: Sequence[HealRow], best: int) -> int | None:
     """After a heal in place: the rank that writes the progress record of `best` (the step every rank
-    goes on from) again, or None when none needs to. Pure. `rows` as for `hand_over_refuted`, with
-    two more columns: the step of the last whole record the rank summed (every rank sums it, with
-    the step's gradients) and of the last one it wrote (rank 0 writes).
+    goes on from) again, or None when none needs to. Pure. From the step of the last whole record each
+    rank summed (`HealRow.summed`: every rank sums it, with the step's gradients) and of the last one
+    it wrote (`HealRow.written`: rank 0 writes).
 
     A step is applied once its gradient all-reduce completed on every rank, and only rank 0 writes
     its record after that: where rank 0 is lost in between, the step is trained and was never
@@ -98,16 +132,16 @@ def record_writer(rows: list[list[int]], best: int) -> int | None:
     wrote it before it went, so the lowest live rank at `best` that summed the record writes it
     whenever no rank of the new group wrote it: a step is logged at least once, and a record
     written again says so (train.py's `Progress.replayed`)."""
-    if any(row[7] == best for row in rows):
+    if any(row.written == best for row in rows):
         return None
-    return next((rank for rank, row in enumerate(rows) if row[0] == best and row[6] == best), None)
+    return next((rank for rank, row in enumerate(rows) if row.live == best and row.summed == best), None)
 
 
-def heal_source(rows: list[list[int]]) -> tuple[int, int, bool]:
+def heal_source(rows: Sequence[HealRow]) -> tuple[int, int, bool]:
     """After a heal in place with some live rank (a row's live step at least 0): (the step every rank
     goes on from, the lowest rank that holds it, whether that is a live state rather than a
-    snapshot). Pure. `rows` as for `evaluation_source`."""
-    live, held = [row[0] for row in rows], [row[1] for row in rows]
+    snapshot). Pure."""
+    live, held = [row.live for row in rows], [row.held for row in rows]
     best = max(*live, *held)
     from_live = best == max(live)
     return best, (live if from_live else held).index(best), from_live
