@@ -664,6 +664,38 @@ def test_a_node_lost_before_anyone_trained_leaves_a_joiner_for_the_round_after(e
         assert joining.result(timeout=10).world_size == 2
 
 
+def test_a_round_after_a_loss_that_an_add_fills_forms_without_its_joiner(etcd: EtcdServer, run_id: str) -> None:
+    """a, b and c trained in a full round (max_nodes 3); d waits to join; c is lost. torch completes a
+    round the moment an add fills it, with no join action the survivors' deferral sees, and the round
+    after the loss filled so, with d: a soak's survivors then waited 1.19 s in the new group for d's
+    start-up. Whoever adds last now (d, which leaves the round to its members, or a survivor, which
+    defers d as it completes it), the round forms of a and b, and d joins the one after once they
+    trained."""
+    a, b, c, d = _handlers(etcd, run_id, 4, 1)
+    folder = Path(os.environ[PEER_LOST_ENV]).parent  # the agents' folder: these handlers share it
+    worker = Handover(folder, 7)
+    try:
+        worker.register(stamps_steps=True)
+        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]  # max_nodes: complete at once
+        worker.stepped(a.current_round)
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(d.next_rendezvous)  # a full round: d is a spare until c goes
+            c.leave()
+            wait_for(lambda: _waiting(a), timeout=5, what="d waiting to join")  # so a and b wait for its add
+            assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+            assert _waiting(a) == 1
+            assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
+            worker.stepped(a.current_round)
+            wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
+            assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
+            assert joining.result(timeout=10).world_size == 3
+    finally:
+        for name in ("live-7", "stepped-7"):
+            (folder / name).unlink(missing_ok=True)
+        for handler in (a, b, d):
+            handler.leave()
+
+
 def test_a_re_join_while_etcd_does_not_answer_waits_for_it_instead_of_failing(etcd: EtcdServer, run_id: str) -> None:
     """The nodes re-join while etcd is down for a moment (a thawed node's first requests time out so):
     they form their round once it answers again. torch's join fails at the first error, and the

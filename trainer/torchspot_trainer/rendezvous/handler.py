@@ -41,7 +41,8 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    trained (its workers re-form in place and were still waiting for the joiner's
    set-up), the survivors take the joiner out of it and do not wait for it
    (`joiners_to_release`, `expected_members`); and a round after a loss leaves a
-   node that came meanwhile waiting (`joiners_to_defer`). Either joins the round
+   node that came meanwhile waiting (`joiners_to_defer`), also where that node's add
+   fills it (`max_nodes`: torch completes it then, `_PromptOpExecutor`). Either joins the round
    after, once the survivors' workers trained in theirs (`_holding_joiners`), which
    they take as a deferred join. An agent
    stopped by a signal (its node leaves) takes itself out of the rendezvous
@@ -229,8 +230,9 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
 
     torch sleeps 1 s whenever an op answers "wait"; here the op is asked again after
     `poll` seconds against a fresh state, and a join that `ready` approves completes
-    the round at once. A join that completes the round first lets `admit` change the
-    state it then writes (who waits for the next round instead).
+    the round at once. Whoever completes a round first lets `admit` change the state it
+    then writes (who waits for the next round instead); a node whose add fills a round
+    (`max_nodes`) leaves its completion to the round's members where `leaves_filled` says so.
     """
 
     def __init__(
@@ -242,12 +244,36 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
         *,
         ready: Callable[[Any], bool],
         admit: Callable[[Any], None],
+        leaves_filled: Callable[[Any], bool],
     ) -> None:
         super().__init__(node, state_holder, settings)
         self._poll = poll
         self._ready = ready
         self._admit = admit
+        self._leaves_filled = leaves_filled
+        self._adding = False
         self._written = threading.Event()
+
+    def _add_to_participants(self) -> None:
+        """torch's. It completes the round itself where the add fills it (`_mark_rendezvous_complete`)."""
+        self._adding = True
+        try:
+            super()._add_to_participants()
+        finally:
+            self._adding = False
+
+    def _mark_rendezvous_complete(self) -> None:
+        """torch's, once `admit` changed the state (the ranks are dealt over who is left). torch completes a
+        round in two places: a join's MARK_RENDEZVOUS_COMPLETE, and an add that fills the round, which no
+        action says. Only the first was seen here before, and a soak's round after a loss, filled by
+        its last add, took a joiner still starting: the survivors waited 1.19 s in the new group for its
+        start-up (bench/README.md, soak45). An add that fills a round the node should not complete
+        (`leaves_filled`: a joiner's, after a loss, which cannot tell who is a joiner) leaves it
+        incomplete: the members complete it at their next look, the state being written (`ready`)."""
+        if self._adding and self._leaves_filled(self._state):
+            return
+        self._admit(self._state)
+        super()._mark_rendezvous_complete()
 
     def wake(self) -> None:
         """The state was written: stop waiting for the poll (liveness.py's watch calls this)."""
@@ -267,8 +293,6 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
                 action = state_handler(ctx, deadline)
                 if action == _Action.SYNC and joining and self._ready(ctx.state):
                     action = _Action.MARK_RENDEZVOUS_COMPLETE
-                if action == _Action.MARK_RENDEZVOUS_COMPLETE and joining:
-                    self._admit(ctx.state)  # ctx.state is the state torch completes and writes
                 if action != _Action.SYNC:
                     return action
                 self._written.wait(self._poll)
@@ -596,8 +620,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
         self._state_holder = self._watch
         self._prompt = _PromptOpExecutor(
-            self._this_node, self._watch, self._settings, poll, ready=self._round_ready, admit=self._defer_joiners
-        )
+            self._this_node, self._watch, self._settings, poll,
+            ready=self._round_ready, admit=self._defer_joiners, leaves_filled=self._leaves_filled,
+        )  # fmt: skip
         self._op_executor = self._prompt
         self._change_reported = False
         self._changed = threading.Event()
@@ -723,6 +748,26 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         if joiners:
             log.warning("rendezvous %s: the round after a loss forms without its joiner(s) %s: they join the next one",
                         self._settings.run_id, ", ".join(map(str, joiners)))  # fmt: skip
+
+    def _leaves_filled(self, state: Any) -> bool:
+        """Whether this node's add, which fills the forming round (`max_nodes`), leaves the round to its
+        members to complete (`_PromptOpExecutor`): the node was not in the round before it (a joiner) and
+        a member of that one departed (`departed/`). A joiner cannot tell who else is a joiner, so its
+        `_defer_joiners` cannot leave one waiting; the survivors can, and complete the round at their
+        next look (`_round_ready`). Not for a round 0, nor where etcd does not answer (torch's completion
+        then, as before)."""
+        round_, members = self._previous
+        if state.round == 0 or (members and round_ >= state.round - 1):
+            return False
+        prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
+        try:
+            departed = departed_since(self._etcd.get_prefix(prefix), prefix, state.round - 1)
+        except EtcdError:
+            return False
+        if departed:
+            log.warning("rendezvous %s: round %d, which this join fills, follows a loss: its members complete it",
+                        self._settings.run_id, state.round)  # fmt: skip
+        return bool(departed)
 
     def _holding_joiners(self) -> bool:
         """Whether nodes waiting to join wait a little longer: while this agent's workers, which train
