@@ -134,7 +134,7 @@ def test_after_a_heal_every_rank_holds_the_newest_evaluation_of_the_ranks_that_g
 ) -> None:
     """Otherwise a survivor whose epoch-end evaluation completed trains while one whose evaluation a
     frozen peer broke evaluates again, and gloo aborts both on the mismatched collective."""
-    assert evaluation_source([HealRow(*steps, True) for steps in rows], best, source) == sender
+    assert evaluation_source([HealRow.parse([*steps, 1, 0, -1, -1, 1]) for steps in rows], best, source) == sender
 
 
 def _heal_row(
@@ -571,7 +571,7 @@ def test_the_kept_ranks_are_the_old_ranks_places_in_the_round_switched_to(
 def test_a_heal_goes_on_from_the_newest_state_from_the_lowest_rank_holding_it(
     rows: list[list[int]], plan: tuple[int, int, bool]
 ) -> None:
-    assert heal_source([HealRow(*steps[:4], bool(steps[4])) for steps in rows]) == plan
+    assert heal_source([HealRow.parse([*steps, 0, -1, -1, 1]) for steps in rows]) == plan
 
 
 def _written(live: int, summed: int, written: int) -> HealRow:
