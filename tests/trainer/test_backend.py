@@ -696,6 +696,38 @@ def test_a_round_after_a_loss_that_an_add_fills_forms_without_its_joiner(etcd: E
             handler.leave()
 
 
+def test_a_joiner_whose_first_round_lost_a_member_before_it_stepped_leaves_the_next_to_the_survivors(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """d joins a and b (its first round); b is lost before anyone trained in it. d's agent knows the
+    round before it (it was in it), yet it is a joiner there: it neither completes the next round
+    (a `joinloss` trial's joiner did, with a joiner still starting in it, and the survivor waited
+    1.12 s in the new group) nor fills it; a, a member, does, and leaves d for the round after. Once
+    d's worker stepped in its round, or where nobody departed, it is a member like any other."""
+    with _trained_pair(etcd, run_id) as (a, b, d, worker), ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(d.next_rendezvous)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
+        assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
+        assert joining.result(timeout=10).world_size == 3
+        forming = _state(a.current_round + 1, [], complete=False)
+        assert not d._joins_after_loss(forming, d._joined)  # nobody departed: a pure growth
+        b.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
+        assert d._joins_after_loss(forming, d._joined)  # its worker never stepped in its first round
+        assert not a._joins_after_loss(forming, a._joined)
+        trained_in = a.current_round - 1
+        worker.stepped(a.current_round)  # had it stepped there, it would be a member
+        assert not d._joins_after_loss(forming, d._joined)
+        worker.stepped(trained_in)  # (back to the round a's workers train in)
+        rejoining = pool.submit(d.next_rendezvous)
+        assert _join([a]) == [(0, 1)]  # without d, whoever looked first
+        assert _waiting(a) == 1
+        worker.stepped(a.current_round)
+        wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
+        assert _join([a]) == [(0, 2)]
+        assert rejoining.result(timeout=10).world_size == 2
+
+
 def test_a_re_join_while_etcd_does_not_answer_waits_for_it_instead_of_failing(etcd: EtcdServer, run_id: str) -> None:
     """The nodes re-join while etcd is down for a moment (a thawed node's first requests time out so):
     they form their round once it answers again. torch's join fails at the first error, and the

@@ -345,6 +345,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     """The newest local worker failure passed on to liveness (`_corroborate_failures`), in nanoseconds."""
     _failed_at_join: int
     """The newest local worker failure when this agent joined its round (`_holding_joiners`)."""
+    _first_round: int | None
+    """The first round this agent joined (`_joins_after_loss`), None before it."""
     _watch: _WatchfulStateHolder
     _left: bool
     _leaving: threading.RLock
@@ -399,6 +401,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         state = self._state_holder.state
         self._joined = (state.round, frozenset(state.participants))
         self._joined_at = time.monotonic()
+        if self._first_round is None:
+            self._first_round = int(state.round)
         folder = _our_folder()
         self._failed_at_join = 0 if folder is None else latest_failure(folder)
         self._newcomers = newcomers_of(self._joined[1], self._previous[1])
@@ -612,6 +616,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._joined_at = 0.0
         self._failure_seen = 0
         self._failed_at_join = 0
+        self._first_round = None
         self._left = False
         self._keep_open = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
@@ -700,6 +705,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         members = expected_members(previous, self._newcomers, trained=self._trained(round_))
         if not complete_early(members, self._this_node, state, self._settings.min_nodes, frozenset(map(str, members))):
             return False  # not ready, whoever is gone
+        if self._joins_after_loss(state, self._previous):
+            return False  # a joiner: the members complete it
         dead = {name for name, at in self._watch.found_dead.items() if at >= round_}
         missing = {str(member) for member in members if member not in state.participants} - dead
         if not missing:
@@ -749,25 +756,40 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             log.warning("rendezvous %s: the round after a loss forms without its joiner(s) %s: they join the next one",
                         self._settings.run_id, ", ".join(map(str, joiners)))  # fmt: skip
 
-    def _leaves_filled(self, state: Any) -> bool:
-        """Whether this node's add, which fills the forming round (`max_nodes`), leaves the round to its
-        members to complete (`_PromptOpExecutor`): the node was not in the round before it (a joiner) and
-        a member of that one departed (`departed/`). A joiner cannot tell who else is a joiner, so its
-        `_defer_joiners` cannot leave one waiting; the survivors can, and complete the round at their
-        next look (`_round_ready`). Not for a round 0, nor where etcd does not answer (torch's completion
-        then, as before)."""
-        round_, members = self._previous
-        if state.round == 0 or (members and round_ >= state.round - 1):
+    def _joins_after_loss(self, state: Any, previous: tuple[int, frozenset[Any]]) -> bool:
+        """Whether this node, whose round before was `previous` (`_previous` as it joins), comes to the forming
+        round as a joiner, and a member of the round before it
+        departed (`departed/`): it then leaves the round to its members to complete, whether its add
+        fills it (`_PromptOpExecutor`) or every member it knows of is in (`_round_ready`). The members'
+        completion leaves it waiting where their workers train on meanwhile (`_defer_joiners`); a
+        joiner cannot tell who else is one. A joiner: not in the round before, or there as a newcomer
+        whose worker never stepped (its first round, in a job that formed one before it). A soak's and
+        a `joinloss` trial's rounds after a loss were completed so by a joiner, with a joiner still
+        starting in them, and the survivors waited 1.1-1.2 s in the new group for its start-up
+        (bench/README.md). Never for a round 0, and not where etcd does not answer (the node completes
+        as before)."""
+        round_, members = previous
+        if state.round == 0:
+            return False
+        folder = _our_folder()
+        newest = None if folder is None else stepped_generation(folder)
+        newcomer = round_ == self._first_round and round_ > 0 and (newest is None or newest < round_)
+        if members and round_ >= state.round - 1 and not newcomer:
             return False
         prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
         try:
-            departed = departed_since(self._etcd.get_prefix(prefix), prefix, state.round - 1)
+            return bool(departed_since(self._etcd.get_prefix(prefix), prefix, state.round - 1))
         except EtcdError:
             return False
-        if departed:
-            log.warning("rendezvous %s: round %d, which this join fills, follows a loss: its members complete it",
-                        self._settings.run_id, state.round)  # fmt: skip
-        return bool(departed)
+
+    def _leaves_filled(self, state: Any) -> bool:
+        """Whether this node's add, which fills the forming round (`max_nodes`), leaves it to the members to
+        complete (`_joins_after_loss`)."""
+        if not self._joins_after_loss(state, self._previous):
+            return False
+        log.warning("rendezvous %s: round %d, which this join fills, follows a loss: its members complete it",
+                    self._settings.run_id, state.round)  # fmt: skip
+        return True
 
     def _holding_joiners(self) -> bool:
         """Whether nodes waiting to join wait a little longer: while this agent's workers, which train
