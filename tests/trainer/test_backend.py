@@ -710,14 +710,17 @@ def test_a_joiner_whose_first_round_lost_a_member_before_it_stepped_leaves_the_n
         assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
         assert joining.result(timeout=10).world_size == 3
         forming = _state(a.current_round + 1, [], complete=False)
-        assert not d._joins_after_loss(forming, d._joined)  # nobody departed: a pure growth
+        d_was_in, a_was_in = d._joined, a._joined  # what each passes as it joins the next round
+        assert d_was_in is not None
+        assert a_was_in is not None
+        assert not d._joins_after_loss(forming, d_was_in)  # nobody departed: a pure growth
         b.leave()
         wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
-        assert d._joins_after_loss(forming, d._joined)  # its worker never stepped in its first round
-        assert not a._joins_after_loss(forming, a._joined)
+        assert d._joins_after_loss(forming, d_was_in)  # its worker never stepped in its first round
+        assert not a._joins_after_loss(forming, a_was_in)
         trained_in = a.current_round - 1
         worker.stepped(a.current_round)  # had it stepped there, it would be a member
-        assert not d._joins_after_loss(forming, d._joined)
+        assert not d._joins_after_loss(forming, d_was_in)
         worker.stepped(trained_in)  # (back to the round a's workers train in)
         rejoining = pool.submit(d.next_rendezvous)
         assert _join([a]) == [(0, 1)]  # without d, whoever looked first
