@@ -42,7 +42,8 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    set-up), the survivors take the joiner out of it and do not wait for it
    (`joiners_to_release`, `expected_members`); and a round after a loss leaves a
    node that came meanwhile waiting (`joiners_to_defer`), also where that node's add
-   fills it (`max_nodes`: torch completes it then, `_PromptOpExecutor`). Either joins the round
+   fills it (`max_nodes`: torch completes it then, `_PromptOpExecutor`); a joiner never
+   completes a round after a departure itself (`_joins_after_loss`). Either joins the round
    after, once the survivors' workers trained in theirs (`_holding_joiners`), which
    they take as a deferred join. An agent
    stopped by a signal (its node leaves) takes itself out of the rendezvous
