@@ -712,11 +712,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         missing = {str(member) for member in members if member not in state.participants} - dead
         if not missing:
             return True
-        prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
-        try:
-            return missing <= departed_since(self._etcd.get_prefix(prefix), prefix, round_)
-        except EtcdError:
-            return False  # the last call completes it
+        departed = self._departed_since(round_)
+        return departed is not None and missing <= departed  # etcd silent: the last call completes it
 
     def _release_joiners(self) -> None:
         """As this agent leaves the round it was in (`_previous` now), after a loss: take that round's
@@ -772,16 +769,27 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         round_, members = previous
         if state.round == 0:
             return False
+        if members and round_ >= state.round - 1 and not self._never_stepped_in_first(round_):
+            return False
+        return bool(self._departed_since(state.round - 1))
+
+    def _never_stepped_in_first(self, round_: int) -> bool:
+        """Whether `round_` is this agent's first round, joined in a running job (not round 0), and no local
+        worker stepped in it. The folder is read only then: `_round_ready` asks at every look."""
+        if round_ != self._first_round or round_ == 0:
+            return False
         folder = _our_folder()
         newest = None if folder is None else stepped_generation(folder)
-        newcomer = round_ == self._first_round and round_ > 0 and (newest is None or newest < round_)
-        if members and round_ >= state.round - 1 and not newcomer:
-            return False
+        return newest is None or newest < round_
+
+    def _departed_since(self, round_: int) -> frozenset[str] | None:
+        """The nodes that said under `departed/` they left round `round_` or a later one (`departed_since`);
+        None where etcd does not answer."""
         prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
         try:
-            return bool(departed_since(self._etcd.get_prefix(prefix), prefix, state.round - 1))
+            return departed_since(self._etcd.get_prefix(prefix), prefix, round_)
         except EtcdError:
-            return False
+            return None
 
     def _leaves_filled(self, state: Any) -> bool:
         """Whether this node's add, which fills the forming round (`max_nodes`), leaves it to the members to
