@@ -33,7 +33,7 @@ from typing import Any
 from torchspot_lab.cluster.cloud import SimNode
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.kubeapi import KubeApi
-from torchspot_lab.local import SHARED_CORES_ENV, signal_tree
+from torchspot_lab.local import SHARED_CORES_ENV, kill_tree, signal_tree
 from torchspot_operator import certs, conditions, constants
 from torchspot_operator.kube import Kube
 from torchspot_trainer import SNAPSHOT_DIR_ENV
@@ -229,10 +229,9 @@ class Kubelet:
             signal_tree(pod.process.pid, sig)
 
     def kill(self, pod: RunningPod) -> None:
-        """SIGKILL the pod's processes (continued first, if frozen) and stop its etcd."""
+        """SIGKILL the pod's processes (a frozen node's as they are: `kill_tree`) and stop its etcd."""
         if self._alive(pod) and pod.process is not None:
-            signal_tree(pod.process.pid, signal.SIGCONT)
-            signal_tree(pod.process.pid, signal.SIGKILL)
+            kill_tree(pod.process.pid)
             pod.process.wait(10)
         if pod.etcd is not None:
             pod.etcd.stop()
