@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import socket
@@ -626,16 +627,21 @@ def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_nev
 
 
 def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivors_re_formed(
-    etcd: EtcdServer, run_id: str
+    etcd: EtcdServer, run_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """d waits to join as b leaves: a completes the next round without d, so its workers re-form at
     once instead of waiting in the new group for d's start-up, and d joins the round after, held
-    until they trained in theirs (the other test) or, as here, failed in it and wait for a next."""
+    until they trained in theirs (the other test) or, as here, failed in it and wait for a next.
+    a says so once the round formed (not as it writes a completion that might lose)."""
     with _trained_pair(etcd, run_id) as (a, b, d, worker), ThreadPoolExecutor(1) as pool:
         joining = pool.submit(d.next_rendezvous)
         wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
         b.leave()
-        assert _join([a]) == [(0, 1)]  # the survivor alone, d left waiting
+        with caplog.at_level(logging.WARNING, logger="torchspot_trainer.rendezvous.handler"):
+            assert _join([a]) == [(0, 1)]  # the survivor alone, d left waiting
+        said = [r.getMessage() for r in caplog.records if "without its joiner" in r.getMessage()]
+        assert len(said) == 1
+        assert said[0].endswith(f"a loss formed without its joiner(s) {d._this_node}: they join the next one")
         assert _waiting(a) == 1
         assert a.num_nodes_waiting() == 0  # held until a's workers train in their round, or fail in it
         worker.report_failure()  # (a heal refuted: the worker waits for the next round)

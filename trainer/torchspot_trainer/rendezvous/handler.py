@@ -348,6 +348,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     """The newest local worker failure when this agent joined its round (`_holding_joiners`)."""
     _first_round: int | None
     """The first round this agent joined (`_joins_after_loss`), None before it."""
+    _deferred: tuple[int, list[Any]]
+    """The round this agent last completed with joiners left out (`_defer_joiners`), and them: said once
+    the round formed so (`_say_deferred`), not as the completion that may lose its write is made."""
     _watch: _WatchfulStateHolder
     _left: bool
     _leaving: threading.RLock
@@ -407,6 +410,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         folder = _our_folder()
         self._failed_at_join = 0 if folder is None else latest_failure(folder)
         self._newcomers = newcomers_of(self._joined[1], self._previous[1])
+        self._say_deferred(state)
         if self._liveness is not None:
             self._liveness.forget(map(str, state.participants))
         if info.rank == 0:  # one writer per round
@@ -618,6 +622,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._failure_seen = 0
         self._failed_at_join = 0
         self._first_round = None
+        self._deferred = (0, [])
         self._left = False
         self._keep_open = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
@@ -750,8 +755,16 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         for node in joiners:
             del state.participants[node]
             state.wait_list.add(node)
-        if joiners:
-            log.warning("rendezvous %s: the round after a loss forms without its joiner(s) %s: they join the next one",
+        self._deferred = (state.round, joiners)
+
+    def _say_deferred(self, state: Any) -> None:
+        """Log the joiners this agent left out of the round it completed (`_defer_joiners`) where the round
+        it joined (`state`) formed without them. Not as the completion is made: its write may lose to
+        another member's, and the line then told of a deferral the round may not have had."""
+        round_, joiners = self._deferred
+        self._deferred = (0, [])
+        if joiners and state.round == round_ and not any(node in state.participants for node in joiners):
+            log.warning("rendezvous %s: the round after a loss formed without its joiner(s) %s: they join the next one",
                         self._settings.run_id, ", ".join(map(str, joiners)))  # fmt: skip
 
     def _joins_after_loss(self, state: Any, previous: tuple[int, frozenset[Any]]) -> bool:
