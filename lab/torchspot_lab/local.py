@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +60,16 @@ def kill_tree(pid: int) -> int:
     8-9 s after the freeze (goodput runs 24, 25 and 27 in bench/README.md: in run 25 the frozen
     node was taken out of the rendezvous a second time; hand-overs of 1.3 and 2.1 s)."""
     return signal_tree(pid, signal.SIGKILL)
+
+
+def node_tmp() -> Path:
+    """A simulated node's own temporary folder (its TMPDIR), which its owner removes once the node's
+    processes ended. A pod's /tmp goes with the pod; this machine's did not: after a few days of suites
+    and benchmarks it held 2,800 agent folders (`torchspot-agent-*`), 2,600 of torch's agent logs
+    (`torchelastic_*`) and 1,570 of multiprocessing's (`pymp-*`), the leftovers of nodes killed by
+    design. Short and under this machine's /tmp, not in the job's folder: multiprocessing's fork server
+    listens on a UNIX socket under TMPDIR, whose path must fit in 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix="torchspot-node-"))
 
 
 NODE_ADDR = "127.0.0.1"
@@ -161,10 +173,14 @@ class LocalNode:
         self.job = job
         self.log_path = job.workdir / f"node-{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tmp: Path | None = None
+        """The node's TMPDIR (`node_tmp`), removed once its processes ended."""
 
     def start(self) -> None:
         """Start the agent (which starts its workers)."""
         self.job.workdir.mkdir(parents=True, exist_ok=True)
+        self._remove_tmp()  # a node started again gets a fresh one
+        self.tmp = node_tmp()
         env = {
             **SHARED_CORES_ENV,
             **os.environ,
@@ -174,6 +190,7 @@ class LocalNode:
             # A node's snapshot is its machine's; in the job's folder a killed node's file goes with the job
             # rather than piling up in this machine's /tmp (the kubelet's pods do the same).
             SNAPSHOT_DIR_ENV: str(self.job.workdir / "snapshots"),
+            "TMPDIR": str(self.tmp),
             **self.job.extra_env,
         }
         command = self.job.command(self.job.local_addrs.get(self.name, self.job.node_addr))
@@ -191,6 +208,7 @@ class LocalNode:
         """Hard loss: SIGKILL the whole tree at once."""
         kill_tree(self.pid)
         self.wait(10)
+        self._remove_tmp()
 
     def terminate(self, grace: float) -> None:
         """Eviction with notice: SIGTERM to the agent (as the kubelet sends it), then
@@ -201,6 +219,7 @@ class LocalNode:
         except subprocess.TimeoutExpired:
             kill_tree(self.pid)
             self.wait(10)
+        self._remove_tmp()
 
     def freeze(self) -> None:
         """Freeze: SIGSTOP the whole tree; its sockets stay open."""
@@ -225,6 +244,12 @@ class LocalNode:
         if self.proc is not None and self.proc.poll() is None:
             kill_tree(self.pid)
             self.proc.wait(timeout=10)
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of the node's log, for failure messages."""

@@ -465,7 +465,12 @@ def test_two_workers_per_node_through_a_notice_a_hard_loss_and_a_freeze(
     join_then_lose("C", LocalNode.kill)  # a hard loss
     frozen_at = join_then_lose("D", LocalNode.freeze)
     wait_for(lambda: at_world(2, frozen_at), 60, "training on after the freeze")
+    tmp = a.tmp  # the node's own TMPDIR: its agent's folder, torch's and multiprocessing's go there
+    assert tmp is not None
+    assert len(list(tmp.glob("torchspot-agent-*"))) == 1
+    assert list(tmp.glob("pymp-*"))
     a.stop()
+    assert not tmp.exists()  # gone with the node, as a pod's /tmp goes with the pod
 
     # Every round A's workers ended (the notice's, both joins', the hard loss's, the freeze's):
     # one of them wrote the node's snapshot, the other found it written.

@@ -19,6 +19,7 @@ import base64
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from typing import Any
 from torchspot_lab.cluster.cloud import SimNode
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.kubeapi import KubeApi
-from torchspot_lab.local import SHARED_CORES_ENV, kill_tree, signal_tree
+from torchspot_lab.local import SHARED_CORES_ENV, kill_tree, node_tmp, signal_tree
 from torchspot_operator import certs, conditions, constants
 from torchspot_operator.kube import Kube
 from torchspot_trainer import SNAPSHOT_DIR_ENV
@@ -111,6 +112,8 @@ class RunningPod:
     etcd: EtcdServer | None = None
     ports: dict[int, int] = field(default_factory=dict)
     """Container port -> the loopback port that serves it."""
+    tmp: Path | None = None
+    """Its container's /tmp (its TMPDIR: `node_tmp`), removed as its processes are killed or at the end."""
     labels: dict[str, str] = field(default_factory=dict)
     stopping: bool = False
     evicted: bool = False
@@ -233,6 +236,9 @@ class Kubelet:
         if self._alive(pod) and pod.process is not None:
             kill_tree(pod.process.pid)
             pod.process.wait(10)
+        if pod.tmp is not None:
+            shutil.rmtree(pod.tmp, ignore_errors=True)
+            pod.tmp = None
         if pod.etcd is not None:
             pod.etcd.stop()
             pod.etcd = None
@@ -306,6 +312,8 @@ class Kubelet:
         # A container's /tmp is its own and goes with the pod; here the trainer's node snapshot (100 MB for
         # a ResNet-18, left behind by every killed node) would pile up in this machine's /tmp instead.
         env.setdefault(SNAPSHOT_DIR_ENV, str(folder / "snapshots"))
+        running.tmp = node_tmp()  # the rest of what it leaves in /tmp (pymp-*, torchelastic_*, the agent's folder)
+        env.setdefault("TMPDIR", str(running.tmp))
         args = [rewrite_path(expand(str(a), env), mounts) for a in command]
         with running.log_path.open("ab") as out:
             running.process = subprocess.Popen(
