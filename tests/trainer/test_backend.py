@@ -25,7 +25,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
     dynamic_rendezvous,
 )
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _RendezvousState,
+)
 from torch.distributed.launcher import api as launcher_api
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
@@ -52,6 +56,7 @@ from torchspot_trainer.rendezvous.rounds import (
     lost_members,
     membership_changed,
     newcomers_of,
+    waiting_joiners,
 )
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 from torchspot_trainer.rendezvous.store import EtcdStore, RoundAbandoned
@@ -442,6 +447,29 @@ def test_a_round_after_a_loss_leaves_its_joiners_for_the_next_one(
     assert joiners_to_defer(frozenset(expected), state, min_nodes) == deferred
 
 
+@pytest.mark.parametrize(
+    ("participants", "waiting", "expected", "left_waiting", "early"),
+    [
+        (["a", "b"], {"d"}, {"a", "b", "c"}, {"d"}, True),
+        (["a", "b"], {"c"}, {"a", "b", "c"}, set(), False),
+        (["a", "b", "c"], {"d"}, {"a", "b", "c"}, set(), False),
+        (["a"], {"d"}, set(), set(), False),
+    ],
+    ids=["after-a-loss", "a-member-waits", "no-loss", "a-first-round"],
+)  # fmt: skip
+def test_a_joiner_waiting_for_a_round_after_a_loss_does_not_hold_it(
+    participants: list[str], waiting: set[str], expected: set[str], left_waiting: set[str], early: bool
+) -> None:
+    """c is gone and d waits to join (it asked while the round before was complete): the survivors
+    complete without d, which stays waiting, as a joining participant would be deferred. A waiting
+    member is waited for, and so is a joiner where nobody was lost, or in a first round."""
+    state = _state(9, participants, complete=False, wait_list=set(waiting))
+    assert waiting_joiners(frozenset(expected), state) == left_waiting
+    gone = frozenset({"c"})
+    deferred = waiting_joiners(frozenset(expected), state)
+    assert complete_early(frozenset(expected), "a", state, 1, gone=gone, deferred=deferred) is early
+
+
 def test_nobody_is_a_newcomer_of_a_nodes_first_round() -> None:
     """A node's first round (nothing before it): every member is new to it, none a known joiner, so
     the next round waits for them all even before anyone trained."""
@@ -648,6 +676,33 @@ def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivo
         wait_for(a.num_nodes_waiting, timeout=2, what="d let in")  # well within the hold's 5 s bound here
         assert _join([a]) == [(0, 2)]
         assert joining.result(timeout=10).world_size == 2
+
+
+def test_a_joiner_that_waits_for_the_round_after_a_loss_does_not_hold_it(etcd: EtcdServer, run_id: str) -> None:
+    """A joiner that asked to join while the survivors' round was still complete waits in the wait list,
+    and moves into the next round only at its own next look. A `joinloss` trial's survivor waited
+    1.05 s in the round after the loss for such a joiner, still starting, then left it out all the
+    same. Here the joiner never looks again (a node no handler drives): a, whose workers train on while
+    a joiner sets up, completes the round after b's loss without it, well within the 10 s join
+    timeout (the 30 s last call would fail it), and the joiner still waits for the round after."""
+    with _trained_pair(etcd, run_id) as (a, b, _, worker):
+        joiner = _NodeDesc(addr="node-starting", pid=1, local_id=0)
+        holder = _BackendRendezvousStateHolder(a._backend, a._settings, cache_duration=0)
+        holder.sync()
+        holder.state.wait_list.add(joiner)
+        holder.state.last_heartbeats[joiner] = datetime.now(UTC)
+        holder.mark_dirty()
+        assert holder.sync()
+        b.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
+        began = time.monotonic()
+        assert _join([a]) == [(0, 1)]
+        assert time.monotonic() - began < 5
+        holder.sync()
+        assert holder.state.wait_list == {joiner}
+        assert a.num_nodes_waiting() == 0  # and held again, as any joiner after a loss
+        worker.stepped(a.current_round)
+        assert a.num_nodes_waiting() == 1
 
 
 def test_a_node_lost_before_anyone_trained_leaves_a_joiner_for_the_round_after(etcd: EtcdServer, run_id: str) -> None:

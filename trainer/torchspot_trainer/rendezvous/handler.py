@@ -124,6 +124,7 @@ from torchspot_trainer.rendezvous.rounds import (
     lost_members,
     membership_changed,
     newcomers_of,
+    waiting_joiners,
 )
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot_trainer.rendezvous.store import EtcdStore
@@ -705,11 +706,14 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def _round_ready(self, state: Any) -> bool:
         """complete_early for the forming round, against the members of the previous round it waits for
-        (`expected_members`: not one that joined it, if it never trained here); etcd is asked who
+        (`expected_members`: not one that joined it, if it never trained here), whatever joiner waits
+        to join it after a loss where this agent defers joins (`waiting_joiners`); etcd is asked who
         departed only while one of them is missing and not already known dead here."""
         round_, previous = self._previous
         members = expected_members(previous, self._newcomers, trained=self._trained(round_))
-        if not complete_early(members, self._this_node, state, self._settings.min_nodes, frozenset(map(str, members))):
+        waiting = waiting_joiners(members, state) if self._defers_joins() else frozenset()
+        gone = frozenset(map(str, members))
+        if not complete_early(members, self._this_node, state, self._settings.min_nodes, gone=gone, deferred=waiting):
             return False  # not ready, whoever is gone
         if self._joins_after_loss(state, self._previous):
             return False  # a joiner: the members complete it
