@@ -871,6 +871,36 @@ def test_a_store_read_of_a_round_being_set_up_gives_up_when_a_member_is_gone(etc
             handler.leave()
 
 
+def test_a_store_read_of_a_round_being_set_up_gives_up_as_soon_as_a_member_is_taken_out(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """The same, where liveness takes the member out: the read gives up as the state is written, not
+    at its next look (within 1 s: a `joinloss` trial's survivor set up a round 1.04 s longer so). b's
+    agent takes c out about 0.2 s into a's read."""
+    a, b, c = handlers = _handlers(etcd, run_id, 3)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        store = infos[0].store  # a's
+        store.set_timeout(timedelta(seconds=30))
+        taken: list[float] = []
+
+        def take_c_out() -> None:
+            b._evict(str(c._this_node))  # what b's liveness does once c's puts stop
+            taken.append(time.monotonic())
+
+        timer = threading.Timer(0.2, take_c_out)
+        timer.start()
+        with a.setting_up(), pytest.raises(RoundAbandoned, match="stopped heartbeating"):
+            store.get("torchelastic/role_info/2")
+        gave_up = time.monotonic()
+        timer.join()
+        assert gave_up - taken[0] < 0.5
+    finally:
+        for handler in handlers:
+            handler.leave()
+
+
 def test_an_agent_names_its_own_marker_whatever_it_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
     """A marker named in the environment by a parent (another agent's) is not this agent's."""
     monkeypatch.setenv(PEER_LOST_ENV, "/tmp/parent-agent/peer-lost")

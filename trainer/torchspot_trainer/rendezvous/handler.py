@@ -659,9 +659,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
 
     def _state_written(self) -> None:
         """The state key was written (liveness.py's watch): the next look reads it, a round being
-        formed is looked at now, and an agent waiting for its monitor tick (`wait_for_change`) looks."""
+        formed is looked at now, a round being set up is judged now (`setting_up`'s store reads), and
+        an agent waiting for its monitor tick (`wait_for_change`) looks."""
         self._watch.expire()
         self._prompt.wake()
+        self._store.look_again()
         self._changed.set()
 
     def wait_for_change(self, timeout: float) -> None:
