@@ -680,11 +680,11 @@ def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivo
 
 def test_a_joiner_that_waits_for_the_round_after_a_loss_does_not_hold_it(etcd: EtcdServer, run_id: str) -> None:
     """A joiner that asked to join while the survivors' round was still complete waits in the wait list,
-    and moves into the next round only at its own next look. A `joinloss` trial's survivor waited
-    1.05 s in the round after the loss for such a joiner, still starting, then left it out all the
-    same. Here the joiner never looks again (a node no handler drives): a, whose workers train on while
-    a joiner sets up, completes the round after b's loss without it, well within the 10 s join
-    timeout (the 30 s last call would fail it), and the joiner still waits for the round after."""
+    and moves into the next round only at its own next look, which a joiner still starting may make
+    late; the survivors then left it out all the same. Here the joiner never looks again (a node no
+    handler drives): a, whose workers train on while a joiner sets up, completes the round after b's
+    loss without it, well within the 10 s join timeout (the 30 s last call would fail it), and the
+    joiner still waits for the round after."""
     with _trained_pair(etcd, run_id) as (a, b, _, worker):
         joiner = _NodeDesc(addr="node-starting", pid=1, local_id=0)
         holder = _BackendRendezvousStateHolder(a._backend, a._settings, cache_duration=0)

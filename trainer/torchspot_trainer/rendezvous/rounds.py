@@ -120,9 +120,10 @@ def waiting_joiners(expected: frozenset[Any], state: Any) -> frozenset[Any]:
     is not in it (a loss, once the caller knows it gone). Pure. None where `expected` is empty.
 
     Why: a node waits where it asked to join while the round before was still complete, and it moves
-    into the next round only at its own next look. A `joinloss` trial's survivor waited 1.05 s in an
-    open round for such a joiner, its agent still starting, and then deferred it all the same
-    (bench/README.md); without its look the round waited for its last call."""
+    into the next round only at its own next look, which a joiner's agent still starting may take a
+    while to make. The survivors waited for it, and then deferred it all the same; without its look
+    the round waited for its last call. Found reading a `joinloss` trial (bench/README.md), whose
+    second was in the end another's (the store's look); driven by a test, not yet seen in a trial."""
     if not expected or all(member in state.participants for member in expected):
         return frozenset()
     return frozenset(node for node in state.wait_list if node not in expected)
