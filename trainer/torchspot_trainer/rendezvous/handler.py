@@ -713,7 +713,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         departed only while one of them is missing and not already known dead here."""
         round_, previous = self._previous
         members = expected_members(previous, self._newcomers, trained=self._trained(round_))
-        waiting = waiting_joiners(members, state) if self._defers_joins() else frozenset()
+        waiting = waiting_joiners(members, state) if state.wait_list and self._defers_joins() else frozenset()
         gone = frozenset(map(str, members))
         if not complete_early(members, self._this_node, state, self._settings.min_nodes, gone=gone, deferred=waiting):
             return False  # not ready, whoever is gone
