@@ -181,13 +181,13 @@ def _plot(results: list[dict[str, Any]], market: Scenario, rates: dict[int, floa
     plt.close(figure)
 
 
-def _in_place_job(out: Path) -> Path:
-    """torchspot.yaml with the trainer's `--in-place`, written under `out`."""
+def _in_place_job(out: Path, *more: str, name: str = "goodput-inplace") -> Path:
+    """torchspot.yaml with the trainer's `--in-place` and `more` of its flags, named `name`, written under `out`."""
     job = yaml.safe_load((HERE / "torchspot.yaml").read_text())
-    job["metadata"]["name"] = "goodput-inplace"
-    job["spec"]["template"]["spec"]["containers"][0]["args"].append("--in-place")
+    job["metadata"]["name"] = name
+    job["spec"]["template"]["spec"]["containers"][0]["args"] += ["--in-place", *more]
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "torchspot-inplace.yaml"
+    path = out / f"torchspot-{name.removeprefix('goodput-')}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
 

@@ -101,6 +101,49 @@ def test_async_save_runs_in_a_child_process_from_a_boundary_snapshot(tmp_path: P
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_manager_that_saved_on_a_thread_saves_in_a_child_once_told_and_stops_it_when_told_again(
+    tmp_path: Path,
+) -> None:
+    """In place, a rank 0 whose predecessor was lost is told to save in a saver process (train.py's
+    `_ranks_changed`), and stops it once it is another rank: each save's report says where it ran."""
+    folder = tmp_path / "ckpt"
+    reports: list[SaveReport] = []
+    manager = CheckpointManager(LocalStorage(folder), on_report=reports.append)
+    try:
+        manager.save_async(1, _state(1), {})
+        assert manager.wait() is not None
+        assert [manager.saver_pid] == [None]  # (a list: mypy would take the property for None from here on)
+        manager.save_in_child(partial(LocalStorage, folder))
+        assert [manager.saver_pid] == [None]  # started by the next save, not on the re-form's path
+        manager.save_async(2, _state(2), {})
+        pid = manager.saver_pid
+        assert pid is not None
+        assert pid in {child.pid for child in psutil.Process().children()}
+        assert manager.wait() is not None
+        manager.save_in_child(partial(LocalStorage, folder))  # a rank 0 that stays rank 0: the same child
+        manager.save_async(3, _state(3), {})
+        assert manager.saver_pid == pid
+        manager.save_on_thread()  # with step 3 in flight: it is finished, then the child stops
+        report = manager.wait()
+        assert report is not None
+        assert (report.step, report.ok, report.saver) == (3, True, "process")
+        assert [manager.saver_pid] == [None]
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10,
+                 "the saver process to stop")  # fmt: skip
+        manager.save_async(4, _state(4), {})
+        assert manager.wait() is not None
+        emergency = manager.save_sync(5, _state(5), {})
+        assert [(r.step, r.ok, r.saver) for r in reports] == [
+            (1, True, "thread"), (2, True, "process"), (3, True, "process"), (4, True, "thread"), (5, True, "caller")
+        ]  # fmt: skip
+        assert emergency == reports[-1]
+        loaded = manager.load_latest()
+        assert loaded is not None
+        _assert_same(loaded.state, _state(5))
+    finally:
+        manager.close()
+
+
 def test_saver_ignores_sigterm_meant_for_the_pod(tmp_path: Path) -> None:
     """An eviction signals every process of the pod; the trainer decides when saving stops."""
     manager = _manager(tmp_path)

@@ -209,6 +209,12 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
         pids = _generations(read_events(events_path))
         assert sorted(pids) == sorted(node.name for node in [*started, *joined]), pids
         assert all(len(ids) == 1 for ids in pids.values()), pids
+    # Rank 0's checkpoints are written by a saver process after rank 0 was lost too: in place the new
+    # rank 0 starts one (train.py's `_ranks_changed`; before, it saved on a thread for the rest of the
+    # run), by the restart path its new process does. The emergency checkpoint's by its caller.
+    checkpoints = [e for e in read_events(events_path) if e.get("event") == "checkpoint"]
+    assert {e["saver"] for e in checkpoints} <= {"process", "caller"}, checkpoints
+    assert any(e["t"] > hard_at and e["saver"] == "process" for e in checkpoints), checkpoints
     return {"emergency_step": emergency[-1]["step"], "held_step": held_step}
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from torchspot_trainer import ENV_PREFIX, env_switch
+from torchspot_trainer.checkpoint.manager import SAVER_PROCESS, SAVER_THREAD
 from torchspot_trainer.data.loader import DECODERS
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
@@ -29,7 +30,7 @@ CHANNELS = {"cifar10": 3, "imagenet": 3, "digits": 1}
 """Each data set's image channels: the models' first layer takes them (`build_model`)."""
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
-SAVERS = ("process", "thread")
+SAVERS = (SAVER_PROCESS, SAVER_THREAD)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class TrainConfig:
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
     checkpoint_retries: int = 5
     """Attempts per checkpoint save before it is reported failed (training goes on)."""
-    checkpoint_saver: str = "process"
+    checkpoint_saver: str = SAVER_PROCESS
     """Where asynchronous checkpoints are serialized and uploaded: 'process' (a child at lower
     priority, which leaves the training step its GIL and cores) or 'thread'."""
     log_every: int = 20

@@ -69,8 +69,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
-from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.checkpoint.manager import (
+    SAVER_PROCESS,
+    CheckpointConfig,
+    CheckpointManager,
+    SaveReport,
+    step_dir,
+)
+from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
 from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot_trainer.data.loader import (
@@ -821,18 +827,22 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def _open_checkpoints(self, uri: str) -> CheckpointManager:
-        """The checkpoint manager: rank 0's saves in a child process with --checkpoint-saver process.
-        In place, a later rank 0 (its predecessor gone) saves on a thread: the child is started with the
-        manager, by the first generation's rank 0 only."""
+        """The checkpoint manager: rank 0's saves in a child process with --checkpoint-saver process (a
+        later rank 0 in place starts its own: `_ranks_changed`)."""
         config = self.config
-        reopen = partial(open_storage, uri, retries=1, timeout=5.0)
-        saves_in_child = self.rank == 0 and config.checkpoint_saver == "process"
+        reopen = self._reopen_storage(uri)
+        saves_in_child = self.rank == 0 and config.checkpoint_saver == SAVER_PROCESS
         return CheckpointManager(
             reopen(),
             CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
             on_report=self._on_checkpoint,
             reopen=reopen if saves_in_child else None,
         )
+
+    @staticmethod
+    def _reopen_storage(uri: str) -> Callable[[], CheckpointStorage]:
+        """How a saver process opens the checkpoint storage (picklable)."""
+        return partial(open_storage, uri, retries=1, timeout=5.0)
 
     def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
         config = self.config
@@ -1118,7 +1128,17 @@ class Trainer:
                 lap("resume")
 
     def _ranks_changed(self) -> None:
-        """Rank 0's duties (milestones for the operator) follow rank 0 from generation to generation."""
+        """Rank 0's duties (milestones for the operator, checkpoints saved in a saver process) follow rank 0
+        from generation to generation. A rank 0 whose predecessor was lost saved on a thread of its
+        training process before, for the rest of the run: every later checkpoint then slowed its steps
+        (saver.py says why). One that becomes another rank (torch ranks a round's nodes by address: a
+        joiner's may sort first) stops its saver, which would sit idle with a buffer the size of the state."""
+        config = self.config
+        if self.manager is not None and config.checkpoint_saver == SAVER_PROCESS:
+            if self.rank == 0:
+                self.manager.save_in_child(self._reopen_storage(config.checkpoint_uri))
+            else:
+                self.manager.save_on_thread()
         if self.rank == 0 and self._reporter is None:
             self._reporter = CheckpointReporter.from_environment()
         elif self.rank != 0 and self._reporter is not None:

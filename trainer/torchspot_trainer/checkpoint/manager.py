@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -115,6 +115,15 @@ class SaveReport:
     nbytes: int = 0
     attempts: int = 0
     error: str | None = None
+    saver: str = ""
+    """Where it was serialized and uploaded: SAVER_PROCESS (saver.py's child), SAVER_THREAD (a thread
+    of the training process, which takes the step's GIL: saver.py says why that is the fallback), or
+    SAVER_CALLER (`save_sync`'s, on the caller's thread: the emergency checkpoint); empty for a save
+    skipped before it began."""
+
+
+SAVER_PROCESS, SAVER_THREAD, SAVER_CALLER = "process", "thread", "caller"
+"""`SaveReport.saver`'s values."""
 
 
 @dataclass
@@ -220,9 +229,11 @@ class CheckpointWriter:
 
 def open_writer(
     reopen: Callable[[], CheckpointStorage], config: CheckpointConfig, on_retry: RetryHook
-) -> CheckpointWriter:
-    """A writer on storage opened anew (in the saver process, which cannot share the parent's clients)."""
-    return CheckpointWriter(reopen(), config, on_retry=on_retry)
+) -> Callable[[int, Any, dict[str, Any]], SaveReport]:
+    """A writer on storage opened anew (in the saver process, which cannot share the parent's clients),
+    its reports saying so (`SaveReport.saver`)."""
+    writer = CheckpointWriter(reopen(), config, on_retry=on_retry)
+    return lambda step, state, meta: replace(writer(step, state, meta), saver=SAVER_PROCESS)
 
 
 class CheckpointManager:
@@ -252,15 +263,42 @@ class CheckpointManager:
         self._writer = CheckpointWriter(storage, self.config, sleep, on_retry=self._retrying)
         self._on_report = on_report
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._saver = (
-            SaverProcess(partial(open_writer, reopen, self.config), self._done, self._retrying) if reopen else None
-        )
+        self._saver = self._new_saver(reopen) if reopen else None
+        self._saver_later: Callable[[], CheckpointStorage] | None = None
+        """The storage's `reopen` for a saver process started at the next save (`save_in_child`)."""
         self._pending: Future[SaveReport] | None = None
         self._pending_step = -1
+        self._pending_in_child = False
+        """Whether the save in flight went to a saver process (whose death fails its future)."""
         self._pending_retrying = False
         self._lock = threading.Lock()
         self.last_committed: int | None = None
         self.last_error: str | None = None
+
+    def _new_saver(self, reopen: Callable[[], CheckpointStorage]) -> SaverProcess:
+        return SaverProcess(partial(open_writer, reopen, self.config), self._done, self._retrying)
+
+    def save_in_child(self, reopen: Callable[[], CheckpointStorage]) -> None:
+        """Save in a saver process from the next save on, where saves run on a thread (a manager made
+        without `reopen`). For a process that becomes the saving one after its manager was made: in place,
+        a rank 0 whose predecessor was lost, which otherwise saved on a thread for the rest of the run,
+        its CPU-bound steps slowed by every save (saver.py says why). Started at that save rather than
+        now, so a re-form does not wait for it (forked from the warm server it takes milliseconds, as
+        a new interpreter seconds). A saver that runs is kept; after one died, this starts another."""
+        with self._lock:
+            if self._saver is None:
+                self._saver_later = reopen
+
+    def save_on_thread(self) -> None:
+        """Stop the saver process, if one runs, and save on a thread from now on: for a process that is no
+        longer the saving one (in place, a rank 0 that became another rank where a joiner's address sorts
+        first), so its idle child and the shared buffer the size of the state are not kept for the rest
+        of the run. The child stops in the background once a save in flight is done (`SaverProcess.close`):
+        the caller's training does not wait for it."""
+        with self._lock:
+            saver, self._saver, self._saver_later = self._saver, None, None
+        if saver is not None:
+            threading.Thread(target=saver.close, name="torchspot-saver-stop", daemon=True).start()
 
     @property
     def saver_pid(self) -> int | None:
@@ -319,12 +357,19 @@ class CheckpointManager:
                 log.info("checkpoint step %d skipped: a notice came while step %d was saving", step, previous)
                 return time.perf_counter() - started
         with self._lock:
+            if self._saver is None and self._saver_later is not None:
+                reopen, self._saver_later = self._saver_later, None
+                try:
+                    self._saver = self._new_saver(reopen)
+                except OSError as exc:  # (out of processes or memory): the thread still saves
+                    log.warning("checkpoint saver process did not start (%s); saving on a thread", exc)
             if self._saver is not None and not self._saver.alive:
                 log.warning("checkpoint saver process is gone; saving on a thread from now on")
                 self._saver.close()
                 self._saver = None
             self._pending_step = step
             self._pending_retrying = False
+            self._pending_in_child = self._saver is not None
             if self._saver is not None:
                 try:
                     self._pending = self._saver.submit(step, state, dict(meta))
@@ -332,14 +377,15 @@ class CheckpointManager:
                     log.warning("checkpoint saver process is gone (%s); saving on a thread from now on", exc)
                     self._saver.close()
                     self._saver = None
+                    self._pending_in_child = False
             if self._saver is None:
-                self._pending = self._executor.submit(self._save, step, snapshot(state), dict(meta))
+                self._pending = self._executor.submit(self._save, step, snapshot(state), dict(meta), SAVER_THREAD)
         return time.perf_counter() - started
 
     def save_sync(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> SaveReport:
         """Save now, on this thread, and return when committed (or failed): for evictions."""
         self.wait()
-        return self._save(step, snapshot(state), dict(meta))
+        return self._save(step, snapshot(state), dict(meta), SAVER_CALLER)
 
     def wait(self, timeout: float | None = None) -> SaveReport | None:
         """Block until the save in flight (if any) finished; return its outcome.
@@ -357,9 +403,9 @@ class CheckpointManager:
         except TimeoutError:
             return None
         except RuntimeError as exc:
-            if self._saver is None:
+            if not self._pending_in_child:
                 raise
-            report = SaveReport(self._pending_step, False, 0.0, error=str(exc))
+            report = SaveReport(self._pending_step, False, 0.0, error=str(exc), saver=SAVER_PROCESS)
             self._done(report)
             return report
         finally:
@@ -376,8 +422,8 @@ class CheckpointManager:
             self._saver = None
         self._executor.shutdown(wait=True)
 
-    def _save(self, step: int, state: Any, meta: dict[str, Any]) -> SaveReport:
-        report = self._writer(step, state, meta)
+    def _save(self, step: int, state: Any, meta: dict[str, Any], where: str) -> SaveReport:
+        report = replace(self._writer(step, state, meta), saver=where)
         self._done(report)
         return report
 
