@@ -13,9 +13,9 @@ update after the all-reduce (a fault between the all-reduce and the optimizer st
 committed) and waits for a new assignment. `PLANE`: `host` (the gloo group carries everything, as on
 CPU) or `separate` (`SeparateGloo`: the data on a group of its own, as NCCL's on a GPU).
 
-It writes `FOLDER/progress-<node>.json` after each step (generation, committed steps by generation)
-and, when it has committed the number of steps `FOLDER/stop` names or it is left out of an
-assignment, `FOLDER/result-<node>.json`:
+It writes `FOLDER/progress-<node>.json` after each step (generation, committed steps by generation,
+old groups held, gloo event loops alive) and, when it has committed the number of steps
+`FOLDER/stop` names or it is left out of an assignment, `FOLDER/result-<node>.json`:
 the weight, the counts, and each re-form's seconds from the verdict (the new assignment's file) to
 the first step done in the new generation, and the plane's counts (data groups retired, device probes).
 """
@@ -60,6 +60,19 @@ class SeparateGloo(HostPlane):
 
     def abort(self, group: Any) -> None:
         group.abort()
+
+
+def gloo_loops() -> int:
+    """This process's gloo event-loop threads: one per gloo group alive (each has a device of its own),
+    gone when the group is freed and its sockets closed."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return names.count("gloo_tcp_loop")
 
 
 def read_assignment(folder: Path, node: str) -> Assignment | None:
@@ -117,8 +130,9 @@ def main(node: str, folder_text: str, partial: str = "-1", plane: str = "host") 
                 reforms.append(time.monotonic() - verdict)
                 verdict = None
             (folder / f"progress-{node}.json").write_text(
-                json.dumps({"generation": generation, "counts": counts.tolist()})
-            )
+                json.dumps({"generation": generation, "counts": counts.tolist(), "graves": live.graves(),
+                            "loops": gloo_loops()})
+            )  # fmt: skip
             time.sleep(0.01)
             continue
         w.copy_(before)

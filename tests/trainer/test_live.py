@@ -84,6 +84,13 @@ class Job:
         except (OSError, ValueError):
             return [0.0] * 4
 
+    def progress(self, node: str, key: str) -> int:
+        """A number of `node`'s last progress file (-1 before its first)."""
+        try:
+            return int(json.loads((self.folder / f"progress-{node}.json").read_text())[key])
+        except (OSError, ValueError, KeyError):
+            return -1
+
     def reached(self, nodes: list[str], generation: int, steps: int) -> bool:
         return all(self.counts(node)[generation] >= steps for node in nodes)
 
@@ -499,6 +506,14 @@ def enter(generation):
         thread.start()
     for thread in threads:
         thread.join(20)
+def loops():
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    return names.count("gloo_tcp_loop")
+def settled(graves):  # the graves held once the reaper got to them: (graves, gloo loops, seconds)
+    began = time.monotonic()
+    while [live.graves() for live in lives] != graves and time.monotonic() - began < 5:
+        time.sleep(0.01)
+    return [live.graves() for live in lives], loops(), round(time.monotonic() - began, 1)
 enter(1)
 for live in lives:  # each rank's bucket of a step that then broke: posted, never waited for
     live.post(torch.ones(4), control=False, owned=True)
@@ -507,31 +522,37 @@ while any(live._staging for live in lives) and time.monotonic() < ended:
     time.sleep(0.01)
 print([len(live._staging) for live in lives])
 enter(2)
-enter(3)  # a grave is looked at when the next one is dug
-print([live.graves() for live in lives])
+print(*settled([0, 0]))
 finish = lives[0].post(torch.ones(4), control=False, owned=True)  # rank 1 never takes part: in flight
-enter(4)
-enter(5)
-print([live.graves() for live in lives], finish(time.monotonic() + 5).value)
+for generation in (3, 4):  # rank 0 goes on alone; rank 1 stays in generation 2, its group open
+    assert lives[0].reconfigure(Assignment(generation, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+time.sleep(1)  # well past REAP_SECONDS: generation 3 let go, the one in flight held
+print(lives[0].graves(), loops(), finish(time.monotonic() + 5).value)
 sys.stdout.flush()
 os._exit(0)  # rank 0's abandoned all-reduce's thread is still in gloo
 """
 
 
-@pytest.mark.slow(seconds=3)
+@pytest.mark.slow(seconds=4)
 def test_a_collective_never_waited_for_is_let_go_when_it_ends_and_its_generation_with_it() -> None:
     """A step's gradient buckets are posted during its backward pass and, when the step breaks
     first, never waited for. Each one's copy is held with its generation only until the collective
-    ends (`LiveGroup._hold`), so the generation's grave is let go at the next re-form, not after
-    the op timeout: a soak's graveyard otherwise filled within the op timeout and a worker fell
-    back to a restart (bench/README.md). One still in flight (a peer that never took part) keeps
-    its generation held, and waited for after the generation was left it says so. Two real gloo
-    ranks in a process of their own (its group threads must not be there when another test forks)."""
+    ends (`LiveGroup._hold`), and the generation's grave is let go as soon as it is left, by the
+    reaper, not after the op timeout (a soak's graveyard then filled within it and a worker fell back
+    to a restart: bench/README.md) nor at the next re-form (a dead peer's group spun its loop until
+    then: live.py's module docstring); its gloo loop goes with it. One still in flight (a peer that
+    never took part) keeps its generation held, and waited for after the generation was left it says
+    so. Two real gloo ranks in a process of their own (its group threads must not be there when
+    another test forks)."""
     done = subprocess.run([sys.executable, "-c", _UNWAITED], check=True, capture_output=True, text=True, timeout=60)
     ended, let_go, in_flight = done.stdout.split("\n")[:3]
     assert ended == "[0, 0]"
-    assert let_go == "[1, 1]"  # generation 2 only: 1 had nothing in flight (held to the op timeout: [2, 2])
-    assert in_flight == "[2, 1] broken"  # generation 4, and on rank 0 generation 3, which holds its op
+    graves, loops, seconds = let_go.rsplit(" ", 2)
+    assert (graves, loops) == ("[0, 0]", "2")  # generation 1 gone; each rank's generation 2 left
+    assert float(seconds) < 1.0
+    # Rank 0 holds generation 2 (its op in flight; rank 1 is there, its group open) and trains in 4:
+    # the loops of those two and rank 1's generation 2
+    assert in_flight == "1 3 broken"
 
 
 def test_buckets_deal_the_parameters_in_reverse_closing_at_their_caps() -> None:
@@ -605,13 +626,19 @@ def test_newest_is_the_max_step_and_the_lowest_rank_holding_it(
 
 @pytest.mark.slow(seconds=12)
 def test_survivors_of_a_kill_go_on_in_the_same_processes(tmp_path: Path) -> None:
+    """And the killed generation's group is let go at once, its gloo loop gone with it: held until the
+    next re-form, such a group's loop spun at half a core beside a goodput run's training for 70 s
+    (live.py's module docstring). The survivors' failed all-reduce ended: nothing of it can run."""
     job = Job(tmp_path, {"a": "-1", "b": "-1", "c": "-1"})
     try:
         job.assign({"a": 0, "b": 1, "c": 2})
         wait_for(lambda: job.reached(["a", "b", "c"], 0, 10), 60, "three ranks training")
+        assert [job.progress(node, "loops") for node in "abc"] == [1, 1, 1]
         job.procs["c"].kill()
         job.assign({"a": 0, "b": 1})  # the agents' verdict
         wait_for(lambda: job.reached(["a", "b"], 1, 10), 30, "the survivors training at world 2")
+        wait_for(lambda: all(job.progress(node, "graves") == 0 for node in "ab"), 5, "generation 0 let go")
+        wait_for(lambda: all(job.progress(node, "loops") == 1 for node in "ab"), 5, "its gloo loop gone")
         results = job.finish(["a", "b"])
         _check(job, results)
         assert all(len(r["reforms"]) == 1 for r in results.values())

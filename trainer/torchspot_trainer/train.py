@@ -494,10 +494,15 @@ class Trainer:
             try:
                 if not self._train_on(run):
                     break
+                continue
             except (GroupChanged, GroupBroken) as exc:
                 if self._in_place is None:  # the restart path: train() leaves, the agents re-form
                     raise
-                self._reform(run, failed=isinstance(exc, GroupChanged) and exc.failed)
+                failed = isinstance(exc, GroupChanged) and exc.failed
+            # Out of the handler: its traceback holds the broken step's frames, and they the group
+            # being left (its buckets' collectives). Held through the re-form, that group outlived its
+            # grave, and its sockets stayed open while its loop spun (live.py's module docstring).
+            self._reform(run, failed=failed)
         self._watchdog.armed = False  # the final save is not a step
         if self.manager is not None:
             if self.rank == 0:

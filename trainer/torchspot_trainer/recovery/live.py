@@ -18,9 +18,16 @@ step: train.py's `_heal`). What experiments with gloo showed, and how this modul
   as a flag (`Outcome`), never by hanging.
 - **An old group's destructor blocks for its op timeout** (about 10 s with a 10 s timeout) while a
   zombie op is pending: old groups go to a *graveyard* that holds them, never freed on the training
-  thread (a grave is let go on a thread of its own once the op timeout has passed, or at once if no
-  collective of it was abandoned in flight); at most `GRAVEYARD` at once, after which the worker
-  must take the restart path.
+  thread (a grave is let go by a reaper thread as soon as no op of it can run: once its last
+  collective ended, or once the op timeout has passed); at most `GRAVEYARD` at once, after which the
+  worker must take the restart path.
+- **A group whose peer died can spin its event loop until it is freed**: a survivor's ring
+  all-reduce that failed on the dead peer gives up its receive buffer while the live neighbour's
+  data for it is still on the way; gloo's loop then finds the socket readable and nowhere to read
+  into, on every turn (level-triggered epoll), and uses a whole core until the group's sockets
+  close. Neither `abort()` nor `shutdown()` closes them (both are no-ops for gloo in torch 2.13):
+  only the group's release does, so a grave is let go the moment it can be, not at the next re-form
+  (bench/README.md, "a dead group's spinning loop").
 - **gloo's constructor blocks until every rank of the generation has come**: a group is built on a
   thread of its own and abandoned when a newer round arrives first (a rank that moved on never comes).
 - **One TCPStore client serialises every thread that shares it**: each generation has a client of
@@ -72,6 +79,9 @@ GRAVEYARD = 8
 """Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
 once the op timeout has passed; one with no op abandoned in flight at once); beyond it a worker takes
 the restart path instead of another re-form."""
+REAP_SECONDS = 0.5
+"""The longest the reaper sleeps while graves are held: a collective's end and a new grave wake it at
+once; a data group's retirement and the op timeout's horizon are looked at so."""
 
 
 SIZES_TAG, STATE_TAG = 1, 2
@@ -214,6 +224,11 @@ class LiveGroup:
         """No work of the data group abandoned in flight or failed (a shrink may then go without abort)."""
         self._store: Any = None
         self._graveyard: list[_Grave] = []
+        self._graves = threading.Lock()
+        """Guards `_graveyard`, which the reaper thread empties beside the training thread's re-forms."""
+        self._wake_reaper = threading.Event()
+        self._reaper: threading.Thread | None = None
+        """Runs while graves are held (`_dig`, `_reaping`)."""
         self._sending: list[tuple[Any, torch.Tensor]] = []
         """Sends posted and not yet seen ended (`post_send`), each with its buffer."""
         self._staging: dict[int, torch.Tensor] = {}
@@ -294,20 +309,22 @@ class LiveGroup:
     def _leave(self) -> Parent | None:
         """The current generation to the graveyard (its data group handed on as the next build's
         `Parent`); raises RuntimeError where `reconfigure` says."""
-        self._reap()
-        if len(self._graveyard) >= GRAVEYARD:
+        with self._graves:
+            self._reap()
+            held = list(self._graveyard)
+        if len(held) >= GRAVEYARD:
             raise RuntimeError(f"{GRAVEYARD} old groups still held: restart instead of another re-form")
         now = time.monotonic()
-        if any(grave.parent.stuck(now) for grave in self._graveyard):
+        if any(grave.parent.stuck(now) for grave in held):
             raise RuntimeError("an old communicator's abort has not returned: restart instead of another re-form")
         parent = None
         if self._group is not None:
             previous = self._require()
             parent = Parent(
                 self._data if self.plane.separate else None, previous.generation, previous.rank, previous.world,
-                clean=self._clean, abort=self.plane.abort,
+                clean=self._clean, abort=self.plane.abort, on_retired=self._wake_reaper.set,
             )  # fmt: skip
-            self._graveyard.append(_Grave(self._group, parent, self._store, self._staging, now))
+            self._dig(_Grave(self._group, parent, self._store, self._staging, now))
             self.retirements += parent.group is not None
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
         self._staging, self._sending = {}, []
@@ -419,7 +436,31 @@ class LiveGroup:
         """An abandoned group build: held like a generation's grave (nothing of it to retire)."""
         parent = Parent(None, self.generation, -1, 0, clean=True, abort=None)
         parent.retire()
-        self._graveyard.append(_Grave(builder, parent, None, {}, time.monotonic()))
+        self._dig(_Grave(builder, parent, None, {}, time.monotonic()))
+
+    def _dig(self, grave: _Grave) -> None:
+        """Hold `grave` until no op of it can run, and have the reaper look at once: a generation left
+        after a peer died may already be free to go, and until it goes its loop may spin (module
+        docstring). The reaper thread runs while graves are held."""
+        with self._graves:
+            self._graveyard.append(grave)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reaping, name="torchspot-reaper", daemon=True)
+                self._reaper.start()
+        self._wake_reaper.set()
+
+    def _reaping(self) -> None:
+        """The reaper: `_reap` whenever a collective ends or a grave is dug, and every REAP_SECONDS,
+        until the graveyard is empty. Goodput runs 28-31 (bench/README.md) lost 20-25 s of training
+        per hard loss while a dead generation waited for the next re-form's look, its loop spinning."""
+        while True:
+            self._wake_reaper.wait(REAP_SECONDS)
+            self._wake_reaper.clear()  # before the look: a wake during it is not lost
+            with self._graves:
+                self._reap()
+                if not self._graveyard:
+                    self._reaper = None
+                    return
 
     def _reap(self) -> None:
         """Let go, on a thread of their own, of the graves no op of which can still run: those whose
@@ -427,7 +468,7 @@ class LiveGroup:
         timed out by then) or have no collective abandoned in flight (no staging copy held: each is
         released when its op completes). A destructor that still blocks blocks nobody who trains.
         Without the second kind, a soak of 40 faults a minute (bench/soak) filled the graveyard with
-        idle groups within the op timeout and fell back to a restart."""
+        idle groups within the op timeout and fell back to a restart. Called with `_graves` held."""
         horizon = time.monotonic() - self.op_timeout.total_seconds()
         old: list[_Grave] = []
         kept: list[_Grave] = []
@@ -436,7 +477,7 @@ class LiveGroup:
             (old if done else kept).append(grave)
         if old:
             self._graveyard = kept
-            threading.Thread(target=old.clear, name="torchspot-reaper", daemon=True).start()
+            threading.Thread(target=old.clear, name="torchspot-release", daemon=True).start()
 
     def all_reduce(self, tensor: torch.Tensor, deadline: float, *, control: bool = False) -> Outcome:
         """Sum `tensor` over the group, in place, through a staging copy (module docstring); the
@@ -544,18 +585,20 @@ class LiveGroup:
 
     def graves(self) -> int:
         """Old groups held (for tests and logs)."""
-        return len(self._graveyard)
+        with self._graves:
+            return len(self._graveyard)
 
     def retiring(self) -> int:
         """Old data groups whose abort has not returned yet (for tests and logs)."""
-        return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
+        with self._graves:
+            return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
 
     def _hold(self, group: Any, work: Any, staging: torch.Tensor) -> None:
         """Hold `staging`, which `work` writes into, with the generation while a zombie may still
         write: a host (gloo) collective lets it go itself as it ends, completed or failed (its
         future's callback), whether or not anyone waits for it. So a grave whose collectives have
-        all ended is let go at the next re-form (`_reap`). A step's gradient buckets are posted and
-        then not waited for when the step breaks first (a peer killed: the update's all-reduce
+        all ended is let go as the last one ends (its callback wakes the reaper). A step's gradient
+        buckets are posted and then not waited for when the step breaks first (a peer killed: the update's all-reduce
         fails before them); held until the op timeout, their copies kept a soak's generations in
         the graveyard (one every few seconds, 30 s each): 7 held of the 8 at which a worker falls
         back to a restart (bench/README.md). A device communicator's future may complete as its work is queued
@@ -569,6 +612,8 @@ class LiveGroup:
         def ended(_future: Any) -> None:
             if held.get(key) is staging:  # (this closure keeps `staging`, so its id names no other tensor)
                 held.pop(key, None)  # (`_wait` may pop it meanwhile)
+            if not held and held is not self._staging:  # its generation's last: the grave may go now
+                self._wake_reaper.set()
 
         work.get_future().add_done_callback(ended)
 

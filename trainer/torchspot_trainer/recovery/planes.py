@@ -182,8 +182,17 @@ class Parent:
     from, and what is then retired (aborted on a thread of its own, once) while the new one forms."""
 
     def __init__(
-        self, group: Any, generation: int, rank: int, world: int, *, clean: bool, abort: Callable[[Any], None] | None
+        self,
+        group: Any,
+        generation: int,
+        rank: int,
+        world: int,
+        *,
+        clean: bool,
+        abort: Callable[[Any], None] | None,
+        on_retired: Callable[[], None] = lambda: None,
     ) -> None:
+        """`on_retired`: called once `retired` is set (the graveyard's reaper looks then: live.py)."""
         self.group = group
         self.generation = generation
         self.rank = rank
@@ -194,6 +203,7 @@ class Parent:
         """Set when its abort has returned (at once when there is nothing to abort): until then the
         generation's grave keeps its staging copies, which the aborted kernels may still write."""
         self._abort = abort
+        self._on_retired = on_retired
         self._lock = threading.Lock()
         self.retiring_since: float | None = None
 
@@ -204,7 +214,7 @@ class Parent:
                 return
             self.retiring_since = time.monotonic()
         if self._abort is None or self.group is None:
-            self.retired.set()
+            self._retired()
             return
         abort, group = self._abort, self.group
 
@@ -213,9 +223,13 @@ class Parent:
                 abort(group)
             except Exception as exc:  # an abort that fails has nothing more to end
                 log.warning("generation %d: the old communicator's abort failed (%s)", self.generation, exc)
-            self.retired.set()
+            self._retired()
 
         threading.Thread(target=run, name=f"torchspot-retire-{self.generation}", daemon=True).start()
+
+    def _retired(self) -> None:
+        self.retired.set()
+        self._on_retired()
 
     def stuck(self, now: float, limit: float = RETIRE_SECONDS) -> bool:
         """Whether its abort has run longer than `limit` seconds without returning."""
