@@ -526,8 +526,13 @@ print(*settled([0, 0]))
 finish = lives[0].post(torch.ones(4), control=False, owned=True)  # rank 1 never takes part: in flight
 for generation in (3, 4):  # rank 0 goes on alone; rank 1 stays in generation 2, its group open
     assert lives[0].reconfigure(Assignment(generation, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
-time.sleep(1)  # well past REAP_SECONDS: generation 3 let go, the one in flight held
-print(lives[0].graves(), loops(), finish(time.monotonic() + 5).value)
+began = time.monotonic()
+while lives[0].graves() and time.monotonic() - began < 5:
+    time.sleep(0.01)
+gone = time.monotonic() - began
+began = time.monotonic()
+alone = lives[1].all_reduce(torch.ones(4), time.monotonic() + 30)  # rank 1, still in generation 2
+print(lives[0].graves(), gone < 1.0, finish(time.monotonic() + 5).value, alone.value, time.monotonic() - began < 1.0)
 sys.stdout.flush()
 os._exit(0)  # rank 0's abandoned all-reduce's thread is still in gloo
 """
@@ -540,19 +545,19 @@ def test_a_collective_never_waited_for_is_let_go_when_it_ends_and_its_generation
     ends (`LiveGroup._hold`), and the generation's grave is let go as soon as it is left, by the
     reaper, not after the op timeout (a soak's graveyard then filled within it and a worker fell back
     to a restart: bench/README.md) nor at the next re-form (a dead peer's group spun its loop until
-    then: live.py's module docstring); its gloo loop goes with it. One still in flight (a peer that
-    never took part) keeps its generation held, and waited for after the generation was left it says
-    so. Two real gloo ranks in a process of their own (its group threads must not be there when
-    another test forks)."""
+    then: live.py's module docstring); its gloo loop goes with it. A generation left with one still
+    in flight (a peer that never took part) has its connections closed by the reaper: that collective
+    fails, the grave goes within a second, not at the op timeout (60 s here), waited for after the
+    generation was left it says so, and the peer still in that generation finds its connection
+    closed: its next collective fails at once instead of waiting there. Two real gloo ranks in a
+    process of their own (its group threads must not be there when another test forks)."""
     done = subprocess.run([sys.executable, "-c", _UNWAITED], check=True, capture_output=True, text=True, timeout=60)
     ended, let_go, in_flight = done.stdout.split("\n")[:3]
     assert ended == "[0, 0]"
     graves, loops, seconds = let_go.rsplit(" ", 2)
     assert (graves, loops) == ("[0, 0]", "2")  # generation 1 gone; each rank's generation 2 left
     assert float(seconds) < 1.0
-    # Rank 0 holds generation 2 (its op in flight; rank 1 is there, its group open) and trains in 4:
-    # the loops of those two and rank 1's generation 2
-    assert in_flight == "1 3 broken"
+    assert in_flight == "0 True broken failed True"
 
 
 def test_buckets_deal_the_parameters_in_reverse_closing_at_their_caps() -> None:

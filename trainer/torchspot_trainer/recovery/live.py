@@ -21,13 +21,15 @@ step: train.py's `_heal`). What experiments with gloo showed, and how this modul
   thread (a grave is let go by a reaper thread as soon as no op of it can run: once its last
   collective ended, or once the op timeout has passed); at most `GRAVEYARD` at once, after which the
   worker must take the restart path.
-- **A group whose peer died can spin its event loop until it is freed**: a survivor's ring
+- **A group whose peer died can spin its event loop until its sockets close**: a survivor's ring
   all-reduce that failed on the dead peer gives up its receive buffer while the live neighbour's
   data for it is still on the way; gloo's loop then finds the socket readable and nowhere to read
-  into, on every turn (level-triggered epoll), and uses a whole core until the group's sockets
-  close. Neither `abort()` nor `shutdown()` closes them (both are no-ops for gloo in torch 2.13):
-  only the group's release does, so a grave is let go the moment it can be, not at the next re-form
-  (bench/README.md, "a dead group's spinning loop").
+  into, on every turn (level-triggered epoll), and uses a whole core. Neither `abort()` nor
+  `shutdown()` closes them (both are no-ops for gloo in torch 2.13), and freeing the group does not
+  while a collective of it runs (one stuck behind the spinning socket runs to the op timeout). So
+  the reaper looks at a grave the moment it is dug, not at the next re-form, lets it go if nothing
+  of it runs, and otherwise closes its connections first (`close_connections`), which fails what
+  runs; a zombie then never writes at all (bench/README.md, "a dead group's spinning loop").
 - **gloo's constructor blocks until every rank of the generation has come**: a group is built on a
   thread of its own and abandoned when a newer round arrives first (a rank that moved on never comes).
 - **One TCPStore client serialises every thread that shares it**: each generation has a client of
@@ -87,6 +89,10 @@ once; a data group's retirement and the op timeout's horizon are looked at so.""
 SIZES_TAG, STATE_TAG = 1, 2
 """The tags of a heal's two sends to a receiver (`send_state`, `StateArrival`): the state's sizes, then
 its buffer. A generation's group is new, so its tags are too."""
+CLOSE_TAG = 0x70_00_00_01
+"""The tag of `close_connections`'s receive, which nobody sends on."""
+CLOSE_WAIT = timedelta(milliseconds=1)
+"""How long that receive is waited for: its timeout is what closes the group's connections."""
 SEND_SETTLED = timedelta(milliseconds=50)
 """How long `_settle_sends` waits for a send it expects ended (a positive timeout: gloo's wait takes
 zero for none)."""
@@ -107,6 +113,37 @@ class _Grave:
     staging: dict[int, torch.Tensor]
     """Buffers a collective or send of it may still write or read, by id (`LiveGroup._staging`)."""
     since: float
+    closed: bool = False
+    """Its connections were closed (`close_connections`) while a collective of it was in flight."""
+
+
+def close_connections(group: Any) -> bool:
+    """Close every connection of a gloo `group` that a generation left with collectives in flight.
+
+    Freeing a gloo group closes its sockets, but not while a collective of it runs, and neither
+    `abort()` nor `shutdown()` does anything for gloo (torch 2.13). A collective stuck on a peer
+    that is gone would hold them until the op timeout (30 s), and its group's event loop may spin a
+    core meanwhile (module docstring). A receive from a peer, waited for with a timeout, is the one
+    door gloo leaves: its timeout makes the group's context signal every connection (gloo's
+    "Application timeout caused pair closure"), each is closed, and every collective in flight fails
+    at once. The peers still in that generation see their connections closed, as after a crash.
+    Called on the reaper's thread (about 10 ms here). True when the connections were closed; False
+    when every one had failed already (nothing left open) or the receive completed (it cannot: nobody
+    sends on CLOSE_TAG)."""
+    rank, world = group.rank(), group.size()
+    for peer in range(world):
+        if peer == rank:
+            continue
+        try:
+            work = group.recv([torch.zeros(1)], peer, CLOSE_TAG)
+        except RuntimeError:  # this connection failed already: it is closed
+            continue
+        try:
+            work.wait(CLOSE_WAIT)
+        except RuntimeError:  # the timeout: every connection of the group closed with it
+            return True
+        return False
+    return False
 
 
 class _Build:
@@ -451,8 +488,10 @@ class LiveGroup:
 
     def _reaping(self) -> None:
         """The reaper: `_reap` whenever a collective ends or a grave is dug, and every REAP_SECONDS,
-        until the graveyard is empty. Goodput runs 28-31 (bench/README.md) lost 20-25 s of training
-        per hard loss while a dead generation waited for the next re-form's look, its loop spinning."""
+        until the graveyard is empty; a grave with a collective still in flight has its connections
+        closed first (`close_connections`), so that collective fails and the grave goes. Goodput runs
+        28-31 (bench/README.md) lost 20-25 s of training per hard loss while a dead generation waited
+        for the next re-form's look, its loop spinning."""
         while True:
             self._wake_reaper.wait(REAP_SECONDS)
             self._wake_reaper.clear()  # before the look: a wake during it is not lost
@@ -461,6 +500,12 @@ class LiveGroup:
                 if not self._graveyard:
                     self._reaper = None
                     return
+                closing = [grave for grave in self._graveyard if grave.staging and not grave.closed]
+                for grave in closing:
+                    grave.closed = True
+            for grave in closing:  # outside the lock: the re-form's `_leave` does not wait for it
+                if isinstance(grave.control, dist.ProcessGroupGloo):
+                    close_connections(grave.control)
 
     def _reap(self) -> None:
         """Let go, on a thread of their own, of the graves no op of which can still run: those whose
