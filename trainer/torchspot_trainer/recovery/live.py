@@ -42,6 +42,7 @@ communicator for the gradients and a heal's state, made, aborted and probed by i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -117,7 +118,7 @@ class _Grave:
     """Its connections were closed (`close_connections`) while a collective of it was in flight."""
 
 
-def close_connections(group: Any) -> bool:
+def close_connections(group: Any) -> None:
     """Close every connection of a gloo `group` that a generation left with collectives in flight.
 
     Freeing a gloo group closes its sockets, but not while a collective of it runs, and neither
@@ -127,9 +128,8 @@ def close_connections(group: Any) -> bool:
     door gloo leaves: its timeout makes the group's context signal every connection (gloo's
     "Application timeout caused pair closure"), each is closed, and every collective in flight fails
     at once. The peers still in that generation see their connections closed, as after a crash.
-    Called on the reaper's thread (about 10 ms here). True when the connections were closed; False
-    when every one had failed already (nothing left open) or the receive completed (it cannot: nobody
-    sends on CLOSE_TAG)."""
+    Called on the reaper's thread (about 10 ms here). Where every connection failed already, nothing
+    is left open to close."""
     rank, world = group.rank(), group.size()
     for peer in range(world):
         if peer == rank:
@@ -138,12 +138,9 @@ def close_connections(group: Any) -> bool:
             work = group.recv([torch.zeros(1)], peer, CLOSE_TAG)
         except RuntimeError:  # this connection failed already: it is closed
             continue
-        try:
-            work.wait(CLOSE_WAIT)
-        except RuntimeError:  # the timeout: every connection of the group closed with it
-            return True
-        return False
-    return False
+        with contextlib.suppress(RuntimeError):  # the timeout: every connection of the group closed with it
+            work.wait(CLOSE_WAIT)  # (it cannot complete: nobody sends on CLOSE_TAG)
+        return
 
 
 class _Build:
@@ -504,8 +501,7 @@ class LiveGroup:
                 for grave in closing:
                     grave.closed = True
             for grave in closing:  # outside the lock: the re-form's `_leave` does not wait for it
-                if isinstance(grave.control, dist.ProcessGroupGloo):
-                    close_connections(grave.control)
+                close_connections(grave.control)  # (a generation's gloo group: a buried build holds no staging)
 
     def _reap(self) -> None:
         """Let go, on a thread of their own, of the graves no op of which can still run: those whose
