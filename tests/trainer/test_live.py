@@ -496,6 +496,7 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.live import LiveGroup
+from live_worker import gloo_loops  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=60)) for _ in range(2)]
 def enter(generation):
@@ -506,14 +507,11 @@ def enter(generation):
         thread.start()
     for thread in threads:
         thread.join(20)
-def loops():
-    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-    return names.count("gloo_tcp_loop")
 def settled(graves):  # the graves held once the reaper got to them: (graves, gloo loops, seconds)
     began = time.monotonic()
     while [live.graves() for live in lives] != graves and time.monotonic() - began < 5:
         time.sleep(0.01)
-    return [live.graves() for live in lives], loops(), round(time.monotonic() - began, 1)
+    return [live.graves() for live in lives], gloo_loops(), round(time.monotonic() - began, 1)
 enter(1)
 for live in lives:  # each rank's bucket of a step that then broke: posted, never waited for
     live.post(torch.ones(4), control=False, owned=True)
@@ -551,7 +549,8 @@ def test_a_collective_never_waited_for_is_let_go_when_it_ends_and_its_generation
     generation was left it says so, and the peer still in that generation finds its connection
     closed: its next collective fails at once instead of waiting there. Two real gloo ranks in a
     process of their own (its group threads must not be there when another test forks)."""
-    done = subprocess.run([sys.executable, "-c", _UNWAITED], check=True, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", _UNWAITED], check=True, capture_output=True, text=True, timeout=60,
+                          cwd=WORKER.parent)  # fmt: skip
     ended, let_go, in_flight = done.stdout.split("\n")[:3]
     assert ended == "[0, 0]"
     graves, loops, seconds = let_go.rsplit(" ", 2)
