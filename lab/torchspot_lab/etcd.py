@@ -8,6 +8,7 @@ wrapper, so stopping the wrapper would leave etcd running; we start the binary i
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -181,6 +182,17 @@ class EtcdServer(LocalService):
         if down_for:
             time.sleep(down_for)
         self.start()
+
+    def stall(self, seconds: float) -> None:
+        """Answer nothing for `seconds` (the process stopped, its connections kept), as etcd does while
+        its write-ahead log's fsync waits behind another writer on the same disk: the goodput market
+        saw 0.3-0.5 s stalls while checkpoints were written (bench/README.md, run 35)."""
+        assert self._proc is not None, "etcd is not running"
+        self._proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            self._proc.send_signal(signal.SIGCONT)
 
     def client(self) -> EtcdClient:
         """A client for this server, with its client certificate if it demands one (the caller closes it)."""

@@ -19,8 +19,9 @@ from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import wait_for
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV
+from torchspot_trainer.rendezvous.backend import RunLease
 from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler
-from torchspot_trainer.rendezvous.liveness import stale_members
+from torchspot_trainer.rendezvous.liveness import Liveness, held_up, stale_members
 
 AGENT = Path(__file__).with_name("liveness_agent.py")
 
@@ -46,6 +47,76 @@ def test_a_step_completed_with_every_member_counts_as_a_receipt_from_each(
     """b's last put 1.5 s ago, but a local worker's step completed with it 0.5 s ago: alive then."""
     receipts = {"me": 9.9, "a": 9.5, "b": 8.5}
     assert stale_members(receipts, {"me", "a", "b"}, "me", now=10.0, timeout=1.0, proven=proven) == stale
+
+
+@pytest.mark.parametrize(("held", "stale"), [(0.0, ["b"]), (0.2, ["b"]), (0.3, [])])
+def test_how_long_etcd_held_our_own_puts_up_is_held_against_nobody(held: float, stale: list[str]) -> None:
+    """b's last put 1.25 s ago and our own 0.4 s ago (under timeout / 2: we judge): with our puts
+    held up 0.3 s lately, b's silence is not past the timeout and that."""
+    receipts = {"me": 9.6, "a": 9.7, "b": 8.75}
+    assert stale_members(receipts, {"me", "a", "b"}, "me", now=10.0, timeout=1.0, held=held) == stale
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "held"),
+    [
+        ([9.11, 9.22, 9.33, 9.44], 0.01),  # on time: each put late by its latency alone
+        ([9.0, 9.11, 9.22], 0.18),  # the next put, due at 9.32, overdue now
+        ([8.5, 9.1, 9.21, 9.32, 9.43], 0.5),  # one arrived 0.5 s late, 0.4 s ago: it still counts
+        ([7.9, 8.4, 8.51, 8.62, 8.73, 8.84, 8.95, 9.06, 9.17, 9.28, 9.39], 0.01),  # that one 1.1 s ago no more
+        ([8.0, 8.6, 9.3, 9.41], 0.6),  # two late ones within the window: the most
+        ([], 0.0),  # none since the watch opened
+    ],
+)
+def test_how_long_our_own_puts_were_held_up_lately(arrivals: list[float], held: float) -> None:
+    assert held_up(arrivals, now=9.5, interval=0.1, window=1.0) == pytest.approx(held)
+
+
+@pytest.mark.slow(seconds=4)
+def test_a_member_whose_put_waits_in_a_stalled_etcd_is_not_taken_out(etcd: EtcdServer, run_id: str) -> None:
+    """etcd answers nothing for 0.45 s just after our own put arrived (a checkpoint's write on the
+    same disk held its log's fsync up so on the goodput market: bench/README.md, run 35), while a
+    member's agent had been silent for 0.65-0.75 s (its node busy starting a worker); that member's
+    put, sent during the stall, arrives as ours does, its puts 1.1-1.2 s apart. Our own put stays
+    under `timeout / 2` old, so we judge all the while: without counting the stall that member was
+    taken out. It is not, and silent for good afterwards it is, within the timeout and the stall
+    it still remembers. A real etcd stopped with SIGSTOP; our Liveness against keys the test puts."""
+    client, other = etcd.client(), etcd.client()
+    prefix = f"/torchspot/test/{run_id}/"
+    taken: list[tuple[str, float]] = []
+    own = threading.Event()
+    live = Liveness(
+        client, prefix, "a", RunLease(client, ttl=30), interval=0.1, timeout=1.0,
+        members=lambda: frozenset({"a", "b"}), evict=lambda name: taken.append((name, time.monotonic())),
+        state_key=f"{prefix}state", on_state=lambda: None,
+    )  # fmt: skip
+    watch = other.watch(f"{prefix}alive/a", lambda change: own.set() if isinstance(change, list) else None)
+    member = f"{prefix}alive/b"
+    try:
+        live.start()
+        for _ in range(6):  # b heard from, every interval
+            other.put(member, b"1", lease=None)
+            time.sleep(0.1)
+        other.put(member, b"1", lease=None)
+        silent_since = time.monotonic()
+        while True:  # our own next put after 0.65 s of b's silence: etcd stalls as it arrives
+            own.clear()
+            assert own.wait(5), "our own put never arrived"
+            if time.monotonic() - silent_since >= 0.65:
+                break
+        woken = threading.Timer(0.05, lambda: other.put(member, b"1", lease=None))  # waits in etcd
+        woken.start()
+        etcd.stall(0.45)
+        woken.join(5)
+        stalled_until = time.monotonic()
+        wait_for(lambda: taken, timeout=5, what="b taken out once silent for good")
+        assert [name for name, _ in taken] == ["b"]
+        assert 1.0 < taken[0][1] - stalled_until < 2.0  # not at the stall: after it, silent past the timeout
+    finally:
+        live.stop()
+        other.cancel_watch(watch)
+        client.close()
+        other.close()
 
 
 def _handlers(etcd: EtcdServer, run_id: str, **settings: str) -> list[EtcdV3RendezvousHandler]:

@@ -19,6 +19,13 @@ No false alarms, by construction:
   lags sees its own key late as well, and judges nobody until it catches up. When a watch is
   (re)opened every known node starts afresh, so an etcd restart is no loss.
 - **A pause shorter than the timeout is no loss**: a node's next put resets its age.
+- **What etcd holds up counts against nobody.** However long our own puts were held up lately
+  (`held_up`: one overdue now, or one that arrived late within the last timeout) is added to every
+  member's timeout: the put that would have reset a member's age waited in the same etcd. Found
+  on the goodput market (bench/README.md, run 35): while a 90 MB checkpoint was written on the same
+  disk, etcd answered nothing for 0.45 s, and a joiner's agent, itself slowed by its worker's start
+  on the same cores, was taken out for puts 1.02 s apart while our own put was about 0.4 s old (under the
+  `timeout / 2` above). While etcd answers, our puts are late by its latency alone (milliseconds).
 - **Corroboration shortens the wait, never decides alone**: after a local worker failed (a
   collective raised: a peer's process is likely gone) the timeout is `CORROBORATED_PUTS` missed
   puts (0.5 s) for `CORROBORATED_SECONDS`.
@@ -40,10 +47,12 @@ The keys live on the agent's run lease; a finished run deletes them with the res
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torchspot_trainer.rendezvous.backend import RunLease, with_lease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -66,20 +75,35 @@ def stale_members(
     now: float,
     timeout: float,
     *,
+    held: float = 0.0,
     proven: float | None = None,
 ) -> list[str]:
-    """The members whose last liveness put arrived more than `timeout` seconds before `now`. Pure.
+    """The members whose last liveness put arrived more than `timeout` seconds, and `held` more,
+    before `now`. Pure.
 
     Nobody while our own last put is older than `timeout / 2` (we cannot see: starved, cut off,
     or a lagging watch), and never a member we have not heard from since the watch opened
-    (`receipts` lacks it: torch's heartbeat judges it). `proven`: when a local worker last completed
-    a step with all of `members` (module docstring), a receipt from each.
+    (`receipts` lacks it: torch's heartbeat judges it). `held`: how long etcd held our own puts up
+    lately (`held_up`). `proven`: when a local worker last completed a step with all of `members`
+    (module docstring), a receipt from each.
     """
     own = receipts.get(me)
     if own is None or now - own > timeout / 2:
         return []
     last = receipts if proven is None else {m: max(at, proven) for m, at in receipts.items()}
-    return sorted(m for m in members if m != me and m in last and now - last[m] > timeout)
+    return sorted(m for m in members if m != me and m in last and now - last[m] > timeout + held)
+
+
+def held_up(arrivals: Sequence[float], now: float, interval: float, window: float) -> float:
+    """How long our own puts were held up lately: the most one of them arrived later than `interval`
+    after the one before, among those that arrived within `window` seconds of `now`, or the one due
+    now is overdue (`arrivals`: our puts' receipt times, oldest first). Pure. A put loop waits its
+    interval after each put returns, so while etcd answers this is its latency: milliseconds."""
+    late = now - arrivals[-1] - interval if arrivals else 0.0
+    for before, after in itertools.pairwise(arrivals):
+        if now - after <= window:
+            late = max(late, after - before - interval)
+    return max(late, 0.0)
 
 
 class Liveness:
@@ -124,6 +148,8 @@ class Liveness:
         self._proof = proof
         self._failures = failures
         self._receipts: dict[str, float] = {}
+        self._own: deque[float] = deque(maxlen=int(timeout / interval) + 2)
+        """Our own puts' recent receipt times (`held_up`)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watch_ids: list[int] = []
@@ -187,7 +213,10 @@ class Liveness:
         with self._lock:
             for key in change:
                 if key.startswith(self._prefix):
-                    self._receipts[key[len(self._prefix) :]] = now
+                    name = key[len(self._prefix) :]
+                    self._receipts[name] = now
+                    if name == self._me:
+                        self._own.append(now)
 
     def _on_state_change(self, change: list[str] | EtcdError) -> None:
         if isinstance(change, EtcdError):
@@ -206,6 +235,7 @@ class Liveness:
         now = time.monotonic()
         with self._lock:  # heard of before the watch broke: each starts afresh
             self._receipts = dict.fromkeys(self._receipts, now)
+            self._own.clear()
         self._watch_broken = False
         self._on_state()  # written while no watch was open, perhaps
 
@@ -218,14 +248,15 @@ class Liveness:
             with self._lock:
                 receipts = dict(self._receipts)
                 evicted = set(self._evicted)
+                held = held_up(self._own, now, self._interval, self._timeout)
             members = self._members()
             short = CORROBORATED_PUTS * self._interval
-            if now >= self._short_until and stale_members(receipts, members, self._me, now, short):
+            if now >= self._short_until and stale_members(receipts, members, self._me, now, short, held=held):
                 self._failures()  # a local failure now (the agent's folder: only when a put is this late)
             timeout = min(self._timeout, short) if now < self._short_until else self._timeout
-            stale = stale_members(receipts, members, self._me, now, timeout)
+            stale = stale_members(receipts, members, self._me, now, timeout, held=held)
             if stale:  # the proof reads the agent's folder: only when a put is overdue, not every look
-                stale = stale_members(receipts, members, self._me, now, timeout, proven=self._proof())
+                stale = stale_members(receipts, members, self._me, now, timeout, held=held, proven=self._proof())
             for name in stale:
                 if name in evicted:
                     continue
