@@ -52,7 +52,7 @@ def test_a_step_completed_with_every_member_counts_as_a_receipt_from_each(
 @pytest.mark.parametrize(("held", "stale"), [(0.0, ["b"]), (0.2, ["b"]), (0.3, [])])
 def test_how_long_etcd_held_our_own_puts_up_is_held_against_nobody(held: float, stale: list[str]) -> None:
     """b's last put 1.25 s ago and our own 0.4 s ago (under timeout / 2: we judge): with our puts
-    held up 0.3 s lately, b's silence is not past the timeout and that."""
+    held up 0.2 s lately it is past the timeout and that; held up 0.3 s, it is not."""
     receipts = {"me": 9.6, "a": 9.7, "b": 8.75}
     assert stale_members(receipts, {"me", "a", "b"}, "me", now=10.0, timeout=1.0, held=held) == stale
 

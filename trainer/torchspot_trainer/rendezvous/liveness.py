@@ -24,8 +24,9 @@ No false alarms, by construction:
   member's timeout: the put that would have reset a member's age waited in the same etcd. Found
   on the goodput market (bench/README.md, run 35): while a 90 MB checkpoint was written on the same
   disk, etcd answered nothing for 0.45 s, and a joiner's agent, itself slowed by its worker's start
-  on the same cores, was taken out for puts 1.02 s apart while our own put was about 0.4 s old (under the
-  `timeout / 2` above). While etcd answers, our puts are late by its latency alone (milliseconds).
+  on the same cores, was taken out for puts 1.02 s apart while our own put was about 0.4 s old
+  (under the `timeout / 2` above). While etcd answers, our puts are late by its latency alone
+  (milliseconds).
 - **Corroboration shortens the wait, never decides alone**: after a local worker failed (a
   collective raised: a peer's process is likely gone) the timeout is `CORROBORATED_PUTS` missed
   puts (0.5 s) for `CORROBORATED_SECONDS`.
