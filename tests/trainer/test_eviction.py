@@ -237,3 +237,48 @@ def test_sigterm_at_a_step_boundary_lets_the_loop_finish() -> None:
     assert proc.returncode == 0
     assert "checkpoint at step boundary SIGTERM" in out
     assert "exited cleanly" in out
+
+
+_TWO_SIGTERMS = textwrap.dedent(
+    """
+    import logging, os, signal, threading, time
+    from torchspot_trainer.recovery.signals import EvictionNotice, watch_sigterm
+
+    class SecondSigterm(logging.Handler):
+        def emit(self, record):
+            if "eviction notice" in record.getMessage():
+                os.kill(os.getpid(), signal.SIGTERM)  # the agent's, while the kubelet's is being logged
+                end = time.monotonic() + 0.2
+                while time.monotonic() < end:  # bytecodes: where a pending Python handler runs
+                    pass
+            print("logged", record.getMessage(), flush=True)
+
+    logging.getLogger("torchspot_trainer").addHandler(SecondSigterm())
+    notice = EvictionNotice()
+    watch_sigterm(notice, stuck_exit_after=2.0)
+    print("ready", flush=True)
+    while not notice.is_set():
+        pass  # a step in Python: the main thread holds the interpreter when the signal comes
+    notice.acknowledged.set()
+    print("boundary", notice.notice.source, flush=True)
+    """
+)
+
+
+def test_a_second_sigterm_while_the_notice_is_logged_does_not_hang_the_worker() -> None:
+    """Goodput run 36: the kubelet's SIGTERM and the agent's came 3 ms apart. When the Python-level
+    handler raised the notice, the second ran nested inside the first's `EvictionNotice.set` and waited
+    for the lock the outer call held, and the watcher waited for it too: the worker reached neither its
+    boundary nor its stuck exit (hung 3 of 3 times here). Now the watcher alone raises it."""
+    with subprocess.Popen([sys.executable, "-c", _TWO_SIGTERMS], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the worker hung after two SIGTERMs")
+    assert proc.returncode == 0
+    assert "boundary SIGTERM" in out
+    assert out.count("logged eviction notice from SIGTERM") == 1

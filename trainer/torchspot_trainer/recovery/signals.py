@@ -7,7 +7,8 @@ Two sources warn a worker that it is about to go:
   blocked in a collective (a peer froze) would never see it, and the agent would
   SIGKILL it only after its 30 s timeout, which every recovery would then pay. A
   watcher thread learns of the signal through the interpreter's wakeup fd, which the
-  C-level handler writes at once; if the training loop does not reach a step
+  C-level handler writes at once, and raises the notice (the Python-level handler does
+  nothing: `_leave_to_watcher` says why); if the training loop does not reach a step
   boundary within `stuck_exit_after` seconds, the worker is stuck in a collective and
   exits with 128+SIGTERM. When the agent restarts the workers because a peer stopped
   heartbeating, it says so first (a marker file named by `PEER_LOST_ENV`): no step
@@ -31,6 +32,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from torchspot_trainer.markers import peer_lost, peer_lost_grace
@@ -81,12 +83,16 @@ class EvictionNotice:
         self.boundary = time.monotonic()
 
     def set(self, source: str, detail: str, event_id: str | None = None) -> None:
-        """Raise the notice (later calls keep the first reason)."""
+        """Raise the notice (later calls keep the first reason). Logged after the lock is let go: a
+        thread that waits on the log's handler or stream then holds nothing another setter needs.
+        Never call this from a signal handler (`watch_sigterm`)."""
         with self._lock:
-            if self._notice is None:
+            first = self._notice is None
+            if first:
                 self._notice = Notice(source, detail, time.monotonic(), event_id)
-                log.warning("eviction notice from %s: %s", source, detail)
         self._event.set()
+        if first:
+            log.warning("eviction notice from %s: %s", source, detail)
 
     def clear(self) -> None:
         """Forget a notice that came to nothing (the node was not evicted after all)."""
@@ -121,6 +127,19 @@ def stuck_wait(
     return max(0.0, min(stuck_exit_after, grace) - since_boundary)
 
 
+def _leave_to_watcher(_signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM's Python-level handler: nothing. Installed so that the default action (terminate)
+    does not fire and CPython's C handler writes the wakeup fd; the watcher thread does the work.
+
+    A handler that did the work would run on the main thread between any two bytecodes, and again,
+    nested, if a second SIGTERM came while it ran. A pod's deletion can bring two: the sandbox's
+    kubelet signals the pod's whole process tree (as an init such as dumb-init signals its process
+    group), then torch's agent signals its workers. In goodput run 36 they came 3 ms apart; the
+    leaving worker took the second inside the first's `EvictionNotice.set`, waited there for the
+    lock its own outer call held, and its watcher waited for the same lock, so neither its emergency
+    checkpoint nor its stuck exit came, and torch killed it 30 s later."""
+
+
 def watch_sigterm(
     notice: EvictionNotice,
     *,
@@ -145,12 +164,7 @@ def watch_sigterm(
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    # A Python-level handler keeps the default action (terminate) from firing; the
-    # work happens on the watcher thread.
-    signal.signal(
-        signal.SIGTERM,
-        lambda _signum, _frame: notice.set("SIGTERM", "pod deletion or agent restart"),
-    )
+    signal.signal(signal.SIGTERM, _leave_to_watcher)
 
     def watch() -> None:
         while signal.SIGTERM not in os.read(read_fd, 64):
