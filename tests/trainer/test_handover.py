@@ -167,13 +167,34 @@ def test_a_steps_stamp_counts_ahead_by_the_step_before_it_in_its_generation(tmp_
     assert last_step(tmp_path, 4) == 1_000_000.0  # the generation's first: no credit
     clock[0] += 3.3
     worker.stepped(4)
-    assert last_step(tmp_path, 4) == pytest.approx(1_000_003.3 + 3.3)
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_003.3 + 3.3, abs=1e-3)
     clock[0] += 60.0  # a step that took a minute (an evaluation between): the credit is capped
     worker.stepped(4)
-    assert last_step(tmp_path, 4) == pytest.approx(1_000_063.3 + STEP_CREDIT_SECONDS)
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_063.3 + STEP_CREDIT_SECONDS, abs=1e-3)
     clock[0] += 2.0
     worker.stepped(5)  # a new generation: the time since was the re-form's
-    assert last_step(tmp_path, 5) == pytest.approx(1_000_065.3)
+    assert last_step(tmp_path, 5) == pytest.approx(1_000_065.3, abs=1e-3)
+
+
+def test_a_local_failure_ends_the_credit_of_the_step_before_it(tmp_path: Path) -> None:
+    """A collective that failed in the generation says the step the credit counts on did not complete:
+    the stamp counts no later than the failure. A failure from before the worker entered the
+    generation (an older group's) changes nothing."""
+    clock = [1_000_000.0]
+    worker = Handover(tmp_path, 0, clock=lambda: clock[0])
+    ack, failed = tmp_path / "ack-0", tmp_path / "failed-0"
+    ack.write_text("4")
+    os.utime(ack, (999_990.0, 999_990.0))  # entered generation 4
+    worker.stepped(4)
+    clock[0] += 1.8
+    worker.stepped(4)  # counts until 1_000_003.6, the next step's due time
+    worker.report_failure()
+    os.utime(failed, (999_980.0, 999_980.0))  # an older generation's failure
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_003.6, abs=1e-3)
+    os.utime(failed, (1_000_002.9, 1_000_002.9))  # the next step's all-reduce failed 1.1 s in
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_002.9, abs=1e-3)
+    os.utime(failed, (1_000_009.0, 1_000_009.0))  # a failure after the credit ran out: the stamp stands
+    assert last_step(tmp_path, 4) == pytest.approx(1_000_003.6, abs=1e-3)
 
 
 _GIVE_UP = """

@@ -199,7 +199,12 @@ def last_step(folder: Path, generation: int) -> float | None:
     ahead by the step before's duration, so possibly in the future (`Handover.stepped`); None: none.
     Its gradient all-reduce completed, so every member of that generation was alive then: the
     agent's liveness judge counts it as a receipt from each, now until that time (handler.py's
-    `_proven`)."""
+    `_proven`).
+
+    No later than a local worker's failure in `generation` (`failed_in`): the step that the credit
+    counts on did not complete, and a collective that failed says a member is likely gone. On the
+    goodput market (bench/README.md, run 37) a node killed 1.2 s into a 1.8 s step was kept by the
+    credit until that step's due time, and taken out 0.6 s later than the failure allowed."""
     newest: float | None = None
     for path in folder.glob(f"{STEPPED_PREFIX}*"):
         try:
@@ -208,7 +213,8 @@ def last_step(folder: Path, generation: int) -> float | None:
             continue
         if _read_int(path) == generation and (newest is None or stamp > newest):
             newest = stamp
-    return newest
+    failed = None if newest is None else failed_in(folder, generation)
+    return newest if failed is None or newest is None else min(newest, failed)
 
 
 def stepped_generation(folder: Path) -> int | None:
