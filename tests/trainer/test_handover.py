@@ -51,6 +51,16 @@ def test_an_assignment_names_each_local_worker_and_nobody_else() -> None:
     assert parse_assignment(record, 2) is None
 
 
+_REGISTERED_WORKER = """
+import os
+from torchspot_trainer.recovery.signals import EvictionNotice, watch_sigterm
+watch_sigterm(EvictionNotice(), stuck_exit_after=60.0)
+read_fd, _ = os.pipe()
+print("ready", flush=True)
+os.read(read_fd, 1)  # blocked in C, as in a collective
+"""
+
+
 def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -58,7 +68,8 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     once (the others would re-form without us and break the group the notice's checkpoint needs); the
     same agent without live workers leaves at once (nothing to mark). The first leaves once its worker
     has shared the notice with its group (before its emergency checkpoint). Either way, an agent still
-    running STACKS_AFTER_NOTICE later prints its threads' stacks (here after 0.1 s).
+    running STACKS_AFTER_NOTICE later prints its threads' stacks (here after 0.1 s), and a worker of its
+    still running, blocked in C, prints its own (`ask_for_stacks`).
 
     The stacks go to a file of the test's own as the agent's stderr (faulthandler writes to its
     descriptor): read through `capfd`, whose every read truncates the capture file, a dump written
@@ -66,20 +77,37 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     passing in the suite). The dump is written thread by thread: the test waits for its own thread's
     frame in it, not for its first header (a CI run read it half written, 2026-11-27)."""
     monkeypatch.setattr(launch, "STACKS_AFTER_NOTICE", 0.1)
-    stderr_path = tmp_path / "agent-stderr"
+    stderr_path, worker_stderr_path = tmp_path / "agent-stderr", tmp_path / "worker-stderr"
     stderr = stderr_path.open("w")
     monkeypatch.setattr(sys, "stderr", stderr)
     monkeypatch.setenv(PEER_LOST_ENV, str(tmp_path / "peer-lost"))
-    (tmp_path / "live-0").write_text(str(os.getpid()))
-    assert live_workers(tmp_path)
-    with pytest.raises(SignalException):
-        leave_then_stop(signal.SIGTERM, None)
-    assert (tmp_path / LEAVING_MARKER).exists()
-    (leaving,) = [thread for thread in threading.enumerate() if thread.name == "torchspot-leave"]
-    assert leaving.is_alive()  # it leaves once the worker has shared the notice with its group
-    Handover(tmp_path, 0).agreed()
-    leaving.join(WAIT)
-    assert not leaving.is_alive()
+    with (
+        worker_stderr_path.open("w") as worker_stderr,
+        subprocess.Popen(
+            [sys.executable, "-c", _REGISTERED_WORKER], stdout=subprocess.PIPE, stderr=worker_stderr, text=True
+        ) as worker,
+    ):
+        try:
+            assert worker.stdout is not None
+            assert worker.stdout.readline().strip() == "ready"
+            (tmp_path / "live-0").write_text(str(worker.pid))
+            assert live_workers(tmp_path)
+            with pytest.raises(SignalException):
+                leave_then_stop(signal.SIGTERM, None)
+            assert (tmp_path / LEAVING_MARKER).exists()
+            (leaving,) = [thread for thread in threading.enumerate() if thread.name == "torchspot-leave"]
+            assert leaving.is_alive()  # it leaves once the worker has shared the notice with its group
+            Handover(tmp_path, 0).agreed()
+            leaving.join(WAIT)
+            assert not leaving.is_alive()
+
+            def worker_stacks() -> bool:  # its main thread's frame, in the script it runs
+                return 'File "<string>", line 7' in worker_stderr_path.read_text(errors="replace")
+
+            assert wait_for(worker_stacks, WAIT, "the stacks of a worker still there after its agent's notice")
+            assert worker.poll() is None  # asked for its stacks, not stopped
+        finally:
+            worker.kill()
 
     (tmp_path / LEAVING_MARKER).unlink()
     (tmp_path / "live-0").write_text("999999999")  # the worker is gone: a stale registration

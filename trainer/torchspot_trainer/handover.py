@@ -152,14 +152,23 @@ def registered(folder: Path, pids: dict[int, int]) -> bool:
     return bool(pids) and all(_read_int(folder / f"{LIVE_PREFIX}{local}") == pid for local, pid in pids.items())
 
 
-def _running_ranks(folder: Path) -> list[str]:
-    """The local ranks registered in `folder` whose process still runs (a stale file names a process
-    that ended)."""
-    return [
-        path.name.removeprefix(LIVE_PREFIX)
+def _running(folder: Path) -> dict[str, int]:
+    """Local rank to process id of the workers registered in `folder` whose process still runs (a stale
+    file names a process that ended)."""
+    return {
+        path.name.removeprefix(LIVE_PREFIX): pid
         for path in folder.glob(f"{LIVE_PREFIX}*")
         if (pid := _read_int(path)) is not None and running(pid)
-    ]
+    }
+
+
+def _running_ranks(folder: Path) -> list[str]:
+    return list(_running(folder))
+
+
+def running_workers(folder: Path) -> list[int]:
+    """The process ids of the workers registered in `folder` that still run."""
+    return list(_running(folder).values())
 
 
 def live_workers(folder: Path) -> bool:

@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -42,8 +43,14 @@ from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
 from torchspot_trainer import ENV_PREFIX, env_switch
-from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers, notice_agreed
-from torchspot_trainer.markers import agent_restarting, mark_leaving, name_peer_lost_marker, node_leaving
+from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers, notice_agreed, running_workers
+from torchspot_trainer.markers import (
+    STACKS_SIGNAL,
+    agent_restarting,
+    mark_leaving,
+    name_peer_lost_marker,
+    node_leaving,
+)
 from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
 
@@ -80,7 +87,8 @@ A module that queries CUDA at import makes every worker refuse to start (refuse_
 STACKS_AFTER_NOTICE = 20.0
 """Seconds after its SIGTERM at which an agent still running prints every thread's stack to its log
 (the kubelet's default grace is 30 s): its workers' emergency checkpoint and its leaving take a
-few seconds, and an agent that hung instead (a CI run's never left) says where before its SIGKILL."""
+few seconds, and an agent that hung instead (a CI run's never left) says where before its SIGKILL; a
+worker of its that is still there says where too (`ask_for_stacks`)."""
 
 AGREED_LOOK = 0.005
 """Between a leaving agent's looks for its workers' `agreed-` files: a few `stat`s, for the moment
@@ -388,7 +396,8 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     next boundary. The node is only marked leaving; it leaves once its workers have shared the notice
     with their group (`leave_once_agreed`: their emergency checkpoint needs no collective), or have
     stopped (`_launch`), whichever comes first, and the others re-form in place then. Either way an
-    agent still here STACKS_AFTER_NOTICE seconds later prints its threads' stacks."""
+    agent still here STACKS_AFTER_NOTICE seconds later prints its threads' stacks, and asks those
+    workers still running for theirs (`ask_for_stacks`)."""
     faulthandler.dump_traceback_later(STACKS_AFTER_NOTICE, exit=False)
     try:
         folder: Path | None = agent_folder()
@@ -397,9 +406,20 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     if folder is not None and live_workers(folder):
         mark_leaving()
         threading.Thread(target=leave_once_agreed, args=(folder,), name="torchspot-leave", daemon=True).start()
+        threading.Thread(target=ask_for_stacks, args=(folder,), name="torchspot-stacks", daemon=True).start()
     else:
         leave_rendezvous()
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+
+def ask_for_stacks(folder: Path) -> None:
+    """STACKS_AFTER_NOTICE seconds after our SIGTERM, ask each registered worker of ours that still runs
+    for its threads' stacks (markers.STACKS_SIGNAL: only workers that registered handle it). The
+    agent's own stacks show only that it waits for them."""
+    time.sleep(STACKS_AFTER_NOTICE)
+    for pid in running_workers(folder):
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(pid, STACKS_SIGNAL)
 
 
 def leave_once_agreed(folder: Path) -> None:

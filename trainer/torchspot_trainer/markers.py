@@ -5,12 +5,14 @@ The agent writes them; a worker reads them at a step boundary or as its SIGTERM 
 how it tells a node that leaves (emergency checkpoint) from a group that re-forms (its snapshot
 is enough) and from a lost peer (no boundary will come). Files, not signals: a worker blocked in
 a collective cannot run a handler, and a file written before the agent acts is there whenever the
-worker looks.
+worker looks. One signal belongs to the contract as well (`STACKS_SIGNAL`): a request for stacks,
+which changes nothing in the worker.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,13 @@ from pathlib import Path
 PEER_LOST_ENV = "TORCHSPOT_PEER_LOST_FILE"
 """Environment variable naming the file whose existence means: this node's agent stops its
 workers because a peer is lost. The launcher sets it before any worker starts; workers inherit it."""
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""One signal as well: it asks a worker for every thread's stack on its stderr. faulthandler's C-level
+handler (registered by recovery/signals.py's `watch_sigterm`) needs neither the GIL nor a lock, so a
+worker stuck on either still answers. An agent sends it to its registered workers still there
+`STACKS_AFTER_NOTICE` seconds after its own SIGTERM (launch.py); goodput run 36's hung worker said
+nothing of where it stopped (bench/README.md)."""
 
 
 RESTART_MARKER = "restart"

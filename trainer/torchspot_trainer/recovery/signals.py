@@ -23,6 +23,7 @@ Two sources warn a worker that it is about to go:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from torchspot_trainer.markers import peer_lost, peer_lost_grace
+from torchspot_trainer.markers import STACKS_SIGNAL, peer_lost, peer_lost_grace
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ def watch_sigterm(
     grace: Callable[[], float | None] = peer_lost_grace,
     before_exit: Callable[[], None] = lambda: None,
 ) -> threading.Thread:
-    """Turn SIGTERM into the notice, even while the main thread is blocked in C++.
+    """Turn SIGTERM into the notice, even while the main thread is blocked in C++ (and STACKS_SIGNAL
+    into every thread's stack on stderr).
 
     Call from the main thread. CPython's C-level handler writes the signal number to
     the wakeup fd from whichever thread received the signal; a watcher thread reads
@@ -161,6 +163,7 @@ def watch_sigterm(
     :param exit_now: how to exit (tests pass a recorder).
     :param before_exit: run before a stuck worker exits (the trainer gives its save in flight a chance).
     """
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
