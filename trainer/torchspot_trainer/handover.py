@@ -163,6 +163,7 @@ def _running(folder: Path) -> dict[str, int]:
 
 
 def _running_ranks(folder: Path) -> list[str]:
+    """The local ranks of `_running`."""
     return list(_running(folder))
 
 
@@ -212,8 +213,8 @@ def last_step(folder: Path, generation: int) -> float | None:
 
     No later than a local worker's failure in `generation` (`failed_in`): the step that the credit
     counts on did not complete, and a collective that failed says a member is likely gone. On the
-    goodput market (bench/README.md, run 37) a node killed 1.2 s into a 1.8 s step was kept by the
-    credit until that step's due time, and taken out 0.6 s later than the failure allowed."""
+    goodput market (bench/README.md, run 37) a node killed during a 1.8 s step was kept by the credit
+    until that step's due time, and taken out 0.6 s later than the failure allowed."""
     newest: float | None = None
     for path in folder.glob(f"{STEPPED_PREFIX}*"):
         try:
