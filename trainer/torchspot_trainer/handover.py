@@ -162,11 +162,6 @@ def _running(folder: Path) -> dict[str, int]:
     }
 
 
-def _running_ranks(folder: Path) -> list[str]:
-    """The local ranks of `_running`."""
-    return list(_running(folder))
-
-
 def running_workers(folder: Path) -> list[int]:
     """The process ids of the workers registered in `folder` that still run."""
     return list(_running(folder).values())
@@ -174,13 +169,13 @@ def running_workers(folder: Path) -> list[int]:
 
 def live_workers(folder: Path) -> bool:
     """Whether a worker registered in `folder` still runs."""
-    return bool(_running_ranks(folder))
+    return bool(_running(folder))
 
 
 def notice_agreed(folder: Path) -> bool:
     """Whether every worker registered in `folder` that still runs has shared its node's notice with its
     group (`agreed-`): true too once none runs."""
-    return all((folder / f"{AGREED_PREFIX}{local}").exists() for local in _running_ranks(folder))
+    return all((folder / f"{AGREED_PREFIX}{local}").exists() for local in _running(folder))
 
 
 def acknowledged(folder: Path, local_ranks: Iterable[int], generation: int) -> bool:
@@ -223,8 +218,10 @@ def last_step(folder: Path, generation: int) -> float | None:
             continue
         if _read_int(path) == generation and (newest is None or stamp > newest):
             newest = stamp
-    failed = None if newest is None else failed_in(folder, generation)
-    return newest if failed is None or newest is None else min(newest, failed)
+    if newest is None:
+        return None
+    failed = failed_in(folder, generation)
+    return newest if failed is None else min(newest, failed)
 
 
 def stepped_generation(folder: Path) -> int | None:
