@@ -28,7 +28,7 @@ from torchspot_trainer import SNAPSHOT_DIR_ENV
 
 TOY_MODULE = "torchspot_lab.toy_train"
 LAUNCHERS = {
-    "torchspot": [sys.executable, "-m", "torchspot_trainer.run"],
+    "torchspot": [sys.executable, "-m", "torchspot_trainer.launch"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
 }
 

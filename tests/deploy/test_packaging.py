@@ -43,7 +43,7 @@ def test_the_wheel_holds_every_package_the_crd_and_the_commands(tmp_path: Path) 
     assert dict(scripts["console_scripts"]) == {
         "torchspot": "torchspot.cli:main",
         "torchspot-operator": "torchspot_operator.__main__:main",
-        "torchspot-run": "torchspot_trainer.run:main",
+        "torchspot-run": "torchspot_trainer.launch:main",
     }
 
 

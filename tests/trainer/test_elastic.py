@@ -402,8 +402,7 @@ saver = CheckpointManager(LocalStorage(folder), reopen=partial(LocalStorage, fol
 helper = saver.saver_pid
 sibling = open(f"/proc/{helper}/stat").read().rsplit(")", 1)[1].split()[1] == str(server)
 with open(sys.argv[1], "w") as out:
-    nice = [os.getpriority(os.PRIO_PROCESS, int(pid)) for pid in (os.getpid(), server, agent)]  # main threads
-    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{name}|{agent_line}|{helper}|{sibling}|{nice}")
+    out.write(f"{__name__}|{int(ones.sum())}|{sys.argv[2:]}|{name}|{agent_line}|{helper}|{sibling}")
 dist.destroy_process_group()
 if os.environ.get("SCRIPT_EXIT", "0") != "0":
     os.kill(os.getpid(), signal.SIGKILL)  # gone without a word: its saver must not outlive it
@@ -424,21 +423,18 @@ def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path,
     for exit_code in (0, 3):
         out = tmp_path / f"out-{exit_code}"
         cmd = [
-            sys.executable, "-m", "torchspot_trainer.run", "--nnodes", "1", "--rdzv-backend", "etcd-v3",
+            sys.executable, "-m", "torchspot_trainer.launch", "--nnodes", "1", "--rdzv-backend", "etcd-v3",
             "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"script-{exit_code}", "--max-restarts", "0",
             str(script), str(out), "--epochs", "2",
         ]  # fmt: skip
         env = os.environ | {"SCRIPT_EXIT": str(exit_code)}
         runs.append(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env))
-        name, total, argv, server, agent, saver, saver_forked, nice = out.read_text().split("|")
+        name, total, argv, server, agent, saver, saver_forked = out.read_text().split("|")
         assert (name, total, argv) == ("__main__", "2", "['--epochs', '2']")
         # The warm server's child, not the agent's new interpreter; the server a fork of the agent (it
         # shares the agent's imports), not a new interpreter of multiprocessing's.
         assert server == "torchspot-forks"
-        assert "torchspot_trainer.run" in agent
-        # The agent's and the server's imports yielded on threads of their own (startup.py): the
-        # worker, the server's thread that forked it and the agent's main thread keep our priority.
-        assert nice == str([os.getpriority(os.PRIO_PROCESS, 0)] * 3)
+        assert "torchspot_trainer.launch" in agent
         assert saver_forked == "True"  # the saver is the worker's sibling, forked by the same server
         saver_pid = int(saver)
         wait_for(lambda: not psutil.pid_exists(saver_pid), 10, "the saver to end with its worker")  # noqa: B023

@@ -30,8 +30,6 @@ from torchspot_trainer.launch import (
 )
 from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
-from torchspot_trainer.run import main as run_main
-from torchspot_trainer.startup import NICE_ENV, START_NICE, start_nice
 
 
 @pytest.mark.parametrize(
@@ -327,55 +325,3 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done
-
-
-@pytest.mark.parametrize(("value", "want"), [(None, START_NICE), ("", START_NICE), ("0", 0), (" 19 ", 19), ("5", 5)])
-def test_the_start_up_niceness_comes_from_its_variable(value: str | None, want: int) -> None:
-    assert start_nice({} if value is None else {NICE_ENV: value}) == want
-
-
-@pytest.mark.parametrize("value", ["-1", "20", "low", "1.5"])
-def test_a_bad_start_up_niceness_stops_the_launcher_naming_its_variable(
-    value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Both entries say so before anything starts: the console script's (run.py, before it imports
-    torch) and launch.main's (the fork server and the staging read the variable again, silently)."""
-    monkeypatch.setenv(NICE_ENV, value)
-    for entry in (run_main, lambda: main([*_GOOD, "train.py"])):
-        with pytest.raises(SystemExit) as exit_info:
-            entry()
-        message = str(exit_info.value.code) + capsys.readouterr().err
-        assert f"torchspot-run: error: {NICE_ENV}={value!r}: expected a whole number from 0 to 19" in message
-
-
-def test_start_up_imports_run_on_a_thread_of_lower_priority_and_the_caller_keeps_its_own(tmp_path: Path) -> None:
-    """`import_yielding` (startup.py) raises the niceness of the thread that imports, by the amount asked,
-    and of no other: the caller, which forks the workers later, keeps its own. A module that fails to
-    import raises in the caller; with `skip_missing` a missing one is skipped, as multiprocessing's fork
-    server skips it. In a new interpreter: a module imported here would stay imported."""
-    (tmp_path / "records_its_priority.py").write_text(
-        "import os, threading\n"
-        "me = threading.get_native_id()\n"
-        "NICE = os.getpriority(os.PRIO_PROCESS, me)\n"
-        "CALLER = os.getpriority(os.PRIO_PROCESS, os.getpid())\n"  # the main thread's id is the process's
-        "ELSEWHERE = me != os.getpid()\n"
-    )
-    (tmp_path / "fails_to_import.py").write_text("raise RuntimeError('a broken module')\n")
-    code = (
-        "import os, sys\n"
-        f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from torchspot_trainer.startup import import_yielding\n"
-        "before = os.getpriority(os.PRIO_PROCESS, 0)\n"
-        "import_yielding(['no_such_module_here', 'records_its_priority'], 7, skip_missing=True)\n"
-        "import records_its_priority as r\n"
-        "print(r.NICE - before, r.CALLER - before, r.ELSEWHERE, os.getpriority(os.PRIO_PROCESS, 0) - before)\n"
-        "for name in ('no_such_module_here', 'fails_to_import'):\n"
-        "    try:\n"
-        "        import_yielding([name], 7)\n"
-        "    except Exception as exc:\n"
-        "        print(type(exc).__name__, exc)\n"
-    )
-    lines = _fresh_python(code).stdout.splitlines()
-    assert lines[0] == "7 0 True 0"
-    assert lines[1] == "ModuleNotFoundError No module named 'no_such_module_here'"
-    assert lines[2] == "RuntimeError a broken module"

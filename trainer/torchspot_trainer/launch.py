@@ -53,8 +53,8 @@ from torchspot_trainer.markers import (
 )
 from torchspot_trainer.nccl import worker_environment
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, parse_settings
-from torchspot_trainer.startup import PROG, import_yielding, start_nice
 
+PROG = "torchspot-run"
 TRAINER_MODULE = "torchspot_trainer"
 FORK_ENV = "TORCHSPOT_FORK_WORKERS"
 """Set to 0 to start each worker as a new interpreter, as torchrun does, instead of forking it
@@ -314,9 +314,6 @@ def fork_server_here(preload: list[str]) -> bool:
                 os.close(alive_w)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 name_process(SERVER_NAME)
-                # Its imports yield to training on the same cores (startup.py); forkserver.main's own
-                # import of each then finds it loaded, and forks from this thread, at our priority.
-                import_yielding(preload, start_nice(os.environ), skip_missing=True)
                 forkserver.main(listener.fileno(), alive_r, preload)
             finally:
                 os._exit(0)
@@ -559,8 +556,6 @@ def run_stage(*argv: str) -> None:
     from torchspot_trainer.data.stage import stage  # noqa: PLC0415 - imported in the fork server already
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it; the agent may stop us
-    with contextlib.suppress(OSError):  # start-up work, as the server's imports (startup.py)
-        os.nice(start_nice(os.environ))
     stage(list(argv))
 
 
@@ -640,11 +635,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.prog = PROG
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     problem = check_args(args)
-    if problem is None:
-        try:
-            start_nice(os.environ)  # read again by the fork server and the staging, which cannot say so
-        except ValueError as exc:
-            problem = str(exc)
     if problem is not None:
         parser.error(problem)
     _launch(args)

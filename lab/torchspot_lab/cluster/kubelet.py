@@ -41,7 +41,7 @@ from torchspot_trainer import SNAPSHOT_DIR_ENV
 
 log = logging.getLogger(__name__)
 
-LAUNCHER = [sys.executable, "-m", "torchspot_trainer.run"]
+LAUNCHER = [sys.executable, "-m", "torchspot_trainer.launch"]
 IMAGES: dict[str, list[str]] = {"torchspot-trainer": LAUNCHER, "torchspot/trainer": LAUNCHER}
 """Image name fragments and the local command standing in for their entry point."""
 ETCD_IMAGE = re.compile(r"(^|/)etcd:")
