@@ -11,7 +11,8 @@ we apply the fault to a whole process tree and measure
   the step the new group resumed from; TorchFT: steps the survivors did not commit);
 - at a join, the others' training lost (`training_lost`): from the joiner's start to the first step
   at the new size, the time the nodes already training took beyond what as many steps took them just
-  before, on cores the joiner's start-up shares.
+  before (their pause at the switch, and their steps slowed by the joiner's start-up where it shares
+  their cores).
 
 Scenarios: `join` (2 nodes, a third arrives), `joinloss` (2 nodes, a third arrives, and one of
 the two is SIGKILLed while the joiner still starts: JOIN_LOSS_WINDOW; recovery is then the
@@ -146,8 +147,7 @@ class Trial:
 BASELINE_S = 2.0
 """`training_lost`'s reference: the steps of the BASELINE_S seconds before the joiner's start. A join
 trial trains that long after its first 25 steps before the joiner starts, so the reference is that
-many seconds of steady steps, not the job's first quarter-second (rb20 had no more: its figures of
-the others' training lost read against the first steps' pace)."""
+many seconds of steady steps, not the job's first quarter-second."""
 
 
 def training_lost(times: list[float], fault: float, recovered: float) -> float | None:
