@@ -150,6 +150,12 @@ trial trains that long after its first 25 steps before the joiner starts, so the
 many seconds of steady steps, not the job's first quarter-second."""
 
 
+def lead_in(scenario: str, rng: random.Random) -> float:
+    """Seconds from a job's 25th step to its fault: a random point of the step, after BASELINE_S more
+    of steady steps at a join (`training_lost`'s reference)."""
+    return (BASELINE_S if scenario == "join" else 0.0) + rng.uniform(0, STEP_TIME + 0.01)
+
+
 def training_lost(times: list[float], fault: float, recovered: float) -> float | None:
     """What a join cost the nodes already training, in seconds of their training: from `fault` (the
     joiner's start) to `recovered` (the first step at the new size), the time beyond what as many steps
@@ -287,7 +293,7 @@ def run_trial(
             60,
             "steps",
         )
-        time.sleep((BASELINE_S if scenario == "join" else 0.0) + rng.uniform(0, STEP_TIME + 0.01))  # see BASELINE_S
+        time.sleep(lead_in(scenario, rng))
         victim_name = _highest_rank_node(job, formed["group"])
         victim = next(n for n in nodes if n.name == victim_name)
         if scenario == "falsealarm":
@@ -333,7 +339,8 @@ def run_trial(
             with contextlib.suppress(TimeoutError):
                 rejoined = wait_for(lambda: first_step_at(_read(job), 2, recovered["t"]), timeout, "the joiner")
         events = _read(job)
-        steps = [e["t"] for e in events if e["event"] == "step" and fault - 1.0 <= e["t"] <= recovered["t"]]
+        stepped = [e["t"] for e in events if e["event"] == "step"]  # rank 0's, an old node's at a join
+        steps = [t for t in stepped if fault - 1.0 <= t <= recovered["t"]]
         pause = max((b - a for a, b in itertools.pairwise(steps)), default=None)
         switch = recovered["t"] - steps[-2] if len(steps) >= 2 else None
         resumed = resumed_step_after(events, fault)
@@ -344,7 +351,6 @@ def run_trial(
         lost = None if resumed is None else max(0, reached - resumed)
         before, after = _pids(events, formed["group"]), _pids(events, recovered["group"])
         restarted = sum(1 for name, pid in before.items() if name in after and after[name] != pid)
-        stepped = [e["t"] for e in events if e["event"] == "step"]  # rank 0's, an old node's at a join
         return Trial(
             backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause),
             switch_s=_rounded(switch) if scenario == "join" else None, restarted=restarted,
@@ -376,7 +382,7 @@ def run_torchft_trial(workdir: Path, backend: str, scenario: str, *, timeout: fl
             cluster.start(replica)
         wait_for(lambda: torchft_peer.steady(read_events(cluster.events), initial, 25), 120,
                  f"{backend}: {initial} replicas committing")  # fmt: skip
-        time.sleep((BASELINE_S if scenario == "join" else 0.0) + rng.uniform(0, STEP_TIME + 0.01))  # see BASELINE_S
+        time.sleep(lead_in(scenario, rng))
         if scenario == "falsealarm":
             began = time.time()
             hog_and_pause(
