@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _BackendRendezvousStateHolder,
     _NodeDesc,
+    _RendezvousJoinOp,
     _RendezvousState,
 )
 from torch.distributed.launcher import api as launcher_api
@@ -654,17 +655,44 @@ def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_nev
         assert joining.result(timeout=10).world_size == 2
 
 
+def _after_joiner_entered(
+    member: EtcdV3RendezvousHandler, joiner: EtcdV3RendezvousHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hold `member`'s next join (torch's join op, after its exit op opened the round) until `joiner` is a
+    participant of the round: the order in which a joiner comes as a member was lost, made certain.
+    Once: the joins after it run as they come."""
+    run = member._op_executor.run
+    held = True
+    holder = _BackendRendezvousStateHolder(member._backend, member._settings, cache_duration=0)
+
+    def entered() -> bool:
+        holder.sync()
+        return joiner._this_node in holder.state.participants
+
+    def run_after_joiner(op: Any, *args: Any) -> None:
+        nonlocal held
+        if held and isinstance(op, _RendezvousJoinOp):
+            held = False
+            wait_for(entered, timeout=10, what="the joiner in the round")
+        run(op, *args)
+
+    monkeypatch.setattr(member._op_executor, "run", run_after_joiner)
+
+
 def test_a_node_that_comes_as_a_member_is_lost_joins_the_round_after_the_survivors_re_formed(
-    etcd: EtcdServer, run_id: str, caplog: pytest.LogCaptureFixture
+    etcd: EtcdServer, run_id: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """d waits to join as b leaves: a completes the next round without d, so its workers re-form at
     once instead of waiting in the new group for d's start-up, and d joins the round after, held
     until they trained in theirs (the other test) or, as here, failed in it and wait for a next.
-    a says so once the round formed (not as it writes a completion that might lose)."""
+    a says so once the round formed (not as it writes a completion that might lose). d comes as a
+    member: a's join waits until d is in the round a's leaving opened (on 2 busy cores a completed it
+    before d's look, and d then waited in the wait list: the other tests' case)."""
     with _trained_pair(etcd, run_id) as (a, b, d, worker), ThreadPoolExecutor(1) as pool:
         joining = pool.submit(d.next_rendezvous)
         wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
         b.leave()
+        _after_joiner_entered(a, d, monkeypatch)
         with caplog.at_level(logging.WARNING, logger="torchspot_trainer.rendezvous.handler"):
             assert _join([a]) == [(0, 1)]  # the survivor alone, d left waiting
         said = [r.getMessage() for r in caplog.records if "without its joiner" in r.getMessage()]
