@@ -505,6 +505,7 @@ def main() -> None:
         help="keep each trial's folder (its nodes' logs, its events) under DIR, to trace an odd trial; by "
         "default they go to a temporary folder that is removed",
     )  # fmt: skip
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the raw results go (a JSON file)")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -551,9 +552,9 @@ def main() -> None:
             elif ours is not None and len(stats) > 1:
                 print(f"  ratio ({mode}): no other backend recovered every trial within {args.timeout:g} s")
         summary[scenario] = stats
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"trials": [t.__dict__ for t in trials], "summary": summary}, indent=2))
-    print(f"\nraw results: {RESULTS}")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps({"trials": [t.__dict__ for t in trials], "summary": summary}, indent=2))
+    print(f"\nraw results: {args.results}")
 
 
 if __name__ == "__main__":
