@@ -165,6 +165,11 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     # an in-place agent did not (CI, 81f6063): its log's end has the stacks it prints when it hangs.
     leaving_log = started[2].log_path.read_text(errors="replace")
     assert "left it (this node is going)" in leaving_log, leaving_log[-8000:]
+    # It said why it ended, in a line rather than torch's SignalException traceback, and exited as a
+    # process that SIGTERM ended does.
+    assert started[2].poll() == 143
+    assert "torchspot-run: stopped by SIGTERM; this node left the rendezvous (exit 143)" in leaving_log
+    assert "SignalException" not in leaving_log, leaving_log[-8000:]
 
     # Hard eviction: rank 0's node vanishes with its workers after a step's update, before its progress
     # record (scripted_trainer.py's hold): the step is applied on both nodes. The restart path's survivor

@@ -412,6 +412,20 @@ def leave_then_stop(signum: int, _frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
 
+def stopped_by_signal(sig: signal.Signals) -> int:
+    """Say on stderr that the agent stops for `sig` (its workers stopped, its node out of the
+    rendezvous), and return its exit code: 128 + the signal's number, what a container runtime reports
+    for a process a signal ended, and what our workers exit with after SIGTERM.
+
+    torch's agent raises SignalException for it. Left to Python, its traceback (30 lines of torch's
+    frames) ended every eviction with notice, the path spot nodes take every day, as if the launcher
+    had crashed, with exit code 1. The operator reads 1 and 143 alike (verdicts.classify: a
+    disruption or a node reason decides, not the code)."""
+    code = 128 + int(sig)
+    print(f"{PROG}: stopped by {sig.name}; this node left the rendezvous (exit {code})", file=sys.stderr, flush=True)
+    return code
+
+
 def ask_for_stacks(folder: Path) -> None:
     """STACKS_AFTER_NOTICE seconds after our SIGTERM, ask each registered worker of ours that still runs
     for its threads' stacks (markers.STACKS_SIGNAL: only workers that registered handle it). The
@@ -623,10 +637,10 @@ def _launch(args: argparse.Namespace) -> None:
             f"{PROG}: error: no round of at least {str(args.nnodes).split(':')[0]} node(s) formed within the join "
             f"timeout (--rdzv-conf join_timeout){left}"  # ours leaves: handler.py's `shutdown`; torch's closes it
         ) from None
-    except SignalException:
+    except SignalException as exc:
         # Our node is going (the agent has stopped its workers): let the others re-form now.
         leave_rendezvous()
-        raise
+        raise SystemExit(stopped_by_signal(exc.sigval)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
