@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -24,7 +25,13 @@ import torch
 import torch.distributed as dist
 
 from torchspot_trainer.evaluate import evaluate
-from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, WORKER_NCCL_DEFAULTS, worker_environment
+from torchspot_trainer.nccl import (
+    FLIGHT_RECORDER_ENV,
+    FORMER_NAMES,
+    NCCL_ERROR_HANDLING_ENV,
+    WORKER_NCCL_DEFAULTS,
+    worker_environment,
+)
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.group import (
     Group,
@@ -456,6 +463,30 @@ def test_the_launcher_turns_nccls_teardown_off_for_its_workers_unless_the_user_c
     assert worker_environment({NCCL_ERROR_HANDLING_ENV: "3"}).get(NCCL_ERROR_HANDLING_ENV) is None  # the user's stays
     assert WORKER_NCCL_DEFAULTS[NCCL_ERROR_HANDLING_ENV] == "0"
     assert group_timeout(300).total_seconds() > 300  # the step watchdog (300 s) always acts first
+
+
+def test_the_flight_recorders_size_is_set_by_its_current_name_unless_the_user_set_either() -> None:
+    """torch 2.13 warns in every process that makes a group where the size comes by its former name."""
+    assert worker_environment({})[FLIGHT_RECORDER_ENV] == "2000"
+    (former,) = FORMER_NAMES[FLIGHT_RECORDER_ENV]
+    assert FLIGHT_RECORDER_ENV not in worker_environment({former: "0"})  # the user's, by the old name, stays
+    assert FLIGHT_RECORDER_ENV not in worker_environment({FLIGHT_RECORDER_ENV: "0"})
+
+
+def test_a_group_made_with_the_launchers_settings_draws_no_warning_from_torch(tmp_path: Path) -> None:
+    """A real gloo group in a process with what the launcher gives its workers: torch says nothing of
+    them (by the former name it warned in every worker's log)."""
+    make_group = (
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "dist.destroy_process_group()\n"
+        "print('formed')\n"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TORCH_")}
+    done = subprocess.run([sys.executable, "-c", make_group], check=False, capture_output=True, text=True, timeout=60,
+                          env={**env, **worker_environment(env)})  # fmt: skip
+    assert done.stdout.strip() == "formed", done.stderr
+    assert "Warning" not in done.stderr, done.stderr
 
 
 def test_an_armed_exit_deadline_ends_a_process_stuck_below_python() -> None:

@@ -9,10 +9,16 @@ NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 """torch's switch for the NCCL watchdog's reaction to a failed or timed-out collective."""
 NCCL_RETHROW_ENV = "TORCH_NCCL_RETHROW_CUDA_ERRORS"
 """torch's switch for the NCCL watchdog rethrowing a CUDA error (on by default): it ends the process too."""
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""How many collectives torch's flight recorder keeps. Its former name, TORCH_NCCL_TRACE_BUFFER_SIZE, is
+still read by torch 2.13, which then warns in every process that makes a group (every worker's log
+began with that warning, on gloo too)."""
+FORMER_NAMES: Mapping[str, tuple[str, ...]] = {FLIGHT_RECORDER_ENV: ("TORCH_NCCL_TRACE_BUFFER_SIZE",)}
+"""Settings torch still reads under a former name: one the user set so is theirs, and ours is not added."""
 WORKER_NCCL_DEFAULTS: Mapping[str, str] = {
     NCCL_ERROR_HANDLING_ENV: "0",
     NCCL_RETHROW_ENV: "0",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    FLIGHT_RECORDER_ENV: "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
 """What the launcher sets for the workers it starts, where the user set nothing (`worker_environment`):
@@ -27,5 +33,9 @@ Written from torch's documented settings; not measured on a GPU here."""
 
 def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """What the launcher adds to its own environment for its workers: `WORKER_NCCL_DEFAULTS` where
-    `environ` has no value. Pure."""
-    return {key: value for key, value in WORKER_NCCL_DEFAULTS.items() if key not in environ}
+    `environ` has no value, under the setting's name or a former one (`FORMER_NAMES`). Pure."""
+    return {
+        key: value
+        for key, value in WORKER_NCCL_DEFAULTS.items()
+        if not any(name in environ for name in (key, *FORMER_NAMES.get(key, ())))
+    }
