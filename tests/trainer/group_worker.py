@@ -17,6 +17,8 @@
   are gone).
 - ping: rank 0 pings with a 1 s timeout while rank 1 (a frozen peer) never joins the
   collective; rank 0 writes the ping's result and the seconds it took to OUT.
+- peer-gone: rank 1 exits once both are connected; rank 0's all-reduce raises, and rank 0 writes what
+  group.peer_failure makes of that error and of a shape error raised by a matrix product.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import SaveReport
 from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER, marker_beside
-from torchspot_trainer.recovery.group import Group
+from torchspot_trainer.recovery.group import Group, peer_failure
 from torchspot_trainer.recovery.notices import GroupBroken, NoticeStop
 from torchspot_trainer.recovery.rng import rng_state
 from torchspot_trainer.recovery.signals import EvictionNotice
@@ -108,6 +110,24 @@ def _late_leaving(rank: int, world: int, store: str, out: str) -> None:
         said("broken")
 
 
+def _peer_gone(rank: int, out: str) -> None:
+    dist.barrier()  # both connected, as a trainer's group is long before a loss
+    if rank == 1:
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1024))
+        lost: str | None = "no error"
+    except RuntimeError as exc:
+        lost = peer_failure(exc)
+    try:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+        bug: str | None = "no error"
+    except RuntimeError as exc:
+        bug = peer_failure(exc)
+    with open(out, "w") as file:
+        json.dump({"lost": lost, "bug": bug}, file)
+
+
 def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
@@ -146,6 +166,8 @@ def main(scenario: str, rank: int, world: int, store: str, out: str) -> None:
                 json.dump({"done": done, "seconds": time.monotonic() - started}, file)
         else:
             time.sleep(3)  # frozen: never joins the ping
+    elif scenario == "peer-gone":
+        _peer_gone(rank, out)
     sys.stdout.flush()
     os._exit(0)  # no shutdown handshake with a peer that may have gone
 

@@ -34,6 +34,7 @@ from torchspot_trainer.nccl import (
 )
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.group import (
+    GLOO_TRANSPORT,
     Group,
     StepWatchdog,
     abort_group,
@@ -41,6 +42,7 @@ from torchspot_trainer.recovery.group import (
     group_device,
     group_timeout,
     nccl_environment,
+    peer_failure,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.notices import (
@@ -137,6 +139,18 @@ def test_the_notice_barrier_ends_when_a_leaving_rank_has_exited(tmp_path: Path) 
     said = json.loads(outs[0].read_text())
     assert said["done"] is False or str(said["done"]).startswith("raised")
     assert said["seconds"] < 5.0
+
+
+def test_a_collective_that_failed_at_a_lost_peer_is_told_from_a_failure_of_the_program(tmp_path: Path) -> None:
+    """A real gloo all-reduce whose peer exited: a line for the worker's log, gloo's own first line (where
+    the restart path's survivors printed the traceback as for a crash); a shape error: None, so its
+    traceback is printed."""
+    said = json.loads(_group(tmp_path, "peer-gone", 2)[0].read_text())
+    assert said["lost"] is not None
+    assert GLOO_TRANSPORT in said["lost"]
+    assert "\n" not in said["lost"]
+    assert said["bug"] is None
+    assert peer_failure(dist.DistNetworkError("the store's connection was reset")) == "the store's connection was reset"
 
 
 def test_a_ping_gives_up_on_a_frozen_peer_within_its_timeout(tmp_path: Path) -> None:

@@ -104,6 +104,7 @@ from torchspot_trainer.recovery.group import (
     group_device,
     group_timeout,
     nccl_environment,
+    peer_failure,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.live import (
@@ -474,14 +475,21 @@ class Trainer:
         """Run (or resume) training to the end; return the final summary (rank 0's view).
 
         If the loop raises (a collective failed because a peer left, or a bug), the
-        worker leaves at once with EXIT_FAILED after its traceback: a normal interpreter
-        exit would wait on the process group and background threads, and every second
-        spent here delays the agents' next round.
+        worker leaves at once with EXIT_FAILED, after a line for a peer's failure
+        (`peer_failure`) or the traceback of any other: a normal interpreter exit would
+        wait on the process group and background threads, and every second spent here
+        delays the agents' next round.
         """
         try:
             return self._train()
-        except Exception:
-            log.exception("rank %d: training stopped at step %d", self.rank, self.step)
+        except Exception as exc:
+            peer = peer_failure(exc)
+            if peer is None:
+                log.exception("rank %d: training stopped at step %d", self.rank, self.step)
+            else:
+                log.warning("rank %d: training stopped at step %d: a collective failed at a peer (%s)",
+                            self.rank, self.step, peer)  # fmt: skip
+                log.debug("rank %d: the failed collective", self.rank, exc_info=True)
             self._leave_broken_group()
 
     def _train(self) -> dict[str, Any]:

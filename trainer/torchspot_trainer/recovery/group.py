@@ -58,6 +58,23 @@ def nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {} if NCCL_ERROR_HANDLING_ENV in environ else {NCCL_ERROR_HANDLING_ENV: "0"}
 
 
+GLOO_TRANSPORT = "gloo/transport/"
+"""Where gloo's errors at a peer's socket come from (its messages name the source file): a peer's
+connection closed or reset, or a read that timed out waiting for it."""
+
+
+def peer_failure(exc: BaseException) -> str | None:
+    """The first line of `exc` where it is a collective's failure at a peer (gloo's transport, or one of
+    torch's distributed errors: NCCL's DistBackendError, a store's DistNetworkError), else None: a
+    failure of the program itself. Pure.
+
+    On the restart path a lost peer ends every survivor's step this way, the event the job is built
+    for; its worker says so in a line, where another failure gets its traceback."""
+    if isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and GLOO_TRANSPORT in str(exc)):
+        return next(iter(str(exc).splitlines()), type(exc).__name__)
+    return None
+
+
 def group_timeout(collective_timeout: float) -> timedelta:
     """The process group's timeout for a step watchdog of `collective_timeout` seconds. Pure."""
     return timedelta(seconds=collective_timeout * GROUP_TIMEOUT_FACTOR)
