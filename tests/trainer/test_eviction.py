@@ -31,6 +31,7 @@ from torchspot_trainer.markers import (
 )
 from torchspot_trainer.recovery.signals import (
     PEER_LOST_GRACE,
+    RESTART_DETAIL,
     EvictionNotice,
     ScheduledEventsWatcher,
     evicting_events,
@@ -226,6 +227,48 @@ _ACKED = textwrap.dedent(
     print("exited cleanly", flush=True)
     """
 )
+
+
+_SAID = textwrap.dedent(
+    """
+    import logging, sys, time
+    from torchspot_trainer.recovery.signals import EvictionNotice, watch_sigterm
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+    notice = EvictionNotice()
+    watch_sigterm(notice, stuck_exit_after=2.0)
+    print("ready", flush=True)
+    while not notice.is_set():
+        time.sleep(0.01)  # a training step
+    notice.acknowledged.set()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("markers", "said"),
+    [
+        ((RESTART_MARKER,), f"INFO SIGTERM: {RESTART_DETAIL}"),
+        ((RESTART_MARKER, LEAVING_MARKER), "WARNING eviction notice from SIGTERM"),  # the node goes too
+        ((), "WARNING eviction notice from SIGTERM"),
+    ],
+    ids=["restart", "restart-while-leaving", "no-marker"],
+)
+def test_a_sigterm_its_agents_restart_explains_is_not_logged_as_an_eviction(
+    tmp_path: Path, markers: tuple[str, ...], said: str
+) -> None:
+    """The restart path's survivors logged every restart as an eviction notice; the agent's markers,
+    written before it signals, tell a restart (the node stays) from a departure."""
+    for name in markers:
+        (tmp_path / name).touch()
+    env = {**os.environ, PEER_LOST_ENV: str(tmp_path / "peer-lost")}
+    with subprocess.Popen([sys.executable, "-c", _SAID], stdout=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert said in out, out
+    assert ("eviction notice" in out) is (said != f"INFO SIGTERM: {RESTART_DETAIL}"), out
 
 
 def test_sigterm_at_a_step_boundary_lets_the_loop_finish() -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from torchspot_trainer.markers import STACKS_SIGNAL, peer_lost, peer_lost_grace
+from torchspot_trainer.markers import STACKS_SIGNAL, agent_restarting, node_leaving, peer_lost, peer_lost_grace
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ class Notice:
     event_id: str | None = None
 
 
+RESTART_DETAIL = "the agent restarts this node's workers for its next round; the node stays"
+"""What a worker logs (at INFO) for a SIGTERM that its agent's restart marker explains: not an eviction,
+which every survivor's log called it at every restart of the restart path."""
+
+
 class EvictionNotice:
     """A thread-safe, set-once flag with the first reason it was set for."""
 
@@ -83,16 +88,19 @@ class EvictionNotice:
         """Record that the training loop is between two steps now."""
         self.boundary = time.monotonic()
 
-    def set(self, source: str, detail: str, event_id: str | None = None) -> None:
+    def set(self, source: str, detail: str, event_id: str | None = None, *, restart: bool = False) -> None:
         """Raise the notice (later calls keep the first reason). Logged after the lock is let go: a
         thread that waits on the log's handler or stream then holds nothing another setter needs.
-        Never call this from a signal handler (`watch_sigterm`)."""
+        Never call this from a signal handler (`watch_sigterm`). `restart`: the node stays (its agent
+        restarts its workers), which the log says as such rather than as an eviction notice."""
         with self._lock:
             first = self._notice is None
             if first:
                 self._notice = Notice(source, detail, time.monotonic(), event_id)
         self._event.set()
-        if first:
+        if first and restart:
+            log.info("%s: %s", source, detail)
+        elif first:
             log.warning("eviction notice from %s: %s", source, detail)
 
     def clear(self) -> None:
@@ -172,7 +180,8 @@ def watch_sigterm(
     def watch() -> None:
         while signal.SIGTERM not in os.read(read_fd, 64):
             continue
-        notice.set("SIGTERM", "pod deletion or agent restart")
+        restart = agent_restarting() and not node_leaving()  # the agent's markers, written before it signals
+        notice.set("SIGTERM", RESTART_DETAIL if restart else "pod deletion or agent restart", restart=restart)
         peer_gone = lost()
         since_boundary = time.monotonic() - notice.boundary
         agents = grace() if peer_gone else None
