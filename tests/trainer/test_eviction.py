@@ -212,23 +212,6 @@ def test_node_leaving_reads_the_leaving_marker_beside_the_peer_lost_one(tmp_path
     assert node_leaving(environ)
 
 
-_ACKED = textwrap.dedent(
-    """
-    import time
-    from torchspot_trainer.recovery.signals import EvictionNotice, watch_sigterm
-    notice = EvictionNotice()
-    watch_sigterm(notice, stuck_exit_after=2.0)
-    print("ready", flush=True)
-    while not notice.is_set():
-        time.sleep(0.01)  # a training step
-    notice.acknowledged.set()
-    print("checkpoint at step boundary", notice.notice.source, flush=True)
-    time.sleep(3)
-    print("exited cleanly", flush=True)
-    """
-)
-
-
 _SAID = textwrap.dedent(
     """
     import logging, sys, time
@@ -240,6 +223,13 @@ _SAID = textwrap.dedent(
     while not notice.is_set():
         time.sleep(0.01)  # a training step
     notice.acknowledged.set()
+    """
+)
+_ACKED = _SAID + textwrap.dedent(
+    """
+    print("checkpoint at step boundary", notice.notice.source, flush=True)
+    time.sleep(3)
+    print("exited cleanly", flush=True)
     """
 )
 
