@@ -36,7 +36,7 @@ from torchspot_lab.local import (
 )
 from torchspot_operator.certs import etcd_certificates
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.launch import staging_command
+from torchspot_trainer.launch import THREADS_ENV, staging_command, thread_count
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
@@ -411,14 +411,21 @@ sys.exit(0)
 """
 
 
+CUDA_FORK = Path(__file__).with_name("cuda_fork")
+"""A sitecustomize that gives the CPU build of torch a CUDA build's fork semantics (its docstring)."""
+
+
 @pytest.mark.slow(seconds=20)
 def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path, etcd: EtcdServer) -> None:
     """Any program under etcd-v3 is forked from the warm server (not started as a new interpreter), itself
     a fork of the agent: a script runs as __main__ with its arguments, its exit status 0 is a success and
     a worker's death the launcher's failure. A checkpoint saver it starts is forked from the same server
-    (forks.py: no torch import of its own), and ends with the worker that started it."""
+    (forks.py: no torch import of its own), and ends with the worker that started it. With what a CUDA
+    build does to fork (CUDA_FORK: CI has the CPU build): the agent forked its server after torchrun's
+    config asked torch.cuda.is_available(), and every worker refused to start (refuse_bad_fork)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
+    path = os.pathsep.join(p for p in (str(CUDA_FORK), os.environ.get("PYTHONPATH", "")) if p)
     runs = []
     for exit_code in (0, 3):
         out = tmp_path / f"out-{exit_code}"
@@ -427,8 +434,9 @@ def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path,
             "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"script-{exit_code}", "--max-restarts", "0",
             str(script), str(out), "--epochs", "2",
         ]  # fmt: skip
-        env = os.environ | {"SCRIPT_EXIT": str(exit_code)}
+        env = os.environ | {"SCRIPT_EXIT": str(exit_code), "PYTHONPATH": path}
         runs.append(subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env))
+        assert out.exists(), runs[-1].stderr[-2000:]  # the worker ran
         name, total, argv, server, agent, saver, saver_forked = out.read_text().split("|")
         assert (name, total, argv) == ("__main__", "2", "['--epochs', '2']")
         # The warm server's child, not the agent's new interpreter; the server a fork of the agent (it
@@ -440,6 +448,34 @@ def test_a_script_runs_in_a_forked_worker_as_python_would_run_it(tmp_path: Path,
         wait_for(lambda: not psutil.pid_exists(saver_pid), 10, "the saver to end with its worker")  # noqa: B023
     assert runs[0].returncode == 0, runs[0].stderr[-2000:]
     assert runs[1].returncode != 0
+
+
+THREADS = """
+import os, torch
+with open(os.environ["OUT"] + os.environ["LOCAL_RANK"], "w") as out:
+    out.write(f"{os.environ.get('OMP_NUM_THREADS')}|{torch.get_num_threads()}")
+"""
+
+
+@pytest.mark.slow(seconds=10)
+def test_forked_workers_size_their_thread_pool_as_torchrun_asks(tmp_path: Path, etcd: EtcdServer) -> None:
+    """Two workers a node and no OMP_NUM_THREADS in the pod: torchrun asks one torch thread each, and a
+    new interpreter's torch takes it as it starts. Forked from the warm server, each kept the pool of
+    the agent's torch, a thread per core (2 here), until the worker's entry sized it (take_thread_count)."""
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    env = {k: v for k, v in os.environ.items() if k != THREADS_ENV} | {"OUT": str(tmp_path / "threads-")}
+    cmd = [
+        sys.executable, "-m", "torchspot_trainer.launch", "--nnodes", "1", "--nproc-per-node", "2",
+        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "threads", "--max-restarts", "0",
+        str(script),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [(tmp_path / f"threads-{rank}").read_text() for rank in (0, 1)] == ["1|1", "1|1"]
+    assert thread_count({THREADS_ENV: "4"}) == 4
+    assert thread_count({THREADS_ENV: "0"}) is None  # not a count: torch's default stands
+    assert thread_count({}) is None
 
 
 def test_unreachable_endpoint_fails_in_bounded_time_naming_it(tmp_path: Path) -> None:

@@ -146,6 +146,29 @@ _FINISHED: list[object] = []
 """Trainers whose run ended, kept until the forked worker exits (see run_trainer)."""
 
 
+THREADS_ENV = "OMP_NUM_THREADS"
+"""The size of torch's intra-op pool a worker gets: torchrun sets 1 for several workers a node where the
+pod set none, and puts it in each worker's environment."""
+
+
+def thread_count(environ: Mapping[str, str]) -> int | None:
+    """THREADS_ENV's count where it is a positive integer, else None (torch's default stands). Pure."""
+    value = environ.get(THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
+
+
+def take_thread_count() -> None:
+    """Size torch's intra-op pool by this worker's THREADS_ENV, as a new interpreter's torch does as it
+    starts. A worker forked from the warm server kept the size the agent's torch took when it was
+    imported, before torchrun set the variable: with several workers a node and nothing set in the pod,
+    each ran a thread per core (2 where torchrun asked 1, on 2 cores) instead of one."""
+    import torch  # noqa: PLC0415 - the fork server has imported it already
+
+    count = thread_count(os.environ)
+    if count is not None and torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
 def run_trainer(*argv: str) -> int:
     """The worker's entry point when the agent forks it (module-level: the fork server pickles it by name).
 
@@ -157,6 +180,7 @@ def run_trainer(*argv: str) -> int:
     from torchspot_trainer.__main__ import build  # noqa: PLC0415 - imported in the fork server already
 
     refuse_bad_fork()
+    take_thread_count()
     hear_sigterm()
     trainer = build(list(argv))
     trainer.train()
@@ -172,6 +196,7 @@ def run_program(target: str, kind: str, *argv: str) -> int:
     its process group in a forked worker can block for ever. `sys.exit(0)` (or None) is a success;
     another exit status, or an exception, is the worker's failure as torchrun reports it."""
     refuse_bad_fork()
+    take_thread_count()
     hear_sigterm()
     sys.argv = [target, *argv]
     try:
@@ -335,8 +360,6 @@ def name_process(name: bytes) -> None:
 def _launch_forked(args: argparse.Namespace) -> None:
     """torchrun's launch with the program as a function (run_trainer, or run_program for any other), each
     worker forked from a server that preloaded torch and the rest of `fork_preload`."""
-    config, _, _ = config_from_args(args)  # may set OMP_NUM_THREADS, which the workers need
-    config.start_method = "forkserver"
     # Start it, and wait for its imports, before joining the rendezvous: a node that joins a
     # running job makes everyone restart, and its first worker would hold up the new group
     # while it imported torch; the group trains on meanwhile instead. Not for our trainer in
@@ -344,6 +367,14 @@ def _launch_forked(args: argparse.Namespace) -> None:
     # whatever workers read must be set before.
     name_peer_lost_marker()
     _start_fork_server(fork_preload(args, os.environ), wait=not joins_while_warming(args, os.environ))
+    # Only now torchrun's config: its LaunchConfig asks torch.cuda.is_available() (for its NUMA
+    # default), which on a CUDA build of torch marks every later fork of this process as one CUDA
+    # cannot be used in, GPU or not. Made before the server, it made every worker of a CUDA build refuse
+    # to start (refuse_bad_fork): seen with torch 2.11+cu130 (bench/README, 2026-11-29); 2.13's asks the same.
+    # The OMP_NUM_THREADS it may set reaches the workers all the same: torch's agent puts it in each
+    # worker's environment, and each sizes its pool by it (take_thread_count).
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
     register()
     stage_forked(args)
     if forks_our_trainer(args):
