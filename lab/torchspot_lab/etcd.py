@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torchspot_lab.service import LocalService
 from torchspot_operator.certs import CA_FILE, SERVER_CERT_FILE, SERVER_KEY_FILE, EtcdCertificates, secret_files
+from torchspot_operator.constants import ETCD_GATEWAY_OFF
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 
 BIND_TRIES = 3
@@ -128,7 +129,7 @@ class EtcdServer(LocalService):
         cmd += self.extra_flags
         if self.tls is not None:
             files = self.tls_files()
-            cmd += ["--client-cert-auth", f"--trusted-ca-file={files[CA_FILE]}",
+            cmd += ["--client-cert-auth", ETCD_GATEWAY_OFF, f"--trusted-ca-file={files[CA_FILE]}",
                     f"--cert-file={files[SERVER_CERT_FILE]}", f"--key-file={files[SERVER_KEY_FILE]}"]  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:

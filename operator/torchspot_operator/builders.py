@@ -287,6 +287,7 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
         tls = constants.ETCD_TLS_DIR
         command += [
             "--client-cert-auth",
+            constants.ETCD_GATEWAY_OFF,
             f"--trusted-ca-file={tls}/{certs.CA_FILE}",
             f"--cert-file={tls}/{certs.SERVER_CERT_FILE}",
             f"--key-file={tls}/{certs.SERVER_KEY_FILE}",

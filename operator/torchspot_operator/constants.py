@@ -157,6 +157,12 @@ OPERATOR_CA_SECRET: Final = "torchspot-operator-ca"  # noqa: S105 (a Secret obje
 """The operator pod's namespace and labels (JSON), which the chart sets: each job's NetworkPolicy
 admits the operator (its milestone reader) to the etcd by them. Unset (an operator run outside the
 cluster, which cannot reach a job's etcd anyway): only the job's workers are admitted."""
+ETCD_GATEWAY_OFF: Final = "--enable-grpc-gateway=false"
+"""A TLS etcd's flag: no JSON gateway. etcd's gateway dials the server's own gRPC presenting the server's
+certificate as a client's, and ours has serverAuth only (certs.py: a server certificate opens no etcd as
+a client), so under `--client-cert-auth` each dial was refused and both ends logged it ("incompatible key
+usage", "bad certificate") every few seconds, as if TLS were broken. Every client of ours speaks gRPC,
+and the kubelet's probes read the plain /health of `--listen-metrics-urls`."""
 ETCD_IMAGE: Final = "quay.io/coreos/etcd:v3.5.17"
 ETCD_IMAGE_ENV: Final = "TORCHSPOT_ETCD_IMAGE"
 """The operator's environment variable with the managed etcd's image for the whole cluster (the chart's

@@ -303,6 +303,9 @@ def test_an_etcd_with_mutual_tls_admits_only_holders_of_the_jobs_certificate(
         _await_world(job, 1, fault, RECOVER)
         stop_after(job, 20)
         assert _finish(started[:1]) == [0]
+        # Its JSON gateway is off: etcd's own dials of it with the server's certificate (serverAuth only)
+        # were refused and logged every few seconds as if TLS were broken.
+        assert "incompatible key usage" not in server.log_path.read_text(errors="replace")
 
         other = etcd_certificates("other-etcd", "default")
         strangers = {
