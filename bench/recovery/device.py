@@ -14,10 +14,11 @@ Two steps, the first here, the second there through the device tool:
 `run` installs the wheels into a folder of its own (the image's packages stay as they are), prints
 the versions and cores, runs the suite's tests marked `cuda` where torch sees a GPU, then
 `bench/recovery/run.py`'s join for our in-place trainer and TorchFT at 1 s (`--reps 20`: about 11 s a
-trial here, 440 s in all) and copies the raw results to $OUT. The image's torch is not ours (2.11
+trial here, 440 s in all), its raw results written to $OUT. The image's torch is not ours (2.11
 with CUDA on 2026-11-27, not the pinned 2.13.0): its version is printed beside the figures. Checked
-here in a bare venv with torch 2.13.0 and the image's other packages the bench uses (`fetch --python
-3.11`, `run --reps 1`); not yet run on the device.
+here in bare venvs with the image's other packages the bench uses (`fetch --python 3.11`, `run --reps
+1`), with torch 2.13.0 and with 2.11.0+cu130 (a CUDA build, as the image's: it found the fork bug of
+bench/README.md, 2026-11-29 (night)); not yet run on the device.
 """
 
 from __future__ import annotations
