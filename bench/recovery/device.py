@@ -102,8 +102,10 @@ def bench_environment(environ: dict[str, str], site: Path) -> dict[str, str]:
 
 
 def fetch(python: str) -> None:
-    """Download the wheels into WHEELS (here, where pip reaches PyPI)."""
-    WHEELS.mkdir(exist_ok=True)
+    """Download the wheels into WHEELS (here, where pip reaches PyPI), emptied first: a wheel left from a
+    fetch for another Python would make `run`'s install refuse the set."""
+    shutil.rmtree(WHEELS, ignore_errors=True)
+    WHEELS.mkdir()
     subprocess.run(fetch_command(python, WHEELS), check=True)
     size = sum(path.stat().st_size for path in WHEELS.glob("*.whl"))
     print(f"{len(list(WHEELS.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {WHEELS}: carry '.whl'")
