@@ -19,11 +19,14 @@ the two is SIGKILLed while the joiner still starts: JOIN_LOSS_WINDOW; recovery i
 survivor's first step in a group the victim is not in, whatever its size), `hard` (3 nodes, one
 SIGKILLed with its workers), `frozen` (3 nodes, one SIGSTOPped with its workers, at a random point of
 the step), `notice` (3 nodes, one agent SIGTERMed as the kubelet does at an eviction;
-TorchFT has no notice path: its replica is SIGTERMed), and `falsealarm` (3 nodes, busy
-loops on every core for 10 s while one node is stopped three times for 0.5 s: passes if
-nobody is dropped). The victim is the node that holds the highest rank, so the surviving
-rank 0 keeps logging, and the c10d store (hosted by the first agent) survives: the
-comparison is about noticing the fault, not about that single point of failure.
+TorchFT has no notice path: its replica is SIGTERMed), `falsealarm` (3 nodes, busy loops on
+every core for 10 s while one node is stopped three times for 0.5 s: passes if nobody is
+dropped), and, for our backends only, `wipe` and `wipejoin`: `hard` and `join` after the job's
+etcd lost its data under it (restarted empty, as the managed etcd comes back when its pod
+moves), once the agents wrote their round back (rounds.py's `restored`). The victim is the node
+that holds the highest rank, so the surviving rank 0 keeps logging, and the c10d store (hosted
+by the first agent) survives: the comparison is about noticing the fault, not about that single
+point of failure.
 
 Backends:
 - `etcd-v3`: torchspot-run with our backend and its defaults (the restart path: every
@@ -85,6 +88,7 @@ from torchspot_lab.local import (
     resumed_step_after,
     wait_for,
 )
+from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "etcd-v2", "etcd-v2-tuned", "c10d",
@@ -99,9 +103,15 @@ TRAINER = [
     "--global-batch-size", "48", "--workers", "0", "--log-every", "1", "--scheduled-events", "off", "--in-place",
 ]  # fmt: skip
 """`trainer-inplace`'s program (its --events-file is added per job)."""
-SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm")
+SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm", "wipe", "wipejoin")
+AFTER_WIPE = {"wipe": "hard", "wipejoin": "join"}
+"""The scenarios that wipe the job's etcd first, and the fault each then applies. Only for OURS: the
+others keep no state to lose (TorchFT) or were not built to survive it (torch's backends)."""
 JOINS = ("join", "joinloss")
-"""The scenarios that start from 2 nodes and start a third."""
+"""The faults that start from 2 nodes and start a third."""
+RESTORED_WAIT = 10.0
+"""The most a `wipe` trial waits for the agents to write their round back before its fault: past it
+the fault comes all the same (and finds the state empty, as before the agents restored it)."""
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "recovery.json"
 STEP_TIME = 0.05
 """Seconds of work per step, for every backend (the toy's default)."""
@@ -150,10 +160,30 @@ trial trains that long after its first 25 steps before the joiner starts, so the
 many seconds of steady steps, not the job's first quarter-second."""
 
 
+def fault_of(scenario: str) -> str:
+    """The fault a scenario applies: its own name, or for a wipe scenario the one after the wipe."""
+    return AFTER_WIPE.get(scenario, scenario)
+
+
 def lead_in(scenario: str, rng: random.Random) -> float:
-    """Seconds from a job's 25th step to its fault: a random point of the step, after BASELINE_S more
-    of steady steps at a join (`training_lost`'s reference)."""
-    return (BASELINE_S if scenario == "join" else 0.0) + rng.uniform(0, STEP_TIME + 0.01)
+    """Seconds from a job's 25th step (or the restore after a wipe) to its fault: a random point of the
+    step, after BASELINE_S more of steady steps at a join (`training_lost`'s reference)."""
+    return (BASELINE_S if fault_of(scenario) == "join" else 0.0) + rng.uniform(0, STEP_TIME + 0.01)
+
+
+def wipe_and_await_restore(etcd: EtcdServer, run_id: str) -> bool:
+    """Restart `etcd` without its data, then wait until the job's agents wrote their round back (its
+    state key is there again); whether they did within RESTORED_WAIT."""
+    etcd.restart(wipe=True)
+    client = etcd.client()
+    try:
+        state = f"{KEY_ROOT}/{run_id}/state"
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: client.get(state) is not None, RESTORED_WAIT, "the round written back")
+            return True
+        return False
+    finally:
+        client.close()
 
 
 def training_lost(times: list[float], fault: float, recovered: float) -> float | None:
@@ -274,9 +304,10 @@ def run_trial(
     workdir: Path, backend: str, scenario: str, etcd: EtcdServer, *, timeout: float, rng: random.Random
 ) -> Trial:
     """Start a job, apply one fault, and measure recovery and lost steps."""
-    nnodes = "2:3" if scenario == "join" else "1:3"  # joinloss: a survivor may train alone
+    fault_kind = fault_of(scenario)
+    nnodes = "2:3" if fault_kind == "join" else "1:3"  # joinloss: a survivor may train alone
     job = _job(workdir, backend, etcd, nnodes)
-    initial = 2 if scenario in JOINS else 3
+    initial = 2 if fault_kind in JOINS else 3
     nodes = [LocalNode(f"n{i}", job) for i in range(initial)]
     try:
         for node in nodes:
@@ -293,6 +324,8 @@ def run_trial(
             60,
             "steps",
         )
+        if scenario in AFTER_WIPE and not wipe_and_await_restore(etcd, job.run_id):
+            print(f"  {backend}: the round was not written back within {RESTORED_WAIT:g} s of the wipe", flush=True)
         time.sleep(lead_in(scenario, rng))
         victim_name = _highest_rank_node(job, formed["group"])
         victim = next(n for n in nodes if n.name == victim_name)
@@ -302,22 +335,22 @@ def run_trial(
             regrouped = any(e["event"] == "start" and e["t"] > began for e in _read(job))
             return Trial(backend, scenario, None, None, false_alarm=regrouped)
         groups: set[str] = set()  # joinloss: the groups that had stepped before the kill
-        if scenario in JOINS:
+        if fault_kind in JOINS:
             fault = time.time()
             extra = LocalNode(f"n{initial}", job)
             nodes.append(extra)
             extra.start()
             target = 3
-            if scenario == "joinloss":
+            if fault_kind == "joinloss":
                 time.sleep(rng.uniform(*JOIN_LOSS_WINDOW))
                 groups = {e["group"] for e in _read(job) if e["event"] == "step"}
                 fault = time.time()
                 victim.kill()
         else:
             fault = time.time()
-            if scenario == "hard":
+            if fault_kind == "hard":
                 victim.kill()
-            elif scenario == "frozen":
+            elif fault_kind == "frozen":
                 victim.freeze()
             else:  # notice: the agent is told, as the kubelet tells it; its grace runs beside us
                 threading.Thread(target=victim.terminate, args=(NOTICE_GRACE,), daemon=True).start()
@@ -351,11 +384,12 @@ def run_trial(
         lost = None if resumed is None else max(0, reached - resumed)
         before, after = _pids(events, formed["group"]), _pids(events, recovered["group"])
         restarted = sum(1 for name, pid in before.items() if name in after and after[name] != pid)
+        joined = fault_kind == "join"
         return Trial(
             backend, scenario, round(recovered["t"] - fault, 2), lost, pause_s=_rounded(pause),
-            switch_s=_rounded(switch) if scenario == "join" else None, restarted=restarted,
+            switch_s=_rounded(switch) if joined else None, restarted=restarted,
             rejoined_s=None if rejoined is None else round(rejoined["t"] - fault, 2),
-            lost_s=_rounded(training_lost(stepped, fault, recovered["t"])) if scenario == "join" else None,
+            lost_s=_rounded(training_lost(stepped, fault, recovered["t"])) if joined else None,
         )  # fmt: skip
     finally:
         for node in nodes:
@@ -468,7 +502,7 @@ def _fmt(trials: list[Trial], timeout: float) -> tuple[str, dict[str, float] | N
         lost_text += f", survivors' processes restarted max {max(restarted)}"
     text = f"p50 {stats['p50']:.2f} s, p95 {stats['p95']:.2f} s, max {stats['max']:.2f} s over {len(trials)}"
     pauses = [t.pause_s for t in trials if t.pause_s is not None]
-    if trials[0].scenario == "join" and pauses:
+    if fault_of(trials[0].scenario) == "join" and pauses:
         stats["pause_max"] = max(pauses)
         text += f"; the others' longest pause p50 {statistics.median(pauses):.2f} s, max {max(pauses):.2f} s"
     costs = [t.lost_s for t in trials if t.lost_s is not None]
@@ -519,6 +553,8 @@ def main() -> None:
                     if scenario == "falsealarm" and rep >= args.falsealarm_reps:
                         continue
                     for backend in args.backends:
+                        if scenario in AFTER_WIPE and backend not in OURS:
+                            continue
                         workdir = root / f"{backend}-{scenario}-{rep}"
                         if backend in torchft_peer.SETTINGS:
                             trial = run_torchft_trial(workdir, backend, scenario, timeout=args.timeout, rng=rng)

@@ -266,9 +266,11 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
     """One etcd for the job's rendezvous, on the on-demand pool, non-root, data in memory.
 
     The rendezvous state is small and short-lived (a run's keys expire with their
-    lease); losing it costs one re-formation, not training progress, so an emptyDir is
-    enough and there is no volume to provision or clean up.
-    """
+    lease); when the pod moves and comes back empty, the agents of the running round write
+    it back (the trainer's rounds.py, `restored`), so nothing re-forms and no training is
+    lost. A volume that survives the move would cost more at each move (a zonal disk's
+    detach and attach while no join can be served) than the loss it saves: an emptyDir in
+    memory, and no volume to provision or clean up (operator/README.md, "Drains and upgrades")."""
     scheme = "https" if job.etcd_tls else "http"
     url = f"{scheme}://{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
     command = [

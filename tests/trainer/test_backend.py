@@ -52,11 +52,14 @@ from torchspot_trainer.rendezvous.rounds import (
     complete_early,
     departed_since,
     expected_members,
+    forgotten,
     joiners_to_defer,
     joiners_to_release,
     lost_members,
     membership_changed,
     newcomers_of,
+    rejoined_round,
+    restored,
     waiting_joiners,
 )
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
@@ -316,22 +319,85 @@ def _state(round_: int, participants: list[str], **extra: Any) -> Any:
         (_state(4, ["a", "b", "c"], wait_list={"d"}), False),
         (_state(4, ["a", "b"]), True),
         (_state(5, ["a", "b", "c"]), True),
-        (_state(0, [], complete=False), False),
+        (_state(0, [], complete=False), True),
         (_state(0, ["z"], complete=False), True),
+        (_state(4, ["z"], complete=False), True),
+        (_state(4, ["a", "b", "z"]), True),
     ],
     ids=[
         "same-round",
         "someone-waiting",
         "member-lost",
         "round-moved-on",
-        "etcd-lost-data",
+        "etcd-lost-data-and-nobody-restored-the-round",
         "fresh-round-after-data-loss",
+        "a-round-of-the-same-number-forming",
+        "a-round-of-the-same-number-with-a-stranger",
     ],
 )
 def test_membership_changed(state: Any, changed: bool) -> None:
     got, reason = membership_changed(4, frozenset({"a", "b", "c"}), state)
     assert got is changed
     assert bool(reason) is changed
+
+
+@pytest.mark.parametrize(
+    ("state", "lost"),
+    [
+        (_state(4, ["a", "b", "c"]), False),
+        (_state(4, ["a", "b"], wait_list={"d"}), False),
+        (_state(6, [], complete=False), False),
+        (_state(0, [], complete=False), True),
+        (_state(2, ["d"]), True),
+        (_state(4, ["d"], complete=False), True),
+        (_state(4, ["a", "d"]), True),
+    ],
+    ids=["our-round", "our-round-less-one-and-a-joiner", "a-later-round", "empty", "an-older-round",
+         "our-number-forming", "our-number-with-a-stranger"],
+)  # fmt: skip
+def test_a_state_that_cannot_follow_our_round_is_one_etcd_began_again(state: Any, lost: bool) -> None:
+    """A round stays complete and admits nobody until its last member leaves it, and the next one is
+    numbered above it: anything else was written after etcd lost its data."""
+    assert forgotten(4, frozenset({"a", "b", "c"}), state) is lost
+
+
+def test_a_round_written_back_keeps_its_members_and_ranks_and_lets_newcomers_wait() -> None:
+    """`restored`: the round as joined (complete, its ranks), fresh heartbeats for its members; a
+    newcomer that wrote a round of its own waits for the next one with its own heartbeat, and so does
+    a member found joining again (it left the round)."""
+    now, then = datetime(2026, 12, 6, 12, tzinfo=UTC), datetime(2026, 12, 6, 11, tzinfo=UTC)
+    a, b, c, d = (_NodeDesc(addr=name, pid=1, local_id=0) for name in "abcd")
+    joined = _RendezvousState()
+    joined.round, joined.complete = 9, True
+    joined.participants = {a: 0, b: 1, c: 2}
+    joined.last_heartbeats = dict.fromkeys(joined.participants, then)
+    found = _RendezvousState()
+    found.participants = {d: 0, c: 0}
+    found.last_heartbeats = {d: then, c: then}
+    state = restored(joined, found, now)
+    assert (state.round, state.complete, state.closed, state.deadline) == (9, True, False, None)
+    assert state.participants == {a: 0, b: 1}
+    assert state.wait_list == {c, d}
+    assert state.last_heartbeats == {a: now, b: now, c: then, d: then}
+    assert joined.participants == {a: 0, b: 1, c: 2}  # what the agent keeps is not changed
+    assert not forgotten(9, frozenset(joined.participants), state)
+
+
+@pytest.mark.parametrize(
+    ("state", "numbered"),
+    [
+        (_state(4, ["b", "c"]), None),
+        (_state(5, ["b"], complete=False), None),
+        (_state(4, ["a", "b", "c"]), 5),
+        (_state(0, [], complete=False), 5),
+        (_state(0, ["d"], complete=False), 5),
+    ],
+    ids=["our-round-left", "the-next-forming", "still-in-it", "empty", "a-newcomers-round"],
+)
+def test_a_node_re_joining_a_state_begun_again_numbers_the_round_after_its_last(state: Any, numbered: int) -> None:
+    """`rejoined_round`: a node that left round 4 joins round 5 or later; a new node knows nothing."""
+    assert rejoined_round(4, frozenset({"a", "b", "c"}), "a", state) == numbered
+    assert rejoined_round(0, frozenset(), "a", _state(0, [], complete=False)) is None
 
 
 @pytest.mark.parametrize(
@@ -505,11 +571,12 @@ def test_torchs_records_are_named_as_it_names_them_without_reading_the_stack(run
 def _handlers(
     etcd: EtcdServer, run_id: str, n: int, min_nodes: int = 1, **settings: str
 ) -> list[EtcdV3RendezvousHandler]:
-    """`n` handlers of one run (torch gives each its own node id in one process). By default
-    heartbeats every 5 s (dead after 15 s) and a 30 s last call: neither can be what makes a
-    round form within the 10 s join timeout."""
+    """`n` handlers of one run (torch gives each its own node id in one process), of at most 3 nodes
+    unless `max_nodes` says. By default heartbeats every 5 s (dead after 15 s) and a 30 s last call:
+    neither can be what makes a round form within the 10 s join timeout."""
+    max_nodes = int(settings.pop("max_nodes", "3"))
     conf = {"keep_alive_interval": "5", "last_call_timeout": "30", "join_timeout": "10"} | settings
-    params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, min_nodes, 3, **conf)
+    params = RendezvousParameters("etcd-v3", etcd.endpoint, run_id, min_nodes, max_nodes, **conf)
     return [create_handler(params) for _ in range(n)]  # type: ignore[misc]
 
 
@@ -837,6 +904,101 @@ def test_a_re_join_while_etcd_does_not_answer_waits_for_it_instead_of_failing(et
     finally:
         for handler in handlers:
             handler.leave()
+
+
+def _state_in_etcd(handler: EtcdV3RendezvousHandler) -> Any:
+    """The rendezvous state as etcd holds it now, read past the handler's own cache."""
+    holder = _BackendRendezvousStateHolder(handler._backend, handler._settings, cache_duration=0)
+    holder.sync()
+    return holder.state
+
+
+@contextlib.contextmanager
+def _round_then_wiped(
+    etcd: EtcdServer, run_id: str
+) -> Iterator[tuple[EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, EtcdV3RendezvousHandler, int]]:
+    """a, b and c in round 1 of a run of at most 4 nodes (round 0 had a fourth, which left), then etcd
+    wiped (its pod moved, and the managed etcd keeps its data in memory); the round they are in is
+    yielded too."""
+    a, b, c, left = handlers = _handlers(etcd, run_id, 4, max_nodes="4")
+    try:
+        assert sorted(_join(handlers)) == [(0, 4), (1, 4), (2, 4), (3, 4)]  # max_nodes: complete at once
+        left.leave()
+        wait_for(a.num_nodes_waiting, timeout=5, what="the fourth's departure")
+        assert sorted(_join([a, b, c])) == [(0, 3), (1, 3), (2, 3)]
+        assert {h.current_round for h in (a, b, c)} == {1}
+        etcd.restart(wipe=True)
+        assert _state_in_etcd(a).round == 0  # torch's empty state
+        for handler in (a, b, c):  # their next look reads etcd, not the state they cached before the wipe
+            handler._watch.expire()
+        yield a, b, c, 1
+    finally:
+        for handler in handlers:
+            handler.leave()
+
+
+def test_after_etcd_lost_its_data_a_loss_is_found_and_the_next_round_follows_the_last(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """etcd comes back empty under a running round: the members write their round back as they joined
+    it (nothing changes for their workers), so liveness can take a killed member out of it within
+    about a second, and the survivors' next round is numbered after it. Before, the empty state was
+    no change at all: nobody could be taken out of it (the loss waited for the workers' own 30 s), and
+    the rounds began again at 0, older than the generation in-place workers train in, which they
+    refuse (`reconfigure`: every worker was then restarted)."""
+    with _round_then_wiped(etcd, run_id) as (a, b, c, round_):
+        assert (a.num_nodes_waiting(), b.num_nodes_waiting(), c.num_nodes_waiting()) == (0, 0, 0)
+        state = _state_in_etcd(a)
+        assert (state.round, state.complete) == (round_, True)
+        assert state.participants == a._joined_state.participants  # the ranks too
+        for survivor in (a, b):
+            heard = survivor._liveness
+            assert heard is not None
+            wait_for(lambda: str(c._this_node) in heard._receipts, 5, what="a put of c since the restart")  # noqa: B023
+        assert c._liveness is not None
+        c._liveness.stop()
+        c._stop_heartbeats()  # a killed node: nothing more from it (torch's heartbeat: 15 s)
+        wait_for(a.num_nodes_waiting, timeout=5, what="the killed member taken out")
+        assert sorted(_join([a, b])) == [(0, 2), (1, 2)]
+        assert a.current_round == b.current_round == round_ + 1
+
+
+def test_after_etcd_lost_its_data_a_newcomers_round_waits_for_the_one_after_the_members(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """A newcomer reaches the empty etcd first and starts a round 0 of its own (it knows no other):
+    the members write their round back over it, the newcomer waits for the next round, and that round
+    follows theirs, with all four. Before, every member left its round for the newcomer's round 0,
+    and a newcomer alone could complete it beside the running group."""
+    with _round_then_wiped(etcd, run_id) as (a, b, c, round_), ThreadPoolExecutor(1) as pool:
+        (d,) = _handlers(etcd, run_id, 1, max_nodes="4")
+        try:
+            joining = pool.submit(d.next_rendezvous)
+            wait_for(lambda: d._this_node in _state_in_etcd(a).participants, 5, what="the newcomer's round 0")
+            assert wait_for(a.num_nodes_waiting, timeout=5, what="the newcomer waiting") == 1
+            state = _state_in_etcd(a)
+            assert (state.round, state.wait_list) == (round_, {d._this_node})
+            assert sorted(_join([a, b, c])) == [(0, 4), (1, 4), (2, 4)]
+            assert joining.result(timeout=10).world_size == 4
+            assert {h.current_round for h in (a, b, c, d)} == {round_ + 1}
+        finally:
+            d.leave()
+
+
+def test_after_etcd_lost_its_data_a_member_that_re_joins_first_numbers_the_round_after_its_last(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """A member's agent re-joins (its workers failed) before any member looked at the empty etcd: its
+    join numbers the round after the one it left, and the others, seeing their round end, join it."""
+    with _round_then_wiped(etcd, run_id) as (a, b, c, round_), ThreadPoolExecutor(1) as pool:
+        rejoining = pool.submit(c.next_rendezvous)
+        wait_for(lambda: c._this_node in _state_in_etcd(a).participants, 5, what="c in a round of its own")
+        assert _state_in_etcd(a).round == round_ + 1
+        assert a.num_nodes_waiting() == 1  # its round ended
+        assert b.num_nodes_waiting() == 1
+        assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
+        assert rejoining.result(timeout=10).world_size == 3
+        assert {h.current_round for h in (a, b, c)} == {round_ + 1}
 
 
 def _no_workers() -> None:

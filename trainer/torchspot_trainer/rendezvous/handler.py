@@ -30,7 +30,11 @@ round logic is sound) and change three things it gets wrong for spot nodes:
 3. **etcd trouble is not a membership change.** While etcd is unreachable the
    agent keeps training (workers do not need etcd) instead of crashing, an agent
    joining a round tries again until etcd answers (`_join_next`), and a finished
-   run deletes its keys when the last agent leaves.
+   run deletes its keys when the last agent leaves. etcd that lost its data (the managed etcd
+   keeps it in memory, and its pod moves at a drain or an upgrade) gets the running round
+   written back by its members (`_restore`), and a join that finds the state begun again
+   numbers its round after the one its node left (`_rejoined_round`): the rounds, and the
+   generations workers re-form into in place, only grow (rounds.py's `forgotten`).
 4. **Rounds form promptly.** torch re-reads the state once a second while it waits
    for other nodes, and a round of fewer than `max_nodes` always waits out its last
    call. Here an agent re-reads the state as soon as it is written (liveness.py's watch),
@@ -65,6 +69,7 @@ ops; torch is pinned to 2.13.0 and the tests exercise all of it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
@@ -72,7 +77,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -94,6 +99,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _remove_participant_epilogue,
     _RendezvousContext,
     _RendezvousJoinOp,
+    _RendezvousState,
 )
 
 from torchspot_trainer.handover import (
@@ -112,18 +118,21 @@ from torchspot_trainer.markers import (
     name_peer_lost_marker,
 )
 from torchspot_trainer.rendezvous import milestones
-from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
+from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease, with_lease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot_trainer.rendezvous.liveness import Liveness
 from torchspot_trainer.rendezvous.rounds import (
     complete_early,
     departed_since,
     expected_members,
+    forgotten,
     joiners_to_defer,
     joiners_to_release,
     lost_members,
     membership_changed,
     newcomers_of,
+    rejoined_round,
+    restored,
     waiting_joiners,
 )
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
@@ -139,6 +148,9 @@ JOIN_HOLD_SECONDS = 30.0
 """The most a node waiting to join is held back while this agent's workers have not trained in the
 round they are in (`_holding_joiners`): as long as a deferred join waits for its joiners
 (live.py's READY_SECONDS)."""
+_RESTORE_ATTEMPTS = 5
+"""Writes of a restored round (`_restore`) in a row that may lose to a newcomer's before the agent
+takes the state as changed (a re-form, whose join numbers the round after its own)."""
 _LEFT_COUNTER = "torchspot.agents_left"
 _DEPARTED = "departed/"
 """Under the run prefix: one key per node that left, valued with the round it left."""
@@ -163,6 +175,15 @@ class _WatchfulStateHolder(_BackendRendezvousStateHolder):
     def expire(self) -> None:
         """Read the state afresh at the next sync (it changed: our own eviction, say)."""
         self._last_sync_time = -1.0
+
+    def replace(self, state: Any) -> Any:
+        """Write `state` over the state last read, by compare-and-set on that read's token (a state
+        absent from etcd: only if it is still absent). Returns the state held afterwards: `state`, or
+        the one another agent wrote first."""
+        self._state = state
+        self.mark_dirty()
+        self.sync()
+        return self._state
 
 
 def evict_node(holder: _BackendRendezvousStateHolder, settings: Any, name: str, attempts: int = 5) -> int | None:
@@ -234,25 +255,30 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
     `poll` seconds against a fresh state, and a join that `ready` approves completes
     the round at once. Whoever completes a round first lets `admit` change the state it
     then writes (who waits for the next round instead); a node whose add fills a round
-    (`max_nodes`) leaves its completion to the round's members where `leaves_filled` says so.
+    (`max_nodes`) leaves its completion to the round's members where `leaves_filled` says so. A join
+    that reads a state etcd began again since this node's last round (`rejoin` gives the round to
+    write: rounds.py's `rejoined_round`) first writes an empty state of that round, and joins that.
     """
 
     def __init__(
         self,
         node: Any,
-        state_holder: Any,
+        state_holder: _WatchfulStateHolder,
         settings: Any,
         poll: float,
         *,
         ready: Callable[[Any], bool],
         admit: Callable[[Any], None],
         leaves_filled: Callable[[Any], bool],
+        rejoin: Callable[[Any], int | None],
     ) -> None:
         super().__init__(node, state_holder, settings)
+        self._holder = state_holder
         self._poll = poll
         self._ready = ready
         self._admit = admit
         self._leaves_filled = leaves_filled
+        self._rejoin = rejoin
         self._adding = False
         self._written = threading.Event()
 
@@ -292,6 +318,15 @@ class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
 
         def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
             while True:
+                round_ = self._rejoin(ctx.state) if joining and time.monotonic() <= deadline else None
+                if round_ is not None:
+                    log.warning("rendezvous %s: etcd lost the rendezvous state; the next round is numbered %d, "
+                                "after this node's last", self._settings.run_id, round_)  # fmt: skip
+                    seeded = _RendezvousState()
+                    seeded.round = round_
+                    self._state = self._holder.replace(seeded)  # or whichever state beat it
+                    ctx = _RendezvousContext(self._node, self._state, self._settings)
+                    continue
                 action = state_handler(ctx, deadline)
                 if action == _Action.SYNC and joining and self._ready(ctx.state):
                     action = _Action.MARK_RENDEZVOUS_COMPLETE
@@ -338,6 +373,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _lease: RunLease
     _backend: EtcdV3RendezvousBackend
     _joined: tuple[int, frozenset[Any]] | None
+    _joined_state: Any
+    """torch's state as this agent last joined a round (complete, with the ranks): what it writes back
+    if etcd loses its data while it trains in that round (`_restore`)."""
     _previous: tuple[int, frozenset[Any]]
     _newcomers: frozenset[Any]
     """The members of the round last joined that were not in the one before it (`newcomers_of`)."""
@@ -404,6 +442,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             self._joined = self._previous  # a next attempt completes early against the same members
             raise
         state = self._state_holder.state
+        self._joined_state = copy.deepcopy(state)  # first: `_restore` on liveness's thread reads both
         self._joined = (state.round, frozenset(state.participants))
         self._joined_at = time.monotonic()
         if self._first_round is None:
@@ -481,7 +520,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         try:
             with self._heartbeat_lock:
                 self._state_holder.sync()
-                state = self._state_holder.state
+                state = self._restore(self._watch)
         except RendezvousConnectionError as exc:
             self._warn(f"etcd unreachable, training continues at the current size: {exc}")
             return 0
@@ -508,6 +547,24 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             agent_marker(RESTART_MARKER).touch()
             self._change_reported = True
         return waiting
+
+    def _restore(self, holder: _WatchfulStateHolder) -> Any:
+        """The state `holder` last read, or, where etcd lost its data since this agent joined its round
+        (`forgotten`: the etcd's pod moved, and the managed etcd keeps its data in memory), that round
+        written back as this agent joined it (`restored`): the rounds, and the generations of the
+        workers that re-form in place, then go on from its number, and liveness can take a lost member
+        out of it. Every member of the round does the same; the first write wins and the others read
+        it back. Returns the state held afterwards."""
+        joined, joined_state, state = self._joined, self._joined_state, holder.state
+        if joined is None or joined_state.round != joined[0] or not forgotten(*joined, state):
+            return state
+        log.warning("rendezvous %s: etcd lost the rendezvous state; round %d written back",
+                    self._settings.run_id, joined[0])  # fmt: skip
+        for _ in range(_RESTORE_ATTEMPTS):
+            state = holder.replace(restored(joined_state, state, datetime.now(UTC)))
+            if not forgotten(*joined, state):
+                break
+        return state
 
     def _failed_alone(self) -> bool:
         """Whether a local worker failed in this agent's round, in place, longer ago than twice the
@@ -599,7 +656,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         try:
             holder.sync()  # said before we go, so nobody sees us missing and not gone
             key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{self._this_node}"
-            self._etcd.put(key, str(holder.state.round).encode(), lease=self._lease.id())
+            self._say_departed(key, holder.state.round)
             _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(_LeaveOp(), deadline)
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
             log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
@@ -617,6 +674,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._lease = lease
         self._backend = backend
         self._joined = None
+        self._joined_state = None
         self._previous = (0, frozenset())
         self._newcomers = frozenset()
         self._joined_at = 0.0
@@ -634,6 +692,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._prompt = _PromptOpExecutor(
             self._this_node, self._watch, self._settings, poll,
             ready=self._round_ready, admit=self._defer_joiners, leaves_filled=self._leaves_filled,
+            rejoin=self._rejoined_round,
         )  # fmt: skip
         self._op_executor = self._prompt
         self._change_reported = False
@@ -696,15 +755,20 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Take `name` out of the rendezvous (liveness.py found it lost): say it departed, for the
         agents completing the next round early, then one compare-and-set on the state. With a
         state holder of its own: the judging thread runs beside the agent's."""
-        holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
+        holder = _WatchfulStateHolder(self._backend, self._settings, cache_duration=0)
         holder.sync()
+        self._restore(holder)  # a state etcd began again holds nobody to take out
         key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{name}"
-        self._etcd.put(key, str(holder.state.round).encode(), lease=self._lease.id())
+        self._say_departed(key, holder.state.round)
         round_ = evict_node(holder, self._settings, name)
         if round_ is not None:
             self._watch.found_dead.setdefault(name, round_)
             log.warning("rendezvous %s: node %s taken out of round %d", self._settings.run_id, name, round_)
         self._watch.expire()  # the agent's next look reads the change
+
+    def _say_departed(self, key: str, round_: int) -> None:
+        """Put a `departed/` record, on the run lease (granted again if etcd lost it with its data)."""
+        with_lease(self._lease, lambda lease: self._etcd.put(key, str(round_).encode(), lease=lease))
 
     def _round_ready(self, state: Any) -> bool:
         """complete_early for the forming round, against the members of the previous round it waits for
@@ -818,6 +882,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         log.warning("rendezvous %s: round %d, which this join fills, follows a loss: its members complete it",
                     self._settings.run_id, state.round)  # fmt: skip
         return True
+
+    def _rejoined_round(self, state: Any) -> int | None:
+        """The round this agent's join writes over a state etcd began again (rounds.py's
+        `rejoined_round`, against the round it left), or None."""
+        return rejoined_round(*self._previous, self._this_node, state)
 
     def _holding_joiners(self) -> bool:
         """Whether nodes waiting to join wait a little longer: while this agent's workers, which train

@@ -9,6 +9,8 @@ docstring (points 1 and 4).
 
 from __future__ import annotations
 
+import copy
+from datetime import datetime
 from typing import Any
 
 
@@ -18,21 +20,67 @@ def membership_changed(joined_round: int, joined_members: frozenset[Any], state:
     Pure: takes the round we joined, its members, and torch's current
     (sanitized) rendezvous state. Returns (changed, reason).
 
-    A state that is entirely empty (round 0, nobody in it) means etcd lost its
-    data; that alone is no reason to stop a job that trains fine, so the next
-    real membership change starts a fresh round instead.
+    A state that etcd began again after it lost its data (`forgotten`) reads as a round that ended:
+    the agent restores its round first (handler.py, `restored`), so this is said only of one it could
+    not restore, and a loss is still seen.
     """
-    pristine = (
-        state.round == 0 and not state.participants and not state.wait_list and not state.complete and not state.closed
-    )
-    if pristine:
-        return False, ""
     if state.round != joined_round:
         return True, f"round {joined_round} ended (now {state.round})"
+    if forgotten(joined_round, joined_members, state):
+        return True, f"round {joined_round} is gone from the rendezvous (etcd lost its data)"
     lost = [str(node) for node in joined_members if node not in state.participants]
     if lost:
         return True, f"member(s) {', '.join(sorted(lost))} stopped heartbeating"
     return False, ""
+
+
+def forgotten(joined_round: int, joined_members: frozenset[Any], state: Any) -> bool:
+    """Whether `state` was begun again since this node joined round `joined_round` (whose members were
+    `joined_members`): etcd lost its data (the managed etcd keeps it in memory, and its pod moves at a
+    drain or an upgrade), and the state read is torch's empty one or one a newcomer wrote since. Pure.
+
+    Why it shows: a round this node is in stays complete, and admits nobody, until its last member
+    leaves it, and the round after it is numbered above it. So an older round, or this round's
+    number forming or with a stranger in it, cannot follow it. Rounds that began again at 0 would
+    give in-place workers generations older than the one they train in, which they refuse
+    (live.py): every loss then waited 30 s and restarted every worker.
+    """
+    if state.round != joined_round:
+        return bool(state.round < joined_round)
+    return not state.complete or any(node not in joined_members for node in state.participants)
+
+
+def restored(joined: Any, state: Any, now: datetime) -> Any:
+    """The round this node trains in, as torch's state held it when the node joined it (`joined`), to
+    write over `state`, which etcd began again (`forgotten`). Pure. Its members get a heartbeat at
+    `now` (liveness and torch's expiry judge them from there); whoever `state` holds that came since
+    waits for the next round, as a node that asks to join a complete round does, and so does a member
+    found there (it left the round: its agent joins again). So the round, its members and its number
+    go on as if etcd had kept them: training goes on, a loss is seen, and a joiner's round follows it.
+    """
+    round_ = copy.deepcopy(joined)
+    came = {*state.participants, *state.wait_list, *state.redundancy_list}
+    for node in came & set(round_.participants):
+        del round_.participants[node]
+    round_.wait_list = came - set(round_.participants)
+    round_.redundancy_list = set()
+    round_.last_heartbeats = {node: now for node in round_.participants} | {
+        node: state.last_heartbeats.get(node, now) for node in round_.wait_list
+    }
+    return round_
+
+
+def rejoined_round(previous_round: int, previous_members: frozenset[Any], node: Any, state: Any) -> int | None:
+    """The round number a node that left round `previous_round` (whose members were `previous_members`)
+    writes into the state it joins through, where etcd began that state again since (`forgotten`, or
+    the node itself still in its old round, which it left): the round after its old one, so that the
+    generations its workers are handed only grow. Pure. None where the state follows on (or the node
+    was in no round: a new node knows nothing to compare with)."""
+    if not previous_members:
+        return None
+    if state.round == previous_round and node in state.participants and state.complete:
+        return previous_round + 1  # it left that round: only a state begun again still holds it there
+    return previous_round + 1 if forgotten(previous_round, previous_members, state) else None
 
 
 def lost_members(joined_members: frozenset[Any], state: Any) -> list[str]:
