@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.recovery.live import LiveGroup, Outcome, wait_for_assignment
 
@@ -90,7 +91,15 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="with --in-place: on this node never acknowledge a round (its agent restarts it)",
     )
+    parser.add_argument(
+        "--bad-node",
+        default="",
+        help="on this node exit at once with the node-fault code, as the trainer does on a GPU it cannot use",
+    )
     args = parser.parse_args(argv)
+    if args.bad_node and os.environ.get("TORCHSPOT_NODE") == args.bad_node:
+        _emit(args.events, "node-fault", pid=os.getpid())
+        raise SystemExit(NODE_FAULT_EXIT)
     if args.in_place:
         _InPlace(args).run()
         return

@@ -12,7 +12,7 @@ import base64
 import copy
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +155,22 @@ def _place(pod_spec: dict[str, Any], placement: Placement) -> None:
         pod_spec["affinity"] = placement.affinity
 
 
+def _avoid(pod_spec: dict[str, Any], nodes: Sequence[str]) -> None:
+    """Keep the pod off `nodes` (nodes a worker of the job found unable to run the program: reconcile.py's
+    `avoided_nodes`): a required node affinity on the node names, added to each term of the pod's own
+    required node affinity (its terms are alternatives: each must now exclude them too)."""
+    if not nodes:
+        return
+    excluded = {"key": "metadata.name", "operator": "NotIn", "values": sorted(set(nodes))}
+    affinity = copy.deepcopy(pod_spec.get("affinity") or {})  # the placement's own may be shared
+    required = affinity.setdefault("nodeAffinity", {}).setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [
+        {**term, "matchFields": [*term.get("matchFields", []), excluded]} for term in terms
+    ]
+    pod_spec["affinity"] = affinity
+
+
 def restricted_defaults(pod_spec: dict[str, Any]) -> None:
     """Fill in what Pod Security's `restricted` profile requires and the user left unset.
 
@@ -202,8 +218,9 @@ def _shared_memory(pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
     ]
 
 
-def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
-    """Worker pod n: the user's template, placed on the spot pool, with the launcher's settings."""
+def worker_pod(job: JobRef, spec: JobSpec, index: int, *, avoid: Sequence[str] = ()) -> dict[str, Any]:
+    """Worker pod n: the user's template, placed on the spot pool (off the nodes in `avoid`), with the
+    launcher's settings."""
     template = copy.deepcopy(spec.template)
     pod_spec: dict[str, Any] = template["spec"]
     meta = job.metadata(job.worker_name(index), constants.ROLE_WORKER)
@@ -216,6 +233,7 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int) -> dict[str, Any]:
     pod_spec["terminationGracePeriodSeconds"] = spec.termination_grace_seconds
     restricted_defaults(pod_spec)
     _place(pod_spec, spec.placement)
+    _avoid(pod_spec, avoid)
     trainer = pod_spec["containers"][0]
     trainer["env"] = [*trainer.get("env", []), *launcher_env(job, spec)]
     if spec.credentials_secret:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from torchspot_trainer import ENV_PREFIX
+from torchspot_trainer import ENV_PREFIX, NODE_FAULT_EXIT
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME
 
 GROUP: Final = "torchspot.dev"
@@ -129,12 +129,12 @@ PRIORITY_HORIZON: Final = 4_102_444_800
 (`__main__.start_priority`), so the oldest live replica leads and a new or restarted one never
 takes over from a healthy leader."""
 AGENT_MAX_RESTARTS: Final = 100
-"""torchrun's `--max-restarts` in every worker pod. Each membership change (a peer evicted,
-frozen or added) fails the survivors' collectives and costs each surviving agent one
-restart of its workers; with torchrun's default of 0 the survivors of the first eviction
-would give up and be counted as application failures (the lab's sandbox showed it). A
-crash of the training code itself repeats within the pod until this budget is spent,
-then the pod fails and counts against the job's failurePolicy.maxRestarts."""
+"""torchrun's `--max-restarts` in every worker pod: how often a failure of the program itself is
+restarted within the pod before the pod fails and counts against the job's
+failurePolicy.maxRestarts. A membership change (a peer evicted, frozen or added) costs no restart:
+the survivors' workers fail before their agent sees the change, and torchspot-run gives that failure
+back (handover.py's `_weigh_failure`); a worker that finds its node unable to run the program
+(exit 75) is not restarted at all."""
 ETCD_PORT: Final = 2379
 ETCD_HEALTH_PORT: Final = 2381
 """The managed etcd's plain-HTTP /health (`--listen-metrics-urls`) for the kubelet's probes: its
@@ -259,6 +259,16 @@ NODE_FAULT_REASONS: Final = ("UnexpectedAdmissionError", "OutOf")
 """A pod the kubelet refused for a reason that is the node's, not the job's: its device plugin not
 registered yet on a fresh spot VM (`UnexpectedAdmissionError`, `OutOfnvidia.com/gpu`). An eviction,
 subject to the eviction budget, not a failure."""
+NODE_FAULT_EXIT_CODE: Final = NODE_FAULT_EXIT
+"""The trainer container's exit code that says its node cannot run the program (the trainer's GPU
+refused: an Xid, an ECC error, a lost device; torchspot_trainer's NODE_FAULT_EXIT): an eviction, not
+a failure, and the job's replacements avoid that node (`AVOIDED_NODES_KEPT`)."""
+NODE_FAULT_REASON: Final = "NodeFault"
+"""The verdict's reason, and the Event's, for a worker that exited with NODE_FAULT_EXIT_CODE."""
+AVOIDED_NODES_KEPT: Final = 16
+"""Nodes a job's new workers avoid at most (`status.avoidedNodes`, the newest): each node a worker
+found unable to run the program. A repaired node keeps its name, so the oldest are let go; spot VMs
+come and go under new names anyway."""
 STALL_SECONDS: Final = 900
 """No new rendezvous round and no new checkpoint for this long, while the job had workers ready and
 had reported one before: the Stalled condition (the job's `failurePolicy.stallTimeoutSeconds`

@@ -130,9 +130,10 @@ class Backoff:
         }
 
 
-SUSPECT_EVICTIONS = ("TerminationByKubelet", "UnexpectedAdmissionError", "OutOf")
+SUSPECT_EVICTIONS = ("TerminationByKubelet", "UnexpectedAdmissionError", "OutOf", constants.NODE_FAULT_REASON)
 """Eviction reasons that may be the job's own doing or follow it: the kubelet's node-pressure evictions
-(memory the job uses) and node faults at admission. Repeated, they exhaust the eviction budget."""
+(memory the job uses), node faults at admission, and workers that found node after node unable to run
+the program (a template that hides the GPUs would look so). Repeated, they exhaust the eviction budget."""
 
 
 @dataclass

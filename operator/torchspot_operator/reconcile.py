@@ -209,6 +209,9 @@ class _Judge:
             verdict = verdicts.classify(pod, definite)
             said = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
             text = f"({said})" if verdict.kind == verdicts.EVICTION else verdict.message
+            if verdict.reason == constants.NODE_FAULT_REASON and node_name:
+                self.census.faulty_nodes.append(node_name)
+                text += "; its replacements avoid that node"
             self.lose(pod, verdict, None, text, keep=True)
             return
         if definite is not None:
@@ -247,7 +250,8 @@ class _Judge:
         if verdict.kind == verdicts.EVICTION:
             self.counts.evictions += 1
             self.census.evictions.append(verdict)
-            self.result.events.append(("Warning", "Evicted", f"worker pod {name} {text}"))
+            said = constants.NODE_FAULT_REASON if verdict.reason == constants.NODE_FAULT_REASON else "Evicted"
+            self.result.events.append(("Warning", said, f"worker pod {name} {text}"))
         else:
             self.counts.failures += 1
             self.census.failures.append((name, verdict))
@@ -308,6 +312,7 @@ def plan(seen: Observed) -> Plan:
         backoff.failed(len(census.failures), previous=old.get("lastFailure"), now=now)
     if census.evictions and budget.exceeded():  # evictions the job seems to cause: wait as after failures
         backoff.failed(len(census.evictions), previous=old.get("lastFailure") or budget.previous(), now=now)
+    avoided = avoided_nodes(old, census)
     progress = lifecycle.Progress.read(old, seen.milestones, now, resumed=was_suspended and not spec.suspend)
     stall = lifecycle.stall(spec, census, clocks, progress, seen.milestones, _etcd_state(seen))
 
@@ -335,7 +340,7 @@ def plan(seen: Observed) -> Plan:
                 ("Normal", "Suspended", f"stopping {len(census.active)} worker pod(s), then the managed etcd")
             )
     else:
-        phase, conds = _active(seen, job, census, counts, result, conds, clocks, backoff, budget, stall)
+        phase, conds = _active(seen, job, census, counts, result, conds, clocks, backoff, budget, stall, avoided)
     conds = conditions.replica_failure(conds, [*seen.create_failures, *result.refused], now)
     result.status = {
         "phase": phase,
@@ -351,6 +356,7 @@ def plan(seen: Observed) -> Plan:
         "backoff": backoff.record(),
         "evictionWindow": budget.record(),
         "progress": progress.record(),
+        "avoidedNodes": avoided or None,
         **_milestones(seen.milestones, old),
         **clocks.record(),
         "conditions": conds,
@@ -369,8 +375,10 @@ def _active(  # noqa: PLR0917 - the plan's state, passed along
     backoff: lifecycle.Backoff,
     budget: lifecycle.EvictionBudget,
     stall: lifecycle.Stall | None,
+    avoided: list[str],
 ) -> tuple[str, list[dict[str, Any]]]:
-    """A job neither finished nor suspended: the etcd, scaling, and its phase and conditions."""
+    """A job neither finished nor suspended: the etcd, scaling (new workers avoid the nodes in
+    `avoided`), and its phase and conditions."""
     spec, now = seen.spec, seen.now
     if seen.status.get("phase") == conditions.PHASE_SUSPENDED:
         result.events.append(("Normal", "Resumed", f"starting again as run {job.run_id}"))
@@ -378,7 +386,10 @@ def _active(  # noqa: PLR0917 - the plan's state, passed along
     blocked = _ensure_etcd(seen, job, result, held=held_creates)
     held = backoff.hold(now)
     if not blocked:
-        _scale(seen, job, census, counts, result, held=held, released=backoff.released, refused=held_creates)
+        _scale(
+            seen, job, census, counts, result, held=held, released=backoff.released, refused=held_creates,
+            avoid=avoided,
+        )  # fmt: skip
     backoff.keep(min(held, max(0, spec.desired - len(census.active))))
     if (census.failures or (census.evictions and budget.exceeded())) and held:
         result.events.append(("Warning", "BackOff", backoff.describe(now)))
@@ -567,10 +578,11 @@ def _scale(
     held: int,
     released: int,
     refused: bool = False,
+    avoid: Sequence[str] = (),
 ) -> None:
-    """Create pods up to `desired` (lowest free indices), less those held back by the failure backoff
-    (none while the refusal backoff holds: `refused`); or delete the surplus (pending first, then the
-    highest indices)."""
+    """Create pods up to `desired` (lowest free indices), off the nodes in `avoid`, less those held back
+    by the failure backoff (none while the refusal backoff holds: `refused`); or delete the surplus
+    (pending first, then the highest indices)."""
     desired = seen.spec.desired
     taken = {verdicts.pod_index(pod) for pod in seen.pods}
     names = [  # a name someone else holds is skipped; a refused one is tried again (the same index)
@@ -592,7 +604,7 @@ def _scale(
             while index in taken:
                 index += 1
             taken.add(index)
-            result.create.append(builders.worker_pod(job, seen.spec, index))
+            result.create.append(builders.worker_pod(job, seen.spec, index, avoid=avoid))
             name = job.worker_name(index)
             if owed > 0:
                 owed -= 1
@@ -614,6 +626,19 @@ def _scale(
             result.delete.append(Delete("v1", "Pod", name, verdicts.pod_uid(pod), None, "scale down"))
             result.accounted.append(verdicts.pod_uid(pod))
             result.events.append(("Normal", "ScaledDown", f"deleted worker pod {name} (desired {desired})"))
+
+
+def avoided_nodes(old: Mapping[str, Any], census: verdicts.Census) -> list[str]:
+    """`status.avoidedNodes`: the nodes the job's new workers avoid, newest last, at most
+    `AVOIDED_NODES_KEPT`: the old list, and the node of each node fault counted now (a worker that
+    exited with the node-fault code: its GPU refused). Pure. Why: the replacement of a worker whose GPU
+    failed lands on that node again (its GPUs are the free ones), and failed there again, and again:
+    each a departure and a join for every other node. Nodes are avoided, not cordoned: a cordon would
+    need cluster-wide rights on nodes and would keep every job off a node only one job found bad."""
+    earlier = [str(node) for node in old.get("avoidedNodes") or []]
+    fresh = [node for node in census.faulty_nodes if node]
+    kept = [node for node in earlier if node not in fresh] + list(dict.fromkeys(fresh))
+    return kept[-constants.AVOIDED_NODES_KEPT :]
 
 
 def _cleanup(seen: Observed, census: verdicts.Census, result: Plan) -> list[Delete]:

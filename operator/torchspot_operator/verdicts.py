@@ -8,6 +8,8 @@ How a worker pod is judged, in the spirit of Kubernetes Job's podFailurePolicy:
   or drained (nodes.py; a NotReady node only after the pod's grace), or a deletion by
   anyone but the operator (a user's `kubectl delete pod`). Replaced at once and not
   counted against `failurePolicy.maxRestarts`, within the eviction budget (lifecycle.py).
+  A worker that exited with the node-fault code (`constants.NODE_FAULT_EXIT_CODE`: its node cannot
+  run the program) is an eviction too, and the job's new workers avoid its node.
 - *failure*: a non-zero exit, OOMKilled, a kubelet limit eviction (`Evicted` with no
   DisruptionTarget: the pod's own emptyDir or ephemeral-storage limit), a container that
   waits for what retrying cannot fix, or a pod the kubelet refused before it ran for a
@@ -129,8 +131,9 @@ def disruption_target(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 def classify(pod: Mapping[str, Any], trouble: str | None = None) -> Verdict:
     """Why a Failed worker pod ended: an eviction if the cluster says so (a DisruptionTarget, a node
-    reason, a node fault at admission, or its node gone: `trouble`), else a failure: a limit
-    eviction, OOMKilled, an exit code, or refused before it ran."""
+    reason, a node fault at admission, or its node gone: `trouble`) or its worker found its node
+    unable to run the program (the node-fault exit code), else a failure: a limit eviction,
+    OOMKilled, an exit code, or refused before it ran."""
     pod_status = pod.get("status", {})
     disruption = disruption_target(pod)
     if disruption is not None:
@@ -151,6 +154,9 @@ def classify(pod: Mapping[str, Any], trouble: str | None = None) -> Verdict:
             return Verdict(EVICTION, reason, message or "the node refused the pod")
         return Verdict(FAILURE, reason or "AdmissionFailed", message or "the pod failed before its container ran")
     code = terminated.get("exitCode")
+    if code == constants.NODE_FAULT_EXIT_CODE:
+        node = pod.get("spec", {}).get("nodeName") or "its node"
+        return Verdict(EVICTION, constants.NODE_FAULT_REASON, f"exit code {code}: {node} cannot run the program")
     if terminated.get("reason") == "OOMKilled":
         return Verdict(FAILURE, "OOMKilled", f"out of memory (exit code {code})")
     detail = f" ({terminated['reason']})" if terminated.get("reason") not in (None, "Error") else ""
@@ -231,3 +237,5 @@ class Census:
     """The evictions counted in this observation (for the eviction budget)."""
     failures: list[tuple[str, Verdict]] = field(default_factory=list)
     """(pod, verdict) of the failures counted in this observation."""
+    faulty_nodes: list[str] = field(default_factory=list)
+    """The nodes of the node faults counted in this observation (`constants.NODE_FAULT_REASON`)."""

@@ -240,6 +240,36 @@ def test_oomkilled_and_limit_evictions_count_back_off_and_fail_the_job(
     assert sorted(cluster.names("crashy")) == sorted([first, second])  # both kept (cleanPodPolicy Running)
 
 
+def test_a_worker_whose_node_cannot_run_the_program_is_replaced_off_that_node(cluster: Cluster) -> None:
+    """A worker exits 75 (its GPU refused: the trainer's node fault): not a failure, even with
+    maxRestarts 0; a NodeFault event says so; its replacement avoids that node (a required node
+    affinity on its name), and after a second node's fault both. Before, it was a failure: the job
+    failed, and with more restarts allowed each replacement could land on the same node again."""
+    for node in ("spot-1", "spot-2"):
+        cluster.add_node(node)
+    cluster.create(good_job("gpu-bad", minReplicas=1, maxReplicas=1, failurePolicy={"maxRestarts": 0}))
+    for node, avoided in (("spot-1", ["spot-1"]), ("spot-2", ["spot-1", "spot-2"])):
+        (worker,) = wait_for("a live worker", lambda: cluster.live("gpu-bad"))
+        cluster.run_pod(worker, node)
+        cluster.exit(worker, constants.NODE_FAULT_EXIT_CODE)
+
+        def counted() -> dict[str, Any] | None:
+            status = _status(cluster, "gpu-bad")
+            return status if status.get("avoidedNodes") == avoided else None  # noqa: B023 - this iteration's
+
+        status = wait_for("the node fault counted", counted)
+        assert status["failures"] == 0
+        assert status["phase"] != "Failed"
+        (fresh,) = wait_for("the replacement", lambda: [n for n in cluster.live("gpu-bad") if n != worker])  # noqa: B023
+        pod = next(p for p in cluster.pods("gpu-bad") if p["metadata"]["name"] == fresh)
+        required = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert required["nodeSelectorTerms"][0]["matchFields"] == [
+            {"key": "metadata.name", "operator": "NotIn", "values": avoided}
+        ]
+        said = wait_for("the NodeFault event", lambda: [e["message"] for e in cluster.events("NodeFault")])
+        assert any(worker in message and node in message for message in said), said
+
+
 def test_suspend_stops_the_workers_and_etcd_and_resume_starts_a_fresh_run(cluster: Cluster) -> None:
     cluster.add_node("spot-1")
     cluster.create(good_job("paused"))

@@ -380,6 +380,7 @@ CLASSIFY = [
     ("node shutdown", _pod(0, "Failed", reason="Terminated"), None, "eviction", "Terminated"),
     ("killed on a lost node", _exited(0, 137), "node is NotReady", "eviction", "NodeLost"),
     ("exit 1", _exited(0, 1), None, "failure", "ExitCode"),
+    ("its node cannot run the program", _exited(0, constants.NODE_FAULT_EXIT_CODE), None, "eviction", "NodeFault"),
     ("OOMKilled", _exited(0, 137, "OOMKilled"), None, "failure", "OOMKilled"),
     ("SIGKILL with no disruption", _exited(0, 137), None, "failure", "ExitCode"),
     ("SIGTERM with no disruption", _exited(0, 143), None, "failure", "ExitCode"),
@@ -598,6 +599,46 @@ class TestFailureRules:
         plan = _plan([fresh_vm, _pod(1), _pod(2)], old=_running())
         assert (plan.status["failures"], plan.status["evictions"]) == (0, 1)  # not maxRestarts' business
         assert _created(plan) == ["cifar-worker-3"]
+
+    def test_a_node_that_cannot_run_the_program_is_avoided_and_never_fails_the_job(self) -> None:
+        """A worker whose GPU refused exits 75: an eviction (more such exits than maxRestarts fail
+        nothing), said in a NodeFault Event, and every replacement avoids the node, on top of the
+        template's own required node affinity. Before, each was a failure, its replacement landed on
+        the same node (its GPUs were the free ones), and the fourth failed the job."""
+        affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100", "a100"]}]},
+            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]},
+        ]}}}  # fmt: skip
+        spec = _spec(placement={"spot": True, "affinity": affinity})
+        cluster = {f"spot-{n}": _node(f"spot-{n}") for n in range(100)}
+        status = _running()
+        for round_, node in enumerate(["spot-1", "spot-2", "spot-3", "spot-1", "spot-4"]):
+            bad = _exited(0, constants.NODE_FAULT_EXIT_CODE, node=node)
+            later = T0 + timedelta(seconds=round_ * (constants.EVICTION_WINDOW_SECONDS + 1))  # within the budget
+            plan = _plan([bad, _pod(1), _pod(2)], old=status, spec=spec, now=later, nodes=cluster)
+            status = plan.status
+            assert plan.status["phase"] in ("Running", "Scaling")
+            assert any(reason == "NodeFault" and node in message for _, reason, message in plan.events), plan.events
+        assert (status["failures"], status["evictions"]) == (0, 5)
+        assert status["avoidedNodes"] == ["spot-2", "spot-3", "spot-1", "spot-4"]  # once each, newest last
+        (replacement,) = [obj for obj in plan.create if obj["kind"] == "Pod"]
+        terms = replacement["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        avoid = {"key": "metadata.name", "operator": "NotIn", "values": ["spot-1", "spot-2", "spot-3", "spot-4"]}
+        assert terms["nodeSelectorTerms"] == [
+            {**term, "matchFields": [avoid]} for term in affinity["nodeAffinity"][
+                "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        ]  # fmt: skip
+        assert spec.placement.affinity == affinity  # the job's own is not changed
+        quick = _running()  # node after node within minutes: more likely the job's (the eviction budget)
+        for round_ in range(constants.EVICTION_REPEAT):
+            bad = _exited(0, constants.NODE_FAULT_EXIT_CODE, node=f"spot-{round_}")
+            plan = _plan([bad, _pod(1), _pod(2)], old=quick, now=T0 + timedelta(seconds=round_), nodes=cluster)
+            quick = plan.status
+        assert _condition(plan, "EvictionBudgetExceeded")["status"] == "True"
+        many = {"avoidedNodes": [f"spot-{n}" for n in range(40)]}
+        bad = _exited(0, constants.NODE_FAULT_EXIT_CODE, node="spot-99")
+        plan = _plan([bad, _pod(1), _pod(2)], old=_running(**many), nodes=cluster)
+        assert plan.status["avoidedNodes"] == [*many["avoidedNodes"][-constants.AVOIDED_NODES_KEPT + 1 :], "spot-99"]
 
     def test_a_limit_eviction_is_a_failure_with_backoff_not_a_free_eviction(self) -> None:
         said = 'Usage of EmptyDir volume "cache" exceeds the limit "2Gi".'

@@ -18,6 +18,7 @@ from torchspot_trainer.optim import build_optimizer
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.group import group_device
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
+from torchspot_trainer.train import node_device, probe_device
 
 pytestmark = pytest.mark.cuda
 
@@ -97,3 +98,12 @@ def test_the_batched_crop_resize_on_a_gpu_matches_the_cpu() -> None:
     on_cpu = crop_resize(images, boxes, flips, 224)
     on_gpu = crop_resize([i.cuda() for i in images], boxes, flips, 224).cpu()
     assert (on_gpu.int() - on_cpu.int()).abs().max() <= 1  # float rounding only
+
+
+def test_a_healthy_gpu_passes_the_start_up_probe_and_is_chosen() -> None:
+    """`node_device` on a GPU node: CUDA usable, the probe's computation runs, NCCL is the backend (a GPU
+    that fails the probe is a node fault: the worker exits 75, and the probe's failure path is what
+    test_data_models_config.py checks without a GPU)."""
+    device, backend = node_device("cuda", 0, torch.cuda.is_available())
+    assert (device, backend) == (torch.device("cuda", 0), "nccl")
+    probe_device(device)

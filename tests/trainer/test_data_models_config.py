@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torchspot_lab.datasets import write_synthetic_cifar10, write_synthetic_imagenet
+from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.config import TrainConfig, build_parser, parse_config
 from torchspot_trainer.data.datasets import CIFAR_FOLDER, load_cifar10, load_digits, load_imagenet, sample_generator
 from torchspot_trainer.data.imaging import resized_crop_box
@@ -25,7 +26,16 @@ from torchspot_trainer.optim import RECIPES, BatchRule, build_optimizer, learnin
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import Notice
-from torchspot_trainer.train import build_model, choose_device, format_progress, in_place_refusal, sync_bn_refusal
+from torchspot_trainer.train import (
+    NodeFault,
+    build_model,
+    choose_device,
+    exit_node_fault,
+    format_progress,
+    in_place_refusal,
+    probe_device,
+    sync_bn_refusal,
+)
 
 
 def test_synthetic_cifar_uses_the_real_format(tmp_path: Path) -> None:
@@ -371,12 +381,27 @@ def test_backend_follows_the_device(flag: str, cuda: bool, want: tuple[str, str]
 
 def test_cuda_required_where_it_is_not_usable_stops_naming_the_node() -> None:
     """`--device cuda` (what the operator passes GPU jobs) never falls back to gloo: one gloo rank among
-    NCCL ranks hangs the group's set-up."""
-    with pytest.raises(ValueError, match=r"CUDA is not usable on node aks-gpu-7.*nvidia-smi"):
+    NCCL ranks hangs the group's set-up. A GPU the node cannot use is the node's fault (NodeFault: the
+    worker exits with NODE_FAULT_EXIT and is replaced elsewhere); a torch without CUDA is the image's,
+    which every node shares (a plain error)."""
+    with pytest.raises(NodeFault, match=r"CUDA is not usable on node aks-gpu-7.*nvidia-smi"):
         choose_device("cuda", False, local_rank=0, node="aks-gpu-7")
-    with pytest.raises(ValueError, match=r"local rank 4 but 4 GPU\(s\) visible on node aks-gpu-7"):
+    with pytest.raises(NodeFault, match=r"local rank 4 but 4 GPU\(s\) visible on node aks-gpu-7"):
         choose_device("cuda", True, local_rank=4, gpus=4, node="aks-gpu-7")
+    with pytest.raises(ValueError, match=r"built without CUDA") as image:
+        choose_device("cuda", False, local_rank=0, node="aks-gpu-7", cuda_built=False)
+    assert not isinstance(image.value, NodeFault)
     assert choose_device("auto", False, local_rank=0, node="aks-gpu-7")[1] == "gloo"  # auto: per process
+    probe_device(torch.device("cpu"))  # nothing to probe on the CPU (a GPU's probe: test_cuda.py)
+
+
+def test_a_node_fault_exits_with_the_code_the_agent_and_the_operator_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """The worker says why on its stderr and exits with NODE_FAULT_EXIT, which its agent (handover.py) and
+    the operator (verdicts.py) take as "this node cannot run the program"."""
+    with pytest.raises(SystemExit) as exited:
+        exit_node_fault(NodeFault("the GPU cuda:0 failed a first computation: CUDA error: uncorrectable ECC error"))
+    assert exited.value.code == NODE_FAULT_EXIT == 75
+    assert "node fault: the GPU cuda:0 failed a first computation" in capsys.readouterr().err
 
 
 def test_progress_line_for_a_terminal() -> None:

@@ -35,6 +35,7 @@ from torchspot_lab.local import (
     wait_for,
 )
 from torchspot_operator.certs import etcd_certificates
+from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.launch import THREADS_ENV, staging_command, thread_count
 from torchspot_trainer.rendezvous import milestones
@@ -138,10 +139,19 @@ def test_forms_group_admits_late_joiner_and_survives_losing_the_rank0_node(
     resume from a checkpoint. One job for the three (each used to start its own: 17 s of CPU apiece).
     First a node alone, as the last node of a job whose others were all evicted: it fails at its join
     timeout with a message that says so (torch's says nothing), having left the rendezvous, and the
-    nodes that come back form it (test_backend.py's agent test shows why it leaves, not closes)."""
+    nodes that come back form it (test_backend.py's agent test shows why it leaves, not closes).
+
+    With `--max-restarts 0`: the survivors' workers fail at the kill (their peer's socket closed)
+    before their agents see the change, and a failure that a peer's loss explains is not counted (it
+    used one restart of every survivor, and a cohort that had lived through as many losses as its
+    budget gave up together). Before the joiner, a node that cannot run the program comes (its worker
+    exits with the node-fault code at once, as the trainer does on a GPU it cannot use): it is not
+    restarted there, its agent leaves and exits with that code, and the others go on without it
+    (before, the agent restarted it up to --max-restarts times, each a departure and a join for all)."""
     # The run ends when the test says (stop_after): with a fixed 300 steps, two nodes once finished
-    # before a joiner starting on loaded CI cores was admitted.
-    job = _job(tmp_path, etcd, run_id, nnodes="2:3")
+    # before a joiner starting on loaded CI cores was admitted. The nodes are named n0, n1... in the
+    # order they start: n3 is the node that cannot run the program.
+    job = _job(tmp_path, etcd, run_id, nnodes="2:3", max_restarts=0, toy_args=["--bad-node", "n3"])
     (alone,) = nodes(replace(job, rdzv_conf="join_timeout=3"), 1)
     assert alone.wait(60) != 0
     said = alone.log_path.read_text(errors="replace")
@@ -157,6 +167,11 @@ def test_forms_group_admits_late_joiner_and_survives_losing_the_rank0_node(
     off = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
     assert all(e["nccl"] == off for e in joined)
 
+    (bad,) = nodes(job, 1)
+    assert bad.wait(60) == NODE_FAULT_EXIT, bad.log_tail()
+    assert "this node cannot run the program" in bad.log_path.read_text(errors="replace")
+    assert [e["node"] for e in _events(job) if e["event"] == "node-fault"] == ["n3"]  # once: not restarted there
+    _await_world(job, 2, time.time(), RECOVER, show=first)  # the others go on without it
     joined_at = time.time()
     late = nodes(job, 1)
     started = first + late

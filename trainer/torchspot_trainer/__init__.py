@@ -3,6 +3,12 @@
 ENV_PREFIX = "TORCHSPOT_"
 """Each trainer flag's default may come from TORCHSPOT_<FLAG> (the operator passes the job's
 checkpoint settings so). Here, not in config.py, so the operator can import it without torch."""
+NODE_FAULT_EXIT = 75
+"""The exit code that says "this node cannot run the program" (its GPU refused, its driver is gone),
+not "the program failed": a worker that exits with it is not restarted on the node; its agent leaves
+the rendezvous and exits with it too, and the operator counts the pod as an eviction, not a failure,
+and keeps its replacements off that node (verdicts.py). 75 is sysexits' EX_TEMPFAIL: try again,
+elsewhere. Any program may use it (`sys.exit(75)`). Here so the operator reads it without torch."""
 SNAPSHOT_DIR_ENV = f"{ENV_PREFIX}SNAPSHOT_DIR"
 """Environment variable naming the folder of the node-local snapshots (recovery/snapshot.py; default:
 the temp folder). Here so the sandbox's kubelet can set it without importing torch."""

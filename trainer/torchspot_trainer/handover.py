@@ -50,6 +50,7 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.markers import PEER_LOST_ENV
 
 log = logging.getLogger(__name__)
@@ -302,11 +303,37 @@ class InPlaceAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         """torch's monitoring after the tick (or a state write). (A live worker's failed collective
-        reaches liveness through the handler's judge, whatever the agent is doing.)"""
+        reaches liveness through the handler's judge, whatever the agent is doing.) A failure is then
+        weighed before torch's agent charges it to --max-restarts (`_weigh_failure`)."""
         if self._wait_for_change is not None:
             self._wait_for_change(self._tick)
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._weigh_failure(worker_group, result)
         return result
+
+    def _weigh_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        """Before torch's agent charges the failure in `result` against --max-restarts and restarts the
+        workers: a worker that exited with NODE_FAULT_EXIT (this node cannot run the program) gets no
+        restart here, and the node leaves the rendezvous rather than closing it (`keep_open`): the
+        launcher exits with that code, and the pod is replaced elsewhere. A failure that a peer's loss
+        explains (the handler's `explains_failure`) is not charged: torch's agent counts membership
+        changes as no retry, but the survivors' workers of a hard loss fail before their agent sees
+        the change."""
+        handler = worker_group.spec.rdzv_handler
+        codes = sorted({failure.exitcode for failure in result.failures.values()})
+        if NODE_FAULT_EXIT in codes:
+            log.warning("a worker exited with %d: this node cannot run the program; it leaves the job", NODE_FAULT_EXIT)
+            self._remaining_restarts = 0
+            keep_open: Callable[[], None] | None = getattr(handler, "keep_open", None)
+            if keep_open is not None:
+                keep_open()
+            return
+        explains: Callable[[], bool] | None = getattr(handler, "explains_failure", None)
+        if explains is not None and explains():
+            self._remaining_restarts += 1  # torch's agent takes it back as it restarts them
+            log.warning("the workers failed (exit %s) as a peer was lost: not counted against --max-restarts",
+                        ", ".join(map(str, codes)))  # fmt: skip
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """A change while every worker runs and is registered: hand them the next round; otherwise, or

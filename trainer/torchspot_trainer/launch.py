@@ -35,14 +35,14 @@ from types import FrameType
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
-from torchspot_trainer import ENV_PREFIX, env_switch
+from torchspot_trainer import ENV_PREFIX, NODE_FAULT_EXIT, env_switch
 from torchspot_trainer.handover import InPlaceAgent, agent_folder, live_workers, notice_agreed, running_workers
 from torchspot_trainer.markers import (
     STACKS_SIGNAL,
@@ -672,6 +672,12 @@ def _launch(args: argparse.Namespace) -> None:
         # Our node is going (the agent has stopped its workers): let the others re-form now.
         leave_rendezvous()
         raise SystemExit(stopped_by_signal(exc.sigval)) from None
+    except ChildFailedError as exc:
+        if any(failure.exitcode == NODE_FAULT_EXIT for failure in exc.failures.values()):
+            print(f"{PROG}: a worker found that this node cannot run the program (exit {NODE_FAULT_EXIT}, see "
+                  "above); this node left the rendezvous", file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(NODE_FAULT_EXIT) from None
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,6 +69,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
+from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.checkpoint.manager import (
     SAVER_PROCESS,
     CheckpointConfig,
@@ -158,32 +159,84 @@ where that save matters (notices.waits_for_save: its node leaves, or it kept no 
 The save usually needs a few seconds more; the other agents re-form meanwhile."""
 
 
+class NodeFault(ValueError):
+    """This node cannot run the trainer (its GPU is not usable, or fewer GPUs are visible than it was
+    given): the worker exits with `NODE_FAULT_EXIT`, so that it is replaced on another node instead of
+    restarted on this one (torchspot_trainer's NODE_FAULT_EXIT says who reads it)."""
+
+
 def choose_device(
-    flag: str, cuda_available: bool, local_rank: int, *, gpus: int | None = None, node: str = ""
+    flag: str,
+    cuda_available: bool,
+    local_rank: int,
+    *,
+    gpus: int | None = None,
+    node: str = "",
+    cuda_built: bool = True,
 ) -> tuple[torch.device, str]:
     """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure.
 
     `--device cuda` on a node where CUDA is not usable (or with fewer GPUs than local ranks) raises
-    ValueError naming the node, before the group forms. Why not fall back to the CPU: `auto` is decided
-    by each process alone, and one rank on gloo among NCCL ranks hangs the group's set-up, where no
-    watchdog runs yet. The operator passes `cuda` to GPU jobs (TORCHSPOT_DEVICE), so a node whose GPU
-    or driver failed stops its worker with this message and is replaced, instead of hanging the job.
-    `gpus`: the GPUs this process sees (None: not checked)."""
+    NodeFault naming the node, before the group forms: the node's GPU or driver failed (an Xid, an
+    uncorrectable ECC error, a device plugin that lost the GPU), which another node does not share.
+    A torch built without CUDA (`cuda_built` False) is the image's fault, which every node shares:
+    ValueError. Why not fall back to the CPU: `auto` is decided by each process alone, and one rank on
+    gloo among NCCL ranks hangs the group's set-up, where no watchdog runs yet. The operator passes
+    `cuda` to GPU jobs (TORCHSPOT_DEVICE). `gpus`: the GPUs this process sees (None: not checked)."""
     where = f" on node {node}" if node else ""
-    if flag == "cuda" and not cuda_available:
+    if flag == "cuda" and not cuda_built:
         raise ValueError(
-            f"--device cuda, but CUDA is not usable{where}: torch.cuda.is_available() is False (no driver, "
-            "the GPU not visible to the container, or a torch built without CUDA); check nvidia-smi there and "
-            "the pod's nvidia.com/gpu limit"
+            f"--device cuda, but the image's torch {torch.__version__} is built without CUDA: use a CUDA build "
+            "(the trainer image's base is one)"
+        )
+    if flag == "cuda" and not cuda_available:
+        raise NodeFault(
+            f"--device cuda, but CUDA is not usable{where}: torch.cuda.is_available() is False (no driver, or "
+            "the GPU not visible to the container); check nvidia-smi there and the pod's nvidia.com/gpu limit"
         )
     if flag == "cuda" and gpus is not None and local_rank >= gpus:
-        raise ValueError(
+        raise NodeFault(
             f"--device cuda: local rank {local_rank} but {gpus} GPU(s) visible{where}; nprocPerNode must not "
             "exceed the node's GPUs"
         )
     if flag == "cuda" or (flag == "auto" and cuda_available):
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def probe_device(device: torch.device) -> None:
+    """Run one small computation on `device` and wait for it; raises NodeFault where the GPU fails it (a
+    GPU that fell off the bus or has an uncorrectable ECC error may still be counted by CUDA, and
+    fails its first kernel: the worker would fail at its first step instead, after joining the group
+    and holding it up). Nothing to do on the CPU."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.ones(1, device=device).add_(1).item()
+    except RuntimeError as exc:  # CUDA error: ...
+        raise NodeFault(f"the GPU {device} failed a first computation: {str(exc).splitlines()[0]}") from exc
+
+
+def node_device(flag: str, local_rank: int, cuda_available: bool) -> tuple[torch.device, str]:
+    """`choose_device` for this process on its node, probed (`probe_device`): a node fault exits with
+    NODE_FAULT_EXIT (`exit_node_fault`), a device the image cannot use stops naming `--device`."""
+    try:
+        device, backend = choose_device(
+            flag, cuda_available, local_rank, gpus=torch.cuda.device_count() if cuda_available else None,
+            node=os.environ.get("NODE_NAME") or socket.gethostname(), cuda_built=torch.version.cuda is not None,
+        )  # fmt: skip
+        probe_device(device)
+    except NodeFault as fault:
+        exit_node_fault(fault)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    return device, backend
+
+
+def exit_node_fault(fault: NodeFault) -> NoReturn:
+    """Say why this node cannot run the trainer, then exit with NODE_FAULT_EXIT (NodeFault's docstring)."""
+    print(f"torchspot_trainer: node fault: {fault}", file=sys.stderr, flush=True)
+    raise SystemExit(NODE_FAULT_EXIT)
 
 
 def format_progress(record: dict[str, Any]) -> str:
@@ -406,13 +459,7 @@ class Trainer:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         usable = torch.cuda.is_available()
-        try:
-            self.device, self.backend = choose_device(
-                config.device, usable, self.local_rank, gpus=torch.cuda.device_count() if usable else None,
-                node=os.environ.get("NODE_NAME") or socket.gethostname(),
-            )  # fmt: skip
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from exc
+        self.device, self.backend = node_device(config.device, self.local_rank, usable)
         refusal = in_place_refusal(config.in_place, os.environ)
         if refusal:
             raise SystemExit(refusal)

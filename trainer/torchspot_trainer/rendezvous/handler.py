@@ -577,10 +577,42 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         if folder is None or self._joined is None:
             return False
         failed = failed_in(folder, int(self._joined[0]))  # before `_defers_joins`' scans, rarely due
+        return failed is not None and time.time() - failed > self._judged_within() and self._defers_joins()
+
+    def _judged_within(self) -> float:
+        """How long after a local failure a lost member is surely judged: twice liveness's timeout, or
+        twice torch's heartbeat expiry without liveness."""
         settings = self._settings
         dead_after = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt  # torch's
-        wait = 2 * (self._etcd_settings.liveness_timeout or dead_after)
-        return failed is not None and time.time() - failed > wait and self._defers_joins()
+        return 2 * (self._etcd_settings.liveness_timeout or dead_after)
+
+    def explains_failure(self) -> bool:
+        """Whether a peer's loss explains this agent's workers' failure, which just happened: the round
+        they trained in lost a member, or moved on, within `_judged_within` (liveness judges with its
+        short timeout from now: `corroborate`). Their collectives then failed on the lost peer's closed
+        socket, which is no fault of the program: the agent does not count it against --max-restarts
+        (handover.py's InPlaceAgent). Before, every hard loss on the restart path used one restart of
+        every surviving agent, and a long run's survivors gave up together. A failure nothing explains
+        waits that long before its restart; False at once outside a round."""
+        joined = self._joined
+        if joined is None:
+            return False
+        if self._liveness is not None:
+            self._liveness.corroborate()
+        deadline = time.monotonic() + self._judged_within()
+        while True:
+            try:
+                with self._heartbeat_lock:
+                    self._state_holder.sync()
+                    state = self._restore(self._watch)
+            except RendezvousConnectionError:  # etcd away: nothing known yet
+                state = None
+            if state is not None and membership_changed(*joined, state)[0]:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.wait_for_change(min(left, self._etcd_settings.state_poll_interval))
 
     def _lost_grace(self, lost: list[str]) -> str:
         """What the peer-lost marker says of the workers' grace after their last step boundary
