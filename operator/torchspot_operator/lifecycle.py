@@ -205,37 +205,47 @@ class EvictionBudget:
 @dataclass
 class Progress:
     """The run's last progress as the operator saw it (`status.progress`): the rendezvous round, the
-    step and the checkpoint step its milestones reported, and when one of them last moved."""
+    step and the checkpoint step its milestones reported, and when one of them last moved.
+
+    A program that never reported a step (anything but the built-in trainer) is judged by what it does
+    report: its rounds, its checkpoints if it reports them, and its agents' reports that its workers
+    use the CPU (`activity`, the time of the newest: trainer's activity.py). Before, a healthy script
+    that trained for twice `stallTimeoutSeconds` with no membership change was failed as Stalled.
+    Once a step was reported, the steps judge it: a trainer whose loop spins without a step is stalled."""
 
     round: int | None
     step: int | None
     checkpoint: int | None
     at: str | None
+    activity: int | None = None
+    """The newest worker activity counted (a program that never reported a step only)."""
 
     @classmethod
     def read(cls, old: Mapping[str, Any], milestones: Mapping[str, Any], now: datetime, *, resumed: bool) -> Progress:
         raw = {} if resumed else (old.get("progress") or {})
-        before = cls(raw.get("round"), raw.get("step"), raw.get("checkpoint"), raw.get("at"))
+        before = cls(raw.get("round"), raw.get("step"), raw.get("checkpoint"), raw.get("at"), raw.get("activity"))
 
         def number(name: str, key: str) -> int | None:
             value = (milestones.get(name) or {}).get(key)
             return value if isinstance(value, int) else None
 
         seen = (number("round", "round"), number("step", "step"), number("checkpoint", "step"))
-        if all(v is None for v in seen) or seen == (before.round, before.step, before.checkpoint):
-            return before
-        merged = [
+        stepless = before.step is None and seen[1] is None
+        activity = number("activity", "at") if stepless else None
+        busy = activity is not None and activity != before.activity
+        merged = tuple(
             new if new is not None else was
             for new, was in zip(seen, (before.round, before.step, before.checkpoint), strict=True)
-        ]
-        if (merged[0], merged[1], merged[2]) == (before.round, before.step, before.checkpoint):
+        )
+        if merged == (before.round, before.step, before.checkpoint) and not busy:
             return before
-        return cls(merged[0], merged[1], merged[2], conditions.timestamp(now))
+        return cls(merged[0], merged[1], merged[2], conditions.timestamp(now), activity if busy else before.activity)
 
     def record(self) -> dict[str, Any] | None:
         if self.at is None:
             return None
-        return {"round": self.round, "step": self.step, "checkpoint": self.checkpoint, "at": self.at}
+        record = {"round": self.round, "step": self.step, "checkpoint": self.checkpoint, "at": self.at}
+        return record if self.activity is None else {**record, "activity": self.activity}
 
 
 @dataclass(frozen=True)
@@ -298,6 +308,11 @@ def stall(  # noqa: PLR0917 - each input of the rule
         known = True
         if no_round:
             cause = "no rendezvous round formed: the workers do not join the rendezvous (read their logs)"
+        elif progress.step is None:
+            cause = (
+                f"no new rendezvous round or checkpoint since {quiet_since}, and its workers use no CPU (the program "
+                "reports no steps: a hang in a collective?)"
+            )
         else:
             cause = f"no new rendezvous round, step or checkpoint since {quiet_since}"
     elif etcd_state is not None:

@@ -17,9 +17,11 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from tests.operator.jobs import crd, good_job, with_path
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.scrape import metric_sum
-from torchspot_operator import certs, constants
+from torchspot_operator import certs, conditions, constants
 from torchspot_operator.builders import JobRef
 from torchspot_operator.controller import Controller
 from torchspot_operator.handlers import RECONCILE_INTERVAL
@@ -703,6 +705,56 @@ def test_round_and_checkpoint_reported_by_the_run_reach_the_status(cluster: Clus
     )
     assert reported["lastCheckpoint"]["step"] == 800
     assert wait_for("the round", lambda: _status(cluster, "reported").get("rendezvousRound") == 2)
+
+
+def test_a_script_that_reports_no_steps_is_judged_by_its_workers_activity(cluster: Cluster, etcd: EtcdServer) -> None:
+    """Two runs of a script that reports no steps, as its agents report them (a real etcd as the jobs'
+    rendezvous; the operator reads it): both formed a round once. The agents of one say their workers
+    use the CPU (activity.py: a script that trains), which is its progress: it trains past twice its
+    stall timeout and stays Running, never Stalled. The other's agents say nothing more (its workers
+    wait in a collective whose peer never comes): Stalled, naming the likely cause, then Failed.
+    Before, both failed as Stalled: the operator knew the trainer's steps only."""
+    timeout = 3
+    policy = {"stallTimeoutSeconds": timeout}
+    names = ("trains", "hangs")
+    for name in names:
+        cluster.add_node(f"{name}-node")
+        job = good_job(name, minReplicas=1, maxReplicas=1, rendezvous={"endpoint": etcd.endpoint})
+        cluster.create({**job, "spec": {**job["spec"], "failurePolicy": policy}})
+    runs = {name: wait_for("its run id", lambda: _status(cluster, name).get("runId")) for name in names}  # noqa: B023
+    client = etcd.client()
+    stop = threading.Event()
+
+    def agents_of_the_training_script() -> None:
+        while not stop.wait(0.5):
+            record = {"at": int(time.time() * 1000), "node": "trains-node"}  # a new value at each report
+            milestones.write(client, runs["trains"], milestones.ACTIVITY, record, lease=None)
+
+    reporter = threading.Thread(target=agents_of_the_training_script, daemon=True)
+    try:
+        for name in names:  # the workers start, and form their round
+            _start(cluster, name, [f"{name}-node"])
+            milestones.write(client, runs[name], milestones.ROUND, {"round": 0, "nodes": 1}, lease=None)
+        reporter.start()
+        for name in names:
+            wait_for("the round in the status", lambda: _status(cluster, name).get("rendezvousRound") == 0)  # noqa: B023
+        failed = _phase(cluster, "hangs", "Failed")
+        said = _condition(cluster, "hangs", "Failed")
+        assert said is not None
+        assert said["reason"] == "Stalled"
+        assert "its workers use no CPU" in said["message"]
+        began = conditions.parse_timestamp(failed["reachedMinAt"])
+        wait_for("twice the stall timeout and a timer round", lambda: (
+            datetime.now(UTC) - began).total_seconds() > 2 * timeout + RECONCILE_INTERVAL)  # fmt: skip
+        trains = _status(cluster, "trains")
+        assert trains["phase"] == "Running", json.dumps(trains, indent=1)
+        assert (_condition(cluster, "trains", "Stalled") or {}).get("status") != "True"
+        assert trains["progress"]["activity"] > 0
+    finally:
+        stop.set()
+        if reporter.is_alive():
+            reporter.join()
+        client.close()
 
 
 def test_liveness_endpoint_and_json_logs(api: Cluster) -> None:

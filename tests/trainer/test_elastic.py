@@ -161,11 +161,13 @@ def test_forms_group_admits_late_joiner_and_survives_losing_the_rank0_node(
     two = _await_world(job, 2, 0, FORM)
     wait_for(lambda: len(_ranks_of_group(job, two["group"])) == 2, 10, "both ranks to join")
     assert _ranks_of_group(job, two["group"]) == [0, 1]
-    # torchrun's agent would give each worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1; the launcher sets 0 first.
+    # A program other than our trainer keeps torch's NCCL watchdog: torchrun's agent gives each worker
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING=1, and the CUDA-error rethrow stays torch's (on). (Our trainer's:
+    # test_training.py.)
     joined = [e for e in _events(job) if e["event"] == "joined"]
     assert joined
-    off = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
-    assert all(e["nccl"] == off for e in joined)
+    torchs = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_RETHROW_CUDA_ERRORS": None}
+    assert all(e["nccl"] == torchs for e in joined)
 
     (bad,) = nodes(job, 1)
     assert bad.wait(60) == NODE_FAULT_EXIT, bad.log_tail()
@@ -282,8 +284,10 @@ def test_etcd_restarted_or_wiped_keeps_the_job_running_and_its_changes_re_form_i
     after it, a kill and a join, re-form the workers in place, in generations numbered after the one
     they trained in. Before, the rounds began again at 0 after the wipe: the workers refused them, and
     every change waited 30 s and restarted every worker. (The agents restore the round: both paths
-    alike, test_backend.py.)"""
+    alike, test_backend.py.) On the way, the agents report that the toy's workers use the CPU: the toy
+    reports no steps, and the operator's stall rule reads that instead."""
     job = _job(tmp_path, etcd, run_id, toy_args=["--in-place"])
+    began = time.time()
     started = nodes(job, 3)
     three = _await_world(job, 3, 0, FORM)
     wait_for(lambda: len(_workers(job, three["group"])) == 3, 10, "all ranks to join")
@@ -292,6 +296,13 @@ def test_etcd_restarted_or_wiped_keeps_the_job_running_and_its_changes_re_form_i
     outage = time.time()
     etcd.restart(down_for=5.0)  # longer than the 3 s a silent node is given
     _assert_same_group_trains_on(job, three, since=outage, steps=150, why="the outage restarted the workers")
+    # The toy reports no steps: its agents report that its workers use the CPU (the operator's stall rule).
+    client = etcd.client()
+    try:
+        activity = wait_for(lambda: milestones.read(client, run_id).get("activity"), 10, "an activity report")
+    finally:
+        client.close()
+    assert activity["at"] >= int(began)
 
     wiped = time.time()
     etcd.restart(wipe=True)

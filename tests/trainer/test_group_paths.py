@@ -26,9 +26,11 @@ import torch.distributed as dist
 
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.nccl import (
+    FLIGHT_RECORDER_DEFAULTS,
     FLIGHT_RECORDER_ENV,
     FORMER_NAMES,
     NCCL_ERROR_HANDLING_ENV,
+    NCCL_RETHROW_ENV,
     WORKER_NCCL_DEFAULTS,
     worker_environment,
 )
@@ -472,19 +474,26 @@ def test_a_gpu_rank_binds_its_group_to_its_device_and_a_cpu_rank_does_not() -> N
     assert group_device(torch.device("cpu")) is None
 
 
-def test_the_launcher_turns_nccls_teardown_off_for_its_workers_unless_the_user_chose() -> None:
-    assert worker_environment({}) == dict(WORKER_NCCL_DEFAULTS)
-    assert worker_environment({NCCL_ERROR_HANDLING_ENV: "3"}).get(NCCL_ERROR_HANDLING_ENV) is None  # the user's stays
-    assert WORKER_NCCL_DEFAULTS[NCCL_ERROR_HANDLING_ENV] == "0"
+def test_the_launcher_turns_nccls_teardown_off_for_our_trainer_only_unless_the_user_chose() -> None:
+    """Our trainer ends a broken group itself; any other program keeps torch's watchdog (it has none of
+    its own): only the flight recorder, evidence of a hang, is set for it."""
+    assert worker_environment({}, ours=True) == dict(WORKER_NCCL_DEFAULTS)
+    ours = worker_environment({NCCL_ERROR_HANDLING_ENV: "3"}, ours=True)
+    assert ours.get(NCCL_ERROR_HANDLING_ENV) is None  # the user's stays
+    assert WORKER_NCCL_DEFAULTS[NCCL_ERROR_HANDLING_ENV] == WORKER_NCCL_DEFAULTS[NCCL_RETHROW_ENV] == "0"
+    assert worker_environment({}, ours=False) == dict(FLIGHT_RECORDER_DEFAULTS)
+    assert NCCL_ERROR_HANDLING_ENV not in FLIGHT_RECORDER_DEFAULTS
+    assert NCCL_RETHROW_ENV not in FLIGHT_RECORDER_DEFAULTS
     assert group_timeout(300).total_seconds() > 300  # the step watchdog (300 s) always acts first
 
 
 def test_the_flight_recorders_size_is_set_by_its_current_name_unless_the_user_set_either() -> None:
     """torch 2.13 warns in every process that makes a group where the size comes by its former name."""
-    assert worker_environment({})[FLIGHT_RECORDER_ENV] == "2000"
-    (former,) = FORMER_NAMES[FLIGHT_RECORDER_ENV]
-    assert FLIGHT_RECORDER_ENV not in worker_environment({former: "0"})  # the user's, by the old name, stays
-    assert FLIGHT_RECORDER_ENV not in worker_environment({FLIGHT_RECORDER_ENV: "0"})
+    for ours in (True, False):
+        assert worker_environment({}, ours=ours)[FLIGHT_RECORDER_ENV] == "2000"
+        (former,) = FORMER_NAMES[FLIGHT_RECORDER_ENV]
+        assert FLIGHT_RECORDER_ENV not in worker_environment({former: "0"}, ours=ours)  # the user's, by the old name
+        assert FLIGHT_RECORDER_ENV not in worker_environment({FLIGHT_RECORDER_ENV: "0"}, ours=ours)
 
 
 def test_a_group_made_with_the_launchers_settings_draws_no_warning_from_torch(tmp_path: Path) -> None:
@@ -498,7 +507,7 @@ def test_a_group_made_with_the_launchers_settings_draws_no_warning_from_torch(tm
     )
     env = {key: value for key, value in os.environ.items() if not key.startswith("TORCH_")}
     done = subprocess.run([sys.executable, "-c", make_group], check=False, capture_output=True, text=True, timeout=60,
-                          env={**env, **worker_environment(env)})  # fmt: skip
+                          env={**env, **worker_environment(env, ours=True)})  # fmt: skip
     assert done.stdout.strip() == "formed", done.stderr
     assert "Warning" not in done.stderr, done.stderr
 

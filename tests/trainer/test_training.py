@@ -28,6 +28,7 @@ from torchspot_lab.imds import FakeImds
 from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, read_latest
 from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
 from torchspot_trainer.train import whole_records
 
 pytestmark = pytest.mark.slow
@@ -269,6 +270,11 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     fixed_events = read_events(tmp_path / "fixed" / "train-events.jsonl")
     assert _final(fixed_events)["test_accuracy"] > 0.9  # the model learned: the comparison means something
     assert {e["step_samples"] for e in _progress(fixed_events)} == {GLOBAL_BATCH}
+    # Our trainer (`-m torchspot_trainer`) ends a broken group itself: the launcher turned torch's NCCL
+    # teardown off for it, where torchrun's agent would set it on (a script keeps it: test_elastic.py).
+    starts = [e for e in fixed_events if e.get("event") == "start"]
+    assert starts
+    assert all(e["nccl"] == {NCCL_ERROR_HANDLING_ENV: "0", NCCL_RETHROW_ENV: "0"} for e in starts), starts
 
     fixed_losses = _losses(fixed_events)
     fixed_model = _final_parameters(f"az://ckpt/{run_id}-fixed", azurite)

@@ -51,6 +51,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from torchspot_trainer import NODE_FAULT_EXIT
+from torchspot_trainer.activity import Activity
 from torchspot_trainer.markers import PEER_LOST_ENV
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,7 @@ class InPlaceAgent(LocalElasticAgent):
         """torch's agent sleeps `monitor_interval` between looks; this one waits at most as long for a
         write of the rendezvous state (handler.py's `wait_for_change`) and looks at once after one."""
         self._tick = spec.monitor_interval
+        self._activity = Activity()
         self._wait_for_change: Callable[[float], None] | None = getattr(spec.rdzv_handler, "wait_for_change", None)
         if self._wait_for_change is not None:
             spec.monitor_interval = WATCH_SECONDS  # torch's sleep; the wait is in _monitor_workers
@@ -310,6 +312,10 @@ class InPlaceAgent(LocalElasticAgent):
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._weigh_failure(worker_group, result)
+        elif result.state == WorkerState.HEALTHY and self._pcontext is not None:
+            report: Callable[[], None] | None = getattr(worker_group.spec.rdzv_handler, "report_activity", None)
+            if report is not None and self._activity.look(self._pcontext.pids().values()):
+                report()  # the operator's stall rule for a program that reports no steps (activity.py)
         return result
 
     def _weigh_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:

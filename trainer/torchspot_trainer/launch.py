@@ -645,8 +645,9 @@ def format_tracebacks_plainly() -> None:
 def _launch(args: argparse.Namespace) -> None:
     format_tracebacks_plainly()
     # Before any worker or the fork server starts (each copies this environment): torchrun's agent
-    # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (nccl.py says why not).
-    os.environ.update(worker_environment(os.environ))
+    # would give every worker TORCH_NCCL_ASYNC_ERROR_HANDLING=1, which our trainer's must not have and
+    # any other program's keeps (nccl.py says why).
+    os.environ.update(worker_environment(os.environ, ours=runs_our_trainer(args)))
     os.environ.update(max_world_environment(args, os.environ))
     if args.rdzv_backend == BACKEND_NAME:
         handle_sigterm_ourselves(args)

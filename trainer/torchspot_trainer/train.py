@@ -93,6 +93,7 @@ from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import MODELS
+from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
 from torchspot_trainer.optim import BatchRule, build_optimizer, learning_rate
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.buckets import GradientBuckets
@@ -607,6 +608,7 @@ class Trainer:
             "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
             "loader_workers": self.loader_workers,
             "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()},
+            "nccl": {key: os.environ.get(key) for key in (NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV)},
         }  # fmt: skip
         if self._in_place is not None:
             record["generation"] = self._in_place.live.generation

@@ -398,6 +398,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _prompt: _PromptOpExecutor
     _change_reported: bool
     _changed: threading.Event
+    _activity_reported: float
+    """When `report_activity` last wrote (`time.monotonic()`)."""
 
     @property
     def use_agent_store(self) -> bool:
@@ -454,14 +456,34 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         if self._liveness is not None:
             self._liveness.forget(map(str, state.participants))
         if info.rank == 0:  # one writer per round
-            record = {"round": state.round, "nodes": info.world_size}
-            try:
-                lease = self._lease.id()
-            except EtcdError as exc:
-                log.warning("rendezvous %s: round not reported (%s)", self._settings.run_id, exc)
-            else:
-                milestones.write(self._etcd, self._settings.run_id, milestones.ROUND, record, lease=lease)
+            self._report(milestones.ROUND, {"round": state.round, "nodes": info.world_size})
         return info
+
+    def report_activity(self) -> None:
+        """This node's workers used the CPU lately (activity.py): say so where the operator reads the run's
+        milestones, at most every ACTIVITY_REPORT_SECONDS and off the agent's thread (etcd may be slow or
+        away). The operator's stall rule reads it for a program that reports no steps."""
+        now = time.monotonic()
+        if now - self._activity_reported < milestones.ACTIVITY_REPORT_SECONDS:
+            return
+        self._activity_reported = now
+        record = {"at": int(time.time()), "node": str(self._this_node)}
+
+        def report() -> None:
+            if not self._report(milestones.ACTIVITY, record):
+                self._activity_reported = float("-inf")  # the next look's activity tries again
+
+        threading.Thread(target=report, name="torchspot-activity", daemon=True).start()
+
+    def _report(self, name: str, record: dict[str, Any]) -> bool:
+        """Write the milestone `name` on the run lease; whether it was written (a failure is logged: it
+        is only a report)."""
+        try:
+            lease = self._lease.id()
+        except EtcdError as exc:
+            log.warning("rendezvous %s: %s not reported (%s)", self._settings.run_id, name, exc)
+            return False
+        return milestones.write(self._etcd, self._settings.run_id, name, record, lease=lease)
 
     def _join_next(self) -> RendezvousInfo:
         """torch's `next_rendezvous`, tried again while etcd does not answer (module docstring, point
@@ -714,6 +736,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._failed_at_join = 0
         self._first_round = None
         self._deferred = (0, [])
+        self._activity_reported = float("-inf")
         self._left = False
         self._keep_open = False
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock

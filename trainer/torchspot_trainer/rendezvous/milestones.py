@@ -4,6 +4,8 @@ committed and the step reached, small JSON keys beside the rendezvous state.
     <KEY_ROOT>/<run id>/status/round        {"round": 7, "world": 3, "time": ...}   (the agents)
     <KEY_ROOT>/<run id>/status/checkpoint   {"step": 1200, "uri": ..., "time": ...} (trainer rank 0)
     <KEY_ROOT>/<run id>/status/step         {"step": 1234, "time": ...}             (trainer rank 0, each minute)
+    <KEY_ROOT>/<run id>/status/activity     {"at": 1796530000, "node": ..., "time": ...} (an agent whose workers
+                                                                      used the CPU lately, each minute)
 
 Why etcd: the operator can always reach the job's etcd (it runs it), while reading
 the checkpoints' `latest.json` would need the job's Blob credentials. The keys sit
@@ -37,6 +39,10 @@ STEP = "step"
 STEP_REPORT_SECONDS = 60.0
 """Rank 0 reports its step at most this often: the operator's stall detection (Stalled) needs
 progress between checkpoints, which may be far apart, and an etcd write a minute costs nothing."""
+ACTIVITY = "activity"
+ACTIVITY_REPORT_SECONDS = 60.0
+"""An agent reports its workers' activity (activity.py) at most this often: the stall rule of a program
+that reports no steps reads it, as the trainer's step reports (STEP_REPORT_SECONDS)."""
 REPORT_TTL = 600
 """Seconds a trainer's checkpoint report lives without a newer one (it has no run lease of its
 own; the operator keeps the last value it saw in the job's status after the key is gone)."""
@@ -52,8 +58,9 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any], *, lease: int | None) -> None:
-    """Put one status record on a lease; a failure is logged, never raised (it is only a report).
+def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any], *, lease: int | None) -> bool:
+    """Put one status record on a lease; whether it was written. A failure is logged, never raised (it
+    is only a report).
 
     The lease matters: an abandoned run's keys must all expire, these included.
     """
@@ -63,6 +70,8 @@ def write(client: EtcdClient, run_id: str, name: str, record: dict[str, Any], *,
         client.put(milestone_prefix(run_id) + name, json.dumps({**record, "time": now()}).encode(), lease=lease)
     except EtcdError as exc:
         log.warning("could not report %s to etcd: %s", name, exc)
+        return False
+    return True
 
 
 def read(client: EtcdClient, run_id: str) -> dict[str, Any]:
