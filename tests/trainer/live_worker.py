@@ -26,6 +26,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,20 @@ class SeparateGloo(HostPlane):
     separate = True
 
     def make(
-        self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None, abandoned: threading.Event
+        self,
+        store: Any,
+        control: Any,
+        *,
+        timeout: timedelta,
+        parent: Parent | None,
+        abandoned: threading.Event,
+        made: Callable[[Any], None] = lambda _group: None,
     ) -> Any:
         if parent is not None:
             parent.retire()
-        return dist.ProcessGroupGloo(store, control.rank(), control.size(), timeout)
+        data = dist.ProcessGroupGloo(store, control.rank(), control.size(), timeout)
+        made(data)
+        return data
 
     def abort(self, group: Any) -> None:
         group.abort()

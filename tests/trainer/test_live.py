@@ -27,11 +27,14 @@ from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest
 from torchspot_trainer.recovery.planes import (
     NCCL_SHRINK_HANG_VERSION,
     NCCL_SHRINK_VERSION,
+    NONBLOCKING_TIMEOUT_ENV,
+    RUNTIME_CONNECT_ENV,
     SHRINK_ABORT,
     SHRINK_DEFAULT,
     Replace,
     cuda_probe,
     device_healthy,
+    generation_environment,
     generation_options,
     plane_for,
     replacement,
@@ -559,6 +562,102 @@ def test_a_collective_never_waited_for_is_let_go_when_it_ends_and_its_generation
     assert in_flight == "0 True broken failed True"
 
 
+_REFUSED = """
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, close_connections
+from live_worker import SeparateGloo
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+def run(target, *ranks):
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+def assignment(generation, rank, world):
+    return Assignment(generation, rank, world, "127.0.0.1", store.port)
+# An enqueue that raises. gloo: a send on a pair whose connection closed (real).
+lives = [LiveGroup(op_timeout=timedelta(seconds=10)) for _ in range(2)]
+run(lambda rank: lives[rank].reconfigure(assignment(1, rank, 2), time.monotonic() + 10), 0, 1)
+close_connections(lives[0]._group)
+try:
+    lives[0].post_send(torch.zeros(1), 1, 5)
+    print("sent")
+except GroupChanged as exc:
+    print("GroupChanged", exc.failed)
+class Refusing:
+    # Stands in for an NCCL communicator that recorded an asynchronous error (not here: no GPU): NCCL
+    # refuses every new work at its enqueue, which torch raises as DistBackendError.
+    def allreduce(self, *args):
+        raise dist.DistBackendError("NCCL communicator was aborted on rank 0")
+    broadcast = allreduce
+lives[0]._group = lives[0]._data = Refusing()
+deadline = time.monotonic() + 5
+print(lives[0].all_reduce(torch.zeros(1), deadline).value, lives[0].post(torch.zeros(1), control=False)(deadline).value,
+      lives[0].broadcast(torch.zeros(1), 0, deadline).value)
+# The graveyard, on a data plane of its own (SeparateGloo stands in for NCCL's, which cannot run here).
+separate = [LiveGroup(op_timeout=timedelta(seconds=20), plane=SeparateGloo()) for _ in range(2)]
+run(lambda rank: separate[rank].reconfigure(assignment(2, rank, 2), time.monotonic() + 10), 0, 1)
+separate[0].post(torch.zeros(1), control=False)  # rank 1 never takes part: its copy is held, in flight
+run(lambda rank: separate[rank].reconfigure(assignment(3, rank, 2), time.monotonic() + 10), 0, 1)
+began = time.monotonic()
+while separate[0].graves() and time.monotonic() - began < 10:
+    time.sleep(0.01)
+print(separate[0].graves(), round(time.monotonic() - began, 1))  # let go once its abort returned, not at 20 s
+# An abandoned build whose communicator waits in C++ for a peer that never comes: aborted by whoever
+# abandons it, and its grave kept until the build ended.
+class Waiting(SeparateGloo):
+    aborted, ended = threading.Event(), threading.Event()
+    def make(self, store, control, *, timeout, parent, abandoned, made=lambda group: None):
+        made("communicator")  # made: its first collective waits for an init that no peer completes
+        self.ended.wait(30)  # in C++: `abandoned` is out of its reach; the abort ends it (below)
+        raise RuntimeError("aborted")
+    def abort(self, group):
+        self.aborted.set()
+alone = LiveGroup(op_timeout=timedelta(seconds=20), plane=Waiting())
+timer = threading.Timer(0.3, alone.supersede, args=(5,))
+timer.start()
+formed = alone.reconfigure(assignment(4, 0, 1), time.monotonic() + 30)
+Waiting.aborted.wait(5)
+held = alone.graves()  # while the build's thread is still in its wait
+Waiting.ended.set()  # the abort's effect: the wait ends
+began = time.monotonic()
+while alone.graves() and time.monotonic() - began < 10:
+    time.sleep(0.01)
+print(formed, Waiting.aborted.is_set(), held, alone.graves())
+sys.stdout.flush()
+os._exit(0)  # the abandoned collectives' threads are still in gloo
+"""
+
+
+@pytest.mark.slow(seconds=3)
+def test_a_collective_refused_at_its_start_re_forms_and_device_graves_are_bounded() -> None:
+    """A collective that cannot even start (a gloo send on a closed connection; an NCCL communicator
+    that recorded an error refuses every enqueue: a stand-in here) is a FAILED collective, not an
+    error that escapes the re-form and restarts every local worker. A data plane of its own (NCCL's
+    on a GPU; gloo stands in): an old generation's copies that its communicator's work used go once
+    that communicator's abort returned, not after the op timeout (eight re-forms within it pushed
+    every survivor to the restart path); and an abandoned build's communicator, whose first
+    collective waits in C++ for a peer that never comes, is aborted by the thread that abandons it,
+    its grave counted until the build ended. Two real gloo ranks in a process of their own."""
+    done = subprocess.run([sys.executable, "-c", _REFUSED], check=True, capture_output=True, text=True, timeout=60,
+                          cwd=WORKER.parent)  # fmt: skip
+    refused, collectives, graves, abandoned = done.stdout.split("\n")[:4]
+    assert refused == "GroupChanged True"
+    assert collectives == "failed failed failed"
+    held, seconds = graves.split()
+    assert held == "0"
+    assert float(seconds) < 5.0  # the op timeout is 20 s
+    assert abandoned == "False True 1 0"  # given up; aborted from here; held while it lived, then let go
+
+
 def test_buckets_deal_the_parameters_in_reverse_closing_at_their_caps() -> None:
     """DDP's bucketing: the last parameters first (their gradients come first), a small first bucket
     and larger ones after it, no parameter split, whatever is left in a last bucket."""
@@ -673,9 +772,11 @@ def test_a_partial_commit_heals_and_a_frozen_peer_thawed_later_changes_nothing(t
         wait_for(lambda: job.reached(["a", "b"], 2, steps + 10), 30, "training after the thaw")
         results = job.finish(["a", "b"])
         _check(job, results)
-        # Held: the groups abandoned inside a collective. Generation 1's by both (c froze inside one), 0's
-        # only by b, whose next all-reduce a never joined (a's last op had completed: let go at once).
-        assert {name: r["graves"] for name, r in results.items()} == {"a": 1, "b": 2}
+        # Held: none. The groups abandoned inside a collective (generation 1's by both: c froze inside
+        # one; 0's by b, whose next all-reduce a never joined) held only their data copies, let go once
+        # their data group's abort returned (before, until the op timeout: eight re-forms within it sent
+        # every survivor to the restart path).
+        assert {name: r["graves"] for name, r in results.items()} == {"a": 0, "b": 0}
         assert {name: r["retirements"] for name, r in results.items()} == {"a": 2, "b": 2}
         # Probed: after generation 1 by both (c froze inside its all-reduce), after 0 only by b (a had
         # dropped its update after a completed all-reduce; b's next one waited for a in vain).
@@ -784,3 +885,14 @@ def test_one_ranks_generations_on_nccl_carry_device_data_and_retire_the_old_comm
     assert live.retirements == 2
     assert live.probes == 0  # nothing was abandoned in flight
     wait_for(lambda: live.retiring() == 0, 10, "the old communicators' aborts (an H200 took up to 1 s)")
+
+
+def test_a_worker_in_place_on_nccl_bounds_its_waits_and_connects_at_init_unless_the_user_chose() -> None:
+    """`generation_environment`: torch's nonblocking timeout at the generation's op timeout (its own
+    default, 30 minutes, is how long a build whose peer never comes waits in C++), and NCCL's
+    connections made at init (on the build's thread) rather than at a generation's first gradient
+    all-reduce on the training thread. A value the user set stays."""
+    assert generation_environment({}, timedelta(seconds=30)) == {
+        NONBLOCKING_TIMEOUT_ENV: "30", RUNTIME_CONNECT_ENV: "0"
+    }  # fmt: skip
+    assert generation_environment({RUNTIME_CONNECT_ENV: "1"}, timedelta(seconds=0.2)) == {NONBLOCKING_TIMEOUT_ENV: "1"}

@@ -110,6 +110,7 @@ from torchspot_trainer.recovery.group import (
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.live import (
+    OP_TIMEOUT,
     GroupChanged,
     LiveCollectives,
     LiveGroup,
@@ -125,7 +126,7 @@ from torchspot_trainer.recovery.notices import (
     leave,
     waits_for_save,
 )
-from torchspot_trainer.recovery.planes import plane_for
+from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import (
     HealRow,
     evaluation_source,
@@ -468,6 +469,7 @@ class Trainer:
         if config.in_place:  # said at once: a round handed over during the set-up is acknowledged
             if self.backend == "nccl":  # before the first generation's communicator reads it
                 os.environ.update(nccl_environment(os.environ))
+                os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
             live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
             self._in_place = _InPlace(Handover.from_environment(), live)
             self._in_place.handover.register(stamps_steps=True)

@@ -68,6 +68,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+OP_TIMEOUT = timedelta(seconds=30)
+"""A generation's op timeout (`LiveGroup`'s default): how long gloo lets a collective with a frozen peer
+run, and an NCCL communicator's non-blocking calls wait (planes.py's `generation_environment`)."""
 READY_SECONDS = 30.0
 """The most a deferred join waits for its joiners to be ready (`LiveGroup.offer`) before the current
 generation switches anyway: a joiner that never gets there is then waited for by the group build's
@@ -116,6 +119,12 @@ class _Grave:
     since: float
     closed: bool = False
     """Its connections were closed (`close_connections`) while a collective of it was in flight."""
+    data: frozenset[int] = frozenset()
+    """The ids of `staging`'s buffers that its data group's work uses (a device communicator's): let go
+    once that group's abort has returned (`LiveGroup._reap`), after which no kernel of it can run."""
+    build: threading.Event | None = None
+    """An abandoned group build's end (`_Build.done`), where its communicator holds device memory: the
+    grave stays until it ended."""
 
 
 def close_connections(group: Any) -> None:
@@ -170,6 +179,11 @@ class _Build:
         self.done = threading.Event()
         self.abandoned = threading.Event()
         self.on_done = on_done
+        self._communicator: Any = None
+        """The data plane's communicator once made (`_made`), before its first collective."""
+        self._ended = False
+        """That communicator was aborted, here or by `abandon` (once)."""
+        self._lock = threading.Lock()
         self._live = live
         self._connect = connect or live.op_timeout
         self.thread = threading.Thread(target=self._run, name=f"torchspot-group-{assignment.generation}", daemon=True)
@@ -185,23 +199,52 @@ class _Build:
                 control.set_timeout(live.op_timeout)
             data = live.plane.make(
                 PrefixStore(DATA_PREFIX, prefixed), control, timeout=live.op_timeout, parent=parent,
-                abandoned=self.abandoned,
+                abandoned=self.abandoned, made=self._made,
             )  # fmt: skip
             if self.abandoned.is_set() and live.plane.separate:  # made too late: nobody will use or end it
-                live.plane.abort(data)
+                self._end(data)
             self.result = (control, data, store)
         except Exception as exc:  # the store went away, or a peer never came within the op timeout
             self.result = exc
+            with self._lock:
+                communicator = self._communicator
+            if communicator is not None:  # made, then failed or given up: nobody will use it
+                self._end(communicator)
         finally:
             if parent is not None:  # never made (the build failed first): retired all the same
                 parent.retire()
             self.done.set()
             self.on_done()
 
+    def _made(self, communicator: Any) -> None:
+        """The data plane made its communicator (before its first collective, which waits for its init)."""
+        with self._lock:
+            self._communicator = communicator
+        if self.abandoned.is_set():
+            self._end(communicator)
+
+    def _end(self, communicator: Any) -> None:
+        """Abort the build's communicator, once, whoever asks first."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._live.plane.abort(communicator)
+
     def abandon(self) -> None:
+        """Give the build up (a newer round, or the caller's deadline). A communicator already made is
+        aborted from here, on a thread of its own: the build's own thread may wait in C++ for the init
+        of a non-blocking communicator whose peer never comes (its first collective), out of reach of
+        `abandoned` until the nonblocking timeout (nccl.py's `generation_environment`)."""
         self.abandoned.set()
         if self.parent is not None:  # no later build shrinks it: its abort need not wait for this one
             self.parent.retire()
+        with self._lock:
+            communicator = None if self._ended else self._communicator
+        if communicator is not None:
+            threading.Thread(
+                target=self._end, args=(communicator,), name="torchspot-abandon", daemon=True
+            ).start()  # fmt: skip
 
 
 class Outcome(Enum):
@@ -223,7 +266,7 @@ class LiveGroup:
 
     def __init__(
         self,
-        op_timeout: timedelta = timedelta(seconds=30),
+        op_timeout: timedelta = OP_TIMEOUT,
         *,
         defer_joins: bool = False,
         plane: HostPlane | None = None,
@@ -265,6 +308,8 @@ class LiveGroup:
         """Runs while graves are held (`_dig`, `_reaping`)."""
         self._sending: list[tuple[Any, torch.Tensor]] = []
         """Sends posted and not yet seen ended (`post_send`), each with its buffer."""
+        self._data_held: set[int] = set()
+        """The ids of the generation's staging copies that a device communicator's work uses (`_hold`)."""
         self._staging: dict[int, torch.Tensor] = {}
         """The generation's staging copies and send buffers in use, by id: a dict, whose setting and
         popping of one key are atomic, because a heal's receiving thread uses it beside the training
@@ -324,7 +369,7 @@ class LiveGroup:
         while not build.done.wait(POLL_SECONDS * 5):
             if self.broken.is_set() or time.monotonic() > deadline:
                 build.abandon()
-                self._bury(build.thread)  # it ends within the op timeout; what it built is dropped
+                self._bury(build)  # it ends within the op timeout; what it built is dropped
                 log.warning("generation %d: group not formed (a newer round, or the deadline)", assignment.generation)
                 return False
         outcome = build.result
@@ -358,10 +403,10 @@ class LiveGroup:
                 self._data if self.plane.separate else None, previous.generation, previous.rank, previous.world,
                 clean=self._clean, abort=self.plane.abort, on_retired=self._wake_reaper.set,
             )  # fmt: skip
-            self._dig(_Grave(self._group, parent, self._store, self._staging, now))
+            self._dig(_Grave(self._group, parent, self._store, self._staging, now, data=frozenset(self._data_held)))
             self.retirements += parent.group is not None
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
-        self._staging, self._sending = {}, []
+        self._staging, self._sending, self._data_held = {}, [], set()
         self._clean = True
         self.agreed = None
         return parent
@@ -462,15 +507,18 @@ class LiveGroup:
             build, self._prebuilt = self._prebuilt, None
         if build is not None and build.assignment != assignment:
             build.abandon()
-            self._bury(build.thread)
+            self._bury(build)
             return None
         return build
 
-    def _bury(self, builder: threading.Thread) -> None:
-        """An abandoned group build: held like a generation's grave (nothing of it to retire)."""
+    def _bury(self, build: _Build) -> None:
+        """An abandoned group build: held like a generation's grave (nothing of it to retire); where the
+        plane's communicator holds device memory, until the build ended (its abort: `_Build.abandon`),
+        so that GRAVEYARD bounds them too."""
         parent = Parent(None, self.generation, -1, 0, clean=True, abort=None)
         parent.retire()
-        self._dig(_Grave(builder, parent, None, {}, time.monotonic()))
+        ends = build.done if self.plane.separate else None
+        self._dig(_Grave(build.thread, parent, None, {}, time.monotonic(), build=ends))
 
     def _dig(self, grave: _Grave) -> None:
         """Hold `grave` until no op of it can run, and have the reaper look at once: a generation left
@@ -509,12 +557,19 @@ class LiveGroup:
         timed out by then) or have no collective abandoned in flight (no staging copy held: each is
         released when its op completes). A destructor that still blocks blocks nobody who trains.
         Without the second kind, a soak of 40 faults a minute (bench/soak) filled the graveyard with
-        idle groups within the op timeout and fell back to a restart. Called with `_graves` held."""
+        idle groups within the op timeout and fell back to a restart. A device communicator's copies
+        (which no callback lets go) go once its abort returned; held until the op timeout after it,
+        eight re-forms within 30 s pushed every survivor to the restart path. An abandoned build of a
+        device communicator stays until its thread ended. Called with `_graves` held."""
         horizon = time.monotonic() - self.op_timeout.total_seconds()
         old: list[_Grave] = []
         kept: list[_Grave] = []
         for grave in self._graveyard:
-            done = grave.parent.retired.is_set() and (grave.since < horizon or not grave.staging)
+            if grave.parent.retired.is_set():  # its device communicator's abort returned: no kernel writes now
+                for key in grave.data:
+                    grave.staging.pop(key, None)
+            built = grave.build is None or grave.build.is_set()
+            done = built and grave.parent.retired.is_set() and (grave.since < horizon or not grave.staging)
             (old if done else kept).append(grave)
         if old:
             self._graveyard = kept
@@ -526,7 +581,9 @@ class LiveGroup:
         `control`: on the gloo group (a host tensor: an agreement), else on the data plane's."""
         staging = tensor.detach().clone()
         group = self._pick(control)
-        work = group.allreduce([staging])
+        work = self._enqueue(group, lambda: group.allreduce([staging]))
+        if work is None:
+            return Outcome.FAILED
         self._hold(group, work, staging)
         outcome = self._wait(group, work, staging, deadline)
         if outcome is Outcome.DONE:
@@ -534,6 +591,18 @@ class LiveGroup:
             if self._sending and group is self._data:
                 self._settle_sends()
         return outcome
+
+    def _enqueue(self, group: Any, call: Callable[[], Any]) -> Any:
+        """`call`'s work (a collective or a send of `group`, started), or None where starting it raised:
+        a communicator that recorded an error refuses new work at once (NCCL: DistBackendError), as a
+        gloo pair whose connection closed refuses a send. The group is gone, as if the work had failed:
+        the caller says FAILED and re-forms, where the error escaped and restarted every local worker."""
+        try:
+            return call()
+        except RuntimeError as exc:
+            log.warning("generation %s: a collective could not start (%s)", self.generation, str(exc).splitlines()[0])
+            self._clean = self._clean and not (self.plane.separate and group is self._data)
+            return None
 
     def post(self, tensor: torch.Tensor, *, control: bool, owned: bool = False) -> Callable[[float], Outcome]:
         """`all_reduce` started now and waited for later: the returned function waits (given the
@@ -549,7 +618,9 @@ class LiveGroup:
         staging = tensor if owned else tensor.detach().clone()
         group = self._pick(control)
         held = self._staging
-        work = group.allreduce([staging])
+        work = self._enqueue(group, lambda: group.allreduce([staging]))
+        if work is None:
+            return lambda _deadline: Outcome.FAILED
         self._hold(group, work, staging)
 
         def finish(deadline: float) -> Outcome:
@@ -569,7 +640,9 @@ class LiveGroup:
         options = dist.BroadcastOptions()
         options.rootRank = src
         group = self._pick(False)
-        work = group.broadcast([staging], options)
+        work = self._enqueue(group, lambda: group.broadcast([staging], options))
+        if work is None:
+            return Outcome.FAILED
         self._hold(group, work, staging)
         outcome = self._wait(group, work, staging, deadline)
         if outcome is Outcome.DONE:
@@ -587,9 +660,14 @@ class LiveGroup:
         then; so does a receive's), and the data flow whoever waits. A receiver takes part in the next
         collective only once it received the state (train.py's `_sit_out`), so when that collective
         completes here every send has: `all_reduce` then lets their buffers go (`_settle_sends`). Here,
-        not on a thread per send: starting one cost the source milliseconds on busy cores."""
+        not on a thread per send: starting one cost the source milliseconds on busy cores. Raises
+        GroupChanged (failed) where the send cannot start (`_enqueue`)."""
+        group = self._pick(False)
+        work = self._enqueue(group, lambda: group.send([tensor], dst, tag))
+        if work is None:  # the receiver's connection is gone: so is the generation
+            raise GroupChanged(Outcome.FAILED)
         self._staging[id(tensor)] = tensor
-        self._sending.append((self._pick(False).send([tensor], dst, tag), tensor))
+        self._sending.append((work, tensor))
 
     def send_beside(self, state: Any, receivers: list[int], device: torch.device) -> Future[None]:
         """`send_state` on this group's sending thread, beside the caller's forward and backward passes
@@ -648,6 +726,7 @@ class LiveGroup:
         held = self._staging
         held[key] = staging
         if self.plane.separate and group is self._data:
+            self._data_held.add(key)
             return
 
         def ended(_future: Any) -> None:

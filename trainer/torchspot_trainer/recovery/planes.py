@@ -40,7 +40,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -243,12 +243,21 @@ class HostPlane:
     separate = False
 
     def make(
-        self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None, abandoned: threading.Event
+        self,
+        store: Any,
+        control: Any,
+        *,
+        timeout: timedelta,
+        parent: Parent | None,
+        abandoned: threading.Event,
+        made: Callable[[Any], None] = lambda _group: None,
     ) -> Any:
         """The generation's data group, on the generation's `store` (its own prefix), built on the
         group build's thread after `control` (the generation's gloo group: its rank and size) formed;
-        may shrink `parent`, and retires it. Raises RuntimeError when `abandoned` is set first (the
-        caller gave the build up: a newer round, or its deadline)."""
+        may shrink `parent`, and retires it. A group of its own is handed to `made` as soon as it
+        exists, before its first collective: the caller owns it from then on, and aborts it where the
+        build fails or is given up (live.py's `_Build`). Raises RuntimeError when `abandoned` is set
+        first (the caller gave the build up: a newer round, or its deadline)."""
         if parent is not None:
             parent.retire()
         return control
@@ -279,7 +288,14 @@ class NcclPlane(HostPlane):
         self.version = version
 
     def make(
-        self, store: Any, control: Any, *, timeout: timedelta, parent: Parent | None, abandoned: threading.Event
+        self,
+        store: Any,
+        control: Any,
+        *,
+        timeout: timedelta,
+        parent: Parent | None,
+        abandoned: threading.Event,
+        made: Callable[[Any], None] = lambda _group: None,
     ) -> Any:
         torch.cuda.set_device(self.device)  # the build's thread: the current device is per thread
         rank, world = control.rank(), control.size()
@@ -291,14 +307,13 @@ class NcclPlane(HostPlane):
         if data is None:
             data = dist.ProcessGroupNCCL(store, rank, world, options)
             data.eager_connect_single_device(self.device)  # eager init, non-blocking: returns at once
+        made(data)  # the caller's from now on: it aborts it, from its own thread where this one waits in C++
         zero = torch.zeros(1, device=self.device)
         work = data.allreduce([zero])  # waits for the init: here, not on the training thread
         while not work.is_completed():
-            if abandoned.wait(WARM_UP_POLL):  # a peer that never comes: end its kernels, not the thread's wait
-                self.abort(data)
+            if abandoned.wait(WARM_UP_POLL):  # a peer that never comes: the caller ends its kernels
                 raise RuntimeError("the new communicator's build was abandoned")
         if self.failed(data):
-            self.abort(data)
             raise RuntimeError(f"the new communicator failed its first all-reduce ({data.get_error()})")
         return data
 
@@ -337,6 +352,27 @@ class NcclPlane(HostPlane):
 
     def healthy(self) -> bool:
         return device_healthy(cuda_probe(self.device))
+
+
+NONBLOCKING_TIMEOUT_ENV = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
+"""How long torch waits in C++ for a non-blocking communicator to finish its init or an operation in
+progress (torch's default: 30 minutes), read once per process."""
+RUNTIME_CONNECT_ENV = "NCCL_RUNTIME_CONNECT"
+"""NCCL's lazy connection (on by default from 2.22): peers connect at the first collective of each
+kind and size, not at init."""
+
+
+def generation_environment(environ: Mapping[str, str], timeout: timedelta) -> dict[str, str]:
+    """What a worker that re-forms in place on NCCL sets before its first communicator, where the user
+    set nothing. Pure. The nonblocking timeout at the generation's op timeout: a build whose peer never
+    comes waits in C++ (the first collective waits for the init) out of reach of a newer round, for
+    torch's 30 minutes otherwise; and NCCL's connections made at init, not lazily: the first
+    gradient-sized all-reduce or heal of a generation would otherwise connect inside the training
+    thread's call, where a second fault (two evictions seconds apart) leaves it in C++. Made on the
+    build's thread, the connections cost the others nothing. Written from torch's and NCCL's
+    documented settings; not measured on a GPU here."""
+    wanted = {NONBLOCKING_TIMEOUT_ENV: str(max(1, round(timeout.total_seconds()))), RUNTIME_CONNECT_ENV: "0"}
+    return {key: value for key, value in wanted.items() if key not in environ}
 
 
 def nccl_version() -> tuple[int, int, int] | None:
