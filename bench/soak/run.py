@@ -370,7 +370,8 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
         if seconds:
             by_action[action] = {"count": len(seconds), "p50": round(statistics.median(seconds), 2),
                                  "max": round(max(seconds), 2)}  # fmt: skip
-    steps = whole_records(progress)  # partial: one from each rank it hit; one written again counts once
+    generations = [e for e in run["events"] if e.get("event") == "generation"]  # who was in each (whole_records)
+    steps = whole_records([*generations, *progress])  # partial: one from each rank it hit; again: once
     fixed_losses = {e["step"]: e["loss"] for e in fixed if e.get("event") == "progress"}
     losses = {e["step"]: e["loss"] for e in progress if e.get("partial")}
     losses.update({e["step"]: e["loss"] for e in progress if not e.get("partial")})  # a whole record first

@@ -267,6 +267,15 @@ def _overdue(spec: JobSpec, start: str, quiet_since: str, has_round: bool, now: 
     return since(quiet_since) > spec.stall_timeout_seconds, late_start
 
 
+def quiet_from(progress_at: str | None, reached_min: str) -> str:
+    """Since when a job with minReplicas ready has been quiet: its last progress, or reaching minReplicas
+    if that came later (a round its workers formed before the last of them was ready is no quiet time:
+    no job can train below its minimum). Pure."""
+    if progress_at is None:
+        return reached_min
+    return max(progress_at, reached_min, key=conditions.parse_timestamp)
+
+
 def quiet_too_long(old: Mapping[str, Any], spec: JobSpec, now: datetime) -> bool:
     """Whether the job, as its status says, is overdue by the stall rule (`stall`): the only time the rule
     needs to know why, so the only time the controller reads what it needs for that."""
@@ -275,7 +284,8 @@ def quiet_too_long(old: Mapping[str, Any], spec: JobSpec, now: datetime) -> bool
         return False
     progress = old.get("progress") or {}
     start = str(old.get("startTime") or reached)
-    quiet, late = _overdue(spec, start, str(progress.get("at") or reached), progress.get("round") is not None, now)
+    since = quiet_from(progress.get("at"), str(reached))
+    quiet, late = _overdue(spec, start, since, progress.get("round") is not None, now)
     return quiet or late
 
 
@@ -298,7 +308,7 @@ def stall(  # noqa: PLR0917 - each input of the rule
     """
     if clocks.start is None or clocks.reached_min is None or census.ready < spec.min_replicas:
         return None
-    quiet_since = progress.at or clocks.reached_min
+    quiet_since = quiet_from(progress.at, clocks.reached_min)
     no_round = progress.round is None
     overdue, late_start = _overdue(spec, clocks.start, quiet_since, not no_round, clocks.now)
     if not overdue and not late_start:

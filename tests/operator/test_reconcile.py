@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.operator.jobs import good_job
-from torchspot_operator import builders, conditions, constants, nodes, reconcile, verdicts
+from torchspot_operator import builders, conditions, constants, lifecycle, nodes, reconcile, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.controller import slow_start
@@ -1052,6 +1052,15 @@ class TestStall:
         unsure = self._ready(later + timedelta(hours=5), still.status, {"reachable": False})
         assert "cannot tell" in _condition(unsure, "Stalled")["message"]
         assert unsure.status["phase"] == "Running"
+
+
+def test_a_job_is_quiet_from_its_last_progress_or_its_minimum_whichever_came_later() -> None:
+    """A round its workers formed before the last of them was ready is no quiet time (no job can train
+    below its minimum): the stall clock starts at the later of the two."""
+    before, reached = conditions.timestamp(T0 - timedelta(minutes=20)), conditions.timestamp(T0)
+    assert lifecycle.quiet_from(before, reached) == reached
+    assert lifecycle.quiet_from(conditions.timestamp(T0 + timedelta(minutes=1)), reached) != reached
+    assert lifecycle.quiet_from(None, reached) == reached
 
 
 def test_creates_go_in_slow_start_batches_of_pods_other_objects_alone() -> None:

@@ -708,11 +708,13 @@ def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_nev
         wait_for(a.num_nodes_waiting, timeout=5, what="d waiting to join")
         assert sorted(_join([a, b])) == [(0, 3), (1, 3)]
         assert joining.result(timeout=10).world_size == 3
+        assert _grows(a)  # every member of the round before is in it: a deferred join may take it
         joined = a.current_round  # its workers still train in the round before (no step of this one)
         b.leave()
         wait_for(a.num_nodes_waiting, timeout=5, what="b's departure")
         assert _join([a]) == [(0, 1)]  # without d, which has not come back
         assert a.current_round == joined + 1
+        assert not _grows(a)
         joining = pool.submit(d.next_rendezvous)
         wait_for(lambda: _waiting(a), timeout=5, what="d waiting to join again")
         assert a.num_nodes_waiting() == 0  # held until a's workers train in their round
@@ -720,6 +722,11 @@ def test_after_a_loss_the_survivors_do_not_wait_for_a_joiner_of_a_round_that_nev
         wait_for(a.num_nodes_waiting, timeout=5, what="d let in")
         assert _join([a]) == [(0, 2)]
         assert joining.result(timeout=10).world_size == 2
+
+
+def _grows(handler: EtcdV3RendezvousHandler) -> bool:
+    """Its `grows_only`, read afresh (a property mypy would narrow across its rounds)."""
+    return handler.grows_only
 
 
 def _after_joiner_entered(

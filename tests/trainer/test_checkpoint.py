@@ -20,12 +20,14 @@ from torchspot_lab.azurite import Azurite
 from torchspot_lab.local import wait_for
 from torchspot_trainer.checkpoint.manager import (
     COMMIT_OBJECT,
-    STATE_OBJECT,
+    LATEST_OBJECT,
     CheckpointConfig,
     CheckpointManager,
     SaveReport,
+    committed_steps,
     read_latest,
     snapshot,
+    state_object,
     step_dir,
 )
 from torchspot_trainer.checkpoint.storage import CheckpointStorage, LocalStorage, StorageError, open_storage
@@ -80,7 +82,7 @@ def test_a_save_that_commits_late_never_moves_latest_backwards(storage: Checkpoi
 def test_partial_upload_is_skipped_with_a_warning(storage: CheckpointStorage, caplog: pytest.LogCaptureFixture) -> None:
     manager = CheckpointManager(storage)
     assert manager.save_sync(10, _state(10), {}).ok
-    storage.put(step_dir(20) + STATE_OBJECT, b"half of a checkpoint")  # died before COMMIT
+    storage.put(step_dir(20) + state_object(), b"half of a checkpoint")  # died before COMMIT
     with caplog.at_level(logging.WARNING):
         loaded = manager.load_latest()
     assert loaded is not None
@@ -92,13 +94,14 @@ def test_corrupt_object_is_skipped_with_a_warning(storage: CheckpointStorage, ca
     manager = CheckpointManager(storage)
     assert manager.save_sync(10, _state(10), {}).ok
     assert manager.save_sync(20, _state(20), {}).ok
-    good = storage.get(step_dir(20) + STATE_OBJECT)
-    storage.put(step_dir(20) + STATE_OBJECT, good[:-10] + b"0123456789")  # same size, other bytes
+    name = _state_object(storage, 20)
+    good = storage.get(step_dir(20) + name)
+    storage.put(step_dir(20) + name, good[:-10] + b"0123456789")  # same size, other bytes
     with caplog.at_level(logging.WARNING):
         loaded = manager.load_latest()
     assert loaded is not None
     assert loaded.step == 10
-    assert "step-0000000020/: state.pt does not match its checksum" in caplog.text
+    assert f"step-0000000020/: {name} does not match its checksum" in caplog.text
 
 
 def test_keeps_the_newest_k_after_each_commit(storage: CheckpointStorage) -> None:
@@ -276,8 +279,141 @@ def test_commit_marker_lists_checksums(storage: CheckpointStorage) -> None:
     CheckpointManager(storage).save_sync(5, _state(5), {"world_size": 3})
     commit = json.loads(storage.get(step_dir(5) + COMMIT_OBJECT))
     assert commit["step"] == 5
-    assert set(commit["objects"][STATE_OBJECT]) == {"bytes", "sha256"}
+    ((name, listed),) = commit["objects"].items()
+    assert name.startswith("state-")  # a save's own object
+    assert name.endswith(".pt")
+    assert set(listed) == {"bytes", "sha256"}
     assert commit["meta"] == {"world_size": 3}
+    assert storage.list(step_dir(5)) == sorted([step_dir(5) + COMMIT_OBJECT, step_dir(5) + name])
+
+
+def test_a_checkpoint_whose_state_object_has_the_former_fixed_name_still_loads(storage: CheckpointStorage) -> None:
+    """Checkpoints written before each save named its own object hold `state.pt`: their COMMIT names it."""
+    manager = CheckpointManager(storage)
+    assert manager.save_sync(5, _state(5), {}).ok
+    name = _state_object(storage, 5)
+    data = storage.get(step_dir(5) + name)
+    commit = json.loads(storage.get(step_dir(5) + COMMIT_OBJECT))
+    commit["objects"] = {"state.pt": commit["objects"][name]}
+    storage.delete_prefix(step_dir(5))
+    storage.put(step_dir(5) + "state.pt", data)
+    storage.put(step_dir(5) + COMMIT_OBJECT, json.dumps(commit).encode())
+    loaded = manager.load_step(5)
+    assert loaded is not None
+    assert torch.equal(loaded.state["model"]["w"], torch.full((64,), 5.0))
+
+
+def _state_object(storage: CheckpointStorage, step: int) -> str:
+    """The name of the state object the COMMIT of `step` names."""
+    ((name, _),) = json.loads(storage.get(step_dir(step) + COMMIT_OBJECT))["objects"].items()
+    return str(name)
+
+
+class _Paused:
+    """`storage` whose writes of objects whose names end with `at` wait for `go` (once set, they
+    proceed): the moment between two of a writer's calls, held open while another writer runs."""
+
+    def __init__(self, storage: CheckpointStorage, at: str) -> None:
+        self._storage, self._at = storage, at
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+    def _pause(self, name: str) -> None:
+        if name.endswith(self._at):
+            self.reached.set()
+            assert self.go.wait(30)
+
+    def put(self, name: str, data: bytes) -> None:
+        self._pause(name)
+        self._storage.put(name, data)
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        self._pause(name)
+        return self._storage.put_new(name, data)
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> bool:
+        self._pause(name)
+        return self._storage.put_if(name, data, version)
+
+
+def _in_thread(save: Any) -> tuple[threading.Thread, list[SaveReport]]:
+    reports: list[SaveReport] = []
+    thread = threading.Thread(target=lambda: reports.append(save()))
+    thread.start()
+    return thread, reports
+
+
+def test_two_writers_of_one_prefix_never_tear_a_step_move_latest_back_or_prune_an_upload(
+    storage: CheckpointStorage,
+) -> None:
+    """Writers that overlap on one prefix (an emergency save beside rank 0's saver, an old rank 0's saver
+    finishing after a re-form). Same step: the slower one's COMMIT came last and named the other's
+    object (a torn pair, skipped on load); now the first COMMIT stands, naming its own object. latest.json:
+    read then written, the slower writer of an older step moved it back; now its write is conditional
+    on what it read. Pruning: every uncommitted step older than the newest committed one went, an upload
+    still in flight included, whose COMMIT then named nothing; now steps from the oldest kept one on stay."""
+    # Same step: A has written its object and waits before its COMMIT while B saves the step whole.
+    slow = _Paused(storage, COMMIT_OBJECT)
+    writer_a, reports_a = _in_thread(lambda: CheckpointManager(slow).save_sync(20, _state(20), {"by": "a"}))
+    assert slow.reached.wait(30)
+    assert CheckpointManager(storage).save_sync(20, _state(21), {"by": "b"}).ok
+    slow.go.set()
+    writer_a.join(30)
+    assert reports_a[0].ok  # the step is committed (by B)
+    loaded = CheckpointManager(storage).load_step(20)
+    assert loaded is not None
+    assert loaded.meta == {"by": "b"}
+    assert torch.equal(loaded.state["model"]["w"], torch.full((64,), 21.0))
+    assert storage.list(step_dir(20)) == sorted(
+        [step_dir(20) + COMMIT_OBJECT, step_dir(20) + _state_object(storage, 20)]
+    )
+
+    # latest.json: A (step 25) read it (at 20) and waits before its write while B commits step 30.
+    slow = _Paused(storage, LATEST_OBJECT)
+    writer_a, reports_a = _in_thread(lambda: CheckpointManager(slow).save_sync(25, _state(25), {}))
+    assert slow.reached.wait(30)
+    assert CheckpointManager(storage).save_sync(30, _state(30), {}).ok
+    slow.go.set()
+    writer_a.join(30)
+    assert reports_a[0].ok
+    latest = read_latest(storage)
+    assert latest is not None
+    assert latest["step"] == 30
+
+    # Pruning (keep 3: 25, 30, 40): A uploads step 27 and waits before its COMMIT while B commits 40 and prunes.
+    slow = _Paused(storage, COMMIT_OBJECT)
+    config = CheckpointConfig(keep=3)
+    writer_a, reports_a = _in_thread(lambda: CheckpointManager(slow, config).save_sync(27, _state(27), {}))
+    assert slow.reached.wait(30)
+    assert CheckpointManager(storage, config).save_sync(40, _state(40), {}).ok
+    slow.go.set()
+    writer_a.join(30)
+    assert reports_a[0].ok
+    loaded = CheckpointManager(storage).load_step(27)
+    assert loaded is not None  # its object was still there when its COMMIT came
+    assert committed_steps(storage.list("step-"))[-3:] == [27, 30, 40]
+    assert CheckpointManager(storage, config).save_sync(50, _state(50), {}).ok  # 27 goes once older than the kept
+    assert {_parse(name) for name in storage.list("step-")} == {30, 40, 50}
+
+
+def _parse(name: str) -> int:
+    return int(name.split("/", maxsplit=1)[0].removeprefix("step-"))
+
+
+def test_conditional_writes_create_once_and_replace_only_what_was_read(storage: CheckpointStorage) -> None:
+    assert storage.read_versioned("x") is None
+    assert storage.put_new("x", b"first")
+    assert not storage.put_new("x", b"second")
+    found = storage.read_versioned("x")
+    assert found is not None
+    assert found[0] == b"first"
+    assert not storage.put_if("x", b"blind", None)  # it exists
+    assert storage.put_if("x", b"third", found[1])
+    assert not storage.put_if("x", b"stale", found[1])  # written since that read
+    assert storage.get("x") == b"third"
+    assert storage.list() == ["x"]  # nothing written aside is left
 
 
 def test_snapshot_copies_tensors() -> None:

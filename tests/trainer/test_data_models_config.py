@@ -8,6 +8,7 @@ import pickle
 import random
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,7 +35,9 @@ from torchspot_trainer.train import (
     format_progress,
     in_place_refusal,
     probe_device,
+    record_means,
     sync_bn_refusal,
+    whole_records,
 )
 
 
@@ -305,11 +308,16 @@ def test_sync_bn_converts_every_batch_norm_and_is_refused_on_cpu() -> None:
     assert sync_bn_refusal(False, torch.device("cpu")) is None
 
 
-def test_in_place_is_refused_outside_torchspot_run() -> None:
+def test_in_place_is_refused_outside_torchspot_run_and_with_sync_bn() -> None:
     """--in-place: only torchspot-run's agent hands rounds over (on any device: planes.py)."""
     agent = {PEER_LOST_ENV: "/tmp/agent/peer-lost"}
     assert in_place_refusal(True, agent) is None
     assert in_place_refusal(False, {}) is None
+    said = in_place_refusal(True, agent, sync_bn=True)  # SyncBatchNorm would be silently local in place
+    assert said is not None
+    assert "--sync-bn" in said
+    assert "--in-place" in said
+    assert in_place_refusal(False, agent, sync_bn=True) is None
     elsewhere = in_place_refusal(True, {})
     assert elsewhere is not None
     assert "--in-place" in elsewhere
@@ -402,6 +410,40 @@ def test_a_node_fault_exits_with_the_code_the_agent_and_the_operator_read(capsys
         exit_node_fault(NodeFault("the GPU cuda:0 failed a first computation: CUDA error: uncorrectable ECC error"))
     assert exited.value.code == NODE_FAULT_EXIT == 75
     assert "node fault: the GPU cuda:0 failed a first computation" in capsys.readouterr().err
+
+
+def test_a_step_applied_once_counts_once_whoever_recorded_it() -> None:
+    """`whole_records`, the exactly-once audit: a record written again counts for a step with no other;
+    a partial record never. After a double fault (rank 0, on node a, completed step 11 alone in
+    generation 4, wrote its record and was lost; b and c, which never applied it, trained it again in
+    generation 5) the surviving line applied step 11 once. Before, it counted twice. A step a line
+    trained twice (here 12, by b in generations 5 and 6: b was in 6) still counts twice."""
+
+    def progress(step: int, generation: int, node: str, **extra: Any) -> dict[str, Any]:
+        return {"event": "progress", "step": step, "generation": generation, "node": node, **extra}
+
+    events = [
+        *({"event": "generation", "generation": 4, "node": node} for node in "abc"),
+        progress(10, 4, "a"), progress(11, 4, "a"),
+        *({"event": "generation", "generation": 5, "node": node} for node in "bc"),
+        progress(11, 5, "b"), progress(12, 5, "b"), progress(13, 5, "b", partial=True),
+        *({"event": "generation", "generation": 6, "node": node} for node in "bc"),
+        progress(12, 6, "b"), progress(14, 6, "b", replayed=True),
+    ]  # fmt: skip
+    assert whole_records(events) == {10: 1, 11: 1, 12: 2, 14: 1}
+    no_members = [e for e in events if e["event"] == "progress"]  # nothing known of who was in a generation
+    assert whole_records(no_members)[11] == 2
+
+
+def test_a_record_divides_the_groups_sums_by_the_samples_they_came_from() -> None:
+    """`record_means`: a heal's receiver that sorts first (rank 0) sat a step out with a window of that
+    step alone, while its trainers' windows held four steps of 48 samples: their losses' mean is over
+    the samples summed alike (192), not over the receiver's window (48: a loss four times too large,
+    an accuracy above 1)."""
+    loss, accuracy = record_means(192 * 0.5, 180.0, 192.0)
+    assert loss == pytest.approx(0.5)
+    assert accuracy == pytest.approx(180 / 192)
+    assert record_means(0.0, 0.0, 0.0) == (0.0, 0.0)  # nothing computed
 
 
 def test_progress_line_for_a_terminal() -> None:

@@ -46,7 +46,7 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
     peer_failure,
 )
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
+from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.notices import (
     NOTICE_LEAVING,
     NOTICE_RESTART,
@@ -351,6 +351,28 @@ def test_the_state_of_a_boundary_keeps_its_batchnorm_statistics_through_the_next
     assert torch.equal(held["model"]["1.running_mean"], at_boundary)
     assert int(held["model"]["1.num_batches_tracked"]) == 0
     assert torch.equal(held["model"]["0.weight"], model.get_parameter("0.weight").detach())  # no update happened
+
+
+def test_a_step_that_breaks_before_its_update_leaves_no_batchnorm_statistics_behind() -> None:
+    """In place, a step whose gradient all-reduce fails has run its forward passes: BatchNorm's running
+    statistics and batch count moved with its samples. The re-form puts back the boundary's
+    (`BoundaryBuffers`, kept before each step): a heal where every rank is live sends nothing over
+    them, and the replayed step gave rank 0's contaminated statistics to everyone. A step that was
+    applied keeps its statistics."""
+    model = _bn_model()
+    model.train()
+    boundary = BoundaryBuffers()
+    for step in (7, 8):  # the copy of the step before is reused
+        boundary.keep(model, step)
+        at_boundary = {name: buffer.clone() for name, buffer in model.named_buffers()}
+        model(torch.randn(8, 4) + 5)  # the step's forward; its all-reduce then fails
+        assert not torch.equal(model.get_buffer("1.running_mean"), at_boundary["1.running_mean"])
+        assert boundary.restore(model, step)
+        assert all(torch.equal(buffer, at_boundary[name]) for name, buffer in model.named_buffers())
+    model(torch.randn(8, 4) + 5)  # step 9's forward, and its update: applied
+    applied = model.get_buffer("1.running_mean").clone()
+    assert not boundary.restore(model, 9)  # kept at 8: the model went on from 9
+    assert torch.equal(model.get_buffer("1.running_mean"), applied)
 
 
 def test_a_checkpoint_is_taken_from_the_rings_copy_of_its_step_once_whole() -> None:

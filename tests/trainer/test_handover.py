@@ -46,9 +46,11 @@ WAIT = 60.0
 
 
 def test_an_assignment_names_each_local_worker_and_nobody_else() -> None:
-    record = json.loads(json.dumps(assignment_record(7, 6, "10.0.0.4", 29400, {0: 2, 1: 3}, node=1)))
-    assert parse_assignment(record, 1) == Assignment(7, 3, 6, "10.0.0.4", 29400, node=1)
+    record = json.loads(json.dumps(assignment_record(7, 6, "10.0.0.4", 29400, {0: 2, 1: 3}, node=1, grows=True)))
+    assert parse_assignment(record, 1) == Assignment(7, 3, 6, "10.0.0.4", 29400, node=1, grows=True)
     assert parse_assignment(record, 2) is None
+    del record["grows"]  # a record without it: no deferred join
+    assert parse_assignment(record, 1) == Assignment(7, 3, 6, "10.0.0.4", 29400, node=1, grows=False)
 
 
 _REGISTERED_WORKER = """
@@ -128,9 +130,12 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
 
 def test_a_leaving_agent_waits_for_the_notice_of_every_running_worker_and_of_none_ended(tmp_path: Path) -> None:
     """`notice_agreed`: each registered worker that still runs must have shared the notice with its
-    group (its `agreed-` file); one that has ended is not waited for."""
-    (tmp_path / "live-0").write_text(str(os.getpid()))
-    (tmp_path / "live-1").write_text(str(os.getpid()))
+    group (its `agreed-` file); one that has ended is not waited for. A worker that registers takes a
+    previous worker's file of its local rank away (a restart's SIGTERM touched it): the next notice
+    waits for its own."""
+    Handover(tmp_path, 0).agreed()  # a previous worker of local rank 0, stopped by a restart
+    Handover(tmp_path, 0).register()
+    Handover(tmp_path, 1).register()
     assert not notice_agreed(tmp_path)
     Handover(tmp_path, 0).agreed()
     assert not notice_agreed(tmp_path)  # local rank 1 has not
@@ -307,7 +312,7 @@ from torchspot_trainer.recovery.live import LiveGroup, Outcome
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 live = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert live.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
-live.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))  # two join
+live.offer(Assignment(4, 0, 3, "127.0.0.1", store.port, grows=True))  # two join
 time.sleep(0.3)
 trains_on = live.all_reduce(torch.ones(1), time.monotonic() + 5)  # round 4's group is being built beside
 print(live.broken.is_set(), live.joiners_ready.is_set(), trains_on is Outcome.DONE)  # deferred: training goes on
@@ -324,7 +329,7 @@ for thread in threads:
     thread.join(5)  # the joiners' groups formed with the one built beside round 3: before this rank switched
 print(live.broken.is_set(), live.joiners_ready.is_set(), time.monotonic() - began, entered.count(True))
 began = time.monotonic()
-switched = live.reconfigure(Assignment(4, 0, 3, "127.0.0.1", store.port), time.monotonic() + 30)
+switched = live.reconfigure(Assignment(4, 0, 3, "127.0.0.1", store.port, grows=True), time.monotonic() + 30)
 three = torch.ones(1)
 sums = [threading.Thread(target=joiner.all_reduce, args=(torch.ones(1), time.monotonic() + 5)) for joiner in joiners]
 for thread in sums:
@@ -335,7 +340,7 @@ for thread in sums:
     thread.join(10)
 again = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert again.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
-again.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))
+again.offer(Assignment(4, 0, 3, "127.0.0.1", store.port, grows=True))
 again.offer(Assignment(5, 0, 2, "127.0.0.1", store.port))  # a newer round while 4 waits: at once
 print(again.broken.is_set())
 shrink = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
@@ -344,7 +349,7 @@ shrink.offer(Assignment(4, 0, 1, "127.0.0.1", store.port))  # no rank added: not
 print(shrink.broken.is_set())
 thawed = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert thawed.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
-thawed.offer(Assignment(6, 0, 3, "127.0.0.1", store.port))  # rounds 4 and 5 went by without this node
+thawed.offer(Assignment(6, 0, 3, "127.0.0.1", store.port, grows=True))  # rounds 4 and 5 went by without it
 print(thawed.broken.is_set())
 building = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 formed = []
@@ -354,9 +359,13 @@ entering.start()  # round 3's other rank never comes: its build waits
 while building.assignment is None:
     time.sleep(0.01)
 began = time.monotonic()
-building.offer(Assignment(4, 0, 3, "127.0.0.1", store.port))  # it moved on to round 4: so must this rank
+building.offer(Assignment(4, 0, 3, "127.0.0.1", store.port, grows=True))  # it moved on to round 4: so must this rank
 entering.join(10)
 print(formed, time.monotonic() - began)
+replaced = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
+assert replaced.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
+replaced.offer(Assignment(4, 0, 3, "127.0.0.1", store.port, grows=False))  # larger, but a member was lost in it
+print(replaced.broken.is_set())
 sys.stdout.flush()
 os._exit(0)
 """
@@ -371,7 +380,7 @@ def test_a_round_that_adds_ranks_waits_for_them_while_the_group_trains_on() -> N
     that does not follow it directly (a thawed node's), breaks it at once. Real stores and a one-rank
     gloo group, in a process of its own."""
     done = subprocess.run([sys.executable, "-c", _DEFER], check=True, capture_output=True, text=True, timeout=60)
-    deferred, ready, switch, newer, shrunk, thawed, building = done.stdout.split("\n")[:7]
+    deferred, ready, switch, newer, shrunk, thawed, building, replaced = done.stdout.split("\n")[:8]
     assert deferred == "False False True"
     broken, set_, seconds, joined = ready.split()
     assert (broken, set_, joined) == ("False", "True", "2")
@@ -385,6 +394,7 @@ def test_a_round_that_adds_ranks_waits_for_them_while_the_group_trains_on() -> N
     formed, seconds = building.rsplit(" ", 1)
     assert formed == "[False]"  # given up for round 4, not deferred behind a build that cannot finish
     assert float(seconds) < 1.0
+    assert replaced == "True"
 
 
 Members = dict[str, dict[str, Any]]

@@ -70,6 +70,10 @@ class Assignment:
     """The round's store, started by its rank-0 agent before the round was published."""
     node: int = 0
     """The agent's place in the round (torchrun's GROUP_RANK): which ranks share a node."""
+    grows: bool = False
+    """The round follows the one before directly and keeps every member of it (its agent knows; the
+    sizes alone cannot tell a pure growth from a round that lost a member and gained two): only such a
+    round may be entered as a deferred join (live.py's `offer`)."""
 
 
 class Generations(Protocol):
@@ -112,7 +116,7 @@ def agent_folder(environ: Mapping[str, str] = os.environ) -> Path:
 
 
 def assignment_record(
-    generation: int, world: int, host: str, port: int, ranks: dict[int, int], *, node: int = 0
+    generation: int, world: int, host: str, port: int, ranks: dict[int, int], *, node: int = 0, grows: bool = False
 ) -> dict[str, Any]:
     """The content of `assignment.json` (pure): `ranks` maps local rank to global rank."""
     return {
@@ -122,6 +126,7 @@ def assignment_record(
         "store_port": port,
         "ranks": {str(local): rank for local, rank in ranks.items()},
         "node": node,
+        "grows": grows,
     }
 
 
@@ -132,7 +137,7 @@ def parse_assignment(record: dict[str, Any], local_rank: int) -> Assignment | No
         return None
     return Assignment(
         record["generation"], int(rank), int(record["world"]), record["store_host"], int(record["store_port"]),
-        int(record.get("node", 0)),
+        int(record.get("node", 0)), bool(record.get("grows", False)),
     )  # fmt: skip
 
 
@@ -376,9 +381,10 @@ class InPlaceAgent(LocalElasticAgent):
         generation = _generation(worker_group)
         ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         world = worker_group.workers[0].world_size if worker_group.workers else 0
+        grows: bool = getattr(worker_group.spec.rdzv_handler, "grows_only", False)
         record = assignment_record(
             generation, world, str(worker_group.master_addr), int(worker_group.master_port or 0), ranks,
-            node=int(worker_group.group_rank or 0),
+            node=int(worker_group.group_rank or 0), grows=grows,
         )  # fmt: skip
         _write_atomically(agent_folder() / ASSIGNMENT_FILE, json.dumps(record))
 
@@ -417,7 +423,13 @@ class Handover:
         where no stamp is here yet, so its agent knows before the first step. Without it a joiner's agent
         whose first round lost a member before it trained completed the next round as a program nothing
         is known of: it let in another joiner still starting, and the survivors waited in the new group
-        for its start-up (1.0 s of a soak's 2.17 s freeze)."""
+        for its start-up (1.0 s of a soak's 2.17 s freeze).
+
+        A previous worker's `agreed-` file of this local rank goes: touched for any SIGTERM (the agent's
+        restart too), it told a later notice that this worker had shared it already, and the agent left
+        the rendezvous before the group agreed on the boundary: the emergency checkpoint was lost when
+        the whole job stopped (a suspend, a whole-pool reclaim)."""
+        (self.folder / f"{AGREED_PREFIX}{self.local_rank}").unlink(missing_ok=True)
         _write_atomically(self.folder / f"{LIVE_PREFIX}{self.local_rank}", str(os.getpid()))
         stamp = self.folder / f"{STEPPED_PREFIX}{self.local_rank}"
         if stamps_steps and not stamp.exists():

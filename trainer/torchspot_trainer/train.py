@@ -108,7 +108,7 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
     peer_failure,
 )
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
+from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
     GroupChanged,
@@ -225,7 +225,7 @@ def node_device(flag: str, local_rank: int, cuda_available: bool) -> tuple[torch
     try:
         device, backend = choose_device(
             flag, cuda_available, local_rank, gpus=torch.cuda.device_count() if cuda_available else None,
-            node=os.environ.get("NODE_NAME") or socket.gethostname(), cuda_built=torch.version.cuda is not None,
+            node=node_name(), cuda_built=torch.version.cuda is not None,
         )  # fmt: skip
         probe_device(device)
     except NodeFault as fault:
@@ -233,6 +233,11 @@ def node_device(flag: str, local_rank: int, cuda_available: bool) -> tuple[torch
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     return device, backend
+
+
+def node_name() -> str:
+    """This worker's node, as the operator names it (the downward API's NODE_NAME), else its host name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 def exit_node_fault(fault: NodeFault) -> NoReturn:
@@ -255,10 +260,33 @@ def format_progress(record: dict[str, Any]) -> str:
 
 
 def whole_records(events: Iterable[Mapping[str, Any]]) -> Counter[int]:
-    """How many times each step was trained, from its whole progress records (not `partial`): a
-    record written again (`Progress.replayed`) counts only for a step with no other. Pure."""
+    """How many times each step was applied in the run's surviving line, from its whole progress records
+    (not `partial`): a record written again (`Progress.replayed`) counts only for a step with no other,
+    and in place a record of a generation whose writer is not in the later generation that recorded
+    the step again is that lost writer's (a double fault: rank 0 completed the step alone, wrote its
+    record and was lost; the survivors, which never applied it, trained it again), not a second
+    application. The members of each generation are its ranks' `generation` events. Pure."""
+    events = list(events)
+    members: dict[int, set[str]] = {}
+    for event in events:
+        if event.get("event") == "generation":
+            members.setdefault(int(event["generation"]), set()).add(str(event.get("node")))
     whole = [e for e in events if e.get("event") == "progress" and not e.get("partial")]
-    counts = Counter(e["step"] for e in whole if not e.get("replayed"))
+    by_step: dict[int, list[Mapping[str, Any]]] = {}
+    for event in whole:
+        if not event.get("replayed"):
+            by_step.setdefault(int(event["step"]), []).append(event)
+
+    def lost(record: Mapping[str, Any]) -> bool:
+        generation = record.get("generation")
+        return generation is not None and any(
+            int(other.get("generation", -1)) > generation
+            and int(other["generation"]) in members  # (unknown without the generation events: not lost)
+            and str(record.get("node")) not in members[int(other["generation"])]
+            for other in by_step[int(record["step"])]
+        )
+
+    counts = Counter(step for step, records in by_step.items() for record in records if not lost(record))
     counts.update({e["step"]: 1 for e in whole if e.get("replayed") and e["step"] not in counts})
     return counts
 
@@ -342,15 +370,23 @@ def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
     return None
 
 
-def in_place_refusal(in_place: bool, environ: Mapping[str, str]) -> str | None:
+def in_place_refusal(in_place: bool, environ: Mapping[str, str], *, sync_bn: bool = False) -> str | None:
     """Why `--in-place` cannot run in this worker, or None. Pure.
 
     Only torchspot-run's agent hands a round over (handover.py); under another launcher no round
-    would ever come. (On GPUs its generations' data travel on NCCL communicators: planes.py.)"""
+    would ever come. (On GPUs its generations' data travel on NCCL communicators: planes.py.) Not with
+    `--sync-bn`: torch's SyncBatchNorm syncs its statistics over the default process group, which a
+    run in place has none of (each generation is a group of its own), and silently falls back to
+    per-GPU statistics: a different, usually worse, model than the restart path trains."""
     if not in_place:
         return None
     if PEER_LOST_ENV not in environ:
         return "--in-place needs torchspot-run (etcd-v3), whose agent hands each new round to its live workers"
+    if sync_bn:
+        return (
+            "--sync-bn with --in-place: SyncBatchNorm syncs over torch's default process group, which a run in "
+            "place does not have (it would use each GPU's own statistics); drop one of them"
+        )
     return None
 
 
@@ -395,15 +431,40 @@ class _Window:
     loss: torch.Tensor = field(init=False)
     correct: torch.Tensor = field(init=False)
     samples: int = 0
+    """The steps' samples, every rank's (its rate)."""
+    computed: int = 0
+    """The samples this rank ran forward: those its `loss` and `correct` sum over."""
 
     def __post_init__(self) -> None:
         self.loss = torch.zeros((), device=self.device)
         self.correct = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int) -> None:
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int, computed: int) -> None:
         self.loss += loss
         self.correct += correct
         self.samples += samples
+        self.computed += computed
+
+    def sums(
+        self, loss: torch.Tensor | None = None, correct: torch.Tensor | None = None, computed: int = 0
+    ) -> list[torch.Tensor]:
+        """What the group sums for a record: the window's loss, correct predictions and samples computed,
+        with a step not added yet (its `loss`, `correct`, `computed`) counted in."""
+        extra = torch.zeros((), device=self.device)
+        return [
+            self.loss + (extra if loss is None else loss),
+            self.correct + (extra.long() if correct is None else correct),
+            torch.tensor(float(self.computed + computed), dtype=torch.float64, device=self.device),
+        ]
+
+
+def record_means(loss: float, correct: float, computed: float) -> tuple[float, float]:
+    """A progress record's mean loss and accuracy from the group's sums. Pure. The denominator is the
+    samples the summed losses came from, summed alike: the step samples of the receiving rank's own
+    window were not, where a heal's receiver that sorts first (rank 0) sat a step out with a one-step
+    window while its trainers' windows spanned the record's steps (its accuracy could exceed 1)."""
+    samples = max(computed, 1.0)
+    return loss / samples, correct / samples
 
 
 @dataclass
@@ -436,6 +497,8 @@ class _InPlace:
     a survivor writes it again where rank 0 is lost before it did (`Trainer._write_again`)."""
     written: int = -1
     """The step of the last whole progress record this process wrote (as rank 0, or again)."""
+    boundary: BoundaryBuffers = field(default_factory=BoundaryBuffers)
+    """The model's buffers before the step in flight, put back if it breaks before its update."""
 
     def sends_posted(self) -> None:
         """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
@@ -462,7 +525,7 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         usable = torch.cuda.is_available()
         self.device, self.backend = node_device(config.device, self.local_rank, usable)
-        refusal = in_place_refusal(config.in_place, os.environ)
+        refusal = in_place_refusal(config.in_place, os.environ, sync_bn=config.sync_bn)
         if refusal:
             raise SystemExit(refusal)
         self._in_place: _InPlace | None = None
@@ -616,7 +679,7 @@ class Trainer:
             record["generation"] = self._in_place.live.generation
             self._emit({"event": "generation", "generation": self._in_place.live.generation, "rank": self.rank,
                         "world_size": self.world, "step": self.step, "pid": os.getpid(),
-                        "node": os.environ.get("NODE_NAME") or socket.gethostname(),
+                        "node": node_name(),
                         "setup_s": record["setup_s"]}, any_rank=True)  # fmt: skip
         self._emit(record)
 
@@ -644,17 +707,27 @@ class Trainer:
         for plan in plans:
             lr = self._set_learning_rate(run)
             step_samples = sampler.next_step_samples(self.world)
+            computed = sum(len(part) for part in plan)
+            if self._in_place is not None:  # its forward passes update them before anything can fail
+                self._in_place.boundary.keep(run.model, self.step)
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
-                device=self.device, before_update=partial(self._begin_update, window), precision=self.precision,
-                normalize=run.normalize, before_last_pass=self._arm_buckets,
+                device=self.device, before_update=partial(self._begin_update, window, computed),
+                precision=self.precision, normalize=run.normalize, before_last_pass=self._arm_buckets,
             )  # fmt: skip
-            window = self._finish_step(run, window, (loss, correct), step_samples, lr)
+            window = self._finish_step(run, window, (loss, correct), step_samples, lr, computed=computed)
             if self._step_limit_reached():
                 break
 
     def _finish_step(
-        self, run: _Run, window: _Window, sums: tuple[torch.Tensor, torch.Tensor], step_samples: int, lr: float
+        self,
+        run: _Run,
+        window: _Window,
+        sums: tuple[torch.Tensor, torch.Tensor],
+        step_samples: int,
+        lr: float,
+        *,
+        computed: int,
     ) -> _Window:
         """After a step's update: count it, copy it to the host, log it when due, then its boundary
         (notices, the checkpoint schedule). The window to go on with."""
@@ -663,7 +736,7 @@ class Trainer:
         if self._in_place is not None:  # its all-reduce completed: every member was alive (liveness.py)
             self._in_place.handover.stepped(self._in_place.live.generation)
         self._capture(run)
-        window.add(*sums, step_samples)
+        window.add(*sums, step_samples, computed)
         if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
             self._log_progress(run, window, lr)
             window = _Window(self.device)
@@ -680,11 +753,11 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _begin_update(self, window: _Window, loss: torch.Tensor, correct: torch.Tensor) -> None:
-        """Between the step's last backward pass and its update (`loss`, `correct`: the step's sums, not
-        yet in `window`). In place the gradients are averaged here: a failed average raises
-        GroupChanged before anything of the step is applied."""
-        self._average(self.step + 1, lambda: (window.loss + loss, window.correct + correct))
+    def _begin_update(self, window: _Window, computed: int, loss: torch.Tensor, correct: torch.Tensor) -> None:
+        """Between the step's last backward pass and its update (`loss`, `correct`: the step's sums over the
+        `computed` samples of this rank, not yet in `window`). In place the gradients are averaged here:
+        a failed average raises GroupChanged before anything of the step is applied."""
+        self._average(self.step + 1, lambda: window.sums(loss, correct, computed))
 
     def _arm_buckets(self) -> None:
         """Before a step's last backward pass in place: its gradient buckets are posted as they fill
@@ -695,7 +768,7 @@ class Trainer:
         run.buckets.arm(partial(place.live.post, control=False, owned=True), self.world,
                         before_first=place.sends_posted)  # fmt: skip
 
-    def _average(self, step: int, window: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def _average(self, step: int, window: Callable[[], list[torch.Tensor]] | None = None) -> None:
         """`_begin_update` for the update that makes `step`. Where `step` is due a progress record, the
         window's sums so far (`window()`, this step's included; None: nothing) ride with the gradients
         (`LiveCollectives.average_gradients`), and `_log_progress` reads them (`_InPlace.progress`).
@@ -709,9 +782,9 @@ class Trainer:
             group = self.group
             assert isinstance(group, LiveCollectives)
             sums = None
-            if step % self.config.log_every == 0:
-                loss, correct = (torch.zeros((), device=self.device),) * 2 if window is None else window()
-                sums = torch.stack([loss.to(torch.float64), correct.to(torch.float64)])
+            if step % self.config.log_every == 0:  # (a rank that sat the step out computed nothing)
+                parts = _Window(self.device).sums() if window is None else window()
+                sums = torch.stack([part.to(torch.float64) for part in parts])
             summed = group.average_gradients(
                 [p for p in run.model.parameters() if p.requires_grad], list(run.model.buffers()),
                 boundary=(step, self.stop.row), buffers_from=0 if trainers is None else trainers[0],
@@ -735,27 +808,24 @@ class Trainer:
         if self._in_place is not None:
             packed, self._in_place.progress = self._in_place.progress, None
         if packed is not None and packed[0] == self.step:  # summed with the step's gradients (`_average`)
-            loss, correct = packed[1].tolist()
-            self._emit_progress(run, window, lr, (loss, correct), partial=False)
+            self._emit_progress(run, window, lr, packed[1].tolist(), partial=False)
             return
         try:
-            loss, correct = self.group.sums([window.loss, window.correct])
+            sums = self.group.sums(window.sums())
         except RuntimeError:  # GroupChanged is one
-            self._emit_progress(run, window, lr, (float(window.loss), float(window.correct)), partial=True)
+            self._emit_progress(run, window, lr, [float(part) for part in window.sums()], partial=True)
             raise
-        self._emit_progress(run, window, lr, (loss, correct), partial=False)
+        self._emit_progress(run, window, lr, sums, partial=False)
 
-    def _emit_progress(
-        self, run: _Run, window: _Window, lr: float, sums: tuple[float, float], *, partial: bool
-    ) -> None:
-        loss, correct = sums
-        samples = max(window.samples, 1)
+    def _emit_progress(self, run: _Run, window: _Window, lr: float, sums: list[float], *, partial: bool) -> None:
+        """One progress record from `sums` (the group's, or this rank's where `partial`: `_Window.sums`)."""
+        loss, accuracy = record_means(*sums)
         record = Progress(
             step=self.step,
             epoch=run.sampler.epoch,
             world_size=self.world,
-            loss=loss / samples,
-            accuracy=correct / samples,
+            loss=loss,
+            accuracy=accuracy,
             samples_per_s=window.samples / max(time.perf_counter() - window.started, 1e-9),
             lr=lr,
             checkpoint_step=self.manager.last_committed if self.manager else None,
@@ -765,9 +835,9 @@ class Trainer:
             partial=partial,
         )
         if partial:  # every rank whose sums broke: rank 0 may be the one that is gone
-            self._emit({"event": "progress", **asdict(record), "rank": self.rank}, any_rank=True)
+            self._emit({"event": "progress", **asdict(record), "rank": self.rank, **self._lineage()}, any_rank=True)
             return
-        event = {"t": time.time(), "event": "progress", **asdict(record)}
+        event = {"t": time.time(), "event": "progress", **asdict(record), **self._lineage()}
         self._emit(event)
         if self._in_place is not None:
             self._in_place.summed = event
@@ -776,6 +846,12 @@ class Trainer:
         if self._tensorboard is not None:
             for key in ("loss", "accuracy", "samples_per_s", "lr"):
                 self._tensorboard.add_scalar(key, getattr(record, key), self.step)
+
+    def _lineage(self) -> dict[str, Any]:
+        """In place, who wrote a progress record: the generation and the node (`whole_records`)."""
+        if self._in_place is None:
+            return {}
+        return {"generation": self._in_place.live.generation, "node": node_name()}
 
     def _evaluate(self, run: _Run, *, epoch: int) -> None:
         """Evaluate on the test set (sharded; a notice between batches stops the group as after
@@ -1070,11 +1146,10 @@ class Trainer:
 
     def _may_sit_out(self) -> bool:
         """This rank's `HealRow.may_sit_out` (`resume.trainers_of_next_step`): its data plane sends point to point
-        (the host one; NCCL's heal still broadcasts), no gradient scaler needs a step it took part in
-        (fp16) nor SyncBatchNorm a forward pass."""
+        (the host one; NCCL's heal still broadcasts), and no gradient scaler needs a step it took part in
+        (fp16). (SyncBatchNorm never runs in place: `in_place_refusal`.)"""
         place = self._in_place
-        return not (place is None or place.live.plane.separate or self.precision.scaler is not None
-                    or self.config.sync_bn)  # fmt: skip
+        return not (place is None or place.live.plane.separate or self.precision.scaler is not None)
 
     def _trains_next(self, run: _Run, live_step: int) -> bool:
         """Its `HealRow.trains_next`: holding a live state, the next thing this rank does from it is a training step
@@ -1122,7 +1197,7 @@ class Trainer:
         self._average(step + 1)
         self.precision.step(run.optimizer)
         nothing = torch.zeros((), device=self.device)
-        return self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr)
+        return self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr, computed=0)
 
     def _agree_on_evaluation(self, run: _Run, rows: list[HealRow], best: int, source: int | None) -> None:
         """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
@@ -1152,6 +1227,7 @@ class Trainer:
         if run.buckets is not None:  # so do a broken step's buckets posted in it
             run.buckets.disarm()
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
+        place.boundary.restore(run.model, self.step)  # the broken step's statistics go with it
         live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
         self._settle(run, live_step=live_step, mine=None, entered=False, lap=_lap(self.setup_seconds))
         self._base = self.step

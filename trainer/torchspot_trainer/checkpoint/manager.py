@@ -2,9 +2,9 @@
 
 Layout under the checkpoint root::
 
-    step-0000001200/state.pt     torch.save of the whole training state
-    step-0000001200/COMMIT       JSON: step, metadata, and each object's size and sha256
-    latest.json                  JSON: the newest committed step and its URI (for the operator)
+    step-0000001200/state-<id>.pt   torch.save of the whole training state (<id>: one per save)
+    step-0000001200/COMMIT          JSON: step, metadata, and each object's name, size and sha256
+    latest.json                     JSON: the newest committed step and its URI (for the operator)
 
 Why this shape:
 - A checkpoint counts only once its COMMIT marker exists, and the marker is written
@@ -24,6 +24,13 @@ Why this shape:
   error is recorded for the progress line and training goes on. Older committed
   checkpoints are deleted only after a newer one committed, so nothing committed is
   lost to a failed save.
+- Two writers may share a prefix (an emergency save beside rank 0's saver, an old rank 0's
+  saver finishing after a re-form, two nodes that learn of their notice late). Each save's
+  state object has a name of its own, and COMMIT is written only where none exists, so a
+  step's COMMIT always names the object it checks (the first writer's; the second's object
+  goes); `latest.json` moves forwards only, by a write conditional on the version read;
+  and pruning leaves alone every step from the oldest kept committed one on, where a
+  partial step may be an upload still in flight.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -48,13 +56,22 @@ from torchspot_trainer.checkpoint.storage import CheckpointStorage, ObjectNotFou
 
 log = logging.getLogger(__name__)
 
-STATE_OBJECT = "state.pt"
 COMMIT_OBJECT = "COMMIT"
 LATEST_OBJECT = "latest.json"
 FORMAT_VERSION = 1
 GIVE_UP_CHECK_SECONDS = 0.1
 """How often a save waiting for the previous one checks its `give_up` (a notice): a tenth of a
 second is nothing next to the SIGTERM watcher's seconds, and costs nothing while it waits."""
+
+
+LATEST_ATTEMPTS = 5
+"""Conditional writes of `latest.json` in a row that may lose to another writer's before a save gives up
+moving it (its step is committed all the same)."""
+
+
+def state_object() -> str:
+    """A new save's state object name: its own, so two writers of one step never share an object."""
+    return f"state-{uuid.uuid4().hex[:12]}.pt"
 
 
 def step_dir(step: int) -> str:
@@ -164,12 +181,13 @@ class CheckpointWriter:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         data = buffer.getvalue()
+        name = state_object()
         commit = {
             "format": FORMAT_VERSION,
             "step": step,
             "saved_at": datetime.now(UTC).isoformat(),
             "meta": meta,
-            "objects": {STATE_OBJECT: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+            "objects": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
         }
         folder = step_dir(step)
         latest = {
@@ -182,11 +200,10 @@ class CheckpointWriter:
         error = ""
         for attempt in range(1, self.config.retries + 1):
             try:
-                self.storage.put(folder + STATE_OBJECT, data)
-                self.storage.put(folder + COMMIT_OBJECT, json.dumps(commit).encode())
-                newer = read_latest(self.storage)
-                if newer is None or int(newer.get("step", -1)) <= step:  # never backwards (see below)
-                    self.storage.put(LATEST_OBJECT, json.dumps(latest).encode())
+                self.storage.put(folder + name, data)
+                if not self.storage.put_new(folder + COMMIT_OBJECT, json.dumps(commit).encode()):
+                    self._lost_commit(step, folder, name)
+                advance_latest(self.storage, latest)
             except StorageError as exc:
                 error = str(exc)
                 log.warning(
@@ -206,8 +223,22 @@ class CheckpointWriter:
             return SaveReport(step, True, time.perf_counter() - started, len(data), attempt)
         return SaveReport(step, False, time.perf_counter() - started, len(data), self.config.retries, error)
 
+    def _lost_commit(self, step: int, folder: str, name: str) -> None:
+        """Another writer committed `step` first (or this save's own earlier attempt did): its COMMIT
+        stands, naming its own object. This save's object is then nobody's, unless that COMMIT is
+        ours."""
+        try:
+            theirs = json.loads(self.storage.get(folder + COMMIT_OBJECT)).get("objects", {})
+        except (ObjectNotFoundError, ValueError):
+            theirs = {}
+        if name not in theirs:
+            log.warning("checkpoint step %d: another writer committed it first; its checkpoint stands", step)
+            self.storage.delete_prefix(folder + name)
+
     def _prune(self) -> None:
-        """Keep the newest `keep` committed checkpoints; drop older ones and stale partials."""
+        """Keep the newest `keep` committed checkpoints; drop every step older than the oldest of them,
+        stale partials included. A partial step from the oldest kept one on stays: it may be another
+        writer's upload still in flight, whose COMMIT would then name nothing."""
         try:
             names = self.storage.list("step-")
         except StorageError as exc:
@@ -216,10 +247,9 @@ class CheckpointWriter:
         committed = committed_steps(names)
         if not committed:
             return
-        keep = set(committed[-self.config.keep :])
-        newest = committed[-1]
+        oldest_kept = committed[-self.config.keep :][0]
         for step in sorted({s for n in names if (s := _parse_step(n)) is not None}):
-            if step in keep or step > newest:
+            if step >= oldest_kept:
                 continue
             try:
                 self.storage.delete_prefix(step_dir(step))
@@ -474,18 +504,13 @@ class CheckpointManager:
     def _read(self, step: int, folder: str) -> Loaded | None:
         try:
             commit = json.loads(self.storage.get(folder + COMMIT_OBJECT))
-            objects = commit["objects"]
-            data = self.storage.get(folder + STATE_OBJECT)
-            expected = objects[STATE_OBJECT]
-        except (ObjectNotFoundError, KeyError, ValueError, TypeError) as exc:
+            ((name, expected),) = commit["objects"].items()  # the one state object the COMMIT names
+            data = self.storage.get(folder + name)
+        except (ObjectNotFoundError, KeyError, ValueError, TypeError, AttributeError) as exc:
             log.warning("skipping checkpoint %s: unreadable commit or object (%s)", folder, exc)
             return None
         if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            log.warning(
-                "skipping checkpoint %s: %s does not match its checksum (corrupt)",
-                folder,
-                STATE_OBJECT,
-            )
+            log.warning("skipping checkpoint %s: %s does not match its checksum (corrupt)", folder, name)
             return None
         try:
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -493,6 +518,28 @@ class CheckpointManager:
             log.warning("skipping checkpoint %s: cannot deserialize (%s)", folder, exc)
             return None
         return Loaded(step, state, dict(commit.get("meta", {})))
+
+
+def advance_latest(storage: CheckpointStorage, record: dict[str, Any]) -> bool:
+    """Write `record` as `latest.json` unless it holds a newer step, by a write conditional on the
+    version read: a slower writer cannot move it backwards between its read and its write. Whether it
+    wrote it; past LATEST_ATTEMPTS lost races it leaves it (its step is committed all the same)."""
+    data = json.dumps(record).encode()
+    for _ in range(LATEST_ATTEMPTS):
+        found = storage.read_versioned(LATEST_OBJECT)
+        if found is not None:
+            try:
+                newer = int(json.loads(found[0]).get("step", -1))
+            except (ValueError, TypeError, AttributeError):  # unreadable: written over
+                newer = -1
+            if newer > record["step"]:  # never backwards (a periodic save retried past an emergency one)
+                return False
+        if storage.put_if(LATEST_OBJECT, data, None if found is None else found[1]):
+            return True
+    log.warning(
+        "latest.json not moved to step %d: it changed under %d writes in a row", record["step"], LATEST_ATTEMPTS
+    )
+    return False
 
 
 def read_latest(storage: CheckpointStorage) -> dict[str, Any] | None:

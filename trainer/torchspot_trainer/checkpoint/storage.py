@@ -1,7 +1,9 @@
 """Checkpoint storage: a local folder or an Azure Blob container, behind one Protocol.
 
-The checkpoint manager needs whole-object put/get, a listing and a prefix delete,
-nothing more, so both backends stay small and a test can reason about every call.
+The checkpoint manager needs whole-object put/get, a listing, a prefix delete, and two
+conditional writes (create-only, and replace-if-unchanged: what keeps two writers of one
+prefix from undoing each other), nothing more, so both backends stay small and a test can
+reason about every call.
 Names are `/`-separated strings relative to the checkpoint root (a Blob name is not
 a path, and `Path` would mangle it).
 
@@ -18,8 +20,10 @@ URIs:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +61,19 @@ class CheckpointStorage(Protocol):
         """Delete every object under `prefix`."""
         ...
 
+    def put_new(self, name: str, data: bytes) -> bool:
+        """Write an object only where none of that name exists, in one step; whether it wrote it."""
+        ...
+
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """An object and its version (changed by every write of it), or None if absent."""
+        ...
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> bool:
+        """Write an object only if it is still at `version` (None: still absent), in one step; whether
+        it wrote it."""
+        ...
+
 
 class LocalStorage:
     """A folder. Each put writes a temporary file and renames it over the target."""
@@ -70,15 +87,9 @@ class LocalStorage:
 
     def put(self, name: str, data: bytes) -> None:
         """See CheckpointStorage."""
-        target = self.root / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        tmp = self._written_aside(name, data)
         try:
-            with tmp.open("wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
+            os.replace(tmp, self.root / name)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise StorageError(f"{self.describe()}: cannot write {name}: {exc}") from exc
@@ -114,6 +125,66 @@ class LocalStorage:
                     sub.rmdir()
             if not any(folder.iterdir()):
                 folder.rmdir()
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        """See CheckpointStorage: the whole file is written aside, then linked in, which fails where the
+        name exists."""
+        target = self.root / name
+        tmp = self._written_aside(name, data)
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"{self.describe()}: cannot write {name}: {exc}") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
+
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """See CheckpointStorage: the version is the file's inode and modification time (a write
+        replaces the file)."""
+        try:
+            with (self.root / name).open("rb") as source:
+                stat = os.fstat(source.fileno())
+                return source.read(), f"{stat.st_ino}-{stat.st_mtime_ns}"
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageError(f"{self.describe()}: cannot read {name}: {exc}") from exc
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> bool:
+        """See CheckpointStorage: the version is compared and the file replaced under an exclusive lock
+        on a file beside it, which every conditional writer of the folder takes."""
+        target = self.root / name
+        tmp = self._written_aside(name, data)
+        try:
+            with (target.parent / f".{target.name}.lock").open("a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                current = self.read_versioned(name)
+                if (current is None and version is not None) or (current is not None and current[1] != version):
+                    return False
+                os.replace(tmp, target)
+                return True
+        except OSError as exc:
+            raise StorageError(f"{self.describe()}: cannot write {name}: {exc}") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _written_aside(self, name: str, data: bytes) -> Path:
+        """`data` in a new file beside `name`'s, synced: a hidden name that listings leave out."""
+        target = self.root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        try:
+            with tmp.open("wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise StorageError(f"{self.describe()}: cannot write {name}: {exc}") from exc
+        return tmp
 
 
 class BlobStorage:
@@ -172,6 +243,41 @@ class BlobStorage:
                 self._container.delete_blob(self._prefix + name)
             except self._errors() as exc:
                 raise StorageError(f"{self.describe()}: cannot delete {name}: {type(exc).__name__}") from exc
+
+    def put_new(self, name: str, data: bytes) -> bool:
+        """See CheckpointStorage: an upload that refuses to overwrite (If-None-Match: *)."""
+        return self.put_if(name, data, None)
+
+    def read_versioned(self, name: str) -> tuple[bytes, str] | None:
+        """See CheckpointStorage: the version is the blob's ETag."""
+        from azure.core.exceptions import ResourceNotFoundError  # noqa: PLC0415
+
+        try:
+            download = self._container.download_blob(self._prefix + name)
+            return download.readall(), str(download.properties.etag)
+        except ResourceNotFoundError:
+            return None
+        except self._errors() as exc:
+            raise StorageError(f"{self.describe()}: cannot read {name}: {type(exc).__name__}") from exc
+
+    def put_if(self, name: str, data: bytes, version: str | None) -> bool:
+        """See CheckpointStorage: an upload conditional on the ETag (If-Match), or on there being no blob
+        (If-None-Match: *)."""
+        from azure.core import MatchConditions  # noqa: PLC0415
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError  # noqa: PLC0415
+
+        condition: dict[str, Any] = (
+            {"overwrite": False}
+            if version is None
+            else {"etag": version, "match_condition": MatchConditions.IfNotModified}
+        )
+        try:
+            self._container.upload_blob(self._prefix + name, data, **condition)
+        except (ResourceExistsError, ResourceModifiedError):
+            return False
+        except self._errors() as exc:
+            raise StorageError(f"{self.describe()}: cannot write {name}: {type(exc).__name__}") from exc
+        return True
 
 
 SDK_RETRY_BACKOFF = 0.5

@@ -441,10 +441,11 @@ class LiveGroup:
 
     def offer(self, assignment: Assignment) -> None:
         """A newer round, from the hand-over's watcher thread. Normally `supersede`. With `defer_joins`,
-        a round that only grows the world (as far as the sizes tell: a lost rank fails the current
-        generation's collectives anyway) is deferred: the loop trains on in the current generation
-        while the newcomers start and set up. The round's group is built meanwhile, on a thread of its
-        own (gloo's constructor waits for the joiners without the GIL), and `joiners_ready` is set once
+        a round that only grows the world (its agent says it kept every member: `Assignment.grows`; by
+        the sizes alone a round that lost a frozen member and gained two was deferred, and the loop
+        waited in the frozen member's collective for its timeout) is deferred: the loop trains on in the
+        current generation while the newcomers start and set up. The round's group is built meanwhile, on
+        a thread of its own (gloo's constructor waits for the joiners without the GIL), and `joiners_ready` is set once
         it formed (every joiner came) or after READY_SECONDS; `reconfigure` then takes it as built. So
         the others pause only for the state's transfer, not for a joiner's start-up nor for the
         group's connections (the build was 4-9 ms of a 0.04-0.06 s switch here). A
@@ -465,6 +466,7 @@ class LiveGroup:
                 and not self.broken.is_set()
                 and assignment.generation == current.generation + 1  # a later one: this node missed rounds
                 and assignment.world > current.world
+                and assignment.grows  # every member kept (its agent knows; the sizes cannot tell)
             )
             if deferred:
                 self._pending = assignment

@@ -407,6 +407,15 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         return True
 
     @property
+    def grows_only(self) -> bool:
+        """Whether the round this agent last joined follows the one before it directly and keeps every
+        member of it: a pure growth, which workers that re-form in place may enter as a deferred join
+        (handover.py's `Assignment.grows`). A round that lost a frozen member and gained two is larger
+        and is none: deferred, the workers waited in the frozen member's collective for its timeout."""
+        joined, (round_, members) = self._joined, self._previous
+        return joined is not None and bool(members) and joined[0] == round_ + 1 and members <= joined[1]
+
+    @property
     def current_round(self) -> int:
         """The round this agent last joined (0 before the first): the generation of its workers' group
         (handover.py), alike on every agent of the round."""
