@@ -30,6 +30,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "namespaced": {"watchNamespaces": ["ml-a", "ml-b"], "logLevel": "debug", "logFormat": "plain"},
     "monitored": {"metrics": {"port": 9100, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
+    "restricted-pod-patches": {"rbac": {"restrictPodPatches": True}},
     "no-crd-own-account": {
         "crds": {"enabled": False, "keep": True, "peering": False},
         "serviceAccount": {"create": False, "name": "platform-operator"},
@@ -288,6 +289,69 @@ def test_rbac_is_least_privilege(tmp_path: Path) -> None:
         assert {g[1] for g in _grants(role)} <= {"elasticjobs", "elasticjobs/status", "elasticjobs/scale"}, role[
             "metadata"
         ]["name"]
+
+
+def _policy_verdict(policy: dict[str, Any], user: str, old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """What a ValidatingAdmissionPolicy says of an UPDATE from `old` to `new` by `user`, its CEL evaluated
+    as the API server does (cel-python, the same library the sandbox's CRD admission uses): None where
+    it admits it (or does not match the request), else the first failing validation's message."""
+    import celpy
+    import celpy.adapter
+
+    env = celpy.Environment()
+
+    def evaluate(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    activation: dict[str, Any] = {
+        "object": celpy.adapter.json_to_cel(new), "oldObject": celpy.adapter.json_to_cel(old),
+        "request": celpy.adapter.json_to_cel({"userInfo": {"username": user}, "operation": "UPDATE"}),
+    }  # fmt: skip
+    spec = policy["spec"]
+    if not all(bool(evaluate(c["expression"], activation)) for c in spec["matchConditions"]):
+        return None
+    activation["variables"] = celpy.celtypes.MapType(
+        {celpy.celtypes.StringType(v["name"]): evaluate(v["expression"], activation) for v in spec["variables"]}
+    )
+    failed = [v["message"] for v in spec["validations"] if not bool(evaluate(v["expression"], activation))]
+    return failed[0] if failed else None
+
+
+def test_an_option_keeps_the_operators_pod_patches_to_its_own_annotations(tmp_path: Path) -> None:
+    """rbac.restrictPodPatches: the operator's service account may mark a pod (its torchspot.dev/
+    annotations) and nothing else, its image least of all; other users are not matched. Off by default."""
+    assert find(template(None, tmp_path), "ValidatingAdmissionPolicy") == []
+    docs = template({"rbac": {"restrictPodPatches": True}}, tmp_path)
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    assert (binding["spec"]["policyName"], binding["spec"]["validationActions"]) == (
+        policy["metadata"]["name"],
+        ["Deny"],
+    )
+    operator = f"system:serviceaccount:{NAMESPACE}:torchspot"
+    pod = {
+        "metadata": {"name": "w-0", "labels": {"app": "x"}, "annotations": {"torchspot.dev/index": "0", "team": "a"}},
+        "spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]},
+    }
+
+    def changed(path: list[str], value: Any) -> dict[str, Any]:
+        new: dict[str, Any] = json.loads(json.dumps(pod))
+        target = new
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        return new
+
+    marked = changed(["metadata", "annotations", "torchspot.dev/accounted"], "failure: ExitCode")
+    assert _policy_verdict(policy, operator, pod, marked) is None
+    image = changed(["spec", "containers"], [{"name": "trainer", "image": "attacker:1"}])
+    assert "not its spec" in str(_policy_verdict(policy, operator, pod, image))
+    assert "not its labels" in str(_policy_verdict(policy, operator, pod, changed(["metadata", "labels"], {})))
+    other = changed(["metadata", "annotations"], {"torchspot.dev/index": "0", "team": "b"})
+    assert _policy_verdict(policy, operator, pod, other) is not None
+    dropped = changed(["metadata", "annotations"], {"torchspot.dev/index": "0"})
+    assert _policy_verdict(policy, operator, pod, dropped) is not None
+    assert _policy_verdict(policy, "system:serviceaccount:kube-system:deployment-controller", pod, image) is None
 
 
 def test_metrics_are_exposed(tmp_path: Path) -> None:
