@@ -610,6 +610,9 @@ class TokenBucket:
     burst: int
     tokens: float = -1.0
     at: float = 0.0
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    """How it tells and waits out time (a test passes a clock of its own)."""
     _waiters: list[tuple[int, int, asyncio.Future[None]]] = field(default_factory=list)
     _order: itertools.count[int] = field(default_factory=itertools.count)
     _server: asyncio.Task[None] | None = None
@@ -625,13 +628,13 @@ class TokenBucket:
     async def _serve(self) -> None:
         """Hand out tokens to the waiters, most urgent first, then in the order they came."""
         while self._waiters:
-            now = time.monotonic()
+            now = self.clock()
             if self.tokens < 0:  # first use: a full bucket
                 self.tokens, self.at = float(self.burst), now
             self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
             self.at = now
             if self.tokens < 1:
-                await asyncio.sleep((1 - self.tokens) / self.rate)
+                await self.sleep((1 - self.tokens) / self.rate)
                 continue
             _, _, turn = heapq.heappop(self._waiters)
             if not turn.done():  # a cancelled waiter takes no token

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,6 +12,7 @@ import pytest
 
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator import constants
+from torchspot_operator.controller import Controller
 from torchspot_operator.kube import Kube
 from torchspot_operator.reconcile import ETCD_KINDS
 
@@ -119,3 +121,20 @@ def reconciles() -> float:
     """Reconciles the operator running in this process has finished (its own histogram's count): the
     sign that it has acted on a change, where the absence of a change has no condition to poll."""
     return prometheus_client.REGISTRY.get_sample_value("torchspot_reconcile_seconds_count") or 0.0
+
+
+def count_ticks(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Each job's timer ticks (`Controller.tick`, by job name) from now on, of the operator running in
+    this process: the real tick runs, and is counted as it ends. The sign that every job's timer has
+    run, where what it left alone has no condition to poll."""
+    ticks: Counter[str] = Counter()
+    tick = Controller.tick
+
+    async def counted(self: Controller, namespace: str, name: str) -> Any:
+        try:
+            return await tick(self, namespace, name)
+        finally:
+            ticks[name] += 1
+
+    monkeypatch.setattr(Controller, "tick", counted)
+    return ticks

@@ -30,7 +30,7 @@ from cryptography import x509
 from kopf.testing import KopfRunner
 
 from tests.lab.test_evict import exec_plugin
-from tests.operator.cluster import JOBS, NS, Cluster, reconciles, wait_for
+from tests.operator.cluster import JOBS, NS, Cluster, count_ticks, reconciles, wait_for
 from tests.operator.conftest import OPERATOR_ARGS, operator_running
 from tests.operator.jobs import crd, good_job, with_path
 from torchspot_lab.etcd import EtcdServer, free_port
@@ -825,7 +825,7 @@ def test_a_bad_node_handling_setting_stops_the_operator_and_names_it(
     assert f"{constants.NODE_HANDLING_ENV}='lazy': expected proactive or off" in runner.output
 
 
-def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster) -> None:
+def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """As the chart runs it with watchNamespaces: `--namespace=...` instead of `--all-namespaces`."""
     for namespace in ("ml-a", "ml-b"):
         api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
@@ -850,7 +850,8 @@ def test_namespaced_mode_handles_only_the_watched_namespaces(api: Cluster) -> No
             ),
         )
         assert job["status"]["phase"] == "Pending"
-        time.sleep(RECONCILE_INTERVAL + 1)  # a timer round: the absence of action has no condition to poll
+        ticks = count_ticks(monkeypatch)  # a timer round of the watched job: the other had its chance too
+        wait_for("a timer round", lambda: ticks["team-job"] >= 1, timeout=RECONCILE_INTERVAL + 15)
         assert workers("ml-b") == []
         other = api.api.run(api.kube.get(constants.API_VERSION, constants.PLURAL, "ml-b", "team-job"))
         assert other is not None

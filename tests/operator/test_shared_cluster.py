@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.operator.cluster import NS, Cluster, reconciles, wait_for
+from tests.operator.cluster import NS, Cluster, count_ticks, reconciles, wait_for
 from tests.operator.conftest import operator_running
 from tests.operator.jobs import good_job
 from torchspot_lab.kubeapi.emulator import Emulator
@@ -144,7 +144,9 @@ def test_nodes_going_unknown_together_keep_their_workers_one_alone_loses_its(ope
     assert status["failures"] == 0
 
 
-def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(operator: Cluster) -> None:
+def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(
+    operator: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cluster = operator
     cluster.add_node("spot-1")
     others = [f"other-{n}" for n in range(6)]
@@ -173,7 +175,10 @@ def test_a_worker_deleted_while_the_watch_was_cut_is_replaced(operator: Cluster)
     wait_for("a replacement", replaced, timeout=RECONCILE_INTERVAL + 15)
     status = wait_for("counted as an eviction", lambda: (s := _status(cluster, "ghost")).get("evictions") == 1 and s)
     assert status["replicas"]["ready"] == 2  # the ghost does not count as Ready
-    time.sleep(RECONCILE_INTERVAL + 1)  # every job's timer has run: a count of requests has no condition
+    ticks = count_ticks(monkeypatch)
+    wait_for(
+        "every job's timer", lambda: all(ticks[job] for job in ["ghost", *others]), timeout=RECONCILE_INTERVAL + 15
+    )
     # The pod watch's own listing found the deletion: no job read the namespace again (seven jobs; before
     # the operator's own watches, one shared list of the namespace's five kinds).
     assert cluster.requests("GET", budgets) - lists == 0

@@ -100,8 +100,22 @@ def test_an_external_endpoint_can_be_neither_added_nor_removed() -> None:
 
 @pytest.mark.parametrize(("path", "value"), MUTABLE, ids=[c[0] for c in MUTABLE])
 def test_mutable_fields_can_change(path: str, value: Any) -> None:
+    """Admitted on an update, and stored as sent (not defaulted away nor left at the old value)."""
     old = _admit(good_job())
-    _admit(with_path(path, value, body=old), old)
+    assert _at(old, path) != value
+    stored = _admit(with_path(path, value, body=old), old)
+    assert _at(stored, path) == value
+
+
+def _at(body: dict[str, Any], path: str) -> Any:
+    """The spec field at `path` (as `with_path` names it), or None where it is absent."""
+    node: Any = body["spec"]
+    for part in path.split("."):
+        key, _, index = part.rstrip("]").partition("[")
+        node = node.get(key) if isinstance(node, dict) else None
+        if index and node is not None:
+            node = node[int(index)]
+    return node
 
 
 def test_defaults_fill_nested_objects_the_user_left_out() -> None:

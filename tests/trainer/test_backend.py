@@ -1164,10 +1164,12 @@ def test_each_round_has_a_store_listening_before_its_workers_start(etcd: EtcdSer
         stores = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
         assert len(stores) == 1  # every node dials the same one
         addr, port = stores.pop()
-        started = time.monotonic()
+        # Listening as the round is published: a first connection is accepted, not refused (a refused one
+        # is what made the c10d client back off). The connect's speed is bench/recovery's to measure.
+        with socket.create_connection((addr, port), timeout=5):
+            pass
         client = TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=5))
         client.set("k", "v")
-        assert time.monotonic() - started < 0.15  # no back-off
         with ThreadPoolExecutor(3) as pool:  # a restart: every member back, the round completes at once
             again = list(pool.map(lambda h: h.next_rendezvous(), handlers))
         assert {i.bootstrap_store_info.master_port for i in again} != {port}

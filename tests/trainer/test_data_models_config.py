@@ -26,7 +26,7 @@ from torchspot_trainer.models import SmallCNN, resnet18, resnet50
 from torchspot_trainer.optim import RECIPES, BatchRule, build_optimizer, learning_rate, optimizer_kernels
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
-from torchspot_trainer.recovery.signals import Notice
+from torchspot_trainer.recovery.signals import SCHEDULED_EVENTS_URL, Notice
 from torchspot_trainer.train import (
     NodeFault,
     build_model,
@@ -180,12 +180,29 @@ def test_bad_training_flags_name_the_flag(argv: list[str], flag: str, capsys: py
 
 
 def test_help_documents_every_flag() -> None:
-    text = build_parser().format_help()
-    assert "--checkpoint-uri" in text
+    """Every flag has a help text of its own (a flag added without one fails here), and the help names
+    what a user reads it for."""
+    parser = build_parser()
+    flags = [action for action in parser._actions if action.option_strings and action.dest != "help"]
+    assert len(flags) >= 40
+    undocumented = [action.option_strings[0] for action in flags if not (action.help or "").strip()]
+    assert undocumented == []
+    text = parser.format_help()
     assert "az://container/prefix" in text
-    assert "--stuck-exit-after" in text
-    config = parse_config(["--dataset", "digits", "--model", "small_cnn", "--data", ""])
-    assert config.scheduled_events_url() is None or config.scheduled_events == "auto"
+
+
+def test_scheduled_events_are_watched_in_kubernetes_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--scheduled-events auto (the default): Azure's metadata endpoint in a pod, nothing elsewhere; off:
+    nothing; a URL: that one (the tests' stand-in for the metadata service)."""
+    base = ["--dataset", "digits", "--model", "small_cnn", "--data", ""]
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert parse_config(base).scheduled_events == "auto"
+    assert parse_config(base).scheduled_events_url() is None
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert parse_config(base).scheduled_events_url() == SCHEDULED_EVENTS_URL
+    assert parse_config([*base, "--scheduled-events", "off"]).scheduled_events_url() is None
+    url = "http://127.0.0.1:9999/metadata/scheduledevents"
+    assert parse_config([*base, "--scheduled-events", url]).scheduled_events_url() == url
 
 
 @pytest.mark.parametrize(

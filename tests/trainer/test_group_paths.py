@@ -552,6 +552,10 @@ def test_an_armed_exit_deadline_ends_a_process_stuck_below_python() -> None:
 
 
 def test_a_communicator_abort_that_never_returns_does_not_keep_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`abort_group` gives an NCCL communicator's abort its deadline and goes on without it: a wedged
+    driver's abort never returns. NCCL cannot run here (no GPU), so torch.distributed stands in for a
+    worker whose default group is NCCL's and whose abort blocks for ever: the only calls the function
+    makes. The abort itself is run on a GPU by bench/recovery/nccl_generations.py."""
     never = threading.Event()
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda: "nccl")

@@ -313,9 +313,9 @@ store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout
 live = LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True)
 assert live.reconfigure(Assignment(3, 0, 1, "127.0.0.1", store.port), time.monotonic() + 30)
 live.offer(Assignment(4, 0, 3, "127.0.0.1", store.port, grows=True))  # two join
-time.sleep(0.3)
-trains_on = live.all_reduce(torch.ones(1), time.monotonic() + 5)  # round 4's group is being built beside
-print(live.broken.is_set(), live.joiners_ready.is_set(), trains_on is Outcome.DONE)  # deferred: training goes on
+building = live._prebuilt is not None and not live._prebuilt.done.is_set()  # round 4's group, waiting for them
+trains_on = live.all_reduce(torch.ones(1), time.monotonic() + 5)  # beside it
+print(live.broken.is_set(), live.joiners_ready.is_set(), trains_on is Outcome.DONE and building)  # deferred
 joiners = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(2)]
 entered = []
 threads = [threading.Thread(target=lambda rank=rank: entered.append(joiners[rank - 1].reconfigure(

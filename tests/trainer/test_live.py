@@ -311,8 +311,8 @@ def test_a_heal_sends_the_state_while_its_trainers_step_and_a_broken_generation_
     there when another test forks)."""
     done = subprocess.run([sys.executable, "-c", _SIT_OUT], check=True, capture_output=True, text=True, timeout=60)
     arrival, sums, held, refused, broken = done.stdout.split("\n")[:5]
-    posted, *received = arrival.split("|")
-    assert float(posted) < 0.2
+    _posted, *received = arrival.split("|")  # (the script asks for the state only after the post returned: a
+    # post that waited for its receiver would never return, and the script would time out)
     assert received == ["40", "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]", "True"]
     assert sums == "[(0, 'done', 2.0), (1, 'done', 2.0), (2, 'done', 2.0)]"
     assert held == "0"
@@ -335,8 +335,8 @@ from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveG
 from torchspot_trainer.recovery.resume import kept_ranks
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True) for _ in range(3)]
-def assignment(generation, rank, world):
-    return Assignment(generation, rank, world, "127.0.0.1", store.port)
+def assignment(generation, rank, world):  # each round keeps every member of the one before (its agent says so)
+    return Assignment(generation, rank, world, "127.0.0.1", store.port, grows=True)
 def on(live, generation):
     return LiveCollectives(live.rank, live.world, torch.device("cpu"), live=live, op_seconds=5)
 def run(target, *ranks):
@@ -396,8 +396,8 @@ def test_a_switch_keeps_the_old_ranks_places_and_their_heal_agreement_runs_besid
     assert before == "[[7], [7]] [[7], [7]] None None"
     assert switched == "switch switch (2, [2, 0]) (2, [2, 0])"
     assert kept == "[0, 2] [0, 2]"
-    posted, *rows = beside.split(" ", 1)
-    assert float(posted) < 0.1
+    _posted, *rows = beside.split(" ", 1)  # (the joiner's row is posted after both kept ranks' posts returned:
+    # a post that waited for it would never return, and the script would time out)
     assert rows == ["[[11], [99], [10]] [[11], [99], [10]] [[11], [99], [10]]"]
     outcome, seconds = broken.split()
     assert outcome == "broken"

@@ -111,7 +111,8 @@ def test_a_member_whose_put_waits_in_a_stalled_etcd_is_not_taken_out(etcd: EtcdS
         stalled_until = time.monotonic()
         wait_for(lambda: taken, timeout=5, what="b taken out once silent for good")
         assert [name for name, _ in taken] == ["b"]
-        assert 1.0 < taken[0][1] - stalled_until < 2.0  # not at the stall: after it, silent past the timeout
+        # Not at the stall: only once silent past the timeout after it (how soon after is bench/recovery's).
+        assert taken[0][1] - stalled_until > 1.0
     finally:
         live.stop()
         other.cancel_watch(watch)
