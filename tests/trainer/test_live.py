@@ -887,6 +887,21 @@ def test_one_ranks_generations_on_nccl_carry_device_data_and_retire_the_old_comm
     wait_for(lambda: live.retiring() == 0, 10, "the old communicators' aborts (an H200 took up to 1 s)")
 
 
+@pytest.mark.cuda
+def test_a_collective_an_aborted_communicator_refuses_fails_the_generation_on_nccl() -> None:
+    """Needs a CUDA build and GPU: NCCL refuses work on a communicator that recorded an error (here it
+    was aborted, as a grave's is); the enqueue raises, and the generation's collective is FAILED, not
+    an error that escapes the re-form (what test_live's gloo stand-in shows on CPU). Not measured: a
+    communicator whose peer failed, which one device cannot make (design.md)."""
+    device = torch.device("cuda", 0)
+    live = LiveGroup(plane=plane_for(device))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    deadline = time.monotonic() + 60
+    assert live.reconfigure(Assignment(0, 0, 1, "127.0.0.1", store.port), deadline)
+    live.plane.abort(live._data)
+    assert live.all_reduce(torch.ones(8, device=device), deadline) is Outcome.FAILED
+
+
 def test_a_worker_in_place_on_nccl_bounds_its_waits_and_connects_at_init_unless_the_user_chose() -> None:
     """`generation_environment`: torch's nonblocking timeout at the generation's op timeout (its own
     default, 30 minutes, is how long a build whose peer never comes waits in C++), and NCCL's
