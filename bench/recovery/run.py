@@ -21,8 +21,8 @@ SIGKILLed with its workers), `frozen` (3 nodes, one SIGSTOPped with its workers,
 the step), `notice` (3 nodes, one agent SIGTERMed as the kubelet does at an eviction;
 TorchFT has no notice path: its replica is SIGTERMed), `falsealarm` (3 nodes, busy loops on
 every core for 10 s while one node is stopped three times for 0.5 s: passes if nobody is
-dropped), and, for our backends only, `wipe` and `wipejoin`: `hard` and `join` after the job's
-etcd lost its data under it (restarted empty, as the managed etcd comes back when its pod
+dropped), and, for our backends only, `wipe`, `wipefrozen` and `wipejoin`: `hard`, `frozen` and
+`join` after the job's etcd lost its data under it (restarted empty, as the managed etcd comes back when its pod
 moves), once the agents wrote their round back (rounds.py's `restored`). The victim is the node
 that holds the highest rank, so the surviving rank 0 keeps logging, and the c10d store (hosted
 by the first agent) survives: the comparison is about noticing the fault, not about that single
@@ -103,8 +103,8 @@ TRAINER = [
     "--global-batch-size", "48", "--workers", "0", "--log-every", "1", "--scheduled-events", "off", "--in-place",
 ]  # fmt: skip
 """`trainer-inplace`'s program (its --events-file is added per job)."""
-SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm", "wipe", "wipejoin")
-AFTER_WIPE = {"wipe": "hard", "wipejoin": "join"}
+SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm", "wipe", "wipefrozen", "wipejoin")
+AFTER_WIPE = {"wipe": "hard", "wipefrozen": "frozen", "wipejoin": "join"}
 """The scenarios that wipe the job's etcd first, and the fault each then applies. Only for OURS: the
 others keep no state to lose (TorchFT) or were not built to survive it (torch's backends)."""
 JOINS = ("join", "joinloss")

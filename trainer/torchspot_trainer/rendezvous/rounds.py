@@ -1,6 +1,7 @@
 """The rules of a rendezvous round, pure: when the round a node trains in has ended, which members
-are lost, when a forming round may complete before its last call (and whom it waits for), and which
-nodes left.
+are lost, when a forming round may complete before its last call (and whom it waits for), which
+nodes left, and what a node writes back where etcd lost the state (`forgotten`, `restored`,
+`rejoined_round`).
 
 Each takes torch's (sanitized) rendezvous state, or the records under the run's prefix, and
 decides; handler.py reads the state and acts. Why these rules and not torch's is in handler.py's
