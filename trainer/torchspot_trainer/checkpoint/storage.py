@@ -162,7 +162,7 @@ class LocalStorage:
             with (target.parent / f".{target.name}.lock").open("a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 current = self.read_versioned(name)
-                if (current is None and version is not None) or (current is not None and current[1] != version):
+                if (None if current is None else current[1]) != version:
                     return False
                 os.replace(tmp, target)
                 return True

@@ -235,7 +235,7 @@ class _Build:
         """Give the build up (a newer round, or the caller's deadline). A communicator already made is
         aborted from here, on a thread of its own: the build's own thread may wait in C++ for the init
         of a non-blocking communicator whose peer never comes (its first collective), out of reach of
-        `abandoned` until the nonblocking timeout (nccl.py's `generation_environment`)."""
+        `abandoned` until the nonblocking timeout (planes.py's `generation_environment`)."""
         self.abandoned.set()
         if self.parent is not None:  # no later build shrinks it: its abort need not wait for this one
             self.parent.retire()

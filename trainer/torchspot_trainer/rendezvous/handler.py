@@ -549,9 +549,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join, or 1 if our round lost a member (so the agent re-forms)."""
         try:
-            with self._heartbeat_lock:
-                self._state_holder.sync()
-                state = self._restore(self._watch)
+            state = self._read_state()
         except RendezvousConnectionError as exc:
             self._warn(f"etcd unreachable, training continues at the current size: {exc}")
             return 0
@@ -578,6 +576,13 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             agent_marker(RESTART_MARKER).touch()
             self._change_reported = True
         return waiting
+
+    def _read_state(self) -> Any:
+        """The rendezvous state read afresh, with the round written back where etcd lost its data
+        (`_restore`). Raises RendezvousConnectionError while etcd does not answer."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+            return self._restore(self._watch)
 
     def _restore(self, holder: _WatchfulStateHolder) -> Any:
         """The state `holder` last read, or, where etcd lost its data since this agent joined its round
@@ -633,9 +638,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         deadline = time.monotonic() + self._judged_within()
         while True:
             try:
-                with self._heartbeat_lock:
-                    self._state_holder.sync()
-                    state = self._restore(self._watch)
+                state = self._read_state()
             except RendezvousConnectionError:  # etcd away: nothing known yet
                 state = None
             if state is not None and membership_changed(*joined, state)[0]:
