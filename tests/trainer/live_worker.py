@@ -72,6 +72,17 @@ class SeparateGloo(HostPlane):
         group.abort()
 
 
+def on_threads(target: Callable[[int], object], *ranks: int) -> None:
+    """`target(rank)` for each of `ranks` on a thread of its own, all started, then each waited for (20 s
+    at most): the ranks of one process's groups entering a collective or a re-form together (the inline
+    scripts of test_live.py)."""
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+
+
 def gloo_loops() -> int:
     """This process's gloo event-loop threads: one per gloo group alive (each has a device of its own),
     gone when the group is freed and its sockets closed."""

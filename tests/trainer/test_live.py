@@ -333,19 +333,14 @@ from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup, Outcome
 from torchspot_trainer.recovery.resume import kept_ranks
+from live_worker import on_threads  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5), defer_joins=True) for _ in range(3)]
 def assignment(generation, rank, world):  # each round keeps every member of the one before (its agent says so)
     return Assignment(generation, rank, world, "127.0.0.1", store.port, grows=True)
 def on(live, generation):
     return LiveCollectives(live.rank, live.world, torch.device("cpu"), live=live, op_seconds=5)
-def run(target, *ranks):
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in ranks]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-run(lambda old: lives[old].reconfigure(assignment(1, old, 2), time.monotonic() + 10), 0, 1)
+on_threads(lambda old: lives[old].reconfigure(assignment(1, old, 2), time.monotonic() + 10), 0, 1)
 new = {0: 2, 1: 0}  # old rank 0 becomes rank 2, old rank 1 rank 0; the joiner is rank 1
 lives[1].offer(assignment(2, new[1], 3))  # offered to one old rank only, so far
 rows = {}
@@ -354,7 +349,7 @@ def boundary(old):
         rows[old] = on(lives[old], 1).gather_ints([7])
     except GroupChanged:
         rows[old] = "switch"
-run(boundary, 0, 1)
+on_threads(boundary, 0, 1)
 print(rows[0], rows[1], lives[0].roster, lives[1].roster)  # nobody's joiners ready: no switch
 lives[0].offer(assignment(2, new[0], 3))
 joined = threading.Thread(target=lambda: lives[2].reconfigure(assignment(2, 1, 3), time.monotonic() + 10))
@@ -362,9 +357,9 @@ joined.start()
 ended = time.monotonic() + 10
 while not (lives[0].joiners_ready.is_set() and lives[1].joiners_ready.is_set()) and time.monotonic() < ended:
     time.sleep(0.01)
-run(boundary, 0, 1)
+on_threads(boundary, 0, 1)
 print(rows[0], rows[1], lives[0].roster, lives[1].roster)
-run(lambda old: lives[old].reconfigure(assignment(2, new[old], 3), time.monotonic() + 10), 0, 1)
+on_threads(lambda old: lives[old].reconfigure(assignment(2, new[old], 3), time.monotonic() + 10), 0, 1)
 joined.join(10)
 print(kept_ranks(lives[0].roster, lives[0].generation, 3), kept_ranks(lives[1].roster, lives[1].generation, 3))
 began = time.monotonic()
@@ -391,7 +386,8 @@ def test_a_switch_keeps_the_old_ranks_places_and_their_heal_agreement_runs_besid
     (`gather_ints_beside`) and its rows, the joiner's included, come when asked for; a posted
     collective whose generation a newer round broke says so when waited for. Three real gloo ranks in
     a process of their own (its group threads must not be there when another test forks)."""
-    done = subprocess.run([sys.executable, "-c", _SWITCH], check=True, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", _SWITCH], check=True, capture_output=True, text=True, timeout=60,
+                          cwd=WORKER.parent)  # fmt: skip
     before, switched, kept, beside, broken = done.stdout.split("\n")[:5]
     assert before == "[[7], [7]] [[7], [7]] None None"
     assert switched == "switch switch (2, [2, 0]) (2, [2, 0])"
@@ -416,17 +412,12 @@ from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.buckets import GradientBuckets
 from torchspot_trainer.recovery.live import LiveCollectives, LiveGroup
+from live_worker import on_threads  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
 def enter(rank):
     assert lives[rank].reconfigure(Assignment(1, rank, 3, "127.0.0.1", store.port), time.monotonic() + 30)
-def run(target):
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-run(enter)
+on_threads(enter, 0, 1, 2)
 def model():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
@@ -453,7 +444,7 @@ def step(rank):
     sums = torch.tensor([rank + 1.0, 10.0 * rank], dtype=torch.float64)  # a progress record's, say
     summed[rank] = group.average_gradients(list(net.parameters()), list(net.buffers()), buffers_from=1,
                                            buckets=mine, sums=sums)
-run(step)
+on_threads(step, 0, 1, 2)
 grads = [[p.grad for p in net.parameters()] for net in nets]
 expected = [(a + b + c) / 3 for a, b, c in zip(local[0], local[1], local[2])]
 print(len(buckets[0].buckets), posted_in_backward[0], posted_in_backward[1], posted_in_backward[2])
@@ -478,7 +469,8 @@ def test_gradient_buckets_are_posted_during_the_backward_pass_and_average_as_ddp
     beside (a progress record's sums) come back summed over the ranks. Three real
     gloo ranks in a process of their own (its group threads must not be there when another test
     forks)."""
-    done = subprocess.run([sys.executable, "-c", _BUCKETS], check=True, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", _BUCKETS], check=True, capture_output=True, text=True, timeout=60,
+                          cwd=WORKER.parent)  # fmt: skip
     posted, close, same, buffers, summed = done.stdout.split("\n")[:5]
     count, *during = posted.split()
     assert count == "3"  # 108, 288 and 244 bytes of parameters (caps of 64 and 256)
@@ -499,17 +491,13 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.live import LiveGroup
-from live_worker import gloo_loops  # (run from this folder)
+from live_worker import gloo_loops, on_threads  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=60)) for _ in range(2)]
 def enter(generation):
     def run(rank):
         assert lives[rank].reconfigure(Assignment(generation, rank, 2, "127.0.0.1", store.port), time.monotonic() + 30)
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
+    on_threads(run, 0, 1)
 def settled(graves):  # the graves held once the reaper got to them: (graves, gloo loops, seconds)
     began = time.monotonic()
     while [live.graves() for live in lives] != graves and time.monotonic() - began < 5:
@@ -573,19 +561,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, close_connections
-from live_worker import SeparateGloo
+from live_worker import SeparateGloo, on_threads
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-def run(target, *ranks):
-    threads = [threading.Thread(target=target, args=(rank,)) for rank in ranks]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
 def assignment(generation, rank, world):
     return Assignment(generation, rank, world, "127.0.0.1", store.port)
 # An enqueue that raises. gloo: a send on a pair whose connection closed (real).
 lives = [LiveGroup(op_timeout=timedelta(seconds=10)) for _ in range(2)]
-run(lambda rank: lives[rank].reconfigure(assignment(1, rank, 2), time.monotonic() + 10), 0, 1)
+on_threads(lambda rank: lives[rank].reconfigure(assignment(1, rank, 2), time.monotonic() + 10), 0, 1)
 close_connections(lives[0]._group)
 try:
     lives[0].post_send(torch.zeros(1), 1, 5)
@@ -604,9 +586,9 @@ print(lives[0].all_reduce(torch.zeros(1), deadline).value, lives[0].post(torch.z
       lives[0].broadcast(torch.zeros(1), 0, deadline).value)
 # The graveyard, on a data plane of its own (SeparateGloo stands in for NCCL's, which cannot run here).
 separate = [LiveGroup(op_timeout=timedelta(seconds=20), plane=SeparateGloo()) for _ in range(2)]
-run(lambda rank: separate[rank].reconfigure(assignment(2, rank, 2), time.monotonic() + 10), 0, 1)
+on_threads(lambda rank: separate[rank].reconfigure(assignment(2, rank, 2), time.monotonic() + 10), 0, 1)
 separate[0].post(torch.zeros(1), control=False)  # rank 1 never takes part: its copy is held, in flight
-run(lambda rank: separate[rank].reconfigure(assignment(3, rank, 2), time.monotonic() + 10), 0, 1)
+on_threads(lambda rank: separate[rank].reconfigure(assignment(3, rank, 2), time.monotonic() + 10), 0, 1)
 began = time.monotonic()
 while separate[0].graves() and time.monotonic() - began < 10:
     time.sleep(0.01)
