@@ -51,7 +51,6 @@ import json
 import logging
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -89,6 +88,7 @@ from torchspot_trainer.data.loader import (
     usable_cpus,
 )
 from torchspot_trainer.data.sampler import ElasticSampler
+from torchspot_trainer.elastic.manager import REFORM_SECONDS, node_name
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV
@@ -152,9 +152,6 @@ from torchspot_trainer.step import model_inputs, train_step, warm_up
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-REFORM_SECONDS = 30.0
-"""With --in-place: how long a worker waits for its agent's next round, and for that round's group
-to form, before it leaves by the restart path (its snapshot kept)."""
 LEAVE_SAVE_WAIT = 5.0
 """Seconds a rank 0 that leaves its group gives its checkpoint save in flight before it exits,
 where that save matters (notices.waits_for_save: its node leaves, or it kept no snapshot as new).
@@ -233,11 +230,6 @@ def node_device(flag: str, local_rank: int, cuda_available: bool) -> tuple[torch
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     return device, backend
-
-
-def node_name() -> str:
-    """This worker's node, as the operator names it (the downward API's NODE_NAME), else its host name."""
-    return os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 def exit_node_fault(fault: NodeFault) -> NoReturn:

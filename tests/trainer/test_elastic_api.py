@@ -1,0 +1,166 @@
+"""`torchspot.elastic` as a script calls it, in one process: the restart path's loop on a real
+one-rank gloo group, its checkpoints and resume, the errors of a call in the wrong order, and the
+combinations refused at start. (In place, under real agents: test_examples.py.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchspot.elastic
+from torchspot import elastic
+from torchspot_trainer.elastic.manager import choose_path
+from torchspot_trainer.markers import PEER_LOST_ENV
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The environment torchrun gives a worker of a world of one; the default group destroyed after."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(PEER_LOST_ENV, raising=False)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _loop(ckpt: Path, steps: int, events: Path) -> tuple[elastic.Manager, torch.nn.Linear]:
+    """The examples' loop (examples/ddp/train.py), on a linear model."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = elastic.Manager(
+        state_dict=lambda: {"model": model.state_dict(), "optimizer": inner.state_dict()},
+        load_state_dict=lambda s: (model.load_state_dict(s["model"]), inner.load_state_dict(s["optimizer"])),
+        checkpoint_uri=str(ckpt), checkpoint_every=5, events_file=events,
+    )  # fmt: skip
+    ddp = elastic.DistributedDataParallel(manager, model)
+    optimizer = elastic.OptimizerWrapper(manager, inner)
+    sampler = elastic.ElasticSampler(manager, 40, global_batch=8)
+    inputs, labels = torch.randn(40, 4, generator=torch.Generator().manual_seed(1)), torch.arange(40) % 2
+    while manager.current_step() < steps:
+        optimizer.zero_grad()
+        batch = sampler.indices()
+        F.cross_entropy(ddp(inputs[batch]), labels[batch]).backward()  # type: ignore[no-untyped-call]
+        assert optimizer.step() is True
+    manager.close()
+    return manager, model
+
+
+def test_the_public_names_are_one_import_and_typed() -> None:
+    assert sorted(torchspot.elastic.__all__) == [
+        "ApiOrderError", "DistributedDataParallel", "ElasticSampler", "Manager", "OptimizerWrapper", "Refused",
+    ]  # fmt: skip
+    assert all(getattr(torchspot.elastic, name).__doc__ for name in torchspot.elastic.__all__)
+    assert (Path(torchspot.elastic.__file__).parent / "py.typed").exists()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_outside_torchspot_run_a_loop_takes_the_restart_path_checkpoints_and_resumes(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    manager, model = _loop(tmp_path / "ckpt", 12, events)
+    assert manager.in_place is False
+    assert manager.resumed_from == "start"
+    dist.destroy_process_group()
+    # A restart: the same loop resumes from the final checkpoint (step 12) and trains on to 15.
+    again, resumed = _loop(tmp_path / "ckpt", 15, events)
+    assert again.resumed_from == "checkpoint"
+    records = [line for line in events.read_text().splitlines() if '"event": "step"' in line]
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in records]
+    assert steps == [*range(1, 13), 13, 14, 15]  # 12 steps, then the resumed run's 3: none redone
+    assert '"samples": [' in records[0]
+    assert not torch.equal(model.weight, resumed.weight)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_calls_in_the_wrong_order_say_what_to_call_first(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None)
+    ddp = elastic.DistributedDataParallel(manager, model)
+    optimizer = elastic.OptimizerWrapper(manager, inner)
+    sampler = elastic.ElasticSampler(manager, 10, global_batch=2)
+    with pytest.raises(
+        elastic.ApiOrderError, match=r"the forward pass before the step began: call optimizer\.zero_grad"
+    ):
+        ddp(torch.zeros(1, 4))
+    with pytest.raises(elastic.ApiOrderError, match=r"optimizer\.step\(\) before the step began"):
+        optimizer.step()
+    with pytest.raises(elastic.ApiOrderError, match=r"ElasticSampler\.indices\(\) before the step began"):
+        sampler.indices()
+    optimizer.zero_grad()
+    with pytest.raises(elastic.ApiOrderError, match="make it before the loop begins"):
+        elastic.ElasticSampler(manager, 10, global_batch=2)
+    manager.close()
+    with pytest.raises(elastic.ApiOrderError, match=r"no step after close\(\)"):
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("in_place", "under_ours", "chosen"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, True, True)],
+)
+def test_in_place_is_the_default_wherever_the_launcher_hands_rounds_over(
+    in_place: bool | None, under_ours: bool, chosen: bool
+) -> None:
+    environ = {PEER_LOST_ENV: "/tmp/x"} if under_ours else {}
+    path, why = choose_path(in_place, environ)
+    assert path is chosen
+    assert why.startswith("in place" if chosen else "the restart path")
+
+
+def test_what_cannot_be_honoured_is_refused_at_start_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(elastic.Refused, match="in_place=True: in place needs torchspot-run"):
+        choose_path(True, {})
+    with pytest.raises(elastic.Refused, match="without a checkpoint_uri"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, checkpoint_every=10)
+    monkeypatch.setenv(PEER_LOST_ENV, "/nonexistent/peer-lost")  # as torchspot-run sets it: in place
+    manager = elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None)
+    assert manager.in_place is True
+    with pytest.raises(elastic.Refused, match="SyncBatchNorm in place"):
+        elastic.DistributedDataParallel(manager, torch.nn.SyncBatchNorm(4))
+    with pytest.raises(elastic.Refused, match="static_graph in place"):
+        elastic.DistributedDataParallel(manager, torch.nn.Linear(4, 2), find_unused_parameters=False)
+    manager.close()
+
+
+SILENT_LOOP = """
+import time, torch
+from torchspot import elastic
+manager = elastic.Manager(state_dict=dict, load_state_dict=lambda s: None, commit_seconds=1)
+optimizer = elastic.OptimizerWrapper(manager, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
+optimizer.zero_grad()
+time.sleep(30)  # a loop that never calls optimizer.step()
+"""
+
+
+def test_a_step_that_never_commits_ends_the_worker_with_one_line_naming_the_cause() -> None:
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.pop(PEER_LOST_ENV, None)
+    command = [sys.executable, "-c", SILENT_LOOP]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1
+    said = [line for line in done.stderr.splitlines() if line.startswith("torchspot: ")]
+    assert said == [
+        "torchspot: the restart path: in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands "
+        "live workers each round",
+        "torchspot: rank 0: step 1 did not commit within 1 s of its start (a collective that never completed, or a "
+        "loop that never called optimizer.step()); leaving for the restart path",
+    ], done.stderr

@@ -1,0 +1,114 @@
+"""torch's DDP and a user's optimizer, wired to a `Manager` (manager.py says what each step does).
+
+In place, DDP keeps what makes it fast (its buckets, filled in the order gradients are ready, each
+all-reduced while the backward pass goes on) and hands each bucket to the manager, which sends it over
+the current group: DDP's own process group is a one-rank gloo group that never changes, so a membership
+change rebuilds nothing of DDP. On the restart path both wrappers are torch's own behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import GradBucket, HashStore  # what torch.distributed re-exports
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+
+from torchspot_trainer.elastic.manager import Manager, Refused
+
+
+def _one_rank_group(device: torch.device) -> dist.ProcessGroup:
+    """A process group of this rank alone (gloo, on the CPU and on `device`): what DDP is built on in
+    place, where the manager's hook carries every bucket (its collectives never run)."""
+    store = HashStore()
+    backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30))
+    group = dist.ProcessGroup(store, 0, 1)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    for kind in {torch.device("cpu"), torch.device(device.type)}:
+        group._register_backend(kind, dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def _reduce_hook(manager: Manager, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return manager.reduce_bucket(bucket)
+
+
+# DDP checks a hook's annotations against the classes themselves, and this module's are strings.
+_reduce_hook.__annotations__.update(bucket=GradBucket, manager=Manager)
+_reduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+class DistributedDataParallel(_TorchDDP):
+    """torch's `DistributedDataParallel` whose gradients travel over `manager`'s current group.
+
+    Refused in place: a model with SyncBatchNorm (it syncs over torch's default group, which a worker
+    that re-forms in place does not have, and would silently use each rank's own statistics), and
+    `process_group` (the manager owns the groups). Other keyword arguments are DDP's.
+    """
+
+    def __init__(self, manager: Manager, module: nn.Module, **kwargs: Any) -> None:
+        self.manager = manager
+        if manager.in_place:
+            if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
+                raise Refused(
+                    "SyncBatchNorm in place: it syncs over torch's default process group, which a worker that "
+                    "re-forms in place does not have; use BatchNorm (its statistics come from rank 0 after each "
+                    "step, as DDP's do) or Manager(in_place=False)"
+                )
+            if "process_group" in kwargs:
+                raise Refused("process_group in place: the manager's groups carry the gradients; drop it")
+            if kwargs.get("find_unused_parameters") is False or kwargs.get("static_graph"):
+                raise Refused(
+                    "find_unused_parameters=False or static_graph in place: DDP would rebuild its buckets after its "
+                    "first step, and a rank that joins later would sum its first step's gradients in another "
+                    "layout than the others'; drop the argument"
+                )
+            kwargs["find_unused_parameters"] = True  # (which keeps DDP's first bucket layout: see above)
+            kwargs.setdefault("broadcast_buffers", False)  # the manager takes rank 0's after each step
+            super().__init__(module, process_group=_one_rank_group(manager.device), **kwargs)
+            self.register_comm_hook(manager, _reduce_hook)
+            manager.watch_buffers([b for b in module.buffers() if b.is_floating_point()])
+        else:
+            manager.ensure_group()
+            super().__init__(module, **kwargs)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.manager.require_step("the forward pass")
+        return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+
+
+class OptimizerWrapper:
+    """A user's optimizer whose `zero_grad()` begins a step and whose `step()` applies the update only
+    when the step's collectives completed (the commit rule). Other attributes are the optimizer's.
+
+    `step()` returns whether the update was applied: a step that was not will be taken again, after
+    the group re-formed, on the same samples (`ElasticSampler`).
+    """
+
+    def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
+        self.manager = manager
+        self.optimizer = optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.start_step()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> bool:
+        if not self.manager.should_commit():
+            return False
+        self.optimizer.step(closure)
+        self.manager.commit()
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)

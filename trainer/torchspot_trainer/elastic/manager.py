@@ -1,0 +1,535 @@
+"""The Manager: what a training loop calls so that a membership change costs it no restart.
+
+A step, as the wrappers (ddp.py) drive it:
+
+1. `start_step()` (from `OptimizerWrapper.zero_grad`): the first call enters the job's first group and
+   resumes; a later one, after a step that did not commit or at a switch the group agreed on, enters
+   the next group and heals in it (below) before the step begins.
+2. The backward pass: each DDP bucket's all-reduce goes over the current group (`reduce_bucket`),
+   through a staging copy, against a deadline and the agent's next round (recovery/live.py). The last
+   bucket carries two more values per rank: whether this rank's deferred round has its joiners ready,
+   and its rank in it, so every rank that completes the step learns the same thing at the same step.
+3. `should_commit()` (from `OptimizerWrapper.step`, before the update): True when every bucket's
+   all-reduce completed. Otherwise the update is not applied, and the next `start_step` re-forms.
+4. `commit()` (after the update): the step counts; the samplers move on; the agent, the operator
+   and the checkpoint schedule hear of it.
+
+**Healing.** At each group's start the ranks agree on the newest committed step, and where a rank
+lacks it (a joiner, a worker its agent restarted, a rank whose last all-reduce failed where a peer's
+completed) the lowest rank holding it sends the whole state (the user's `state_dict()` and the
+manager's own: step, samplers) with one broadcast; survivors that hold it send nothing.
+
+**The two paths.** In place when the worker runs under torchspot-run with the etcd-v3 rendezvous (its
+agent hands the live workers each new round: handover.py); otherwise the restart path: torch's
+default group, torch's DDP unchanged, and a restart resumes from the newest checkpoint. The choice is
+said once, with its reason.
+
+**A step that never commits.** A step that has not committed within `commit_seconds` of its start (a
+collective that hangs outside any round change, a loop that never calls `optimizer.step()`) ends the
+worker with one log line naming the cause: its agent then restarts it (the restart path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
+
+from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
+from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.data.sampler import ElasticSampler as _Position
+from torchspot_trainer.handover import Handover
+from torchspot_trainer.markers import PEER_LOST_ENV
+from torchspot_trainer.recovery.group import nccl_environment
+from torchspot_trainer.recovery.live import (
+    OP_TIMEOUT,
+    GroupChanged,
+    LiveGroup,
+    Outcome,
+    newest,
+    wait_for_assignment,
+)
+from torchspot_trainer.recovery.notices import EXIT_FAILED, leave
+from torchspot_trainer.recovery.planes import generation_environment, plane_for
+from torchspot_trainer.recovery.wire import broadcast_state
+from torchspot_trainer.rendezvous.milestones import CheckpointReporter
+
+log = logging.getLogger("torchspot.elastic")
+
+REFORM_SECONDS = 30.0
+"""How long a worker that re-forms in place waits for its agent's next round, and for that round's group
+to form, before it leaves by the restart path."""
+COMMIT_SECONDS = 300.0
+"""A step's default limit from its start to its commit (`Manager`'s `commit_seconds`)."""
+EVENTS_FILE_ENV = "TORCHSPOT_EVENTS_FILE"
+"""Where the manager appends its records (JSON lines) when its `events_file` is not given."""
+KEEP: list[object] = []
+"""Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
+can block (launch.run_program says why)."""
+_IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
+
+
+class ApiOrderError(RuntimeError):
+    """A manager call came in the wrong order; the message says what to call first."""
+
+
+class Refused(ValueError):
+    """A combination the manager cannot honour, said at start with the reason."""
+
+
+def node_name() -> str:
+    """This worker's node, as the operator names it (the downward API's NODE_NAME), else its host name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+def default_device(environ: Mapping[str, str] = os.environ) -> torch.device:
+    """This worker's GPU (its LOCAL_RANK) where CUDA is usable, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def choose_path(in_place: bool | None, environ: Mapping[str, str]) -> tuple[bool, str]:
+    """(whether to re-form in place, why), for the manager's `in_place` argument. Pure.
+
+    In place needs torchspot-run's agent, which hands each new round to its live workers: under another
+    launcher no round would ever come. None (the default) takes in place wherever it can run; True where
+    it cannot is refused (`Refused`), rather than silently taking the restart path."""
+    under_ours = PEER_LOST_ENV in environ
+    if in_place is False:
+        return False, "the restart path, as asked (in_place=False)"
+    if not under_ours:
+        reason = "in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands live workers each round"
+        if in_place:
+            raise Refused(f"in_place=True: {reason}; launch with torchspot-run or drop in_place")
+        return False, f"the restart path: {reason}"
+    return True, "in place: torchspot-run's agent hands this worker each new round"
+
+
+class Manager:
+    """A training loop's recovery: groups, heals, the commit rule, checkpoints and reports (module
+    docstring). One per worker process.
+
+    :param state_dict: returns the loop's whole state (model, optimizer, scheduler...): what a heal sends
+        and a checkpoint keeps. The manager adds its own (the step, the samplers' positions).
+    :param load_state_dict: takes such a state (from a live peer or a checkpoint), in host memory.
+    :param checkpoint_uri: `az://container/prefix` or a local folder: periodic checkpoints (asynchronous,
+        atomic: a partial one is never loaded) and the resume of a restart. Empty: none.
+    :param checkpoint_every: steps between checkpoints (0: only the final one).
+    :param keep_checkpoints: committed checkpoints kept; older ones are deleted.
+    :param in_place: None re-forms in place wherever the launcher allows it (`choose_path`).
+    :param device: where the gradients travel (default: this worker's GPU, else the CPU).
+    :param commit_seconds: a step's limit from its start to its commit (module docstring).
+    :param events_file: appends the manager's records (JSON lines) here; default TORCHSPOT_EVENTS_FILE.
+    """
+
+    def __init__(
+        self,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], object],
+        *,
+        checkpoint_uri: str = "",
+        checkpoint_every: int = 0,
+        keep_checkpoints: int = 3,
+        in_place: bool | None = None,
+        device: torch.device | None = None,
+        commit_seconds: float = COMMIT_SECONDS,
+        events_file: str | Path | None = None,
+    ) -> None:
+        if checkpoint_every < 0:
+            raise Refused(f"checkpoint_every={checkpoint_every}: must be 0 (only the final one) or more")
+        if checkpoint_every and not checkpoint_uri:
+            raise Refused(f"checkpoint_every={checkpoint_every} without a checkpoint_uri: say where they go")
+        if commit_seconds <= 0:
+            raise Refused(f"commit_seconds={commit_seconds}: must be more than 0")
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self.in_place, why = choose_path(in_place, os.environ)
+        if os.environ.get("RANK", "0") == "0":  # said once per job, whatever the script's logging
+            print(f"torchspot: {why}", file=sys.stderr, flush=True)
+        self.device = device or default_device()
+        self.checkpoint_every = checkpoint_every
+        self.commit_seconds = commit_seconds
+        path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
+        self._events = Path(path) if path else None
+        self._checkpoints: CheckpointManager | None = None
+        if checkpoint_uri:
+            config = CheckpointConfig(keep=keep_checkpoints)
+            self._checkpoints = CheckpointManager(open_storage(checkpoint_uri), config, on_report=self._on_checkpoint)
+        self._uri = checkpoint_uri
+        self._step = 0
+        self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self._phase = _IDLE
+        self._begun = False
+        self._closed = False
+        self._reform_due = False
+        self._failed = False
+        self._step_started = 0.0
+        self.resumed_from = "start"
+        """`checkpoint`, `peer` (healed from a live rank) or `start`: where this worker's state last came from."""
+        self._positions: list[_Position] = []
+        self._buffers: list[torch.Tensor] = []
+        """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
+        self._posted: list[Future[Outcome]] = []
+        self._ride: torch.Tensor | None = None
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-buckets")
+        self._reporter: CheckpointReporter | None = None
+        self._handover: Handover | None = None
+        self._live: LiveGroup | None = None
+        if self.in_place:
+            if self.device.type == "cuda":  # before the first generation's communicator reads them
+                os.environ.update(nccl_environment(os.environ))
+                os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
+            self._live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
+            KEEP.append(self._live)
+        threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
+
+    # -- what the loop reads ------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The current group's size."""
+        return self._world
+
+    def current_step(self) -> int:
+        """Steps committed so far (by this run's lineage: a heal or a resume moves it)."""
+        return self._step
+
+    # -- the step -----------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Begin a step: enter the first group (or, after a step that did not commit, or at an agreed
+        switch, the next one) and heal in it. `OptimizerWrapper.zero_grad` calls it."""
+        if self._closed:
+            raise ApiOrderError("the manager was closed: no step after close()")
+        if self._phase == _COMMITTING:
+            raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
+        if not self._begun:
+            self._begin()
+        elif self._reform_due or (self._live is not None and self._live.broken.is_set()):
+            self._reform()  # (a round that came between steps: no step is started in a group that is over)
+        self._posted, self._ride = [], None
+        self._phase = _STEP
+        self._step_started = time.monotonic()
+
+    def require_step(self, what: str) -> None:
+        """Raise ApiOrderError unless a step has begun (`start_step`), naming `what` came too early."""
+        if self._phase != _STEP:
+            raise ApiOrderError(f"{what} before the step began: call optimizer.zero_grad() (Manager.start_step) first")
+
+    def reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook, in place: the bucket's average over the current group, started now;
+        its future completes when the all-reduce ended, however it ended (the outcome decides the commit)."""
+        self.require_step("a backward pass")
+        assert self._live is not None
+        tensor = bucket.buffer()
+        parts = [tensor.reshape(-1) / self._world]
+        last = bucket.is_last()
+        if last:
+            parts.append(self._riders(tensor.dtype, tensor.device))
+        staging = torch.cat(parts) if len(parts) > 1 else parts[0]
+        finish = self._live.post(staging, control=False, owned=True)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        deadline = self._step_started + self.commit_seconds
+        waited = self._waiter.submit(self._finish, finish, staging, tensor, future, last=last, deadline=deadline)
+        self._posted.append(waited)
+        return future
+
+    def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What the last bucket carries beside the gradients: the model's buffers (rank 0's, zeros
+        elsewhere: a sum takes rank 0's, as DDP's broadcast does), then each rank's line of the joiners
+        table (ready, its rank in the deferred round), small integers exact in any float type."""
+        assert self._live is not None
+        mine = self._rank == 0
+        parts = [(b.detach() if mine else torch.zeros_like(b)).reshape(-1).to(device, dtype) for b in self._buffers]
+        table = torch.zeros(self._world, 2, dtype=dtype, device=device)
+        table[self._rank, 0] = float(self._live.joiners_ready.is_set())
+        table[self._rank, 1] = float(self._live.pending_rank())
+        parts.append(table.reshape(-1))
+        return torch.cat(parts)
+
+    def _finish(
+        self,
+        finish: Callable[[float], Outcome],
+        staging: torch.Tensor,
+        tensor: torch.Tensor,
+        future: torch.futures.Future[torch.Tensor],
+        *,
+        last: bool,
+        deadline: float,
+    ) -> Outcome:
+        """Wait for one bucket's all-reduce (on the bucket thread) and complete its future."""
+        outcome = Outcome.FAILED
+        try:
+            outcome = finish(deadline)
+            if last and outcome is Outcome.DONE:
+                self._ride = staging[tensor.numel() :].clone()
+        finally:
+            future.set_result(staging[: tensor.numel()].view_as(tensor))
+        return outcome
+
+    def should_commit(self) -> bool:
+        """Whether the step's update may be applied: every collective of the step completed (the
+        commit rule). When it may not, the update is skipped and the next step re-forms first.
+        `OptimizerWrapper.step` calls it before the update."""
+        self.require_step("optimizer.step()")
+        if not self.in_place:
+            self._phase = _COMMITTING
+            return True
+        if not self._posted:
+            raise ApiOrderError(
+                "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
+                "elastic DistributedDataParallel model first"
+            )
+        outcomes = [posted.result() for posted in self._posted]
+        self._posted = []
+        if any(outcome is not Outcome.DONE for outcome in outcomes) or self._ride is None:
+            self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
+            self._reform_due = True
+            self._phase = _IDLE
+            log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
+                        self._rank, self._step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
+            return False
+        self._take_riders(self._ride)
+        self._phase = _COMMITTING
+        return True
+
+    def _take_riders(self, ride: torch.Tensor) -> None:
+        """The buffers and the joiners table the last bucket brought (`_riders`)."""
+        assert self._live is not None
+        offset = 0
+        for buffer in self._buffers:
+            buffer.copy_(ride[offset : offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
+        rows = ride[offset:].view(self._world, 2).tolist()
+        if any(row[0] for row in rows):  # a joiner is ready: every rank switches after this step
+            self._live.switching([round(row[1]) for row in rows])
+            self._reform_due = True
+
+    def commit(self) -> None:
+        """The step's update was applied: count it, move the samplers on, tell the agent and the
+        operator, and checkpoint on schedule. `OptimizerWrapper.step` calls it after the update."""
+        if self._phase != _COMMITTING:
+            raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
+        samples = self._positions[0].step_chunk(self._world) if self._positions else None
+        for position in self._positions:
+            position.advance(self._world)
+        self._step += 1
+        self._phase = _IDLE
+        if self._handover is not None and self._live is not None:
+            self._handover.stepped(self._live.generation)
+        if self._reporter is not None:
+            self._reporter.report_step(self._step)
+        record: dict[str, Any] = {"event": "step", "step": self._step, "world_size": self._world, "rank": self._rank}
+        if self._live is not None:
+            record["generation"] = self._live.generation
+        if samples is not None:
+            record["samples"] = samples
+        self._emit(record, quiet=True)
+        due = self.checkpoint_every and self._step % self.checkpoint_every == 0
+        if due and self._rank == 0 and self._checkpoints is not None:
+            self._checkpoints.save_async(self._step, self._full_state(), {"world_size": self._world})
+
+    def close(self) -> None:
+        """The loop is over: rank 0 writes the final checkpoint (unless the last one is of this step) and
+        waits for it; the manager's threads stop."""
+        if self._closed:
+            return
+        self._closed = True
+        self._phase = _IDLE
+        if self._checkpoints is not None and self._rank == 0 and self._begun:
+            self._checkpoints.wait()
+            if self._checkpoints.last_committed != self._step:
+                self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
+            self._checkpoints.close()
+        if self._handover is not None:
+            self._handover.stop()
+        if self._reporter is not None:
+            self._reporter.close()
+        self._emit({"event": "done", "step": self._step, "world_size": self._world})
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- groups, heals, resumes ----------------------------------------------------
+
+    def ensure_group(self) -> None:
+        """The restart path's default process group, made now if the script has not (DDP needs it)."""
+        if not self.in_place and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def _begin(self) -> None:
+        """The first step: resume, and enter the first group (in place) or share rank 0's state."""
+        self._begun = True
+        if not self.in_place:
+            self.ensure_group()
+            self._rank, self._world = dist.get_rank(), dist.get_world_size()
+            state = self._resumed() if self._rank == 0 else None
+            if self._world > 1:
+                state = broadcast_state(state, 0, self._rank, self.device)
+                if self._rank != 0:
+                    self._load_full(state)
+            self._rank_duties()
+            self._emit({"event": "start", "step": self._step, "world_size": self._world, "pid": os.getpid(),
+                        "node": node_name(), "resumed_from": self.resumed_from}, any_rank=True)  # fmt: skip
+            return
+        assert self._live is not None
+        self._handover = Handover.from_environment()
+        self._handover.register(stamps_steps=True)
+        self._handover.watch(self._live)
+        self._resumed()
+        self._enter_and_heal(fresh=True)
+
+    def _resumed(self) -> dict[str, Any]:
+        """Load the newest committed checkpoint, if any; the state this worker now holds."""
+        loaded = self._checkpoints.load_latest() if self._checkpoints is not None else None
+        if loaded is not None:
+            self._load_full(loaded.state)
+            self.resumed_from = "checkpoint"
+            log.info("torchspot: resumed from the checkpoint of step %d", loaded.step)
+        return self._full_state()
+
+    def _reform(self) -> None:
+        """After a step that did not commit, or at an agreed switch: the next group, and a heal in it."""
+        assert self._handover is not None
+        if self._failed:
+            self._handover.report_failure()
+        self._failed = False
+        self._enter_and_heal(fresh=False)
+
+    def _enter_and_heal(self, *, fresh: bool) -> None:
+        """Enter the first newer round that forms and heal in it; again in the next while a newer round
+        or a lost peer breaks the heal. `fresh`: this process holds no state of the run's group yet."""
+        handover, live = self._handover, self._live
+        assert handover is not None
+        assert live is not None
+        started = time.monotonic()
+        while True:
+            assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
+            if assignment is None:
+                self._leave(f"no round handed over within {REFORM_SECONDS:g} s")
+            if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
+                continue
+            self._rank, self._world = assignment.rank, assignment.world
+            try:
+                self._heal(fresh)
+            except GroupChanged as exc:
+                if exc.failed:
+                    handover.report_failure()
+                continue
+            break
+        self._reform_due = False
+        self._rank_duties()
+        self._emit({"event": "generation", "generation": live.generation, "rank": self._rank,
+                    "world_size": self._world, "step": self._step, "pid": os.getpid(), "node": node_name(),
+                    "resumed_from": self.resumed_from,
+                    "seconds": round(time.monotonic() - started, 3)}, any_rank=True)  # fmt: skip
+
+    def _heal(self, fresh: bool) -> None:
+        """Agree on the newest committed step; where a rank lacks it, the lowest rank holding it sends
+        the state (module docstring). Raises GroupChanged where the group fails meanwhile."""
+        assert self._live is not None
+        live, deadline = self._live, time.monotonic() + REFORM_SECONDS
+        rows = live.agree([float(self._step), float(fresh)], deadline)
+        if rows is None:
+            raise GroupChanged(Outcome.BROKEN)
+        best, source = newest(rows)
+        if all(int(row[0]) == best and not row[1] for row in rows):
+            return
+
+        def send(tensor: torch.Tensor, src: int) -> None:
+            outcome = live.broadcast(tensor, src, deadline)
+            if outcome is not Outcome.DONE:
+                raise GroupChanged(outcome)
+
+        mine = self._full_state() if self._rank == source else None
+        state = broadcast_state(mine, source, self._rank, self.device, send=send)
+        if self._rank != source and (fresh or self._step != best):
+            self._load_full(state)
+            self.resumed_from = "peer"
+
+    def _rank_duties(self) -> None:
+        """Rank 0 reports steps and checkpoints to the operator (through the job's etcd); the duty
+        follows rank 0 from group to group."""
+        if self._rank == 0 and self._reporter is None:
+            self._reporter = CheckpointReporter.from_environment()
+        elif self._rank != 0 and self._reporter is not None:
+            self._reporter.close()
+            self._reporter = None
+
+    def _leave(self, why: str) -> NoReturn:
+        """Leave by the restart path: one line with the cause, then exit (the agent restarts the worker)."""
+        print(f"torchspot: rank {self._rank}: {why}; leaving for the restart path", file=sys.stderr, flush=True)
+        leave(EXIT_FAILED)
+
+    def _watch_commits(self) -> None:
+        """End the worker when a step has not committed within `commit_seconds` (module docstring)."""
+        while not self._closed:
+            time.sleep(min(1.0, self.commit_seconds / 4))
+            if self._phase != _IDLE and time.monotonic() - self._step_started > self.commit_seconds:
+                self._leave(
+                    f"step {self._step + 1} did not commit within {self.commit_seconds:g} s of its start (a "
+                    "collective that never completed, or a loop that never called optimizer.step())"
+                )
+
+    # -- state ----------------------------------------------------------------------
+
+    def add_position(self, position: _Position) -> None:
+        """A sampler's position, moved on at each commit and carried in the state (sampler.py)."""
+        if self._begun:
+            raise ApiOrderError("an ElasticSampler made after the first step: make it before the loop begins")
+        self._positions.append(position)
+
+    def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """The model's floating-point buffers, taken from rank 0 at each step (ddp.py)."""
+        self._buffers = buffers
+
+    def _full_state(self) -> dict[str, Any]:
+        return {
+            "user": self._state_dict(),
+            "torchspot": {"step": self._step, "positions": [p.state_dict() for p in self._positions]},
+        }
+
+    def _load_full(self, state: dict[str, Any]) -> None:
+        self._load_state_dict(state["user"])
+        ours = state["torchspot"]
+        self._step = int(ours["step"])
+        for position, saved in zip(self._positions, ours["positions"], strict=True):
+            position.load_state_dict(saved)
+
+    # -- output ---------------------------------------------------------------------
+
+    def _on_checkpoint(self, report: SaveReport) -> None:
+        self._emit({"event": "checkpoint", "step": report.step, "ok": report.ok, "seconds": round(report.seconds, 3),
+                    "error": report.error})  # fmt: skip
+        if report.ok and self._reporter is not None:
+            self._reporter.report(report.step, f"{self._uri.rstrip('/')}/{step_dir(report.step)}")
+
+    def _emit(self, record: dict[str, Any], *, any_rank: bool = False, quiet: bool = False) -> None:
+        """One record: on stdout (rank 0's, or any rank's with `any_rank`) unless `quiet`, and in the
+        events file (every rank's)."""
+        line = json.dumps({"t": time.time(), **record})
+        if not quiet and (any_rank or self._rank == 0):
+            print(line, flush=True)
+        if self._events is not None:
+            with self._events.open("a") as out:  # one O_APPEND write per record
+                out.write(line + "\n")
