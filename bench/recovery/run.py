@@ -37,6 +37,9 @@ Backends:
 - `trainer-inplace`: the same agents, the project's trainer with `--in-place` (`-m
   torchspot_trainer`, a small CNN on the digits, global batch 48, a progress line per step): the
   in-place mode as a user runs it;
+- `ddp-inplace`: the same agents, examples/ddp/train.py (a user's plain DDP script made elastic with
+  `torchspot.elastic`: an MLP, global batch 48, each step paced to the toy's STEP_TIME): the recovery
+  API as a user's own script gets it;
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
   aggressive settings below, as long as it passes the false-alarm check;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
@@ -91,10 +94,10 @@ from torchspot_lab.local import (
 from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
-    "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "etcd-v2", "etcd-v2-tuned", "c10d",
-    *torchft_peer.SETTINGS,
+    "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "etcd-v2",
+    "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
 )  # fmt: skip
-OURS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast")
+OURS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace")
 FAST = "liveness_interval=0.1,liveness_timeout=0.8"
 """`trainer-inplace-fast`'s liveness settings: puts every 0.1 s, a node lost after 0.8 s without one
 (0.25 s after a local collective failed), where the defaults are 0.2 s and 1 s."""
@@ -103,6 +106,8 @@ TRAINER = [
     "--global-batch-size", "48", "--workers", "0", "--log-every", "1", "--scheduled-events", "off", "--in-place",
 ]  # fmt: skip
 """`trainer-inplace`'s program (its --events-file is added per job)."""
+DDP_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp" / "train.py"
+"""`ddp-inplace`'s program (its events go to the file TORCHSPOT_EVENTS_FILE names)."""
 SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm", "wipe", "wipefrozen", "wipejoin")
 AFTER_WIPE = {"wipe": "hard", "wipefrozen": "frozen", "wipejoin": "join"}
 """The scenarios that wipe the job's etcd first, and the fault each then applies. Only for OURS: the
@@ -218,6 +223,12 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program,
             rdzv_conf=FAST if backend == "trainer-inplace-fast" else "", **common,
         )  # fmt: skip
+    if backend == "ddp-inplace":
+        program = [str(DDP_EXAMPLE), "--steps", "100000000", "--step-seconds", str(STEP_TIME)]
+        return JobConfig(
+            backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program,
+            extra_env={"TORCHSPOT_EVENTS_FILE": str(workdir / "events.jsonl")}, **common,
+        )  # fmt: skip
     if backend == "etcd-v3-inplace":
         return JobConfig(
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", toy_args=["--in-place"], **common
@@ -260,10 +271,33 @@ def as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return found
 
 
+def manager_as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recovery API's records (elastic/manager.py) in the toy's terms: each rank's `generation` record
+    its `joined`, rank 0's also the group's `start`, and rank 0's `step` records the steps (every rank
+    writes them). The group is the generation. Pure."""
+    found: list[dict[str, Any]] = []
+    for record in records:
+        kind = record.get("event")
+        if kind == "generation":
+            group = str(record["generation"])
+            found.append({"event": "joined", "t": record["t"], "rank": record["rank"], "world": record["world_size"],
+                          "pid": record["pid"], "node": record["node"], "group": group})  # fmt: skip
+            if record["rank"] == 0:
+                found.append({"event": "start", "t": record["t"], "step": record["step"],
+                              "world": record["world_size"], "group": group})  # fmt: skip
+        elif kind == "step" and record["rank"] == 0:
+            found.append({"event": "step", "t": record["t"], "step": record["step"], "world": record["world_size"],
+                          "group": str(record.get("generation", "?"))})  # fmt: skip
+    return found
+
+
 def _read(job: JobConfig) -> list[dict[str, Any]]:
-    """The job's events, the trainer's in the toy's terms (`as_toy_events`)."""
+    """The job's events, the trainer's and the recovery API's in the toy's terms (`as_toy_events`,
+    `manager_as_toy_events`)."""
     records = read_events(job.events)
-    return as_toy_events(records) if job.program else records
+    if not job.program:
+        return records
+    return manager_as_toy_events(records) if job.program[0] == str(DDP_EXAMPLE) else as_toy_events(records)
 
 
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:
