@@ -22,8 +22,8 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=48)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
-    parser.add_argument("--checkpoint-uri", default="", help="az://container/prefix or a folder")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--checkpoint-uri", help="az://container/prefix or a folder (default: the job's)")
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: the job's)")
     args = parser.parse_args()
 
     inputs, labels = synthetic_data()

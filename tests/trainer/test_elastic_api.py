@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import torchspot.elastic
 from torchspot import elastic
+from torchspot_trainer.checkpoint.manager import step_dir
 from torchspot_trainer.elastic.manager import choose_path
 from torchspot_trainer.markers import PEER_LOST_ENV
 
@@ -164,3 +165,30 @@ def test_a_step_that_never_commits_ends_the_worker_with_one_line_naming_the_caus
         "torchspot: rank 0: step 1 did not commit within 1 s of its start (a collective that never completed, or a "
         "loop that never called optimizer.step()); leaving for the restart path",
     ], done.stderr
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_an_elasticjobs_checkpoint_settings_reach_the_manager_through_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator passes `spec.checkpoint` as TORCHSPOT_CHECKPOINT_* (builders.launcher_env): a script
+    that names no checkpoint checkpoints where its job says."""
+    monkeypatch.setenv("TORCHSPOT_CHECKPOINT_URI", str(tmp_path / "job-ckpt"))
+    monkeypatch.setenv("TORCHSPOT_CHECKPOINT_EVERY", "2")
+    monkeypatch.setenv("TORCHSPOT_KEEP_CHECKPOINTS", "1")
+    model = torch.nn.Linear(4, 2)
+    manager = elastic.Manager(state_dict=model.state_dict, load_state_dict=model.load_state_dict)
+    assert (manager.checkpoint_every, manager.checkpoint_uri) == (2, str(tmp_path / "job-ckpt"))
+    ddp = elastic.DistributedDataParallel(manager, model)
+    optimizer = elastic.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(3):
+        optimizer.zero_grad()
+        ddp(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+    manager.close()
+    saved = [p.name for p in (tmp_path / "job-ckpt").iterdir() if p.name.startswith("step-")]
+    assert saved == [step_dir(3).rstrip("/")]  # every 2 steps, keep 1: step 2's went when the final one committed
+    assert '"event": "checkpoint", "step": 2, "ok": true' in capsys.readouterr().out
+    monkeypatch.setenv("TORCHSPOT_CHECKPOINT_EVERY", "often")
+    with pytest.raises(elastic.Refused, match="TORCHSPOT_CHECKPOINT_EVERY='often': expected a whole number"):
+        elastic.Manager(state_dict=model.state_dict, load_state_dict=model.load_state_dict)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
+from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
@@ -73,7 +74,12 @@ REFORM_SECONDS = 30.0
 to form, before it leaves by the restart path."""
 COMMIT_SECONDS = 300.0
 """A step's default limit from its start to its commit (`Manager`'s `commit_seconds`)."""
-EVENTS_FILE_ENV = "TORCHSPOT_EVENTS_FILE"
+CHECKPOINT_URI_ENV = f"{ENV_PREFIX}CHECKPOINT_URI"
+CHECKPOINT_EVERY_ENV = f"{ENV_PREFIX}CHECKPOINT_EVERY"
+KEEP_CHECKPOINTS_ENV = f"{ENV_PREFIX}KEEP_CHECKPOINTS"
+"""The job's checkpoint settings, as the operator passes them to every worker (builders.launcher_env):
+the manager's defaults, so a script on an ElasticJob checkpoints where the job says with no code."""
+EVENTS_FILE_ENV = f"{ENV_PREFIX}EVENTS_FILE"
 """Where the manager appends its records (JSON lines) when its `events_file` is not given."""
 KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
@@ -87,6 +93,17 @@ class ApiOrderError(RuntimeError):
 
 class Refused(ValueError):
     """A combination the manager cannot honour, said at start with the reason."""
+
+
+def _from_env(name: str, default: int) -> int:
+    """A whole number from the environment variable `name`, `default` where it is unset or empty."""
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise Refused(f"{name}={value!r}: expected a whole number") from None
 
 
 def node_name() -> str:
@@ -126,9 +143,10 @@ class Manager:
         and a checkpoint keeps. The manager adds its own (the step, the samplers' positions).
     :param load_state_dict: takes such a state (from a live peer or a checkpoint), in host memory.
     :param checkpoint_uri: `az://container/prefix` or a local folder: periodic checkpoints (asynchronous,
-        atomic: a partial one is never loaded) and the resume of a restart. Empty: none.
-    :param checkpoint_every: steps between checkpoints (0: only the final one).
-    :param keep_checkpoints: committed checkpoints kept; older ones are deleted.
+        atomic: a partial one is never loaded) and the resume of a restart. Empty: none. None (the
+        default): TORCHSPOT_CHECKPOINT_URI, which the operator sets from the job's `spec.checkpoint`.
+    :param checkpoint_every: steps between checkpoints (0: only the final one); None: TORCHSPOT_CHECKPOINT_EVERY.
+    :param keep_checkpoints: committed checkpoints kept, older ones deleted; None: TORCHSPOT_KEEP_CHECKPOINTS, else 3.
     :param in_place: None re-forms in place wherever the launcher allows it (`choose_path`).
     :param device: where the gradients travel (default: this worker's GPU, else the CPU).
     :param commit_seconds: a step's limit from its start to its commit (module docstring).
@@ -140,14 +158,17 @@ class Manager:
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], object],
         *,
-        checkpoint_uri: str = "",
-        checkpoint_every: int = 0,
-        keep_checkpoints: int = 3,
+        checkpoint_uri: str | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int | None = None,
         in_place: bool | None = None,
         device: torch.device | None = None,
         commit_seconds: float = COMMIT_SECONDS,
         events_file: str | Path | None = None,
     ) -> None:
+        checkpoint_uri = os.environ.get(CHECKPOINT_URI_ENV, "") if checkpoint_uri is None else checkpoint_uri
+        checkpoint_every = _from_env(CHECKPOINT_EVERY_ENV, 0) if checkpoint_every is None else checkpoint_every
+        keep_checkpoints = _from_env(KEEP_CHECKPOINTS_ENV, 3) if keep_checkpoints is None else keep_checkpoints
         if checkpoint_every < 0:
             raise Refused(f"checkpoint_every={checkpoint_every}: must be 0 (only the final one) or more")
         if checkpoint_every and not checkpoint_uri:
@@ -167,7 +188,7 @@ class Manager:
         if checkpoint_uri:
             config = CheckpointConfig(keep=keep_checkpoints)
             self._checkpoints = CheckpointManager(open_storage(checkpoint_uri), config, on_report=self._on_checkpoint)
-        self._uri = checkpoint_uri
+        self.checkpoint_uri = checkpoint_uri
         self._step = 0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self._phase = _IDLE
@@ -522,7 +543,7 @@ class Manager:
         self._emit({"event": "checkpoint", "step": report.step, "ok": report.ok, "seconds": round(report.seconds, 3),
                     "error": report.error})  # fmt: skip
         if report.ok and self._reporter is not None:
-            self._reporter.report(report.step, f"{self._uri.rstrip('/')}/{step_dir(report.step)}")
+            self._reporter.report(report.step, f"{self.checkpoint_uri.rstrip('/')}/{step_dir(report.step)}")
 
     def _emit(self, record: dict[str, Any], *, any_rank: bool = False, quiet: bool = False) -> None:
         """One record: on stdout (rank 0's, or any rank's with `any_rank`) unless `quiet`, and in the
