@@ -6,6 +6,7 @@ and the script, with no checkpoint, starts again from step 0.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -23,9 +24,10 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    inputs, labels = synthetic_data()
-    model = build_model()
+    dist.init_process_group()  # NCCL for GPU tensors, gloo for CPU ones
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    inputs, labels = (tensor.to(device) for tensor in synthetic_data())
+    model = build_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     ddp = DistributedDataParallel(model)
     order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(0))

@@ -7,6 +7,7 @@ same script takes the restart path and resumes from its newest checkpoint.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -26,8 +27,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: the job's)")
     args = parser.parse_args()
 
-    inputs, labels = synthetic_data()
-    model = build_model()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    inputs, labels = (tensor.to(device) for tensor in synthetic_data())
+    model = build_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     manager = elastic.Manager(
         state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},

@@ -23,6 +23,7 @@ from torchspot_lab.sandbox import CRD_RESOURCE
 from torchspot_operator.builders import JobRef, worker_pod
 from torchspot_operator.spec import parse_spec
 from torchspot_trainer.config import parse_config
+from torchspot_trainer.elastic.manager import checkpoint_settings
 from torchspot_trainer.launch import check_args
 
 MANIFESTS = ROOT / "manifests"
@@ -138,3 +139,25 @@ def test_broken_copies_of_the_example_are_rejected(case: str, path: str, value: 
     with pytest.raises(AdmissionError) as info:
         ADMISSION.admit(body)
     assert any(problem.startswith(path) and said in problem for problem in info.value.problems), info.value.problems
+
+
+def test_the_ddp_examples_job_launches_its_script_with_the_jobs_checkpoint_settings() -> None:
+    """examples/ddp/elasticjob.yaml: admitted as `kubectl apply` sends it; its pod valid; torchspot-run takes
+    its script, which its image copies where the job names it; and the job's checkpoint settings reach
+    the script's manager, which names none (torchspot.elastic's TORCHSPOT_CHECKPOINT_* defaults)."""
+    folder = ROOT / "examples" / "ddp"
+    body = ADMISSION.admit(_load(folder / "elasticjob.yaml"), strict=True)
+    spec = parse_spec(body["spec"])
+    pod = worker_pod(JobRef(body["metadata"]["name"], "default", "uid-1"), spec, 0)
+    pod["metadata"]["namespace"] = "default"
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    container = pod["spec"]["containers"][0]
+    launcher = get_args_parser().parse_args(container["args"])
+    assert not launcher.module
+    script = Path(launcher.training_script)
+    copied = (folder / "Dockerfile").read_text()
+    assert f"COPY --chown=10001:10001 common.py plain.py train.py {script.parent}/" in copied
+    assert (folder / script.name).exists()
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    chosen = checkpoint_settings(None, None, None, env)
+    assert chosen == (spec.checkpoint_uri, spec.checkpoint_interval, spec.checkpoint_keep)

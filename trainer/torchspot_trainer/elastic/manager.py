@@ -95,9 +95,27 @@ class Refused(ValueError):
     """A combination the manager cannot honour, said at start with the reason."""
 
 
-def _from_env(name: str, default: int) -> int:
+def checkpoint_settings(
+    uri: str | None, every: int | None, keep: int | None, environ: Mapping[str, str]
+) -> tuple[str, int, int]:
+    """(uri, every, keep) of the manager's checkpoints: each argument given, else the job's from `environ`
+    (the operator's TORCHSPOT_CHECKPOINT_*), else none, 0 and 3. Pure. Raises Refused for a value that
+    cannot be honoured, naming it."""
+    uri = environ.get(CHECKPOINT_URI_ENV, "") if uri is None else uri
+    every = _from_env(environ, CHECKPOINT_EVERY_ENV, 0) if every is None else every
+    keep = _from_env(environ, KEEP_CHECKPOINTS_ENV, 3) if keep is None else keep
+    if every < 0:
+        raise Refused(f"checkpoint_every={every}: must be 0 (only the final one) or more")
+    if every and not uri:
+        raise Refused(f"checkpoint_every={every} without a checkpoint_uri: say where they go")
+    if keep < 1:
+        raise Refused(f"keep_checkpoints={keep}: keep at least 1")
+    return uri, every, keep
+
+
+def _from_env(environ: Mapping[str, str], name: str, default: int) -> int:
     """A whole number from the environment variable `name`, `default` where it is unset or empty."""
-    value = os.environ.get(name, "")
+    value = environ.get(name, "")
     if not value:
         return default
     try:
@@ -166,13 +184,9 @@ class Manager:
         commit_seconds: float = COMMIT_SECONDS,
         events_file: str | Path | None = None,
     ) -> None:
-        checkpoint_uri = os.environ.get(CHECKPOINT_URI_ENV, "") if checkpoint_uri is None else checkpoint_uri
-        checkpoint_every = _from_env(CHECKPOINT_EVERY_ENV, 0) if checkpoint_every is None else checkpoint_every
-        keep_checkpoints = _from_env(KEEP_CHECKPOINTS_ENV, 3) if keep_checkpoints is None else keep_checkpoints
-        if checkpoint_every < 0:
-            raise Refused(f"checkpoint_every={checkpoint_every}: must be 0 (only the final one) or more")
-        if checkpoint_every and not checkpoint_uri:
-            raise Refused(f"checkpoint_every={checkpoint_every} without a checkpoint_uri: say where they go")
+        checkpoint_uri, checkpoint_every, keep_checkpoints = checkpoint_settings(
+            checkpoint_uri, checkpoint_every, keep_checkpoints, os.environ
+        )
         if commit_seconds <= 0:
             raise Refused(f"commit_seconds={commit_seconds}: must be more than 0")
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
