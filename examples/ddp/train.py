@@ -23,8 +23,6 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=48)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
-    parser.add_argument("--checkpoint-uri", help="az://container/prefix or a folder (default: the job's)")
-    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: the job's)")
     args = parser.parse_args()
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
@@ -34,8 +32,7 @@ def main() -> None:
     manager = elastic.Manager(
         state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
         load_state_dict=lambda s: (model.load_state_dict(s["model"]), optimizer.load_state_dict(s["optimizer"])),
-        checkpoint_uri=args.checkpoint_uri, checkpoint_every=args.checkpoint_every,
-    )  # fmt: skip
+    )  # checkpoints: where the ElasticJob's spec.checkpoint says (TORCHSPOT_CHECKPOINT_*)
     ddp = elastic.DistributedDataParallel(manager, model)
     optimizer = elastic.OptimizerWrapper(manager, optimizer)
     sampler = elastic.ElasticSampler(manager, len(inputs), global_batch=args.global_batch)

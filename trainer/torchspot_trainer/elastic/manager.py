@@ -2,17 +2,19 @@
 
 A step, as the wrappers (ddp.py) drive it:
 
-1. `start_step()` (from `OptimizerWrapper.zero_grad`): the first call enters the job's first group and
-   resumes; a later one, after a step that did not commit or at a switch the group agreed on, enters
-   the next group and heals in it (below) before the step begins.
+1. `current_step()`'s first call (the loop's condition) enters the job's first group and resumes: from a
+   live peer where the run goes on, else from the newest checkpoint. `start_step()` (from
+   `OptimizerWrapper.zero_grad`) begins a step, in the next group when a round came between steps.
 2. The backward pass: each DDP bucket's all-reduce goes over the current group (`reduce_bucket`),
    through a staging copy, against a deadline and the agent's next round (recovery/live.py). The last
    bucket carries two more values per rank: whether this rank's deferred round has its joiners ready,
    and its rank in it, so every rank that completes the step learns the same thing at the same step.
 3. `should_commit()` (from `OptimizerWrapper.step`, before the update): True when every bucket's
-   all-reduce completed. Otherwise the update is not applied, and the next `start_step` re-forms.
+   all-reduce completed. Otherwise the update is not applied, and the worker enters the next group and
+   heals in it at once, so that the loop's condition reads the healed step.
 4. `commit()` (after the update): the step counts; the samplers move on; the agent, the operator
-   and the checkpoint schedule hear of it.
+   and the checkpoint schedule hear of it; where the step agreed on a switch to a joiner's group, the
+   switch follows.
 
 **Healing.** At each group's start the ranks agree on the newest committed step, and where a rank
 lacks it (a joiner, a worker its agent restarted, a rank whose last all-reduce failed where a peer's
@@ -243,7 +245,12 @@ class Manager:
         return self._world
 
     def current_step(self) -> int:
-        """Steps committed so far (by this run's lineage: a heal or a resume moves it)."""
+        """Steps committed so far (by this run's lineage: a heal or a resume moves it). The first call
+        enters the job's first group and resumes (a joiner is healed here), so that a loop's condition
+        reads the run's step, not a new process's 0: a worker that joined a run at its last step
+        would otherwise train one step more."""
+        if not self._begun and not self._closed:
+            self._begin()
         return self._step
 
     # -- the step -----------------------------------------------------------------
@@ -257,8 +264,8 @@ class Manager:
             raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
         if not self._begun:
             self._begin()
-        elif self._reform_due or (self._live is not None and self._live.broken.is_set()):
-            self._reform()  # (a round that came between steps: no step is started in a group that is over)
+        elif self._live is not None and self._live.broken.is_set():
+            self._reform()  # a round that came between steps: no step is started in a group that is over
         self._posted, self._ride = [], None
         self._phase = _STEP
         self._step_started = time.monotonic()
@@ -336,10 +343,10 @@ class Manager:
         self._posted = []
         if any(outcome is not Outcome.DONE for outcome in outcomes) or self._ride is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
-            self._reform_due = True
             self._phase = _IDLE
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
                         self._rank, self._step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
+            self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
         self._take_riders(self._ride)
         self._phase = _COMMITTING
@@ -380,6 +387,8 @@ class Manager:
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
         if due and self._rank == 0 and self._checkpoints is not None:
             self._checkpoints.save_async(self._step, self._full_state(), {"world_size": self._world})
+        if self._reform_due:  # the switch every rank agreed on with this step (`_take_riders`)
+            self._reform()
 
     def close(self) -> None:
         """The loop is over: rank 0 writes the final checkpoint (unless the last one is of this step) and
@@ -449,6 +458,7 @@ class Manager:
         if self._failed:
             self._handover.report_failure()
         self._failed = False
+        self._reform_due = False
         self._enter_and_heal(fresh=False)
 
     def _enter_and_heal(self, *, fresh: bool) -> None:
