@@ -5,7 +5,7 @@ import random
 
 import torch
 
-SEQUENCE, SEQUENCES = 64, 480
+SEQUENCE, SEQUENCES = 32, 480
 SUBJECTS = ["the spot node", "a worker", "the operator", "every rank", "the agent", "a joiner", "the group"]
 VERBS = ["evicts", "heals", "trains", "checkpoints", "joins", "leaves", "re-forms", "averages"]
 OBJECTS = ["the model", "its state", "a step", "the gradients", "the next round", "a checkpoint", "the batch"]

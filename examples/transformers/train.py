@@ -20,7 +20,7 @@ def build_model() -> GPT2LMHeadModel:
     """A two-layer GPT-2 over the corpus's characters, initialised alike on every rank."""
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=len(VOCABULARY), n_positions=64, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
+        vocab_size=len(VOCABULARY), n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
