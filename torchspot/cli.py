@@ -32,8 +32,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchspot_lab.azure import EVICTION_POLICIES, SPOT_MAX_PRICE_ANY
-from torchspot_lab.scenario import Scenario, ScenarioError, load_scenario
+try:
+    from torchspot_lab.azure import EVICTION_POLICIES, SPOT_MAX_PRICE_ANY
+    from torchspot_lab.scenario import Scenario, ScenarioError, load_scenario
+except ModuleNotFoundError as missing:  # the distribution without extras: a worker's runtime only
+    raise SystemExit(
+        f"torchspot: {missing.name} is not installed: the `torchspot` command needs the operator's packages "
+        "(pip install 'torchspot[operator]'; 'torchspot[lab]' for `torchspot lab run`)"
+    ) from None
 
 if TYPE_CHECKING:
     from torchspot_operator.kube import Kube

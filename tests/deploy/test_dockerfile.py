@@ -149,3 +149,26 @@ def test_operator_requirements_cover_what_the_operator_imports() -> None:
     assert "torch" not in needed  # the operator image has no torch
     missing = needed - set(_pins("operator.txt"))
     assert not missing, f"requirements/operator.txt lacks {sorted(missing)}"
+
+
+def test_a_workers_runtime_needs_none_of_the_operators_packages() -> None:
+    """What a user's training image installs (the distribution without extras: requirements/trainer.txt)
+    is all a worker imports: torchspot-run, the rendezvous, the trainer and torchspot.elastic load none
+    of the `operator` extra's packages (kopf, aiohttp, kubernetes...)."""
+    probe = (
+        "import sys, json, importlib.metadata as md\n"
+        "import torchspot_trainer.launch, torchspot_trainer.rendezvous.handler, torchspot_trainer.train\n"
+        "import torchspot_trainer.__main__, torchspot.elastic\n"
+        "owners = md.packages_distributions()\n"
+        "loaded = [m for m, v in list(sys.modules.items()) if v is not None]\n"
+        "print(json.dumps(sorted({d for m in loaded for d in owners.get(m.split('.')[0], [])})))\n"
+    )
+    loaded = json.loads(
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    operator_only = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in project["optional-dependencies"]["operator"]}
+    assert {"kopf", "aiohttp", "kubernetes"} <= operator_only
+    normalized = {d.lower().replace("_", "-") for d in loaded}
+    assert not normalized & operator_only, sorted(normalized & operator_only)
+    assert "torch" in normalized
