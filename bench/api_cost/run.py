@@ -1,0 +1,77 @@
+"""The recovery API's steady-state cost: the DDP example's loop on torchspot.elastic (in place) against the
+same loop under plain DDP, in the same run, trials interleaved.
+
+Each trial is a local job of 2 nodes under torchspot-run (etcd-v3, real agents, gloo), one process per
+node, the loop timed in-process after a warm-up (worker.py): plain DDP on torch's default group, then
+the API, then plain again... Rates are steps per second; the ratio is the API's median over plain's.
+Widths: the example's MLP (64 hidden units, a step of a few milliseconds on these cores, where a fixed
+per-step cost shows most) and a wider one.
+
+Usage: python bench/api_cost/run.py [--trials 5] [--steps 1000] [--widths 64 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import JobConfig, LocalNode
+
+WORKER = Path(__file__).resolve().with_name("worker.py")
+
+
+def trial(root: Path, etcd: EtcdServer, mode: str, width: int, steps: int) -> float:
+    """Steps per second of one 2-node job of `mode`."""
+    workdir = root / f"{mode}-{width}-{uuid.uuid4().hex[:6]}"
+    program = [str(WORKER), "--mode", mode, "--steps", str(steps), "--width", str(width)]
+    job = JobConfig(workdir=workdir, backend="etcd-v3", endpoint=etcd.endpoint, run_id=workdir.name, nnodes="2:2",
+                    program=program)  # fmt: skip
+    nodes = [LocalNode(f"n{i}", job) for i in range(2)]
+    for node in nodes:
+        node.start()
+    try:
+        codes = [node.wait(300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.stop()
+    if codes != [0, 0]:
+        raise SystemExit(f"{mode} width {width}: exit codes {codes}\n{nodes[0].log_tail(30)}")
+    for node in nodes:
+        for line in node.log_path.read_text().splitlines():
+            if line.startswith('{"mode"'):
+                return float(json.loads(line)["steps_per_s"])
+    raise SystemExit(f"{mode}: no rate printed\n{nodes[0].log_tail(30)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 1024])
+    args = parser.parse_args()
+    rates: dict[tuple[str, int], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="torchspot-api-cost-") as tmp, EtcdServer(Path(tmp) / "etcd") as etcd:
+        for number in range(args.trials):
+            for width in args.widths:
+                for mode in ("plain", "elastic") if number % 2 == 0 else ("elastic", "plain"):
+                    rate = trial(Path(tmp), etcd, mode, width, args.steps)
+                    rates.setdefault((mode, width), []).append(rate)
+                    print(f"[{number + 1}/{args.trials}] width {width:5} {mode:8} {rate:8.1f} steps/s", flush=True)
+    print("\nSteady state, 2 nodes x 1 process, gloo: steps per second (median, min-max)")
+    for width in args.widths:
+        plain, ours = rates[("plain", width)], rates[("elastic", width)]
+        ratio = statistics.median(ours) / statistics.median(plain)
+        print(f"  width {width:5}: plain DDP {statistics.median(plain):.1f} ({min(plain):.1f}-{max(plain):.1f}), "
+              f"torchspot.elastic {statistics.median(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}): "
+              f"ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")  # fmt: skip
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
