@@ -4,8 +4,8 @@ same loop under plain DDP, in the same run, trials interleaved.
 Each trial is a local job of 2 nodes under torchspot-run (etcd-v3, real agents, gloo), one process per
 node, the loop timed in-process after a warm-up (worker.py): plain DDP on torch's default group, then
 the API, then plain again... Rates are steps per second; the ratio is the API's median over plain's.
-Widths: the example's MLP (64 hidden units, a step of a few milliseconds on these cores, where a fixed
-per-step cost shows most) and a wider one.
+Widths: the example's MLP (64 hidden units, a step of about 3 ms on 2 cores, where a fixed per-step cost
+shows most) and a wider one (4096 hidden units over a global batch of 480: a step of tens of milliseconds).
 
 Usage: python bench/api_cost/run.py [--trials 5] [--steps 1000] [--widths 64 1024]
 """
@@ -24,12 +24,15 @@ from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode
 
 WORKER = Path(__file__).resolve().with_name("worker.py")
+SMALL = 64
+"""Widths up to this train the example's global batch (48); wider ones ten times as many samples a step."""
 
 
 def trial(root: Path, etcd: EtcdServer, mode: str, width: int, steps: int) -> float:
     """Steps per second of one 2-node job of `mode`."""
     workdir = root / f"{mode}-{width}-{uuid.uuid4().hex[:6]}"
-    program = [str(WORKER), "--mode", mode, "--steps", str(steps), "--width", str(width)]
+    batch = 48 if width <= SMALL else 480
+    program = [str(WORKER), "--mode", mode, "--steps", str(steps), "--width", str(width), "--global-batch", str(batch)]
     job = JobConfig(workdir=workdir, backend="etcd-v3", endpoint=etcd.endpoint, run_id=workdir.name, nnodes="2:2",
                     program=program)  # fmt: skip
     nodes = [LocalNode(f"n{i}", job) for i in range(2)]
@@ -53,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--widths", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 4096])
     args = parser.parse_args()
     rates: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="torchspot-api-cost-") as tmp, EtcdServer(Path(tmp) / "etcd") as etcd:

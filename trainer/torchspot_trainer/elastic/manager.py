@@ -41,7 +41,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -87,6 +89,18 @@ KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
 can block (launch.run_program says why)."""
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
+
+
+@dataclass
+class _Bucket:
+    """One DDP bucket's all-reduce in a step: what it sends (the average's staging copy, with the riders
+    on the last one), DDP's bucket, and the future DDP waits for."""
+
+    staging: torch.Tensor
+    tensor: torch.Tensor
+    last: bool
+    outcome: Outcome | None = None
+    future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
 
 
 class ApiOrderError(RuntimeError):
@@ -218,7 +232,10 @@ class Manager:
         self._positions: list[_Position] = []
         self._buffers: list[torch.Tensor] = []
         """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
-        self._posted: list[Future[Outcome]] = []
+        self._buckets: list[_Bucket] = []
+        """The step's buckets posted so far (`reduce_bucket`)."""
+        self._lock = threading.Lock()
+        """Guards `_buckets` and each bucket's end, which gloo's threads and the watcher's reach."""
         self._ride: torch.Tensor | None = None
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-buckets")
         self._reporter: CheckpointReporter | None = None
@@ -229,6 +246,7 @@ class Manager:
                 os.environ.update(nccl_environment(os.environ))
                 os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
             self._live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
+            self._live.when_broken(self._break)
             KEEP.append(self._live)
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
@@ -266,7 +284,8 @@ class Manager:
             self._begin()
         elif self._live is not None and self._live.broken.is_set():
             self._reform()  # a round that came between steps: no step is started in a group that is over
-        self._posted, self._ride = [], None
+        with self._lock:
+            self._buckets, self._ride = [], None
         self._phase = _STEP
         self._step_started = time.monotonic()
 
@@ -277,54 +296,67 @@ class Manager:
 
     def reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook, in place: the bucket's average over the current group, started now;
-        its future completes when the all-reduce ended, however it ended (the outcome decides the commit)."""
+        its future completes when the all-reduce ended, however it ended (the outcome decides the commit):
+        on gloo's thread as it ends (`LiveGroup.post_told`), or when a newer round breaks the generation
+        (`_break`); on a device plane, a thread of the manager's waits for it (`LiveGroup.post`)."""
         self.require_step("a backward pass")
-        assert self._live is not None
+        live = self._live
+        assert live is not None
         tensor = bucket.buffer()
         parts = [tensor.reshape(-1) / self._world]
         last = bucket.is_last()
         if last:
             parts.append(self._riders(tensor.dtype, tensor.device))
-        staging = torch.cat(parts) if len(parts) > 1 else parts[0]
-        finish = self._live.post(staging, control=False, owned=True)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        deadline = self._step_started + self.commit_seconds
-        waited = self._waiter.submit(self._finish, finish, staging, tensor, future, last=last, deadline=deadline)
-        self._posted.append(waited)
-        return future
+        posted = _Bucket(torch.cat(parts) if len(parts) > 1 else parts[0], tensor, last)
+        with self._lock:
+            self._buckets.append(posted)
+        if live.plane.separate:
+            finish = live.post(posted.staging, control=False, owned=True)
+            deadline = self._step_started + self.commit_seconds
+            self._waiter.submit(lambda: self._end(posted, finish(deadline)))
+        elif live.broken.is_set():  # a newer round came before this bucket: nothing to start
+            self._end(posted, Outcome.BROKEN)
+        else:
+            live.post_told(posted.staging, partial(self._end, posted))
+        return posted.future
+
+    def _end(self, posted: _Bucket, outcome: Outcome) -> None:
+        """A bucket's all-reduce ended (or was given up): complete its future, once, with the average (a
+        staging copy nobody reads again unless the outcome is DONE)."""
+        with self._lock:
+            if posted.outcome is not None:
+                return
+            posted.outcome = outcome
+        numel = posted.tensor.numel()
+        if posted.last and outcome is Outcome.DONE:
+            self._ride = posted.staging[numel:].clone()
+        posted.future.set_result(posted.staging[:numel].view_as(posted.tensor))
+
+    def _break(self) -> None:
+        """A newer round broke the generation (the watcher's thread): give up the step's buckets in
+        flight, whose all-reduce may now wait for a peer that moved on (a frozen one, or one re-forming)."""
+        with self._lock:
+            pending = [posted for posted in self._buckets if posted.outcome is None]
+        for posted in pending:
+            self._end(posted, Outcome.BROKEN)
 
     def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """What the last bucket carries beside the gradients: the model's buffers (rank 0's, zeros
         elsewhere: a sum takes rank 0's, as DDP's broadcast does), then each rank's line of the joiners
-        table (ready, its rank in the deferred round), small integers exact in any float type."""
+        table (ready, and one more than its rank in the deferred round), small integers exact in any float
+        type."""
         assert self._live is not None
+        table = torch.zeros(self._world * 2, dtype=dtype, device=device)
+        if self._live.joiners_ready.is_set():
+            table[self._rank * 2] = 1.0
+        pending = self._live.pending_rank()
+        if pending >= 0:  # (stored one up: 0 stays "not offered the round yet", -1 in `switching`)
+            table[self._rank * 2 + 1] = float(pending + 1)
+        if not self._buffers:
+            return table
         mine = self._rank == 0
         parts = [(b.detach() if mine else torch.zeros_like(b)).reshape(-1).to(device, dtype) for b in self._buffers]
-        table = torch.zeros(self._world, 2, dtype=dtype, device=device)
-        table[self._rank, 0] = float(self._live.joiners_ready.is_set())
-        table[self._rank, 1] = float(self._live.pending_rank())
-        parts.append(table.reshape(-1))
-        return torch.cat(parts)
-
-    def _finish(
-        self,
-        finish: Callable[[float], Outcome],
-        staging: torch.Tensor,
-        tensor: torch.Tensor,
-        future: torch.futures.Future[torch.Tensor],
-        *,
-        last: bool,
-        deadline: float,
-    ) -> Outcome:
-        """Wait for one bucket's all-reduce (on the bucket thread) and complete its future."""
-        outcome = Outcome.FAILED
-        try:
-            outcome = finish(deadline)
-            if last and outcome is Outcome.DONE:
-                self._ride = staging[tensor.numel() :].clone()
-        finally:
-            future.set_result(staging[: tensor.numel()].view_as(tensor))
-        return outcome
+        return torch.cat([*parts, table])
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the
@@ -334,13 +366,16 @@ class Manager:
         if not self.in_place:
             self._phase = _COMMITTING
             return True
-        if not self._posted:
+        with self._lock:
+            buckets, self._buckets = self._buckets, []
+        if not buckets:
             raise ApiOrderError(
                 "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
                 "elastic DistributedDataParallel model first"
             )
-        outcomes = [posted.result() for posted in self._posted]
-        self._posted = []
+        for posted in buckets:  # (ended when the backward pass returned: DDP waited for every one)
+            posted.future.wait()
+        outcomes = [posted.outcome or Outcome.BROKEN for posted in buckets]
         if any(outcome is not Outcome.DONE for outcome in outcomes) or self._ride is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._phase = _IDLE
@@ -361,7 +396,7 @@ class Manager:
             offset += buffer.numel()
         rows = ride[offset:].view(self._world, 2).tolist()
         if any(row[0] for row in rows):  # a joiner is ready: every rank switches after this step
-            self._live.switching([round(row[1]) for row in rows])
+            self._live.switching([round(row[1]) - 1 for row in rows])
             self._reform_due = True
 
     def commit(self) -> None:
@@ -369,7 +404,7 @@ class Manager:
         operator, and checkpoint on schedule. `OptimizerWrapper.step` calls it after the update."""
         if self._phase != _COMMITTING:
             raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
-        samples = self._positions[0].step_chunk(self._world) if self._positions else None
+        samples = self._positions[0].step_chunk(self._world) if self._positions and self._events else None
         for position in self._positions:
             position.advance(self._world)
         self._step += 1
@@ -378,12 +413,14 @@ class Manager:
             self._handover.stepped(self._live.generation)
         if self._reporter is not None:
             self._reporter.report_step(self._step)
-        record: dict[str, Any] = {"event": "step", "step": self._step, "world_size": self._world, "rank": self._rank}
-        if self._live is not None:
-            record["generation"] = self._live.generation
-        if samples is not None:
-            record["samples"] = samples
-        self._emit(record, quiet=True)
+        if self._events is not None:
+            record: dict[str, Any] = {"event": "step", "step": self._step, "world_size": self._world}
+            record["rank"] = self._rank
+            if self._live is not None:
+                record["generation"] = self._live.generation
+            if samples is not None:
+                record["samples"] = samples
+            self._emit(record, quiet=True)
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
         if due and self._rank == 0 and self._checkpoints is not None:
             self._checkpoints.save_async(self._step, self._full_state(), {"world_size": self._world})
@@ -572,6 +609,8 @@ class Manager:
     def _emit(self, record: dict[str, Any], *, any_rank: bool = False, quiet: bool = False) -> None:
         """One record: on stdout (rank 0's, or any rank's with `any_rank`) unless `quiet`, and in the
         events file (every rank's)."""
+        if quiet and self._events is None:
+            return
         line = json.dumps({"t": time.time(), **record})
         if not quiet and (any_rank or self._rank == 0):
             print(line, flush=True)

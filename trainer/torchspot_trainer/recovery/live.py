@@ -326,6 +326,8 @@ class LiveGroup:
         self._waking: threading.Event | None = None
         """What wakes the host collective being waited for (`_wait`): set by its completion, and by
         `supersede` with `broken`."""
+        self._breakers: list[Callable[[], None]] = []
+        """Called (on the watcher's thread) each time `supersede` breaks a generation (`when_broken`)."""
 
     @property
     def rank(self) -> int:
@@ -433,11 +435,20 @@ class LiveGroup:
         (otherwise its build would wait its deadline for peers that moved on)."""
         with self._lock:
             self._announced = max(self._announced, generation)
-            if self.assignment is None or generation > self.assignment.generation:
+            breaking = self.assignment is None or generation > self.assignment.generation
+            if breaking:
                 self.broken.set()
                 waking = self._waking
                 if waking is not None:
                     waking.set()
+        if breaking:
+            for breaker in self._breakers:
+                breaker()
+
+    def when_broken(self, breaker: Callable[[], None]) -> None:
+        """Call `breaker` whenever `supersede` breaks the current generation, on the caller's thread (the
+        watcher's), after `broken` is set: for collectives whose end is told (`post_told`), not waited for."""
+        self._breakers.append(breaker)
 
     def offer(self, assignment: Assignment) -> None:
         """A newer round, from the hand-over's watcher thread. Normally `supersede`. With `defer_joins`,
@@ -634,6 +645,35 @@ class LiveGroup:
             return outcome
 
         return finish
+
+    def post_told(self, tensor: torch.Tensor, on_end: Callable[[Outcome], None]) -> None:
+        """`post` of a tensor the caller gives to the collective (`owned`), on a generation whose data
+        travel on its gloo group, whose end is told instead of waited for: `on_end(DONE)` or
+        `on_end(FAILED)` on gloo's thread as it ends (at once where it cannot start). No thread of
+        the caller's waits, so a step's gradient bucket completes as DDP's own does (a waiting thread
+        per bucket cost a third of a small model's steps on 2 CPU cores: bench/api_cost). A
+        collective that a newer round leaves hanging is the caller's to give up (`when_broken`).
+        Not on a device plane, whose future may complete as its work is queued (planes.py): `post`."""
+        if self.plane.separate:
+            raise ValueError("post_told is for a generation whose data travel on its gloo group: use post")
+        group = self._pick(False)
+        work = self._enqueue(group, lambda: group.allreduce([tensor]))
+        if work is None:
+            on_end(Outcome.FAILED)
+            return
+        self._hold(group, work, tensor)
+        generation = self.generation
+
+        def ended(future: Any) -> None:
+            try:
+                future.wait()
+            except RuntimeError as exc:  # gloo: a peer's connection closed, or the op timed out
+                log.warning("generation %s: collective failed (%s)", generation, str(exc).splitlines()[0])
+                on_end(Outcome.FAILED)
+                return
+            on_end(Outcome.DONE)
+
+        work.get_future().add_done_callback(ended)
 
     def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> Outcome:
         """`tensor` from rank `src` to every rank, through a staging copy, on the data plane's group,
