@@ -40,6 +40,8 @@ Backends:
 - `ddp-inplace`: the same agents, examples/ddp/train.py (a user's plain DDP script made elastic with
   `torchspot.elastic`: an MLP, global batch 48, each step paced to the toy's STEP_TIME): the recovery
   API as a user's own script gets it;
+- `transformers-inplace`: the same with examples/transformers/train.py (a GPT-2-style causal LM of
+  Hugging Face Transformers in a plain loop on the API, its import preloaded by the agent's warm server);
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
   aggressive settings below, as long as it passes the false-alarm check;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
@@ -94,10 +96,10 @@ from torchspot_lab.local import (
 from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
-    "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "etcd-v2",
-    "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
+    "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
+    "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
 )  # fmt: skip
-OURS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace")
+OURS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace")
 FAST = "liveness_interval=0.1,liveness_timeout=0.8"
 """`trainer-inplace-fast`'s liveness settings: puts every 0.1 s, a node lost after 0.8 s without one
 (0.25 s after a local collective failed), where the defaults are 0.2 s and 1 s."""
@@ -106,8 +108,13 @@ TRAINER = [
     "--global-batch-size", "48", "--workers", "0", "--log-every", "1", "--scheduled-events", "off", "--in-place",
 ]  # fmt: skip
 """`trainer-inplace`'s program (its --events-file is added per job)."""
-DDP_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp" / "train.py"
-"""`ddp-inplace`'s program (its events go to the file TORCHSPOT_EVENTS_FILE names)."""
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+API_PROGRAMS = {
+    "ddp-inplace": EXAMPLES / "ddp" / "train.py",
+    "transformers-inplace": EXAMPLES / "transformers" / "train.py",
+}
+"""The modes whose program is a user's script on the recovery API (its events go to the file
+TORCHSPOT_EVENTS_FILE names)."""
 SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm", "wipe", "wipefrozen", "wipejoin")
 AFTER_WIPE = {"wipe": "hard", "wipefrozen": "frozen", "wipejoin": "join"}
 """The scenarios that wipe the job's etcd first, and the fault each then applies. Only for OURS: the
@@ -223,12 +230,14 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program,
             rdzv_conf=FAST if backend == "trainer-inplace-fast" else "", **common,
         )  # fmt: skip
-    if backend == "ddp-inplace":
-        program = [str(DDP_EXAMPLE), "--steps", "100000000", "--step-seconds", str(STEP_TIME)]
+    if backend in API_PROGRAMS:
+        program = [str(API_PROGRAMS[backend]), "--steps", "100000000", "--step-seconds", str(STEP_TIME)]
+        env = {"TORCHSPOT_EVENTS_FILE": str(workdir / "events.jsonl")}
+        if backend == "transformers-inplace":
+            env["TORCHSPOT_FORK_PRELOAD"] = "transformers"
         return JobConfig(
-            backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program,
-            extra_env={"TORCHSPOT_EVENTS_FILE": str(workdir / "events.jsonl")}, **common,
-        )  # fmt: skip
+            backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program, extra_env=env, **common
+        )
     if backend == "etcd-v3-inplace":
         return JobConfig(
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", toy_args=["--in-place"], **common
@@ -297,7 +306,8 @@ def _read(job: JobConfig) -> list[dict[str, Any]]:
     records = read_events(job.events)
     if not job.program:
         return records
-    return manager_as_toy_events(records) if job.program[0] == str(DDP_EXAMPLE) else as_toy_events(records)
+    api = job.program[0] in {str(program) for program in API_PROGRAMS.values()}
+    return manager_as_toy_events(records) if api else as_toy_events(records)
 
 
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:
