@@ -303,11 +303,13 @@ class Manager:
         live = self._live
         assert live is not None
         tensor = bucket.buffer()
-        parts = [tensor.reshape(-1) / self._world]
         last = bucket.is_last()
-        if last:
-            parts.append(self._riders(tensor.dtype, tensor.device))
-        posted = _Bucket(torch.cat(parts) if len(parts) > 1 else parts[0], tensor, last)
+        if last:  # one copy, its gradients' part then divided in place
+            staging = torch.cat([tensor.reshape(-1), self._riders(tensor.dtype, tensor.device)])
+            staging[: tensor.numel()].div_(self._world)
+        else:
+            staging = tensor.reshape(-1) / self._world
+        posted = _Bucket(staging, tensor, last)
         with self._lock:
             self._buckets.append(posted)
         if live.plane.separate:

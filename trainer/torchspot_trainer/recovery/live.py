@@ -661,7 +661,6 @@ class LiveGroup:
         if work is None:
             on_end(Outcome.FAILED)
             return
-        self._hold(group, work, tensor)
         generation = self.generation
 
         def ended(future: Any) -> None:
@@ -673,7 +672,7 @@ class LiveGroup:
                 return
             on_end(Outcome.DONE)
 
-        work.get_future().add_done_callback(ended)
+        self._hold(group, work, tensor, then=ended)
 
     def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> Outcome:
         """`tensor` from rank `src` to every rank, through a staging copy, on the data plane's group,
@@ -754,7 +753,7 @@ class LiveGroup:
         with self._graves:
             return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
 
-    def _hold(self, group: Any, work: Any, staging: torch.Tensor) -> None:
+    def _hold(self, group: Any, work: Any, staging: torch.Tensor, then: Callable[[Any], None] | None = None) -> None:
         """Hold `staging`, which `work` writes into, with the generation while a zombie may still
         write: a host (gloo) collective lets it go itself as it ends, completed or failed (its
         future's callback), whether or not anyone waits for it. So a grave whose collectives have
@@ -763,7 +762,8 @@ class LiveGroup:
         fails before them); held until the op timeout, their copies kept a soak's generations in
         the graveyard (one every few seconds, 30 s each): 7 held of the 8 at which a worker falls
         back to a restart (bench/README.md). A device communicator's future may complete as its work is queued
-        (planes.py): its copies go when `_wait` sees the work end, or with the grave."""
+        (planes.py): its copies go when `_wait` sees the work end, or with the grave. `then(future)`: called
+        after, on the same thread (a host collective only: `post_told`)."""
         key = id(staging)
         held = self._staging
         held[key] = staging
@@ -771,11 +771,13 @@ class LiveGroup:
             self._data_held.add(key)
             return
 
-        def ended(_future: Any) -> None:
+        def ended(future: Any) -> None:
             if held.get(key) is staging:  # (this closure keeps `staging`, so its id names no other tensor)
                 held.pop(key, None)  # (`_wait` may pop it meanwhile)
             if not held and held is not self._staging:  # its generation's last: the grave may go now
                 self._wake_reaper.set()
+            if then is not None:  # (one callback: each takes the GIL on gloo's thread)
+                then(future)
 
         work.get_future().add_done_callback(ended)
 
