@@ -64,6 +64,14 @@ class Report:
             return f"{sizes[0]} (the same at every world size)"
         return " -> ".join(map(str, sizes)) + " (per-worker batches: changed with the world size)"
 
+    def paths_taken(self) -> str:
+        """How the groups after the first came to be: in place, or by restarting every worker."""
+        later = self.restarts[1:]
+        if not later:
+            return "-"
+        in_place = sum(r.get("path") == IN_PLACE for r in later)
+        return f"{in_place} in place (no process restarted), {len(later) - in_place} by restarting every worker"
+
     def summary(self) -> str:
         """The human-readable end of a run."""
         lines = [
@@ -74,6 +82,7 @@ class Report:
             f"samples per step     {self.step_sizes()}",
             f"world sizes          {' -> '.join(str(r['world_size']) for r in self.restarts) or '-'}",
             f"steps lost           {self.steps_lost} over {max(len(self.restarts) - 1, 0)} resumptions",
+            f"resumptions          {self.paths_taken()}",
             f"samples/s            {self.samples_per_second:.1f} (mean of progress lines)",
             f"goodput              {self.goodput:.1%} ({self.useful_seconds:.1f} s useful training"
             f" of {self.wall_seconds:.1f} s)",
@@ -133,9 +142,22 @@ def _restarts(rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> list
             newest = max([before["step"], *(p["step"] for p in progress)])
             lost = max(newest - start["step"], 0)
         origin = start.get("resumed_from", "checkpoint" if start["step"] else "start")
+        path = IN_PLACE if "generation" in start else RESTART  # (the trainer names a generation in place only)
         restarts.append({"t": start["t"], "step": start["step"], "world_size": start["world_size"], "lost": lost,
-                         "from": origin, "step_samples": start.get("step_samples")})  # fmt: skip
+                         "from": origin, "step_samples": start.get("step_samples"), "path": path})  # fmt: skip
     return restarts
+
+
+IN_PLACE, RESTART = "in place", "restart"
+"""How a worker group after the first came to be (`_restarts`' `path`): its workers re-formed in the
+processes they ran in, or every worker was restarted."""
+
+
+def _how(restart: dict[str, Any]) -> str:
+    """What a resumption's timeline line says of its path."""
+    if restart["path"] == IN_PLACE:
+        return ", re-formed in place (no process restarted)"
+    return ", every worker restarted"
 
 
 def _useful_seconds(rounds: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> float:
@@ -174,9 +196,10 @@ def build_report(
     rounds = _rounds(trainer_events)
     restarts = _restarts(rounds)
     lost = sum(r["lost"] for r in restarts)
-    for restart in restarts:
+    for index, restart in enumerate(restarts):
         entries.append({"t": restart["t"], "kind": "round",
                         "text": f"worker group of {restart['world_size']} training from step {restart['step']}"
+                                + (_how(restart) if index else "")
                                 + (" (a node's local snapshot)" if restart["from"] == "snapshot" else "")
                                 + (f" ({restart['lost']} steps redone)" if restart["lost"] else "")})  # fmt: skip
     for event in trainer_events:

@@ -63,3 +63,22 @@ def test_the_report_says_what_a_step_was() -> None:
 
     assert line(starts(48, 48, 48)).endswith("48 (the same at every world size)")
     assert line(starts(48, 32, 48)).endswith("48 -> 32 -> 48 (per-worker batches: changed with the world size)")
+
+
+def test_the_report_says_which_path_each_resumption_took() -> None:
+    """The trainer names the generation of a group it re-formed in place; a restarted group has none."""
+    events = [
+        {"t": 1.0, "event": "start", "step": 0, "world_size": 3},
+        {"t": 5.0, "event": "start", "step": 9, "world_size": 2, "generation": 1, "resumed_from": "live"},
+        {"t": 9.0, "event": "start", "step": 20, "world_size": 2, "resumed_from": "snapshot"},
+    ]
+    report = build_report(job="j", submitted=0.0, status={"phase": "Running"}, timeline=[], api_events=[],
+                          trainer_events=events, checkpoints=[], agent_errors=[])  # fmt: skip
+    assert [r["path"] for r in report.restarts] == ["restart", "in place", "restart"]
+    rounds = [e["text"] for e in report.timeline if e["kind"] == "round"]
+    assert rounds == [
+        "worker group of 3 training from step 0",
+        "worker group of 2 training from step 9, re-formed in place (no process restarted)",
+        "worker group of 2 training from step 20, every worker restarted (a node's local snapshot)",
+    ]
+    assert "resumptions          1 in place (no process restarted), 1 by restarting every worker" in report.summary()
