@@ -61,6 +61,7 @@ from torchspot_trainer.recovery.group import nccl_environment
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
     GroupChanged,
+    LiveCollectives,
     LiveGroup,
     Outcome,
     newest,
@@ -416,8 +417,9 @@ class Manager:
         if self._reporter is not None:
             self._reporter.report_step(self._step)
         if self._events is not None:
-            record: dict[str, Any] = {"event": "step", "step": self._step, "world_size": self._world}
-            record["rank"] = self._rank
+            record: dict[str, Any] = {
+                "event": "step", "step": self._step, "world_size": self._world, "rank": self._rank
+            }  # fmt: skip
             if self._live is not None:
                 record["generation"] = self._live.generation
             if samples is not None:
@@ -466,7 +468,10 @@ class Manager:
         if not self.in_place:
             self.ensure_group()
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            state = self._resumed() if self._rank == 0 else None
+            state = None
+            if self._rank == 0:
+                self._resume()
+                state = self._full_state()
             if self._world > 1:
                 state = broadcast_state(state, 0, self._rank, self.device)
                 if self._rank != 0:
@@ -479,17 +484,16 @@ class Manager:
         self._handover = Handover.from_environment()
         self._handover.register(stamps_steps=True)
         self._handover.watch(self._live)
-        self._resumed()
+        self._resume()
         self._enter_and_heal(fresh=True)
 
-    def _resumed(self) -> dict[str, Any]:
-        """Load the newest committed checkpoint, if any; the state this worker now holds."""
+    def _resume(self) -> None:
+        """Load the newest committed checkpoint, if any."""
         loaded = self._checkpoints.load_latest() if self._checkpoints is not None else None
         if loaded is not None:
             self._load_full(loaded.state)
             self.resumed_from = "checkpoint"
             log.info("torchspot: resumed from the checkpoint of step %d", loaded.step)
-        return self._full_state()
 
     def _reform(self) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it."""
@@ -532,21 +536,15 @@ class Manager:
         """Agree on the newest committed step; where a rank lacks it, the lowest rank holding it sends
         the state (module docstring). Raises GroupChanged where the group fails meanwhile."""
         assert self._live is not None
-        live, deadline = self._live, time.monotonic() + REFORM_SECONDS
-        rows = live.agree([float(self._step), float(fresh)], deadline)
+        rows = self._live.agree([float(self._step), float(fresh)], time.monotonic() + REFORM_SECONDS)
         if rows is None:
             raise GroupChanged(Outcome.BROKEN)
         best, source = newest(rows)
         if all(int(row[0]) == best and not row[1] for row in rows):
             return
-
-        def send(tensor: torch.Tensor, src: int) -> None:
-            outcome = live.broadcast(tensor, src, deadline)
-            if outcome is not Outcome.DONE:
-                raise GroupChanged(outcome)
-
+        group = LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
         mine = self._full_state() if self._rank == source else None
-        state = broadcast_state(mine, source, self._rank, self.device, send=send)
+        state = broadcast_state(mine, source, self._rank, self.device, send=group.broadcast)
         if self._rank != source and (fresh or self._step != best):
             self._load_full(state)
             self.resumed_from = "peer"
