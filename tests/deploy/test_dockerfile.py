@@ -124,9 +124,26 @@ def _pins(name: str) -> dict[str, str]:
     return pins
 
 
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalized (`kubernetes>=37,<38` -> `kubernetes`)."""
+    return re.split(r"[<>=!~ \[]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _distributions_loaded_by(imports: str) -> set[str]:
+    """The distributions (normalized names) whose modules a fresh interpreter has loaded after `imports`."""
+    probe = (
+        f"import sys, json, importlib.metadata as md\n{imports}\n"
+        "owners = md.packages_distributions()\n"
+        "loaded = [m for m, v in list(sys.modules.items()) if v is not None]\n"
+        "print(json.dumps(sorted({d for m in loaded for d in owners.get(m.split('.')[0], [])})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return {_name(d) for d in json.loads(done.stdout)}
+
+
 def test_trainer_requirements_pin_exactly_the_projects_dependencies() -> None:
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    names = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0].lower().replace("_", "-") for d in dependencies}
+    names = {_name(d) for d in dependencies}
     assert set(_pins("trainer.txt")) == names - {"torch"}
 
 
@@ -134,18 +151,10 @@ def test_operator_requirements_cover_what_the_operator_imports() -> None:
     """Import the operator as its image runs it and list the distributions that got loaded. The `kubernetes`
     client imports kubernetes-validate (a test dependency here) only if it is installed: the image has none,
     and the probe hides it."""
-    probe = (
-        "import sys, json, importlib.metadata as md\n"
-        "sys.modules['kubernetes_validate'] = None\n"
-        "import torchspot_operator.handlers, torchspot_operator.__main__\n"
-        "owners = md.packages_distributions()\n"
-        "loaded = [m for m, v in list(sys.modules.items()) if v is not None]\n"
-        "print(json.dumps(sorted({d for m in loaded for d in owners.get(m.split('.')[0], [])})))\n"
+    loaded = _distributions_loaded_by(
+        "sys.modules['kubernetes_validate'] = None\nimport torchspot_operator.handlers, torchspot_operator.__main__"
     )
-    loaded = json.loads(
-        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    )
-    needed = {d.lower().replace("_", "-") for d in loaded} - {"torchspot", "setuptools"}
+    needed = loaded - {"torchspot", "setuptools"}
     assert "torch" not in needed  # the operator image has no torch
     missing = needed - set(_pins("operator.txt"))
     assert not missing, f"requirements/operator.txt lacks {sorted(missing)}"
@@ -155,20 +164,12 @@ def test_a_workers_runtime_needs_none_of_the_operators_packages() -> None:
     """What a user's training image installs (the distribution without extras: requirements/trainer.txt)
     is all a worker imports: torchspot-run, the rendezvous, the trainer and torchspot.elastic load none
     of the `operator` extra's packages (kopf, aiohttp, kubernetes...)."""
-    probe = (
-        "import sys, json, importlib.metadata as md\n"
+    loaded = _distributions_loaded_by(
         "import torchspot_trainer.launch, torchspot_trainer.rendezvous.handler, torchspot_trainer.train\n"
-        "import torchspot_trainer.__main__, torchspot.elastic\n"
-        "owners = md.packages_distributions()\n"
-        "loaded = [m for m, v in list(sys.modules.items()) if v is not None]\n"
-        "print(json.dumps(sorted({d for m in loaded for d in owners.get(m.split('.')[0], [])})))\n"
-    )
-    loaded = json.loads(
-        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+        "import torchspot_trainer.__main__, torchspot.elastic"
     )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    operator_only = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0] for d in project["optional-dependencies"]["operator"]}
+    operator_only = {_name(d) for d in project["optional-dependencies"]["operator"]}
     assert {"kopf", "aiohttp", "kubernetes"} <= operator_only
-    normalized = {d.lower().replace("_", "-") for d in loaded}
-    assert not normalized & operator_only, sorted(normalized & operator_only)
-    assert "torch" in normalized
+    assert not loaded & operator_only, sorted(loaded & operator_only)
+    assert "torch" in loaded
