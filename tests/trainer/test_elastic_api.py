@@ -5,6 +5,7 @@ combinations refused at start. (In place, under real agents: test_examples.py.)"
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 
 import torchspot.elastic
 from torchspot import elastic
-from torchspot_trainer.checkpoint.manager import step_dir
+from torchspot_lab.local import read_events, wait_for
+from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
+from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.elastic.manager import choose_path
 from torchspot_trainer.markers import PEER_LOST_ENV
 
@@ -192,3 +195,36 @@ def test_an_elasticjobs_checkpoint_settings_reach_the_manager_through_the_enviro
     monkeypatch.setenv("TORCHSPOT_CHECKPOINT_EVERY", "often")
     with pytest.raises(elastic.Refused, match="TORCHSPOT_CHECKPOINT_EVERY='often': expected a whole number"):
         elastic.Manager(state_dict=model.state_dict, load_state_dict=model.load_state_dict)
+
+
+def test_a_sigterm_ends_the_step_with_an_emergency_checkpoint_of_it(tmp_path: Path) -> None:
+    """The restart path's notice, as a kubelet gives it at a spot eviction: the DDP example, SIGTERMed
+    mid-run, writes the checkpoint of the step it committed last (the one a restart resumes from) and exits
+    143. Bad values of the notice settings are refused by name."""
+    events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "TORCHSPOT_EVENTS_FILE": str(events),
+           "TORCHSPOT_CHECKPOINT_URI": str(ckpt), "TORCHSPOT_CHECKPOINT_EVERY": "1000"}  # fmt: skip
+    env.pop(PEER_LOST_ENV, None)
+    script = Path(__file__).resolve().parents[2] / "examples" / "ddp" / "train.py"
+    command = [sys.executable, str(script), "--steps", "100000", "--step-seconds", "0.02"]
+    worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: sum(1 for e in read_events(events) if e["event"] == "step") >= 5, 60, "5 steps")
+        worker.send_signal(signal.SIGTERM)
+        _out, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == 128 + signal.SIGTERM, err
+    records = read_events(events)
+    last = max(e["step"] for e in records if e["event"] == "step")
+    (saved,) = [e for e in records if e["event"] == "emergency_checkpoint"]
+    assert (saved["step"], saved["ok"]) == (last, True), (saved, last)
+    loaded = CheckpointManager(open_storage(str(ckpt))).load_latest()
+    assert loaded is not None
+    assert loaded.step == last
+    assert loaded.state["torchspot"]["step"] == last
+    with pytest.raises(elastic.Refused, match="notice_hold=-1: must be 0 or more"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, notice_hold=-1)
+    with pytest.raises(elastic.Refused, match="scheduled_events='sometimes'"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, scheduled_events="sometimes")

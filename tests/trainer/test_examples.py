@@ -2,14 +2,16 @@
 
 The DDP example (examples/ddp/train.py, plain DDP made elastic through `torchspot.elastic`) and the
 Transformers one (examples/transformers/train.py, a GPT-2-style causal LM in a plain loop) go
-through a kill, a freeze and a join, in place: no surviving process is restarted, every sample is
-trained once per epoch, and the final model is the one the same script computes on one node that
-never changes (a fixed global batch: float32 reduction order only).
+through a kill, a freeze, a join and an eviction with notice, in place: no surviving process is
+restarted, every sample is trained once per epoch, the leaving node writes the emergency checkpoint,
+and the final model is the one the same script computes on one node that never changes (a fixed
+global batch: float32 reduction order only).
 """
 
 from __future__ import annotations
 
 import difflib
+import signal
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -92,7 +94,8 @@ def _stepped(job: JobConfig, world: int, after: float) -> bool:
 
 
 def _check(name: str, job: JobConfig, fixed: JobConfig, nodes: list[LocalNode]) -> None:
-    """No survivor restarted, every sample once per epoch, the fixed run's model."""
+    """No survivor restarted, the notice's emergency checkpoint written by the leaving node, every sample
+    once per epoch, the fixed run's model."""
     events = _events(job)
     pids: dict[str, set[int]] = defaultdict(set)
     for event in events:
@@ -108,6 +111,9 @@ def _check(name: str, job: JobConfig, fixed: JobConfig, nodes: list[LocalNode]) 
     for event in (e for e in events if e["event"] == "step"):
         assert chunks.setdefault(event["step"], event["samples"]) == event["samples"], (name, event)
     assert sorted(chunks) == list(range(1, STEPS + 1))
+    (saved,) = [e for e in events if e["event"] == "emergency_checkpoint"]
+    assert saved["ok"], (name, saved)
+    assert saved["step"] in chunks, (name, saved)
     size = len(chunks[1]) * EPOCH_STEPS
     for epoch in range(STEPS // EPOCH_STEPS):
         taken = [s for step in range(epoch * EPOCH_STEPS + 1, (epoch + 1) * EPOCH_STEPS + 1) for s in chunks[step]]
@@ -119,8 +125,9 @@ def _check(name: str, job: JobConfig, fixed: JobConfig, nodes: list[LocalNode]) 
 
 
 def _drive(name: str, job: JobConfig, nodes: NodeFactory) -> list[LocalNode]:
-    """3 nodes, then one killed, one frozen and one joining (3 -> 2 -> 1 -> 2), each once the job trained
-    10 steps at the world before; the run to its end. Its nodes, the joiner last."""
+    """3 nodes, then one killed, one frozen, one joining and the joiner evicted with notice (its agent
+    SIGTERMed, as the kubelet does: 3 -> 2 -> 1 -> 2 -> 1), each once the job trained 10 steps at the
+    world before; the run to its end. Its nodes, the joiner last."""
     started = nodes(job, 3)
     _await(name, job, 3, 0, timeout=120, what="10 steps at world 3")
     killed = time.time()
@@ -132,7 +139,11 @@ def _drive(name: str, job: JobConfig, nodes: NodeFactory) -> list[LocalNode]:
     joined = time.time()
     (joiner,) = nodes(job, 1)
     _await(name, job, 2, joined, timeout=60, what="10 steps at world 2 after the join")
-    assert _finish([started[0], joiner]) == [0, 0], name
+    noticed = time.time()
+    joiner.terminate(grace=30)
+    assert joiner.poll() == 128 + signal.SIGTERM, f"{name}: the evicted node's exit\n{joiner.log_tail(40)}"
+    _await(name, job, 1, noticed, timeout=30, what="10 steps at world 1 after the notice")
+    assert _finish([started[0]]) == [0], name
     started[1].kill()  # the frozen node's VM is deleted
     return [*started, joiner]
 

@@ -24,6 +24,7 @@ from torchspot_trainer.data.loader import DECODERS
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 from torchspot_trainer.precision import PRECISIONS
+from torchspot_trainer.recovery.signals import NOTICE_HOLD, STUCK_EXIT_AFTER, events_url
 
 DATASETS = ("cifar10", "imagenet", "digits")
 CHANNELS = {"cifar10": 3, "imagenet": 3, "digits": 1}
@@ -122,9 +123,9 @@ class TrainConfig:
     """Azure Scheduled Events: 'auto' (on inside a Kubernetes pod), 'off', or an endpoint URL."""
     vm_name: str = ""
     """This VM's name as Scheduled Events lists it ('' = ask the metadata service)."""
-    stuck_exit_after: float = 10.0
+    stuck_exit_after: float = STUCK_EXIT_AFTER
     """Seconds after SIGTERM to reach a step boundary before exiting at once (stuck collective)."""
-    notice_hold: float = 120.0
+    notice_hold: float = NOTICE_HOLD
     """After an emergency checkpoint, seconds the group waits for the evicted node to go
     before training on (a notice that comes to nothing costs at most this)."""
     precision: str = "fp32"
@@ -282,13 +283,7 @@ class TrainConfig:
 
     def scheduled_events_url(self) -> str | None:
         """The endpoint to poll, or None when the watcher is off."""
-        from torchspot_trainer.recovery.signals import SCHEDULED_EVENTS_URL  # noqa: PLC0415
-
-        if self.scheduled_events == "off":
-            return None
-        if self.scheduled_events == "auto":
-            return SCHEDULED_EVENTS_URL if os.environ.get("KUBERNETES_SERVICE_HOST") else None
-        return self.scheduled_events
+        return events_url(self.scheduled_events, os.environ)
 
 
 def _field_docs() -> dict[str, str]:

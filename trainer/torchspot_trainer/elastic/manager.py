@@ -26,6 +26,14 @@ agent hands the live workers each new round: handover.py); otherwise the restart
 default group, torch's DDP unchanged, and a restart resumes from the newest checkpoint. The choice is
 said once, with its reason.
 
+**Eviction notices.** A SIGTERM (the kubelet's, at a spot eviction; from the main thread's manager on)
+or an Azure Scheduled Event for this VM (polled by one rank per node inside a pod) is a notice. The
+ranks share their notice levels at each step: in place they ride the last bucket with the joiners table
+(no collective more), on the restart path one small all-gather after the commit. On a notice the group
+stops at that boundary (recovery/notices.py's rules, the trainer's): the lowest rank whose node leaves
+writes the emergency checkpoint of the committed step, the leaving ranks exit (143), and the others
+hold until the leaving node is gone (in place, they then re-form without it and train on).
+
 **A step that never commits.** A step that has not committed within `commit_seconds` of its start (a
 collective that hangs outside any round change, a loop that never calls `optimizer.step()`) ends the
 worker with one log line naming the cause: its agent then restarts it (the restart path).
@@ -33,9 +41,11 @@ worker with one log line naming the cause: its agent then restarts it (the resta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -45,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,7 +67,7 @@ from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV
-from torchspot_trainer.recovery.group import nccl_environment
+from torchspot_trainer.recovery.group import Group, nccl_environment
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
     GroupChanged,
@@ -67,8 +77,25 @@ from torchspot_trainer.recovery.live import (
     newest,
     wait_for_assignment,
 )
-from torchspot_trainer.recovery.notices import EXIT_FAILED, leave
+from torchspot_trainer.recovery.notices import (
+    EXIT_FAILED,
+    NOTICE_LEAVING,
+    GroupBroken,
+    NoticeStop,
+    leave,
+    node_levels,
+    saves_emergency,
+)
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
+from torchspot_trainer.recovery.signals import (
+    NOTICE_HOLD,
+    STUCK_EXIT_AFTER,
+    EvictionNotice,
+    ScheduledEventsWatcher,
+    events_url,
+    reset_sigterm,
+    watch_sigterm,
+)
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
@@ -84,12 +111,22 @@ CHECKPOINT_EVERY_ENV = f"{ENV_PREFIX}CHECKPOINT_EVERY"
 KEEP_CHECKPOINTS_ENV = f"{ENV_PREFIX}KEEP_CHECKPOINTS"
 """The job's checkpoint settings, as the operator passes them to every worker (builders.launcher_env):
 the manager's defaults, so a script on an ElasticJob checkpoints where the job says with no code."""
+NOTICE_HOLD_ENV = f"{ENV_PREFIX}NOTICE_HOLD"
+SCHEDULED_EVENTS_ENV = f"{ENV_PREFIX}SCHEDULED_EVENTS"
+"""The trainer's --notice-hold and --scheduled-events, as the environment gives them to any program:
+the manager's defaults for `notice_hold` and `scheduled_events`."""
 EVENTS_FILE_ENV = f"{ENV_PREFIX}EVENTS_FILE"
 """Where the manager appends its records (JSON lines) when its `events_file` is not given."""
+LEAVE_SAVE_WAIT = 5.0
+"""Seconds a worker that leaves gives its checkpoint save in flight."""
 KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
 can block (launch.run_program says why)."""
+_N = TypeVar("_N", int, float)
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
+_COLUMNS = 4
+"""A rank's line in the table the last bucket carries: joiners ready, its rank in the deferred round
+(plus one), its notice level, its node."""
 
 
 @dataclass
@@ -112,6 +149,17 @@ class Refused(ValueError):
     """A combination the manager cannot honour, said at start with the reason."""
 
 
+_FORK_RESETS: list[bool] = []
+"""Set once this process has its fork hook (`Manager._watch_notices`)."""
+
+
+def _reset_in_child() -> None:
+    """A forked child's SIGTERM back to its default, its wakeup fd off (signals.reset_sigterm): where the
+    fork did not come from the main thread, the child has none to set them from, and keeps them."""
+    with contextlib.suppress(ValueError):
+        reset_sigterm()
+
+
 def checkpoint_settings(
     uri: str | None, every: int | None, keep: int | None, environ: Mapping[str, str]
 ) -> tuple[str, int, int]:
@@ -119,8 +167,8 @@ def checkpoint_settings(
     (the operator's TORCHSPOT_CHECKPOINT_*), else none, 0 and 3. Pure. Raises Refused for a value that
     cannot be honoured, naming it."""
     uri = environ.get(CHECKPOINT_URI_ENV, "") if uri is None else uri
-    every = _from_env(environ, CHECKPOINT_EVERY_ENV, 0) if every is None else every
-    keep = _from_env(environ, KEEP_CHECKPOINTS_ENV, 3) if keep is None else keep
+    every = _from_env(environ, CHECKPOINT_EVERY_ENV, 0, int) if every is None else every
+    keep = _from_env(environ, KEEP_CHECKPOINTS_ENV, 3, int) if keep is None else keep
     if every < 0:
         raise Refused(f"checkpoint_every={every}: must be 0 (only the final one) or more")
     if every and not uri:
@@ -130,15 +178,30 @@ def checkpoint_settings(
     return uri, every, keep
 
 
-def _from_env(environ: Mapping[str, str], name: str, default: int) -> int:
-    """A whole number from the environment variable `name`, `default` where it is unset or empty."""
+def notice_settings(
+    hold: float | None, scheduled_events: str | None, environ: Mapping[str, str]
+) -> tuple[float, str | None]:
+    """(notice hold, Scheduled Events endpoint or None) of the manager's notices: each argument given,
+    else the job's from `environ` (TORCHSPOT_NOTICE_HOLD, TORCHSPOT_SCHEDULED_EVENTS), else 120 s and
+    'auto'. Pure. Raises Refused for a value that cannot be honoured, naming it."""
+    hold = _from_env(environ, NOTICE_HOLD_ENV, NOTICE_HOLD, float) if hold is None else hold
+    if hold < 0:
+        raise Refused(f"notice_hold={hold}: must be 0 or more")
+    setting = (environ.get(SCHEDULED_EVENTS_ENV) or "auto") if scheduled_events is None else scheduled_events
+    if setting not in ("auto", "off") and not setting.startswith(("http://", "https://")):
+        raise Refused(f"scheduled_events={setting!r}: use 'auto', 'off' or an http(s) URL")
+    return hold, events_url(setting, environ)
+
+
+def _from_env(environ: Mapping[str, str], name: str, default: _N, kind: Callable[[str], _N]) -> _N:
+    """A number of `kind` from the environment variable `name`, `default` where it is unset or empty."""
     value = environ.get(name, "")
     if not value:
         return default
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        raise Refused(f"{name}={value!r}: expected a whole number") from None
+        raise Refused(f"{name}={value!r}: expected a {'whole ' if kind is int else ''}number") from None
 
 
 def node_name() -> str:
@@ -186,6 +249,10 @@ class Manager:
     :param device: where the gradients travel (default: this worker's GPU, else the CPU).
     :param commit_seconds: a step's limit from its start to its commit (module docstring).
     :param events_file: appends the manager's records (JSON lines) here; default TORCHSPOT_EVENTS_FILE.
+    :param notice_hold: after a notice's emergency checkpoint, seconds the staying ranks wait for the
+        leaving node to go; None: TORCHSPOT_NOTICE_HOLD, else 120.
+    :param scheduled_events: Azure Scheduled Events: 'auto' (polled inside a Kubernetes pod), 'off' or an
+        endpoint URL; None: TORCHSPOT_SCHEDULED_EVENTS, else 'auto'.
     """
 
     def __init__(
@@ -200,12 +267,15 @@ class Manager:
         device: torch.device | None = None,
         commit_seconds: float = COMMIT_SECONDS,
         events_file: str | Path | None = None,
+        notice_hold: float | None = None,
+        scheduled_events: str | None = None,
     ) -> None:
         checkpoint_uri, checkpoint_every, keep_checkpoints = checkpoint_settings(
             checkpoint_uri, checkpoint_every, keep_checkpoints, os.environ
         )
         if commit_seconds <= 0:
             raise Refused(f"commit_seconds={commit_seconds}: must be more than 0")
+        hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.in_place, why = choose_path(in_place, os.environ)
         if os.environ.get("RANK", "0") == "0":  # said once per job, whatever the script's logging
@@ -223,10 +293,7 @@ class Manager:
         self._step = 0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self._phase = _IDLE
-        self._begun = False
-        self._closed = False
-        self._reform_due = False
-        self._failed = False
+        self._begun = self._closed = self._reform_due = self._failed = False
         self._step_started = 0.0
         self.resumed_from = "start"
         """`checkpoint`, `peer` (healed from a live rank) or `start`: where this worker's state last came from."""
@@ -241,14 +308,15 @@ class Manager:
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-buckets")
         self._reporter: CheckpointReporter | None = None
         self._handover: Handover | None = None
-        self._live: LiveGroup | None = None
-        if self.in_place:
-            if self.device.type == "cuda":  # before the first generation's communicator reads them
-                os.environ.update(nccl_environment(os.environ))
-                os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
-            self._live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
-            self._live.when_broken(self._break)
-            KEEP.append(self._live)
+        self._live = self._generations() if self.in_place else None
+        self._notice = EvictionNotice()
+        self._stop = NoticeStop(
+            self._notice, hold=hold, emit=self._emit, keep_snapshot=lambda: None,
+            node=int(os.environ.get("GROUP_RANK", "0")),
+        )  # fmt: skip
+        self._notice_rows: list[list[int]] | None = None
+        """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
+        self._sigterm_watched = self._watch_notices(events_at)
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
     # -- what the loop reads ------------------------------------------------------
@@ -345,16 +413,18 @@ class Manager:
 
     def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """What the last bucket carries beside the gradients: the model's buffers (rank 0's, zeros
-        elsewhere: a sum takes rank 0's, as DDP's broadcast does), then each rank's line of the joiners
-        table (ready, and one more than its rank in the deferred round), small integers exact in any float
-        type."""
+        elsewhere: a sum takes rank 0's, as DDP's broadcast does), then each rank's line of the table
+        (`_COLUMNS`: joiners ready, one more than its rank in the deferred round, its notice level and
+        node), small integers exact in any float type."""
         assert self._live is not None
-        table = torch.zeros(self._world * 2, dtype=dtype, device=device)
+        table = torch.zeros(self._world * _COLUMNS, dtype=dtype, device=device)
+        line = self._rank * _COLUMNS
         if self._live.joiners_ready.is_set():
-            table[self._rank * 2] = 1.0
+            table[line] = 1.0
         pending = self._live.pending_rank()
         if pending >= 0:  # (stored one up: 0 stays "not offered the round yet", -1 in `switching`)
-            table[self._rank * 2 + 1] = float(pending + 1)
+            table[line + 1] = float(pending + 1)
+        table[line + 2 : line + 4] = torch.tensor(self._stop.row(), dtype=dtype)
         if not self._buffers:
             return table
         mine = self._rank == 0
@@ -397,7 +467,8 @@ class Manager:
         for buffer in self._buffers:
             buffer.copy_(ride[offset : offset + buffer.numel()].view_as(buffer))
             offset += buffer.numel()
-        rows = ride[offset:].view(self._world, 2).tolist()
+        rows = ride[offset:].view(self._world, _COLUMNS).tolist()
+        self._notice_rows = [[round(row[2]), round(row[3])] for row in rows]
         if any(row[0] for row in rows):  # a joiner is ready: every rank switches after this step
             self._live.switching([round(row[1]) - 1 for row in rows])
             self._reform_due = True
@@ -425,6 +496,8 @@ class Manager:
             if samples is not None:
                 record["samples"] = samples
             self._emit(record, quiet=True)
+        if self._notices_stop_here():
+            return
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
         if due and self._rank == 0 and self._checkpoints is not None:
             self._checkpoints.save_async(self._step, self._full_state(), {"world_size": self._world})
@@ -447,6 +520,11 @@ class Manager:
             self._handover.stop()
         if self._reporter is not None:
             self._reporter.close()
+        if self._stop.watcher is not None:
+            self._stop.watcher.stop()
+        if self._sigterm_watched:  # after the loop a SIGTERM ends the script as it would without us
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
         self._emit({"event": "done", "step": self._step, "world_size": self._world})
 
     def __enter__(self) -> Manager:
@@ -456,6 +534,16 @@ class Manager:
         self.close()
 
     # -- groups, heals, resumes ----------------------------------------------------
+
+    def _generations(self) -> LiveGroup:
+        """The worker's groups in place, one per round its agent hands over (recovery/live.py)."""
+        if self.device.type == "cuda":  # before the first generation's communicator reads them
+            os.environ.update(nccl_environment(os.environ))
+            os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
+        live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
+        live.when_broken(self._break)
+        KEEP.append(live)
+        return live
 
     def ensure_group(self) -> None:
         """The restart path's default process group, made now if the script has not (DDP needs it)."""
@@ -518,6 +606,7 @@ class Manager:
             if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
                 continue
             self._rank, self._world = assignment.rank, assignment.world
+            self._stop.node = assignment.node
             try:
                 self._heal(fresh)
             except GroupChanged as exc:
@@ -557,6 +646,67 @@ class Manager:
         elif self._rank != 0 and self._reporter is not None:
             self._reporter.close()
             self._reporter = None
+
+    # -- notices --------------------------------------------------------------------
+
+    def _watch_notices(self, url: str | None) -> bool:
+        """Turn SIGTERM into a notice (only the main thread may take signals: a manager made elsewhere
+        says so and leaves SIGTERM as it is), and poll Scheduled Events at `url` from one rank per node.
+        Whether SIGTERM is watched."""
+        if url and os.environ.get("LOCAL_RANK", "0") == "0":
+            self._stop.watcher = ScheduledEventsWatcher(self._notice, url).start()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("torchspot: the Manager was made off the main thread: a SIGTERM is not taken as a notice")
+            return False
+        watch_sigterm(self._notice, stuck_exit_after=STUCK_EXIT_AFTER, before_exit=self._before_stuck_exit)
+        if not _FORK_RESETS:  # a DataLoader's worker forked from here is not this worker: no notice there
+            os.register_at_fork(after_in_child=_reset_in_child)
+            _FORK_RESETS.append(True)
+        return True
+
+    def _notices_stop_here(self) -> bool:
+        """At a step's end: share the notices (in place the last bucket brought them; on the restart path
+        one all-gather now) and, on any, stop the group here (`NoticeStop.stop`). True when the step's
+        end went another way than training on: the group re-formed without the leaving node."""
+        self._notice.step_boundary()
+        if self._live is not None:
+            rows, self._notice_rows = self._notice_rows or [], None
+            group: Group = LiveCollectives(
+                self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS
+            )
+        else:
+            group = Group(self._rank, self._world, self.device)
+            try:
+                rows = group.boundary(self._step, self._stop.row)
+            except RuntimeError as exc:  # a peer's socket closed: it left
+                self._leave(f"the notices' agreement after step {self._step} failed ({exc})")
+        if self._notice.is_set():
+            self._notice.acknowledged.set()
+        if not any(node_levels(rows)):
+            return False
+        saves = saves_emergency(self._rank, rows, leaving_now=self._stop.level() >= NOTICE_LEAVING)
+        try:
+            self._stop.stop(group, step=self._step, save=self._emergency_save if saves else None)
+        except GroupChanged as exc:  # in place: the round without the leaving node came
+            self._failed = exc.failed
+            self._reform()
+            return True
+        except (GroupBroken, RuntimeError) as exc:
+            self._leave(f"the hold after a notice at step {self._step} failed ({exc})")
+        return False
+
+    def _emergency_save(self) -> SaveReport:
+        """The notice's checkpoint of the committed step, written now; without a checkpoint URI, a report
+        that says none was written (the node's snapshot, or the others' memory, carries the state)."""
+        if self._checkpoints is None:
+            return SaveReport(step=self._step, ok=False, seconds=0.0, error="no checkpoint_uri")
+        return self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
+
+    def _before_stuck_exit(self) -> None:
+        """A worker stuck in a collective after its SIGTERM is about to exit: its save in flight, if any,
+        gets a moment first."""
+        if self._checkpoints is not None and self._checkpoints.in_flight is not None:
+            self._checkpoints.wait(LEAVE_SAVE_WAIT)
 
     def _leave(self, why: str) -> NoReturn:
         """Leave by the restart path: one line with the cause, then exit (the agent restarts the worker)."""

@@ -23,15 +23,17 @@ Two sources warn a worker that it is about to go:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -45,6 +47,12 @@ SCHEDULED_EVENTS_URL = "http://169.254.169.254/metadata/scheduledevents?api-vers
 VM_NAME_URL = "http://169.254.169.254/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 """IMDS path that returns this VM's name, which Scheduled Events lists in `Resources`."""
 EVICTING_EVENT_TYPES = frozenset({"Preempt", "Terminate"})
+STUCK_EXIT_AFTER = 10.0
+"""Default seconds after SIGTERM for the loop to reach a step boundary before the worker counts as stuck
+in a collective and exits (`watch_sigterm`)."""
+NOTICE_HOLD = 120.0
+"""Default seconds the group waits, after a notice's emergency checkpoint, for the evicted node to go
+before training on (notices.NoticeStop): a notice that comes to nothing costs at most this."""
 PEER_LOST_GRACE = 2.0
 """Seconds after its last step boundary that a worker told of a lost peer still waits for the
 next, unless its agent wrote another figure in the marker (`markers.peer_lost_grace`: half the
@@ -171,7 +179,8 @@ def watch_sigterm(
     :param exit_now: how to exit (tests pass a recorder).
     :param before_exit: run before a stuck worker exits (the trainer gives its save in flight a chance).
     """
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    with contextlib.suppress(OSError, AttributeError):  # a stderr with no file behind it (a notebook, a capture)
+        faulthandler.register(STACKS_SIGNAL, all_threads=True, file=sys.__stderr__ or sys.stderr)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -209,6 +218,19 @@ def reset_sigterm() -> None:
     """Give a forked data-loader worker the default SIGTERM action and no wakeup fd."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def events_url(setting: str, environ: Mapping[str, str]) -> str | None:
+    """The Scheduled Events endpoint to poll for `setting` ('auto', 'off' or a URL), or None. Pure.
+
+    'auto' polls Azure's endpoint inside a Kubernetes pod (KUBERNETES_SERVICE_HOST is set), where an AKS
+    node is an Azure VM; elsewhere (a laptop, CI) no metadata service answers, and polling it would only
+    add a thread and a log line."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return SCHEDULED_EVENTS_URL if environ.get("KUBERNETES_SERVICE_HOST") else None
+    return setting
 
 
 def evicting_events(document: dict[str, Any], vm_name: str | None) -> list[dict[str, Any]]:
