@@ -228,3 +228,50 @@ def test_a_sigterm_ends_the_step_with_an_emergency_checkpoint_of_it(tmp_path: Pa
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, notice_hold=-1)
     with pytest.raises(elastic.Refused, match="scheduled_events='sometimes'"):
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, scheduled_events="sometimes")
+
+
+def test_on_the_restart_path_a_lost_peer_leaves_the_nodes_snapshot_and_the_next_round_resumes_from_it(
+    tmp_path: Path,
+) -> None:
+    """Two ranks of the DDP example under an elastic agent's environment (its run id; the snapshot file is
+    named by the parent process, here the test), no checkpoint URI: rank 1 is killed, rank 0's loop fails
+    (or is stuck, and its SIGTERM ends it) and leaves the node's snapshot of its last committed step; the
+    next round, one rank, resumes from that step, not from the start."""
+    events = tmp_path / "events.jsonl"
+    script = Path(__file__).resolve().parents[2] / "examples" / "ddp" / "train.py"
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": f"snap-{os.getpid()}",
+            "TORCHSPOT_SNAPSHOT_DIR": str(tmp_path / "snapshots"), "TORCHSPOT_EVENTS_FILE": str(events)}  # fmt: skip
+    base.pop(PEER_LOST_ENV, None)
+    base.pop("TORCHSPOT_CHECKPOINT_URI", None)
+
+    def start(rank: int, world: int, port: int, steps: int) -> subprocess.Popen[str]:
+        env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port)}
+        command = [sys.executable, str(script), "--steps", str(steps), "--step-seconds", "0.02"]
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def steps_of_rank_0() -> list[int]:
+        return [e["step"] for e in read_events(events) if e["event"] == "step" and e["rank"] == 0]
+
+    port = _free_port()
+    first = [start(rank, 2, port, 100000) for rank in (0, 1)]
+    try:
+        wait_for(lambda: len(steps_of_rank_0()) >= 5, 60, "5 steps at world 2")
+        first[1].kill()
+        try:
+            first[0].wait(20)
+        except subprocess.TimeoutExpired:  # stuck in the collective with the lost peer: its notice ends it
+            first[0].send_signal(signal.SIGTERM)
+            first[0].wait(30)
+    finally:
+        for worker in first:
+            worker.kill()
+            worker.communicate()
+    last = max(steps_of_rank_0())
+    assert any((tmp_path / "snapshots").glob("*.pt")), "no snapshot left by the lost round"
+    again = start(0, 1, _free_port(), last + 3)
+    _out, err = again.communicate(timeout=60)
+    assert again.returncode == 0, err
+    starts = [e for e in read_events(events) if e["event"] == "start"]
+    assert (starts[-1]["resumed_from"], starts[-1]["step"]) == ("snapshot", last), (starts[-1], last)
+    assert max(steps_of_rank_0()) == last + 3
+    assert not any((tmp_path / "snapshots").glob("*.pt")), "the finished run left its snapshot behind"

@@ -55,6 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
 import torch
@@ -87,6 +88,7 @@ from torchspot_trainer.recovery.notices import (
     saves_emergency,
 )
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
+from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.signals import (
     NOTICE_HOLD,
     STUCK_EXIT_AFTER,
@@ -96,6 +98,7 @@ from torchspot_trainer.recovery.signals import (
     reset_sigterm,
     watch_sigterm,
 )
+from torchspot_trainer.recovery.snapshot import LocalSnapshot, choose_source, default_path
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
@@ -117,6 +120,8 @@ SCHEDULED_EVENTS_ENV = f"{ENV_PREFIX}SCHEDULED_EVENTS"
 the manager's defaults for `notice_hold` and `scheduled_events`."""
 EVENTS_FILE_ENV = f"{ENV_PREFIX}EVENTS_FILE"
 """Where the manager appends its records (JSON lines) when its `events_file` is not given."""
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torch's elastic agent (torchrun, torchspot-run) in every worker's environment."""
 LEAVE_SAVE_WAIT = 5.0
 """Seconds a worker that leaves gives its checkpoint save in flight."""
 KEEP: list[object] = []
@@ -158,6 +163,15 @@ def _reset_in_child() -> None:
     fork did not come from the main thread, the child has none to set them from, and keeps them."""
     with contextlib.suppress(ValueError):
         reset_sigterm()
+
+
+def node_snapshot(environ: Mapping[str, str]) -> LocalSnapshot | None:
+    """The node's copy of the state (recovery/snapshot.py), under an elastic agent only (RUN_ID_ENV set):
+    one that restarts the worker, whose run id and process id name the file. Elsewhere no next round
+    would read it, and another script started from the same shell would."""
+    if RUN_ID_ENV not in environ:
+        return None
+    return LocalSnapshot(default_path(dict(environ)), round_started=time.time())
 
 
 def checkpoint_settings(
@@ -296,7 +310,14 @@ class Manager:
         self._begun = self._closed = self._reform_due = self._failed = False
         self._step_started = 0.0
         self.resumed_from = "start"
-        """`checkpoint`, `peer` (healed from a live rank) or `start`: where this worker's state last came from."""
+        """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank) or `start`: where
+        this worker's state last came from."""
+        self._whole = False
+        """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
+        self._base = 0
+        """The step this worker's state last came from (a snapshot's lineage: recovery/snapshot.py)."""
+        self._snapshot = node_snapshot(os.environ)
+        self._snapshot_lock, self._snapshot_taken = threading.Lock(), False
         self._positions: list[_Position] = []
         self._buffers: list[torch.Tensor] = []
         """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
@@ -311,12 +332,13 @@ class Manager:
         self._live = self._generations() if self.in_place else None
         self._notice = EvictionNotice()
         self._stop = NoticeStop(
-            self._notice, hold=hold, emit=self._emit, keep_snapshot=lambda: None,
+            self._notice, hold=hold, emit=self._emit, keep_snapshot=self._keep_snapshot,
             node=int(os.environ.get("GROUP_RANK", "0")),
         )  # fmt: skip
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
         self._sigterm_watched = self._watch_notices(events_at)
+        self._excepthook, sys.excepthook = sys.excepthook, self._keep_then_report
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
     # -- what the loop reads ------------------------------------------------------
@@ -522,6 +544,10 @@ class Manager:
             self._reporter.close()
         if self._stop.watcher is not None:
             self._stop.watcher.stop()
+        if self._snapshot is not None:  # the run is over: nothing to carry to a next round
+            self._snapshot.remove()
+        if sys.excepthook == self._keep_then_report:
+            sys.excepthook = self._excepthook
         if self._sigterm_watched:  # after the loop a SIGTERM ends the script as it would without us
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
@@ -556,14 +582,13 @@ class Manager:
         if not self.in_place:
             self.ensure_group()
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            state = None
-            if self._rank == 0:
-                self._resume()
-                state = self._full_state()
-            if self._world > 1:
-                state = broadcast_state(state, 0, self._rank, self.device)
-                if self._rank != 0:
-                    self._load_full(state)
+            group = Group(self._rank, self._world, self.device)
+            mine = self._snapshot.read() if self._snapshot is not None else None
+            self.resumed_from, state = find_state(group, self._checkpoints, mine)
+            if state is not None:
+                self._load_full(state)
+                log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
+            self._base, self._whole = self._step, True
             self._rank_duties()
             self._emit({"event": "start", "step": self._step, "world_size": self._world, "pid": os.getpid(),
                         "node": node_name(), "resumed_from": self.resumed_from}, any_rank=True)  # fmt: skip
@@ -574,14 +599,24 @@ class Manager:
         self._handover.watch(self._live)
         self._resume()
         self._enter_and_heal(fresh=True)
+        self._whole = True
 
     def _resume(self) -> None:
-        """Load the newest committed checkpoint, if any."""
-        loaded = self._checkpoints.load_latest() if self._checkpoints is not None else None
-        if loaded is not None:
+        """In place, before the first group: load the node's snapshot where it is not older than the newest
+        committed checkpoint, else that checkpoint, if any. The group's heal then takes the newest step
+        any rank holds, a live one's before a copy's."""
+        mine = self._snapshot.read() if self._snapshot is not None else None
+        committed = self._checkpoints.latest_step() if mine is not None and self._checkpoints is not None else None
+        if mine is not None and choose_source([mine[0]], committed) is not None:
+            self._load_full(mine[1])
+            self.resumed_from = "snapshot"
+        elif (loaded := self._checkpoints.load_latest() if self._checkpoints is not None else None) is not None:
             self._load_full(loaded.state)
             self.resumed_from = "checkpoint"
-            log.info("torchspot: resumed from the checkpoint of step %d", loaded.step)
+        else:
+            return
+        self._base = self._step
+        log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
 
     def _reform(self) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it."""
@@ -636,7 +671,7 @@ class Manager:
         state = broadcast_state(mine, source, self._rank, self.device, send=group.broadcast)
         if self._rank != source and (fresh or self._step != best):
             self._load_full(state)
-            self.resumed_from = "peer"
+            self.resumed_from, self._base = "peer", self._step
 
     def _rank_duties(self) -> None:
         """Rank 0 reports steps and checkpoints to the operator (through the job's etcd); the duty
@@ -685,8 +720,9 @@ class Manager:
         if not any(node_levels(rows)):
             return False
         saves = saves_emergency(self._rank, rows, leaving_now=self._stop.level() >= NOTICE_LEAVING)
+        save = self._emergency_save if saves and self._checkpoints is not None else None
         try:
-            self._stop.stop(group, step=self._step, save=self._emergency_save if saves else None)
+            self._stop.stop(group, step=self._step, save=save)
         except GroupChanged as exc:  # in place: the round without the leaving node came
             self._failed = exc.failed
             self._reform()
@@ -696,22 +732,54 @@ class Manager:
         return False
 
     def _emergency_save(self) -> SaveReport:
-        """The notice's checkpoint of the committed step, written now; without a checkpoint URI, a report
-        that says none was written (the node's snapshot, or the others' memory, carries the state)."""
-        if self._checkpoints is None:
-            return SaveReport(step=self._step, ok=False, seconds=0.0, error="no checkpoint_uri")
+        """The notice's checkpoint of the committed step, written now (without a checkpoint URI none is:
+        the node's snapshot, or the others' memory, carries the state)."""
+        assert self._checkpoints is not None
         return self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
 
     def _before_stuck_exit(self) -> None:
-        """A worker stuck in a collective after its SIGTERM is about to exit: its save in flight, if any,
-        gets a moment first."""
+        """A worker stuck in a collective after its SIGTERM is about to exit: it keeps its node's snapshot,
+        and its save in flight, if any, gets a moment."""
+        self._keep_snapshot()
         if self._checkpoints is not None and self._checkpoints.in_flight is not None:
             self._checkpoints.wait(LEAVE_SAVE_WAIT)
 
     def _leave(self, why: str) -> NoReturn:
         """Leave by the restart path: one line with the cause, then exit (the agent restarts the worker)."""
         print(f"torchspot: rank {self._rank}: {why}; leaving for the restart path", file=sys.stderr, flush=True)
+        self._keep_snapshot()
         leave(EXIT_FAILED)
+
+    def _keep_snapshot(self) -> None:
+        """Leave this node's copy of the committed state for the next round (recovery/snapshot.py): the
+        restart path resumes from the newest copy any node holds rather than from the last checkpoint.
+        Once per worker, by the first local rank of the round to get here; not before the first group's
+        resume, nor between an update and its commit (the state is then neither step), nor after
+        `close()` (the final checkpoint holds it). Given LEAVE_SAVE_WAIT seconds: a device that hangs
+        cannot hold the worker's exit."""
+        snapshot = self._snapshot
+        with self._snapshot_lock:  # the main thread and the SIGTERM watcher's may both get here
+            if snapshot is None or self._snapshot_taken or not self._whole or self._closed:
+                return
+            if self._phase == _COMMITTING:
+                return
+            self._snapshot_taken = True
+        step, base = self._step, self._base
+
+        def write() -> None:
+            took = snapshot.write({"step": step, **self._full_state()}, base)
+            if took is not None:
+                log.info("torchspot: rank %d: the node's snapshot of step %d written in %.2f s", self._rank, step, took)
+
+        writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
+        writer.start()
+        writer.join(LEAVE_SAVE_WAIT)
+
+    def _keep_then_report(self, kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+        """`sys.excepthook` while the manager runs: a loop that raised (a collective failed where a peer
+        left, on the restart path) keeps the node's snapshot, then the error is reported as before."""
+        self._keep_snapshot()
+        self._excepthook(kind, value, trace)
 
     def _watch_commits(self) -> None:
         """End the worker when a step has not committed within `commit_seconds` (module docstring)."""
