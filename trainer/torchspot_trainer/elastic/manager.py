@@ -34,6 +34,12 @@ stops at that boundary (recovery/notices.py's rules, the trainer's): the lowest 
 writes the emergency checkpoint of the committed step, the leaving ranks exit (143), and the others
 hold until the leaving node is gone (in place, they then re-form without it and train on).
 
+**Node snapshots.** Under an elastic agent (torchrun, torchspot-run), a worker that leaves (its loop
+raised where a peer was lost, it was stuck after its SIGTERM, a notice, a re-form that never came) keeps
+its node's copy of the committed state on local disk (recovery/snapshot.py), once per node and round.
+The next round resumes from the newest copy any node holds where it is not older than the newest
+checkpoint: on the restart path a lost peer then costs no step since the last checkpoint.
+
 **A step that never commits.** A step that has not committed within `commit_seconds` of its start (a
 collective that hangs outside any round change, a loop that never calls `optimizer.step()`) ends the
 worker with one log line naming the cause: its agent then restarts it (the restart path).
