@@ -38,7 +38,8 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import LiveGroup, Outcome
+from torchspot_trainer.recovery.live import LiveGroup
+from torchspot_trainer.recovery.outcome import Outcome
 
 BUCKETS = (250_000, 6_000_000, 5_500_000, 3_000_000)
 """Elements of each step's buckets (float32): a small first bucket, then about 25 MB ones, as DDP's

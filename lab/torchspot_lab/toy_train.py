@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.handover import Handover
-from torchspot_trainer.recovery.live import LiveGroup, Outcome, wait_for_assignment
+from torchspot_trainer.recovery.live import LiveGroup, wait_for_assignment
+from torchspot_trainer.recovery.outcome import Outcome
 
 _DIM = 32
 

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import LiveGroup, Outcome, wait_for_assignment
+from torchspot_trainer.recovery.live import LiveGroup, wait_for_assignment
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import HostPlane, Parent
 
 GENERATIONS = 4

@@ -23,7 +23,8 @@ from torch._C._distributed_c10d import TCPStore
 from torchspot_lab.local import wait_for
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.buckets import plan_buckets
-from torchspot_trainer.recovery.live import LiveGroup, Outcome, newest
+from torchspot_trainer.recovery.live import LiveGroup, newest
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import (
     NCCL_SHRINK_HANG_VERSION,
     NCCL_SHRINK_VERSION,
@@ -44,7 +45,7 @@ from torchspot_trainer.recovery.planes import (
 from torchspot_trainer.recovery.resume import (
     HealRow,
     evaluation_source,
-    hand_over_refuted,
+    go_ahead_refuted,
     heal_source,
     kept_ranks,
     record_writer,
@@ -223,13 +224,13 @@ def test_a_heal_lets_its_receivers_sit_out_the_next_step_only_when_every_rank_ca
         ),  # evaluations differ
     ],
 )
-def test_a_hand_over_taken_at_a_switch_is_refuted_alike_on_every_rank_by_the_heal_rows(
+def test_a_go_ahead_taken_at_a_switch_is_refuted_alike_on_every_rank_by_the_heal_rows(
     rows: list[HealRow], refuted: bool
 ) -> None:
-    """The old ranks that went ahead at a switch (the sixth column) check their hand-over against the
+    """The old ranks that went ahead at a switch (the sixth column) check their go-ahead against the
     heal's rows before their update; a newcomer checks the same rows at once, so where they refute it
     both leave the generation, instead of the newcomer waiting for a state the others never send."""
-    assert hand_over_refuted(rows) is refuted
+    assert go_ahead_refuted(rows) is refuted
 
 
 _SIT_OUT = """
@@ -241,7 +242,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, Outcome, StateArrival
+from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, StateArrival
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.wire import WireError
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
@@ -331,7 +333,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup, Outcome
+from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.resume import kept_ranks
 from live_worker import on_threads  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))

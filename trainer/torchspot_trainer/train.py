@@ -114,7 +114,6 @@ from torchspot_trainer.recovery.live import (
     GroupChanged,
     LiveCollectives,
     LiveGroup,
-    Outcome,
     StateArrival,
     wait_for_assignment,
 )
@@ -126,12 +125,13 @@ from torchspot_trainer.recovery.notices import (
     leave,
     waits_for_save,
 )
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import (
     HealRow,
     evaluation_source,
     find_state,
-    hand_over_refuted,
+    go_ahead_refuted,
     heal_source,
     kept_ranks,
     record_writer,
@@ -470,13 +470,13 @@ class _InPlace:
     """The model and step are a state of the run (not a joiner's before its heal's state arrived), so a
     re-form may go on from them (`Trainer._reform`)."""
     trainers: list[int] | None = None
-    """After a heal whose receivers sit out the next step: the ranks that train it (`Trainer._hand_over`),
+    """After a heal whose receivers sit out the next step: the ranks that train it (`Trainer._heal_beside_step`),
     on every rank until that step's all-reduce. The step's samples are dealt over them only
     (`Trainer._train_epoch`), and its BatchNorm buffers come from the first (`Trainer._average`)."""
     arriving: tuple[StateArrival, int] | None = None
     """A heal's receiver: the state on its way, and the step it is of (`Trainer._sit_out`)."""
     sending: Future[None] | None = None
-    """A heal's source: its state being packed and sent beside its next step (`Trainer._hand_over`),
+    """A heal's source: its state being packed and sent beside its next step (`Trainer._heal_beside_step`),
     until that step's all-reduce (`Trainer._average`)."""
     confirming: Callable[[], list[list[int]]] | None = None
     """A heal handed over before its agreement came (`Trainer._heal`, at a switch to a deferred round):
@@ -769,7 +769,7 @@ class Trainer:
         if self._run is not None and self._in_place is not None:
             run = self._run
             self._in_place.sends_posted()
-            self._confirm_hand_over()
+            self._confirm_go_ahead()
             trainers, self._in_place.trainers = self._in_place.trainers, None
             group = self.group
             assert isinstance(group, LiveCollectives)
@@ -1038,14 +1038,14 @@ class Trainer:
         generation), this is the restart path's resume (resume.py). Otherwise the newest step wins
         (a rank that completed a step its peers' collectives did not: they take it from it), from
         the lowest rank holding it, sent only when some rank lacks it: where it can, while the ranks
-        that hold it train the next step without the others (`_hand_over`).
+        that hold it train the next step without the others (`_heal_beside_step`).
 
         At a switch to a round that only adds ranks (`LiveGroup.roster`), the old ranks completed the
-        same step and are its trainers: they hand over without waiting for the agreement, which runs
-        beside their step and is checked before its update (`_confirm_hand_over`); a newcomer waits
+        same step and are its trainers: they go ahead without waiting for the agreement, which runs
+        beside their step and is checked before its update (`_confirm_go_ahead`); a newcomer waits
         for it as before, to learn where its state comes from; the rows say which ranks went ahead
-        so, and where the agreement refutes their hand-over a newcomer fails the heal at once, as
-        they fail their step (`resume.hand_over_refuted`). The wait took 1-5 ms of a 30 ms
+        so, and where the agreement refutes their go-ahead a newcomer fails the heal at once, as
+        they fail their step (`resume.go_ahead_refuted`). The wait took 1-5 ms of a 30 ms
         switch on 2 CPU cores, yet skipping it measured neutral there: the joiner, sharing the cores,
         then got less CPU for its part (bench/README.md). Where each rank has cores of its own the
         wait is latency alone (not measured)."""
@@ -1065,12 +1065,12 @@ class Trainer:
         if place is not None and kept is not None and ahead:
             assert isinstance(group, LiveCollectives)
             place.confirming = group.gather_ints_beside(row.as_ints())
-            self._hand_over(run, kept, live_step)
+            self._heal_beside_step(run, kept, live_step)
             return
         rows = [HealRow.parse(line) for line in group.gather_ints(row.as_ints())]
         self._note_committed(rows)
-        if hand_over_refuted(rows):
-            log.warning("rank %d: the heal's agreement (%s) refutes the hand-over the old ranks took", self.rank, rows)
+        if go_ahead_refuted(rows):
+            log.warning("rank %d: the heal's agreement (%s) refutes the go-ahead the old ranks took", self.rank, rows)
             raise GroupChanged(Outcome.FAILED)
         live = [row.live for row in rows]
         if max(live) < 0:
@@ -1086,7 +1086,7 @@ class Trainer:
             return
         trainers = trainers_of_next_step(rows, best, source) if from_live else None
         if trainers is not None:
-            self._hand_over(run, trainers, best)
+            self._heal_beside_step(run, trainers, best)
             return
         sending = None
         if self.rank == source:
@@ -1118,8 +1118,8 @@ class Trainer:
         if self.manager is not None and newest_committed >= 0:
             self.manager.last_committed = newest_committed
 
-    def _confirm_hand_over(self) -> None:
-        """Before the update of the step a hand-over taken at a switch let the old ranks train
+    def _confirm_go_ahead(self) -> None:
+        """Before the update of the step a go-ahead taken at a switch let the old ranks train
         (`_heal`): its agreement, which ran beside their passes, must say the same (it does unless a
         newcomer held a newer state than theirs or cannot sit the step out, or a newer round broke
         the group). Otherwise the step is not applied: GroupChanged as a failure, and the next round
@@ -1132,8 +1132,8 @@ class Trainer:
             return
         rows = [HealRow.parse(line) for line in confirming()]
         self._note_committed(rows)
-        if hand_over_refuted(rows):  # (the newcomers fail their heal on the same rows)
-            log.warning("rank %d: the heal's agreement (%s) refutes the hand-over taken", self.rank, rows)
+        if go_ahead_refuted(rows):  # (the newcomers fail their heal on the same rows)
+            log.warning("rank %d: the heal's agreement (%s) refutes the go-ahead taken", self.rank, rows)
             raise GroupChanged(Outcome.FAILED)
 
     def _may_sit_out(self) -> bool:
@@ -1149,7 +1149,7 @@ class Trainer:
         behind takes the state, and what comes next, from them."""
         return live_step < 0 or not (self._evaluation_due(run) or self._training_over(run))
 
-    def _hand_over(self, run: _Run, trainers: list[int], best: int) -> None:
+    def _heal_beside_step(self, run: _Run, trainers: list[int], best: int) -> None:
         """A heal whose receivers sit out the next step (`resume.trainers_of_next_step`). The lowest of
         `trainers` (the ranks at `best`) sends its state to each of the others point to point, packed
         and posted on its sending thread beside its own passes (`LiveGroup.send_beside`); the
@@ -1172,7 +1172,7 @@ class Trainer:
         self.resumed_from = "peer"
 
     def _sit_out(self, run: _Run, arriving: StateArrival, step: int) -> _Window:
-        """A heal's receiver in the step its trainers take without it (`_hand_over`): it loads the state
+        """A heal's receiver in the step its trainers take without it (`_heal_beside_step`): it loads the state
         (`step`'s) once it arrived, the trainers meanwhile computing; then its gradients count zero in
         the step's all-reduce (the step's scale is the world's, so the average is the trainers'
         samples' mean), which also brings the step's BatchNorm buffers, and it applies the step as

@@ -80,7 +80,6 @@ from torchspot_trainer.recovery.live import (
     GroupChanged,
     LiveCollectives,
     LiveGroup,
-    Outcome,
     newest,
     wait_for_assignment,
 )
@@ -93,6 +92,7 @@ from torchspot_trainer.recovery.notices import (
     node_levels,
     saves_emergency,
 )
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.signals import (

@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from torchspot_trainer.recovery.live import Outcome
+from torchspot_trainer.recovery.outcome import Outcome
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 """The first bucket's cap (DDP's `dist._DEFAULT_FIRST_BUCKET_BYTES`): the last layers' gradients come

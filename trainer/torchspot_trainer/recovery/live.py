@@ -50,7 +50,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +59,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distr
 
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.group import Group
+from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import HostPlane, Parent
 from torchspot_trainer.recovery.wire import pack, unpack
 
@@ -245,16 +245,6 @@ class _Build:
             threading.Thread(
                 target=self._end, args=(communicator,), name="torchspot-abandon", daemon=True
             ).start()  # fmt: skip
-
-
-class Outcome(Enum):
-    """How a collective ended: errors are flags, so a failed step is skipped, not raised through."""
-
-    DONE = "done"
-    FAILED = "failed"
-    """A peer's socket closed (gloo raised) or the op timed out: the group is gone."""
-    BROKEN = "broken"
-    """The caller's `broken` event was set (a new assignment) or its deadline passed."""
 
 
 class LiveGroup:

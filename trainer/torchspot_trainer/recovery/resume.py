@@ -41,7 +41,7 @@ class HealRow(NamedTuple):
     may_sit_out: bool
     """It can sit a step out while the state travels (`trainers_of_next_step`): a capability."""
     went_ahead: bool = False
-    """It handed over at a switch without waiting for this agreement (`hand_over_refuted`)."""
+    """It went ahead at a switch, training without waiting for this agreement (`go_ahead_refuted`)."""
     summed: int = -1
     """The step of the last whole progress record it summed (`record_writer`)."""
     written: int = -1
@@ -102,9 +102,9 @@ def trainers_of_next_step(rows: Sequence[HealRow], best: int, source: int) -> li
     return trainers if len(trainers) < len(rows) else None
 
 
-def hand_over_refuted(rows: Sequence[HealRow]) -> bool:
-    """Whether the ranks that went ahead at a switch (`HealRow.went_ahead`: they handed over and train
-    without waiting for the heal's agreement, train.py's `_heal`) took a hand-over the agreement
+def go_ahead_refuted(rows: Sequence[HealRow]) -> bool:
+    """Whether the ranks that went ahead at a switch (`HealRow.went_ahead`: they train
+    without waiting for the heal's agreement, train.py's `_heal`) took a go-ahead the agreement
     does not give: the newest step is not theirs, not a live state, or they are not the next
     step's trainers. Pure. False when none went ahead.
 
