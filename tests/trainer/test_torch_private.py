@@ -11,8 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from torchspot_trainer.torch_private import PRIVATE_TORCH
+from torchspot_trainer.torch_private import PRIVATE_TORCH, SINCE_TORCH_2_14
+
+LISTED = PRIVATE_TORCH + SINCE_TORCH_2_14
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {  # folder: the import name of its top package
@@ -67,6 +71,11 @@ def test_each_listed_name_is_where_the_list_says(entry: str) -> None:
     assert resolves(entry), f"{entry} is not in the installed torch: it moved; update its users and the list"
 
 
+@pytest.mark.parametrize("entry", SINCE_TORCH_2_14)
+def test_each_name_of_a_newer_torch_is_there_exactly_from_that_version_on(entry: str) -> None:
+    assert resolves(entry) == (TORCH >= (2, 14)), f"{entry} in torch {torch.__version__}"
+
+
 def test_an_entry_that_moved_is_found() -> None:
     """The check above can fail: a name torch never had, and a member its class never sets."""
     assert not resolves("torch.distributed:_no_such_function")
@@ -115,7 +124,7 @@ def _imported_and_module_uses(path: Path, tree: ast.Module) -> Iterator[tuple[st
 
 
 def test_every_private_torch_name_the_code_imports_is_listed() -> None:
-    listed = {_dotted(entry) for entry in PRIVATE_TORCH}
+    listed = {_dotted(entry) for entry in LISTED}
     found: dict[str, str] = {}
     for path in _files():
         for dotted, where in _imported_and_module_uses(path, ast.parse(path.read_text())):
@@ -150,7 +159,7 @@ def _subclasses_of_torch() -> Iterator[type]:
 def test_every_private_member_of_torch_classes_our_subclasses_use_is_listed() -> None:
     """Our subclasses of torch's classes (the agent, the rendezvous handler and its parts, DDP): each
     private member they use or override that a torch class of theirs has is listed with that class."""
-    listed = {(entry.split(":")[1].rsplit(".", 1)[0], entry.rsplit(".", 1)[1]) for entry in PRIVATE_TORCH}
+    listed = {(entry.split(":")[1].rsplit(".", 1)[0], entry.rsplit(".", 1)[1]) for entry in LISTED}
     classes = list(_subclasses_of_torch())
     assert len(classes) >= 4, f"the scan found too few subclasses of torch classes: {classes}"
     missing = []
@@ -184,7 +193,7 @@ def test_private_members_of_torch_objects_the_code_reads_are_listed() -> None:
                     ours.add(node.attr)
                 elif _private(node.attr) and uses_torch:
                     reads.setdefault(node.attr, f"{path.relative_to(ROOT)}:{node.lineno}")
-    members = {entry.rsplit(".", 1)[1] for entry in PRIVATE_TORCH} | {entry.split(":")[1] for entry in PRIVATE_TORCH}
+    members = {entry.rsplit(".", 1)[1] for entry in LISTED} | {entry.split(":")[1] for entry in LISTED}
     python_own = {"_exit", "_Environ", "_getframe", "_replace", "_asdict", "_fields", "_make"}
     """The standard library's private-looking public names (os._exit, namedtuple's), not torch's."""
     other_libraries = {"_quorum_id"}
