@@ -22,8 +22,9 @@ from torchspot import elastic
 from torchspot_lab.local import read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.elastic.manager import choose_path
+from torchspot_trainer.elastic.manager import choose_path, node_snapshot
 from torchspot_trainer.markers import PEER_LOST_ENV
+from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
 
 
 def _free_port() -> int:
@@ -275,3 +276,42 @@ def test_on_the_restart_path_a_lost_peer_leaves_the_nodes_snapshot_and_the_next_
     assert (starts[-1]["resumed_from"], starts[-1]["step"]) == ("snapshot", last), (starts[-1], last)
     assert max(steps_of_rank_0()) == last + 3
     assert not any((tmp_path / "snapshots").glob("*.pt")), "the finished run left its snapshot behind"
+
+
+def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoint_is_newer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker its agent started again in place (the one before it left for the restart path) loads its
+    node's snapshot before the first group's heal; a committed checkpoint newer than the snapshot wins,
+    and no snapshot is read outside an elastic agent (no run id: another script's would be)."""
+    monkeypatch.setenv(PEER_LOST_ENV, str(tmp_path / "peer-lost"))  # as torchspot-run sets it: in place
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHSPOT_SNAPSHOT_DIR", str(tmp_path / "snapshots"))
+    model = torch.nn.Linear(4, 2)
+
+    def manager(checkpoint_uri: str) -> elastic.Manager:
+        return elastic.Manager(
+            state_dict=model.state_dict, load_state_dict=model.load_state_dict, checkpoint_uri=checkpoint_uri
+        )
+
+    kept = {"step": 7, "user": {"weight": torch.full((2, 4), 7.0), "bias": torch.zeros(2)},
+            "torchspot": {"step": 7, "positions": []}}  # fmt: skip
+    LocalSnapshot(default_path(dict(os.environ))).write(kept, base=0)
+    first = manager(checkpoint_uri="")
+    first._resume()
+    assert first.resumed_from == "snapshot"
+    assert float(model.weight.detach()[0, 0]) == 7.0
+    first.close()
+    ckpt = tmp_path / "ckpt"
+    newer = {
+        "user": {"weight": torch.full((2, 4), 9.0), "bias": torch.zeros(2)},
+        "torchspot": {"step": 9, "positions": []},
+    }
+    CheckpointManager(open_storage(str(ckpt))).save_sync(9, newer, {"world_size": 1})
+    LocalSnapshot(default_path(dict(os.environ))).write(kept, base=0)
+    second = manager(checkpoint_uri=str(ckpt))
+    second._resume()
+    assert second.resumed_from == "checkpoint"
+    assert float(model.weight.detach()[0, 0]) == 9.0
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert node_snapshot(os.environ) is None

@@ -89,7 +89,6 @@ from torchspot_trainer.recovery.notices import (
     GroupBroken,
     NoticeStop,
     leave,
-    node_levels,
     saves_emergency,
 )
 from torchspot_trainer.recovery.outcome import Outcome
@@ -710,11 +709,9 @@ class Manager:
         one all-gather now) and, on any, stop the group here (`NoticeStop.stop`). True when the step's
         end went another way than training on: the group re-formed without the leaving node."""
         self._notice.step_boundary()
+        group: Group
         if self._live is not None:
             rows, self._notice_rows = self._notice_rows or [], None
-            group: Group = LiveCollectives(
-                self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS
-            )
         else:
             group = Group(self._rank, self._world, self.device)
             try:
@@ -723,8 +720,10 @@ class Manager:
                 self._leave(f"the notices' agreement after step {self._step} failed ({exc})")
         if self._notice.is_set():
             self._notice.acknowledged.set()
-        if not any(node_levels(rows)):
+        if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
             return False
+        if self._live is not None:
+            group = LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
         saves = saves_emergency(self._rank, rows, leaving_now=self._stop.level() >= NOTICE_LEAVING)
         save = self._emergency_save if saves and self._checkpoints is not None else None
         try:
