@@ -7,7 +7,7 @@ the API, then plain again... Rates are steps per second; the ratio is the API's 
 Widths: the example's MLP (64 hidden units, a step of about 3 ms on 2 cores, where a fixed per-step cost
 shows most) and a wider one (4096 hidden units over a global batch of 480: a step of tens of milliseconds).
 
-Usage: python bench/api_cost/run.py [--trials 5] [--steps 1000] [--widths 64 1024]
+Usage: python bench/api_cost/run.py [--trials 5] [--steps 1000] [--widths 64 1024] [--modes plain plain-hook elastic]
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode
 
 WORKER = Path(__file__).resolve().with_name("worker.py")
+MODES = ("plain", "plain-hook", "elastic")
+"""Plain DDP, plain DDP with torch's Python all-reduce hook (the floor of any comm-hook design), the API."""
 SMALL = 64
 """Widths up to this train the example's global batch (48); wider ones ten times as many samples a step."""
 
@@ -57,22 +59,24 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 4096])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     rates: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="torchspot-api-cost-") as tmp, EtcdServer(Path(tmp) / "etcd") as etcd:
         for number in range(args.trials):
             for width in args.widths:
-                for mode in ("plain", "elastic") if number % 2 == 0 else ("elastic", "plain"):
+                for mode in args.modes if number % 2 == 0 else reversed(args.modes):
                     rate = trial(Path(tmp), etcd, mode, width, args.steps)
                     rates.setdefault((mode, width), []).append(rate)
                     print(f"[{number + 1}/{args.trials}] width {width:5} {mode:8} {rate:8.1f} steps/s", flush=True)
-    print("\nSteady state, 2 nodes x 1 process, gloo: steps per second (median, min-max)")
+    print("\nSteady state, 2 nodes x 1 process, gloo: steps per second (median, min-max), ratio to plain DDP")
     for width in args.widths:
-        plain, ours = rates[("plain", width)], rates[("elastic", width)]
-        ratio = statistics.median(ours) / statistics.median(plain)
-        print(f"  width {width:5}: plain DDP {statistics.median(plain):.1f} ({min(plain):.1f}-{max(plain):.1f}), "
-              f"torchspot.elastic {statistics.median(ours):.1f} ({min(ours):.1f}-{max(ours):.1f}): "
-              f"ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%)")  # fmt: skip
+        plain = statistics.median(rates[("plain", width)]) if ("plain", width) in rates else None
+        for mode in args.modes:
+            found = rates[(mode, width)]
+            ratio = "" if plain is None else f": ratio {statistics.median(found) / plain:.3f}"
+            spread = f"({min(found):.1f}-{max(found):.1f})"
+            print(f"  width {width:5} {mode:10}: {statistics.median(found):.1f} {spread}{ratio}")
     sys.stdout.flush()
 
 

@@ -1,6 +1,8 @@
 """One worker of bench/api_cost: the DDP example's loop (examples/ddp) for `--steps` steps, either plain
-(torch's DDP on torch's default group) or on torchspot.elastic (in place under torchspot-run), timing
-the steps after a warm-up in-process. Rank 0 prints one JSON line: steps per second."""
+(torch's DDP on torch's default group), plain with a Python comm hook (`plain-hook`: torch's own
+`allreduce_hook`, DDP as the API runs it, with `find_unused_parameters=True`: what any design on a
+comm hook pays, TorchFT's too) or on torchspot.elastic (in place under torchspot-run), timing the steps
+after a warm-up in-process. Rank 0 prints one JSON line: steps per second."""
 
 import argparse
 import json
@@ -11,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "ddp"))
@@ -29,7 +32,7 @@ def build(width: int) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["plain", "elastic"], required=True)
+    parser.add_argument("--mode", choices=["plain", "plain-hook", "elastic"], required=True)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--global-batch", type=int, default=48)
@@ -38,9 +41,12 @@ def main() -> None:
     model = build(args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     began = 0.0
-    if args.mode == "plain":
+    if args.mode.startswith("plain"):
         dist.init_process_group("gloo")
-        ddp = DistributedDataParallel(model)
+        hooked = args.mode == "plain-hook"
+        ddp = DistributedDataParallel(model, find_unused_parameters=hooked)
+        if hooked:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         rank, world = dist.get_rank(), dist.get_world_size()
         order = torch.randperm(len(inputs), generator=torch.Generator().manual_seed(0))
         for step in range(args.steps):
