@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="the model's")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
+    parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
     args = parser.parse_args()
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
@@ -52,7 +53,10 @@ def main() -> None:
         batch = tokens[sampler.indices()]
         loss = ddp(input_ids=batch, labels=batch).loss
         loss.backward()
-        optimizer.step()
+        if optimizer.step() and manager.current_step() % args.log_every == 0:
+            total = loss.detach().reshape(1)  # every rank's mean over its sequences, summed over the group
+            if manager.all_reduce(total) and manager.rank == 0:  # (False: the group changed; a line skipped)
+                print(f"step {manager.current_step()}: loss {float(total) / manager.world_size:.4f}", flush=True)
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - begun)))
     manager.close()
 

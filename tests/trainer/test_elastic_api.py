@@ -189,6 +189,9 @@ def test_an_elasticjobs_checkpoint_settings_reach_the_manager_through_the_enviro
         optimizer.zero_grad()
         ddp(torch.ones(2, 4)).sum().backward()
         optimizer.step()
+    total = torch.tensor([2.5])
+    assert manager.all_reduce(total) is True  # the loop's own figure: a sum over a group of one
+    assert float(total) == 2.5
     manager.close()
     saved = [p.name for p in (tmp_path / "job-ckpt").iterdir() if p.name.startswith("step-")]
     assert saved == [step_dir(3).rstrip("/")]  # every 2 steps, keep 1: step 2's went when the final one committed
@@ -198,63 +201,37 @@ def test_an_elasticjobs_checkpoint_settings_reach_the_manager_through_the_enviro
         elastic.Manager(state_dict=model.state_dict, load_state_dict=model.load_state_dict)
 
 
-def test_a_sigterm_ends_the_step_with_an_emergency_checkpoint_of_it(tmp_path: Path) -> None:
-    """The restart path's notice, as a kubelet gives it at a spot eviction: the DDP example, SIGTERMed
-    mid-run, writes the checkpoint of the step it committed last (the one a restart resumes from) and exits
-    143. Bad values of the notice settings are refused by name."""
-    events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "TORCHSPOT_EVENTS_FILE": str(events),
-           "TORCHSPOT_CHECKPOINT_URI": str(ckpt), "TORCHSPOT_CHECKPOINT_EVERY": "1000"}  # fmt: skip
-    env.pop(PEER_LOST_ENV, None)
-    script = Path(__file__).resolve().parents[2] / "examples" / "ddp" / "train.py"
-    command = [sys.executable, str(script), "--steps", "100000", "--step-seconds", "0.02"]
-    worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: sum(1 for e in read_events(events) if e["event"] == "step") >= 5, 60, "5 steps")
-        worker.send_signal(signal.SIGTERM)
-        _out, err = worker.communicate(timeout=60)
-    finally:
-        worker.kill()
-    assert worker.returncode == 128 + signal.SIGTERM, err
-    records = read_events(events)
-    last = max(e["step"] for e in records if e["event"] == "step")
-    (saved,) = [e for e in records if e["event"] == "emergency_checkpoint"]
-    assert (saved["step"], saved["ok"]) == (last, True), (saved, last)
-    loaded = CheckpointManager(open_storage(str(ckpt))).load_latest()
-    assert loaded is not None
-    assert loaded.step == last
-    assert loaded.state["torchspot"]["step"] == last
-    with pytest.raises(elastic.Refused, match="notice_hold=-1: must be 0 or more"):
-        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, notice_hold=-1)
-    with pytest.raises(elastic.Refused, match="scheduled_events='sometimes'"):
-        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, scheduled_events="sometimes")
-
-
-def test_on_the_restart_path_a_lost_peer_leaves_the_nodes_snapshot_and_the_next_round_resumes_from_it(
+@pytest.mark.slow(seconds=15)
+def test_on_the_restart_path_a_lost_peer_leaves_a_snapshot_and_a_sigterm_an_emergency_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """Two ranks of the DDP example under an elastic agent's environment (its run id; the snapshot file is
-    named by the parent process, here the test), no checkpoint URI: rank 1 is killed, rank 0's loop fails
-    (or is stuck, and its SIGTERM ends it) and leaves the node's snapshot of its last committed step; the
-    next round, one rank, resumes from that step, not from the start."""
-    events = tmp_path / "events.jsonl"
+    """The DDP example on the restart path, under an elastic agent's environment (its run id; the snapshot
+    file is named by the parent process, here the test), its checkpoints every 1000 steps:
+
+    - two ranks; rank 1 is killed: rank 0's loop fails (or is stuck, and its SIGTERM ends it) and leaves
+      the node's snapshot of its last committed step;
+    - the next round, one rank, resumes from that step (not from the start: no checkpoint was written);
+    - SIGTERMed mid-run, as a kubelet does at a spot eviction, it writes the checkpoint of the step it
+      committed last (the one a restart resumes from) and exits 143.
+
+    Bad values of the notice settings are refused by name."""
+    events, ckpt = tmp_path / "events.jsonl", tmp_path / "ckpt"
     script = Path(__file__).resolve().parents[2] / "examples" / "ddp" / "train.py"
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": f"snap-{os.getpid()}",
-            "TORCHSPOT_SNAPSHOT_DIR": str(tmp_path / "snapshots"), "TORCHSPOT_EVENTS_FILE": str(events)}  # fmt: skip
+            "TORCHSPOT_SNAPSHOT_DIR": str(tmp_path / "snapshots"), "TORCHSPOT_EVENTS_FILE": str(events),
+            "TORCHSPOT_CHECKPOINT_URI": str(ckpt), "TORCHSPOT_CHECKPOINT_EVERY": "1000"}  # fmt: skip
     base.pop(PEER_LOST_ENV, None)
-    base.pop("TORCHSPOT_CHECKPOINT_URI", None)
 
-    def start(rank: int, world: int, port: int, steps: int) -> subprocess.Popen[str]:
+    def start(rank: int, world: int, port: int) -> subprocess.Popen[str]:
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_PORT": str(port)}
-        command = [sys.executable, str(script), "--steps", str(steps), "--step-seconds", "0.02"]
+        command = [sys.executable, str(script), "--steps", "100000", "--step-seconds", "0.02"]
         return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def steps_of_rank_0() -> list[int]:
         return [e["step"] for e in read_events(events) if e["event"] == "step" and e["rank"] == 0]
 
     port = _free_port()
-    first = [start(rank, 2, port, 100000) for rank in (0, 1)]
+    first = [start(rank, 2, port) for rank in (0, 1)]
     try:
         wait_for(lambda: len(steps_of_rank_0()) >= 5, 60, "5 steps at world 2")
         first[1].kill()
@@ -267,15 +244,30 @@ def test_on_the_restart_path_a_lost_peer_leaves_the_nodes_snapshot_and_the_next_
         for worker in first:
             worker.kill()
             worker.communicate()
-    last = max(steps_of_rank_0())
+    lost_at = max(steps_of_rank_0())
     assert any((tmp_path / "snapshots").glob("*.pt")), "no snapshot left by the lost round"
-    again = start(0, 1, _free_port(), last + 3)
-    _out, err = again.communicate(timeout=60)
-    assert again.returncode == 0, err
-    starts = [e for e in read_events(events) if e["event"] == "start"]
-    assert (starts[-1]["resumed_from"], starts[-1]["step"]) == ("snapshot", last), (starts[-1], last)
-    assert max(steps_of_rank_0()) == last + 3
-    assert not any((tmp_path / "snapshots").glob("*.pt")), "the finished run left its snapshot behind"
+    assert not [e for e in read_events(events) if e["event"] == "emergency_checkpoint"]
+    again = start(0, 1, _free_port())
+    try:
+        wait_for(lambda: len(steps_of_rank_0()) >= lost_at + 5, 60, "5 steps at world 1")
+        again.send_signal(signal.SIGTERM)
+        _out, err = again.communicate(timeout=60)
+    finally:
+        again.kill()
+    assert again.returncode == 128 + signal.SIGTERM, err
+    records = read_events(events)
+    starts = [e for e in records if e["event"] == "start"]
+    assert (starts[-1]["resumed_from"], starts[-1]["step"]) == ("snapshot", lost_at), (starts[-1], lost_at)
+    last = max(steps_of_rank_0())
+    (saved,) = [e for e in records if e["event"] == "emergency_checkpoint"]
+    assert (saved["step"], saved["ok"]) == (last, True), (saved, last)
+    loaded = CheckpointManager(open_storage(str(ckpt))).load_latest()
+    assert loaded is not None
+    assert (loaded.step, loaded.state["torchspot"]["step"]) == (last, last)
+    with pytest.raises(elastic.Refused, match="notice_hold=-1: must be 0 or more"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, notice_hold=-1)
+    with pytest.raises(elastic.Refused, match="scheduled_events='sometimes'"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, scheduled_events="sometimes")
 
 
 def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoint_is_newer(
@@ -302,6 +294,7 @@ def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoin
     assert first.resumed_from == "snapshot"
     assert float(model.weight.detach()[0, 0]) == 7.0
     first.close()
+    assert not default_path(dict(os.environ)).exists(), "a finished run leaves its node's snapshot behind"
     ckpt = tmp_path / "ckpt"
     newer = {
         "user": {"weight": torch.full((2, 4), 9.0), "bias": torch.zeros(2)},

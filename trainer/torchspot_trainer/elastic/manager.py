@@ -500,6 +500,29 @@ class Manager:
             self._live.switching([round(row[1]) - 1 for row in rows])
             self._reform_due = True
 
+    def all_reduce(self, tensor: torch.Tensor) -> bool:
+        """Sum `tensor` over the current group's ranks, in place; True when it completed. For the loop's own
+        figures (a loss to log, an evaluation's counts): every rank calls it at the same point of its loop,
+        between steps or inside one, as with `torch.distributed.all_reduce`.
+
+        In place, a collective that a newer round broke (a peer lost, frozen, leaving or joining) returns
+        False and leaves `tensor` as it was: a figure is skipped rather than the loop stopped, and the next
+        step re-forms. A host tensor goes over the generation's gloo group, a device one over its data plane.
+        On the restart path it is torch's own all-reduce over the default group (a lost peer raises, and
+        the agent restarts the worker)."""
+        if not self._begun and not self._closed:
+            self._begin()
+        live = self._live
+        if live is None:
+            dist.all_reduce(tensor)
+            return True
+        if live.broken.is_set():
+            return False
+        outcome = live.all_reduce(tensor, time.monotonic() + REFORM_SECONDS, control=tensor.device.type == "cpu")
+        if outcome is Outcome.FAILED:  # a peer's socket closed: the agent hears of it at the re-form
+            self._failed = True
+        return outcome is Outcome.DONE
+
     def commit(self) -> None:
         """The step's update was applied: count it, move the samplers on, tell the agent and the
         operator, and checkpoint on schedule. `OptimizerWrapper.step` calls it after the update."""
