@@ -23,7 +23,7 @@ from torchspot_lab.sandbox import CRD_RESOURCE
 from torchspot_operator.builders import JobRef, worker_pod
 from torchspot_operator.spec import parse_spec
 from torchspot_trainer.config import parse_config
-from torchspot_trainer.elastic.manager import checkpoint_settings
+from torchspot_trainer.elastic.settings import checkpoint_settings
 from torchspot_trainer.launch import check_args
 
 MANIFESTS = ROOT / "manifests"

@@ -22,7 +22,8 @@ from torchspot import elastic
 from torchspot_lab.local import read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.elastic.manager import choose_path, node_snapshot
+from torchspot_trainer.elastic.leaving import node_snapshot
+from torchspot_trainer.elastic.settings import choose_path
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
 

@@ -88,7 +88,7 @@ from torchspot_trainer.data.loader import (
     usable_cpus,
 )
 from torchspot_trainer.data.sampler import ElasticSampler
-from torchspot_trainer.elastic.manager import REFORM_SECONDS, node_name
+from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.markers import PEER_LOST_ENV

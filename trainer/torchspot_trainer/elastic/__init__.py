@@ -17,8 +17,9 @@ from its last checkpoint. The docs' guide ("Bring your own script") shows the te
 """
 
 from torchspot_trainer.elastic.ddp import DistributedDataParallel, OptimizerWrapper
-from torchspot_trainer.elastic.manager import ApiOrderError, Manager, Refused
+from torchspot_trainer.elastic.manager import Manager
 from torchspot_trainer.elastic.sampler import ElasticSampler
+from torchspot_trainer.elastic.settings import ApiOrderError, Refused
 
 __all__ = [
     "ApiOrderError",

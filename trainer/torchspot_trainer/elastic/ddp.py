@@ -18,7 +18,8 @@ from torch import nn
 from torch._C._distributed_c10d import GradBucket, HashStore  # what torch.distributed re-exports
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from torchspot_trainer.elastic.manager import Manager, Refused
+from torchspot_trainer.elastic.manager import Manager
+from torchspot_trainer.elastic.settings import Refused
 
 
 def _one_rank_group(device: torch.device) -> dist.ProcessGroup:

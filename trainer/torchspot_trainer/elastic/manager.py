@@ -47,33 +47,40 @@ worker with one log line naming the cause: its agent then restarts it (the resta
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
-import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
-from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
+from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving
+from torchspot_trainer.elastic.settings import (
+    COMMIT_SECONDS,
+    EVENTS_FILE_ENV,
+    REFORM_SECONDS,
+    ApiOrderError,
+    Refused,
+    checkpoint_settings,
+    choose_path,
+    default_device,
+    node_name,
+    notice_settings,
+)
 from torchspot_trainer.handover import Handover
-from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.group import Group, nccl_environment
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
@@ -87,52 +94,21 @@ from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
     GroupBroken,
-    NoticeStop,
     leave,
     saves_emergency,
 )
 from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import find_state
-from torchspot_trainer.recovery.signals import (
-    NOTICE_HOLD,
-    STUCK_EXIT_AFTER,
-    EvictionNotice,
-    ScheduledEventsWatcher,
-    events_url,
-    reset_sigterm,
-    watch_sigterm,
-)
-from torchspot_trainer.recovery.snapshot import LocalSnapshot, choose_source, default_path
+from torchspot_trainer.recovery.snapshot import choose_source
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
 log = logging.getLogger("torchspot.elastic")
 
-REFORM_SECONDS = 30.0
-"""How long a worker that re-forms in place waits for its agent's next round, and for that round's group
-to form, before it leaves by the restart path."""
-COMMIT_SECONDS = 300.0
-"""A step's default limit from its start to its commit (`Manager`'s `commit_seconds`)."""
-CHECKPOINT_URI_ENV = f"{ENV_PREFIX}CHECKPOINT_URI"
-CHECKPOINT_EVERY_ENV = f"{ENV_PREFIX}CHECKPOINT_EVERY"
-KEEP_CHECKPOINTS_ENV = f"{ENV_PREFIX}KEEP_CHECKPOINTS"
-"""The job's checkpoint settings, as the operator passes them to every worker (builders.launcher_env):
-the manager's defaults, so a script on an ElasticJob checkpoints where the job says with no code."""
-NOTICE_HOLD_ENV = f"{ENV_PREFIX}NOTICE_HOLD"
-SCHEDULED_EVENTS_ENV = f"{ENV_PREFIX}SCHEDULED_EVENTS"
-"""The trainer's --notice-hold and --scheduled-events, as the environment gives them to any program:
-the manager's defaults for `notice_hold` and `scheduled_events`."""
-EVENTS_FILE_ENV = f"{ENV_PREFIX}EVENTS_FILE"
-"""Where the manager appends its records (JSON lines) when its `events_file` is not given."""
-RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
-"""Set by torch's elastic agent (torchrun, torchspot-run) in every worker's environment."""
-LEAVE_SAVE_WAIT = 5.0
-"""Seconds a worker that leaves gives its checkpoint save in flight."""
 KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
 can block (launch.run_program says why)."""
-_N = TypeVar("_N", int, float)
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
 _COLUMNS = 4
 """A rank's line in the table the last bucket carries: joiners ready, its rank in the deferred round
@@ -149,107 +125,6 @@ class _Bucket:
     last: bool
     outcome: Outcome | None = None
     future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
-
-
-class ApiOrderError(RuntimeError):
-    """A manager call came in the wrong order; the message says what to call first."""
-
-
-class Refused(ValueError):
-    """A combination the manager cannot honour, said at start with the reason."""
-
-
-_FORK_RESETS: list[bool] = []
-"""Set once this process has its fork hook (`Manager._watch_notices`)."""
-
-
-def _reset_in_child() -> None:
-    """A forked child's SIGTERM back to its default, its wakeup fd off (signals.reset_sigterm): where the
-    fork did not come from the main thread, the child has none to set them from, and keeps them."""
-    with contextlib.suppress(ValueError):
-        reset_sigterm()
-
-
-def node_snapshot(environ: Mapping[str, str]) -> LocalSnapshot | None:
-    """The node's copy of the state (recovery/snapshot.py), under an elastic agent only (RUN_ID_ENV set):
-    one that restarts the worker, whose run id and process id name the file. Elsewhere no next round
-    would read it, and another script started from the same shell would."""
-    if RUN_ID_ENV not in environ:
-        return None
-    return LocalSnapshot(default_path(dict(environ)), round_started=time.time())
-
-
-def checkpoint_settings(
-    uri: str | None, every: int | None, keep: int | None, environ: Mapping[str, str]
-) -> tuple[str, int, int]:
-    """(uri, every, keep) of the manager's checkpoints: each argument given, else the job's from `environ`
-    (the operator's TORCHSPOT_CHECKPOINT_*), else none, 0 and 3. Pure. Raises Refused for a value that
-    cannot be honoured, naming it."""
-    uri = environ.get(CHECKPOINT_URI_ENV, "") if uri is None else uri
-    every = _from_env(environ, CHECKPOINT_EVERY_ENV, 0, int) if every is None else every
-    keep = _from_env(environ, KEEP_CHECKPOINTS_ENV, 3, int) if keep is None else keep
-    if every < 0:
-        raise Refused(f"checkpoint_every={every}: must be 0 (only the final one) or more")
-    if every and not uri:
-        raise Refused(f"checkpoint_every={every} without a checkpoint_uri: say where they go")
-    if keep < 1:
-        raise Refused(f"keep_checkpoints={keep}: keep at least 1")
-    return uri, every, keep
-
-
-def notice_settings(
-    hold: float | None, scheduled_events: str | None, environ: Mapping[str, str]
-) -> tuple[float, str | None]:
-    """(notice hold, Scheduled Events endpoint or None) of the manager's notices: each argument given,
-    else the job's from `environ` (TORCHSPOT_NOTICE_HOLD, TORCHSPOT_SCHEDULED_EVENTS), else 120 s and
-    'auto'. Pure. Raises Refused for a value that cannot be honoured, naming it."""
-    hold = _from_env(environ, NOTICE_HOLD_ENV, NOTICE_HOLD, float) if hold is None else hold
-    if hold < 0:
-        raise Refused(f"notice_hold={hold}: must be 0 or more")
-    setting = (environ.get(SCHEDULED_EVENTS_ENV) or "auto") if scheduled_events is None else scheduled_events
-    if setting not in ("auto", "off") and not setting.startswith(("http://", "https://")):
-        raise Refused(f"scheduled_events={setting!r}: use 'auto', 'off' or an http(s) URL")
-    return hold, events_url(setting, environ)
-
-
-def _from_env(environ: Mapping[str, str], name: str, default: _N, kind: Callable[[str], _N]) -> _N:
-    """A number of `kind` from the environment variable `name`, `default` where it is unset or empty."""
-    value = environ.get(name, "")
-    if not value:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise Refused(f"{name}={value!r}: expected a {'whole ' if kind is int else ''}number") from None
-
-
-def node_name() -> str:
-    """This worker's node, as the operator names it (the downward API's NODE_NAME), else its host name."""
-    return os.environ.get("NODE_NAME") or socket.gethostname()
-
-
-def default_device(environ: Mapping[str, str] = os.environ) -> torch.device:
-    """This worker's GPU (its LOCAL_RANK) where CUDA is usable, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def choose_path(in_place: bool | None, environ: Mapping[str, str]) -> tuple[bool, str]:
-    """(whether to re-form in place, why), for the manager's `in_place` argument. Pure.
-
-    In place needs torchspot-run's agent, which hands each new round to its live workers: under another
-    launcher no round would ever come. None (the default) takes in place wherever it can run; True where
-    it cannot is refused (`Refused`), rather than silently taking the restart path."""
-    under_ours = PEER_LOST_ENV in environ
-    if in_place is False:
-        return False, "the restart path, as asked (in_place=False)"
-    if not under_ours:
-        reason = "in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands live workers each round"
-        if in_place:
-            raise Refused(f"in_place=True: {reason}; launch with torchspot-run or drop in_place")
-        return False, f"the restart path: {reason}"
-    return True, "in place: torchspot-run's agent hands this worker each new round"
 
 
 class Manager:
@@ -321,8 +196,6 @@ class Manager:
         """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
         self._base = 0
         """The step this worker's state last came from (a snapshot's lineage: recovery/snapshot.py)."""
-        self._snapshot = node_snapshot(os.environ)
-        self._snapshot_lock, self._snapshot_taken = threading.Lock(), False
         self._positions: list[_Position] = []
         self._buffers: list[torch.Tensor] = []
         """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
@@ -335,15 +208,11 @@ class Manager:
         self._reporter: CheckpointReporter | None = None
         self._handover: Handover | None = None
         self._live = self._generations() if self.in_place else None
-        self._notice = EvictionNotice()
-        self._stop = NoticeStop(
-            self._notice, hold=hold, emit=self._emit, keep_snapshot=self._keep_snapshot,
-            node=int(os.environ.get("GROUP_RANK", "0")),
-        )  # fmt: skip
+        self._leaving = Leaving(
+            hold=hold, events_at=events_at, emit=self._emit, kept=self._kept, before_exit=self._before_stuck_exit
+        )
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
-        self._sigterm_watched = self._watch_notices(events_at)
-        self._excepthook, sys.excepthook = sys.excepthook, self._keep_then_report
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
     # -- what the loop reads ------------------------------------------------------
@@ -451,7 +320,7 @@ class Manager:
         pending = self._live.pending_rank()
         if pending >= 0:  # (stored one up: 0 stays "not offered the round yet", -1 in `switching`)
             table[line + 1] = float(pending + 1)
-        table[line + 2 : line + 4] = torch.tensor(self._stop.row(), dtype=dtype)
+        table[line + 2 : line + 4] = torch.tensor(self._leaving.stop.row(), dtype=dtype)
         if not self._buffers:
             return table
         mine = self._rank == 0
@@ -570,15 +439,7 @@ class Manager:
             self._handover.stop()
         if self._reporter is not None:
             self._reporter.close()
-        if self._stop.watcher is not None:
-            self._stop.watcher.stop()
-        if self._snapshot is not None:  # the run is over: nothing to carry to a next round
-            self._snapshot.remove()
-        if sys.excepthook == self._keep_then_report:
-            sys.excepthook = self._excepthook
-        if self._sigterm_watched:  # after the loop a SIGTERM ends the script as it would without us
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.set_wakeup_fd(-1)
+        self._leaving.close()
         self._emit({"event": "done", "step": self._step, "world_size": self._world})
 
     def __enter__(self) -> Manager:
@@ -611,7 +472,7 @@ class Manager:
             self.ensure_group()
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
             group = Group(self._rank, self._world, self.device)
-            mine = self._snapshot.read() if self._snapshot is not None else None
+            mine = self._leaving.read_snapshot()
             self.resumed_from, state = find_state(group, self._checkpoints, mine)
             if state is not None:
                 self._load_full(state)
@@ -633,7 +494,7 @@ class Manager:
         """In place, before the first group: load the node's snapshot where it is not older than the newest
         committed checkpoint, else that checkpoint, if any. The group's heal then takes the newest step
         any rank holds, a live one's before a copy's."""
-        mine = self._snapshot.read() if self._snapshot is not None else None
+        mine = self._leaving.read_snapshot()
         committed = self._checkpoints.latest_step() if mine is not None and self._checkpoints is not None else None
         if mine is not None and choose_source([mine[0]], committed) is not None:
             self._load_full(mine[1])
@@ -669,7 +530,7 @@ class Manager:
             if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
                 continue
             self._rank, self._world = assignment.rank, assignment.world
-            self._stop.node = assignment.node
+            self._leaving.stop.node = assignment.node
             try:
                 self._heal(fresh)
             except GroupChanged as exc:
@@ -712,45 +573,29 @@ class Manager:
 
     # -- notices --------------------------------------------------------------------
 
-    def _watch_notices(self, url: str | None) -> bool:
-        """Turn SIGTERM into a notice (only the main thread may take signals: a manager made elsewhere
-        says so and leaves SIGTERM as it is), and poll Scheduled Events at `url` from one rank per node.
-        Whether SIGTERM is watched."""
-        if url and os.environ.get("LOCAL_RANK", "0") == "0":
-            self._stop.watcher = ScheduledEventsWatcher(self._notice, url).start()
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("torchspot: the Manager was made off the main thread: a SIGTERM is not taken as a notice")
-            return False
-        watch_sigterm(self._notice, stuck_exit_after=STUCK_EXIT_AFTER, before_exit=self._before_stuck_exit)
-        if not _FORK_RESETS:  # a DataLoader's worker forked from here is not this worker: no notice there
-            os.register_at_fork(after_in_child=_reset_in_child)
-            _FORK_RESETS.append(True)
-        return True
-
     def _notices_stop_here(self) -> bool:
         """At a step's end: share the notices (in place the last bucket brought them; on the restart path
         one all-gather now) and, on any, stop the group here (`NoticeStop.stop`). True when the step's
         end went another way than training on: the group re-formed without the leaving node."""
-        self._notice.step_boundary()
+        self._leaving.at_boundary()
+        stop = self._leaving.stop
         group: Group
         if self._live is not None:
             rows, self._notice_rows = self._notice_rows or [], None
         else:
             group = Group(self._rank, self._world, self.device)
             try:
-                rows = group.boundary(self._step, self._stop.row)
+                rows = group.boundary(self._step, stop.row)
             except RuntimeError as exc:  # a peer's socket closed: it left
                 self._leave(f"the notices' agreement after step {self._step} failed ({exc})")
-        if self._notice.is_set():
-            self._notice.acknowledged.set()
         if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
             return False
         if self._live is not None:
             group = LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
-        saves = saves_emergency(self._rank, rows, leaving_now=self._stop.level() >= NOTICE_LEAVING)
+        saves = saves_emergency(self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING)
         save = self._emergency_save if saves and self._checkpoints is not None else None
         try:
-            self._stop.stop(group, step=self._step, save=save)
+            stop.stop(group, step=self._step, save=save)
         except GroupChanged as exc:  # in place: the round without the leaving node came
             self._failed = exc.failed
             self._reform()
@@ -766,48 +611,24 @@ class Manager:
         return self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
 
     def _before_stuck_exit(self) -> None:
-        """A worker stuck in a collective after its SIGTERM is about to exit: it keeps its node's snapshot,
-        and its save in flight, if any, gets a moment."""
-        self._keep_snapshot()
+        """A worker stuck in a collective after its SIGTERM is about to exit (its snapshot kept): its save
+        in flight, if any, gets a moment."""
         if self._checkpoints is not None and self._checkpoints.in_flight is not None:
             self._checkpoints.wait(LEAVE_SAVE_WAIT)
 
     def _leave(self, why: str) -> NoReturn:
         """Leave by the restart path: one line with the cause, then exit (the agent restarts the worker)."""
         print(f"torchspot: rank {self._rank}: {why}; leaving for the restart path", file=sys.stderr, flush=True)
-        self._keep_snapshot()
+        self._leaving.keep_snapshot()
         leave(EXIT_FAILED)
 
-    def _keep_snapshot(self) -> None:
-        """Leave this node's copy of the committed state for the next round (recovery/snapshot.py): the
-        restart path resumes from the newest copy any node holds rather than from the last checkpoint.
-        Once per worker, by the first local rank of the round to get here; not before the first group's
-        resume, nor between an update and its commit (the state is then neither step), nor after
-        `close()` (the final checkpoint holds it). Given LEAVE_SAVE_WAIT seconds: a device that hangs
-        cannot hold the worker's exit."""
-        snapshot = self._snapshot
-        with self._snapshot_lock:  # the main thread and the SIGTERM watcher's may both get here
-            if snapshot is None or self._snapshot_taken or not self._whole or self._closed:
-                return
-            if self._phase == _COMMITTING:
-                return
-            self._snapshot_taken = True
-        step, base = self._step, self._base
-
-        def write() -> None:
-            took = snapshot.write({"step": step, **self._full_state()}, base)
-            if took is not None:
-                log.info("torchspot: rank %d: the node's snapshot of step %d written in %.2f s", self._rank, step, took)
-
-        writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
-        writer.start()
-        writer.join(LEAVE_SAVE_WAIT)
-
-    def _keep_then_report(self, kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
-        """`sys.excepthook` while the manager runs: a loop that raised (a collective failed where a peer
-        left, on the restart path) keeps the node's snapshot, then the error is reported as before."""
-        self._keep_snapshot()
-        self._excepthook(kind, value, trace)
+    def _kept(self) -> Kept | None:
+        """What the node's snapshot would keep now (`Leaving`): the committed step, its lineage and the
+        state, once the first group's resume is done, and not between an update and its commit (the
+        state is then neither step) nor after `close()` (the final checkpoint holds it)."""
+        if not self._whole or self._closed or self._phase == _COMMITTING:
+            return None
+        return self._step, self._base, self._full_state
 
     def _watch_commits(self) -> None:
         """End the worker when a step has not committed within `commit_seconds` (module docstring)."""

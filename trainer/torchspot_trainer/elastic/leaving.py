@@ -1,0 +1,163 @@
+"""How a worker of the manager's leaves: its eviction notices, and its node's snapshot (the manager's module
+docstring says what each gives a loop; recovery/notices.py, signals.py and snapshot.py hold the rules).
+
+`Leaving` owns what the process-wide hooks touch (SIGTERM, `sys.excepthook`, a fork's child), so that
+`close()` can give them back as they were; the manager decides when the group stops for a notice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+from torchspot_trainer.elastic.settings import RUN_ID_ENV
+from torchspot_trainer.recovery.notices import NoticeStop
+from torchspot_trainer.recovery.signals import (
+    STUCK_EXIT_AFTER,
+    EvictionNotice,
+    ScheduledEventsWatcher,
+    reset_sigterm,
+    watch_sigterm,
+)
+from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, default_path
+
+log = logging.getLogger("torchspot.elastic")
+
+LEAVE_SAVE_WAIT = 5.0
+"""Seconds a worker that leaves gives its snapshot's write and its checkpoint save in flight."""
+_FORK_RESETS: list[bool] = []
+"""Set once this process has its fork hook (`Leaving._watch`)."""
+
+Kept = tuple[int, int, Callable[[], dict[str, Any]]]
+"""What a snapshot keeps: the committed step, the step its state came from (its lineage: snapshot.py's
+`base`), and the state's builder."""
+
+
+def _reset_in_child() -> None:
+    """A forked child's SIGTERM back to its default, its wakeup fd off (signals.reset_sigterm): where the
+    fork did not come from the main thread, the child has none to set them from, and keeps them."""
+    with contextlib.suppress(ValueError):
+        reset_sigterm()
+
+
+def node_snapshot(environ: Mapping[str, str]) -> LocalSnapshot | None:
+    """The node's copy of the state (recovery/snapshot.py), under an elastic agent only (RUN_ID_ENV set):
+    one that restarts the worker, whose run id and process id name the file. Elsewhere no next round
+    would read it, and another script started from the same shell would."""
+    if RUN_ID_ENV not in environ:
+        return None
+    return LocalSnapshot(default_path(dict(environ)), round_started=time.time())
+
+
+class Leaving:
+    """A worker's notices (SIGTERM from the main thread on, Scheduled Events from one rank per node) and
+    its node's snapshot.
+
+    :param hold: after a notice's emergency checkpoint, seconds the staying ranks wait (NoticeStop).
+    :param events_at: the Scheduled Events endpoint, or None.
+    :param emit: the manager's record output.
+    :param kept: what a snapshot would keep now (`Kept`), or None while the state is not one committed
+        step (before the first resume, between an update and its commit, after the run).
+    :param before_exit: a stuck worker's last call after its snapshot (its save in flight's moment).
+    """
+
+    def __init__(
+        self,
+        *,
+        hold: float,
+        events_at: str | None,
+        emit: Callable[..., None],
+        kept: Callable[[], Kept | None],
+        before_exit: Callable[[], None],
+    ) -> None:
+        self.notice = EvictionNotice()
+        self.stop = NoticeStop(
+            self.notice, hold=hold, emit=emit, keep_snapshot=self.keep_snapshot,
+            node=int(os.environ.get("GROUP_RANK", "0")),
+        )  # fmt: skip
+        self.snapshot = node_snapshot(os.environ)
+        self._kept, self._before_exit = kept, before_exit
+        self._lock, self._taken = threading.Lock(), False
+        self._sigterm_watched = self._watch(events_at)
+        self._excepthook, sys.excepthook = sys.excepthook, self._keep_then_report
+
+    def _watch(self, url: str | None) -> bool:
+        """Turn SIGTERM into the notice (only the main thread may take signals: a manager made elsewhere
+        says so and leaves SIGTERM as it is), and poll Scheduled Events at `url` from one rank per node.
+        Whether SIGTERM is watched."""
+        if url and os.environ.get("LOCAL_RANK", "0") == "0":
+            self.stop.watcher = ScheduledEventsWatcher(self.notice, url).start()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("torchspot: the Manager was made off the main thread: a SIGTERM is not taken as a notice")
+            return False
+        watch_sigterm(self.notice, stuck_exit_after=STUCK_EXIT_AFTER, before_exit=self._stuck_exit)
+        if not _FORK_RESETS:  # a DataLoader's worker forked from here is not this worker: no notice there
+            os.register_at_fork(after_in_child=_reset_in_child)
+            _FORK_RESETS.append(True)
+        return True
+
+    def at_boundary(self) -> None:
+        """A step boundary: the SIGTERM watcher's stuck clock starts again, and a notice raised before it
+        counts as seen (it is shared at this boundary or the next)."""
+        self.notice.step_boundary()
+        if self.notice.is_set():
+            self.notice.acknowledged.set()
+
+    def read_snapshot(self) -> tuple[Held, dict[str, Any]] | None:
+        """The node's snapshot and its state, if there is one that loads."""
+        return self.snapshot.read() if self.snapshot is not None else None
+
+    def keep_snapshot(self) -> None:
+        """Leave this node's copy of the committed state for the next round (recovery/snapshot.py): the
+        restart path resumes from the newest copy any node holds rather than from the last checkpoint.
+        Once per worker, by the first local rank of the round to get here, when `kept` has one. Given
+        LEAVE_SAVE_WAIT seconds: a device that hangs cannot hold the worker's exit."""
+        snapshot = self.snapshot
+        with self._lock:  # the main thread and the SIGTERM watcher's may both get here
+            kept = None if snapshot is None or self._taken else self._kept()
+            if snapshot is None or kept is None:
+                return
+            self._taken = True
+        step, base, state = kept
+
+        def write() -> None:
+            took = snapshot.write({"step": step, **state()}, base)
+            if took is not None:
+                log.info("torchspot: the node's snapshot of step %d written in %.2f s", step, took)
+
+        writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
+        writer.start()
+        writer.join(LEAVE_SAVE_WAIT)
+
+    def _stuck_exit(self) -> None:
+        """A worker stuck in a collective after its SIGTERM is about to exit: it keeps its node's snapshot,
+        then the manager's last call."""
+        self.keep_snapshot()
+        self._before_exit()
+
+    def _keep_then_report(self, kind: type[BaseException], value: BaseException, trace: TracebackType | None) -> None:
+        """`sys.excepthook` while the manager runs: a loop that raised (a collective failed where a peer
+        left, on the restart path) keeps the node's snapshot, then the error is reported as before."""
+        self.keep_snapshot()
+        self._excepthook(kind, value, trace)
+
+    def close(self) -> None:
+        """The run is over: no snapshot to carry to a next round, and the process's hooks as they were (a
+        SIGTERM after the loop ends the script as it would without the manager)."""
+        if self.stop.watcher is not None:
+            self.stop.watcher.stop()
+        if self.snapshot is not None:
+            self.snapshot.remove()
+        if sys.excepthook == self._keep_then_report:
+            sys.excepthook = self._excepthook
+        if self._sigterm_watched:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)
