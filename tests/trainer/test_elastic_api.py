@@ -23,6 +23,7 @@ from torchspot_lab.local import read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.elastic.leaving import node_snapshot
+from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import choose_path
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
@@ -309,3 +310,17 @@ def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoin
     assert float(model.weight.detach()[0, 0]) == 9.0
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert node_snapshot(os.environ) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_last_buckets_riders_sum_to_rank_0s_buffers_and_every_ranks_line(dtype: torch.dtype) -> None:
+    """What three ranks' last buckets carry, summed as their all-reduce sums them: every rank reads rank 0's
+    buffers and each rank's line, exactly, in any float type a gradient may have."""
+    lines = [Line(False, 1, 0, 0), Line(True, 0, 2, 1), Line(False, -1, 1, 250)]
+    buffers = [[torch.full((3,), 0.5 + rank), torch.full((2, 2), -1.0 - rank)] for rank in range(3)]
+    packed = [pack(buffers[r], r, 3, lines[r], dtype=dtype, device=torch.device("cpu")) for r in range(3)]
+    total = torch.stack(packed).sum(dim=0)
+    for rank in range(3):
+        mine = [torch.zeros_like(b) for b in buffers[rank]]
+        assert unpack(total, mine, 3) == lines
+        assert [b.tolist() for b in mine] == [b.tolist() for b in buffers[0]]

@@ -68,6 +68,7 @@ from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointMan
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving
+from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
     EVENTS_FILE_ENV,
@@ -110,9 +111,6 @@ KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
 can block (launch.run_program says why)."""
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
-_COLUMNS = 4
-"""A rank's line in the table the last bucket carries: joiners ready, its rank in the deferred round
-(plus one), its notice level, its node."""
 
 
 @dataclass
@@ -308,24 +306,12 @@ class Manager:
             self._end(posted, Outcome.BROKEN)
 
     def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """What the last bucket carries beside the gradients: the model's buffers (rank 0's, zeros
-        elsewhere: a sum takes rank 0's, as DDP's broadcast does), then each rank's line of the table
-        (`_COLUMNS`: joiners ready, one more than its rank in the deferred round, its notice level and
-        node), small integers exact in any float type."""
+        """What the last bucket carries beside the gradients (riders.py): the model's buffers, and this
+        rank's line: its deferred round's joiners ready, its rank there, its notice level and node."""
         assert self._live is not None
-        table = torch.zeros(self._world * _COLUMNS, dtype=dtype, device=device)
-        line = self._rank * _COLUMNS
-        if self._live.joiners_ready.is_set():
-            table[line] = 1.0
-        pending = self._live.pending_rank()
-        if pending >= 0:  # (stored one up: 0 stays "not offered the round yet", -1 in `switching`)
-            table[line + 1] = float(pending + 1)
-        table[line + 2 : line + 4] = torch.tensor(self._leaving.stop.row(), dtype=dtype)
-        if not self._buffers:
-            return table
-        mine = self._rank == 0
-        parts = [(b.detach() if mine else torch.zeros_like(b)).reshape(-1).to(device, dtype) for b in self._buffers]
-        return torch.cat([*parts, table])
+        level, node = self._leaving.stop.row()
+        line = Line(self._live.joiners_ready.is_set(), self._live.pending_rank(), level, node)
+        return pack(self._buffers, self._rank, self._world, line, dtype=dtype, device=device)
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the
@@ -357,16 +343,12 @@ class Manager:
         return True
 
     def _take_riders(self, ride: torch.Tensor) -> None:
-        """The buffers and the joiners table the last bucket brought (`_riders`)."""
+        """The buffers and every rank's line the last bucket brought (`_riders`)."""
         assert self._live is not None
-        offset = 0
-        for buffer in self._buffers:
-            buffer.copy_(ride[offset : offset + buffer.numel()].view_as(buffer))
-            offset += buffer.numel()
-        rows = ride[offset:].view(self._world, _COLUMNS).tolist()
-        self._notice_rows = [[round(row[2]), round(row[3])] for row in rows]
-        if any(row[0] for row in rows):  # a joiner is ready: every rank switches after this step
-            self._live.switching([round(row[1]) - 1 for row in rows])
+        lines = unpack(ride, self._buffers, self._world)
+        self._notice_rows = [[line.level, line.node] for line in lines]
+        if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
+            self._live.switching([line.pending for line in lines])
             self._reform_due = True
 
     def all_reduce(self, tensor: torch.Tensor) -> bool:
