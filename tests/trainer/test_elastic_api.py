@@ -48,20 +48,24 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _loop(ckpt: Path, steps: int, events: Path) -> tuple[elastic.Manager, torch.nn.Linear]:
-    """The examples' loop (examples/ddp/train.py), on a linear model."""
+CPU = torch.device("cpu")
+
+
+def _loop(ckpt: Path, steps: int, events: Path, device: torch.device = CPU) -> tuple[elastic.Manager, torch.nn.Linear]:
+    """The examples' loop (examples/ddp/train.py), on a linear model on `device`."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2).to(device)
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     manager = elastic.Manager(
         state_dict=lambda: {"model": model.state_dict(), "optimizer": inner.state_dict()},
         load_state_dict=lambda s: (model.load_state_dict(s["model"]), inner.load_state_dict(s["optimizer"])),
-        checkpoint_uri=str(ckpt), checkpoint_every=5, events_file=events,
+        checkpoint_uri=str(ckpt), checkpoint_every=5, events_file=events, device=device,
     )  # fmt: skip
     ddp = elastic.DistributedDataParallel(manager, model)
     optimizer = elastic.OptimizerWrapper(manager, inner)
     sampler = elastic.ElasticSampler(manager, 40, global_batch=8)
     inputs, labels = torch.randn(40, 4, generator=torch.Generator().manual_seed(1)), torch.arange(40) % 2
+    inputs, labels = inputs.to(device), labels.to(device)
     while manager.current_step() < steps:
         optimizer.zero_grad()
         batch = sampler.indices()
@@ -93,6 +97,23 @@ def test_outside_torchspot_run_a_loop_takes_the_restart_path_checkpoints_and_res
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in records]
     assert steps == [*range(1, 13), 13, 14, 15]  # 12 steps, then the resumed run's 3: none redone
     assert '"samples": [' in records[0]
+    assert not torch.equal(model.weight, resumed.weight)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("one_rank")
+def test_on_a_gpu_the_restart_path_trains_checkpoints_and_resumes_on_nccl(tmp_path: Path) -> None:
+    """The same loop with its model and data on the GPU: the manager makes an NCCL default group for DDP,
+    checkpoints the device state to host memory and loads it back onto the device at the resume."""
+    device = torch.device("cuda", 0)
+    events = tmp_path / "events.jsonl"
+    manager, model = _loop(tmp_path / "ckpt", 7, events, device)
+    assert manager.device == device
+    assert dist.get_backend() == "nccl"
+    dist.destroy_process_group()
+    again, resumed = _loop(tmp_path / "ckpt", 9, events, device)
+    assert again.resumed_from == "checkpoint"
+    assert resumed.weight.device == device
     assert not torch.equal(model.weight, resumed.weight)
 
 
