@@ -6,6 +6,7 @@ membership change restarts no process; under plain torchrun it resumes from its 
 """
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="the model's")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
     parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
+    parser.add_argument("--micro-batches", type=int, default=1, help="per step, each rank's share in this many passes")
     args = parser.parse_args()
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
@@ -50,13 +52,18 @@ def main() -> None:
     while manager.current_step() < args.steps:
         begun = time.monotonic()
         optimizer.zero_grad()
-        batch = tokens[sampler.indices()]
-        loss = ddp(input_ids=batch, labels=batch).loss
-        loss.backward()
-        if optimizer.step() and manager.current_step() % args.log_every == 0:
-            total = loss.detach().reshape(1)  # every rank's mean over its sequences, summed over the group
-            if manager.all_reduce(total) and manager.rank == 0:  # (False: the group changed; a line skipped)
-                print(f"step {manager.current_step()}: loss {float(total) / manager.world_size:.4f}", flush=True)
+        indices = torch.tensor(sampler.indices())
+        total = torch.zeros(1, device=device, dtype=model.dtype)
+        passes = indices.chunk(args.micro_batches)  # gradient accumulation: DDP all-reduces after the last one
+        for number, chunk in enumerate(passes):
+            with contextlib.nullcontext() if number == len(passes) - 1 else ddp.no_sync():
+                batch = tokens[chunk]
+                loss = ddp(input_ids=batch, labels=batch).loss * (len(chunk) / len(indices))
+                loss.backward()
+            total += loss.detach()  # this rank's mean over its sequences, once all passes are in
+        logs = optimizer.step() and manager.current_step() % args.log_every == 0
+        if logs and manager.all_reduce(total) and manager.rank == 0:  # every rank sums (False: the group changed)
+            print(f"step {manager.current_step()}: loss {float(total) / manager.world_size:.4f}", flush=True)
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - begun)))
     manager.close()
 
