@@ -9,6 +9,10 @@ not "the program failed": a worker that exits with it is not restarted on the no
 the rendezvous and exits with it too, and the operator counts the pod as an eviction, not a failure,
 and keeps its replacements off that node (verdicts.py). 75 is sysexits' EX_TEMPFAIL: try again,
 elsewhere. Any program may use it (`sys.exit(75)`). Here so the operator reads it without torch."""
+RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+"""torch's elastic agent (torchrun, torchspot-run) names the job's run in every worker's environment
+with it: the rendezvous's etcd keys and the node's snapshot file are the run's. Here so both sides read
+the one name."""
 SNAPSHOT_DIR_ENV = f"{ENV_PREFIX}SNAPSHOT_DIR"
 """Environment variable naming the folder of the node-local snapshots (recovery/snapshot.py; default:
 the temp folder). Here so the sandbox's kubelet can set it without importing torch."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
-from torchspot_trainer.elastic.settings import RUN_ID_ENV
+from torchspot_trainer import RUN_ID_ENV
 from torchspot_trainer.recovery.notices import NoticeStop
 from torchspot_trainer.recovery.signals import (
     STUCK_EXIT_AFTER,
@@ -121,9 +121,11 @@ class Leaving:
         Once per worker, by the first local rank of the round to get here, when `kept` has one. Given
         LEAVE_SAVE_WAIT seconds: a device that hangs cannot hold the worker's exit."""
         snapshot = self.snapshot
+        if snapshot is None:
+            return
         with self._lock:  # the main thread and the SIGTERM watcher's may both get here
-            kept = None if snapshot is None or self._taken else self._kept()
-            if snapshot is None or kept is None:
+            kept = None if self._taken else self._kept()
+            if kept is None:
                 return
             self._taken = True
         step, base, state = kept

@@ -206,6 +206,8 @@ class Manager:
         self._reporter: CheckpointReporter | None = None
         self._handover: Handover | None = None
         self._live = self._generations() if self.in_place else None
+        self._default: Group | None = None
+        """The restart path's collectives over the default group (`_collectives`)."""
         self._leaving = Leaving(
             hold=hold, events_at=events_at, emit=self._emit, kept=self._kept, before_exit=self._before_stuck_exit
         )
@@ -432,6 +434,15 @@ class Manager:
 
     # -- groups, heals, resumes ----------------------------------------------------
 
+    def _collectives(self) -> Group:
+        """The loop's collectives over the current group: the generation's in place (its rank and size
+        change at each re-form), else the default group's, made once (they never change in a process)."""
+        if self._live is not None:
+            return LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
+        if self._default is None:
+            self._default = Group(self._rank, self._world, self.device)
+        return self._default
+
     def _generations(self) -> LiveGroup:
         """The worker's groups in place, one per round its agent hands over (recovery/live.py)."""
         if self.device.type == "cuda":  # before the first generation's communicator reads them
@@ -453,9 +464,8 @@ class Manager:
         if not self.in_place:
             self.ensure_group()
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            group = Group(self._rank, self._world, self.device)
             mine = self._leaving.read_snapshot()
-            self.resumed_from, state = find_state(group, self._checkpoints, mine)
+            self.resumed_from, state = find_state(self._collectives(), self._checkpoints, mine)
             if state is not None:
                 self._load_full(state)
                 log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
@@ -537,9 +547,8 @@ class Manager:
         best, source = newest(rows)
         if all(int(row[0]) == best and not row[1] for row in rows):
             return
-        group = LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
         mine = self._full_state() if self._rank == source else None
-        state = broadcast_state(mine, source, self._rank, self.device, send=group.broadcast)
+        state = broadcast_state(mine, source, self._rank, self.device, send=self._collectives().broadcast)
         if self._rank != source and (fresh or self._step != best):
             self._load_full(state)
             self.resumed_from, self._base = "peer", self._step
@@ -561,23 +570,19 @@ class Manager:
         end went another way than training on: the group re-formed without the leaving node."""
         self._leaving.at_boundary()
         stop = self._leaving.stop
-        group: Group
         if self._live is not None:
             rows, self._notice_rows = self._notice_rows or [], None
         else:
-            group = Group(self._rank, self._world, self.device)
             try:
-                rows = group.boundary(self._step, stop.row)
+                rows = self._collectives().boundary(self._step, stop.row)
             except RuntimeError as exc:  # a peer's socket closed: it left
                 self._leave(f"the notices' agreement after step {self._step} failed ({exc})")
         if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
             return False
-        if self._live is not None:
-            group = LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
         saves = saves_emergency(self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING)
         save = self._emergency_save if saves and self._checkpoints is not None else None
         try:
-            stop.stop(group, step=self._step, save=save)
+            stop.stop(self._collectives(), step=self._step, save=save)
         except GroupChanged as exc:  # in place: the round without the leaving node came
             self._failed = exc.failed
             self._reform()

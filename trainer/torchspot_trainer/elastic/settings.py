@@ -35,8 +35,6 @@ SCHEDULED_EVENTS_ENV = f"{ENV_PREFIX}SCHEDULED_EVENTS"
 the manager's defaults for `notice_hold` and `scheduled_events`."""
 EVENTS_FILE_ENV = f"{ENV_PREFIX}EVENTS_FILE"
 """Where the manager appends its records (JSON lines) when its `events_file` is not given."""
-RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
-"""Set by torch's elastic agent (torchrun, torchspot-run) in every worker's environment."""
 _N = TypeVar("_N", int, float)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from torchspot_trainer import SNAPSHOT_DIR_ENV
+from torchspot_trainer import RUN_ID_ENV, SNAPSHOT_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def snapshot_path(folder: Path, run_id: str, agent_pid: int) -> Path:
 def default_path(environ: dict[str, str] | os._Environ[str]) -> Path:
     """This node's snapshot file, from torchrun's environment (the agent is every worker's parent)."""
     folder = Path(environ.get(SNAPSHOT_DIR_ENV) or tempfile.gettempdir())
-    return snapshot_path(folder, environ.get("TORCHELASTIC_RUN_ID", "run"), os.getppid())
+    return snapshot_path(folder, environ.get(RUN_ID_ENV, "run"), os.getppid())
 
 
 class LocalSnapshot:

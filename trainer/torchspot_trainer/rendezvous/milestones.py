@@ -26,6 +26,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from torchspot_trainer import RUN_ID_ENV
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, KEY_ROOT, parse_endpoint
 
@@ -103,7 +104,7 @@ class CheckpointReporter:
     def from_environment(cls, env: dict[str, str] | None = None) -> CheckpointReporter | None:
         """A reporter when this worker runs under the etcd-v3 backend, else None."""
         env = dict(os.environ) if env is None else env
-        run_id = env.get("TORCHELASTIC_RUN_ID", "")
+        run_id = env.get(RUN_ID_ENV, "")
         if env.get("PET_RDZV_BACKEND") != BACKEND_NAME or not env.get("PET_RDZV_ENDPOINT") or not run_id:
             return None
         host, port = parse_endpoint(env["PET_RDZV_ENDPOINT"])
