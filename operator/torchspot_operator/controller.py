@@ -463,17 +463,14 @@ class Controller:
                 seen_nodes[node_name] = node
         admitted = self._admit(pods, seen_nodes, now or self.now())
         finished = old.get("phase") in conditions.FINISHED_PHASES
-        milestones = (
-            {}
-            if finished
-            else self.milestones.latest(
-                builders.rdzv_endpoint(job, spec),
-                str(old.get("runId", job.run_id)),
-                None if spec.rdzv_endpoint else self._etcd_client_tls(),
-                job=memory.uid,
-                max_age=spec.stall_timeout_seconds / 4,
-            )
-        )
+        milestones: dict[str, Any] = {}
+        if not finished:
+            where = (builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)))
+            tls = None if spec.rdzv_endpoint else self._etcd_client_tls()
+            if any((p.get("status") or {}).get("phase") == "Succeeded" for p in pods):  # the run's last word
+                milestones = await self.milestones.fresh(*where, tls, job=memory.uid)
+            else:
+                milestones = self.milestones.latest(*where, tls, job=memory.uid, max_age=spec.stall_timeout_seconds / 4)
         asked = not finished and not spec.rdzv_endpoint and not milestones.get("reachable")
         if asked and lifecycle.quiet_too_long(old, spec, now or self.now()):  # a stall's cause is wanted
             await self._read_etcd_pods(namespace, name, etcd.get("Deployment"), memory)

@@ -84,6 +84,18 @@ class MilestoneReader:
             self._refreshing[run_id] = asyncio.get_running_loop().create_task(refresh)
         return dict(self._cache.get(run_id, {}))
 
+    async def fresh(self, endpoint: str, run_id: str, tls: EtcdTls | None = None, *, job: str = "") -> dict[str, Any]:
+        """The records as they stand now: a read awaited (within twice MILESTONE_TIMEOUT) whatever the budget,
+        after any read under way. For a run whose worker has just exited 0: its last records (the final
+        checkpoint, written as its loop ended) would otherwise wait for a read that never comes, since a
+        finished job's are not read."""
+        task = self._refreshing.get(run_id)
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+        self._read_at[run_id] = self._clock()
+        await self._refresh(endpoint, run_id, tls, job)
+        return dict(self._cache.get(run_id, {}))
+
     def _due(self, run_id: str, max_age: float | None) -> bool:
         """Never read: now. Else once the budget's spacing has passed (runs / reads a second, so every
         run is read in turn), or `max_age`, whichever comes first."""

@@ -164,3 +164,30 @@ def test_open_clients_are_bounded_and_a_failed_read_closes_its_own(server: EtcdS
             reader.close()
 
     asyncio.run(scene())
+
+
+def test_a_run_whose_worker_exited_is_read_at_once_whatever_the_budget(server: EtcdServer) -> None:
+    """The run's last records (its final checkpoint, written as its loop ended) come from a read awaited
+    then and there, though the budget says a read is not due: a finished job's are never read again."""
+    clock = _Clock()
+
+    async def scene() -> None:
+        reader = MilestoneReader(reads_per_second=0.01, clock=clock)  # one read every 100 s for one run
+        try:
+            _write_round(server, RUN, 1)
+            reader.latest(server.endpoint, RUN, job=RUN)
+            await _settled(reader)
+            _write_round(server, RUN, 2)
+            clock.now += 1.0
+            assert reader.latest(server.endpoint, RUN, job=RUN)["round"]["round"] == 1  # not due
+            assert (await reader.fresh(server.endpoint, RUN, job=RUN))["round"]["round"] == 2
+            reader.forget(RUN)
+            reader.latest(server.endpoint, RUN, job=RUN)  # a read under way, begun before round 3
+            _write_round(server, RUN, 3)
+            found = await reader.fresh(server.endpoint, RUN, job=RUN)  # after it, not beside it
+            assert (found["round"]["round"], found["reachable"]) == (3, True)
+            assert reader.latest(server.endpoint, RUN, job=RUN)["round"]["round"] == 3
+        finally:
+            reader.close()
+
+    asyncio.run(scene())

@@ -141,6 +141,29 @@ def test_run_ids_are_isolated(etcd: EtcdServer, run_id: str) -> None:
     assert second.get_state() is None
 
 
+def test_a_runs_keys_are_deleted_but_its_status_records_which_the_operator_reads_once_more(
+    etcd: EtcdServer, run_id: str
+) -> None:
+    """The last agent out deletes its run's keys but those under `keep` (its status: the final checkpoint's
+    record, read by the operator after the last worker exited), in one transaction, and no other run's."""
+    client = etcd.client()
+    root = milestones.milestone_prefix(run_id).removesuffix("/status/")
+    names = ["/", "/state", "/status", "/status/checkpoint", "/status/step", "/statusx", "/zz", "-other/state"]
+    for name in names:
+        client.put(root + name, b"1", lease=None)
+    client.delete_prefix(f"{root}/", keep=milestones.milestone_prefix(run_id))
+    assert sorted(client.get_prefix(root)) == [
+        f"{root}-other/state",
+        f"{root}/status/checkpoint",
+        f"{root}/status/step",
+    ]
+    with pytest.raises(ValueError, match="is not under"):
+        client.delete_prefix(f"{root}/", keep=f"{root}-other/")
+    client.delete_prefix(f"{root}/")
+    assert sorted(client.get_prefix(root)) == [f"{root}-other/state"]
+    client.close()
+
+
 def test_abandoned_keys_expire_by_lease(etcd: EtcdServer, run_id: str) -> None:
     """When no agent refreshes the lease any more, the run's keys disappear."""
     backend, client = _backend(etcd, run_id, lease_ttl=2, keep_alive_interval=0.2)
@@ -1123,6 +1146,10 @@ def test_progress_reports_roundtrip_through_etcd(etcd: EtcdServer) -> None:
         assert record["time"].endswith("Z")
         client.put(milestones.milestone_prefix("run-progress") + "round", b"not json", lease=None)
         assert "round" not in milestones.read(client, "run-progress")  # skipped, not fatal
+        # The last report, made as the loop ends, is written before close() returns (the process exits next).
+        reporter.report(500, "az://ckpt/run/step-0000000500/")
+        reporter.close()
+        assert milestones.read(client, "run-progress")["checkpoint"]["step"] == 500
     finally:
         reporter.close()
         client.close()

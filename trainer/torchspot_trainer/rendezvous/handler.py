@@ -694,8 +694,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             counter = f"{_LEFT_COUNTER}/{self.current_round}"
             left = EtcdStore(self._etcd, settings, self._lease).add(counter, 1)
             if left >= members:
-                self._etcd.delete_prefix(settings.run_prefix)
-                log.info("rendezvous %s: last agent out, keys deleted", settings.run_id)
+                # The run's status records stay for the operator's last read (their own leases end them).
+                self._etcd.delete_prefix(settings.run_prefix, keep=milestones.milestone_prefix(settings.run_id))
+                log.info("rendezvous %s: last agent out, keys deleted but its status", settings.run_id)
         except (EtcdError, RendezvousConnectionError) as exc:
             log.warning("rendezvous %s: keys not deleted (%s); they expire by lease", settings.run_id, exc)
         return closed

@@ -99,6 +99,7 @@ class CheckpointReporter:
         self._client = client
         self._run_id = run_id
         self._step_reported = float("-inf")
+        self._writes: list[threading.Thread] = []
 
     @classmethod
     def from_environment(cls, env: dict[str, str] | None = None) -> CheckpointReporter | None:
@@ -114,14 +115,7 @@ class CheckpointReporter:
 
     def report(self, step: int, uri: str) -> None:
         """Record a committed checkpoint (in a daemon thread: etcd may be slow or away)."""
-        record = {"step": step, "uri": uri}
-        threading.Thread(
-            target=write,
-            args=(self._client, self._run_id, CHECKPOINT, record),
-            kwargs={"lease": None},
-            name="checkpoint-report",
-            daemon=True,
-        ).start()
+        self._write(CHECKPOINT, {"step": step, "uri": uri}, "checkpoint-report")
 
     def report_step(self, step: int, *, clock: float | None = None) -> bool:
         """Record the step reached, at most every `STEP_REPORT_SECONDS` (in a daemon thread); whether it did."""
@@ -129,15 +123,25 @@ class CheckpointReporter:
         if clock - self._step_reported < STEP_REPORT_SECONDS:
             return False
         self._step_reported = clock
-        threading.Thread(
-            target=write,
-            args=(self._client, self._run_id, STEP, {"step": step}),
-            kwargs={"lease": None},
-            name="step-report",
-            daemon=True,
-        ).start()
+        self._write(STEP, {"step": step}, "step-report")
         return True
 
+    def _write(self, kind: str, record: dict[str, Any], name: str) -> None:
+        thread = threading.Thread(
+            target=write,
+            args=(self._client, self._run_id, kind, record),
+            kwargs={"lease": None},
+            name=name,
+            daemon=True,
+        )
+        self._writes = [*(t for t in self._writes if t.is_alive()), thread]
+        thread.start()
+
     def close(self) -> None:
-        """Close the etcd connection."""
+        """Let the writes under way finish (each within MILESTONE_TIMEOUT), then close the etcd connection:
+        the final checkpoint's record, reported as the loop ends, reaches the operator before the process
+        exits."""
+        deadline = time.monotonic() + MILESTONE_TIMEOUT
+        for thread in self._writes:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._client.close()
