@@ -13,6 +13,7 @@ scenario's timeout, and writes the report (`report.py`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import os
 import threading
@@ -129,10 +130,11 @@ class _Operator:
 def _prepare_blob(
     job: dict[str, Any], azurite: Azurite, kube: Kube, api: KubeApi, workdir: Path, *, images: int
 ) -> None:
-    """The job's credentials Secret (Azurite's connection string) and, if it reads az://datasets, the data."""
+    """The job's credentials Secret (Azurite's connection string) and, if it reads az://datasets, the data.
+    Jobs that name the same Secret share it, as on a cluster."""
     spec = job["spec"]
     secret = (spec.get("checkpoint") or {}).get("credentialsSecret")
-    if secret:
+    if secret and api.run(kube.get("v1", "secrets", NAMESPACE, secret)) is None:
         body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret, "namespace": NAMESPACE},
                 "type": "Opaque", "stringData": azurite.env()}  # fmt: skip
         api.run(kube.create(body))
@@ -152,6 +154,107 @@ full-disruption guard still apply). With 10 s the frozen node's replacement came
 sandbox test's run to count it."""
 
 
+class Sandbox:
+    """The sandbox's parts, started together and stopped together: the API emulator with the CRD
+    installed, Azurite, the node agent with the scenario's pools, and the operator. `run_sandbox` plays a
+    scenario's market against one job in it; a caller may instead submit several jobs and act on the
+    nodes itself (`agent`), as the examples' test does.
+
+    :param workdir: an empty (or new) folder for the run's Blob data, logs and pods.
+    :param scenario: the pools to start with and the freeze delay (its events are the caller's to play).
+    :param on_action: told (kind, text) of every eviction, freeze and node added.
+    :param operator_env: the operator's settings (its environment variables) for this run.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        scenario: Scenario,
+        say: Callable[[str], None] = print,
+        *,
+        on_action: Callable[[str, str], None] = lambda kind, text: None,
+        operator_env: Mapping[str, str] | None = None,
+    ) -> None:
+        if workdir.exists() and any(workdir.iterdir()):
+            raise JobFileError(f"{workdir}: not empty (a run's folder holds its Blob data and logs): pick a new one")
+        self.workdir, self.scenario, self.say, self.on_action = workdir, scenario, say, on_action
+        self._operator_env = dict(operator_env or {})
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Sandbox:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            self.api = stack.enter_context(KubeApi(self.workdir / "api"))
+            self.azurite = stack.enter_context(Azurite(self.workdir / "azurite"))
+            self.kube = Kube(server=self.api.url, headers={}, ssl_context=True)
+            stack.callback(lambda: self.api.run(self.kube.close()))
+            # kopf logs in with the kubeconfig; /metrics on a free port (a fixed one may be taken on this machine)
+            settings = {
+                "KUBECONFIG": str(self.api.kubeconfig),
+                METRICS_PORT_ENV: "0",
+                constants.NODE_GRACE_ENV: SANDBOX_NODE_GRACE,
+                **self._operator_env,
+            }
+            stack.callback(_restore, {key: os.environ.get(key) for key in settings})
+            os.environ.update(settings)
+            self.say(
+                f"API emulator at {self.api.url} (KUBECONFIG={self.api.kubeconfig}); "
+                f"Azurite at {self.azurite.account_url}"
+            )
+            self.api.run(self.kube.create(shipped_crd()))  # the CRD object: its schema admits jobs, as on a cluster
+            self.agent = NodeAgent(self.api, self.workdir, self.scenario, on_action=self.on_action)
+            handlers.use_endpoint_resolver(self.agent.resolve)
+            stack.callback(handlers.use_endpoint_resolver, None)
+            self.agent.start()
+            stack.callback(self.agent.stop)
+            self.operator = _Operator()
+            self.operator.start()
+            stack.callback(self.operator.stop)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        if self.operator.error is not None:
+            raise RuntimeError(f"the operator stopped: {self.operator.error}") from self.operator.error
+
+    def submit(self, job: dict[str, Any], *, synthetic_images: int = SYNTHETIC_IMAGES) -> None:
+        """Create the job (`load_job`'s) as `kubectl apply` sends it, after its Secret and data."""
+        _prepare_blob(job, self.azurite, self.kube, self.api, self.workdir, images=synthetic_images)
+        self.api.run(self.kube.create(job, strict=True))  # a typo is refused, named
+
+    def status(self, name: str) -> dict[str, Any]:
+        """The job's status as the operator last wrote it (empty before its first)."""
+        body = self.api.run(self.kube.get(constants.API_VERSION, constants.PLURAL, NAMESPACE, name)) or {}
+        status: dict[str, Any] = body.get("status") or {}
+        return status
+
+    def workers(self, name: str) -> list[dict[str, Any]]:
+        """The job's worker pods in the API, by name."""
+        selector = {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_WORKER}
+        pods: list[dict[str, Any]] = self.api.run(self.kube.list("v1", "Pod", NAMESPACE, selector))
+        return sorted(pods, key=lambda pod: pod["metadata"]["name"])
+
+    def checkpoints(self, job: dict[str, Any]) -> list[int]:
+        """Steps with a COMMIT marker under the job's checkpoint URI in Azurite."""
+        uri = (job["spec"].get("checkpoint") or {}).get("uri", "")
+        if not uri.startswith("az://"):
+            return []
+        try:
+            names = open_storage(uri, self.azurite.env(), create_container=False).list("step-")
+        except Exception:  # no container yet: nothing was committed
+            return []
+        return committed_steps(names)
+
+
+def _restore(previous: Mapping[str, str | None]) -> None:
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def run_sandbox(
     job_path: Path,
     scenario: Scenario,
@@ -168,49 +271,19 @@ def run_sandbox(
     """
     job = load_job(job_path)
     name = job["metadata"]["name"]
-    if workdir.exists() and any(workdir.iterdir()):
-        raise JobFileError(f"{workdir}: not empty (a run's folder holds its Blob data and logs): pick a new one")
-    workdir.mkdir(parents=True, exist_ok=True)
     timeline = Timeline()
-    with KubeApi(workdir / "api") as api, Azurite(workdir / "azurite") as azurite:
-        kube = Kube(server=api.url, headers={}, ssl_context=True)
-        # kopf logs in with the kubeconfig; /metrics on a free port (a fixed one may be taken on this machine)
-        settings = {
-            "KUBECONFIG": str(api.kubeconfig),
-            METRICS_PORT_ENV: "0",
-            constants.NODE_GRACE_ENV: SANDBOX_NODE_GRACE,
-            **(operator_env or {}),
-        }
-        previous = {key: os.environ.get(key) for key in settings}
-        os.environ.update(settings)
-        say(f"API emulator at {api.url} (KUBECONFIG={api.kubeconfig}); Azurite at {azurite.account_url}")
-        api.run(kube.create(shipped_crd()))  # the CRD object: its schema admits jobs, as on a cluster
-        _prepare_blob(job, azurite, kube, api, workdir, images=synthetic_images)
-        agent = NodeAgent(api, workdir, scenario, on_action=timeline.add)
-        handlers.use_endpoint_resolver(agent.resolve)
-        operator = _Operator()
-        agent.start()
-        operator.start()
+    sandbox = Sandbox(workdir, scenario, say, on_action=timeline.add, operator_env=operator_env)
+    with sandbox:
         try:
-            api.run(kube.create(job, strict=True))  # as `kubectl apply` sends it: a typo is refused, named
+            sandbox.submit(job, synthetic_images=synthetic_images)
             timeline.start = time.time()
             timeline.add("submit", f"ElasticJob {name} submitted ({len(scenario.initial_nodes())} nodes)")
-            status = _play(api, kube, name, scenario=scenario, agent=agent, timeline=timeline, say=say)
-            left = _left(api, kube, name)
+            status = _play(sandbox, name, timeline=timeline, say=say)
+            left = _left(sandbox, name)
         finally:
-            operator.stop()
-            handlers.use_endpoint_resolver(None)
-            events = api.run(kube.list("v1", "Event", NAMESPACE))
-            checkpoints = _committed_checkpoints(job, azurite)
-            agent.stop()
-            api.run(kube.close())
-            for key, value in previous.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-    if operator.error is not None:
-        raise RuntimeError(f"the operator stopped: {operator.error}") from operator.error
+            sandbox.operator.stop()  # what it said is complete before it is read
+            events = sandbox.api.run(sandbox.kube.list("v1", "Event", NAMESPACE))
+            checkpoints = sandbox.checkpoints(job)
     report = build_report(
         job=name,
         submitted=timeline.start,
@@ -219,27 +292,19 @@ def run_sandbox(
         api_events=[e for e in events if e.get("involvedObject", {}).get("name") == name],
         trainer_events=read_pod_events(workdir / "pods", timeline.start),
         checkpoints=checkpoints,
-        agent_errors=agent.errors,
+        agent_errors=sandbox.agent.errors,
         left=left,
     )
     report.write(workdir)
     return report
 
 
-def _play(
-    api: KubeApi,
-    kube: Kube,
-    name: str,
-    *,
-    scenario: Scenario,
-    agent: NodeAgent,
-    timeline: Timeline,
-    say: Callable[[str], None],
-) -> dict[str, Any]:
+def _play(sandbox: Sandbox, name: str, *, timeline: Timeline, say: Callable[[str], None]) -> dict[str, Any]:
     """Apply the scenario's events on time and print progress until the job ends or time runs out.
 
     Events count from the scenario's clock; a job that ends before a `firstCheckpoint` clock starts
     ends the run there, its events unplayed, rather than waiting for the timeout."""
+    scenario, agent, api, kube = sandbox.scenario, sandbox.agent, sandbox.api, sandbox.kube
     pending = list(scenario.events)
     next_line = 0.0
     market_start = timeline.start if scenario.clock == CLOCK_SUBMITTED else None
@@ -267,8 +332,7 @@ def _play(
                 timeline.add("suspend", f"spec.suspend set to {str(event.suspend).lower()}")
             else:
                 agent.add_spot(event.count)
-        body = api.run(kube.get(constants.API_VERSION, constants.PLURAL, NAMESPACE, name)) or {}
-        status = body.get("status") or {}
+        status = sandbox.status(name)
         if elapsed >= next_line:
             next_line = elapsed + PROGRESS_EVERY
             say(_progress_line(elapsed, status))
@@ -282,15 +346,12 @@ def _play(
         time.sleep(0.5)
 
 
-def _left(api: KubeApi, kube: Kube, name: str) -> list[str]:
+def _left(sandbox: Sandbox, name: str) -> list[str]:
     """The job's worker pods and managed etcd objects still in the API (`Report.left`)."""
-    found = []
-    for pod in api.run(
-        kube.list("v1", "Pod", NAMESPACE, {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_WORKER})
-    ):
-        found.append(f"Pod {pod['metadata']['name']} ({pod.get('status', {}).get('phase', 'Pending')})")
+    found = [f"Pod {pod['metadata']['name']} ({pod.get('status', {}).get('phase', 'Pending')})"
+             for pod in sandbox.workers(name)]  # fmt: skip
     for api_version, kind in ETCD_KINDS:
-        if api.run(kube.get(api_version, kind, NAMESPACE, f"{name}-etcd")) is not None:
+        if sandbox.api.run(sandbox.kube.get(api_version, kind, NAMESPACE, f"{name}-etcd")) is not None:
             found.append(f"{kind} {name}-etcd")
     return found
 
@@ -303,15 +364,3 @@ def _progress_line(elapsed: float, status: dict[str, Any]) -> str:
         f"[{elapsed:6.1f}s] {status.get('phase', 'Pending'):<9} ready {ready}  pending {replicas.get('pending', 0)}"
         f"  round {status.get('rendezvousRound', '-')}  checkpoint {checkpoint}  evictions {status.get('evictions', 0)}"
     )
-
-
-def _committed_checkpoints(job: dict[str, Any], azurite: Azurite) -> list[int]:
-    """Steps with a COMMIT marker under the job's checkpoint URI in Azurite."""
-    uri = (job["spec"].get("checkpoint") or {}).get("uri", "")
-    if not uri.startswith("az://"):
-        return []
-    try:
-        names = open_storage(uri, azurite.env(), create_container=False).list("step-")
-    except Exception:  # no container yet: nothing was committed
-        return []
-    return committed_steps(names)

@@ -141,11 +141,12 @@ def test_broken_copies_of_the_example_are_rejected(case: str, path: str, value: 
     assert any(problem.startswith(path) and said in problem for problem in info.value.problems), info.value.problems
 
 
-def test_the_ddp_examples_job_launches_its_script_with_the_jobs_checkpoint_settings() -> None:
-    """examples/ddp/elasticjob.yaml: admitted as `kubectl apply` sends it; its pod valid; torchspot-run takes
+@pytest.mark.parametrize("example", ["ddp", "transformers"])
+def test_each_examples_job_launches_its_script_with_the_jobs_checkpoint_settings(example: str) -> None:
+    """examples/*/elasticjob.yaml: admitted as `kubectl apply` sends it; its pod valid; torchspot-run takes
     its script, which its image copies where the job names it; and the job's checkpoint settings reach
     the script's manager, which names none (torchspot.elastic's TORCHSPOT_CHECKPOINT_* defaults)."""
-    folder = ROOT / "examples" / "ddp"
+    folder = ROOT / "examples" / example
     body = ADMISSION.admit(_load(folder / "elasticjob.yaml"), strict=True)
     spec = parse_spec(body["spec"])
     pod = worker_pod(JobRef(body["metadata"]["name"], "default", "uid-1"), spec, 0)
@@ -155,9 +156,12 @@ def test_the_ddp_examples_job_launches_its_script_with_the_jobs_checkpoint_setti
     launcher = get_args_parser().parse_args(container["args"])
     assert not launcher.module
     script = Path(launcher.training_script)
-    copied = (folder / "Dockerfile").read_text()
-    assert f"COPY --chown=10001:10001 common.py plain.py train.py {script.parent}/" in copied
-    assert (folder / script.name).exists()
+    copied = [line.split() for line in (folder / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    (command,) = [c for c in copied if c[-1] == f"{script.parent}/"]
+    assert command[1] == "--chown=10001:10001"
+    # Every Python file of the example is copied, the script among them (its imports are its neighbours).
+    assert sorted(command[2:-1]) == sorted(f.name for f in folder.glob("*.py")), command
+    assert script.name in command
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     chosen = checkpoint_settings(None, None, None, env)
     assert chosen == (spec.checkpoint_uri, spec.checkpoint_interval, spec.checkpoint_keep)

@@ -1,11 +1,14 @@
-"""The user scripts of examples/ under torchspot-run: real etcd, real agents and gloo workers.
+"""The user scripts of examples/, each submitted as its ElasticJob to the sandbox: the real operator,
+the node agent's pods as real processes (torchspot-run, gloo workers, the managed etcd), Blob
+checkpoints in Azurite.
 
 The DDP example (examples/ddp/train.py, plain DDP made elastic through `torchspot.elastic`) and the
-Transformers one (examples/transformers/train.py, a GPT-2-style causal LM in a plain loop) go
-through a kill, a freeze, a join and an eviction with notice, in place: no surviving process is
-restarted, every sample is trained once per epoch, the leaving node writes the emergency checkpoint,
-and the final model is the one the same script computes on one node that never changes (a fixed
-global batch: float32 reduction order only).
+Transformers one (examples/transformers/train.py, a GPT-2-style causal LM in a plain loop) train side
+by side on six spot nodes and go through a hard eviction, a frozen node, capacity returning and an
+eviction with notice, in place: no surviving process is restarted, every sample is trained once per
+epoch, the leaving node writes the emergency checkpoint, the operator's status shows the last
+checkpoint, and the final model (from Blob) is the one the same script computes on one node that never
+changes (a fixed global batch: float32 reduction order only).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import difflib
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -23,13 +27,17 @@ import pytest
 import torch
 
 from torchspot_lab.etcd import EtcdServer
-from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, read_events, wait_for
+from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
+from torchspot_lab.sandbox import Sandbox, load_job
+from torchspot_lab.scenario import parse_scenario
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.checkpoint.storage import open_storage
 
 ROOT = Path(__file__).resolve().parents[2]
-DDP = ROOT / "examples" / "ddp"
-TRANSFORMERS = ROOT / "examples" / "transformers"
+EXAMPLES = {"ddp": ROOT / "examples" / "ddp", "transformers": ROOT / "examples" / "transformers"}
+TRAINER_IMAGE = "ghcr.io/torchspot/torchspot-trainer:0.1.0"
+"""What each example's image is built from (its Dockerfile): the sandbox runs the trainer image's
+torchspot-run with the checkout's copy of the script."""
 STEPS = 300
 EPOCH_STEPS = 20
 """Both examples' epochs: 960 samples at a global batch of 48 (examples/ddp/common.py), 480 sequences at
@@ -43,68 +51,147 @@ faults, in place, computes the same model too."""
 TOLERANCE = {"ddp": 1e-4, "transformers": 1e-4}
 """Largest difference allowed between a parameter of the fixed and of the elastic run: float32
 reduction order at world sizes 1, 2 and 3 (largest parameters about 1)."""
+CHECKPOINT_EVERY = 50
+MARKET = {"pools": {"onDemand": {"nodes": 1}, "spot": {"nodes": 6, "gpus": 1}}, "notReadyAfter": 2, "timeout": 600}
+"""Three one-GPU spot nodes for each job's three workers; the test plays the market itself, each
+event once both jobs trained 10 steps at the world size before it."""
 
 
-def _job(tmp: Path, etcd: EtcdServer, run_id: str, nnodes: str, script: Path, *, pace: float) -> JobConfig:
-    events = tmp / "events.jsonl"
-    program = [str(script), "--steps", str(STEPS), "--step-seconds", str(pace), *EXTRA.get(script.parent.name, [])]
-    env = {
-        "TORCHSPOT_EVENTS_FILE": str(events), "TORCHSPOT_CHECKPOINT_URI": str(tmp / "ckpt"),
-        "TORCHSPOT_CHECKPOINT_EVERY": "50",
-        # Its import, once per agent in the warm server: a joiner's workers start without it.
-        "TORCHSPOT_FORK_PRELOAD": "transformers" if script.parent == TRANSFORMERS else "",
-    }  # fmt: skip
-    return JobConfig(
-        workdir=tmp, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes=nnodes, program=program,
-        extra_env={key: value for key, value in env.items() if value},
-    )  # fmt: skip
+def _sandbox_job(name: str, events: Path) -> dict[str, Any]:
+    """The example's ElasticJob, as shipped, with the run's length, pace and checkpoint interval, and the
+    records of every rank in `events`."""
+    job = load_job(EXAMPLES[name] / "elasticjob.yaml")
+    assert job["metadata"]["name"] == _job_name(name)
+    job["spec"]["checkpoint"]["intervalSteps"] = CHECKPOINT_EVERY
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    script = Path(container["args"][0])
+    assert script.parent.name == name
+    container["image"] = TRAINER_IMAGE
+    container["args"] = [str(EXAMPLES[name] / script.name), "--steps", str(STEPS), "--step-seconds", "0.1",
+                         *EXTRA.get(name, [])]  # fmt: skip
+    container.setdefault("env", []).append({"name": "TORCHSPOT_EVENTS_FILE", "value": str(events)})
+    return job
 
 
-def _events(job: JobConfig) -> list[dict[str, Any]]:
-    return read_events(job.workdir / "events.jsonl")
+def _job_name(example: str) -> str:
+    return f"{example}-example"
 
 
-def _steps_at(job: JobConfig, world: int, after: float) -> int:
-    return sum(1 for e in _events(job) if e["event"] == "step" and e["world_size"] == world and e["t"] > after)
+def _fixed_job(tmp: Path, etcd: EtcdServer, run_id: str, name: str) -> JobConfig:
+    """The same script on one local node that never changes: the model every elastic run must compute."""
+    program = [str(EXAMPLES[name] / "train.py"), "--steps", str(STEPS), *EXTRA.get(name, [])]
+    env = {"TORCHSPOT_EVENTS_FILE": str(tmp / "events.jsonl"), "TORCHSPOT_CHECKPOINT_URI": str(tmp / "ckpt"),
+           "TORCHSPOT_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)}  # fmt: skip
+    if name == "transformers":
+        env["TORCHSPOT_FORK_PRELOAD"] = "transformers"
+    return JobConfig(workdir=tmp, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:1",
+                     program=program, extra_env=env)  # fmt: skip
 
 
-def _final_model(job: JobConfig) -> dict[str, torch.Tensor]:
-    loaded = CheckpointManager(open_storage(str(job.workdir / "ckpt"))).load_latest()
+def _final_model(uri: str, env: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    loaded = CheckpointManager(open_storage(uri, env, create_container=False)).load_latest()
     assert loaded is not None
     assert loaded.step == STEPS
     model: dict[str, torch.Tensor] = loaded.state["user"]["model"]
     return model
 
 
-def _finish(nodes: list[LocalNode]) -> list[int]:
-    codes = []
-    for node in nodes:
+class _Run:
+    """The two jobs in one sandbox, and what the test reads of them."""
+
+    def __init__(self, sandbox: Sandbox, events: dict[str, Path]) -> None:
+        self.sandbox, self.events = sandbox, events
+        self.nodes: dict[str, dict[str, str]] = {name: {} for name in events}
+        """Per job, each of its worker pods seen running, by pod name: its node."""
+
+    def records(self, name: str) -> list[dict[str, Any]]:
+        return read_events(self.events[name])
+
+    def running(self, name: str) -> dict[str, str]:
+        """The job's running workers by pod name, each with its node (remembered in `nodes`)."""
+        found = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in self.sandbox.workers(_job_name(name))
+                 if p.get("status", {}).get("phase") == "Running" and p["spec"].get("nodeName")}  # fmt: skip
+        self.nodes[name].update(found)
+        return found
+
+    def stepped(self, world: int, after: float) -> bool:
+        """Both jobs trained 10 steps at `world` after `after`, by the records of each of their ranks."""
+        for name in self.events:
+            steps = [e for e in self.records(name) if e["event"] == "step" and e["t"] > after]
+            if sum(1 for e in steps if e["world_size"] == world) < world * 10:
+                return False
+        return True
+
+    def wait(self, world: int, after: float, timeout: float, what: str) -> None:
         try:
-            codes.append(node.wait(120))
-        except Exception:
-            pytest.fail(f"{node.name} did not finish:\n{node.log_tail(60)}")
+            wait_for(lambda: self.stepped(world, after), timeout, what, interval=0.2)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}\n{self.tails()}")
+
+    def tails(self, lines: int = 15) -> str:
+        said = []
+        for log in sorted(self.sandbox.workdir.glob("pods/*/log.txt")):
+            said.append(f"--- {log.parent.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(said)
+
+    def each(self, act: Callable[[str, dict[str, str]], Any]) -> dict[str, Any]:
+        """`act(job, its running workers)` for both jobs, after waiting for every worker of each to run."""
+        done = {}
+        for name in self.events:
+            workers = wait_for(partial(self.running, name), 30, f"{name}: running workers")
+            done[name] = act(name, workers)
+        return done
+
+
+def _drive(run: _Run) -> dict[str, int]:
+    """3 workers each, then a hard eviction, a frozen node, two nodes back and the joiners evicted with
+    notice (3 -> 2 -> 1 -> 2 -> 1), each once both jobs trained 10 steps at the world before; the run to its
+    end. Each job's leaving joiner's exit status."""
+    agent = run.sandbox.agent
+    run.wait(3, 0, timeout=180, what="10 steps at world 3")
+    killed = time.time()  # the last worker's node vanishes: its pods SIGKILLed, its Node deleted
+    run.each(lambda name, workers: agent.evict(workers[max(workers)], notice=False))
+    run.wait(2, killed, timeout=45, what="10 steps at world 2 after the hard eviction")
+    frozen = time.time()  # the next one's VM hangs: SIGSTOP, NotReady, its worker replaced by the operator
+    run.each(lambda name, workers: agent.freeze(workers[sorted(workers)[1]]))
+    run.wait(1, frozen, timeout=45, what="10 steps at world 1 after the freeze")
+    joined = time.time()  # capacity returns: the oldest pending worker of each job (the hard eviction's) lands
+    added = set(agent.add_spot(2))
+    run.wait(2, joined, timeout=90, what="10 steps at world 2 after the join")
+    noticed = time.time()
+    joiners = run.each(lambda name, workers: next(node for node in workers.values() if node in added))
+    assert sorted(joiners.values()) == sorted(added), joiners
+    leaving = {name: agent.kubelet.on_node(node)[0] for name, node in joiners.items()}
+    for node in joiners.values():
+        agent.evict(node, notice=True)  # SIGTERM and the pod's grace period, as the kubelet's node shutdown
+    run.wait(1, noticed, timeout=45, what="10 steps at world 1 after the notice")
+    for name in run.events:
+        wait_for(partial(_succeeded, run.sandbox, _job_name(name)), 120, f"{name}: the job Succeeded")
+    codes = {}
+    for name, pod in leaving.items():
+        assert pod.process is not None
+        codes[name] = pod.process.wait(30)
     return codes
 
 
-def _await(name: str, job: JobConfig, world: int, after: float, *, timeout: float, what: str) -> None:
-    wait_for(partial(_stepped, job, world, after), timeout, f"{name}: {what}")
+def _succeeded(sandbox: Sandbox, name: str) -> bool:
+    return sandbox.status(name).get("phase") == "Succeeded"
 
 
-def _stepped(job: JobConfig, world: int, after: float) -> bool:
-    """10 steps at `world` after `after`, by the records of each of its ranks."""
-    return _steps_at(job, world, after) >= world * 10
-
-
-def _check(name: str, job: JobConfig, fixed: JobConfig, nodes: list[LocalNode]) -> None:
+def _check(name: str, run: _Run, left: int) -> None:
     """No survivor restarted, the notice's emergency checkpoint written by the leaving node, every sample
-    once per epoch, the fixed run's model."""
-    events = _events(job)
+    once per epoch, the operator told of the last checkpoint, the fixed run's model."""
+    events = run.records(name)
     pids: dict[str, set[int]] = defaultdict(set)
     for event in events:
         if event["event"] == "generation":
             pids[event["node"]].add(event["pid"])
-    assert {node: len(found) for node, found in pids.items()} == {n.name: 1 for n in nodes}, (name, pids)
-    worlds = [e["world_size"] for e in events if e["event"] == "generation" and e["node"] == nodes[0].name]
+    assert {node: len(found) for node, found in pids.items()} == dict.fromkeys(run.nodes[name].values(), 1), (
+        name, pids, run.nodes[name])  # fmt: skip
+    assert len(pids) == 4, (name, pids)  # the first three, and the joiner
+    assert left == 128 + signal.SIGTERM, f"{name}: the evicted joiner's exit"
+    first = min(run.nodes[name].items())[1]  # worker 0's node: there from the start to the end
+    worlds = [e["world_size"] for e in events if e["event"] == "generation" and e["node"] == first]
     assert worlds[0] == 3
     assert {1, 2} <= set(worlds), worlds
     # A step's records (each rank that committed it writes one) name the same samples; one step of each
@@ -121,56 +208,45 @@ def _check(name: str, job: JobConfig, fixed: JobConfig, nodes: list[LocalNode]) 
         taken = [s for step in range(epoch * EPOCH_STEPS + 1, (epoch + 1) * EPOCH_STEPS + 1) for s in chunks[step]]
         assert sorted(taken) == list(range(size)), f"{name}, epoch {epoch}: a sample trained twice or skipped"
     if name == "transformers":  # its mean loss, all-reduced by the API every 50 steps (in place, through the faults)
-        said = [line for node in nodes for line in node.log_path.read_text().splitlines() if ": loss " in line]
+        logs = run.sandbox.workdir.glob(f"pods/*{_job_name(name)}-worker*/log.txt")
+        said = [line for log in logs for line in log.read_text(errors="replace").splitlines() if ": loss " in line]
         losses = [float(line.rsplit(" ", 1)[1]) for line in said]
         assert len(losses) >= 3, said
         assert all(0 < loss < 10 for loss in losses), said
-    ours, theirs = _final_model(job), _final_model(fixed)
-    difference = max(float((ours[key] - theirs[key]).abs().max()) for key in theirs)
-    print(f"fixed vs elastic {name} example: largest parameter difference {difference:.3g}")
-    assert difference <= TOLERANCE[name], name
 
 
-def _drive(name: str, job: JobConfig, nodes: NodeFactory) -> list[LocalNode]:
-    """3 nodes, then one killed, one frozen, one joining and the joiner evicted with notice (its agent
-    SIGTERMed, as the kubelet does: 3 -> 2 -> 1 -> 2 -> 1), each once the job trained 10 steps at the
-    world before; the run to its end. Its nodes, the joiner last."""
-    started = nodes(job, 3)
-    _await(name, job, 3, 0, timeout=120, what="10 steps at world 3")
-    killed = time.time()
-    started[2].kill()
-    _await(name, job, 2, killed, timeout=30, what="10 steps at world 2 after the kill")
-    frozen = time.time()
-    started[1].freeze()
-    _await(name, job, 1, frozen, timeout=30, what="10 steps at world 1 after the freeze")
-    joined = time.time()
-    (joiner,) = nodes(job, 1)
-    _await(name, job, 2, joined, timeout=60, what="10 steps at world 2 after the join")
-    noticed = time.time()
-    joiner.terminate(grace=30)
-    assert joiner.poll() == 128 + signal.SIGTERM, f"{name}: the evicted node's exit\n{joiner.log_tail(40)}"
-    _await(name, job, 1, noticed, timeout=30, what="10 steps at world 1 after the notice")
-    assert _finish([started[0]]) == [0], name
-    started[1].kill()  # the frozen node's VM is deleted
-    return [*started, joiner]
-
-
-@pytest.mark.slow(seconds=90, cpu_heavy=True)
-def test_the_examples_re_form_in_place_through_a_kill_a_freeze_and_a_join(
+@pytest.mark.slow(seconds=110, cpu_heavy=True)
+def test_the_examples_jobs_re_form_in_place_through_the_sandboxs_evictions_freeze_and_join(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
-    """Both examples side by side, each through its faults (`_drive`); beside them the same scripts on one
-    node that never changes."""
-    scripts = {"ddp": DDP / "train.py", "transformers": TRANSFORMERS / "train.py"}
-    jobs = {n: _job(tmp_path / n, etcd, f"{run_id}-{n}", "1:3", s, pace=0.1) for n, s in scripts.items()}
-    fixed = {n: _job(tmp_path / f"{n}-fixed", etcd, f"{run_id}-{n}-f", "1:1", s, pace=0.0) for n, s in scripts.items()}
-    with ThreadPoolExecutor(2) as pool:  # the fixed runs after: the faulted runs' timelines have the cores
-        driven = {name: pool.submit(_drive, name, job, nodes) for name, job in jobs.items()}
-        ran = {name: run.result() for name, run in driven.items()}
-        fixed_codes = {name: pool.submit(lambda job: _finish(nodes(job, 1)), job) for name, job in fixed.items()}
-        assert {name: run.result() for name, run in fixed_codes.items()} == {"ddp": [0], "transformers": [0]}
-    for name, job in jobs.items():
-        _check(name, job, fixed[name], ran[name])
+    """Both examples' ElasticJobs in one sandbox, through their faults (`_drive`); after them the same
+    scripts on one local node that never changes."""
+    events = {name: tmp_path / f"{name}.jsonl" for name in EXAMPLES}
+    jobs = {name: _sandbox_job(name, path) for name, path in events.items()}
+    with Sandbox(tmp_path / "run", parse_scenario(MARKET), say=lambda line: None) as sandbox:
+        for job in jobs.values():
+            sandbox.submit(job)
+        run = _Run(sandbox, events)
+        left = _drive(run)
+        statuses = {name: sandbox.status(_job_name(name)) for name in jobs}
+        models = {name: _final_model(job["spec"]["checkpoint"]["uri"], sandbox.azurite.env())
+                  for name, job in jobs.items()}  # fmt: skip
+        assert sandbox.agent.errors == []
+    for name, status in statuses.items():  # the operator read the scripts' checkpoints from the rendezvous
+        assert status["lastCheckpoint"]["step"] == STEPS, (name, status)
+        assert status["failures"] == 0, (name, status)
+    fixed = {name: _fixed_job(tmp_path / f"{name}-fixed", etcd, f"{run_id}-{name}", name) for name in EXAMPLES}
+    with ThreadPoolExecutor(2) as pool:
+        codes = dict(
+            zip(fixed, pool.map(lambda job: [n.wait(120) for n in nodes(job, 1)], fixed.values()), strict=True)
+        )
+    assert codes == {"ddp": [0], "transformers": [0]}
+    for name in EXAMPLES:
+        _check(name, run, left[name])
+        ours, theirs = models[name], _final_model(str(fixed[name].workdir / "ckpt"))
+        difference = max(float((ours[key] - theirs[key]).abs().max()) for key in theirs)
+        print(f"fixed vs elastic {name} example: largest parameter difference {difference:.3g}")
+        assert difference <= TOLERANCE[name], name
 
 
 def test_the_ddp_example_is_the_plain_script_and_ten_lines() -> None:
@@ -178,7 +254,7 @@ def test_the_ddp_example_is_the_plain_script_and_ten_lines() -> None:
     lines added."""
 
     def code(name: str) -> list[str]:  # from the first import on: the docstrings differ by design
-        lines = (DDP / name).read_text().splitlines()
+        lines = (EXAMPLES["ddp"] / name).read_text().splitlines()
         return lines[next(i for i, line in enumerate(lines) if line.startswith("import")) :]
 
     diff = list(difflib.unified_diff(code("plain.py"), code("train.py")))

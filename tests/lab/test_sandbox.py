@@ -39,8 +39,8 @@ def _small_job(tmp: Path) -> Path:
     job = yaml.safe_load(DEMO_JOB.read_text())
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][:2] == ["-m", "torchspot_trainer"]
-    # The restart path through the operator (the demo re-forms in place: test_examples.py and the
-    # equivalence test cover that path's guarantees).
+    # The restart path through the operator (the demo re-forms in place: test_examples.py runs the examples'
+    # jobs in place through the sandbox, and the equivalence test covers that path's guarantees).
     replaced = ("--epochs", "--global-batch-size", "--model", "--in-place")
     args = [a for a in container["args"][2:] if not a.startswith(replaced)]
     container["args"] = [str(SCRIPTED), *args, "--model=small_cnn", "--global-batch-size=12", "--epochs=100",
