@@ -59,7 +59,7 @@ from torchspot_operator.builders import ETCD_DATA_LIMIT, ETCD_MEMORY, ETCD_SIZIN
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 from torchspot_trainer.checkpoint.storage import open_storage  # noqa: E402
 from torchspot_trainer.launch import SERVER_NAME  # noqa: E402
-from torchspot_trainer.train import whole_records  # noqa: E402
+from torchspot_trainer.progress import whole_records  # noqa: E402
 
 MAX_NODES = 3
 """The job's --nnodes maximum; one more node may be started (it waits for a place)."""

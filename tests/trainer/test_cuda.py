@@ -18,7 +18,7 @@ from torchspot_trainer.optim import build_optimizer
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.group import group_device
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
-from torchspot_trainer.train import node_device, probe_device
+from torchspot_trainer.run import node_device, probe_device
 
 pytestmark = pytest.mark.cuda
 

@@ -24,20 +24,18 @@ from torchspot_trainer.launch import max_world_environment
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import SmallCNN, resnet18, resnet50
 from torchspot_trainer.optim import RECIPES, BatchRule, build_optimizer, learning_rate, optimizer_kernels
+from torchspot_trainer.progress import format_progress, record_means, whole_records
 from torchspot_trainer.recovery.notices import NOTICE_LEAVING, NOTICE_RESTART, emergency_saver, notice_level
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import SCHEDULED_EVENTS_URL, Notice
-from torchspot_trainer.train import (
+from torchspot_trainer.run import (
     NodeFault,
     build_model,
     choose_device,
     exit_node_fault,
-    format_progress,
     in_place_refusal,
     probe_device,
-    record_means,
     sync_bn_refusal,
-    whole_records,
 )
 
 

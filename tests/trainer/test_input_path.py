@@ -43,7 +43,7 @@ from torchspot_trainer.data.loader import (
     crop_resize,
     encode,
 )
-from torchspot_trainer.train import decode_refusal
+from torchspot_trainer.run import decode_refusal
 
 
 def _photo(width: int, height: int, seed: int = 0) -> np.ndarray:

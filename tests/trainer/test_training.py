@@ -29,7 +29,7 @@ from torchspot_lab.local import JobConfig, LocalNode, NodeFactory, read_events, 
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, read_latest
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
-from torchspot_trainer.train import whole_records
+from torchspot_trainer.progress import whole_records
 
 pytestmark = pytest.mark.slow
 

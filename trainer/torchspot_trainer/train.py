@@ -54,21 +54,17 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.checkpoint.manager import (
     SAVER_PROCESS,
     CheckpointConfig,
@@ -77,8 +73,8 @@ from torchspot_trainer.checkpoint.manager import (
     step_dir,
 )
 from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
-from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
-from torchspot_trainer.data.datasets import Normalize, SampleRandom, load_cifar10, load_digits, load_imagenet
+from torchspot_trainer.config import TrainConfig, ensure_local_data, index_cache
+from torchspot_trainer.data.datasets import SampleRandom, load_cifar10, load_digits, load_imagenet
 from torchspot_trainer.data.loader import (
     EVAL_LOADER_WORKERS,
     DeviceDecoder,
@@ -91,11 +87,18 @@ from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.handover import Handover
-from torchspot_trainer.markers import PEER_LOST_ENV
-from torchspot_trainer.models import MODELS
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
-from torchspot_trainer.optim import BatchRule, build_optimizer, learning_rate
+from torchspot_trainer.optim import build_optimizer, learning_rate
 from torchspot_trainer.precision import Precision
+from torchspot_trainer.progress import (
+    Progress,
+    Window,
+    format_progress,
+    process_age,
+    record_means,
+    stopwatch,
+    trained_samples,
+)
 from torchspot_trainer.recovery.buckets import GradientBuckets
 from torchspot_trainer.recovery.group import (
     Group,
@@ -147,6 +150,14 @@ from torchspot_trainer.recovery.signals import (
 from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, default_path
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
+from torchspot_trainer.run import (
+    Run,
+    build_model,
+    decode_refusal,
+    in_place_refusal,
+    node_device,
+    sync_bn_refusal,
+)
 from torchspot_trainer.step import model_inputs, train_step, warm_up
 
 log = logging.getLogger(__name__)
@@ -158,305 +169,9 @@ where that save matters (notices.waits_for_save: its node leaves, or it kept no 
 The save usually needs a few seconds more; the other agents re-form meanwhile."""
 
 
-class NodeFault(ValueError):
-    """This node cannot run the trainer (its GPU is not usable, or fewer GPUs are visible than it was
-    given): the worker exits with `NODE_FAULT_EXIT`, so that it is replaced on another node instead of
-    restarted on this one (torchspot_trainer's NODE_FAULT_EXIT says who reads it)."""
-
-
-def choose_device(
-    flag: str,
-    cuda_available: bool,
-    local_rank: int,
-    *,
-    gpus: int | None = None,
-    node: str = "",
-    cuda_built: bool = True,
-) -> tuple[torch.device, str]:
-    """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure.
-
-    `--device cuda` on a node where CUDA is not usable (or with fewer GPUs than local ranks) raises
-    NodeFault naming the node, before the group forms: the node's GPU or driver failed (an Xid, an
-    uncorrectable ECC error, a device plugin that lost the GPU), which another node does not share.
-    A torch built without CUDA (`cuda_built` False) is the image's fault, which every node shares:
-    ValueError. Why not fall back to the CPU: `auto` is decided by each process alone, and one rank on
-    gloo among NCCL ranks hangs the group's set-up, where no watchdog runs yet. The operator passes
-    `cuda` to GPU jobs (TORCHSPOT_DEVICE). `gpus`: the GPUs this process sees (None: not checked)."""
-    where = f" on node {node}" if node else ""
-    if flag == "cuda" and not cuda_built:
-        raise ValueError(
-            f"--device cuda, but the image's torch {torch.__version__} is built without CUDA: use a CUDA build "
-            "(the trainer image's base is one)"
-        )
-    if flag == "cuda" and not cuda_available:
-        raise NodeFault(
-            f"--device cuda, but CUDA is not usable{where}: torch.cuda.is_available() is False (no driver, or "
-            "the GPU not visible to the container); check nvidia-smi there and the pod's nvidia.com/gpu limit"
-        )
-    if flag == "cuda" and gpus is not None and local_rank >= gpus:
-        raise NodeFault(
-            f"--device cuda: local rank {local_rank} but {gpus} GPU(s) visible{where}; nprocPerNode must not "
-            "exceed the node's GPUs"
-        )
-    if flag == "cuda" or (flag == "auto" and cuda_available):
-        return torch.device("cuda", local_rank), "nccl"
-    return torch.device("cpu"), "gloo"
-
-
-def probe_device(device: torch.device) -> None:
-    """Run one small computation on `device` and wait for it; raises NodeFault where the GPU fails it (a
-    GPU that fell off the bus or has an uncorrectable ECC error may still be counted by CUDA, and
-    fails its first kernel: the worker would fail at its first step instead, after joining the group
-    and holding it up). Nothing to do on the CPU."""
-    if device.type != "cuda":
-        return
-    try:
-        torch.ones(1, device=device).add_(1).item()
-    except RuntimeError as exc:  # CUDA error: ...
-        raise NodeFault(f"the GPU {device} failed a first computation: {str(exc).splitlines()[0]}") from exc
-
-
-def node_device(flag: str, local_rank: int, cuda_available: bool) -> tuple[torch.device, str]:
-    """`choose_device` for this process on its node, probed (`probe_device`): a node fault exits with
-    NODE_FAULT_EXIT (`exit_node_fault`), a device the image cannot use stops naming `--device`."""
-    try:
-        device, backend = choose_device(
-            flag, cuda_available, local_rank, gpus=torch.cuda.device_count() if cuda_available else None,
-            node=node_name(), cuda_built=torch.version.cuda is not None,
-        )  # fmt: skip
-        probe_device(device)
-    except NodeFault as fault:
-        exit_node_fault(fault)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
-    return device, backend
-
-
-def exit_node_fault(fault: NodeFault) -> NoReturn:
-    """Say why this node cannot run the trainer, then exit with NODE_FAULT_EXIT (NodeFault's docstring)."""
-    print(f"torchspot_trainer: node fault: {fault}", file=sys.stderr, flush=True)
-    raise SystemExit(NODE_FAULT_EXIT)
-
-
-def format_progress(record: dict[str, Any]) -> str:
-    """The human-readable progress line shown on a terminal. Pure."""
-    ckpt = record["checkpoint_step"]
-    line = (
-        f"step {record['step']:>7} epoch {record['epoch']:>3} world {record['world_size']} "
-        f"loss {record['loss']:.4f} acc {record['accuracy']:.3f} {record['samples_per_s']:.0f} samples/s "
-        f"lr {record['lr']:.4g} batch {record['step_samples']} ckpt {ckpt if ckpt is not None else '-'}"
-    )
-    if record["checkpoint_error"]:
-        line += f" CHECKPOINT FAILING: {record['checkpoint_error']}"
-    return line
-
-
-def whole_records(events: Iterable[Mapping[str, Any]]) -> Counter[int]:
-    """How many times each step was applied in the run's surviving line, from its whole progress records
-    (not `partial`): a record written again (`Progress.replayed`) counts only for a step with no other,
-    and in place a record of a generation whose writer is not in the later generation that recorded
-    the step again is that lost writer's (a double fault: rank 0 completed the step alone, wrote its
-    record and was lost; the survivors, which never applied it, trained it again), not a second
-    application. The members of each generation are its ranks' `generation` events. Pure."""
-    events = list(events)
-    members: dict[int, set[str]] = {}
-    for event in events:
-        if event.get("event") == "generation":
-            members.setdefault(int(event["generation"]), set()).add(str(event.get("node")))
-    whole = [e for e in events if e.get("event") == "progress" and not e.get("partial")]
-    by_step: dict[int, list[Mapping[str, Any]]] = {}
-    for event in whole:
-        if not event.get("replayed"):
-            by_step.setdefault(int(event["step"]), []).append(event)
-
-    def lost(record: Mapping[str, Any]) -> bool:
-        generation = record.get("generation")
-        return generation is not None and any(
-            int(other.get("generation", -1)) > generation
-            and int(other["generation"]) in members  # (unknown without the generation events: not lost)
-            and str(record.get("node")) not in members[int(other["generation"])]
-            for other in by_step[int(record["step"])]
-        )
-
-    counts = Counter(step for step, records in by_step.items() for record in records if not lost(record))
-    counts.update({e["step"]: 1 for e in whole if e.get("replayed") and e["step"] not in counts})
-    return counts
-
-
-@dataclass
-class Progress:
-    """One progress record (a JSON line on stdout)."""
-
-    step: int
-    epoch: int
-    world_size: int
-    loss: float
-    """Mean loss over every sample of the steps since the last record, the whole group's."""
-    accuracy: float
-    samples_per_s: float
-    lr: float
-    checkpoint_step: int | None
-    checkpoint_error: str | None
-    trained_samples: int = 0
-    """Samples the run has trained on so far, all epochs counted (redone work not counted
-    twice): the measure of progress that does not depend on the world size."""
-    step_samples: int = 0
-    """Samples a full optimizer step averages over (the global batch)."""
-    partial: bool = False
-    """In place: the group broke after the step was applied and before its loss and accuracy were summed,
-    so they are this rank's share only (the step itself counts: the next generation goes on after it).
-    Such a record comes from every rank this happened to (with its `rank`): a reader takes one per step."""
-    replayed: bool = False
-    """In place: written again after a re-form by a survivor that summed it (with its `rank`, and the
-    time the step completed), because rank 0, which writes records, left without a successor that saw
-    it written (`resume.record_writer`): it may have been written before, so a reader takes one whole
-    record per step."""
-
-
-def process_age() -> float:
-    """Seconds since this process started (Linux; 0.0 elsewhere): the interpreter's and imports' share."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
-
-
-def _lap(clock: dict[str, float]) -> Callable[[str], None]:
-    """A stopwatch that adds, under each name it is called with, the time since its previous call (a
-    name called twice sums its two parts: a re-form that enters a second round counts both)."""
-    last = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal last
-        now = time.perf_counter()
-        clock[name], last = clock.get(name, 0.0) + now - last, now
-
-    return lap
-
-
-def _trained(sampler: ElasticSampler) -> int:
-    return sampler.epoch * sampler.length + sampler.consumed
-
-
 def _reset_sigterm_in_loader(_worker: int) -> None:
     """A DataLoader worker leaves SIGTERM to the training process (eviction.reset_sigterm)."""
     reset_sigterm()
-
-
-def decode_refusal(decode: str, device: torch.device) -> str | None:
-    """Why --decode cannot run on this worker's device, or None. Pure."""
-    if decode == "gpu" and device.type != "cuda":
-        return f"--decode gpu needs a CUDA device, and this worker runs on {device.type}"
-    return None
-
-
-def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
-    """Why `--sync-bn` cannot run on `device`, or None. Pure.
-
-    torch's SyncBatchNorm runs its statistics' all-reduce only on GPUs; on CPU its forward pass
-    raises. Said before training starts instead of at the first step."""
-    if sync_bn and device.type != "cuda":
-        return "--sync-bn needs GPUs (torch's SyncBatchNorm does not run on CPU); drop it on CPU nodes"
-    return None
-
-
-def in_place_refusal(in_place: bool, environ: Mapping[str, str], *, sync_bn: bool = False) -> str | None:
-    """Why `--in-place` cannot run in this worker, or None. Pure.
-
-    Only torchspot-run's agent hands a round over (handover.py); under another launcher no round
-    would ever come. (On GPUs its generations' data travel on NCCL communicators: planes.py.) Not with
-    `--sync-bn`: torch's SyncBatchNorm syncs its statistics over the default process group, which a
-    run in place has none of (each generation is a group of its own), and silently falls back to
-    per-GPU statistics: a different, usually worse, model than the restart path trains."""
-    if not in_place:
-        return None
-    if PEER_LOST_ENV not in environ:
-        return "--in-place needs torchspot-run (etcd-v3), whose agent hands each new round to its live workers"
-    if sync_bn:
-        return (
-            "--sync-bn with --in-place: SyncBatchNorm syncs over torch's default process group, which a run in "
-            "place does not have (it would use each GPU's own statistics); drop one of them"
-        )
-    return None
-
-
-def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
-    """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
-    torch.manual_seed(config.seed)
-    model: nn.Module = MODELS[config.model](classes, CHANNELS[config.dataset])
-    if config.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
-    return model.to(device)
-
-
-@dataclass
-class _Run:
-    """What one training run holds between steps."""
-
-    model: nn.Module
-    ddp: nn.Module
-    """The model under DDP, or the model itself in place (its gradients averaged by `_begin_update`)."""
-    optimizer: torch.optim.Optimizer
-    sampler: ElasticSampler
-    rule: BatchRule
-    train_set: Dataset[Any]
-    test_set: Dataset[Any]
-    train_loader: EpochLoader
-    test_loader: EpochLoader
-    normalize: Normalize
-    total_samples: int
-    evaluated: tuple[int, float] = (-1, math.nan)
-    """(step, top-1 accuracy) of the last completed evaluation."""
-    buckets: GradientBuckets | None = None
-    """In place on the host plane: the gradients' buckets, reduced beside the backward pass."""
-
-
-@dataclass
-class _Window:
-    """Sums over the steps since the last progress record (this rank's share; on the device,
-    read only when the record is made)."""
-
-    device: torch.device
-    started: float = field(default_factory=time.perf_counter)
-    loss: torch.Tensor = field(init=False)
-    correct: torch.Tensor = field(init=False)
-    samples: int = 0
-    """The steps' samples, every rank's (its rate)."""
-    computed: int = 0
-    """The samples this rank ran forward: those its `loss` and `correct` sum over."""
-
-    def __post_init__(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.correct = torch.zeros((), dtype=torch.long, device=self.device)
-
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int, computed: int) -> None:
-        self.loss += loss
-        self.correct += correct
-        self.samples += samples
-        self.computed += computed
-
-    def sums(
-        self, loss: torch.Tensor | None = None, correct: torch.Tensor | None = None, computed: int = 0
-    ) -> list[torch.Tensor]:
-        """What the group sums for a record: the window's loss, correct predictions and samples computed,
-        with a step not added yet (its `loss`, `correct`, `computed`) counted in."""
-        extra = torch.zeros((), device=self.device)
-        return [
-            self.loss + (extra if loss is None else loss),
-            self.correct + (extra.long() if correct is None else correct),
-            torch.tensor(float(self.computed + computed), dtype=torch.float64, device=self.device),
-        ]
-
-
-def record_means(loss: float, correct: float, computed: float) -> tuple[float, float]:
-    """A progress record's mean loss and accuracy from the group's sums. Pure. The denominator is the
-    samples the summed losses came from, summed alike: the step samples of the receiving rank's own
-    window were not, where a heal's receiver that sorts first (rank 0) sat a step out with a one-step
-    window while its trainers' windows spanned the record's steps (its accuracy could exceed 1)."""
-    samples = max(computed, 1.0)
-    return loss / samples, correct / samples
 
 
 @dataclass
@@ -554,7 +269,7 @@ class Trainer:
         ).start()
         self._control: Any = None
         """The gloo group for the per-step agreements beside an NCCL group (group.control_group)."""
-        self._run: _Run | None = None
+        self._run: Run | None = None
         """Set once the state is whole (after the resume): from then on a snapshot may be taken.
         Kept after the run ends (launch.run_trainer says why)."""
         self._base = 0
@@ -635,7 +350,7 @@ class Trainer:
         self._shutdown()
         return summary
 
-    def _train_on(self, run: _Run) -> bool:
+    def _train_on(self, run: Run) -> bool:
         """Evaluate an epoch's end if due, then train the rest of the epoch; False once training is over
         (evaluated). In place, a membership change raises out of here and the loop comes back after the
         re-form: the epoch is planned again for the new world from the sampler, which counts only
@@ -656,12 +371,12 @@ class Trainer:
         self._train_epoch(run, carried if run.sampler.consumed else None)
         return True
 
-    def _started(self, run: _Run) -> None:
+    def _started(self, run: Run) -> None:
         """The `start` event of a round (or, in place, of a generation), and in place each rank's
         `generation` event: its process id shows that no process was restarted."""
         record: dict[str, Any] = {
             "event": "start", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
-            "resumed_samples": run.sampler.consumed, "trained_samples": _trained(run.sampler),
+            "resumed_samples": run.sampler.consumed, "trained_samples": trained_samples(run.sampler),
             "resumed_from": self.resumed_from, "step_samples": run.rule.step_batch(self.world),
             "loader_workers": self.loader_workers,
             "setup_s": {k: round(v, 2) for k, v in self.setup_seconds.items()},
@@ -678,14 +393,14 @@ class Trainer:
     def _arrival(self) -> tuple[StateArrival, int] | None:
         return None if self._in_place is None else self._in_place.arriving
 
-    def _evaluation_due(self, run: _Run) -> bool:
+    def _evaluation_due(self, run: Run) -> bool:
         """An epoch's end not evaluated yet (once: also when a notice interrupted its evaluation)."""
         return run.sampler.consumed == 0 and run.sampler.epoch > 0 and run.evaluated[0] != self.step
 
-    def _training_over(self, run: _Run) -> bool:
+    def _training_over(self, run: Run) -> bool:
         return run.sampler.epoch >= self.config.epochs or self._step_limit_reached()
 
-    def _train_epoch(self, run: _Run, window: _Window | None = None) -> None:
+    def _train_epoch(self, run: Run, window: Window | None = None) -> None:
         """Train on the rest of the current epoch (or until --max-steps): the step loop. `window`: the
         progress window to go on with (a heal's receiver's, after the step it sat out)."""
         sampler = run.sampler
@@ -695,7 +410,7 @@ class Trainer:
         if trainers is not None and plans:  # the heal's receivers sit this step out (`_heal`)
             plans[0] = sampler.micro_batches(trainers.index(self.rank), self.world, among=len(trainers))
         batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
-        window = window or _Window(self.device)
+        window = window or Window(self.device)
         for plan in plans:
             lr = self._set_learning_rate(run)
             step_samples = sampler.next_step_samples(self.world)
@@ -713,14 +428,14 @@ class Trainer:
 
     def _finish_step(
         self,
-        run: _Run,
-        window: _Window,
+        run: Run,
+        window: Window,
         sums: tuple[torch.Tensor, torch.Tensor],
         step_samples: int,
         lr: float,
         *,
         computed: int,
-    ) -> _Window:
+    ) -> Window:
         """After a step's update: count it, copy it to the host, log it when due, then its boundary
         (notices, the checkpoint schedule). The window to go on with."""
         run.sampler.advance(self.world)
@@ -731,13 +446,13 @@ class Trainer:
         window.add(*sums, step_samples, computed)
         if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
             self._log_progress(run, window, lr)
-            window = _Window(self.device)
+            window = Window(self.device)
         self._after_step(run)
         return window
 
-    def _set_learning_rate(self, run: _Run) -> float:
+    def _set_learning_rate(self, run: Run) -> float:
         """Set the scheduled learning rate for the next step (a function of samples consumed)."""
-        progress = _trained(run.sampler) / run.total_samples
+        progress = trained_samples(run.sampler) / run.total_samples
         lr = learning_rate(
             run.rule.peak_lr(self.world), schedule=self.config.schedule, warmup=self.config.warmup, progress=progress
         )
@@ -745,7 +460,7 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _begin_update(self, window: _Window, computed: int, loss: torch.Tensor, correct: torch.Tensor) -> None:
+    def _begin_update(self, window: Window, computed: int, loss: torch.Tensor, correct: torch.Tensor) -> None:
         """Between the step's last backward pass and its update (`loss`, `correct`: the step's sums over the
         `computed` samples of this rank, not yet in `window`). In place the gradients are averaged here:
         a failed average raises GroupChanged before anything of the step is applied."""
@@ -775,7 +490,7 @@ class Trainer:
             assert isinstance(group, LiveCollectives)
             sums = None
             if step % self.config.log_every == 0:  # (a rank that sat the step out computed nothing)
-                parts = _Window(self.device).sums() if window is None else window()
+                parts = Window(self.device).sums() if window is None else window()
                 sums = torch.stack([part.to(torch.float64) for part in parts])
             summed = group.average_gradients(
                 [p for p in run.model.parameters() if p.requires_grad], list(run.model.buffers()),
@@ -788,7 +503,7 @@ class Trainer:
     def _step_limit_reached(self) -> bool:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
 
-    def _log_progress(self, run: _Run, window: _Window, lr: float) -> None:
+    def _log_progress(self, run: Run, window: Window, lr: float) -> None:
         """Sum the window's loss and accuracy over the group, and emit one progress record. In place the
         sums came with the step's gradients (`_average`): no collective here. A group that
         breaks before the sums leaves the step applied (in place it goes on from it; by the restart path
@@ -809,8 +524,8 @@ class Trainer:
             raise
         self._emit_progress(run, window, lr, sums, partial=False)
 
-    def _emit_progress(self, run: _Run, window: _Window, lr: float, sums: list[float], *, partial: bool) -> None:
-        """One progress record from `sums` (the group's, or this rank's where `partial`: `_Window.sums`)."""
+    def _emit_progress(self, run: Run, window: Window, lr: float, sums: list[float], *, partial: bool) -> None:
+        """One progress record from `sums` (the group's, or this rank's where `partial`: `Window.sums`)."""
         loss, accuracy = record_means(*sums)
         record = Progress(
             step=self.step,
@@ -822,7 +537,7 @@ class Trainer:
             lr=lr,
             checkpoint_step=self.manager.last_committed if self.manager else None,
             checkpoint_error=self.manager.last_error if self.manager else None,
-            trained_samples=_trained(run.sampler),
+            trained_samples=trained_samples(run.sampler),
             step_samples=run.rule.step_batch(self.world),
             partial=partial,
         )
@@ -845,7 +560,7 @@ class Trainer:
             return {}
         return {"generation": self._in_place.live.generation, "node": node_name()}
 
-    def _evaluate(self, run: _Run, *, epoch: int) -> None:
+    def _evaluate(self, run: Run, *, epoch: int) -> None:
         """Evaluate on the test set (sharded; a notice between batches stops the group as after
         a step), record the result in the state and emit it."""
         accuracy = evaluate(
@@ -859,11 +574,11 @@ class Trainer:
 
     # -- set-up ---------------------------------------------------------------------
 
-    def _setup(self) -> _Run:
+    def _setup(self) -> Run:
         """Process group, data, model, optimizer; then resume and start the side channels."""
         config = self.config
         self.setup_seconds["process"] = process_age()
-        lap = _lap(self.setup_seconds)
+        lap = stopwatch(self.setup_seconds)
         refusal = sync_bn_refusal(config.sync_bn, self.device) or decode_refusal(config.decode, self.device)
         if refusal:
             raise ValueError(refusal)
@@ -879,7 +594,7 @@ class Trainer:
         lap("data")
         model = self.precision.prepare(build_model(config, classes, self.device))
         rule = config.batch_rule()
-        run = _Run(
+        run = Run(
             model=model,
             ddp=model
             if self._in_place is not None
@@ -998,7 +713,7 @@ class Trainer:
 
     # -- in place (--in-place) -------------------------------------------------------
 
-    def _warm_up(self, run: _Run, decoder: DeviceDecoder | None) -> None:
+    def _warm_up(self, run: Run, decoder: DeviceDecoder | None) -> None:
         """The first pass's one-off costs paid before entering the group (step.warm_up), on a batch
         of this rank's first micro-batch's size, the random number generators left as they were.
         Not with --decode gpu, whose data set holds encoded images (its first step stays cold)."""
@@ -1031,7 +746,7 @@ class Trainer:
                 break
         self.rank, self.world, self.stop.node = assignment.rank, assignment.world, assignment.node
 
-    def _heal(self, run: _Run, *, live_step: int, mine: tuple[Held, dict[str, Any]] | None) -> None:
+    def _heal(self, run: Run, *, live_step: int, mine: tuple[Held, dict[str, Any]] | None) -> None:
         """At a generation's start: every rank goes on from the newest state any of them holds. A live
         rank holds its last completed step (`live_step`); a new one (a joiner, or a worker its agent
         restarted) its node's snapshot, if any (`mine`). While nobody trains yet (the first
@@ -1143,13 +858,13 @@ class Trainer:
         place = self._in_place
         return not (place is None or place.live.plane.separate or self.precision.scaler is not None)
 
-    def _trains_next(self, run: _Run, live_step: int) -> bool:
+    def _trains_next(self, run: Run, live_step: int) -> bool:
         """Its `HealRow.trains_next`: holding a live state, the next thing this rank does from it is a training step
         (no evaluation, not the end). It counts only where the rank is one of the step's trainers: one
         behind takes the state, and what comes next, from them."""
         return live_step < 0 or not (self._evaluation_due(run) or self._training_over(run))
 
-    def _heal_beside_step(self, run: _Run, trainers: list[int], best: int) -> None:
+    def _heal_beside_step(self, run: Run, trainers: list[int], best: int) -> None:
         """A heal whose receivers sit out the next step (`resume.trainers_of_next_step`). The lowest of
         `trainers` (the ranks at `best`) sends its state to each of the others point to point, packed
         and posted on its sending thread beside its own passes (`LiveGroup.send_beside`); the
@@ -1171,7 +886,7 @@ class Trainer:
         place.arriving = (StateArrival(place.live, trainers[0], self.device, deadline), best)
         self.resumed_from = "peer"
 
-    def _sit_out(self, run: _Run, arriving: StateArrival, step: int) -> _Window:
+    def _sit_out(self, run: Run, arriving: StateArrival, step: int) -> Window:
         """A heal's receiver in the step its trainers take without it (`_heal_beside_step`): it loads the state
         (`step`'s) once it arrived, the trainers meanwhile computing; then its gradients count zero in
         the step's all-reduce (the step's scale is the world's, so the average is the trainers'
@@ -1189,9 +904,9 @@ class Trainer:
         self._average(step + 1)
         self.precision.step(run.optimizer)
         nothing = torch.zeros((), device=self.device)
-        return self._finish_step(run, _Window(self.device), (nothing, nothing.long()), step_samples, lr, computed=0)
+        return self._finish_step(run, Window(self.device), (nothing, nothing.long()), step_samples, lr, computed=0)
 
-    def _agree_on_evaluation(self, run: _Run, rows: list[HealRow], best: int, source: int | None) -> None:
+    def _agree_on_evaluation(self, run: Run, rows: list[HealRow], best: int, source: int | None) -> None:
         """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
         would evaluate while another trains. One broadcast of its accuracy, only when they differ."""
         sender = evaluation_source(rows, best, source)
@@ -1202,7 +917,7 @@ class Trainer:
         run.evaluated = (rows[sender].evaluated, float(accuracy))
         log.warning("rank %d: the evaluation of step %d taken from rank %d", self.rank, rows[sender].evaluated, sender)
 
-    def _reform(self, run: _Run, *, failed: bool) -> None:
+    def _reform(self, run: Run, *, failed: bool) -> None:
         """In place, after a collective did not complete: enter the next round, heal, go on (module
         docstring of live.py); the step watchdog rests meanwhile (REFORM_SECONDS bounds the wait)."""
         place = self._in_place
@@ -1221,7 +936,7 @@ class Trainer:
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
         place.boundary.restore(run.model, self.step)  # the broken step's statistics go with it
         live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
-        self._settle(run, live_step=live_step, mine=None, entered=False, lap=_lap(self.setup_seconds))
+        self._settle(run, live_step=live_step, mine=None, entered=False, lap=stopwatch(self.setup_seconds))
         self._base = self.step
         self._ranks_changed()
         self._capture(run)
@@ -1232,7 +947,7 @@ class Trainer:
 
     def _settle(
         self,
-        run: _Run,
+        run: Run,
         *,
         live_step: int,
         mine: tuple[Held, dict[str, Any]] | None,
@@ -1279,7 +994,7 @@ class Trainer:
 
     # -- state ----------------------------------------------------------------------
 
-    def _state(self, run: _Run) -> dict[str, Any]:
+    def _state(self, run: Run) -> dict[str, Any]:
         return {
             "model": run.model.state_dict(),
             "optimizer": run.optimizer.state_dict(),
@@ -1291,7 +1006,7 @@ class Trainer:
             "grad_scaler": self.precision.state_dict(),
         }
 
-    def _load(self, run: _Run, state: dict[str, Any]) -> None:
+    def _load(self, run: Run, state: dict[str, Any]) -> None:
         """Take over a resumed state. The batch and learning-rate rule it recorded wins over the
         flags: it is what makes the resumed run the same run (a changed flag is reported)."""
         run.model.load_state_dict(state["model"])
@@ -1316,7 +1031,7 @@ class Trainer:
             "samples_in_epoch": sampler.consumed,
         }
 
-    def _capture(self, run: _Run) -> None:
+    def _capture(self, run: Run) -> None:
         """The host copy of this boundary's state (hostcopy.py), its BatchNorm statistics copied now;
         nothing built when no copy is due, nor by a heal's receiver before its state came."""
         if self._arrival() is None and self._host.keeps(self.step):
@@ -1360,7 +1075,7 @@ class Trainer:
 
     # -- at a boundary --------------------------------------------------------------
 
-    def _after_step(self, run: _Run) -> None:
+    def _after_step(self, run: Run) -> None:
         """Agree on eviction notices (notices.py), report the step (the operator's stall check), and
         checkpoint on schedule."""
         if self._agree_on_notices(run):
@@ -1373,7 +1088,7 @@ class Trainer:
             meta = self._meta(run.sampler)
             self._from_copy(run, lambda state: manager.save_async(self.step, state, meta, give_up=self.notice.is_set))
 
-    def _agree_on_notices(self, run: _Run) -> bool:
+    def _agree_on_notices(self, run: Run) -> bool:
         """NoticeStop.at_boundary with this boundary's emergency checkpoint; True after a notice."""
         manager = self.manager
         meta = self._meta(run.sampler)
@@ -1384,7 +1099,7 @@ class Trainer:
         )
         return self.stop.at_boundary(self.group, step=self.step, save=save)
 
-    def _from_copy(self, run: _Run, save: Callable[[dict[str, Any]], T]) -> T:
+    def _from_copy(self, run: Run, save: Callable[[dict[str, Any]], T]) -> T:
         """`save(state)` with this boundary's host copy when the ring holds it (hostcopy.with_copy_of),
         else with the live state."""
         return self._host.with_copy_of(self.step, lambda held: save(self._state(run) if held is None else held))

@@ -131,7 +131,7 @@ def record_writer(rows: Sequence[HealRow], best: int) -> int | None:
     logged (a soak's step 8376 of 40,400, bench/README.md). Nobody can tell whether the lost rank
     wrote it before it went, so the lowest live rank at `best` that summed the record writes it
     whenever no rank of the new group wrote it: a step is logged at least once, and a record
-    written again says so (train.py's `Progress.replayed`)."""
+    written again says so (progress.py's `Progress.replayed`)."""
     if any(row.written == best for row in rows):
         return None
     return next((rank for rank, row in enumerate(rows) if row.live == best and row.summed == best), None)

@@ -1,0 +1,189 @@
+"""What a training run is built from before its first step: the device and its refusals, and the model.
+
+`Run` is what the trainer holds between steps; the functions are pure, but `node_device` and
+`exit_node_fault`, which end a worker whose node cannot run it (`NodeFault`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from torchspot_trainer import NODE_FAULT_EXIT
+from torchspot_trainer.config import CHANNELS, TrainConfig
+from torchspot_trainer.data.datasets import Normalize
+from torchspot_trainer.data.loader import EpochLoader
+from torchspot_trainer.data.sampler import ElasticSampler
+from torchspot_trainer.elastic.settings import node_name
+from torchspot_trainer.markers import PEER_LOST_ENV
+from torchspot_trainer.models import MODELS
+from torchspot_trainer.optim import BatchRule
+from torchspot_trainer.recovery.buckets import GradientBuckets
+
+__all__ = [
+    "NodeFault",
+    "Run",
+    "build_model",
+    "choose_device",
+    "decode_refusal",
+    "exit_node_fault",
+    "in_place_refusal",
+    "node_device",
+    "probe_device",
+    "sync_bn_refusal",
+]
+
+
+class NodeFault(ValueError):
+    """This node cannot run the trainer (its GPU is not usable, or fewer GPUs are visible than it was
+    given): the worker exits with `NODE_FAULT_EXIT`, so that it is replaced on another node instead of
+    restarted on this one (torchspot_trainer's NODE_FAULT_EXIT says who reads it)."""
+
+
+def choose_device(
+    flag: str,
+    cuda_available: bool,
+    local_rank: int,
+    *,
+    gpus: int | None = None,
+    node: str = "",
+    cuda_built: bool = True,
+) -> tuple[torch.device, str]:
+    """(device, process-group backend) for `--device`: NCCL on GPUs, gloo on CPU. Pure.
+
+    `--device cuda` on a node where CUDA is not usable (or with fewer GPUs than local ranks) raises
+    NodeFault naming the node, before the group forms: the node's GPU or driver failed (an Xid, an
+    uncorrectable ECC error, a device plugin that lost the GPU), which another node does not share.
+    A torch built without CUDA (`cuda_built` False) is the image's fault, which every node shares:
+    ValueError. Why not fall back to the CPU: `auto` is decided by each process alone, and one rank on
+    gloo among NCCL ranks hangs the group's set-up, where no watchdog runs yet. The operator passes
+    `cuda` to GPU jobs (TORCHSPOT_DEVICE). `gpus`: the GPUs this process sees (None: not checked)."""
+    where = f" on node {node}" if node else ""
+    if flag == "cuda" and not cuda_built:
+        raise ValueError(
+            f"--device cuda, but the image's torch {torch.__version__} is built without CUDA: use a CUDA build "
+            "(the trainer image's base is one)"
+        )
+    if flag == "cuda" and not cuda_available:
+        raise NodeFault(
+            f"--device cuda, but CUDA is not usable{where}: torch.cuda.is_available() is False (no driver, or "
+            "the GPU not visible to the container); check nvidia-smi there and the pod's nvidia.com/gpu limit"
+        )
+    if flag == "cuda" and gpus is not None and local_rank >= gpus:
+        raise NodeFault(
+            f"--device cuda: local rank {local_rank} but {gpus} GPU(s) visible{where}; nprocPerNode must not "
+            "exceed the node's GPUs"
+        )
+    if flag == "cuda" or (flag == "auto" and cuda_available):
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def probe_device(device: torch.device) -> None:
+    """Run one small computation on `device` and wait for it; raises NodeFault where the GPU fails it (a
+    GPU that fell off the bus or has an uncorrectable ECC error may still be counted by CUDA, and
+    fails its first kernel: the worker would fail at its first step instead, after joining the group
+    and holding it up). Nothing to do on the CPU."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.ones(1, device=device).add_(1).item()
+    except RuntimeError as exc:  # CUDA error: ...
+        raise NodeFault(f"the GPU {device} failed a first computation: {str(exc).splitlines()[0]}") from exc
+
+
+def node_device(flag: str, local_rank: int, cuda_available: bool) -> tuple[torch.device, str]:
+    """`choose_device` for this process on its node, probed (`probe_device`): a node fault exits with
+    NODE_FAULT_EXIT (`exit_node_fault`), a device the image cannot use stops naming `--device`."""
+    try:
+        device, backend = choose_device(
+            flag, cuda_available, local_rank, gpus=torch.cuda.device_count() if cuda_available else None,
+            node=node_name(), cuda_built=torch.version.cuda is not None,
+        )  # fmt: skip
+        probe_device(device)
+    except NodeFault as fault:
+        exit_node_fault(fault)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    return device, backend
+
+
+def exit_node_fault(fault: NodeFault) -> NoReturn:
+    """Say why this node cannot run the trainer, then exit with NODE_FAULT_EXIT (NodeFault's docstring)."""
+    print(f"torchspot_trainer: node fault: {fault}", file=sys.stderr, flush=True)
+    raise SystemExit(NODE_FAULT_EXIT)
+
+
+def decode_refusal(decode: str, device: torch.device) -> str | None:
+    """Why --decode cannot run on this worker's device, or None. Pure."""
+    if decode == "gpu" and device.type != "cuda":
+        return f"--decode gpu needs a CUDA device, and this worker runs on {device.type}"
+    return None
+
+
+def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
+    """Why `--sync-bn` cannot run on `device`, or None. Pure.
+
+    torch's SyncBatchNorm runs its statistics' all-reduce only on GPUs; on CPU its forward pass
+    raises. Said before training starts instead of at the first step."""
+    if sync_bn and device.type != "cuda":
+        return "--sync-bn needs GPUs (torch's SyncBatchNorm does not run on CPU); drop it on CPU nodes"
+    return None
+
+
+def in_place_refusal(in_place: bool, environ: Mapping[str, str], *, sync_bn: bool = False) -> str | None:
+    """Why `--in-place` cannot run in this worker, or None. Pure.
+
+    Only torchspot-run's agent hands a round over (handover.py); under another launcher no round
+    would ever come. (On GPUs its generations' data travel on NCCL communicators: planes.py.) Not with
+    `--sync-bn`: torch's SyncBatchNorm syncs its statistics over the default process group, which a
+    run in place has none of (each generation is a group of its own), and silently falls back to
+    per-GPU statistics: a different, usually worse, model than the restart path trains."""
+    if not in_place:
+        return None
+    if PEER_LOST_ENV not in environ:
+        return "--in-place needs torchspot-run (etcd-v3), whose agent hands each new round to its live workers"
+    if sync_bn:
+        return (
+            "--sync-bn with --in-place: SyncBatchNorm syncs over torch's default process group, which a run in "
+            "place does not have (it would use each GPU's own statistics); drop one of them"
+        )
+    return None
+
+
+def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
+    """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
+    torch.manual_seed(config.seed)
+    model: nn.Module = MODELS[config.model](classes, CHANNELS[config.dataset])
+    if config.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+    return model.to(device)
+
+
+@dataclass
+class Run:
+    """What one training run holds between steps."""
+
+    model: nn.Module
+    ddp: nn.Module
+    """The model under DDP, or the model itself in place (its gradients averaged by `Trainer._begin_update`)."""
+    optimizer: torch.optim.Optimizer
+    sampler: ElasticSampler
+    rule: BatchRule
+    train_set: Dataset[Any]
+    test_set: Dataset[Any]
+    train_loader: EpochLoader
+    test_loader: EpochLoader
+    normalize: Normalize
+    total_samples: int
+    evaluated: tuple[int, float] = (-1, math.nan)
+    """(step, top-1 accuracy) of the last completed evaluation."""
+    buckets: GradientBuckets | None = None
+    """In place on the host plane: the gradients' buckets, reduced beside the backward pass."""
