@@ -6,6 +6,7 @@
     model = elastic.DistributedDataParallel(manager, model)
     optimizer = elastic.OptimizerWrapper(manager, optimizer)
     sampler = elastic.ElasticSampler(manager, len(dataset), global_batch=64)
+    scaler = elastic.GradScaler(manager, "cuda")  # float16 only: bfloat16 needs no scaler
 
 The docs' "Bring your own script" guide shows a whole loop.
 """
@@ -14,9 +15,18 @@ from torchspot_trainer.elastic import (
     ApiOrderError,
     DistributedDataParallel,
     ElasticSampler,
+    GradScaler,
     Manager,
     OptimizerWrapper,
     Refused,
 )
 
-__all__ = ["ApiOrderError", "DistributedDataParallel", "ElasticSampler", "Manager", "OptimizerWrapper", "Refused"]
+__all__ = [
+    "ApiOrderError",
+    "DistributedDataParallel",
+    "ElasticSampler",
+    "GradScaler",
+    "Manager",
+    "OptimizerWrapper",
+    "Refused",
+]

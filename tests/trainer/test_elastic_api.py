@@ -1,6 +1,7 @@
 """`torchspot.elastic` as a script calls it, in one process: the restart path's loop on a real
 one-rank gloo group, its checkpoints and resume, the errors of a call in the wrong order, and the
-combinations refused at start. (In place, under real agents: test_examples.py.)"""
+combinations refused at start. (In place, under real agents: test_examples.py, and here a loop whose
+gradient scaler skips a step's update.)"""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchspot.elastic
+from tests.trainer import scaler_loop
 from torchspot import elastic
-from torchspot_lab.local import read_events, wait_for
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.elastic.leaving import node_snapshot
@@ -77,7 +80,8 @@ def _loop(ckpt: Path, steps: int, events: Path, device: torch.device = CPU) -> t
 
 def test_the_public_names_are_one_import_and_typed() -> None:
     assert sorted(torchspot.elastic.__all__) == [
-        "ApiOrderError", "DistributedDataParallel", "ElasticSampler", "Manager", "OptimizerWrapper", "Refused",
+        "ApiOrderError", "DistributedDataParallel", "ElasticSampler", "GradScaler", "Manager", "OptimizerWrapper",
+        "Refused",
     ]  # fmt: skip
     assert all(getattr(torchspot.elastic, name).__doc__ for name in torchspot.elastic.__all__)
     assert (Path(torchspot.elastic.__file__).parent / "py.typed").exists()
@@ -331,6 +335,44 @@ def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoin
     assert float(model.weight.detach()[0, 0]) == 9.0
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert node_snapshot(os.environ) is None
+
+
+def _check_skipped_update(out: Path) -> None:
+    """scaler_loop.py's run: the skipped step counted and its update not applied, each sample once per epoch."""
+    weights = torch.load(out)
+    records = [e for e in read_events(out.with_suffix(".jsonl")) if e["event"] == "step"]
+    assert [e["step"] for e in records] == list(range(1, scaler_loop.STEPS + 1))
+    assert [e["step"] for e in records if e.get("update_skipped")] == [scaler_loop.SKIPPED]
+    assert sorted(weights) == list(range(scaler_loop.STEPS + 1))
+    for step in range(1, scaler_loop.STEPS + 1):  # the weight after `step` steps against the one before
+        unchanged = torch.equal(weights[step], weights[step - 1])
+        assert unchanged == (step == scaler_loop.SKIPPED), step
+    per_epoch = scaler_loop.SAMPLES // scaler_loop.GLOBAL_BATCH
+    for epoch in range(scaler_loop.STEPS // per_epoch):
+        taken = [i for e in records[epoch * per_epoch : (epoch + 1) * per_epoch] for i in e["samples"]]
+        assert sorted(taken) == list(range(scaler_loop.SAMPLES)), epoch
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_step_whose_update_the_grad_scaler_skipped_counts_as_taken_on_the_restart_path(tmp_path: Path) -> None:
+    """float16's loss scaler skips the update of a step whose gradients hold inf, as torch's does: the step
+    is counted (its samples were trained, each sample stays once per epoch) and its update not applied."""
+    scaler_loop.run(tmp_path / "weights.pt")
+    _check_skipped_update(tmp_path / "weights.pt")
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_step_whose_update_the_grad_scaler_skipped_counts_as_taken_in_place(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """The same loop under torchspot-run, in place: the skip is said and counted by the same commit rule."""
+    out = tmp_path / "weights.pt"
+    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:2",
+                    program=[str(Path(scaler_loop.__file__)), str(out)])  # fmt: skip
+    (node,) = nodes(job, 1)
+    assert node.wait(60) == 0, node.log_tail(40)
+    assert any(e["event"] == "generation" for e in read_events(out.with_suffix(".jsonl")))  # in place
+    _check_skipped_update(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

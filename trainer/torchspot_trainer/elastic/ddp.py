@@ -78,7 +78,7 @@ class DistributedDataParallel(_TorchDDP):
             super().__init__(module, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.manager.require_step("the forward pass")
+        self.manager.computed()
         return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
 
@@ -113,3 +113,22 @@ class OptimizerWrapper:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+class GradScaler(torch.amp.GradScaler):
+    """torch's `GradScaler` (loss scaling for float16) that tells `manager` of each step whose update it
+    skips: where the gradients hold inf or NaN it does not call `optimizer.step()`, as torch's does, and
+    the step, which consumed its samples, counts as taken (`Manager.update_skipped`) before the loop's
+    condition reads `current_step()`. Other arguments are torch's.
+    """
+
+    def __init__(self, manager: Manager, device: str = "cuda", **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.manager = manager
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """torch's `step`; then, where it skipped the update, the manager told."""
+        result = super().step(optimizer, *args, **kwargs)
+        if self.manager.stepping():
+            self.manager.update_skipped()
+        return result

@@ -187,6 +187,9 @@ class Manager:
         self._phase = _IDLE
         self._begun = self._closed = self._reform_due = self._failed = False
         self._step_started = 0.0
+        self._computed = self._skipped = False
+        """Whether the step's model ran forward (`computed`); whether the step being counted had its update
+        skipped (`update_skipped`)."""
         self.resumed_from = "start"
         """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank) or `start`: where
         this worker's state last came from."""
@@ -245,6 +248,10 @@ class Manager:
             raise ApiOrderError("the manager was closed: no step after close()")
         if self._phase == _COMMITTING:
             raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
+        if self._phase == _STEP and (self._buckets if self.in_place else self._computed):
+            log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
+                        "it): counted now, as its update skipped", self._rank, self._step + 1)  # fmt: skip
+            self.update_skipped()
         if not self._begun:
             self._begin()
         elif self._live is not None and self._live.broken.is_set():
@@ -252,12 +259,35 @@ class Manager:
         with self._lock:
             self._buckets, self._ride = [], None
         self._phase = _STEP
+        self._computed = False
         self._step_started = time.monotonic()
+
+    def update_skipped(self) -> None:
+        """The step's gradients were computed, and its update skipped: a gradient scaler found inf or NaN
+        in them and did not call `optimizer.step()`, as it does in any loop (`GradScaler` tells). The step
+        still consumed its samples: it counts as taken, under the commit rule (where its collectives did
+        not complete, it is taken again after the re-form, as any). A step begun with its predecessor's
+        gradients computed but neither applied nor said skipped is counted so too, a line said."""
+        self.require_step("a skipped update")
+        if not self.should_commit():
+            return
+        self._skipped = True
+        self.commit()
 
     def require_step(self, what: str) -> None:
         """Raise ApiOrderError unless a step has begun (`start_step`), naming `what` came too early."""
         if self._phase != _STEP:
             raise ApiOrderError(f"{what} before the step began: call optimizer.zero_grad() (Manager.start_step) first")
+
+    def stepping(self) -> bool:
+        """Whether a step has begun whose update was neither applied nor refused yet."""
+        return self._phase == _STEP
+
+    def computed(self) -> None:
+        """The step's model ran forward (the elastic DistributedDataParallel tells): a step whose update
+        then never comes had it skipped (`update_skipped`)."""
+        self.require_step("the forward pass")
+        self._computed = True
 
     def reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook, in place: the bucket's average over the current group, started now;
@@ -398,7 +428,10 @@ class Manager:
                 record["generation"] = self._live.generation
             if samples is not None:
                 record["samples"] = samples
+            if self._skipped:
+                record["update_skipped"] = True
             self._emit(record, quiet=True)
+        self._skipped = False
         if self._notices_stop_here():
             return
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
