@@ -337,6 +337,44 @@ def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoin
     assert node_snapshot(os.environ) is None
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_a_nodes_snapshot_holds_the_committed_step_whatever_the_next_step_has_begun_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leaving worker's snapshot is the last committed step's state: BatchNorm's running statistics that
+    the next step's forward pass already moved are kept as they were at the commit (on a GPU from the
+    commit's host copy, which a hung device cannot hold up: recovery/hostcopy.py)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHSPOT_SNAPSHOT_DIR", str(tmp_path / "snapshots"))
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), norm)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = elastic.Manager(
+        state_dict=lambda: {"model": model.state_dict()}, load_state_dict=lambda s: model.load_state_dict(s["model"]),
+        checkpoint_uri="",
+    )  # fmt: skip
+    ddp = elastic.DistributedDataParallel(manager, model)
+    optimizer = elastic.OptimizerWrapper(manager, inner)
+    inputs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        optimizer.zero_grad()
+        ddp(inputs).pow(2).mean().backward()
+        optimizer.step()
+    committed = {key: value.clone() for key, value in model.state_dict().items()}
+    optimizer.zero_grad()
+    ddp(inputs * 5).pow(2).mean().backward()  # the next step: its forward moved the running statistics
+    assert norm.running_mean is not None
+    assert not torch.equal(norm.running_mean, committed["1.running_mean"])
+    manager._leaving.keep_snapshot()  # as a worker whose group broke in this step's all-reduce does
+    held = LocalSnapshot(default_path(dict(os.environ))).read()
+    assert held is not None
+    assert held[0].step == 3
+    kept = held[1]["user"]["model"]
+    assert all(torch.equal(kept[key], committed[key]) for key in committed), "the snapshot is not step 3's"
+    manager.close()
+
+
 def _check_skipped_update(out: Path) -> None:
     """scaler_loop.py's run: the skipped step counted and its update not applied, each sample once per epoch."""
     weights = torch.load(out)

@@ -72,10 +72,10 @@ class DistributedDataParallel(_TorchDDP):
             kwargs.setdefault("broadcast_buffers", False)  # the manager takes rank 0's after each step
             super().__init__(module, process_group=_one_rank_group(manager.device), **kwargs)
             self.register_comm_hook(manager, _reduce_hook)
-            manager.watch_buffers([b for b in module.buffers() if b.is_floating_point()])
         else:
             manager.ensure_group()
             super().__init__(module, **kwargs)
+        manager.watch_buffers(list(module.buffers()))
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.manager.computed()
@@ -101,6 +101,7 @@ class OptimizerWrapper:
     def step(self, closure: Callable[[], float] | None = None) -> bool:
         if not self.manager.should_commit():
             return False
+        self.manager.before_update()
         self.optimizer.step(closure)
         self.manager.commit()
         return True

@@ -36,9 +36,11 @@ LEAVE_SAVE_WAIT = 5.0
 _FORK_RESETS: list[bool] = []
 """Set once this process has its fork hook (`Leaving._watch`)."""
 
-Kept = tuple[int, int, Callable[[], dict[str, Any]]]
-"""What a snapshot keeps: the committed step, the step its state came from (its lineage: snapshot.py's
-`base`), and the state's builder."""
+Kept = tuple[int, Callable[[Callable[[dict[str, Any] | None], float | None]], float | None]]
+"""What a snapshot keeps: the step its state came from (its lineage: snapshot.py's `base`), and the
+host copy's `write_from` (recovery/hostcopy.py), which hands a writer the newest whole state kept at a
+step boundary (its "torchspot" part says its step; None where there is none) and holds that copy
+while it writes: on a GPU it is host memory, so a hung device cannot stop the write."""
 
 
 def _reset_in_child() -> None:
@@ -64,8 +66,8 @@ class Leaving:
     :param hold: after a notice's emergency checkpoint, seconds the staying ranks wait (NoticeStop).
     :param events_at: the Scheduled Events endpoint, or None.
     :param emit: the manager's record output.
-    :param kept: what a snapshot would keep now (`Kept`), or None while the state is not one committed
-        step (before the first resume, between an update and its commit, after the run).
+    :param kept: what a snapshot would keep now (`Kept`), or None while there is no state of the run to
+        keep (before the first resume, after the run).
     :param before_exit: a stuck worker's last call after its snapshot (its save in flight's moment).
     """
 
@@ -128,12 +130,19 @@ class Leaving:
             if kept is None:
                 return
             self._taken = True
-        step, base, state = kept
+        base, write_from = kept
 
-        def write() -> None:
-            took = snapshot.write({"step": step, **state()}, base)
+        def to_disk(state: dict[str, Any] | None) -> float | None:
+            if state is None:  # no whole copy yet, or an update under way on the CPU's live state
+                return None
+            step = int(state["torchspot"]["step"])
+            took = snapshot.write({"step": step, **state}, base)
             if took is not None:
                 log.info("torchspot: the node's snapshot of step %d written in %.2f s", step, took)
+            return took
+
+        def write() -> None:
+            write_from(to_disk)
 
         writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
         writer.start()

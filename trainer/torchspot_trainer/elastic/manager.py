@@ -83,6 +83,7 @@ from torchspot_trainer.elastic.settings import (
 )
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.recovery.group import Group, nccl_environment
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
     GroupChanged,
@@ -145,6 +146,9 @@ class Manager:
         leaving node to go; None: TORCHSPOT_NOTICE_HOLD, else 120.
     :param scheduled_events: Azure Scheduled Events: 'auto' (polled inside a Kubernetes pod), 'off' or an
         endpoint URL; None: TORCHSPOT_SCHEDULED_EVENTS, else 'auto'.
+    :param snapshot_every: on a GPU, steps between the host copies a node's snapshot is written from (a
+        copy on a side stream beside the next step; a snapshot then holds the last copy's step). On the
+        CPU the live state is written, and no copy made.
     """
 
     def __init__(
@@ -161,20 +165,25 @@ class Manager:
         events_file: str | Path | None = None,
         notice_hold: float | None = None,
         scheduled_events: str | None = None,
+        snapshot_every: int = 1,
     ) -> None:
         checkpoint_uri, checkpoint_every, keep_checkpoints = checkpoint_settings(
             checkpoint_uri, checkpoint_every, keep_checkpoints, os.environ
         )
-        if commit_seconds <= 0:
-            raise Refused(f"commit_seconds={commit_seconds}: must be more than 0")
+        if commit_seconds <= 0 or snapshot_every < 1:
+            raise Refused(
+                f"commit_seconds={commit_seconds}: must be more than 0"
+                if commit_seconds <= 0
+                else f"snapshot_every={snapshot_every}: must be at least 1"
+            )
         hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.in_place, why = choose_path(in_place, os.environ)
         if os.environ.get("RANK", "0") == "0":  # said once per job, whatever the script's logging
             print(f"torchspot: {why}", file=sys.stderr, flush=True)
         self.device = device or default_device()
-        self.checkpoint_every = checkpoint_every
-        self.commit_seconds = commit_seconds
+        self._host = HostCopy(self.device, every=snapshot_every)
+        self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
         self._events = Path(path) if path else None
         self._checkpoints: CheckpointManager | None = None
@@ -182,11 +191,10 @@ class Manager:
             config = CheckpointConfig(keep=keep_checkpoints)
             self._checkpoints = CheckpointManager(open_storage(checkpoint_uri), config, on_report=self._on_checkpoint)
         self.checkpoint_uri = checkpoint_uri
-        self._step = 0
+        self._step, self._step_started = 0, 0.0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self._phase = _IDLE
         self._begun = self._closed = self._reform_due = self._failed = False
-        self._step_started = 0.0
         self._computed = self._skipped = False
         """Whether the step's model ran forward (`computed`); whether the step being counted had its update
         skipped (`update_skipped`)."""
@@ -200,6 +208,7 @@ class Manager:
         self._positions: list[_Position] = []
         self._buffers: list[torch.Tensor] = []
         """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
+        self._boundary: list[torch.Tensor] = []  # every buffer (BatchNorm's counts too): `_capture` freezes them
         self._buckets: list[_Bucket] = []
         """The step's buckets posted so far (`reduce_bucket`)."""
         self._lock = threading.Lock()
@@ -416,6 +425,7 @@ class Manager:
             position.advance(self._world)
         self._step += 1
         self._phase = _IDLE
+        self._capture()
         if self._handover is not None and self._live is not None:
             self._handover.stepped(self._live.generation)
         if self._reporter is not None:
@@ -643,12 +653,25 @@ class Manager:
         leave(EXIT_FAILED)
 
     def _kept(self) -> Kept | None:
-        """What the node's snapshot would keep now (`Leaving`): the committed step, its lineage and the
-        state, once the first group's resume is done, and not between an update and its commit (the
-        state is then neither step) nor after `close()` (the final checkpoint holds it)."""
-        if not self._whole or self._closed or self._phase == _COMMITTING:
+        """What the node's snapshot would keep now (`Leaving`): its lineage and the host copy of the last
+        committed step (hostcopy.py: on the CPU the live state, but during an update), once the first
+        group's resume is done and not after `close()` (the final checkpoint holds it)."""
+        if not self._whole or self._closed:
             return None
-        return self._step, self._base, self._full_state
+        return self._base, self._host.write_from
+
+    def before_update(self) -> None:
+        """The optimizer is about to change the parameters (`OptimizerWrapper.step`): on a GPU the update
+        waits, on the device, for the host copy to have read them; on the CPU no snapshot is written from
+        the live state until the commit."""
+        self._host.before_update()
+
+    def _capture(self) -> None:
+        """At a commit: the state of the step just committed, to the host (on a GPU a copy on a side
+        stream, every `snapshot_every` steps; on the CPU its builder), with the model's buffers as they
+        are now: the next step's forward changes them before its update."""
+        if self._host.keeps(self._step):
+            self._host.capture(self._step, with_frozen(self._boundary, self._full_state))
 
     def _watch_commits(self) -> None:
         """End the worker when a step has not committed within `commit_seconds` (module docstring)."""
@@ -669,8 +692,10 @@ class Manager:
         self._positions.append(position)
 
     def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """The model's floating-point buffers, taken from rank 0 at each step (ddp.py)."""
-        self._buffers = buffers
+        """The model's buffers (ddp.py): kept as they are at each commit for the node's snapshot (`_capture`);
+        in place its floating-point ones are taken from rank 0 at each step (`_riders`)."""
+        self._boundary = buffers
+        self._buffers = [buffer for buffer in buffers if buffer.is_floating_point()]
 
     def _full_state(self) -> dict[str, Any]:
         return {

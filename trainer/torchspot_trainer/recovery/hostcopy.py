@@ -312,6 +312,26 @@ class HostCopy:
         return None if self._updating or self._live is None else self._live()
 
 
+def with_frozen(tensors: list[torch.Tensor], build: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """`build`, with each of `tensors` (a model's buffers) as it is now, at the step boundary, copied: any
+    tensor of the built state whose storage is one of theirs (a `state_dict()` entry is a view of the
+    buffer) is replaced by its copy, wherever the state holds it. For a state built by a caller's own
+    function (the recovery API's `state_dict`), whose layout is the caller's; `with_boundary_buffers`
+    for the trainer's, whose model is under "model"."""
+    frozen = {(t.data_ptr(), t.shape): t.detach().clone() for t in tensors if t.numel()}
+    if not frozen:
+        return build
+
+    def state() -> dict[str, Any]:
+        built = build()
+        live = _tensors(built)
+        swapped = [frozen.get((t.data_ptr(), t.shape), t) if t.numel() else t for t in live]
+        replaced: dict[str, Any] = _replace(built, swapped)
+        return replaced
+
+    return state
+
+
 def with_boundary_buffers(model: nn.Module, build: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
     """`build` (the trainer's state: the model's under "model"), with the model's buffers as they are
     now, at the step boundary, copied (see the module docstring): whenever the state is built
