@@ -104,10 +104,11 @@ class Report:
         (folder / "report.json").write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
-def read_pod_events(pods: Path, start: float) -> list[dict[str, Any]]:
-    """The trainer's JSON event lines from every pod's output, time-ordered, `t` relative to `start`."""
+def read_pod_events(pods: Path, start: float, *, job: str = "") -> list[dict[str, Any]]:
+    """The trainer's JSON event lines from every pod's output (with `job`, its workers' only: a sandbox
+    may run several jobs), time-ordered, `t` relative to `start`."""
     events = []
-    for log in sorted(pods.glob("*/log.txt")):
+    for log in sorted(pods.glob(f"*_{job}-worker-*/log.txt" if job else "*/log.txt")):
         for line in log.read_text(errors="replace").splitlines():
             if not line.startswith('{"t"'):
                 continue

@@ -72,6 +72,7 @@ from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
     EVENTS_FILE_ENV,
+    PROGRESS_SECONDS,
     REFORM_SECONDS,
     ApiOrderError,
     Refused,
@@ -225,6 +226,7 @@ class Manager:
         )
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
+        self._window = (time.monotonic(), 0)  # since rank 0's last progress record: (when, samples)
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
     # -- what the loop reads ------------------------------------------------------
@@ -421,6 +423,7 @@ class Manager:
         if self._phase != _COMMITTING:
             raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
         samples = self._positions[0].step_chunk(self._world) if self._positions and self._events else None
+        trained = self._positions[0].next_step_samples(self._world) if self._positions else 0
         for position in self._positions:
             position.advance(self._world)
         self._step += 1
@@ -442,6 +445,8 @@ class Manager:
                 record["update_skipped"] = True
             self._emit(record, quiet=True)
         self._skipped = False
+        if self._rank == 0:
+            self._progress(trained)
         if self._notices_stop_here():
             return
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
@@ -514,8 +519,7 @@ class Manager:
                 log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
             self._base, self._whole = self._step, True
             self._rank_duties()
-            self._emit({"event": "start", "step": self._step, "world_size": self._world, "pid": os.getpid(),
-                        "node": node_name(), "resumed_from": self.resumed_from}, any_rank=True)  # fmt: skip
+            self._started(generation=None)
             return
         assert self._live is not None
         self._handover = Handover.from_environment()
@@ -579,6 +583,33 @@ class Manager:
                     "world_size": self._world, "step": self._step, "pid": os.getpid(), "node": node_name(),
                     "resumed_from": self.resumed_from,
                     "seconds": round(time.monotonic() - started, 3)}, any_rank=True)  # fmt: skip
+        self._started(generation=live.generation)
+
+    def _started(self, *, generation: int | None) -> None:
+        """A group's start record (every rank's in the events file, rank 0's on stdout: the sandbox's
+        report counts the groups and the path each took from them); the progress window begins again."""
+        record: dict[str, Any] = {
+            "event": "start", "step": self._step, "world_size": self._world, "pid": os.getpid(), "node": node_name(),
+            "resumed_from": self.resumed_from,
+        }  # fmt: skip
+        if generation is not None:  # in place: no process restarted
+            record["generation"] = generation
+        if self._positions:
+            record["step_samples"] = self._positions[0].step_size(self._world)
+        self._emit(record)
+        self._window = (time.monotonic(), 0)
+
+    def _progress(self, samples: int) -> None:
+        """Rank 0's progress record, every PROGRESS_SECONDS: the step, the world size and the samples per
+        second since the last record (or the group's start)."""
+        began, counted = self._window
+        now, counted = time.monotonic(), counted + samples
+        if now - began < PROGRESS_SECONDS:
+            self._window = (began, counted)
+            return
+        self._window = (now, 0)
+        self._emit({"event": "progress", "step": self._step, "world_size": self._world,
+                    "samples_per_s": round(counted / (now - began), 2)})  # fmt: skip
 
     def _heal(self, fresh: bool) -> None:
         """Agree on the newest committed step; where a rank lacks it, the lowest rank holding it sends

@@ -24,6 +24,9 @@ REFORM_SECONDS = 30.0
 to form, before it leaves by the restart path."""
 COMMIT_SECONDS = 300.0
 """A step's default limit from its start to its commit (`Manager`'s `commit_seconds`)."""
+PROGRESS_SECONDS = 2.0
+"""Seconds between rank 0's progress records (step, world size, samples per second): often enough for the
+sandbox's report to draw throughput and goodput from them, one line on stdout however short the step."""
 CHECKPOINT_URI_ENV = f"{ENV_PREFIX}CHECKPOINT_URI"
 CHECKPOINT_EVERY_ENV = f"{ENV_PREFIX}CHECKPOINT_EVERY"
 KEEP_CHECKPOINTS_ENV = f"{ENV_PREFIX}KEEP_CHECKPOINTS"
