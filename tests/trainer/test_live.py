@@ -242,8 +242,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, StateArrival
-from torchspot_trainer.recovery.outcome import Outcome
+from torchspot_trainer.recovery.live import LiveGroup, StateArrival
+from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.wire import WireError
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
@@ -333,8 +333,9 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GroupChanged, LiveCollectives, LiveGroup
-from torchspot_trainer.recovery.outcome import Outcome
+from torchspot_trainer.recovery.collectives import LiveCollectives
+from torchspot_trainer.recovery.live import LiveGroup
+from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.resume import kept_ranks
 from live_worker import on_threads  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
@@ -414,7 +415,8 @@ from torch import nn
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.buckets import GradientBuckets
-from torchspot_trainer.recovery.live import LiveCollectives, LiveGroup
+from torchspot_trainer.recovery.collectives import LiveCollectives
+from torchspot_trainer.recovery.live import LiveGroup
 from live_worker import on_threads  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 lives = [LiveGroup(op_timeout=timedelta(seconds=5)) for _ in range(3)]
@@ -563,7 +565,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GroupChanged, LiveGroup, close_connections
+from torchspot_trainer.recovery.live import LiveGroup, close_connections
+from torchspot_trainer.recovery.outcome import GroupChanged
 from live_worker import SeparateGloo, on_threads
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 def assignment(generation, rank, world):

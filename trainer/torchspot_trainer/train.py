@@ -100,6 +100,7 @@ from torchspot_trainer.progress import (
     trained_samples,
 )
 from torchspot_trainer.recovery.buckets import GradientBuckets
+from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import (
     Group,
     StepWatchdog,
@@ -114,8 +115,6 @@ from torchspot_trainer.recovery.group import (
 from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
-    GroupChanged,
-    LiveCollectives,
     LiveGroup,
     StateArrival,
     wait_for_assignment,
@@ -128,7 +127,7 @@ from torchspot_trainer.recovery.notices import (
     leave,
     waits_for_save,
 )
-from torchspot_trainer.recovery.outcome import Outcome
+from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import (
     HealRow,

@@ -83,12 +83,11 @@ from torchspot_trainer.elastic.settings import (
     notice_settings,
 )
 from torchspot_trainer.handover import Handover
+from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import Group, nccl_environment
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
 from torchspot_trainer.recovery.live import (
     OP_TIMEOUT,
-    GroupChanged,
-    LiveCollectives,
     LiveGroup,
     newest,
     wait_for_assignment,
@@ -100,7 +99,7 @@ from torchspot_trainer.recovery.notices import (
     leave,
     saves_emergency,
 )
-from torchspot_trainer.recovery.outcome import Outcome
+from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import choose_source
