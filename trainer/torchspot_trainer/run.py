@@ -1,42 +1,53 @@
-"""What a training run is built from before its first step: the device and its refusals, and the model.
+"""What a training run is built from before its first step: the device and its refusals, the model, the
+data sets and loaders, the optimizer and sampler (`build_run`).
 
-`Run` is what the trainer holds between steps; the functions are pure, but `node_device` and
-`exit_node_fault`, which end a worker whose node cannot run it (`NodeFault`).
+`Run` is what the trainer holds between steps. The device choice and the refusals are pure;
+`node_device` and `exit_node_fault` end a worker whose node cannot run it (`NodeFault`), and
+`load_datasets` fetches the data where it is remote.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from torchspot_trainer import NODE_FAULT_EXIT
-from torchspot_trainer.config import CHANNELS, TrainConfig
-from torchspot_trainer.data.datasets import Normalize
-from torchspot_trainer.data.loader import EpochLoader
+from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
+from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
+from torchspot_trainer.data.datasets import Normalize, load_cifar10, load_digits, load_imagenet
+from torchspot_trainer.data.loader import EVAL_LOADER_WORKERS, DeviceDecoder, EpochLoader
 from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.elastic.settings import node_name
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import MODELS
-from torchspot_trainer.optim import BatchRule
+from torchspot_trainer.optim import BatchRule, build_optimizer
 from torchspot_trainer.recovery.buckets import GradientBuckets
+from torchspot_trainer.recovery.planes import HostPlane
+from torchspot_trainer.recovery.signals import reset_sigterm
 
 __all__ = [
     "NodeFault",
     "Run",
     "build_model",
+    "build_run",
     "choose_device",
     "decode_refusal",
     "exit_node_fault",
     "in_place_refusal",
+    "load_datasets",
+    "make_loader",
     "node_device",
     "probe_device",
+    "reopen_storage",
     "sync_bn_refusal",
 ]
 
@@ -187,3 +198,86 @@ class Run:
     """(step, top-1 accuracy) of the last completed evaluation."""
     buckets: GradientBuckets | None = None
     """In place on the host plane: the gradients' buckets, reduced beside the backward pass."""
+
+
+def build_run(
+    config: TrainConfig,
+    model: nn.Module,
+    sets: tuple[Dataset[Any], Dataset[Any]],
+    *,
+    world: int,
+    device: torch.device,
+    local_rank: int,
+    loader_workers: int,
+    decoder: DeviceDecoder | None,
+    in_place: HostPlane | None,
+) -> Run:
+    """The run around `model` on the data `sets` (train, test): torch's DDP on the restart path, the model
+    itself in place (its gradients averaged over each generation, in buckets beside the backward pass
+    on the host plane), the optimizer, the exact-once sampler and the loaders. `in_place`: the
+    generations' data plane, or None on the restart path."""
+    train_set, test_set = sets
+    rule = config.batch_rule()
+    cuda = device.type == "cuda"
+    return Run(
+        model=model,
+        ddp=model
+        if in_place is not None
+        else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None),
+        optimizer=build_optimizer(
+            model, config.optimizer, lr=rule.peak_lr(world), weight_decay=config.recipe().weight_decay, device=device
+        ),
+        sampler=ElasticSampler(
+            len(train_set),  # type: ignore[arg-type]
+            rule.batch_size,
+            seed=config.seed,
+            global_batch=rule.global_batch_size,
+            micro_batch=config.micro_batch(rule.global_batch_size),
+        ),
+        rule=rule,
+        train_set=train_set,
+        test_set=test_set,
+        train_loader=make_loader(train_set, decoder, loader_workers, device),
+        test_loader=make_loader(test_set, decoder, min(loader_workers, EVAL_LOADER_WORKERS), device),
+        normalize=train_set.normalize,  # type: ignore[attr-defined]
+        total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
+        buckets=GradientBuckets([p for p in model.parameters() if p.requires_grad])
+        if in_place is not None and not in_place.separate
+        else None,
+    )
+
+
+def load_datasets(config: TrainConfig) -> tuple[Dataset[Any], Dataset[Any], int]:
+    """The training and test sets of `--dataset` (fetched and staged first where they are remote), and
+    the number of classes."""
+    if config.dataset == "digits":
+        train, test = load_digits(seed=0)
+        return train, test, 10
+    path = ensure_local_data(config)
+    if config.dataset == "cifar10":
+        train, test = load_cifar10(path)
+        return train, test, 10
+    train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=index_cache(config))
+    return train_folder, val_folder, len(train_folder.classes)
+
+
+def make_loader(
+    dataset: Dataset[Any], decoder: DeviceDecoder | None, workers: int, device: torch.device
+) -> EpochLoader:
+    """`dataset`'s loader for the run: `workers` processes that persist from epoch to epoch, each leaving
+    SIGTERM to the training process."""
+    cuda = device.type == "cuda"
+    return EpochLoader(
+        dataset, workers=workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
+        decoder=decoder, ahead=device if cuda and decoder is None else None,
+    )  # fmt: skip
+
+
+def reopen_storage(uri: str) -> Callable[[], CheckpointStorage]:
+    """How a saver process opens the checkpoint storage (picklable)."""
+    return partial(open_storage, uri, retries=1, timeout=5.0)
+
+
+def _reset_sigterm_in_loader(_worker: int) -> None:
+    """A DataLoader worker leaves SIGTERM to the training process (signals.reset_sigterm)."""
+    reset_sigterm()

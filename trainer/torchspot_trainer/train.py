@@ -62,8 +62,6 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset
 
 from torchspot_trainer.checkpoint.manager import (
     SAVER_PROCESS,
@@ -72,13 +70,10 @@ from torchspot_trainer.checkpoint.manager import (
     SaveReport,
     step_dir,
 )
-from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
-from torchspot_trainer.config import TrainConfig, ensure_local_data, index_cache
-from torchspot_trainer.data.datasets import SampleRandom, load_cifar10, load_digits, load_imagenet
+from torchspot_trainer.config import TrainConfig
+from torchspot_trainer.data.datasets import SampleRandom
 from torchspot_trainer.data.loader import (
-    EVAL_LOADER_WORKERS,
     DeviceDecoder,
-    EpochLoader,
     gpu_decoder,
     loader_workers,
     usable_cpus,
@@ -88,7 +83,7 @@ from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
-from torchspot_trainer.optim import build_optimizer, learning_rate
+from torchspot_trainer.optim import learning_rate
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.progress import (
     Progress,
@@ -99,7 +94,6 @@ from torchspot_trainer.progress import (
     stopwatch,
     trained_samples,
 )
-from torchspot_trainer.recovery.buckets import GradientBuckets
 from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import (
     Group,
@@ -143,7 +137,6 @@ from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
     EvictionNotice,
     ScheduledEventsWatcher,
-    reset_sigterm,
     watch_sigterm,
 )
 from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, default_path
@@ -152,9 +145,12 @@ from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.run import (
     Run,
     build_model,
+    build_run,
     decode_refusal,
     in_place_refusal,
+    load_datasets,
     node_device,
+    reopen_storage,
     sync_bn_refusal,
 )
 from torchspot_trainer.step import model_inputs, train_step, warm_up
@@ -166,11 +162,6 @@ LEAVE_SAVE_WAIT = 5.0
 """Seconds a rank 0 that leaves its group gives its checkpoint save in flight before it exits,
 where that save matters (notices.waits_for_save: its node leaves, or it kept no snapshot as new).
 The save usually needs a few seconds more; the other agents re-form meanwhile."""
-
-
-def _reset_sigterm_in_loader(_worker: int) -> None:
-    """A DataLoader worker leaves SIGTERM to the training process (eviction.reset_sigterm)."""
-    reset_sigterm()
 
 
 @dataclass
@@ -587,42 +578,16 @@ class Trainer:
         if self._in_place is None:  # in place, the group is formed once data and model are ready
             self._form_default_group()
             lap("group")
-        train_set, test_set, classes = self._datasets()
+        train_set, test_set, classes = load_datasets(config)
         if isinstance(train_set, SampleRandom):  # before the loader forks its workers, which keep it
             train_set.set_epoch(0, config.seed)
         lap("data")
         model = self.precision.prepare(build_model(config, classes, self.device))
-        rule = config.batch_rule()
-        run = Run(
-            model=model,
-            ddp=model
-            if self._in_place is not None
-            else DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None),
-            optimizer=build_optimizer(
-                model,
-                config.optimizer,
-                lr=rule.peak_lr(self.world),
-                weight_decay=config.recipe().weight_decay,
-                device=self.device,
-            ),
-            sampler=ElasticSampler(
-                len(train_set),  # type: ignore[arg-type]
-                rule.batch_size,
-                seed=config.seed,
-                global_batch=rule.global_batch_size,
-                micro_batch=config.micro_batch(rule.global_batch_size),
-            ),
-            rule=rule,
-            train_set=train_set,
-            test_set=test_set,
-            train_loader=self._loader(train_set, decoder, self.loader_workers),
-            test_loader=self._loader(test_set, decoder, min(self.loader_workers, EVAL_LOADER_WORKERS)),
-            normalize=train_set.normalize,  # type: ignore[attr-defined]
-            total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
-            buckets=GradientBuckets([p for p in model.parameters() if p.requires_grad])
-            if self._in_place is not None and not self._in_place.live.plane.separate
-            else None,
-        )
+        in_place = None if self._in_place is None else self._in_place.live.plane
+        run = build_run(
+            config, model, (train_set, test_set), world=self.world, device=self.device, local_rank=self.local_rank,
+            loader_workers=self.loader_workers, decoder=decoder, in_place=in_place,
+        )  # fmt: skip
         lap("model")
         if self._in_place is not None:
             self._warm_up(run, decoder)
@@ -676,7 +641,7 @@ class Trainer:
         """The checkpoint manager: rank 0's saves in a child process with --checkpoint-saver process (a
         later rank 0 in place starts its own: `_ranks_changed`)."""
         config = self.config
-        reopen = self._reopen_storage(uri)
+        reopen = reopen_storage(uri)
         saves_in_child = self.rank == 0 and config.checkpoint_saver == SAVER_PROCESS
         return CheckpointManager(
             reopen(),
@@ -684,31 +649,6 @@ class Trainer:
             on_report=self._on_checkpoint,
             reopen=reopen if saves_in_child else None,
         )
-
-    @staticmethod
-    def _reopen_storage(uri: str) -> Callable[[], CheckpointStorage]:
-        """How a saver process opens the checkpoint storage (picklable)."""
-        return partial(open_storage, uri, retries=1, timeout=5.0)
-
-    def _datasets(self) -> tuple[Dataset[Any], Dataset[Any], int]:
-        config = self.config
-        if config.dataset == "digits":
-            train, test = load_digits(seed=0)
-            return train, test, 10
-        path = ensure_local_data(config)
-        if config.dataset == "cifar10":
-            train, test = load_cifar10(path)
-            return train, test, 10
-        train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=index_cache(config))
-        return train_folder, val_folder, len(train_folder.classes)
-
-    def _loader(self, dataset: Dataset[Any], decoder: DeviceDecoder | None, workers: int) -> EpochLoader:
-        """`dataset`'s loader for the run: `workers` processes that persist from epoch to epoch."""
-        cuda = self.device.type == "cuda"
-        return EpochLoader(
-            dataset, workers=workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
-            decoder=decoder, ahead=self.device if cuda and decoder is None else None,
-        )  # fmt: skip
 
     # -- in place (--in-place) -------------------------------------------------------
 
@@ -982,7 +922,7 @@ class Trainer:
         config = self.config
         if self.manager is not None and config.checkpoint_saver == SAVER_PROCESS:
             if self.rank == 0:
-                self.manager.save_in_child(self._reopen_storage(config.checkpoint_uri))
+                self.manager.save_in_child(reopen_storage(config.checkpoint_uri))
             else:
                 self.manager.save_on_thread()
         if self.rank == 0 and self._reporter is None:
