@@ -61,6 +61,8 @@ time.sleep(3600)
 
 
 def _wait(condition: Any, timeout: float) -> bool:
+    """Whether `condition()` came true within `timeout` seconds. Not torchspot_lab's `wait_for`: this bench
+    runs in a scratch venv with torch 2.14, where the project (pinned to torch 2.13) is not installed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():

@@ -163,6 +163,7 @@ def test_models_have_the_expected_shapes() -> None:
         (["--data", "x", "--warmup", "1.5"], "--warmup 1.5"),
         (["--data", "x", "--keep-checkpoints", "0"], "--keep-checkpoints 0"),
         (["--data", "x", "--scheduled-events", "sometimes"], "--scheduled-events 'sometimes'"),
+        (["--data", "x", "--scheduled-events", "httpd"], "--scheduled-events 'httpd'"),  # a URL's scheme is whole
         (["--data", "", "--dataset", "cifar10"], "--data is required"),
         (["--data", "x", "--dataset", "mnist"], "--dataset 'mnist'"),
         (["--data", "x", "--checkpoint-saver", "fork"], "--checkpoint-saver 'fork'"),

@@ -24,7 +24,7 @@ from torchspot_trainer.data.loader import DECODERS
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 from torchspot_trainer.precision import PRECISIONS
-from torchspot_trainer.recovery.signals import NOTICE_HOLD, STUCK_EXIT_AFTER, events_url
+from torchspot_trainer.recovery.signals import NOTICE_HOLD, STUCK_EXIT_AFTER, events_setting_valid, events_url
 
 DATASETS = ("cifar10", "imagenet", "digits")
 CHANNELS = {"cifar10": 3, "imagenet": 3, "digits": 1}
@@ -237,7 +237,7 @@ class TrainConfig:
                 f"--device {self.device!r}: choose auto, cpu or cuda",
             ),
             (
-                self.scheduled_events in ("auto", "off") or self.scheduled_events.startswith("http"),
+                events_setting_valid(self.scheduled_events),
                 f"--scheduled-events {self.scheduled_events!r}: use auto, off, or an http(s) URL",
             ),
             (

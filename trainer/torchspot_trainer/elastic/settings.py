@@ -17,7 +17,7 @@ import torch
 
 from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.markers import PEER_LOST_ENV
-from torchspot_trainer.recovery.signals import NOTICE_HOLD, events_url
+from torchspot_trainer.recovery.signals import NOTICE_HOLD, events_setting_valid, events_url
 
 REFORM_SECONDS = 30.0
 """How long a worker that re-forms in place waits for its agent's next round, and for that round's group
@@ -77,7 +77,7 @@ def notice_settings(
     if hold < 0:
         raise Refused(f"notice_hold={hold}: must be 0 or more")
     setting = (environ.get(SCHEDULED_EVENTS_ENV) or "auto") if scheduled_events is None else scheduled_events
-    if setting not in ("auto", "off") and not setting.startswith(("http://", "https://")):
+    if not events_setting_valid(setting):
         raise Refused(f"scheduled_events={setting!r}: use 'auto', 'off' or an http(s) URL")
     return hold, events_url(setting, environ)
 

@@ -220,6 +220,11 @@ def reset_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def events_setting_valid(setting: str) -> bool:
+    """Whether a Scheduled Events setting is one `events_url` takes: 'auto', 'off' or an http(s) URL. Pure."""
+    return setting in ("auto", "off") or setting.startswith(("http://", "https://"))
+
+
 def events_url(setting: str, environ: Mapping[str, str]) -> str | None:
     """The Scheduled Events endpoint to poll for `setting` ('auto', 'off' or a URL), or None. Pure.
 
