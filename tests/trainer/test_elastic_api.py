@@ -375,6 +375,36 @@ def test_a_nodes_snapshot_holds_the_committed_step_whatever_the_next_step_has_be
     manager.close()
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_a_worker_that_resumed_and_broke_in_its_first_step_leaves_the_state_it_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's snapshot holds the state a group starts from before its first commit: a worker that
+    resumed from step 5's checkpoint and is lost in step 6 leaves step 5, not nothing."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHSPOT_SNAPSHOT_DIR", str(tmp_path / "snapshots"))
+    ckpt = tmp_path / "ckpt"
+    saved = {
+        "user": {"weight": torch.full((2, 4), 5.0), "bias": torch.zeros(2)},
+        "torchspot": {"step": 5, "positions": []},
+    }
+    CheckpointManager(open_storage(str(ckpt))).save_sync(5, saved, {"world_size": 1})
+    model = torch.nn.Linear(4, 2)
+    manager = elastic.Manager(state_dict=model.state_dict, load_state_dict=model.load_state_dict,
+                              checkpoint_uri=str(ckpt))  # fmt: skip
+    ddp = elastic.DistributedDataParallel(manager, model)
+    optimizer = elastic.OptimizerWrapper(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer.zero_grad()
+    assert manager.current_step() == 5
+    ddp(torch.randn(3, 4)).sum().backward()  # step 6 under way: the worker is lost here
+    manager._leaving.keep_snapshot()
+    held = LocalSnapshot(default_path(dict(os.environ))).read()
+    assert held is not None
+    assert held[0].step == 5
+    assert float(held[1]["user"]["weight"][0, 0]) == 5.0
+    manager.close()
+
+
 def _check_skipped_update(out: Path) -> None:
     """scaler_loop.py's run: the skipped step counted and its update not applied, each sample once per epoch."""
     weights = torch.load(out)

@@ -586,7 +586,8 @@ class Manager:
 
     def _started(self, *, generation: int | None) -> None:
         """A group's start record (every rank's in the events file, rank 0's on stdout: the sandbox's
-        report counts the groups and the path each took from them); the progress window begins again."""
+        report counts the groups and the path each took from them); the progress window begins again, and
+        the host copy holds the state the group starts from."""
         record: dict[str, Any] = {
             "event": "start", "step": self._step, "world_size": self._world, "pid": os.getpid(), "node": node_name(),
             "resumed_from": self.resumed_from,
@@ -597,6 +598,7 @@ class Manager:
             record["step_samples"] = self._positions[0].step_size(self._world)
         self._emit(record)
         self._window = (time.monotonic(), 0)
+        self._capture()  # the state the group goes on from: a node's snapshot before its first commit
 
     def _progress(self, samples: int) -> None:
         """Rank 0's progress record, every PROGRESS_SECONDS: the step, the world size and the samples per
