@@ -51,7 +51,7 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, nodes
+from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, nodes, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.caches import Caches, Entry, compact, owner
 from torchspot_operator.conditions import CreateFailure
@@ -467,7 +467,7 @@ class Controller:
         if not finished:
             where = (builders.rdzv_endpoint(job, spec), str(old.get("runId", job.run_id)))
             tls = None if spec.rdzv_endpoint else self._etcd_client_tls()
-            if any((p.get("status") or {}).get("phase") == "Succeeded" for p in pods):  # the run's last word
+            if any(verdicts.run_completed(p) for p in pods):  # the run's last word
                 milestones = await self.milestones.fresh(*where, tls, job=memory.uid)
             else:
                 milestones = self.milestones.latest(*where, tls, job=memory.uid, max_age=spec.stall_timeout_seconds / 4)

@@ -185,7 +185,7 @@ class _Judge:
     def pod(self, pod: Mapping[str, Any]) -> None:
         phase = pod.get("status", {}).get("phase", "Pending")
         deleting = bool(pod.get("metadata", {}).get("deletionTimestamp"))
-        if phase == "Succeeded" and not self.finished and (deleting or verdicts.disruption_target(pod)):
+        if phase == "Succeeded" and not self.finished and not verdicts.run_completed(pod):
             # A wrapper that exits 0 on SIGTERM in a drain: the cluster stopped it, the run is not over.
             self.gone(pod, "exited 0 while being stopped by the cluster")
         elif phase == "Succeeded":

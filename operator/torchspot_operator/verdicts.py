@@ -129,6 +129,14 @@ def disruption_target(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return found if found is not None and found.get("status") == "True" else None
 
 
+def run_completed(pod: Mapping[str, Any]) -> bool:
+    """Whether a worker pod says its run completed: it exited 0 (Succeeded), and not while the cluster
+    stopped it (being deleted, or a DisruptionTarget: a wrapper that exits 0 on SIGTERM in a drain)."""
+    if pod.get("status", {}).get("phase") != "Succeeded":
+        return False
+    return not (pod.get("metadata", {}).get("deletionTimestamp") or disruption_target(pod))
+
+
 def classify(pod: Mapping[str, Any], trouble: str | None = None) -> Verdict:
     """Why a Failed worker pod ended: an eviction if the cluster says so (a DisruptionTarget, a node
     reason, a node fault at admission, or its node gone: `trouble`) or its worker found its node

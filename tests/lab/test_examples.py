@@ -182,10 +182,10 @@ def _drive(run: _Run, name: str) -> int:
     return leaving.process.wait(30)
 
 
-def _report(sandbox: Sandbox, name: str, status: dict[str, Any]) -> Report:
+def _report(run: _Run, name: str, status: dict[str, Any]) -> Report:
     """The sandbox's report of one job, from its workers' output (rank 0's records on stdout)."""
-    start = min(e["t"] for e in read_events(sandbox.workdir.parent / f"{name}.jsonl"))
-    events = read_pod_events(sandbox.workdir / "pods", start, job=_job_name(name))
+    start = min(e["t"] for e in run.records(name))
+    events = read_pod_events(run.sandbox.workdir / "pods", start, job=_job_name(name))
     return build_report(job=_job_name(name), submitted=start, status=status, timeline=[], api_events=[],
                         trainer_events=events, checkpoints=[], agent_errors=[])  # fmt: skip
 
@@ -195,8 +195,8 @@ def _succeeded(sandbox: Sandbox, name: str) -> bool:
 
 
 def _check(name: str, run: _Run, left: int) -> None:
-    """No survivor restarted, the notice's emergency checkpoint written by the leaving node, every sample
-    once per epoch, the operator told of the last checkpoint, the fixed run's model."""
+    """From the job's records: no survivor restarted, the notice's emergency checkpoint written by the
+    leaving node and the leaving joiner's exit (`left`), every sample once per epoch, the loss lines."""
     events = run.records(name)
     pids: dict[str, set[int]] = defaultdict(set)
     for event in events:
@@ -254,7 +254,7 @@ def test_the_examples_jobs_re_form_in_place_through_the_sandboxs_evictions_freez
         with ThreadPoolExecutor(2) as pool:  # each job at its own pace
             left = dict(zip(EXAMPLES, pool.map(partial(_drive, run), EXAMPLES), strict=True))
         statuses = {name: sandbox.status(_job_name(name)) for name in jobs}
-        reports = {name: _report(sandbox, name, statuses[name]) for name in jobs}
+        reports = {name: _report(run, name, statuses[name]) for name in jobs}
         models = {name: _final_model(job["spec"]["checkpoint"]["uri"], sandbox.azurite.env())
                   for name, job in jobs.items()}  # fmt: skip
         assert sandbox.agent.errors == []

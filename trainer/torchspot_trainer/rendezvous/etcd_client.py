@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 from pyetcd import exceptions as etcd_exceptions
-from pyetcd import transactions
+from pyetcd import transactions, utils
 from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
 from pyetcd.events import PutEvent
 
@@ -262,7 +262,7 @@ class EtcdClient:
             if not keep:
                 self._client.delete_prefix(prefix)
                 return
-            end, kept_end = _range_end(prefix), _range_end(keep)
+            end, kept_end = utils.prefix_range_end(prefix.encode()), utils.prefix_range_end(keep.encode())
             self._client.transaction(
                 compare=[],
                 success=[transactions.Delete(prefix, range_end=keep), transactions.Delete(kept_end, range_end=end)],
@@ -286,15 +286,3 @@ class EtcdClient:
         except _ERRORS as exc:
             raise _translate(exc, self.endpoint) from exc
         return ttl > 0
-
-
-def _range_end(prefix: str) -> bytes:
-    """The first key past every key that starts with `prefix` (etcd's range end for a prefix: its last
-    byte below 0xff, counted up, and what follows it dropped)."""
-    key = bytearray(prefix.encode())
-    while key and key[-1] == 0xFF:
-        key.pop()
-    if not key:
-        return b"\0"  # every key: etcd's range end for the whole key space
-    key[-1] += 1
-    return bytes(key)
