@@ -184,7 +184,7 @@ class Run:
 
     model: nn.Module
     ddp: nn.Module
-    """The model under DDP, or the model itself in place (its gradients averaged by `Trainer._begin_update`)."""
+    """The model under DDP, or the model itself in place (its gradients averaged by `InPlace.before_update`)."""
     optimizer: torch.optim.Optimizer
     sampler: ElasticSampler
     rule: BatchRule

@@ -34,7 +34,7 @@ With `--in-place` a membership change restarts nothing (handover.py, recovery/li
 hands its live workers the next round; every collective of the loop (the gradient average in place
 of DDP's, the boundary agreements, progress sums) runs over the current generation and raises
 GroupChanged when a newer round breaks it or a peer's socket closes; the loop then enters the next
-round, every rank goes on from the newest state any of them holds (`_heal`), and the epoch is
+round, every rank goes on from the newest state any of them holds (in_place.py), and the epoch is
 planned again for the new world from the sampler, which never counted the interrupted step. A
 round that only adds ranks is entered once its joiners have set up (`LiveGroup.offer`). A notice
 works as above, the survivors re-forming in place once the leaving node is gone. On GPUs the
@@ -55,8 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
@@ -79,9 +78,10 @@ from torchspot_trainer.data.loader import (
     usable_cpus,
 )
 from torchspot_trainer.data.sampler import ElasticSampler
-from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
+from torchspot_trainer.elastic.settings import node_name
 from torchspot_trainer.evaluate import evaluate
-from torchspot_trainer.handover import Handover
+from torchspot_trainer.handover import Assignment
+from torchspot_trainer.in_place import InPlace
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
 from torchspot_trainer.optim import learning_rate
 from torchspot_trainer.precision import Precision
@@ -94,7 +94,6 @@ from torchspot_trainer.progress import (
     stopwatch,
     trained_samples,
 )
-from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import (
     Group,
     StepWatchdog,
@@ -106,13 +105,7 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
     peer_failure,
 )
-from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_boundary_buffers
-from torchspot_trainer.recovery.live import (
-    OP_TIMEOUT,
-    LiveGroup,
-    StateArrival,
-    wait_for_assignment,
-)
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -121,17 +114,9 @@ from torchspot_trainer.recovery.notices import (
     leave,
     waits_for_save,
 )
-from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
-from torchspot_trainer.recovery.planes import generation_environment, plane_for
+from torchspot_trainer.recovery.outcome import GroupChanged
 from torchspot_trainer.recovery.resume import (
-    HealRow,
-    evaluation_source,
     find_state,
-    go_ahead_refuted,
-    heal_source,
-    kept_ranks,
-    record_writer,
-    trainers_of_next_step,
 )
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import (
@@ -139,8 +124,7 @@ from torchspot_trainer.recovery.signals import (
     ScheduledEventsWatcher,
     watch_sigterm,
 )
-from torchspot_trainer.recovery.snapshot import Held, LocalSnapshot, default_path
-from torchspot_trainer.recovery.wire import broadcast_state
+from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.run import (
     Run,
@@ -164,46 +148,6 @@ where that save matters (notices.waits_for_save: its node leaves, or it kept no 
 The save usually needs a few seconds more; the other agents re-form meanwhile."""
 
 
-@dataclass
-class _InPlace:
-    """A worker that re-forms in place (--in-place): its side of the hand-over and its generations, and
-    what its last heal left for the next step (`Trainer._heal`)."""
-
-    handover: Handover
-    live: LiveGroup
-    holds_state: bool = False
-    """The model and step are a state of the run (not a joiner's before its heal's state arrived), so a
-    re-form may go on from them (`Trainer._reform`)."""
-    trainers: list[int] | None = None
-    """After a heal whose receivers sit out the next step: the ranks that train it (`Trainer._heal_beside_step`),
-    on every rank until that step's all-reduce. The step's samples are dealt over them only
-    (`Trainer._train_epoch`), and its BatchNorm buffers come from the first (`Trainer._average`)."""
-    arriving: tuple[StateArrival, int] | None = None
-    """A heal's receiver: the state on its way, and the step it is of (`Trainer._sit_out`)."""
-    sending: Future[None] | None = None
-    """A heal's source: its state being packed and sent beside its next step (`Trainer._heal_beside_step`),
-    until that step's all-reduce (`Trainer._average`)."""
-    confirming: Callable[[], list[list[int]]] | None = None
-    """A heal handed over before its agreement came (`Trainer._heal`, at a switch to a deferred round):
-    the agreement's rows to come, until the step's all-reduce."""
-    progress: tuple[int, torch.Tensor] | None = None
-    """A step due a progress record, and the record's sums over the group, summed with the step's
-    gradients (`Trainer._average`) for `Trainer._log_progress`."""
-    summed: dict[str, Any] | None = None
-    """The last whole progress record this rank summed, as rank 0 writes it (every rank has the sums):
-    a survivor writes it again where rank 0 is lost before it did (`Trainer._write_again`)."""
-    written: int = -1
-    """The step of the last whole progress record this process wrote (as rank 0, or again)."""
-    boundary: BoundaryBuffers = field(default_factory=BoundaryBuffers)
-    """The model's buffers before the step in flight, put back if it breaks before its update."""
-
-    def sends_posted(self) -> None:
-        """Wait for a heal's sends to be posted, if any (before the generation's next collective)."""
-        sending, self.sending = self.sending, None
-        if sending is not None:
-            sending.result()
-
-
 class Trainer:
     """Trains `config.model` on `config.dataset` under torchrun; see the module docstring."""
 
@@ -225,17 +169,16 @@ class Trainer:
         refusal = in_place_refusal(config.in_place, os.environ, sync_bn=config.sync_bn)
         if refusal:
             raise SystemExit(refusal)
-        self._in_place: _InPlace | None = None
-        if config.in_place:  # said at once: a round handed over during the set-up is acknowledged
-            if self.backend == "nccl":  # before the first generation's communicator reads it
-                os.environ.update(nccl_environment(os.environ))
-                os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
-            live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
-            self._in_place = _InPlace(Handover.from_environment(), live)
-            self._in_place.handover.register(stamps_steps=True)
-            self._in_place.handover.watch(self._in_place.live)
-            self.stop.done_with_group = self._in_place.handover.agreed
         self.precision = Precision(config.precision, self.device)
+        self._in_place: InPlace | None = None
+        if config.in_place:  # made at once: a round handed over during the set-up is acknowledged
+            self._in_place = InPlace(
+                self.device, nccl=self.backend == "nccl", rank=self.rank, world=self.world,
+                collective_timeout=config.collective_timeout, scaled=self.precision.scaler is not None,
+                state=self._state, load=self._load, trains_next=self._trains_next, emit=self._emit,
+                leave=self._leave_broken_group, entered=self._entered,
+            )  # fmt: skip
+            self.stop.done_with_group = self._in_place.handover.agreed
         self.loader_workers = loader_workers(
             config.workers, cuda=self.device.type == "cuda", cpus=usable_cpus(),
             local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -274,9 +217,7 @@ class Trainer:
     @property
     def group(self) -> Group:
         if self._in_place is not None:
-            return LiveCollectives(
-                self.rank, self.world, self.device, live=self._in_place.live, op_seconds=self.config.collective_timeout
-            )
+            return self._in_place.collectives()
         return Group(self.rank, self.world, self.device, self._control)
 
     # -- the loop -------------------------------------------------------------------
@@ -304,23 +245,24 @@ class Trainer:
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
-        if self._arrival() is None:  # (a receiver's start record comes with its state: `_sit_out`)
+        if self._in_place is None or self._in_place.arriving is None:  # (a receiver's comes with its state)
             self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
+        place = self._in_place
         while True:
             try:
                 if not self._train_on(run):
                     break
                 continue
             except (GroupChanged, GroupBroken) as exc:
-                if self._in_place is None:  # the restart path: train() leaves, the agents re-form
+                if place is None:  # the restart path: train() leaves, the agents re-form
                     raise
                 failed = isinstance(exc, GroupChanged) and exc.failed
             # Out of the handler: its traceback holds the broken step's frames, and they the group
             # being left (its buckets' collectives). Held through the re-form, that group outlived its
             # grave, and its sockets stayed open while its loop spun (live.py's module docstring).
-            self._reform(run, failed=failed)
+            self._reform(run, place, failed=failed)
         self._watchdog.armed = False  # the final save is not a step
         if self.manager is not None:
             if self.rank == 0:
@@ -345,12 +287,9 @@ class Trainer:
         (evaluated). In place, a membership change raises out of here and the loop comes back after the
         re-form: the epoch is planned again for the new world from the sampler, which counts only
         completed steps, so the interrupted step's samples are dealt again (exact-once)."""
-        arrival = self._arrival()
         carried = None
-        if arrival is not None:
-            assert self._in_place is not None
-            self._in_place.arriving = None
-            carried = self._sit_out(run, *arrival)
+        if self._in_place is not None and self._in_place.arriving is not None:
+            carried = self._sit_out(run, self._in_place)
         if self._evaluation_due(run):
             self._evaluate(run, epoch=run.sampler.epoch - 1)
         if self._training_over(run):
@@ -373,15 +312,12 @@ class Trainer:
             "nccl": {key: os.environ.get(key) for key in (NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV)},
         }  # fmt: skip
         if self._in_place is not None:
-            record["generation"] = self._in_place.live.generation
-            self._emit({"event": "generation", "generation": self._in_place.live.generation, "rank": self.rank,
+            record["generation"] = self._in_place.generation
+            self._emit({"event": "generation", "generation": self._in_place.generation, "rank": self.rank,
                         "world_size": self.world, "step": self.step, "pid": os.getpid(),
                         "node": node_name(),
                         "setup_s": record["setup_s"]}, any_rank=True)  # fmt: skip
         self._emit(record)
-
-    def _arrival(self) -> tuple[StateArrival, int] | None:
-        return None if self._in_place is None else self._in_place.arriving
 
     def _evaluation_due(self, run: Run) -> bool:
         """An epoch's end not evaluated yet (once: also when a notice interrupted its evaluation)."""
@@ -390,6 +326,10 @@ class Trainer:
     def _training_over(self, run: Run) -> bool:
         return run.sampler.epoch >= self.config.epochs or self._step_limit_reached()
 
+    def _trains_next(self, run: Run) -> bool:
+        """The next thing the loop does is a training step: no evaluation is due, and training is not over."""
+        return not (self._evaluation_due(run) or self._training_over(run))
+
     def _train_epoch(self, run: Run, window: Window | None = None) -> None:
         """Train on the rest of the current epoch (or until --max-steps): the step loop. `window`: the
         progress window to go on with (a heal's receiver's, after the step it sat out)."""
@@ -397,7 +337,7 @@ class Trainer:
         epoch = sampler.epoch
         plans = list(sampler.epoch_steps(self.rank, self.world))
         trainers = None if self._in_place is None else self._in_place.trainers
-        if trainers is not None and plans:  # the heal's receivers sit this step out (`_heal`)
+        if trainers is not None and plans:  # the heal's receivers sit this step out (InPlace.trainers)
             plans[0] = sampler.micro_batches(trainers.index(self.rank), self.world, among=len(trainers))
         batches = run.train_loader.epoch(epoch, [part for plan in plans for part in plan])
         window = window or Window(self.device)
@@ -405,8 +345,8 @@ class Trainer:
             lr = self._set_learning_rate(run)
             step_samples = sampler.next_step_samples(self.world)
             computed = sum(len(part) for part in plan)
-            if self._in_place is not None:  # its forward passes update them before anything can fail
-                self._in_place.boundary.keep(run.model, self.step)
+            if self._in_place is not None:
+                self._in_place.keep_boundary(run.model, self.step)
             loss, correct = train_step(
                 run.ddp, run.optimizer, batches, passes=len(plan), step_samples=step_samples, world=self.world,
                 device=self.device, before_update=partial(self._begin_update, window, computed),
@@ -430,8 +370,8 @@ class Trainer:
         (notices, the checkpoint schedule). The window to go on with."""
         run.sampler.advance(self.world)
         self.step += 1
-        if self._in_place is not None:  # its all-reduce completed: every member was alive (liveness.py)
-            self._in_place.handover.stepped(self._in_place.live.generation)
+        if self._in_place is not None:
+            self._in_place.stepped()
         self._capture(run)
         window.add(*sums, step_samples, computed)
         if self.step % self.config.log_every == 0:  # before a notice may end this round at this step
@@ -457,37 +397,17 @@ class Trainer:
         self._average(self.step + 1, lambda: window.sums(loss, correct, computed))
 
     def _arm_buckets(self) -> None:
-        """Before a step's last backward pass in place: its gradient buckets are posted as they fill
-        (recovery/buckets.py), after a heal's sends are."""
-        run, place = self._run, self._in_place
-        if run is None or run.buckets is None or place is None:
-            return
-        run.buckets.arm(partial(place.live.post, control=False, owned=True), self.world,
-                        before_first=place.sends_posted)  # fmt: skip
-
-    def _average(self, step: int, window: Callable[[], list[torch.Tensor]] | None = None) -> None:
-        """`_begin_update` for the update that makes `step`. Where `step` is due a progress record, the
-        window's sums so far (`window()`, this step's included; None: nothing) ride with the gradients
-        (`LiveCollectives.average_gradients`), and `_log_progress` reads them (`_InPlace.progress`).
-        Every rank packs them at the same steps, a rank that sat the step out too: the all-reduce's
-        sizes must match."""
+        """Before a step's last backward pass in place (InPlace.arm_buckets)."""
         if self._run is not None and self._in_place is not None:
-            run = self._run
-            self._in_place.sends_posted()
-            self._confirm_go_ahead()
-            trainers, self._in_place.trainers = self._in_place.trainers, None
-            group = self.group
-            assert isinstance(group, LiveCollectives)
-            sums = None
-            if step % self.config.log_every == 0:  # (a rank that sat the step out computed nothing)
-                parts = Window(self.device).sums() if window is None else window()
-                sums = torch.stack([part.to(torch.float64) for part in parts])
-            summed = group.average_gradients(
-                [p for p in run.model.parameters() if p.requires_grad], list(run.model.buffers()),
-                boundary=(step, self.stop.row), buffers_from=0 if trainers is None else trainers[0],
-                buckets=run.buckets, sums=sums,
-            )  # fmt: skip
-            self._in_place.progress = None if summed is None else (step, summed)
+            self._in_place.arm_buckets(self._run)
+
+    def _average(self, step: int, window: Callable[[], list[torch.Tensor]]) -> None:
+        """`_begin_update` for the update that makes `step`: in place, the gradient average, with the
+        progress window's sums (`window()`, this step's included) where `step` is due a record
+        (`_log_progress` reads them); then the host copy's moment before the update."""
+        if self._run is not None and self._in_place is not None:
+            due = step % self.config.log_every == 0
+            self._in_place.before_update(self._run, step, row=self.stop.row, sums=window if due else None)
         self._host.before_update()
 
     def _step_limit_reached(self) -> bool:
@@ -501,11 +421,9 @@ class Trainer:
         0 may be the one that is gone), with its share (`partial`), and the break goes on to the re-form
         (GroupChanged in place; gloo's or NCCL's RuntimeError otherwise). Without it a soak's log missed
         2 of 1,276 steps that were trained; with rank 0's partial record only, 1 of 9,918."""
-        packed = None
-        if self._in_place is not None:
-            packed, self._in_place.progress = self._in_place.progress, None
-        if packed is not None and packed[0] == self.step:  # summed with the step's gradients (`_average`)
-            self._emit_progress(run, window, lr, packed[1].tolist(), partial=False)
+        summed = None if self._in_place is None else self._in_place.summed_progress(self.step)
+        if summed is not None:  # summed with the step's gradients (`_average`)
+            self._emit_progress(run, window, lr, summed, partial=False)
             return
         try:
             sums = self.group.sums(window.sums())
@@ -537,18 +455,14 @@ class Trainer:
         event = {"t": time.time(), "event": "progress", **asdict(record), **self._lineage()}
         self._emit(event)
         if self._in_place is not None:
-            self._in_place.summed = event
-            if self.rank == 0:
-                self._in_place.written = record.step
+            self._in_place.record_written(event)
         if self._tensorboard is not None:
             for key in ("loss", "accuracy", "samples_per_s", "lr"):
                 self._tensorboard.add_scalar(key, getattr(record, key), self.step)
 
     def _lineage(self) -> dict[str, Any]:
         """In place, who wrote a progress record: the generation and the node (`whole_records`)."""
-        if self._in_place is None:
-            return {}
-        return {"generation": self._in_place.live.generation, "node": node_name()}
+        return {} if self._in_place is None else self._in_place.lineage()
 
     def _evaluate(self, run: Run, *, epoch: int) -> None:
         """Evaluate on the test set (sharded; a notice between batches stops the group as after
@@ -592,18 +506,20 @@ class Trainer:
         if self._in_place is not None:
             self._warm_up(run, decoder)
             lap("warm_up")
-            self._enter_next()
+            self._in_place.enter()
             lap("group")
         if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
             self._reporter = CheckpointReporter.from_environment()
         if config.checkpoint_uri:
             self.manager = self._open_checkpoints(config.checkpoint_uri)
+            if self._in_place is not None:
+                self._in_place.checkpoints = self.manager
         lap("checkpoints")
         # With or without a checkpoint URI: the nodes' snapshots of the last round are read either way
         # (they were written at every loss, and without this never read when no URI was given).
         mine = self._snapshot.read() if self._snapshot is not None else None
         if self._in_place is not None:
-            self._settle(run, live_step=-1, mine=mine, entered=True, lap=lap)
+            self.resumed_from = self._in_place.resume(run, mine, lap)
         else:
             self.resumed_from, state = find_state(self.group, self.manager, mine)
             if state is not None:
@@ -612,8 +528,14 @@ class Trainer:
         lap("resume")
         self._run = run
         self._capture(run)  # a snapshot of the resumed state, before any step
+        self._start_side_channels()
+        return run
+
+    def _start_side_channels(self) -> None:
+        """The Scheduled Events poller (one per node: notices.node_levels shares its notice) and TensorBoard."""
+        config = self.config
         url = config.scheduled_events_url()
-        if url and self.local_rank == 0:  # one poller per node (notices.node_levels shares its notice)
+        if url and self.local_rank == 0:
             self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
         if config.tensorboard and self.rank == 0:
             try:
@@ -621,7 +543,6 @@ class Trainer:
             except ImportError as exc:
                 raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
             self._tensorboard = SummaryWriter(config.tensorboard)
-        return run
 
     def _form_default_group(self) -> None:
         """The round's default process group (NCCL bound to this rank's device, or gloo), and on NCCL the
@@ -668,214 +589,35 @@ class Trainer:
         )  # fmt: skip
         set_rng_state(kept)
 
-    def _enter_next(self) -> None:
-        """Enter the first newer round that forms (handover.py, live.py); leave by the restart path
-        (the snapshot kept) when none comes within REFORM_SECONDS."""
-        place = self._in_place
-        assert place is not None
-        while True:
-            assignment = wait_for_assignment(
-                place.handover.read, place.live.generation, time.monotonic() + REFORM_SECONDS
-            )  # fmt: skip
-            if assignment is None:
-                log.warning("rank %d: no round handed over within %.0f s; leaving for a restart", self.rank,
-                            REFORM_SECONDS)  # fmt: skip
-                self._leave_broken_group()
-            if place.handover.enter(place.live, assignment, time.monotonic() + REFORM_SECONDS):
-                break
+    def _entered(self, assignment: Assignment) -> None:
+        """In place, each round this worker enters: its rank, world size and node there."""
         self.rank, self.world, self.stop.node = assignment.rank, assignment.world, assignment.node
 
-    def _heal(self, run: Run, *, live_step: int, mine: tuple[Held, dict[str, Any]] | None) -> None:
-        """At a generation's start: every rank goes on from the newest state any of them holds. A live
-        rank holds its last completed step (`live_step`); a new one (a joiner, or a worker its agent
-        restarted) its node's snapshot, if any (`mine`). While nobody trains yet (the first
-        generation), this is the restart path's resume (resume.py). Otherwise the newest step wins
-        (a rank that completed a step its peers' collectives did not: they take it from it), from
-        the lowest rank holding it, sent only when some rank lacks it: where it can, while the ranks
-        that hold it train the next step without the others (`_heal_beside_step`).
-
-        At a switch to a round that only adds ranks (`LiveGroup.roster`), the old ranks completed the
-        same step and are its trainers: they go ahead without waiting for the agreement, which runs
-        beside their step and is checked before its update (`_confirm_go_ahead`); a newcomer waits
-        for it as before, to learn where its state comes from; the rows say which ranks went ahead
-        so, and where the agreement refutes their go-ahead a newcomer fails the heal at once, as
-        they fail their step (`resume.go_ahead_refuted`). The wait took 1-5 ms of a 30 ms
-        switch on 2 CPU cores, yet skipping it measured neutral there: the joiner, sharing the cores,
-        then got less CPU for its part (bench/README.md). Where each rank has cores of its own the
-        wait is latency alone (not measured)."""
-        place = self._in_place
-        if place is not None:  # (a state on its way in a generation that broke is given up)
-            place.arriving, place.trainers, place.confirming = None, None, None
-        group = self.group
-        committed = -1 if self.manager is None or self.manager.last_committed is None else self.manager.last_committed
-        may_sit_out, trains_next = self._may_sit_out(), self._trains_next(run, live_step)
-        kept = None
-        if place is not None and live_step >= 0 and may_sit_out and trains_next:
-            kept = kept_ranks(place.live.roster, place.live.generation, self.world)
-        ahead = kept is not None and self.rank in kept  # a switch: no wait for the agreement
-        summed = -1 if place is None or place.summed is None else int(place.summed["step"])
-        row = HealRow(live_step, -1 if mine is None else mine[0].step, committed, run.evaluated[0], may_sit_out,
-                      ahead, summed, -1 if place is None else place.written, trains_next)  # fmt: skip
-        if place is not None and kept is not None and ahead:
-            assert isinstance(group, LiveCollectives)
-            place.confirming = group.gather_ints_beside(row.as_ints())
-            self._heal_beside_step(run, kept, live_step)
-            return
-        rows = [HealRow.parse(line) for line in group.gather_ints(row.as_ints())]
-        self._note_committed(rows)
-        if go_ahead_refuted(rows):
-            log.warning("rank %d: the heal's agreement (%s) refutes the go-ahead the old ranks took", self.rank, rows)
-            raise GroupChanged(Outcome.FAILED)
-        live = [row.live for row in rows]
-        if max(live) < 0:
-            self.resumed_from, state = find_state(group, self.manager, mine)
-            if state is not None:
-                self._load(run, state)
-            return
-        best, source, from_live = heal_source(rows)
-        self._write_again(rows, best)
-        if all(step == best for step in live):
-            self.resumed_from = "live"
-            self._agree_on_evaluation(run, rows, best, None)
-            return
-        trainers = trainers_of_next_step(rows, best, source) if from_live else None
-        if trainers is not None:
-            self._heal_beside_step(run, trainers, best)
-            return
-        sending = None
-        if self.rank == source:
-            sending = self._state(run) if from_live else (mine[1] if mine is not None else None)
-        state = broadcast_state(sending, source, self.rank, self.device, group.broadcast)
-        if live_step != best:
-            self._load(run, state)
-            self.resumed_from = "peer" if from_live else "snapshot"
-        else:
-            self.resumed_from = "live"
-        if from_live:  # (from a snapshot every rank loaded the same state)
-            self._agree_on_evaluation(run, rows, best, source)
-
-    def _write_again(self, rows: list[HealRow], best: int) -> None:
-        """Where this rank is the heal's `resume.record_writer`: write the progress record of `best`,
-        the step the group goes on from, again, as this rank summed it and with the time the step
-        completed (rank 0 may have been lost between the step's all-reduce and its record)."""
-        place = self._in_place
-        if place is None or place.summed is None or record_writer(rows, best) != self.rank:
-            return
-        log.warning("rank %d: the record of step %d written again (rank 0 left before it was seen written)",
-                    self.rank, best)  # fmt: skip
-        self._emit({**place.summed, "replayed": True, "rank": self.rank}, any_rank=True)
-        place.written = best
-
-    def _note_committed(self, rows: list[HealRow]) -> None:
-        """From a heal's rows: a new rank 0 knows the last checkpoint."""
-        newest_committed = max(row.committed for row in rows)
-        if self.manager is not None and newest_committed >= 0:
-            self.manager.last_committed = newest_committed
-
-    def _confirm_go_ahead(self) -> None:
-        """Before the update of the step a go-ahead taken at a switch let the old ranks train
-        (`_heal`): its agreement, which ran beside their passes, must say the same (it does unless a
-        newcomer held a newer state than theirs or cannot sit the step out, or a newer round broke
-        the group). Otherwise the step is not applied: GroupChanged as a failure, and the next round
-        heals from the rows agreed there (the step's forward passes have moved BatchNorm's running
-        statistics; the next step's all-reduce makes them one rank's again)."""
-        place = self._in_place
-        assert place is not None
-        confirming, place.confirming = place.confirming, None
-        if confirming is None:
-            return
-        rows = [HealRow.parse(line) for line in confirming()]
-        self._note_committed(rows)
-        if go_ahead_refuted(rows):  # (the newcomers fail their heal on the same rows)
-            log.warning("rank %d: the heal's agreement (%s) refutes the go-ahead taken", self.rank, rows)
-            raise GroupChanged(Outcome.FAILED)
-
-    def _may_sit_out(self) -> bool:
-        """This rank's `HealRow.may_sit_out` (`resume.trainers_of_next_step`): its data plane sends point to point
-        (the host one; NCCL's heal still broadcasts), and no gradient scaler needs a step it took part in
-        (fp16). (SyncBatchNorm never runs in place: `in_place_refusal`.)"""
-        place = self._in_place
-        return not (place is None or place.live.plane.separate or self.precision.scaler is not None)
-
-    def _trains_next(self, run: Run, live_step: int) -> bool:
-        """Its `HealRow.trains_next`: holding a live state, the next thing this rank does from it is a training step
-        (no evaluation, not the end). It counts only where the rank is one of the step's trainers: one
-        behind takes the state, and what comes next, from them."""
-        return live_step < 0 or not (self._evaluation_due(run) or self._training_over(run))
-
-    def _heal_beside_step(self, run: Run, trainers: list[int], best: int) -> None:
-        """A heal whose receivers sit out the next step (`resume.trainers_of_next_step`). The lowest of
-        `trainers` (the ranks at `best`) sends its state to each of the others point to point, packed
-        and posted on its sending thread beside its own passes (`LiveGroup.send_beside`); the
-        trainers take the next step among themselves (`_train_epoch` deals its samples over them)
-        while the state travels; a receiver loads it, then takes part in the step's gradient
-        all-reduce with zeros and applies the step (`_sit_out`). The same samples make the same step
-        whoever computes them, and the step's BatchNorm buffers come from a trainer."""
-        place = self._in_place
-        assert place is not None
-        place.trainers = trainers
-        receivers = [rank for rank in range(self.world) if rank not in trainers]
-        if self.rank == trainers[0]:
-            state = with_boundary_buffers(run.model, partial(self._state, run))()
-            place.sending = place.live.send_beside(state, receivers, self.device)
-        if self.rank in trainers:
-            self.resumed_from = "live"
-            return
-        deadline = time.monotonic() + self.config.collective_timeout
-        place.arriving = (StateArrival(place.live, trainers[0], self.device, deadline), best)
-        self.resumed_from = "peer"
-
-    def _sit_out(self, run: Run, arriving: StateArrival, step: int) -> Window:
-        """A heal's receiver in the step its trainers take without it (`_heal_beside_step`): it loads the state
-        (`step`'s) once it arrived, the trainers meanwhile computing; then its gradients count zero in
-        the step's all-reduce (the step's scale is the world's, so the average is the trainers'
-        samples' mean), which also brings the step's BatchNorm buffers, and it applies the step as
-        the others do and goes on with them. Returns its progress window: with --log-every above 1 the
-        step's samples count in the next record, as on the trainers (rank 0 may be a receiver)."""
-        self._load(run, arriving.result())
-        assert self._in_place is not None
-        self._in_place.holds_state = True
+    def _sit_out(self, run: Run, place: InPlace) -> Window:
+        """A heal's receiver in the step its trainers take without it (InPlace.receive): it loads the state
+        once it arrived, the trainers meanwhile computing; then its gradients count zero in the step's
+        all-reduce (the step's scale is the world's, so the average is the trainers' samples' mean),
+        which also brings the step's BatchNorm buffers, and it applies the step as the others do and goes
+        on with them. Returns its progress window: with --log-every above 1 the step's samples count in
+        the next record, as on the trainers (rank 0 may be a receiver)."""
+        step = place.receive(run)
         self._base = self.step
         self._started(run)
         lr = self._set_learning_rate(run)
         step_samples = run.sampler.next_step_samples(self.world)
         run.optimizer.zero_grad(set_to_none=True)
-        self._average(step + 1)
+        self._average(step + 1, Window(self.device).sums)  # (this rank computed nothing)
         self.precision.step(run.optimizer)
         nothing = torch.zeros((), device=self.device)
         return self._finish_step(run, Window(self.device), (nothing, nothing.long()), step_samples, lr, computed=0)
 
-    def _agree_on_evaluation(self, run: Run, rows: list[HealRow], best: int, source: int | None) -> None:
-        """Every rank goes on with the same epoch-end evaluation (resume.evaluation_source): otherwise one
-        would evaluate while another trains. One broadcast of its accuracy, only when they differ."""
-        sender = evaluation_source(rows, best, source)
-        if sender is None:
-            return
-        accuracy = torch.tensor([run.evaluated[1]], dtype=torch.float64, device=self.device)
-        self.group.broadcast(accuracy, sender)
-        run.evaluated = (rows[sender].evaluated, float(accuracy))
-        log.warning("rank %d: the evaluation of step %d taken from rank %d", self.rank, rows[sender].evaluated, sender)
-
-    def _reform(self, run: Run, *, failed: bool) -> None:
-        """In place, after a collective did not complete: enter the next round, heal, go on (module
-        docstring of live.py); the step watchdog rests meanwhile (REFORM_SECONDS bounds the wait)."""
-        place = self._in_place
-        assert place is not None
+    def _reform(self, run: Run, place: InPlace, *, failed: bool) -> None:
+        """In place, after a collective did not complete: enter the next round, heal, go on
+        (InPlace.reform); the step watchdog rests meanwhile (REFORM_SECONDS bounds the wait)."""
         self._watchdog.armed = False
         self.notice.parked = False  # a hold for a leaving peer ends with the round it leaves
-        if failed:
-            place.handover.report_failure()
-        try:  # a heal's sends posted on the generation being left, before it goes to the graveyard
-            place.sends_posted()
-        except Exception as exc:  # that generation is over; a state that cannot be sent fails the next heal
-            log.warning("rank %d: a heal's state was not sent (%s)", self.rank, exc)
-        place.confirming = None  # (its agreement's staging copy goes with the generation)
-        if run.buckets is not None:  # so do a broken step's buckets posted in it
-            run.buckets.disarm()
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
-        place.boundary.restore(run.model, self.step)  # the broken step's statistics go with it
-        live_step = self.step if place.holds_state else -1  # a receiver whose state never came has none
-        self._settle(run, live_step=live_step, mine=None, entered=False, lap=stopwatch(self.setup_seconds))
+        self.resumed_from = place.reform(run, step=self.step, failed=failed, lap=stopwatch(self.setup_seconds))
         self._base = self.step
         self._ranks_changed()
         self._capture(run)
@@ -883,35 +625,6 @@ class Trainer:
             self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
-
-    def _settle(
-        self,
-        run: Run,
-        *,
-        live_step: int,
-        mine: tuple[Held, dict[str, Any]] | None,
-        entered: bool,
-        lap: Callable[[str], None],
-    ) -> None:
-        """Enter the next round (unless `entered` already) and heal in it; again in the next one while a
-        newer round or a lost peer breaks the heal. `lap` times the parts (`group`, `resume`)."""
-        place = self._in_place
-        assert place is not None
-        while True:
-            if not entered:
-                self._enter_next()
-                lap("group")
-            entered = False
-            try:
-                self._heal(run, live_step=live_step, mine=mine)
-            except GroupChanged as exc:
-                if exc.failed:
-                    place.handover.report_failure()
-            else:
-                place.holds_state = place.arriving is None or live_step >= 0
-                return
-            finally:
-                lap("resume")
 
     def _ranks_changed(self) -> None:
         """Rank 0's duties (milestones for the operator, checkpoints saved in a saver process) follow rank 0
@@ -973,7 +686,8 @@ class Trainer:
     def _capture(self, run: Run) -> None:
         """The host copy of this boundary's state (hostcopy.py), its BatchNorm statistics copied now;
         nothing built when no copy is due, nor by a heal's receiver before its state came."""
-        if self._arrival() is None and self._host.keeps(self.step):
+        receiving = self._in_place is not None and self._in_place.arriving is not None
+        if not receiving and self._host.keeps(self.step):
             self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
 
     def _keep_snapshot(self) -> None:
@@ -1093,8 +807,8 @@ class Trainer:
 
     def _shutdown(self) -> None:
         self._watchdog.stop()
-        if self._in_place is not None:  # its LiveGroup stays referenced with the trainer (launch.py)
-            self._in_place.handover.stop()
+        if self._in_place is not None:
+            self._in_place.close()
         if self._run is not None:
             self._run.train_loader.close()
             self._run.test_loader.close()

@@ -112,7 +112,7 @@ class LiveCollectives(Group):
         """What DDP does to a step: the gradients averaged over ranks (each divided by the world, then
         summed, in DDP's order of operations), and the model's floating-point buffers (BatchNorm's
         running statistics) taken from rank `buffers_from` (DDP's rank 0; after a heal whose
-        receivers sat out the step, a rank that trained it: train.py); a parameter without a
+        receivers sat out the step, a rank that trained it: in_place.py); a parameter without a
         gradient counts as zero. With `buckets` (buckets.py: `parameters` are theirs) the gradients
         went in DDP's buckets, posted while the backward pass computed (the rest are posted now),
         and the buffers go in one more all-reduce; without, everything goes in one all-reduce of one

@@ -353,7 +353,7 @@ class BoundaryBuffers:
     step boundary, copied on their device, for a step that breaks before its update: its forward
     passes updated them from its samples already, and a heal in which every rank is live sends
     nothing over them. Left so, every rank's statistics had taken one extra update from a step that
-    was never applied, and the replayed step then gave rank 0's to everyone (in place: `Trainer._reform`).
+    was never applied, and the replayed step then gave rank 0's to everyone (in place: `InPlace.reform`).
     A copy of a ResNet-50's buffers is about 200 KiB a step, on the device."""
 
     def __init__(self) -> None:

@@ -7,7 +7,7 @@ At a membership change the agent forms the new round and hands the live workers 
 (the round, their new rank and world, the round's store); each worker drops its group, builds the
 next one on the new store, and the ranks agree on the newest committed step before they go on (at
 a switch to a round that only adds ranks the old ranks go on at once, the agreement beside their
-step: train.py's `_heal`). What experiments with gloo showed, and how this module answers each:
+step: in_place.py's `_heal`). What experiments with gloo showed, and how this module answers each:
 
 - **An abandoned collective completes when a frozen peer thaws, and writes into whatever buffer it
   was given.** Every collective here runs on a *staging copy* of the caller's tensor and copies the
@@ -270,7 +270,7 @@ class LiveGroup:
         """Set at a switch to a deferred round (`LiveCollectives._switch_or`): (that round's generation,
         the rank in it of each rank of the generation switched from, -1 for one that had not been
         offered it yet). Every rank of it completed the same step, so the new ranks that trained it
-        are known before the next generation's heal agrees on it (train.py's `_heal`)."""
+        are known before the next generation's heal agrees on it (in_place.py's `_heal`)."""
         self._pending: Assignment | None = None
         self._prebuilt: _Build | None = None
         """The deferred round's group, built while the current generation trains on (`offer`)."""
@@ -603,7 +603,7 @@ class LiveGroup:
     def post(self, tensor: torch.Tensor, *, control: bool, owned: bool = False) -> Callable[[float], Outcome]:
         """`all_reduce` started now and waited for later: the returned function waits (given the
         deadline) and writes the sum into `tensor` if it completed. A heal's agreement so runs beside
-        the step its trainers take (train.py's `_heal`), and a step's gradient buckets beside its
+        the step its trainers take (in_place.py's `_heal`), and a step's gradient buckets beside its
         backward pass (buckets.py). Waited for after the generation was left, it says BROKEN (the
         staging copy is held with that generation's grave until the collective ends: `_hold`). It
         does not let a heal's sends go
@@ -682,7 +682,7 @@ class LiveGroup:
 
         A gloo send's work reports completion only to `wait()` (its `is_completed()` stays False until
         then; so does a receive's), and the data flow whoever waits. A receiver takes part in the next
-        collective only once it received the state (train.py's `_sit_out`), so when that collective
+        collective only once it received the state (InPlace.receive), so when that collective
         completes here every send has: `all_reduce` then lets their buffers go (`_settle_sends`). Here,
         not on a thread per send: starting one cost the source milliseconds on busy cores. Raises
         GroupChanged (failed) where the send cannot start (`_enqueue`)."""
@@ -832,7 +832,7 @@ def send_state(live: LiveGroup, state: Any, receivers: list[int], device: torch.
 
 class StateArrival:
     """A heal's state on its way from rank `source` (`send_state`), received on a thread of its own
-    while the training thread goes on (train.py: a receiver waits for it only when it must load it,
+    while the training thread goes on (InPlace.receive: a receiver waits for it only when it must load it,
     its trainers computing meanwhile). `result()` waits for it, giving up when the generation breaks.
 
     The thread receives in the data group current at construction, into buffers of its own held with

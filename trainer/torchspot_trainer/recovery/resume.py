@@ -26,7 +26,7 @@ from torchspot_trainer.recovery.wire import broadcast_state
 
 
 class HealRow(NamedTuple):
-    """One rank's line of a heal's agreement in place (train.py's `_heal`): every rank gathers every
+    """One rank's line of a heal's agreement in place (in_place.py's `_heal`): every rank gathers every
     rank's (`Group.gather_ints`, as integers: `as_ints`, `parse`) and decides alike from the same
     table. A step is -1 where there is none."""
 
@@ -104,7 +104,7 @@ def trainers_of_next_step(rows: Sequence[HealRow], best: int, source: int) -> li
 
 def go_ahead_refuted(rows: Sequence[HealRow]) -> bool:
     """Whether the ranks that went ahead at a switch (`HealRow.went_ahead`: they train
-    without waiting for the heal's agreement, train.py's `_heal`) took a go-ahead the agreement
+    without waiting for the heal's agreement, in_place.py's `_heal`) took a go-ahead the agreement
     does not give: the newest step is not theirs, not a live state, or they are not the next
     step's trainers. Pure. False when none went ahead.
 
@@ -153,7 +153,7 @@ def kept_ranks(roster: tuple[int, list[int]] | None, generation: int, world: int
     another round, or some old rank had not been offered it. Pure. Every one of them completed the
     step the switch came after, so they are the heal's trainers (`trainers_of_next_step`) whatever a
     newcomer holds, as far as the heal's agreement, which the trainers check before their step's
-    update, confirms (train.py's `_heal`)."""
+    update, confirms (in_place.py's `_heal`)."""
     if roster is None or roster[0] != generation:
         return None
     ranks = roster[1]
