@@ -52,7 +52,6 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -78,6 +77,7 @@ from torchspot_trainer.data.loader import (
     usable_cpus,
 )
 from torchspot_trainer.data.sampler import ElasticSampler
+from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving
 from torchspot_trainer.elastic.settings import node_name
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.handover import Assignment
@@ -110,7 +110,6 @@ from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
     GroupBroken,
-    NoticeStop,
     leave,
     waits_for_save,
 )
@@ -119,11 +118,6 @@ from torchspot_trainer.recovery.resume import (
     find_state,
 )
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
-from torchspot_trainer.recovery.signals import (
-    EvictionNotice,
-    ScheduledEventsWatcher,
-    watch_sigterm,
-)
 from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.run import (
@@ -142,25 +136,23 @@ from torchspot_trainer.step import model_inputs, train_step, warm_up
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-LEAVE_SAVE_WAIT = 5.0
-"""Seconds a rank 0 that leaves its group gives its checkpoint save in flight before it exits,
-where that save matters (notices.waits_for_save: its node leaves, or it kept no snapshot as new).
-The save usually needs a few seconds more; the other agents re-form meanwhile."""
-
 
 class Trainer:
     """Trains `config.model` on `config.dataset` under torchrun; see the module docstring."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
-        self.notice = EvictionNotice()
-        self.stop = NoticeStop(
-            self.notice, hold=config.notice_hold, emit=self._emit, keep_snapshot=self._keep_snapshot,
-            node=int(os.environ.get("GROUP_RANK", "0")),
+        self._leaving = Leaving(
+            hold=config.notice_hold, events_at=config.scheduled_events_url(), emit=self._emit, kept=self._kept,
+            before_exit=self._before_stuck_exit,
+            snapshot=LocalSnapshot(default_path(os.environ), round_started=time.time()),
+            step_of=lambda state: int(state["step"]), stuck_exit_after=config.stuck_exit_after,
+            vm_name=config.vm_name or None, write_wait=None,
         )  # fmt: skip
-        self._sigterm_thread = watch_sigterm(
-            self.notice, stuck_exit_after=config.stuck_exit_after, before_exit=self._before_stuck_exit
-        )
+        """Eviction notices (SIGTERM; Scheduled Events, polled by one rank per node) and this node's copy of
+        the state as its workers stop (snapshot.py: one file per node, by the local rank that gets there
+        first), written from the host copy, so a hung device cannot stop that write."""
+        self.notice, self.stop = self._leaving.notice, self._leaving.stop
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -191,9 +183,6 @@ class Trainer:
         self.setup_seconds: dict[str, float] = {}
         """Where a (re)start's time went: process start-up to here, then each part of `_setup`; in place,
         after a re-form, where the re-form's went (`_reform`)."""
-        self._snapshot: LocalSnapshot | None = LocalSnapshot(default_path(os.environ), round_started=time.time())
-        """This node's copy of the state as its workers stop (see snapshot.py): one file per node,
-        written by whichever local rank gets there first."""
         self._host = HostCopy(self.device, every=config.snapshot_every)
         """The state in host memory at the last step boundary, which the snapshot is written from
         (hostcopy.py): a hung device cannot stop that write."""
@@ -207,10 +196,6 @@ class Trainer:
         Kept after the run ends (launch.run_trainer says why)."""
         self._base = 0
         """The step this round resumed from (0: from scratch)."""
-        self._snapshot_lock = threading.Lock()
-        self._snapshot_taken = False
-        self._kept_step: int | None = None
-        """The step of the snapshot this worker left for the next round (`_keep_snapshot`), if any."""
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
@@ -275,9 +260,7 @@ class Trainer:
             self.manager.close()
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": run.evaluated[1]}  # fmt: skip
-        if self._snapshot is not None:
-            self._snapshot.remove()
-            self._snapshot = None  # the run is over: nothing to carry to a next round
+        self._leaving.close()  # the run is over: no snapshot to carry to a next round
         self._emit(summary)
         self._shutdown()
         return summary
@@ -479,7 +462,7 @@ class Trainer:
     # -- set-up ---------------------------------------------------------------------
 
     def _setup(self) -> Run:
-        """Process group, data, model, optimizer; then resume and start the side channels."""
+        """Process group, data, model, optimizer; then resume, and TensorBoard where asked."""
         config = self.config
         self.setup_seconds["process"] = process_age()
         lap = stopwatch(self.setup_seconds)
@@ -517,7 +500,7 @@ class Trainer:
         lap("checkpoints")
         # With or without a checkpoint URI: the nodes' snapshots of the last round are read either way
         # (they were written at every loss, and without this never read when no URI was given).
-        mine = self._snapshot.read() if self._snapshot is not None else None
+        mine = self._leaving.read_snapshot()
         if self._in_place is not None:
             self.resumed_from = self._in_place.resume(run, mine, lap)
         else:
@@ -528,21 +511,13 @@ class Trainer:
         lap("resume")
         self._run = run
         self._capture(run)  # a snapshot of the resumed state, before any step
-        self._start_side_channels()
-        return run
-
-    def _start_side_channels(self) -> None:
-        """The Scheduled Events poller (one per node: notices.node_levels shares its notice) and TensorBoard."""
-        config = self.config
-        url = config.scheduled_events_url()
-        if url and self.local_rank == 0:
-            self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=config.vm_name or None).start()
         if config.tensorboard and self.rank == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
             except ImportError as exc:
                 raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
             self._tensorboard = SummaryWriter(config.tensorboard)
+        return run
 
     def _form_default_group(self) -> None:
         """The round's default process group (NCCL bound to this rank's device, or gloo), and on NCCL the
@@ -690,32 +665,17 @@ class Trainer:
         if not receiving and self._host.keeps(self.step):
             self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
 
-    def _keep_snapshot(self) -> None:
-        """Leave this node's state at the last completed step (or the last host copy, with
-        --snapshot-every) for the next round (snapshot.py), written from the host copy, so it
-        never waits on the device."""
-        with self._snapshot_lock:  # the main thread and the SIGTERM watcher may both get here
-            snapshot = self._snapshot
-            if snapshot is None or self._run is None or self._snapshot_taken:
-                return
-            self._snapshot_taken = True
-            base = self._base
-
-            def write(state: dict[str, Any] | None) -> tuple[int, float | None]:
-                return (-1, None) if state is None else (int(state["step"]), snapshot.write(state, base))
-
-            step, took = self._host.write_from(write)
-            if step >= 0 and snapshot.written_this_round():  # by this rank, or another local rank of the round
-                self._kept_step = step
-        if took is not None:
-            log.info("rank %d: local snapshot of step %d written in %.2f s", self.rank, step, took)
+    def _kept(self) -> Kept | None:
+        """What the node's snapshot keeps now (elastic/leaving.py): this round's lineage and the host copy of
+        the last completed step (or the last copy, with --snapshot-every), once the state is whole."""
+        return None if self._run is None else (self._base, self._host.write_from)
 
     def _leave_broken_group(self) -> NoReturn:
         """The group is broken (a collective failed or hung): keep the snapshot, give the save in
         flight its chance, abort the communicator and exit; the agents re-form the group. Under a
         deadline armed first: whatever hangs on the way, the worker is gone by then."""
         arm_exit_deadline()
-        self._keep_snapshot()
+        self._leaving.keep_snapshot()
         self._finish_save_in_flight()
         abort_group()
         leave(EXIT_FAILED)
@@ -758,11 +718,8 @@ class Trainer:
         return self._host.with_copy_of(self.step, lambda held: save(self._state(run) if held is None else held))
 
     def _before_stuck_exit(self) -> None:
-        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its
-        SIGTERM watcher: the main thread waits inside the collective, its state at the last
-        completed step, so the snapshot is taken from here (under the exit deadline)."""
-        arm_exit_deadline()
-        self._keep_snapshot()
+        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its SIGTERM
+        watcher, its snapshot kept (`Leaving`): the save in flight's moment, then the abort."""
         self._finish_save_in_flight()
         abort_group()
 
@@ -773,10 +730,11 @@ class Trainer:
         if manager is None:
             return
         in_flight = manager.in_flight
-        if not waits_for_save(in_flight, self._kept_step, leaving=self.stop.level() == NOTICE_LEAVING):
+        kept = self._leaving.kept_step
+        if not waits_for_save(in_flight, kept, leaving=self.stop.level() == NOTICE_LEAVING):
             if in_flight is not None:
                 log.info("rank %d: not waiting for the save of step %d: this node's snapshot holds step %s",
-                         self.rank, in_flight, self._kept_step)  # fmt: skip
+                         self.rank, in_flight, kept)  # fmt: skip
             return
         manager.wait(LEAVE_SAVE_WAIT)
         if manager.in_flight is not None:
@@ -814,8 +772,6 @@ class Trainer:
             self._run.test_loader.close()
         if self._reporter is not None:
             self._reporter.close()
-        if self.stop.watcher is not None:
-            self.stop.watcher.stop()
         if self._tensorboard is not None:
             self._tensorboard.close()
         if dist.is_initialized():

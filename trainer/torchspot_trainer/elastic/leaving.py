@@ -1,8 +1,9 @@
-"""How a worker of the manager's leaves: its eviction notices, and its node's snapshot (the manager's module
-docstring says what each gives a loop; recovery/notices.py, signals.py and snapshot.py hold the rules).
+"""How a worker leaves: its eviction notices, and its node's snapshot (the manager's module docstring says
+what each gives a loop; recovery/notices.py, signals.py and snapshot.py hold the rules). The manager's
+workers and the built-in trainer's leave alike.
 
 `Leaving` owns what the process-wide hooks touch (SIGTERM, `sys.excepthook`, a fork's child), so that
-`close()` can give them back as they were; the manager decides when the group stops for a notice.
+`close()` can give them back as they were; its user decides when the group stops for a notice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from torchspot_trainer import RUN_ID_ENV
+from torchspot_trainer.recovery.group import arm_exit_deadline
 from torchspot_trainer.recovery.notices import NoticeStop
 from torchspot_trainer.recovery.signals import (
     STUCK_EXIT_AFTER,
@@ -65,10 +67,16 @@ class Leaving:
 
     :param hold: after a notice's emergency checkpoint, seconds the staying ranks wait (NoticeStop).
     :param events_at: the Scheduled Events endpoint, or None.
-    :param emit: the manager's record output.
+    :param emit: the record output (the manager's, the trainer's).
     :param kept: what a snapshot would keep now (`Kept`), or None while there is no state of the run to
         keep (before the first resume, after the run).
     :param before_exit: a stuck worker's last call after its snapshot (its save in flight's moment).
+    :param snapshot: the node's snapshot file (`node_snapshot`), or None: none kept.
+    :param step_of: the step of a state `kept` hands over.
+    :param stuck_exit_after: seconds a worker stuck after its SIGTERM has before it exits (signals.py).
+    :param vm_name: this VM's name in Scheduled Events (None: the metadata service's).
+    :param write_wait: seconds a snapshot's write may hold the worker (None: until written, where a
+        larger state's write matters more and its callers bound the exit: group.arm_exit_deadline).
     """
 
     def __init__(
@@ -79,28 +87,36 @@ class Leaving:
         emit: Callable[..., None],
         kept: Callable[[], Kept | None],
         before_exit: Callable[[], None],
+        snapshot: LocalSnapshot | None,
+        step_of: Callable[[dict[str, Any]], int],
+        stuck_exit_after: float = STUCK_EXIT_AFTER,
+        vm_name: str | None = None,
+        write_wait: float | None = LEAVE_SAVE_WAIT,
     ) -> None:
         self.notice = EvictionNotice()
         self.stop = NoticeStop(
             self.notice, hold=hold, emit=emit, keep_snapshot=self.keep_snapshot,
             node=int(os.environ.get("GROUP_RANK", "0")),
         )  # fmt: skip
-        self.snapshot = node_snapshot(os.environ)
-        self._kept, self._before_exit = kept, before_exit
+        self.snapshot = snapshot
+        self.kept_step: int | None = None
+        """The step of the snapshot this node keeps for the next round (written by this worker or another
+        local rank of the round), once one is: a save in flight older than it need not hold the exit."""
+        self._kept, self._before_exit, self._step_of, self._write_wait = kept, before_exit, step_of, write_wait
         self._lock, self._taken = threading.Lock(), False
-        self._sigterm_watched = self._watch(events_at)
+        self._sigterm_watched = self._watch(events_at, vm_name, stuck_exit_after)
         self._excepthook, sys.excepthook = sys.excepthook, self._keep_then_report
 
-    def _watch(self, url: str | None) -> bool:
-        """Turn SIGTERM into the notice (only the main thread may take signals: a manager made elsewhere
-        says so and leaves SIGTERM as it is), and poll Scheduled Events at `url` from one rank per node.
-        Whether SIGTERM is watched."""
+    def _watch(self, url: str | None, vm_name: str | None, stuck_exit_after: float) -> bool:
+        """Turn SIGTERM into the notice (only the main thread may take signals: a worker whose Leaving is
+        made elsewhere says so and leaves SIGTERM as it is), and poll Scheduled Events at `url` from one
+        rank per node. Whether SIGTERM is watched."""
         if url and os.environ.get("LOCAL_RANK", "0") == "0":
-            self.stop.watcher = ScheduledEventsWatcher(self.notice, url).start()
+            self.stop.watcher = ScheduledEventsWatcher(self.notice, url, vm_name=vm_name).start()
         if threading.current_thread() is not threading.main_thread():
             log.warning("torchspot: the Manager was made off the main thread: a SIGTERM is not taken as a notice")
             return False
-        watch_sigterm(self.notice, stuck_exit_after=STUCK_EXIT_AFTER, before_exit=self._stuck_exit)
+        watch_sigterm(self.notice, stuck_exit_after=stuck_exit_after, before_exit=self._stuck_exit)
         if not _FORK_RESETS:  # a DataLoader's worker forked from here is not this worker: no notice there
             os.register_at_fork(after_in_child=_reset_in_child)
             _FORK_RESETS.append(True)
@@ -121,7 +137,7 @@ class Leaving:
         """Leave this node's copy of the committed state for the next round (recovery/snapshot.py): the
         restart path resumes from the newest copy any node holds rather than from the last checkpoint.
         Once per worker, by the first local rank of the round to get here, when `kept` has one. Given
-        LEAVE_SAVE_WAIT seconds: a device that hangs cannot hold the worker's exit."""
+        `write_wait` seconds: a device that hangs cannot hold the worker's exit."""
         snapshot = self.snapshot
         if snapshot is None:
             return
@@ -135,10 +151,12 @@ class Leaving:
         def to_disk(state: dict[str, Any] | None) -> float | None:
             if state is None:  # no whole copy yet, or an update under way on the CPU's live state
                 return None
-            step = int(state["torchspot"]["step"])
+            step = self._step_of(state)
             took = snapshot.write({"step": step, **state}, base)
+            if snapshot.written_this_round():  # by this worker, or another local rank of the round
+                self.kept_step = step
             if took is not None:
-                log.info("torchspot: the node's snapshot of step %d written in %.2f s", step, took)
+                log.info("torchspot: local snapshot of step %d written in %.2f s", step, took)
             return took
 
         def write() -> None:
@@ -146,11 +164,12 @@ class Leaving:
 
         writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
         writer.start()
-        writer.join(LEAVE_SAVE_WAIT)
+        writer.join(self._write_wait)
 
     def _stuck_exit(self) -> None:
         """A worker stuck in a collective after its SIGTERM is about to exit: it keeps its node's snapshot,
-        then the manager's last call."""
+        then its user's last call, under the exit deadline (whatever hangs on the way, it is gone then)."""
+        arm_exit_deadline()
         self.keep_snapshot()
         self._before_exit()
 

@@ -67,7 +67,7 @@ from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-e
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
-from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving
+from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
@@ -221,8 +221,9 @@ class Manager:
         self._default: Group | None = None
         """The restart path's collectives over the default group (`_collectives`)."""
         self._leaving = Leaving(
-            hold=hold, events_at=events_at, emit=self._emit, kept=self._kept, before_exit=self._before_stuck_exit
-        )
+            hold=hold, events_at=events_at, emit=self._emit, kept=self._kept, before_exit=self._before_stuck_exit,
+            snapshot=node_snapshot(os.environ), step_of=lambda state: int(state["torchspot"]["step"]),
+        )  # fmt: skip
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
         self._window = (time.monotonic(), 0)  # since rank 0's last progress record: (when, samples)
