@@ -1,5 +1,6 @@
-"""What a training run is built from before its first step: the device and its refusals, the model, the
-data sets and loaders, the optimizer and sampler (`build_run`).
+"""What a training run is built from before its first step: the device and its refusals, the default
+group, the model, the data sets and loaders, the optimizer and sampler (`build_run`), the checkpoints,
+and the first pass's one-off costs (`warm_up_run`).
 
 `Run` is what the trainer holds between steps. The device choice and the refusals are pure;
 `node_device` and `exit_node_fault` end a worker whose node cannot run it (`NodeFault`), and
@@ -9,6 +10,7 @@ data sets and loaders, the optimizer and sampler (`build_run`).
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,11 +18,13 @@ from functools import partial
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from torchspot_trainer import NODE_FAULT_EXIT
+from torchspot_trainer.checkpoint.manager import SAVER_PROCESS, CheckpointConfig, CheckpointManager, SaveReport
 from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
 from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import Normalize, load_cifar10, load_digits, load_imagenet
@@ -30,9 +34,13 @@ from torchspot_trainer.elastic.settings import node_name
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import BatchRule, build_optimizer
+from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.buckets import GradientBuckets
+from torchspot_trainer.recovery.group import control_group, group_device, group_timeout, nccl_environment
 from torchspot_trainer.recovery.planes import HostPlane
+from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import reset_sigterm
+from torchspot_trainer.step import warm_up
 
 __all__ = [
     "NodeFault",
@@ -42,13 +50,16 @@ __all__ = [
     "choose_device",
     "decode_refusal",
     "exit_node_fault",
+    "form_default_group",
     "in_place_refusal",
     "load_datasets",
     "make_loader",
     "node_device",
+    "open_checkpoints",
     "probe_device",
     "reopen_storage",
     "sync_bn_refusal",
+    "warm_up_run",
 ]
 
 
@@ -271,6 +282,44 @@ def make_loader(
         dataset, workers=workers, pin_memory=cuda, worker_init=_reset_sigterm_in_loader,
         decoder=decoder, ahead=device if cuda and decoder is None else None,
     )  # fmt: skip
+
+
+def form_default_group(backend: str, device: torch.device, collective_timeout: float) -> Any:
+    """The restart path's default process group (NCCL bound to `device`, or gloo) for this round; returns
+    the gloo control group beside an NCCL one (group.control_group), else None."""
+    if backend == "nccl":
+        os.environ.update(nccl_environment(os.environ))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=group_timeout(collective_timeout), device_id=group_device(device))
+    return control_group(backend, collective_timeout)
+
+
+def open_checkpoints(config: TrainConfig, *, rank: int, on_report: Callable[[SaveReport], None]) -> CheckpointManager:
+    """The checkpoint manager of `--checkpoint-uri`: rank 0's saves in a child process with
+    --checkpoint-saver process (a later rank 0 in place starts its own: train.py's `_ranks_changed`)."""
+    reopen = reopen_storage(config.checkpoint_uri)
+    saves_in_child = rank == 0 and config.checkpoint_saver == SAVER_PROCESS
+    return CheckpointManager(
+        reopen(),
+        CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
+        on_report=on_report,
+        reopen=reopen if saves_in_child else None,
+    )
+
+
+def warm_up_run(run: Run, *, rank: int, world: int, device: torch.device, precision: Precision) -> None:
+    """The first pass's one-off costs paid before a worker in place enters its group (step.warm_up), on a
+    batch of this rank's first micro-batch's size, the random number generators left as they were."""
+    plan = next(run.sampler.epoch_steps(rank, world), [])
+    size = max((len(part) for part in plan), default=1)
+    image, _label = run.train_set[0]
+    kept = rng_state()
+    warm_up(
+        run.model, torch.stack([image] * size), torch.zeros(size, dtype=torch.long), device=device,
+        precision=precision, normalize=run.normalize,
+    )  # fmt: skip
+    set_rng_state(kept)
 
 
 def reopen_storage(uri: str) -> Callable[[], CheckpointStorage]:

@@ -1,48 +1,26 @@
 """The elastic training loop: DDP ResNet training that survives world-size changes.
 
-One public method, `Trainer.train()`. The topology comes from torchrun's environment
-(RANK, WORLD_SIZE, LOCAL_RANK). A newcomer finds each concern in its own module:
+One public method, `Trainer.train()`. The topology comes from torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK). This module keeps the loop, evaluation and the model's state; each other concern has its
+own module:
 
-- the step loop is `Trainer._train_epoch`, below; one step over a worker's micro-batches
-  (gradient accumulation, the loss weighting) is step.py;
-- the batch rule, learning rate and the data sets' recipes are optim.py; which samples
-  each rank uses in each step is data/sampler.py (exact-once at any world size);
-- resuming (a node's own snapshot, or Blob) is recovery/resume.py;
-- eviction notices: the signals are recovery/signals.py; the group's rules and what it does at a
-  boundary (emergency checkpoint, leave or hold) are recovery/notices.py, called from
-  `Trainer._after_step` and between evaluation batches;
-- evaluation (sharded, interruptible by a notice) is evaluate.py.
+- one step over a worker's micro-batches (gradient accumulation, the loss weighting): step.py; the
+  batch rule and learning rate: optim.py; which samples each rank takes in each step, exact-once at any
+  world size: data/sampler.py;
+- what a run is built from (device, refusals, group, data, model, checkpoints): run.py; its records:
+  progress.py; evaluation (sharded, interruptible by a notice): evaluate.py;
+- the restart path's resume (a node's snapshot, or the newest checkpoint): recovery/resume.py;
+  eviction notices and the node's snapshot as a worker leaves: elastic/leaving.py, with the rules in
+  recovery/notices.py and recovery/signals.py;
+- with `--in-place`, a membership change restarts nothing: in_place.py enters the next round and heals
+  in it, and the loop plans its epoch again for the new world from the sampler, which never counted the
+  interrupted step.
 
-Every start resumes from the newest state a node kept on its own disk as its worker
-stopped (recovery/snapshot.py: a survivor of a lost peer holds the last completed step) or, if
-newer or the only one, the newest committed checkpoint. So a membership change (which
-restarts all workers) costs at most the step in flight while any node survives with its
-state, and an eviction with notice costs none:
-
-- every step (and every evaluation batch) all ranks share whether any of them got an
-  eviction notice; if so, the group stops at that boundary: the lowest rank whose node
-  leaves writes a synchronous emergency checkpoint to Blob (none when every notice is
-  only an agent restarting its workers: no node leaves, and each node's snapshot carries
-  the state), a worker told by SIGTERM keeps its snapshot and exits without waiting for
-  that checkpoint, a Scheduled Event is approved, and the others hold (pinging each
-  other) until the evicted node is gone and the agent re-forms the group, so no step is
-  run twice;
-- rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps), and
-  reports the last committed step in `latest.json` beside them.
-
-With `--in-place` a membership change restarts nothing (handover.py, recovery/live.py): the agent
-hands its live workers the next round; every collective of the loop (the gradient average in place
-of DDP's, the boundary agreements, progress sums) runs over the current generation and raises
-GroupChanged when a newer round breaks it or a peer's socket closes; the loop then enters the next
-round, every rank goes on from the newest state any of them holds (in_place.py), and the epoch is
-planned again for the new world from the sampler, which never counted the interrupted step. A
-round that only adds ranks is entered once its joiners have set up (`LiveGroup.offer`). A notice
-works as above, the survivors re-forming in place once the leaving node is gone. On GPUs the
-gradients and the state travel on each generation's NCCL communicator, the agreements on its gloo
-group (recovery/planes.py).
-
-With `--global-batch-size` the run computes the same model whatever happens to its nodes
-(up to the order of floating-point reductions; README, "The same model at any world size").
+Rank 0 alone writes checkpoints (asynchronously every `checkpoint_every` steps). At an eviction notice
+the group stops at the next step boundary: the lowest rank whose node leaves writes the emergency
+checkpoint, and the others hold until the node is gone, so no step is run twice. With
+`--global-batch-size` the run computes the same model whatever happens to its nodes, up to the order of
+floating-point reductions.
 """
 
 from __future__ import annotations
@@ -63,7 +41,6 @@ import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import (
     SAVER_PROCESS,
-    CheckpointConfig,
     CheckpointManager,
     SaveReport,
     step_dir,
@@ -99,10 +76,6 @@ from torchspot_trainer.recovery.group import (
     StepWatchdog,
     abort_group,
     arm_exit_deadline,
-    control_group,
-    group_device,
-    group_timeout,
-    nccl_environment,
     peer_failure,
 )
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
@@ -125,13 +98,16 @@ from torchspot_trainer.run import (
     build_model,
     build_run,
     decode_refusal,
+    form_default_group,
     in_place_refusal,
     load_datasets,
     node_device,
+    open_checkpoints,
     reopen_storage,
     sync_bn_refusal,
+    warm_up_run,
 )
-from torchspot_trainer.step import model_inputs, train_step, warm_up
+from torchspot_trainer.step import model_inputs, train_step
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -398,12 +374,12 @@ class Trainer:
 
     def _log_progress(self, run: Run, window: Window, lr: float) -> None:
         """Sum the window's loss and accuracy over the group, and emit one progress record. In place the
-        sums came with the step's gradients (`_average`): no collective here. A group that
-        breaks before the sums leaves the step applied (in place it goes on from it; by the restart path
-        the snapshot holds it): its record is emitted all the same, by every rank this happened to (rank
-        0 may be the one that is gone), with its share (`partial`), and the break goes on to the re-form
-        (GroupChanged in place; gloo's or NCCL's RuntimeError otherwise). Without it a soak's log missed
-        2 of 1,276 steps that were trained; with rank 0's partial record only, 1 of 9,918."""
+        sums came with the step's gradients (`_average`): no collective here. A group that breaks before
+        the sums leaves the step applied (in place it goes on from it; by the restart path the snapshot
+        holds it): every rank this happened to emits its record all the same, with its share
+        (`partial`), since rank 0 may be the one that is gone; then the break goes on to the re-form
+        (GroupChanged in place; gloo's or NCCL's RuntimeError otherwise). A log then misses no step that
+        was trained."""
         summed = None if self._in_place is None else self._in_place.summed_progress(self.step)
         if summed is not None:  # summed with the step's gradients (`_average`)
             self._emit_progress(run, window, lr, summed, partial=False)
@@ -473,7 +449,8 @@ class Trainer:
         # torchvision this stops here, before the group forms.
         decoder = DeviceDecoder(gpu_decoder(), self.device, config.image_size) if config.decode == "gpu" else None
         if self._in_place is None:  # in place, the group is formed once data and model are ready
-            self._form_default_group()
+            self._control = form_default_group(self.backend, self.device, config.collective_timeout)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
             lap("group")
         train_set, test_set, classes = load_datasets(config)
         if isinstance(train_set, SampleRandom):  # before the loader forks its workers, which keep it
@@ -487,19 +464,31 @@ class Trainer:
         )  # fmt: skip
         lap("model")
         if self._in_place is not None:
-            self._warm_up(run, decoder)
+            if decoder is None:  # (with --decode gpu the data set holds encoded images: the first step stays cold)
+                warm_up_run(run, rank=self.rank, world=self.world, device=self.device, precision=self.precision)
             lap("warm_up")
             self._in_place.enter()
             lap("group")
+        self._resume(run, lap)
+        if config.tensorboard and self.rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            except ImportError as exc:
+                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
+            self._tensorboard = SummaryWriter(config.tensorboard)
+        return run
+
+    def _resume(self, run: Run, lap: Callable[[str], None]) -> None:
+        """Open the checkpoints and the operator's milestones, then go on from the newest state: the group's
+        (in place), a node's snapshot or a checkpoint (resume.find_state). The nodes' snapshots of the
+        last round are read with or without a checkpoint URI: they were written at every loss."""
         if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
             self._reporter = CheckpointReporter.from_environment()
-        if config.checkpoint_uri:
-            self.manager = self._open_checkpoints(config.checkpoint_uri)
+        if self.config.checkpoint_uri:
+            self.manager = open_checkpoints(self.config, rank=self.rank, on_report=self._on_checkpoint)
             if self._in_place is not None:
                 self._in_place.checkpoints = self.manager
         lap("checkpoints")
-        # With or without a checkpoint URI: the nodes' snapshots of the last round are read either way
-        # (they were written at every loss, and without this never read when no URI was given).
         mine = self._leaving.read_snapshot()
         if self._in_place is not None:
             self.resumed_from = self._in_place.resume(run, mine, lap)
@@ -511,58 +500,8 @@ class Trainer:
         lap("resume")
         self._run = run
         self._capture(run)  # a snapshot of the resumed state, before any step
-        if config.tensorboard and self.rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-            except ImportError as exc:
-                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
-            self._tensorboard = SummaryWriter(config.tensorboard)
-        return run
-
-    def _form_default_group(self) -> None:
-        """The round's default process group (NCCL bound to this rank's device, or gloo), and on NCCL the
-        gloo control group beside it."""
-        config = self.config
-        if self.backend == "nccl":
-            os.environ.update(nccl_environment(os.environ))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            self.backend, timeout=group_timeout(config.collective_timeout), device_id=group_device(self.device)
-        )
-        self._control = control_group(self.backend, config.collective_timeout)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    def _open_checkpoints(self, uri: str) -> CheckpointManager:
-        """The checkpoint manager: rank 0's saves in a child process with --checkpoint-saver process (a
-        later rank 0 in place starts its own: `_ranks_changed`)."""
-        config = self.config
-        reopen = reopen_storage(uri)
-        saves_in_child = self.rank == 0 and config.checkpoint_saver == SAVER_PROCESS
-        return CheckpointManager(
-            reopen(),
-            CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
-            on_report=self._on_checkpoint,
-            reopen=reopen if saves_in_child else None,
-        )
 
     # -- in place (--in-place) -------------------------------------------------------
-
-    def _warm_up(self, run: Run, decoder: DeviceDecoder | None) -> None:
-        """The first pass's one-off costs paid before entering the group (step.warm_up), on a batch
-        of this rank's first micro-batch's size, the random number generators left as they were.
-        Not with --decode gpu, whose data set holds encoded images (its first step stays cold)."""
-        if decoder is not None:
-            return
-        plan = next(run.sampler.epoch_steps(self.rank, self.world), [])
-        size = max((len(part) for part in plan), default=1)
-        image, _label = run.train_set[0]
-        kept = rng_state()
-        warm_up(
-            run.model, torch.stack([image] * size), torch.zeros(size, dtype=torch.long), device=self.device,
-            precision=self.precision, normalize=run.normalize,
-        )  # fmt: skip
-        set_rng_state(kept)
 
     def _entered(self, assignment: Assignment) -> None:
         """In place, each round this worker enters: its rank, world size and node there."""
