@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import TCPStore
 from torchspot_lab.local import wait_for
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.buckets import plan_buckets
-from torchspot_trainer.recovery.live import LiveGroup, newest
+from torchspot_trainer.recovery.live import LiveGroup
 from torchspot_trainer.recovery.outcome import Outcome
 from torchspot_trainer.recovery.planes import (
     NCCL_SHRINK_HANG_VERSION,
@@ -48,6 +48,7 @@ from torchspot_trainer.recovery.resume import (
     go_ahead_refuted,
     heal_source,
     kept_ranks,
+    newest,
     record_writer,
     trainers_of_next_step,
 )
@@ -565,7 +566,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import LiveGroup, close_connections
+from torchspot_trainer.recovery.generation import close_connections
+from torchspot_trainer.recovery.live import LiveGroup
 from torchspot_trainer.recovery.outcome import GroupChanged
 from live_worker import SeparateGloo, on_threads
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))

@@ -86,12 +86,7 @@ from torchspot_trainer.handover import Handover
 from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import Group, nccl_environment
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
-from torchspot_trainer.recovery.live import (
-    OP_TIMEOUT,
-    LiveGroup,
-    newest,
-    wait_for_assignment,
-)
+from torchspot_trainer.recovery.live import OP_TIMEOUT, LiveGroup, wait_for_assignment
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -101,7 +96,7 @@ from torchspot_trainer.recovery.notices import (
 )
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
-from torchspot_trainer.recovery.resume import find_state
+from torchspot_trainer.recovery.resume import find_state, newest
 from torchspot_trainer.recovery.snapshot import choose_source
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter

@@ -1,64 +1,58 @@
-"""A worker's process group rebuilt in place at a membership change: the group mechanics of recovery
-without a restart (issue 28, items 3 and 4). Built and tested on CPU with gloo, the NCCL decisions
-and the device probe at the end by NCCL's documented semantics. The trainer runs on it with
-`--in-place` (collectives.py's `LiveCollectives`: its loop's collectives; README, "Recovery paths").
+"""A worker's process group rebuilt in place at a membership change: the group mechanics of recovery without
+a restart. Built and tested on CPU with gloo; the NCCL decisions by NCCL's documented semantics. The trainer
+(in_place.py) and the API's manager (elastic/manager.py) run on it.
 
-At a membership change the agent forms the new round and hands the live workers an `Assignment`
-(the round, their new rank and world, the round's store); each worker drops its group, builds the
-next one on the new store, and the ranks agree on the newest committed step before they go on (at
-a switch to a round that only adds ranks the old ranks go on at once, the agreement beside their
-step: in_place.py's `_heal`). What experiments with gloo showed, and how this module answers each:
+At a membership change the agent forms the new round and hands the live workers an `Assignment` (the
+round, their new rank and world, the round's store); each worker drops its group, builds the next one on
+the new store, and the ranks agree on the newest committed step before they go on (at a switch to a round
+that only adds ranks the old ranks go on at once, the agreement beside their step). What gloo does, and
+how this module answers each:
 
-- **An abandoned collective completes when a frozen peer thaws, and writes into whatever buffer it
-  was given.** Every collective here runs on a *staging copy* of the caller's tensor and copies the
-  result back only if it completed in time: a zombie writes into a copy nobody reads.
+- **An abandoned collective completes when a frozen peer thaws, and writes into whatever buffer it was
+  given.** Every collective here runs on a *staging copy* of the caller's tensor and copies the result
+  back only if it completed in time: a zombie writes into a copy nobody reads.
 - **Neither `abort()` nor `shutdown()` cancels a gloo collective blocked on a frozen peer**, so the
-  calling thread never blocks in one: it waits for the work's completion (woken by it) against a
-  deadline and the `broken` event (set by whoever learns of a new assignment), and reports failure
-  as a flag (`Outcome`), never by hanging.
-- **An old group's destructor blocks for its op timeout** (about 10 s with a 10 s timeout) while a
-  zombie op is pending: old groups go to a *graveyard* that holds them, never freed on the training
-  thread (a grave is let go by a reaper thread as soon as no op of it can run: once its last
-  collective ended, or once the op timeout has passed); at most `GRAVEYARD` at once, after which the
-  worker must take the restart path.
-- **A group whose peer died can spin its event loop until its sockets close**: a survivor's ring
-  all-reduce that failed on the dead peer gives up its receive buffer while the live neighbour's
-  data for it is still on the way; gloo's loop then finds the socket readable and nowhere to read
-  into, on every turn (level-triggered epoll), and uses a whole core. Neither `abort()` nor
-  `shutdown()` closes them (both are no-ops for gloo in torch 2.13), and freeing the group does not
-  while a collective of it runs (one stuck behind the spinning socket runs to the op timeout). So
-  the reaper looks at a grave the moment it is dug, not at the next re-form, lets it go if nothing
-  of it runs, and otherwise closes its connections first (`close_connections`), which fails what
-  runs; a zombie then never writes at all (bench/README.md, "a dead group's spinning loop").
+  calling thread never blocks in one: it waits for the work's completion (woken by it) against a deadline
+  and the `broken` event (set by whoever learns of a new assignment), and reports failure as a flag
+  (`Outcome`), never by hanging.
+- **An old group's destructor blocks for its op timeout while a zombie op is pending**: old groups go to
+  a *graveyard* that holds them, never freed on the training thread; a reaper thread lets a grave go as
+  soon as no op of it can run (its last collective ended, or the op timeout passed); at most `GRAVEYARD`
+  at once, after which the worker takes the restart path.
+- **A group whose peer died can spin its event loop until its sockets close** (a failed ring all-reduce
+  gives up its receive buffer while a live neighbour's data is on the way; gloo's level-triggered loop
+  then finds the socket readable, on every turn), and neither `abort()`, `shutdown()` nor freeing the
+  group closes them while a collective runs. So the reaper looks at a grave the moment it is dug, lets it
+  go if nothing of it runs, and otherwise closes its connections first (generation.close_connections),
+  which fails what runs; a zombie then never writes at all.
 - **gloo's constructor blocks until every rank of the generation has come**: a group is built on a
-  thread of its own and abandoned when a newer round arrives first (a rank that moved on never comes).
-- **One TCPStore client serialises every thread that shares it**: each generation has a client of
-  its own, used only by the thread that builds the group.
+  thread of its own (generation.Build) and abandoned when a newer round arrives first.
+- **One TCPStore client serialises every thread that shares it**: each generation has a client of its
+  own, used only by the thread that builds the group.
 
 On GPUs a generation has two groups: the gloo one for the agreements (`control=True`) and an NCCL
-communicator for the gradients and a heal's state, made, aborted and probed by its data plane
-(planes.py, which says how NCCL differs). On CPU the gloo group carries both.
+communicator for the gradients and a heal's state, made, aborted and probed by its data plane (planes.py,
+which says how NCCL differs). On CPU the gloo group carries both.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distributed re-exports
 
 from torchspot_trainer.handover import Assignment
+from torchspot_trainer.recovery.generation import Build, Grave, close_connections
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.planes import HostPlane, Parent
+from torchspot_trainer.recovery.resume import newest
 from torchspot_trainer.recovery.wire import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -88,156 +82,9 @@ once; a data group's retirement and the op timeout's horizon are looked at so.""
 SIZES_TAG, STATE_TAG = 1, 2
 """The tags of a heal's two sends to a receiver (`send_state`, `StateArrival`): the state's sizes, then
 its buffer. A generation's group is new, so its tags are too."""
-CLOSE_TAG = 0x70_00_00_01
-"""The tag of `close_connections`'s receive, which nobody sends on."""
-CLOSE_WAIT = timedelta(milliseconds=1)
-"""How long that receive is waited for: its timeout is what closes the group's connections."""
 SEND_SETTLED = timedelta(milliseconds=50)
 """How long `_settle_sends` waits for a send it expects ended (a positive timeout: gloo's wait takes
 zero for none)."""
-DATA_PREFIX = "data/"
-"""Under `generation/<g>/`: the keys of the generation's data group where it is a group of its own."""
-
-
-@dataclass
-class _Grave:
-    """An old generation, held until nothing of it can run (`LiveGroup._reap`)."""
-
-    control: Any
-    parent: Parent
-    """Its data group, retired (aborted) by the next generation's build."""
-    store: Any
-    staging: dict[int, torch.Tensor]
-    """Buffers a collective or send of it may still write or read, by id (`LiveGroup._staging`)."""
-    since: float
-    closed: bool = False
-    """Its connections were closed (`close_connections`) while a collective of it was in flight."""
-    data: frozenset[int] = frozenset()
-    """The ids of `staging`'s buffers that its data group's work uses (a device communicator's): let go
-    once that group's abort has returned (`LiveGroup._reap`), after which no kernel of it can run."""
-    build: threading.Event | None = None
-    """An abandoned group build's end (`_Build.done`), where its communicator holds device memory: the
-    grave stays until it ended."""
-
-
-def close_connections(group: Any) -> None:
-    """Close every connection of a gloo `group` that a generation left with collectives in flight.
-
-    Freeing a gloo group closes its sockets, but not while a collective of it runs, and neither
-    `abort()` nor `shutdown()` does anything for gloo (torch 2.13). A collective stuck on a peer
-    that is gone would hold them until the op timeout (30 s), and its group's event loop may spin a
-    core meanwhile (module docstring). A receive from a peer, waited for with a timeout, is the one
-    door gloo leaves: its timeout makes the group's context signal every connection (gloo's
-    "Application timeout caused pair closure"), each is closed, and every collective in flight fails
-    at once. The peers still in that generation see their connections closed, as after a crash.
-    Called on the reaper's thread (about 10 ms here). Where every connection failed already, nothing
-    is left open to close."""
-    rank, world = group.rank(), group.size()
-    for peer in range(world):
-        if peer == rank:
-            continue
-        try:
-            work = group.recv([torch.zeros(1)], peer, CLOSE_TAG)
-        except RuntimeError:  # this connection failed already: it is closed
-            continue
-        with contextlib.suppress(RuntimeError):  # the timeout: every connection of the group closed with it
-            work.wait(CLOSE_WAIT)  # (it cannot complete: nobody sends on CLOSE_TAG)
-        return
-
-
-class _Build:
-    """One generation's group build on a thread of its own (gloo's constructor blocks until every rank
-    has come): its store client, its gloo group, then its data plane's group. `done` is set when it
-    ended either way; `result` then holds (control, data, store) or the exception. `abandoned`: the
-    caller gave it up (what it makes after is ended, not used).
-
-    :param connect: how long gloo's constructor waits for the other ranks (a deferred round's build
-        waits for its joiners' set-up); the group's op timeout is `live.op_timeout` after that.
-    :param on_done: called on the build's thread when it ended (given here: a build that fails at
-        once may end before its caller could set anything on it).
-    """
-
-    def __init__(
-        self,
-        live: LiveGroup,
-        assignment: Assignment,
-        parent: Parent | None,
-        *,
-        connect: timedelta | None = None,
-        on_done: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.assignment = assignment
-        self.parent = parent
-        self.result: tuple[Any, Any, Any] | Exception | None = None
-        self.done = threading.Event()
-        self.abandoned = threading.Event()
-        self.on_done = on_done
-        self._communicator: Any = None
-        """The data plane's communicator once made (`_made`), before its first collective."""
-        self._ended = False
-        """That communicator was aborted, here or by `abandon` (once)."""
-        self._lock = threading.Lock()
-        self._live = live
-        self._connect = connect or live.op_timeout
-        self.thread = threading.Thread(target=self._run, name=f"torchspot-group-{assignment.generation}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        assignment, live, parent = self.assignment, self._live, self.parent
-        try:
-            store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self._connect)
-            prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
-            control = dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self._connect)
-            if self._connect != live.op_timeout:
-                control.set_timeout(live.op_timeout)
-            data = live.plane.make(
-                PrefixStore(DATA_PREFIX, prefixed), control, timeout=live.op_timeout, parent=parent,
-                abandoned=self.abandoned, made=self._made,
-            )  # fmt: skip
-            if self.abandoned.is_set() and live.plane.separate:  # made too late: nobody will use or end it
-                self._end(data)
-            self.result = (control, data, store)
-        except Exception as exc:  # the store went away, or a peer never came within the op timeout
-            self.result = exc
-            with self._lock:
-                communicator = self._communicator
-            if communicator is not None:  # made, then failed or given up: nobody will use it
-                self._end(communicator)
-        finally:
-            if parent is not None:  # never made (the build failed first): retired all the same
-                parent.retire()
-            self.done.set()
-            self.on_done()
-
-    def _made(self, communicator: Any) -> None:
-        """The data plane made its communicator (before its first collective, which waits for its init)."""
-        with self._lock:
-            self._communicator = communicator
-        if self.abandoned.is_set():
-            self._end(communicator)
-
-    def _end(self, communicator: Any) -> None:
-        """Abort the build's communicator, once, whoever asks first."""
-        with self._lock:
-            if self._ended:
-                return
-            self._ended = True
-        self._live.plane.abort(communicator)
-
-    def abandon(self) -> None:
-        """Give the build up (a newer round, or the caller's deadline). A communicator already made is
-        aborted from here, on a thread of its own: the build's own thread may wait in C++ for the init
-        of a non-blocking communicator whose peer never comes (its first collective), out of reach of
-        `abandoned` until the nonblocking timeout (planes.py's `generation_environment`)."""
-        self.abandoned.set()
-        if self.parent is not None:  # no later build shrinks it: its abort need not wait for this one
-            self.parent.retire()
-        with self._lock:
-            communicator = None if self._ended else self._communicator
-        if communicator is not None:
-            threading.Thread(
-                target=self._end, args=(communicator,), name="torchspot-abandon", daemon=True
-            ).start()  # fmt: skip
 
 
 class LiveGroup:
@@ -272,7 +119,7 @@ class LiveGroup:
         offered it yet). Every rank of it completed the same step, so the new ranks that trained it
         are known before the next generation's heal agrees on it (in_place.py's `_heal`)."""
         self._pending: Assignment | None = None
-        self._prebuilt: _Build | None = None
+        self._prebuilt: Build | None = None
         """The deferred round's group, built while the current generation trains on (`offer`)."""
         self._lock = threading.Lock()
         self._announced = -1
@@ -283,7 +130,7 @@ class LiveGroup:
         self._clean = True
         """No work of the data group abandoned in flight or failed (a shrink may then go without abort)."""
         self._store: Any = None
-        self._graveyard: list[_Grave] = []
+        self._graveyard: list[Grave] = []
         self._graves = threading.Lock()
         """Guards `_graveyard`, which the reaper thread empties beside the training thread's re-forms."""
         self._wake_reaper = threading.Event()
@@ -348,7 +195,7 @@ class LiveGroup:
                 self.broken.clear()
         build = self._take_prebuilt(assignment)
         if build is None:
-            build = _Build(self, assignment, parent)
+            build = Build(assignment, self.plane, self.op_timeout, parent)
         elif parent is not None:  # built beside it while it trained on (a join: nothing to shrink)
             parent.retire()
         while not build.done.wait(POLL_SECONDS * 5):
@@ -388,7 +235,7 @@ class LiveGroup:
                 self._data if self.plane.separate else None, previous.generation, previous.rank, previous.world,
                 clean=self._clean, abort=self.plane.abort, on_retired=self._wake_reaper.set,
             )  # fmt: skip
-            self._dig(_Grave(self._group, parent, self._store, self._staging, now, data=frozenset(self._data_held)))
+            self._dig(Grave(self._group, parent, self._store, self._staging, now, data=frozenset(self._data_held)))
             self.retirements += parent.group is not None
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
         self._staging, self._sending, self._data_held = {}, [], set()
@@ -467,8 +314,8 @@ class LiveGroup:
         if not deferred:
             self.supersede(assignment.generation)
             return
-        build = _Build(
-            self, assignment, None, connect=self.op_timeout + timedelta(seconds=READY_SECONDS),
+        build = Build(
+            assignment, self.plane, self.op_timeout, None, connect=self.op_timeout + timedelta(seconds=READY_SECONDS),
             on_done=lambda: self._ready(assignment),
         )  # fmt: skip
         with self._lock:
@@ -497,7 +344,7 @@ class LiveGroup:
             if self._pending is assignment:
                 self.joiners_ready.set()
 
-    def _take_prebuilt(self, assignment: Assignment) -> _Build | None:
+    def _take_prebuilt(self, assignment: Assignment) -> Build | None:
         """The build `offer` started for `assignment`'s generation, if any; one for another is given up."""
         with self._lock:
             build, self._prebuilt = self._prebuilt, None
@@ -507,16 +354,16 @@ class LiveGroup:
             return None
         return build
 
-    def _bury(self, build: _Build) -> None:
+    def _bury(self, build: Build) -> None:
         """An abandoned group build: held like a generation's grave (nothing of it to retire); where the
-        plane's communicator holds device memory, until the build ended (its abort: `_Build.abandon`),
+        plane's communicator holds device memory, until the build ended (its abort: `Build.abandon`),
         so that GRAVEYARD bounds them too."""
         parent = Parent(None, self.generation, -1, 0, clean=True, abort=None)
         parent.retire()
         ends = build.done if self.plane.separate else None
-        self._dig(_Grave(build.thread, parent, None, {}, time.monotonic(), build=ends))
+        self._dig(Grave(build.thread, parent, None, {}, time.monotonic(), build=ends))
 
-    def _dig(self, grave: _Grave) -> None:
+    def _dig(self, grave: Grave) -> None:
         """Hold `grave` until no op of it can run, and have the reaper look at once: a generation left
         after a peer died may already be free to go, and until it goes its loop may spin (module
         docstring). The reaper thread runs while graves are held."""
@@ -558,8 +405,8 @@ class LiveGroup:
         eight re-forms within 30 s pushed every survivor to the restart path. An abandoned build of a
         device communicator stays until its thread ended. Called with `_graves` held."""
         horizon = time.monotonic() - self.op_timeout.total_seconds()
-        old: list[_Grave] = []
-        kept: list[_Grave] = []
+        old: list[Grave] = []
+        kept: list[Grave] = []
         for grave in self._graveyard:
             if grave.parent.retired.is_set():  # its device communicator's abort returned: no kernel writes now
                 for key in grave.data:
@@ -879,14 +726,6 @@ class StateArrival:
         if self._failed:
             raise GroupChanged(Outcome.FAILED)
         return self._state
-
-
-def newest(rows: list[list[float]]) -> tuple[int, int]:
-    """(the newest committed step, the lowest rank that holds it) from `agree` rows whose first value
-    is each rank's committed step. Pure. A rank that committed a step the others did not (its
-    all-reduce completed, a peer's failed) is the one the others heal from."""
-    step = max(int(row[0]) for row in rows)
-    return step, next(rank for rank, row in enumerate(rows) if int(row[0]) == step)
 
 
 def wait_for_assignment(read: Callable[[], Assignment | None], after: int, deadline: float) -> Assignment | None:

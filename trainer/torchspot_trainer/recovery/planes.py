@@ -256,7 +256,7 @@ class HostPlane:
         group build's thread after `control` (the generation's gloo group: its rank and size) formed;
         may shrink `parent`, and retires it. A group of its own is handed to `made` as soon as it
         exists, before its first collective: the caller owns it from then on, and aborts it where the
-        build fails or is given up (live.py's `_Build`). Raises RuntimeError when `abandoned` is set
+        build fails or is given up (generation.py's `Build`). Raises RuntimeError when `abandoned` is set
         first (the caller gave the build up: a newer round, or its deadline)."""
         if parent is not None:
             parent.retire()

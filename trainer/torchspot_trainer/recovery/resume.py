@@ -216,3 +216,11 @@ def _state_from(
         )
     assert state is not None
     return state
+
+
+def newest(rows: list[list[float]]) -> tuple[int, int]:
+    """(the newest committed step, the lowest rank that holds it) from `agree` rows whose first value
+    is each rank's committed step. Pure. A rank that committed a step the others did not (its
+    all-reduce completed, a peer's failed) is the one the others heal from."""
+    step = max(int(row[0]) for row in rows)
+    return step, next(rank for rank, row in enumerate(rows) if int(row[0]) == step)
