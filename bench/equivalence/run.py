@@ -34,7 +34,7 @@ from torchspot_lab.local import JobConfig, LocalNode, read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager
 from torchspot_trainer.checkpoint.storage import open_storage
 
-PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--epochs", str(EPOCHS), "--checkpoint-every", "10"]
+PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--epochs", str(EPOCHS), "--checkpoint-every", "10", "--no-in-place"]
 """tests/trainer/test_training.py's configuration (without its eviction settings)."""
 
 

@@ -7,9 +7,10 @@ In the lab sandbox (real operator, etcd, torchrun agents, workers, Azurite), in 
    market's capacity takes; each gives the samples per second k nodes make. Each trains
    its first epoch and one step past it, so the reference also pays for the evaluation every
    epoch ends with (2-9 s here), as the market's runs do;
-2. torchspot as shipped (bench/goodput/torchspot.yaml) through bench/goodput/market.yaml; with
-   --in-place, the same job with the trainer's `--in-place` (the calibrations stay the job as
-   shipped: an uninterrupted run's speed with DDP is the reference either way);
+2. torchspot's restart path (bench/goodput/torchspot.yaml, the trainer with `--no-in-place`) through
+   bench/goodput/market.yaml; with --in-place, the same job with the trainer's `--in-place` (the
+   calibrations stay the restart path's job: an uninterrupted run's speed with DDP is the reference
+   either way);
 3. the calibration again: the reference is the mean of the two, because a shared
    machine's speed drifts by several percent in the minutes between them, as much as
    the gap the benchmark measures (run 13 trained slower between events than its

@@ -44,7 +44,7 @@ def _small_job(tmp: Path) -> Path:
     replaced = ("--epochs", "--global-batch-size", "--model", "--in-place")
     args = [a for a in container["args"][2:] if not a.startswith(replaced)]
     container["args"] = [str(SCRIPTED), *args, "--model=small_cnn", "--global-batch-size=12", "--epochs=100",
-                         f"--max-steps={STEPS}"]  # fmt: skip
+                         f"--max-steps={STEPS}", "--no-in-place"]  # fmt: skip
     container.setdefault("env", []).append({"name": "STEP_PACE", "value": str(STEP_PACE)})
     job["spec"]["checkpoint"]["intervalSteps"] = 5
     path = tmp / "job.yaml"

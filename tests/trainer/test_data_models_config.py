@@ -32,6 +32,7 @@ from torchspot_trainer.run import (
     NodeFault,
     build_model,
     choose_device,
+    choose_in_place,
     exit_node_fault,
     in_place_refusal,
     probe_device,
@@ -338,6 +339,39 @@ def test_in_place_is_refused_outside_torchspot_run_and_with_sync_bn() -> None:
     assert elsewhere is not None
     assert "--in-place" in elsewhere
     assert "torchspot-run" in elsewhere
+    assert in_place_refusal(None, {}, sync_bn=True) is None  # unset: choose_in_place takes the restart path
+
+
+@pytest.mark.parametrize(
+    ("flag", "under_ours", "sync_bn", "in_place", "said"),
+    [
+        (None, True, False, True, "in place, torchspot-run's agent hands this worker each new round"),
+        (None, False, False, False, "the restart path: in place needs torchspot-run"),
+        (None, True, True, False, "the restart path: --sync-bn"),
+        (False, True, False, False, "the restart path, as asked (--no-in-place)"),
+        (True, True, False, True, "in place, as asked (--in-place)"),
+    ],
+)
+def test_the_trainer_re_forms_in_place_unless_told_otherwise_or_it_cannot(
+    flag: bool | None, under_ours: bool, sync_bn: bool, in_place: bool, said: str
+) -> None:
+    """--in-place unset: in place wherever it can run, else the restart path with the reason in one line,
+    which names what to change."""
+    environ = {PEER_LOST_ENV: "/tmp/agent/peer-lost"} if under_ours else {}
+    chosen, why = choose_in_place(flag, environ, sync_bn=sync_bn)
+    assert chosen is in_place
+    assert why.startswith(said)
+    assert any(cause in why for cause in ("--no-in-place", "--in-place", "torchspot-run", "--sync-bn"))
+
+
+def test_in_place_unset_is_a_switch_left_unset_and_its_variable_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bool | None` flags parse as switches whose absence leaves None (config.build_parser)."""
+    assert parse_config(["--data", "x"]).in_place is None
+    assert parse_config(["--data", "x", "--in-place"]).in_place is True
+    assert parse_config(["--data", "x", "--no-in-place"]).in_place is False
+    monkeypatch.setenv("TORCHSPOT_IN_PLACE", "false")
+    assert parse_config(["--data", "x"]).in_place is False
+    assert parse_config(["--data", "x", "--in-place"]).in_place is True  # the flag wins
 
 
 @pytest.mark.parametrize(("dataset", "model", "shape"), [

@@ -208,7 +208,10 @@ def test_the_blob_sdk_is_preloaded_only_for_a_trainer_that_uses_blob(
         (["-m", "torchspot_trainer", "--dataset", "digits", "--in-place"], {}, True),
         (["-m", "torchspot_trainer", "--dataset", "digits"], {IN_PLACE_ENV: "true"}, True),  # the operator's way
         (["-m", "torchspot_trainer", "--dataset", "digits", "--no-in-place"], {IN_PLACE_ENV: "true"}, False),
-        (["-m", "torchspot_trainer", "--dataset", "digits"], {}, False),  # the restart path: once warm
+        (["-m", "torchspot_trainer", "--dataset", "digits"], {}, True),  # in place unless told otherwise
+        (["-m", "torchspot_trainer", "--dataset", "digits", "--no-in-place"], {}, False),  # the restart path
+        (["-m", "torchspot_trainer", "--dataset", "digits", "--sync-bn"], {}, False),  # which refuses in place
+        (["-m", "torchspot_trainer", "--dataset", "digits"], {"TORCHSPOT_SYNC_BN": "1"}, False),
         (["-m", "torchspot_trainer", "--in-place", "--data", "az://datasets/cifar10"], {}, False),  # stages first
         (["-m", "torchspot_lab.toy_train", "--in-place"], {}, False),  # not ours: it may be restarted
     ],

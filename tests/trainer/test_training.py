@@ -72,11 +72,22 @@ where the noise is most amplified, late in the run). Measured: 1.1e-5 (LR 0.03; 
 at 0.05)."""
 
 
-def _job(tmp: Path, etcd: EtcdServer, azurite: Azurite, run_id: str, *, nnodes: str = "1:3", **extra: str) -> JobConfig:
+def _job(
+    tmp: Path,
+    etcd: EtcdServer,
+    azurite: Azurite,
+    run_id: str,
+    *,
+    nnodes: str = "1:3",
+    in_place: bool = False,
+    **extra: str,
+) -> JobConfig:
+    """The trainer's job on real agents, the restart path unless `in_place` (the trainer's default there)."""
     events = tmp / "train-events.jsonl"
     program = [
         "-m", "torchspot_trainer", *SAME_MODEL, "--epochs", str(EPOCHS), "--checkpoint-every", "10",
         "--checkpoint-uri", f"az://ckpt/{run_id}", "--events-file", str(events), "--notice-hold", "60",
+        "--in-place" if in_place else "--no-in-place",
     ]  # fmt: skip
     for key, value in extra.items():
         program += [f"--{key.replace('_', '-')}", value]
@@ -259,8 +270,7 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     # reduction order (TOLERANCE), and the suite's cores are spared the processes.
     fixed = _job(tmp_path / "fixed", etcd, azurite, run_id + "-fixed", nnodes="1:1")
     elastic = _job(tmp_path / "elastic", etcd, azurite, run_id + "-elastic")
-    in_place = _job(tmp_path / "in-place", etcd, azurite, run_id + "-in-place")
-    in_place.program.append("--in-place")
+    in_place = _job(tmp_path / "in-place", etcd, azurite, run_id + "-in-place", in_place=True)
 
     with ThreadPoolExecutor(3) as pool:
         runs = [pool.submit(_elastic_run, job, nodes) for job in (elastic, in_place)]

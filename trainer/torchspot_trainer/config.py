@@ -135,12 +135,13 @@ class TrainConfig:
     """Seconds a step (or any wait on the group) may take before the worker counts its group as
     broken: it writes its node's snapshot, aborts its communicator and exits, and the agents
     re-form the group. The process group's own timeout is twice this (the watchdog acts first)."""
-    in_place: bool = False
-    """Re-form in place at a membership change (torchspot-run with etcd-v3): the workers keep their
-    processes, rebuild only their group and take the newest state from a live peer, instead of being
-    restarted; a worker that cannot is restarted as without it. On GPUs each generation's data travel
-    on an NCCL communicator of its own (recovery/planes.py): built by NCCL's documented semantics,
-    not measured across GPUs."""
+    in_place: bool | None = None
+    """Re-form in place at a membership change: the workers keep their processes, rebuild only their
+    group and take the newest state from a live peer, instead of being restarted; a worker that cannot
+    is restarted as without it. Unset: in place wherever it can run (under torchspot-run with etcd-v3,
+    without --sync-bn), else the restart path, said in one line; --no-in-place: the restart path. On
+    GPUs each generation's data travel on an NCCL communicator of its own (recovery/planes.py): built
+    by NCCL's documented semantics, not measured across GPUs."""
     snapshot_every: int = 1
     """GPUs: steps between host copies of the state, which a node's snapshot is written from (1:
     the snapshot holds the last completed step; K: a copy costs 1/K as much, and the snapshot may
@@ -306,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     TORCHSPOT_CHECKPOINT_URI): the operator passes the job's settings that way without
     rewriting the user's command line, and a flag given on it still wins. A field that may
     be None (`float | None`) is a flag whose default comes from the data set's recipe; a
-    bool field is an on/off switch (`--sync-bn`, `--no-sync-bn`).
+    bool field is an on/off switch (`--sync-bn`, `--no-sync-bn`), and a `bool | None` one a switch
+    that may be left unset (`--in-place`).
     """
     parser = argparse.ArgumentParser(
         prog="python -m torchspot_trainer",
@@ -320,14 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
         kind: Any = hints[item.name]
         kwargs: dict[str, Any] = {"type": kind, "help": docs.get(item.name, "").replace("%", "%%")}
         from_env = os.environ.get(ENV_PREFIX + item.name.upper())
-        if isinstance(kind, types.UnionType):  # X | None: absent means "the recipe's"
-            kwargs["type"] = next(arg for arg in get_args(kind) if arg is not type(None))
+        if isinstance(kind, types.UnionType):  # X | None: absent means "the recipe's" (a switch: "unset")
+            kind = kwargs["type"] = next(arg for arg in get_args(kind) if arg is not type(None))
             if from_env is None:
                 kwargs["default"] = argparse.SUPPRESS  # the dataclass's None; --help shows no "None"
         if kind is bool:
             del kwargs["type"]
             kwargs["action"] = argparse.BooleanOptionalAction
-            kwargs["default"] = item.default if from_env is None else _switch(flag, from_env)
+            if from_env is not None:
+                kwargs["default"] = _switch(flag, from_env)
+            elif "default" not in kwargs:
+                kwargs["default"] = item.default
         elif from_env is not None:  # argparse converts a string default with `type`, as if typed
             kwargs["default"] = from_env
         elif item.default is MISSING:

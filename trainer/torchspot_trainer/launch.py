@@ -513,13 +513,14 @@ def staging_command(args: argparse.Namespace, environ: Mapping[str, str] = os.en
     return [sys.executable, "-m", STAGE_MODULE, *args.training_script_args]
 
 
-IN_PLACE_ENV = f"{ENV_PREFIX}IN_PLACE"
-"""The trainer's --in-place, from its environment (config.py's TORCHSPOT_<FLAG> rule)."""
+IN_PLACE_ENV, SYNC_BN_ENV = f"{ENV_PREFIX}IN_PLACE", f"{ENV_PREFIX}SYNC_BN"
+"""The trainer's --in-place and --sync-bn, from its environment (config.py's TORCHSPOT_<FLAG> rule)."""
 
 
 def joins_while_warming(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the agent joins the rendezvous while its fork server still imports, instead of after:
-    for our trainer with `--in-place` and no data set to stage. Pure.
+    for our trainer in place (unless `--no-in-place` or `--sync-bn`: run.choose_in_place) and with no data
+    set to stage. Pure.
 
     Why: a running job's workers that re-form in place train on in their generation until a joiner's
     worker is in the new round's group build (live.py's deferred join), so the joiner's imports cost
@@ -528,11 +529,12 @@ def joins_while_warming(args: argparse.Namespace, environ: Mapping[str, str] = o
     place) joins once warm, as does a node that stages its data set from the server first."""
     if not runs_our_trainer(args) or needs_staging(args.training_script_args, environ):
         return False
-    parser = argparse.ArgumentParser(add_help=False)
-    on = env_switch(environ.get(IN_PLACE_ENV, "")) is True  # a bad value: the trainer says so, once warm
-    parser.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=on)
+    in_place, sync_bn = environ.get(IN_PLACE_ENV), env_switch(environ.get(SYNC_BN_ENV, ""))
+    parser = argparse.ArgumentParser(add_help=False)  # (a bad value: the trainer says so, once warm)
+    parser.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=in_place and env_switch(in_place))
+    parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=sync_bn)
     known, _ = parser.parse_known_args(args.training_script_args)
-    return bool(known.in_place)
+    return known.in_place is True or (known.in_place is None and known.sync_bn is not True)
 
 
 def needs_staging(trainer_args: list[str], environ: Mapping[str, str]) -> bool:

@@ -48,6 +48,7 @@ __all__ = [
     "build_model",
     "build_run",
     "choose_device",
+    "choose_in_place",
     "decode_refusal",
     "exit_node_fault",
     "form_default_group",
@@ -160,8 +161,9 @@ def sync_bn_refusal(sync_bn: bool, device: torch.device) -> str | None:
     return None
 
 
-def in_place_refusal(in_place: bool, environ: Mapping[str, str], *, sync_bn: bool = False) -> str | None:
-    """Why `--in-place` cannot run in this worker, or None. Pure.
+def in_place_refusal(in_place: bool | None, environ: Mapping[str, str], *, sync_bn: bool = False) -> str | None:
+    """Why an asked-for `--in-place` cannot run in this worker, or None (also where it was not asked for:
+    `choose_in_place` then takes the restart path). Pure.
 
     Only torchspot-run's agent hands a round over (handover.py); under another launcher no round
     would ever come. (On GPUs its generations' data travel on NCCL communicators: planes.py.) Not with
@@ -178,6 +180,21 @@ def in_place_refusal(in_place: bool, environ: Mapping[str, str], *, sync_bn: boo
             "place does not have (it would use each GPU's own statistics); drop one of them"
         )
     return None
+
+
+def choose_in_place(in_place: bool | None, environ: Mapping[str, str], *, sync_bn: bool = False) -> tuple[bool, str]:
+    """(whether the trainer re-forms in place, why): `--in-place` unset takes in place wherever it can run
+    (`in_place_refusal`'s rules) and the restart path elsewhere, so that a job under torchspot-run gets
+    its best path without a flag; `--no-in-place` the restart path. Pure; an asked-for `--in-place` that
+    cannot run is `in_place_refusal`'s."""
+    if in_place is False:
+        return False, "the restart path, as asked (--no-in-place)"
+    if in_place is None and PEER_LOST_ENV not in environ:
+        return False, "the restart path: in place needs torchspot-run (etcd-v3), whose agent hands workers each round"
+    if in_place is None and sync_bn:
+        return False, "the restart path: --sync-bn syncs over torch's default group, which in place has none of"
+    asked = "as asked (--in-place)" if in_place else "torchspot-run's agent hands this worker each new round"
+    return True, f"in place, {asked}; --no-in-place takes the restart path"
 
 
 def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:

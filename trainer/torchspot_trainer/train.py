@@ -97,6 +97,7 @@ from torchspot_trainer.run import (
     Run,
     build_model,
     build_run,
+    choose_in_place,
     decode_refusal,
     form_default_group,
     in_place_refusal,
@@ -137,9 +138,12 @@ class Trainer:
         refusal = in_place_refusal(config.in_place, os.environ, sync_bn=config.sync_bn)
         if refusal:
             raise SystemExit(refusal)
+        in_place, why = choose_in_place(config.in_place, os.environ, sync_bn=config.sync_bn)
+        if self.rank == 0:  # said once per job
+            log.info("torchspot: %s", why)
         self.precision = Precision(config.precision, self.device)
         self._in_place: InPlace | None = None
-        if config.in_place:  # made at once: a round handed over during the set-up is acknowledged
+        if in_place:  # made at once: a round handed over during the set-up is acknowledged
             self._in_place = InPlace(
                 self.device, nccl=self.backend == "nccl", rank=self.rank, world=self.world,
                 collective_timeout=config.collective_timeout, scaled=self.precision.scaler is not None,
