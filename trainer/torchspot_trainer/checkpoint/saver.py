@@ -131,7 +131,7 @@ def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
 
 
 class SaverProcess:
-    """One child process that runs `make_writer()`'s writer on states handed over in shared memory.
+    """One child process that runs `make_writer()`'s writer on states passed in shared memory.
 
     :param make_writer: a picklable callable, run once in the child with the hook that
         tells the parent of a failed attempt, returning the writer.

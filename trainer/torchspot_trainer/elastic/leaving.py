@@ -72,7 +72,7 @@ class Leaving:
         keep (before the first resume, after the run).
     :param before_exit: a stuck worker's last call after its snapshot (its save in flight's moment).
     :param snapshot: the node's snapshot file (`node_snapshot`), or None: none kept.
-    :param step_of: the step of a state `kept` hands over.
+    :param step_of: the step of a state `kept` gives.
     :param stuck_exit_after: seconds a worker stuck after its SIGTERM has before it exits (signals.py).
     :param vm_name: this VM's name in Scheduled Events (None: the metadata service's).
     :param write_wait: seconds a snapshot's write may hold the worker (None: until written, where a

@@ -605,7 +605,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def _failed_alone(self) -> bool:
         """Whether a local worker failed in this agent's round, in place, longer ago than twice the
         liveness timeout, and no member is lost: it waits for a next round that no change would
-        bring. Every rank fails alike where the heal's agreement refutes a hand-over (in_place.py's
+        bring. Every rank fails alike where the heal's agreement refutes a go-ahead (in_place.py's
         `_heal`), and a soak's survivor so waited 30 s for one, until it was restarted (before
         27d6ae6 let a held joiner in, and again, 2.6 s, where no joiner came). A failure that a
         lost member caused is judged by liveness first, within the liveness timeout."""
