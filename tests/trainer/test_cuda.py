@@ -17,7 +17,7 @@ from torchspot_trainer.data.loader import DeviceAhead, crop_resize, to_device
 from torchspot_trainer.optim import build_optimizer
 from torchspot_trainer.precision import Precision
 from torchspot_trainer.recovery.group import group_device
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
 from torchspot_trainer.run import node_device, probe_device
 
 pytestmark = pytest.mark.cuda
@@ -70,7 +70,7 @@ def test_the_host_copy_on_a_side_stream_is_the_boundarys_state() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32)).to(device)
     copy = HostCopy(device)
     at_boundary = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    copy.capture(1, with_boundary_buffers(model, lambda: {"model": model.state_dict(), "step": 1}))
+    copy.capture(1, with_frozen(list(model.buffers()), lambda: {"model": model.state_dict(), "step": 1}))
     model.train()
     model(torch.randn(256, 64, device=device) + 3)  # the next forward, queued behind the copy
     held = copy.with_copy_of(1, lambda state: state)

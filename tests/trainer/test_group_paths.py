@@ -46,7 +46,7 @@ from torchspot_trainer.recovery.group import (
     nccl_environment,
     peer_failure,
 )
-from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_boundary_buffers
+from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_frozen
 from torchspot_trainer.recovery.notices import (
     NOTICE_LEAVING,
     NOTICE_RESTART,
@@ -341,7 +341,7 @@ def test_the_state_of_a_boundary_keeps_its_batchnorm_statistics_through_the_next
     later = _Later()
     copy = HostCopy(torch.device("cpu"), fill=later.fill if device == "side-stream" else None)
     at_boundary = model.get_buffer("1.running_mean").clone()
-    copy.capture(1, with_boundary_buffers(model, lambda: {"model": model.state_dict(), "step": 1}))
+    copy.capture(1, with_frozen(list(model.buffers()), lambda: {"model": model.state_dict(), "step": 1}))
     model.train()
     model(torch.randn(8, 4) + 5)  # the next step's forward
     assert not torch.equal(model.get_buffer("1.running_mean"), at_boundary)

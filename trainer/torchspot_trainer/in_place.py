@@ -38,7 +38,7 @@ from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
 from torchspot_trainer.handover import Assignment, Handover
 from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import nccl_environment
-from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, with_boundary_buffers
+from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, with_frozen
 from torchspot_trainer.recovery.live import OP_TIMEOUT, LiveGroup, StateArrival, wait_for_assignment
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.planes import generation_environment, plane_for
@@ -352,7 +352,7 @@ class InPlace:
         self.trainers = trainers
         receivers = [rank for rank in range(self.world) if rank not in trainers]
         if self.rank == trainers[0]:
-            state = with_boundary_buffers(run.model, partial(self._state, run))()
+            state = with_frozen(list(run.model.buffers()), partial(self._state, run))()
             self._sending = self.live.send_beside(state, receivers, self.device)
         if self.rank in trainers:
             return "live"

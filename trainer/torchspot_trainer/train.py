@@ -78,7 +78,7 @@ from torchspot_trainer.recovery.group import (
     arm_exit_deadline,
     peer_failure,
 )
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_boundary_buffers
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -606,7 +606,7 @@ class Trainer:
         nothing built when no copy is due, nor by a heal's receiver before its state came."""
         receiving = self._in_place is not None and self._in_place.arriving is not None
         if not receiving and self._host.keeps(self.step):
-            self._host.capture(self.step, with_boundary_buffers(run.model, partial(self._state, run)))
+            self._host.capture(self.step, with_frozen(list(run.model.buffers()), partial(self._state, run)))
 
     def _kept(self) -> Kept | None:
         """What the node's snapshot keeps now (elastic/leaving.py): this round's lineage and the host copy of

@@ -38,7 +38,7 @@ written from that copy without touching the device.
   written by the next step's forward passes, before the optimizer's update that `before_update`
   guards: a side-stream copy still reading them (GPU), or a snapshot written from the live state
   during that forward (CPU), would pair step k's weights with part of step k+1's statistics.
-  `with_boundary_buffers` takes copies of them at the boundary (on the device, a few hundred KiB
+  `with_frozen` takes copies of them at the boundary (on the device, a few hundred KiB
   for ResNet-50), and the state is built from those.
 - A checkpoint of a step the ring holds is written from its copy (`with_copy_of`): one wait for
   the device to finish that step, where serializing the live GPU state makes one blocking copy
@@ -315,9 +315,9 @@ class HostCopy:
 def with_frozen(tensors: list[torch.Tensor], build: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
     """`build`, with each of `tensors` (a model's buffers) as it is now, at the step boundary, copied: any
     tensor of the built state whose storage is one of theirs (a `state_dict()` entry is a view of the
-    buffer) is replaced by its copy, wherever the state holds it. For a state built by a caller's own
-    function (the recovery API's `state_dict`), whose layout is the caller's; `with_boundary_buffers`
-    for the trainer's, whose model is under "model"."""
+    buffer) is replaced by its copy, wherever the state holds it, whatever the state's layout (the
+    recovery API's `state_dict` is the caller's; the trainer's holds its model under "model"). Whenever
+    the state is built later, or copied on a side stream, its running statistics are this step's."""
     frozen = {(t.data_ptr(), t.shape): t.detach().clone() for t in tensors if t.numel()}
     if not frozen:
         return build
@@ -328,22 +328,6 @@ def with_frozen(tensors: list[torch.Tensor], build: Callable[[], dict[str, Any]]
         swapped = [frozen.get((t.data_ptr(), t.shape), t) if t.numel() else t for t in live]
         replaced: dict[str, Any] = _replace(built, swapped)
         return replaced
-
-    return state
-
-
-def with_boundary_buffers(model: nn.Module, build: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    """`build` (the trainer's state: the model's under "model"), with the model's buffers as they are
-    now, at the step boundary, copied (see the module docstring): whenever the state is built
-    later, or copied on a side stream, its running statistics are this step's."""
-    frozen = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-
-    def state() -> dict[str, Any]:
-        built = build()
-        weights = built["model"]  # a fresh state_dict: replaced in place, its metadata kept
-        for name in weights.keys() & frozen.keys():
-            weights[name] = frozen[name]
-        return built
 
     return state
 

@@ -542,9 +542,9 @@ class LiveGroup:
 
     def send_beside(self, state: Any, receivers: list[int], device: torch.device) -> Future[None]:
         """`send_state` on this group's sending thread, beside the caller's forward and backward passes
-        of the step its receivers sit out (train.py): packing the state first kept them waiting 3-6 ms
+        of the step its receivers sit out (in_place.py): packing the state first kept them waiting 3-6 ms
         of the busy cores before it left. `state` is built at the boundary, its tensors ones that no
-        pass writes (the model's buffers copied: `hostcopy.with_boundary_buffers`); the step's update
+        pass writes (the model's buffers copied: `hostcopy.with_frozen`); the step's update
         cannot come before the state is packed, as its receivers join the step's all-reduce only once
         they have it. The caller waits for the future before the generation's next collective, so its
         sends and staging are only ever touched by one thread at a time; the future raises what
