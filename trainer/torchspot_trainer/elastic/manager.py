@@ -54,9 +54,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -67,6 +64,7 @@ from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-e
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
+from torchspot_trainer.elastic.buckets import StepBuckets
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import (
@@ -107,18 +105,6 @@ KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
 can block (launch.run_program says why)."""
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
-
-
-@dataclass
-class _Bucket:
-    """One DDP bucket's all-reduce in a step: what it sends (the average's staging copy, with the riders
-    on the last one), DDP's bucket, and the future DDP waits for."""
-
-    staging: torch.Tensor
-    tensor: torch.Tensor
-    last: bool
-    outcome: Outcome | None = None
-    future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
 
 
 class Manager:
@@ -204,12 +190,8 @@ class Manager:
         self._buffers: list[torch.Tensor] = []
         """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
         self._boundary: list[torch.Tensor] = []  # every buffer (BatchNorm's counts too): `_capture` freezes them
-        self._buckets: list[_Bucket] = []
+        self._buckets = StepBuckets()
         """The step's buckets posted so far (`reduce_bucket`)."""
-        self._lock = threading.Lock()
-        """Guards `_buckets` and each bucket's end, which gloo's threads and the watcher's reach."""
-        self._ride: torch.Tensor | None = None
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-buckets")
         self._reporter: CheckpointReporter | None = None
         self._handover: Handover | None = None
         self._live = self._generations() if self.in_place else None
@@ -254,7 +236,7 @@ class Manager:
             raise ApiOrderError("the manager was closed: no step after close()")
         if self._phase == _COMMITTING:
             raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
-        if self._phase == _STEP and (self._buckets if self.in_place else self._computed):
+        if self._phase == _STEP and (self._buckets.posted() if self.in_place else self._computed):
             log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
                         "it): counted now, as its update skipped", self._rank, self._step + 1)  # fmt: skip
             self.update_skipped()
@@ -262,8 +244,7 @@ class Manager:
             self._begin()
         elif self._live is not None and self._live.broken.is_set():
             self._reform()  # a round that came between steps: no step is started in a group that is over
-        with self._lock:
-            self._buckets, self._ride = [], None
+        self._buckets.clear()
         self._phase = _STEP
         self._computed = False
         self._step_started = time.monotonic()
@@ -297,51 +278,12 @@ class Manager:
 
     def reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook, in place: the bucket's average over the current group, started now;
-        its future completes when the all-reduce ended, however it ended (the outcome decides the commit):
-        on gloo's thread as it ends (`LiveGroup.post_told`), or when a newer round breaks the generation
-        (`_break`); on a device plane, a thread of the manager's waits for it (`LiveGroup.post`)."""
+        its future completes when the all-reduce ended, however it ended (the outcome decides the commit:
+        buckets.py)."""
         self.require_step("a backward pass")
-        live = self._live
-        assert live is not None
-        tensor = bucket.buffer()
-        last = bucket.is_last()
-        if last:  # one copy, its gradients' part then divided in place
-            staging = torch.cat([tensor.reshape(-1), self._riders(tensor.dtype, tensor.device)])
-            staging[: tensor.numel()].div_(self._world)
-        else:
-            staging = tensor.reshape(-1) / self._world
-        posted = _Bucket(staging, tensor, last)
-        with self._lock:
-            self._buckets.append(posted)
-        if live.plane.separate:
-            finish = live.post(posted.staging, control=False, owned=True)
-            deadline = self._step_started + self.commit_seconds
-            self._waiter.submit(lambda: self._end(posted, finish(deadline)))
-        elif live.broken.is_set():  # a newer round came before this bucket: nothing to start
-            self._end(posted, Outcome.BROKEN)
-        else:
-            live.post_told(posted.staging, partial(self._end, posted))
-        return posted.future
-
-    def _end(self, posted: _Bucket, outcome: Outcome) -> None:
-        """A bucket's all-reduce ended (or was given up): complete its future, once, with the average (a
-        staging copy nobody reads again unless the outcome is DONE)."""
-        with self._lock:
-            if posted.outcome is not None:
-                return
-            posted.outcome = outcome
-        numel = posted.tensor.numel()
-        if posted.last and outcome is Outcome.DONE:
-            self._ride = posted.staging[numel:].clone()
-        posted.future.set_result(posted.staging[:numel].view_as(posted.tensor))
-
-    def _break(self) -> None:
-        """A newer round broke the generation (the watcher's thread): give up the step's buckets in
-        flight, whose all-reduce may now wait for a peer that moved on (a frozen one, or one re-forming)."""
-        with self._lock:
-            pending = [posted for posted in self._buckets if posted.outcome is None]
-        for posted in pending:
-            self._end(posted, Outcome.BROKEN)
+        assert self._live is not None
+        deadline = self._step_started + self.commit_seconds
+        return self._buckets.post(bucket, self._live, self._world, riders=self._riders, deadline=deadline)
 
     def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """What the last bucket carries beside the gradients (riders.py): the model's buffers, and this
@@ -359,24 +301,20 @@ class Manager:
         if not self.in_place:
             self._phase = _COMMITTING
             return True
-        with self._lock:
-            buckets, self._buckets = self._buckets, []
-        if not buckets:
+        outcomes, ride = self._buckets.take()
+        if not outcomes:
             raise ApiOrderError(
                 "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
                 "elastic DistributedDataParallel model first"
             )
-        for posted in buckets:  # (ended when the backward pass returned: DDP waited for every one)
-            posted.future.wait()
-        outcomes = [posted.outcome or Outcome.BROKEN for posted in buckets]
-        if any(outcome is not Outcome.DONE for outcome in outcomes) or self._ride is None:
+        if any(outcome is not Outcome.DONE for outcome in outcomes) or ride is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._phase = _IDLE
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
                         self._rank, self._step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
             self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
-        self._take_riders(self._ride)
+        self._take_riders(ride)
         self._phase = _COMMITTING
         return True
 
@@ -492,7 +430,7 @@ class Manager:
             os.environ.update(nccl_environment(os.environ))
             os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
         live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
-        live.when_broken(self._break)
+        live.when_broken(self._buckets.give_up)
         KEEP.append(live)
         return live
 

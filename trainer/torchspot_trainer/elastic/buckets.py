@@ -1,0 +1,117 @@
+"""A step's DDP buckets in place: each bucket's average over the current generation, started as DDP's
+communication hook hands it over, and the outcomes the commit rule reads (the manager's module docstring,
+steps 2 and 3).
+
+A bucket's all-reduce runs on a staging copy (recovery/live.py says why); the last one carries the
+riders (riders.py) beside its gradients. Its future completes when the all-reduce ended, however it
+ended: on gloo's thread as it ends (`LiveGroup.post_told`), when a newer round breaks the generation
+(`give_up`), or, on a device plane, when a waiting thread sees it end (`LiveGroup.post`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
+
+from torchspot_trainer.recovery.live import LiveGroup
+from torchspot_trainer.recovery.outcome import Outcome
+
+__all__ = ["StepBuckets"]
+
+
+@dataclass
+class _Bucket:
+    """One DDP bucket's all-reduce in a step: what it sends (the average's staging copy, with the riders
+    on the last one), DDP's bucket, and the future DDP waits for."""
+
+    staging: torch.Tensor
+    tensor: torch.Tensor
+    last: bool
+    outcome: Outcome | None = None
+    future: torch.futures.Future[torch.Tensor] = field(default_factory=torch.futures.Future)
+
+
+class StepBuckets:
+    """The buckets of the step in flight, posted so far, and what the last one brought back."""
+
+    def __init__(self) -> None:
+        self._posted: list[_Bucket] = []
+        self._lock = threading.Lock()
+        """Guards `_posted` and each bucket's end, which gloo's threads and the watcher's reach."""
+        self._ride: torch.Tensor | None = None
+        """The riders the last bucket brought back, once its all-reduce completed."""
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-buckets")
+
+    def clear(self) -> None:
+        """A step begins: no bucket of it posted yet."""
+        with self._lock:
+            self._posted, self._ride = [], None
+
+    def posted(self) -> bool:
+        """Whether a bucket of the step was posted (its backward pass ran)."""
+        return bool(self._posted)
+
+    def post(
+        self,
+        bucket: GradBucket,
+        live: LiveGroup,
+        world: int,
+        *,
+        riders: Callable[[torch.dtype, torch.device], torch.Tensor],
+        deadline: float,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Start `bucket`'s average over `live`'s current generation of `world` ranks, the last bucket with
+        `riders(dtype, device)` beside its gradients; on a device plane its wait gives up at `deadline`."""
+        tensor = bucket.buffer()
+        last = bucket.is_last()
+        if last:  # one copy, its gradients' part then divided in place
+            staging = torch.cat([tensor.reshape(-1), riders(tensor.dtype, tensor.device)])
+            staging[: tensor.numel()].div_(world)
+        else:
+            staging = tensor.reshape(-1) / world
+        posted = _Bucket(staging, tensor, last)
+        with self._lock:
+            self._posted.append(posted)
+        if live.plane.separate:
+            finish = live.post(posted.staging, control=False, owned=True)
+            self._waiter.submit(lambda: self._end(posted, finish(deadline)))
+        elif live.broken.is_set():  # a newer round came before this bucket: nothing to start
+            self._end(posted, Outcome.BROKEN)
+        else:
+            live.post_told(posted.staging, partial(self._end, posted))
+        return posted.future
+
+    def _end(self, posted: _Bucket, outcome: Outcome) -> None:
+        """A bucket's all-reduce ended (or was given up): complete its future, once, with the average (a
+        staging copy nobody reads again unless the outcome is DONE)."""
+        with self._lock:
+            if posted.outcome is not None:
+                return
+            posted.outcome = outcome
+        numel = posted.tensor.numel()
+        if posted.last and outcome is Outcome.DONE:
+            self._ride = posted.staging[numel:].clone()
+        posted.future.set_result(posted.staging[:numel].view_as(posted.tensor))
+
+    def give_up(self) -> None:
+        """A newer round broke the generation (the watcher's thread): give up the step's buckets in
+        flight, whose all-reduce may now wait for a peer that moved on (a frozen one, or one re-forming)."""
+        with self._lock:
+            pending = [posted for posted in self._posted if posted.outcome is None]
+        for posted in pending:
+            self._end(posted, Outcome.BROKEN)
+
+    def take(self) -> tuple[list[Outcome], torch.Tensor | None]:
+        """The step's buckets' outcomes (each ended when the backward pass returned: DDP waited for every
+        one) and the riders the last brought, if its all-reduce completed; the step's buckets are let go."""
+        with self._lock:
+            posted, self._posted = self._posted, []
+        for bucket in posted:
+            bucket.future.wait()
+        return [bucket.outcome or Outcome.BROKEN for bucket in posted], self._ride
