@@ -12,12 +12,12 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    restarts its workers and the survivors re-form. A member is found lost in about a
    second (liveness.py: each agent's own key, watched; a lost node is taken out of the
    state with one compare-and-set), torch's `dead_after` (3 s) being the backstop.
-   Before it does, it leaves a marker (`eviction.PEER_LOST_ENV`) telling its workers
+   Before it does, it leaves a marker (`markers.PEER_LOST_ENV`) telling its workers
    not to wait for a step boundary that cannot come. Whenever it reports a change
-   (a joiner waits, or a member is gone) it also leaves `eviction.RESTART_MARKER`
+   (a joiner waits, or a member is gone) it also leaves `markers.RESTART_MARKER`
    beside it: the SIGTERM its workers get next is a restart, not their node's
    eviction, so they keep their state on the node instead of writing to Blob. An
-   agent stopped by a signal leaves `eviction.LEAVING_MARKER` instead, before it
+   agent stopped by a signal leaves `markers.LEAVING_MARKER` instead, before it
    leaves the rendezvous (point 4): its workers write the emergency checkpoint
    even if its SIGTERM reaches them after the other nodes' restart has begun.
 2. **The worker store follows rank 0, and listens before any worker starts.** torch
@@ -40,13 +40,13 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    call. Here an agent re-reads the state as soon as it is written (liveness.py's watch),
    at the latest every `state_poll_interval` (0.25 s), and a round
    completes as soon as every member of the previous round has joined it or is
-   known to be gone (`complete_early`); the last call still bounds the wait for
+   known to be gone (rounds.py's `complete_early`); the last call still bounds the wait for
    anyone slower. Where the previous round added a node and lost another before it
    trained (its workers re-form in place and were still waiting for the joiner's
    set-up), the survivors take the joiner out of it and do not wait for it
    (`joiners_to_release`, `expected_members`); and a round after a loss leaves a
    node that came meanwhile waiting (`joiners_to_defer`), also where that node's add
-   fills it (`max_nodes`: torch completes it then, `_PromptOpExecutor`); a joiner never
+   fills it (`max_nodes`: torch completes it then, torch_glue.py's `PromptOpExecutor`); a joiner never
    completes a round after a departure itself (`_joins_after_loss`). Either joins the round
    after, once the survivors' workers trained in theirs (`_holding_joiners`), which
    they take as a deferred join. An agent
@@ -57,13 +57,10 @@ round logic is sound) and change three things it gets wrong for spot nodes:
    torch's state cannot tell either from a member that left the old round and has
    not joined the new one yet.
 
-This module replaces two functions of torch's module: `get_method_name` (`method_name`, which does
-not read the stack) and, while an agent re-joins, `_delay` (`_no_spread`). This subclass reads and
-replaces attributes of torch's handler (`_state_holder`,
-`_heartbeat_lock`, `_op_executor`, `_this_node`, `_bootstrap_store_info`,
-`_shared_tcp_store_server`), extends its state holder's `_sanitize` (reading
-`_dead_nodes`) and expires its cache (`_last_sync_time`), and runs torch's op executor with its own
-ops; torch is pinned to 2.13.0 and the tests exercise all of it.
+torch's classes are extended in torch_glue.py (its state holder, op executor and the two module
+functions replaced); this subclass reads and replaces attributes of torch's handler
+(`_state_holder`, `_heartbeat_lock`, `_op_executor`, `_this_node`, `_bootstrap_store_info`,
+`_shared_tcp_store_server`). torch is pinned and the tests exercise all of it.
 """
 
 from __future__ import annotations
@@ -72,10 +69,9 @@ import contextlib
 import copy
 import logging
 import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -93,13 +89,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
-    _Action,
     _BackendRendezvousStateHolder,
     _DistributedRendezvousOpExecutor,
-    _remove_participant_epilogue,
-    _RendezvousContext,
-    _RendezvousJoinOp,
-    _RendezvousState,
 )
 
 from torchspot_trainer.handover import (
@@ -137,6 +128,15 @@ from torchspot_trainer.rendezvous.rounds import (
 )
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot_trainer.rendezvous.store import EtcdStore
+from torchspot_trainer.rendezvous.torch_glue import (
+    LeaveOp,
+    PromptOpExecutor,
+    WatchfulStateHolder,
+    evict_node,
+    method_name,
+    no_spread,
+    take_out,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,191 +154,6 @@ takes the state as changed (a re-form, whose join numbers the round after its ow
 _LEFT_COUNTER = "torchspot.agents_left"
 _DEPARTED = "departed/"
 """Under the run prefix: one key per node that left, valued with the round it left."""
-
-
-class _WatchfulStateHolder(_BackendRendezvousStateHolder):
-    """torch's state holder, remembering the nodes its reads found dead, with the round.
-
-    torch drops a dead node from the state it read and does not say so; the first agent
-    that writes the state afterwards erases the evidence for the others.
-    """
-
-    def __init__(self, backend: Any, settings: Any, cache_duration: float) -> None:
-        super().__init__(backend, settings, cache_duration)  # type: ignore[arg-type]  # torch annotates int, compares as float
-        self.found_dead: dict[str, int] = {}
-
-    def _sanitize(self) -> None:
-        super()._sanitize()
-        for node in self._dead_nodes:
-            self.found_dead.setdefault(str(node), self._state.round)
-
-    def expire(self) -> None:
-        """Read the state afresh at the next sync (it changed: our own eviction, say)."""
-        self._last_sync_time = -1.0
-
-    def replace(self, state: Any) -> Any:
-        """Write `state` over the state last read, by compare-and-set on that read's token (a state
-        absent from etcd: only if it is still absent). Returns the state held afterwards: `state`, or
-        the one another agent wrote first."""
-        self._state = state
-        self.mark_dirty()
-        self.sync()
-        return self._state
-
-
-def evict_node(holder: _BackendRendezvousStateHolder, settings: Any, name: str, attempts: int = 5) -> int | None:
-    """Take the node called `name` out of the rendezvous state (`take_out`), as torch's `_sanitize`
-    drops a node whose heartbeat expired. Returns the round it was taken out of, or None if the state
-    no longer holds it (another agent was first)."""
-
-    def named(state: Any) -> list[Any]:
-        known = {*state.participants, *state.wait_list, *state.redundancy_list, *state.last_heartbeats}
-        return [node for node in known if str(node) == name]
-
-    taken = take_out(holder, settings, named, f"node {name}", attempts)
-    return None if taken is None else taken[0]
-
-
-def take_out(
-    holder: _BackendRendezvousStateHolder,
-    settings: Any,
-    choose: Callable[[Any], list[Any]],
-    what: str,
-    attempts: int = 5,
-) -> tuple[int, list[Any]] | None:
-    """Take the nodes `choose` picks (`what` names them in the error) out of the rendezvous state with
-    one compare-and-set: the participants, the lists, their heartbeats, then torch's epilogue (a
-    complete round left empty moves on). Returns the round they were taken out of and the nodes, or
-    None if it picked none. A write that loses the race reads the state again, picks again and
-    retries, up to `attempts` times."""
-    for _ in range(attempts):
-        holder.sync()
-        state = holder.state
-        nodes = choose(state)
-        if not nodes:
-            return None
-        removed = False
-        for node in nodes:
-            removed = state.participants.pop(node, None) is not None or removed
-            state.last_heartbeats.pop(node, None)
-            state.wait_list.discard(node)
-            state.redundancy_list.discard(node)
-        round_ = int(state.round)
-        if removed:
-            _remove_participant_epilogue(state, settings)
-        holder.mark_dirty()
-        if holder.sync():
-            return round_, nodes
-    raise RendezvousConnectionError(f"{what} not taken out: the state changed under {attempts} writes in a row")
-
-
-class _LeaveOp:
-    """Take this node out of the rendezvous, whatever list it is in (torch's exit op only
-    knows the participants)."""
-
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
-        if time.monotonic() > deadline:
-            return _Action.ERROR_TIMEOUT
-        if ctx.node in ctx.state.participants:
-            return _Action.REMOVE_FROM_PARTICIPANTS
-        if ctx.node in ctx.state.wait_list:
-            return _Action.REMOVE_FROM_WAIT_LIST
-        if ctx.node in ctx.state.redundancy_list:
-            return _Action.REMOVE_FROM_REDUNDANCY_LIST
-        return _Action.FINISH
-
-
-class _PromptOpExecutor(_DistributedRendezvousOpExecutor):
-    """torch's op executor, except while it waits for other nodes (module docstring, point 4).
-
-    torch sleeps 1 s whenever an op answers "wait"; here the op is asked again after
-    `poll` seconds against a fresh state, and a join that `ready` approves completes
-    the round at once. Whoever completes a round first lets `admit` change the state it
-    then writes (who waits for the next round instead); a node whose add fills a round
-    (`max_nodes`) leaves its completion to the round's members where `leaves_filled` says so. A join
-    that reads a state etcd began again since this node's last round (`rejoin` gives the round to
-    write: rounds.py's `rejoined_round`) first writes an empty state of that round, and joins that.
-    """
-
-    def __init__(
-        self,
-        node: Any,
-        state_holder: _WatchfulStateHolder,
-        settings: Any,
-        poll: float,
-        *,
-        ready: Callable[[Any], bool],
-        admit: Callable[[Any], None],
-        leaves_filled: Callable[[Any], bool],
-        rejoin: Callable[[Any], int | None],
-    ) -> None:
-        super().__init__(node, state_holder, settings)
-        self._holder = state_holder
-        self._poll = poll
-        self._ready = ready
-        self._admit = admit
-        self._leaves_filled = leaves_filled
-        self._rejoin = rejoin
-        self._adding = False
-        self._written = threading.Event()
-
-    def _add_to_participants(self) -> None:
-        """torch's. It completes the round itself where the add fills it (`_mark_rendezvous_complete`)."""
-        self._adding = True
-        try:
-            super()._add_to_participants()
-        finally:
-            self._adding = False
-
-    def _mark_rendezvous_complete(self) -> None:
-        """torch's, once `admit` changed the state (the ranks are dealt over who is left). torch completes a
-        round in two places: a join's MARK_RENDEZVOUS_COMPLETE, and an add that fills the round, which no
-        action says. Only the first was seen here before, and a soak's round after a loss, filled by
-        its last add, took a joiner still starting: the survivors waited 1.19 s in the new group for its
-        start-up (bench/README.md, soak45). An add that fills a round the node should not complete
-        (`leaves_filled`: a joiner's, after a loss, which cannot tell who is a joiner) leaves it
-        incomplete: the members complete it at their next look, the state being written (`ready`)."""
-        if self._adding and self._leaves_filled(self._state):
-            return
-        self._admit(self._state)
-        super()._mark_rendezvous_complete()
-
-    def wake(self) -> None:
-        """The state was written: stop waiting for the poll (liveness.py's watch calls this)."""
-        self._written.set()
-
-    def run(
-        self,
-        state_handler: Callable[[_RendezvousContext, float], _Action],
-        deadline: float,
-        update_deadline: Callable[[timedelta], float] | None = None,
-    ) -> None:
-        """Run `state_handler` to its end, as torch does, re-reading the state every `poll` seconds."""
-        joining = isinstance(state_handler, _RendezvousJoinOp)
-
-        def prompt(ctx: _RendezvousContext, deadline: float) -> _Action:
-            while True:
-                round_ = self._rejoin(ctx.state) if joining and time.monotonic() <= deadline else None
-                if round_ is not None:
-                    log.warning("rendezvous %s: etcd lost the rendezvous state; the next round is numbered %d, "
-                                "after this node's last", self._settings.run_id, round_)  # fmt: skip
-                    seeded = _RendezvousState()
-                    seeded.round = round_
-                    self._state = self._holder.replace(seeded)  # or whichever state beat it
-                    ctx = _RendezvousContext(self._node, self._state, self._settings)
-                    continue
-                action = state_handler(ctx, deadline)
-                if action == _Action.SYNC and joining and self._ready(ctx.state):
-                    action = _Action.MARK_RENDEZVOUS_COMPLETE
-                if action != _Action.SYNC:
-                    return action
-                self._written.wait(self._poll)
-                self._written.clear()
-                self._state_holder.sync()
-                self._state = self._state_holder.state  # the state torch's actions then change
-                ctx = _RendezvousContext(self._node, self._state, self._settings)
-
-        super().run(prompt, deadline, update_deadline)
 
 
 _ACTIVE: list[EtcdV3RendezvousHandler] = []
@@ -390,12 +205,12 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     _deferred: tuple[int, list[Any]]
     """The round this agent last completed with joiners left out (`_defer_joiners`), and them: said once
     the round formed so (`_say_deferred`), not as the completion that may lose its write is made."""
-    _watch: _WatchfulStateHolder
+    _watch: WatchfulStateHolder
     _left: bool
     _leaving: threading.RLock
     _last_warning: float
     _liveness: Liveness | None
-    _prompt: _PromptOpExecutor
+    _prompt: PromptOpExecutor
     _change_reported: bool
     _changed: threading.Event
     _activity_reported: float
@@ -505,7 +320,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             self._bootstrap_store_info = None
             self._shared_tcp_store_server = None
             try:
-                with _no_spread() if self._previous[1] else contextlib.nullcontext():
+                with no_spread() if self._previous[1] else contextlib.nullcontext():
                     return super().next_rendezvous()
             except RendezvousConnectionError as exc:
                 if time.monotonic() + ETCD_RETRY_SECONDS >= deadline:
@@ -584,7 +399,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             self._state_holder.sync()
             return self._restore(self._watch)
 
-    def _restore(self, holder: _WatchfulStateHolder) -> Any:
+    def _restore(self, holder: WatchfulStateHolder) -> Any:
         """The state `holder` last read, or, where etcd lost its data since this agent joined its round
         (`forgotten`: the etcd's pod moved, and the managed etcd keeps its data in memory), that round
         written back as this agent joined it (`restored`): the rounds, and the generations of the
@@ -724,7 +539,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
             holder.sync()  # said before we go, so nobody sees us missing and not gone
             key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{self._this_node}"
             self._say_departed(key, holder.state.round)
-            _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(_LeaveOp(), deadline)
+            _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(LeaveOp(), deadline)
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
             log.warning("rendezvous %s: not left (%s); peers wait for our heartbeats", self._settings.run_id, exc)
         else:
@@ -755,9 +570,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._leaving = threading.RLock()  # re-entered by a second SIGTERM's handler: no deadlock
         self._last_warning = 0.0
         poll = settings.state_poll_interval
-        self._watch = _WatchfulStateHolder(backend, self._settings, cache_duration=poll)
+        self._watch = WatchfulStateHolder(backend, self._settings, cache_duration=poll)
         self._state_holder = self._watch
-        self._prompt = _PromptOpExecutor(
+        self._prompt = PromptOpExecutor(
             self._this_node, self._watch, self._settings, poll,
             ready=self._round_ready, admit=self._defer_joiners, leaves_filled=self._leaves_filled,
             rejoin=self._rejoined_round,
@@ -823,7 +638,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Take `name` out of the rendezvous (liveness.py found it lost): say it departed, for the
         agents completing the next round early, then one compare-and-set on the state. With a
         state holder of its own: the judging thread runs beside the agent's."""
-        holder = _WatchfulStateHolder(self._backend, self._settings, cache_duration=0)
+        holder = WatchfulStateHolder(self._backend, self._settings, cache_duration=0)
         holder.sync()
         self._restore(holder)  # a state etcd began again holds nobody to take out
         key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{name}"
@@ -909,7 +724,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Whether this node, whose round before was `previous` (`_previous` as it joins), comes to the forming
         round as a joiner, and a member of the round before it
         departed (`departed/`): it then leaves the round to its members to complete, whether its add
-        fills it (`_PromptOpExecutor`) or every member it knows of is in (`_round_ready`). The members'
+        fills it (`PromptOpExecutor`) or every member it knows of is in (`_round_ready`). The members'
         completion leaves it waiting where their workers train on meanwhile (`_defer_joiners`); a
         joiner cannot tell who else is one. A joiner: not in the round before, or there as a newcomer
         whose worker never stepped (its first round, in a job that formed one before it). A soak's and
@@ -1007,33 +822,6 @@ def _our_folder() -> Path | None:
     """This agent's folder (handover.py's `agent_folder`), where its workers leave their files; None
     where no agent of ours set one up (a handler made outside torchspot-run)."""
     return agent_folder() if PEER_LOST_ENV in os.environ else None
-
-
-@contextlib.contextmanager
-def _no_spread() -> Iterator[None]:
-    """torch's `next_rendezvous` without its random 0-0.3 s wait in round 0, for an agent that has been
-    in a round: the wait spreads the first joins of a starting job over time (fewer compare-and-set
-    conflicts), but torch also pays it at the first re-form, whose round is still 0, where it only
-    delays the survivors (0.22 s of a 0.58 s recovery traced). The op executor's own waits are ours
-    (`_PromptOpExecutor`), so torch's `_delay` has no other call to make meanwhile."""
-    delay = dynamic_rendezvous._delay  # type: ignore[attr-defined]  # imported there from its utils
-    dynamic_rendezvous._delay = lambda seconds: None  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        dynamic_rendezvous._delay = delay  # type: ignore[attr-defined]
-
-
-def method_name(depth: int = 2) -> str:
-    """What torch's `get_method_name` returns (the name of the function `depth` frames up from this
-    one, for its rendezvous events), without `inspect.stack()`: that reads every frame's source and
-    looks up its module, about 2 ms a call here (more on busy cores), and torch calls it twice for
-    each of the records a round writes at every step of its ops, whether or not anything is logged.
-    In a traced re-form after a kill (2 survivors) the join took 108 ms with it and 5 ms without."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:  # a shallower stack, as torch's own answers it
-        return "no_method_name"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
