@@ -41,12 +41,7 @@ from torchspot_trainer.markers import PEER_LOST_ENV, name_peer_lost_marker, node
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient
-from torchspot_trainer.rendezvous.handler import (
-    EtcdV3RendezvousHandler,
-    create_handler,
-    method_name,
-    register,
-)
+from torchspot_trainer.rendezvous.handler import EtcdV3RendezvousHandler, create_handler, register
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.rendezvous.rounds import (
     complete_early,
@@ -64,6 +59,7 @@ from torchspot_trainer.rendezvous.rounds import (
 )
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 from torchspot_trainer.rendezvous.store import EtcdStore, RoundAbandoned
+from torchspot_trainer.rendezvous.torch_glue import method_name
 
 
 def _backend(etcd: EtcdServer, run_id: str, **overrides: Any) -> tuple[EtcdV3RendezvousBackend, EtcdClient]:
