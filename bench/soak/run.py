@@ -58,7 +58,7 @@ from torchspot_lab.local import JobConfig, LocalNode, read_events, wait_for  # n
 from torchspot_operator.builders import ETCD_DATA_LIMIT, ETCD_MEMORY, ETCD_SIZING  # noqa: E402
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 from torchspot_trainer.checkpoint.storage import open_storage  # noqa: E402
-from torchspot_trainer.launch import SERVER_NAME  # noqa: E402
+from torchspot_trainer.fork_server import SERVER_NAME  # noqa: E402
 from torchspot_trainer.progress import whole_records  # noqa: E402
 
 MAX_NODES = 3

@@ -154,7 +154,7 @@ def _last_step(args: argparse.Namespace) -> int:
 
 
 KEEP: list[object] = []
-"""The live group and its graveyard, referenced until the process ends (launch.run_program says why)."""
+"""The live group and its graveyard, referenced until the process ends (fork_server.run_program says why)."""
 DEADLINE = 30.0
 """Seconds a collective or a wait for the next round may take before the worker takes the restart path."""
 

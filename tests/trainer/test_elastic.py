@@ -37,7 +37,8 @@ from torchspot_lab.local import (
 from torchspot_operator.certs import etcd_certificates
 from torchspot_trainer import NODE_FAULT_EXIT
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.launch import THREADS_ENV, staging_command, thread_count
+from torchspot_trainer.fork_server import THREADS_ENV, thread_count
+from torchspot_trainer.launch import staging_command
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from torchspot_trainer.fork_server import FORK_ENV, refuse_bad_fork
 from torchspot_trainer.launch import (
     BLOB_PRELOAD,
-    FORK_ENV,
     FORK_PRELOAD,
     IN_PLACE_ENV,
     PRELOAD_ENV,
@@ -26,7 +26,6 @@ from torchspot_trainer.launch import (
     leave_then_stop,
     main,
     parse_rdzv_conf,
-    refuse_bad_fork,
 )
 from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, RESTART_MARKER
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings, parse_endpoint, parse_settings
@@ -272,7 +271,7 @@ def test_a_worker_its_agent_stopped_while_it_started_stops_at_once(tmp_path: Pat
     before it takes the default back is lost; the agent's mark, written before it signals, stands in."""
     if marker is not None:
         (tmp_path / marker).touch()
-    code = "from torchspot_trainer.launch import hear_sigterm\nhear_sigterm()\nprint('ran on')"
+    code = "from torchspot_trainer.fork_server import hear_sigterm\nhear_sigterm()\nprint('ran on')"
     environ = {**os.environ, PEER_LOST_ENV: str(tmp_path / "peer-lost")}
     done = subprocess.run(
         [sys.executable, "-c", code], check=False, env=environ, capture_output=True, text=True, timeout=60

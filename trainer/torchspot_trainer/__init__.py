@@ -9,6 +9,8 @@ not "the program failed": a worker that exits with it is not restarted on the no
 the rendezvous and exits with it too, and the operator counts the pod as an eviction, not a failure,
 and keeps its replacements off that node (verdicts.py). 75 is sysexits' EX_TEMPFAIL: try again,
 elsewhere. Any program may use it (`sys.exit(75)`). Here so the operator reads it without torch."""
+PROG = "torchspot-run"
+"""The launcher's name, as its messages (and its forked workers' refusals) say it."""
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 """torch's elastic agent (torchrun, torchspot-run) names the job's run in every worker's environment
 with it: the rendezvous's etcd keys and the node's snapshot file are the run's. Here so both sides read

@@ -173,7 +173,7 @@ class Trainer:
         """The gloo group for the per-step agreements beside an NCCL group (group.control_group)."""
         self._run: Run | None = None
         """Set once the state is whole (after the resume): from then on a snapshot may be taken.
-        Kept after the run ends (launch.run_trainer says why)."""
+        Kept after the run ends (fork_server.run_trainer says why)."""
         self._base = 0
         """The step this round resumed from (0: from scratch)."""
         self.resumed_from = "start"

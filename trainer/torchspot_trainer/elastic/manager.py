@@ -103,7 +103,7 @@ log = logging.getLogger("torchspot.elastic")
 
 KEEP: list[object] = []
 """Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
-can block (launch.run_program says why)."""
+can block (fork_server.run_program says why)."""
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
 
 
