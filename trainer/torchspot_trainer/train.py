@@ -25,11 +25,9 @@ floating-point reductions.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -57,6 +55,7 @@ from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving
 from torchspot_trainer.elastic.settings import node_name
 from torchspot_trainer.evaluate import evaluate
+from torchspot_trainer.events import Events
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.in_place import InPlace
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
@@ -65,7 +64,6 @@ from torchspot_trainer.precision import Precision
 from torchspot_trainer.progress import (
     Progress,
     Window,
-    format_progress,
     process_age,
     record_means,
     stopwatch,
@@ -119,6 +117,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
+        self._events = Events(config.events_file)
         self._leaving = Leaving(
             hold=config.notice_hold, events_at=config.scheduled_events_url(), emit=self._emit, kept=self._kept,
             before_exit=self._before_stuck_exit,
@@ -157,7 +156,6 @@ class Trainer:
         )  # fmt: skip
         """--workers as a number for this node (torchrun's LOCAL_WORLD_SIZE: the processes sharing its cores)."""
         self.step = 0
-        self._tensorboard: Any = None
         self.manager: CheckpointManager | None = None
         self._reporter: CheckpointReporter | None = None
         self.setup_seconds: dict[str, float] = {}
@@ -419,9 +417,9 @@ class Trainer:
         self._emit(event)
         if self._in_place is not None:
             self._in_place.record_written(event)
-        if self._tensorboard is not None:
-            for key in ("loss", "accuracy", "samples_per_s", "lr"):
-                self._tensorboard.add_scalar(key, getattr(record, key), self.step)
+        self._events.scalars(
+            self.step, {key: getattr(record, key) for key in ("loss", "accuracy", "samples_per_s", "lr")}
+        )
 
     def _lineage(self) -> dict[str, Any]:
         """In place, who wrote a progress record: the generation and the node (`whole_records`)."""
@@ -475,11 +473,7 @@ class Trainer:
             lap("group")
         self._resume(run, lap)
         if config.tensorboard and self.rank == 0:
-            try:
-                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
-            except ImportError as exc:
-                raise SystemExit(f"--tensorboard {config.tensorboard}: install the tensorboard package") from exc
-            self._tensorboard = SummaryWriter(config.tensorboard)
+            self._events.open_tensorboard(config.tensorboard)
         return run
 
     def _resume(self, run: Run, lap: Callable[[str], None]) -> None:
@@ -686,20 +680,9 @@ class Trainer:
     # -- output ---------------------------------------------------------------------
 
     def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
-        """Print one event line (and append it to --events-file): rank 0's, or any rank's
-        with `any_rank` (an event only that rank sees). Stamped with the time now unless it has
-        its own (`_write_again`'s)."""
-        if self.rank != 0 and not any_rank:
-            return
-        record = {"t": time.time(), **record}
-        line = json.dumps(record)
-        print(line, flush=True)
-        if self.config.events_file:
-            with open(self.config.events_file, "a") as out:  # one O_APPEND write per record
-                out.write(line + "\n")
-        if sys.stderr.isatty():
-            text = format_progress(record) if record.get("event") == "progress" else f"[torchspot] {line}"
-            print(text, file=sys.stderr, flush=True)
+        """One record (events.py): rank 0's, or any rank's with `any_rank` (an event only that rank sees)."""
+        if self.rank == 0 or any_rank:
+            self._events.write(record)
 
     def _on_checkpoint(self, report: SaveReport) -> None:
         self._emit({"event": "checkpoint", **asdict(report)})
@@ -715,7 +698,6 @@ class Trainer:
             self._run.test_loader.close()
         if self._reporter is not None:
             self._reporter.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        self._events.close()
         if dist.is_initialized():
             dist.destroy_process_group()
