@@ -152,7 +152,7 @@ class LiveGroup:
         """A data group was retired with work in flight and no generation has formed since."""
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchspot-send")
         self._sender.submit(lambda: None)  # its thread started now: a start waits for the new thread to run,
-        # which at a heal on busy cores cost the source 2-4 ms (`send_beside`)
+        # which at a heal on busy cores the source would pay (`send_beside`)
         self._waking: threading.Event | None = None
         """What wakes the host collective being waited for (`_wait`): set by its completion, and by
         `supersede` with `broken`."""
@@ -259,8 +259,8 @@ class LiveGroup:
     def supersede(self, generation: int) -> None:
         """Break the current generation if `generation` is newer (the hand-over's watcher thread). Judged
         under the lock `reconfigure` replaces the assignment under: a watcher that read the generation
-        being replaced would otherwise break the new one, which its peers are forming (a bench trial
-        hung so: the abandoned group's sockets closed under the other rank, and no newer round came).
+        being replaced would otherwise break the new one, which its peers are forming (the abandoned
+        group's sockets would close under them, and no newer round would come).
         Remembered: a `reconfigure` for an older generation than one seen here gives it up at once
         (otherwise its build would wait its deadline for peers that moved on)."""
         with self._lock:
@@ -289,14 +289,12 @@ class LiveGroup:
         a thread of its own (gloo's constructor waits for the joiners without the GIL), and `joiners_ready` is set once
         it formed (every joiner came) or after READY_SECONDS; `reconfigure` then takes it as built. So
         the others pause only for the state's transfer, not for a joiner's start-up nor for the
-        group's connections (the build was 4-9 ms of a 0.04-0.06 s switch here). A
-        second newer round while one is deferred supersedes at once, and so does a round that comes
-        while the current generation's group is still being built: that build waits for ranks that
-        moved on to the newer round (an in-place run of the equivalence test stalled 30 s, its
-        build's deadline, when the second joiner's round came as the first joiner's was entered). So
-        does a round that does not follow the current generation directly: this node missed the
-        rounds between (it was frozen, and has just thawed), so its generation is gone, and training on
-        in it would wait in a collective for gloo's op timeout (a soak's thaw stalled 30 s so)."""
+        group's connections. A second newer round while one is deferred supersedes at once, and so does
+        a round that comes while the current generation's group is still being built: that build waits
+        for ranks that moved on to the newer round, until its deadline. So does a round that does not
+        follow the current generation directly: this node missed the rounds between (it was frozen,
+        and has just thawed), so its generation is gone, and training on in it would wait in a
+        collective for gloo's op timeout."""
         with self._lock:
             current = self.assignment
             deferred = (
@@ -377,9 +375,9 @@ class LiveGroup:
     def _reaping(self) -> None:
         """The reaper: `_reap` whenever a collective ends or a grave is dug, and every REAP_SECONDS,
         until the graveyard is empty; a grave with a collective still in flight has its connections
-        closed first (`close_connections`), so that collective fails and the grave goes. Goodput runs
-        28-31 (bench/README.md) lost 20-25 s of training per hard loss while a dead generation waited
-        for the next re-form's look, its loop spinning."""
+        closed first (`close_connections`), so that collective fails and the grave goes: a dead
+        generation left for the next re-form's look spins its loop on a core meanwhile (module
+        docstring), which the survivors' training pays for."""
         while True:
             self._wake_reaper.wait(REAP_SECONDS)
             self._wake_reaper.clear()  # before the look: a wake during it is not lost
@@ -399,10 +397,9 @@ class LiveGroup:
         data group's abort has returned and that are older than the op timeout (their zombie ops have
         timed out by then) or have no collective abandoned in flight (no staging copy held: each is
         released when its op completes). A destructor that still blocks blocks nobody who trains.
-        Without the second kind, a soak of 40 faults a minute (bench/soak) filled the graveyard with
-        idle groups within the op timeout and fell back to a restart. A device communicator's copies
-        (which no callback lets go) go once its abort returned; held until the op timeout after it,
-        eight re-forms within 30 s pushed every survivor to the restart path. An abandoned build of a
+        Without the second kind, frequent faults fill the graveyard with idle groups within the op
+        timeout, and the worker falls back to a restart. A device communicator's copies (which no
+        callback lets go) go once its abort returned, for the same reason. An abandoned build of a
         device communicator stays until its thread ended. Called with `_graves` held."""
         horizon = time.monotonic() - self.op_timeout.total_seconds()
         old: list[Grave] = []
@@ -481,7 +478,7 @@ class LiveGroup:
         travel on its gloo group, whose end is told instead of waited for: `on_end(DONE)` or
         `on_end(FAILED)` on gloo's thread as it ends (at once where it cannot start). No thread of
         the caller's waits, so a step's gradient bucket completes as DDP's own does (a waiting thread
-        per bucket cost a third of a small model's steps on 2 CPU cores: bench/api_cost). A
+        per bucket would cost a small model's steps more than the all-reduce). A
         collective that a newer round leaves hanging is the caller's to give up (`when_broken`).
         Not on a device plane, whose future may complete as its work is queued (planes.py): `post`."""
         if self.plane.separate:
@@ -542,8 +539,8 @@ class LiveGroup:
 
     def send_beside(self, state: Any, receivers: list[int], device: torch.device) -> Future[None]:
         """`send_state` on this group's sending thread, beside the caller's forward and backward passes
-        of the step its receivers sit out (in_place.py): packing the state first kept them waiting 3-6 ms
-        of the busy cores before it left. `state` is built at the boundary, its tensors ones that no
+        of the step its receivers sit out (in_place.py): packed first, the state would keep the others
+        waiting on busy cores before it left. `state` is built at the boundary, its tensors ones that no
         pass writes (the model's buffers copied: `hostcopy.with_frozen`); the step's update
         cannot come before the state is packed, as its receivers join the step's all-reduce only once
         they have it. The caller waits for the future before the generation's next collective, so its
@@ -588,11 +585,11 @@ class LiveGroup:
         write: a host (gloo) collective lets it go itself as it ends, completed or failed (its
         future's callback), whether or not anyone waits for it. So a grave whose collectives have
         all ended is let go as the last one ends (its callback wakes the reaper). A step's gradient
-        buckets are posted and then not waited for when the step breaks first (a peer killed: the update's all-reduce
-        fails before them); held until the op timeout, their copies kept a soak's generations in
-        the graveyard (one every few seconds, 30 s each): 7 held of the 8 at which a worker falls
-        back to a restart (bench/README.md). A device communicator's future may complete as its work is queued
-        (planes.py): its copies go when `_wait` sees the work end, or with the grave. `then(future)`: called
+        buckets are posted and then not waited for when the step breaks first (a peer killed: the
+        update's all-reduce fails before them); held until the op timeout, their copies would keep
+        frequent faults' generations in the graveyard until a worker falls back to a restart. A device
+        communicator's future may complete as its work is queued (planes.py): its copies go when
+        `_wait` sees the work end, or with the grave. `then(future)`: called
         after, on the same thread (a host collective only: `post_told`)."""
         key = id(staging)
         held = self._staging
