@@ -241,9 +241,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         handover.py's `latest_failure`) while it stays up (it re-forms in place, so the agent never
         sees it exit): liveness judges with its short timeout for a while, as after a failed worker.
         Asked by liveness's judge whenever a member's put is that late, whatever the agent is doing:
-        the agent's monitor loop asked before, and a kill that landed while the agent set a joiner's
-        round up was judged by the long timeout (0.84 s against 0.25 s, a `joinloss` trial of
-        bench/recovery)."""
+        asked only from the agent's monitor loop, a kill that landed while the agent set a joiner's
+        round up would be judged by the long timeout."""
         folder = _our_folder()
         if self._liveness is None or folder is None:
             return
@@ -312,8 +311,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
     def _join_next(self) -> RendezvousInfo:
         """torch's `next_rendezvous`, tried again while etcd does not answer (module docstring, point
         3), until the join timeout: torch gives up at the first failed read or write, and the agent
-        then failed, and its shutdown closed the rendezvous for every node (a soak's thawed joiner
-        met one etcd timeout as it re-joined, and the job ended)."""
+        then failed, and its shutdown closed the rendezvous for every node: one etcd timeout as a
+        thawed node re-joined would end the job."""
         deadline = time.monotonic() + self._settings.timeout.join.total_seconds()
         while True:
             # torch starts a store for the round if we are its rank 0 (point 2); the last one goes.
@@ -421,8 +420,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Whether a local worker failed in this agent's round, in place, longer ago than twice the
         liveness timeout, and no member is lost: it waits for a next round that no change would
         bring. Every rank fails alike where the heal's agreement refutes a go-ahead (in_place.py's
-        `_heal`), and a soak's survivor so waited 30 s for one, until it was restarted (before
-        27d6ae6 let a held joiner in, and again, 2.6 s, where no joiner came). A failure that a
+        `_heal`), and would wait so until a joiner came or its agent restarted it. A failure that a
         lost member caused is judged by liveness first, within the liveness timeout."""
         folder = _our_folder()
         if folder is None or self._joined is None:
@@ -468,8 +466,8 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         (signals.stuck_wait): half the liveness timeout when every lost member fell silent (nothing
         more will come from it); nothing, so the workers' own 2 s, when one was still putting its
         liveness key as it went (a node leaving on notice: its workers finish the step, and their
-        emergency checkpoint needs the others at that boundary; a CI run of the sandbox lost it with
-        0.5 s), or without liveness."""
+        emergency checkpoint needs the others at that boundary, which a shorter grace can cut off), or
+        without liveness."""
         liveness = self._liveness
         if liveness is None or not all(liveness.silent(name) for name in lost):
             return ""
@@ -492,8 +490,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         The agents are counted per round, against that round's members: an agent that shut
         down in another round (a spare that formed a round of its own after the run ended)
         never counts toward the last one. (A node stopped by a signal does not get here:
-        torch skips the shutdown then.) Suspected, not proven, in a CI run whose in-place
-        survivor never exited.
+        torch skips the shutdown then.)
         """
         if self._keep_open:
             log.warning("rendezvous %s: this node's agent failed; it leaves, and the others go on without it",
@@ -727,11 +724,10 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         fills it (`PromptOpExecutor`) or every member it knows of is in (`_round_ready`). The members'
         completion leaves it waiting where their workers train on meanwhile (`_defer_joiners`); a
         joiner cannot tell who else is one. A joiner: not in the round before, or there as a newcomer
-        whose worker never stepped (its first round, in a job that formed one before it). A soak's and
-        a `joinloss` trial's rounds after a loss were completed so by a joiner, with a joiner still
-        starting in them, and the survivors waited 1.1-1.2 s in the new group for its start-up
-        (bench/README.md). Never for a round 0, and not where etcd does not answer (the node completes
-        as before)."""
+        whose worker never stepped (its first round, in a job that formed one before it). A round after
+        a loss completed by a joiner takes any joiner still starting, and the survivors wait in the
+        new group for its start-up. Never for a round 0, and not where etcd does not answer (the node
+        completes as before)."""
         round_, members = previous
         if state.round == 0:
             return False
@@ -777,12 +773,11 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         at most JOIN_HOLD_SECONDS after it formed. Their next round then follows a generation they
         train in, and they take it as a deferred join; handed over sooner, it came while they were
         still building their group (a survivor's after a loss, or a deferred join's waiting for its
-        joiner), so they entered it at once and waited in it for the joiner's start-up: 1.6 s in a
-        `joinloss` trial of bench/recovery, and for every joiner's when two came one after another.
-        Never for more than half the joiner's own join timeout (`--rdzv-conf join_timeout`), and not
-        once a local worker failed in the round (a `failed-` file newer than the join): it waits for
-        the next round then, and a soak's survivor whose heal a thawed node refuted waited 30 s for
-        one, held back with the node, and was restarted."""
+        joiner), so they entered it at once and waited in it for the joiner's start-up, and for every
+        joiner's when two came one after another. Never for more than half the joiner's own join
+        timeout (`--rdzv-conf join_timeout`), and not once a local worker failed in the round (a
+        `failed-` file newer than the join): it waits for the next round then, which a held node would
+        hold back too."""
         joined = self._joined
         hold = min(JOIN_HOLD_SECONDS, self._settings.timeout.join.total_seconds() / 2)  # the joiner's own wait
         if joined is None or time.monotonic() - self._joined_at > hold or self._trained(joined[0]):
