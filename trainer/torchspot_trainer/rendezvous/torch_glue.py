@@ -186,11 +186,11 @@ class PromptOpExecutor(_DistributedRendezvousOpExecutor):
     def _mark_rendezvous_complete(self) -> None:
         """torch's, once `admit` changed the state (the ranks are dealt over who is left). torch completes a
         round in two places: a join's MARK_RENDEZVOUS_COMPLETE, and an add that fills the round, which no
-        action says. Only the first was seen here before, and a soak's round after a loss, filled by
-        its last add, took a joiner still starting: the survivors waited 1.19 s in the new group for its
-        start-up (bench/README.md, soak45). An add that fills a round the node should not complete
-        (`leaves_filled`: a joiner's, after a loss, which cannot tell who is a joiner) leaves it
-        incomplete: the members complete it at their next look, the state being written (`ready`)."""
+        action says. Seen at the first only, a round after a loss filled by its last add would take a
+        joiner still starting, and the survivors would wait in the new group for its start-up. An add
+        that fills a round the node should not complete (`leaves_filled`: a joiner's, after a loss,
+        which cannot tell who is a joiner) leaves it incomplete: the members complete it at their next
+        look, the state being written (`ready`)."""
         if self._adding and self._leaves_filled(self._state):
             return
         self._admit(self._state)
@@ -239,7 +239,7 @@ def no_spread() -> Iterator[None]:
     """torch's `next_rendezvous` without its random 0-0.3 s wait in round 0, for an agent that has been
     in a round: the wait spreads the first joins of a starting job over time (fewer compare-and-set
     conflicts), but torch also pays it at the first re-form, whose round is still 0, where it only
-    delays the survivors (0.22 s of a 0.58 s recovery traced). The op executor's own waits are ours
+    delays the survivors' re-form. The op executor's own waits are ours
     (`PromptOpExecutor`), so torch's `_delay` has no other call to make meanwhile."""
     delay = dynamic_rendezvous._delay  # type: ignore[attr-defined]  # imported there from its utils
     dynamic_rendezvous._delay = lambda seconds: None  # type: ignore[attr-defined]
@@ -252,9 +252,9 @@ def no_spread() -> Iterator[None]:
 def method_name(depth: int = 2) -> str:
     """What torch's `get_method_name` returns (the name of the function `depth` frames up from this
     one, for its rendezvous events), without `inspect.stack()`: that reads every frame's source and
-    looks up its module, about 2 ms a call here (more on busy cores), and torch calls it twice for
-    each of the records a round writes at every step of its ops, whether or not anything is logged.
-    In a traced re-form after a kill (2 survivors) the join took 108 ms with it and 5 ms without."""
+    looks up its module, milliseconds a call, and torch calls it twice for each of the records a round
+    writes at every step of its ops, whether or not anything is logged: a re-form's join spent most of
+    its time there."""
     try:
         return sys._getframe(depth).f_code.co_name
     except ValueError:  # a shallower stack, as torch's own answers it
