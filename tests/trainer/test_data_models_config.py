@@ -362,6 +362,9 @@ def test_the_trainer_re_forms_in_place_unless_told_otherwise_or_it_cannot(
     assert chosen is in_place
     assert why.startswith(said)
     assert any(cause in why for cause in ("--no-in-place", "--in-place", "torchspot-run", "--sync-bn"))
+    on_gpus = choose_in_place(flag, environ, sync_bn=sync_bn, nccl=True)
+    assert on_gpus[0] is in_place
+    assert ("not measured" in on_gpus[1]) is in_place  # said wherever NCCL's path is taken
 
 
 def test_in_place_unset_is_a_switch_left_unset_and_its_variable_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -182,11 +182,14 @@ def in_place_refusal(in_place: bool | None, environ: Mapping[str, str], *, sync_
     return None
 
 
-def choose_in_place(in_place: bool | None, environ: Mapping[str, str], *, sync_bn: bool = False) -> tuple[bool, str]:
+def choose_in_place(
+    in_place: bool | None, environ: Mapping[str, str], *, sync_bn: bool = False, nccl: bool = False
+) -> tuple[bool, str]:
     """(whether the trainer re-forms in place, why): `--in-place` unset takes in place wherever it can run
     (`in_place_refusal`'s rules) and the restart path elsewhere, so that a job under torchspot-run gets
     its best path without a flag; `--no-in-place` the restart path. Pure; an asked-for `--in-place` that
-    cannot run is `in_place_refusal`'s."""
+    cannot run is `in_place_refusal`'s. On NCCL (`nccl`) the line says that path is built by NCCL's
+    documented semantics and not measured on a GPU, so a platform engineer reads it where it runs."""
     if in_place is False:
         return False, "the restart path, as asked (--no-in-place)"
     if in_place is None and PEER_LOST_ENV not in environ:
@@ -194,7 +197,8 @@ def choose_in_place(in_place: bool | None, environ: Mapping[str, str], *, sync_b
     if in_place is None and sync_bn:
         return False, "the restart path: --sync-bn syncs over torch's default group, which in place has none of"
     asked = "as asked (--in-place)" if in_place else "torchspot-run's agent hands this worker each new round"
-    return True, f"in place, {asked}; --no-in-place takes the restart path"
+    unmeasured = " (on GPUs built by NCCL's documented semantics, not measured on one)" if nccl else ""
+    return True, f"in place{unmeasured}, {asked}; --no-in-place takes the restart path"
 
 
 def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:

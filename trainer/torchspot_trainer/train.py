@@ -137,7 +137,9 @@ class Trainer:
         refusal = in_place_refusal(config.in_place, os.environ, sync_bn=config.sync_bn)
         if refusal:
             raise SystemExit(refusal)
-        in_place, why = choose_in_place(config.in_place, os.environ, sync_bn=config.sync_bn)
+        in_place, why = choose_in_place(
+            config.in_place, os.environ, sync_bn=config.sync_bn, nccl=self.backend == "nccl"
+        )
         if self.rank == 0:  # said once per job
             log.info("torchspot: %s", why)
         self.precision = Precision(config.precision, self.device)
