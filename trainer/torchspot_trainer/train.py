@@ -117,6 +117,11 @@ class Trainer:
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
+        self._run: Run | None = None
+        """Set once the state is whole (after the resume): from then on a snapshot may be taken.
+        Kept after the run ends (fork_server.run_trainer says why)."""
+        self._base = 0  # (both before the SIGTERM watcher that reads them: `_kept`)
+        """The step this round resumed from (0: from scratch)."""
         self._events = Events(config.events_file)
         self._leaving = Leaving(
             hold=config.notice_hold, events_at=config.scheduled_events_url(), emit=self._emit, kept=self._kept,
@@ -171,11 +176,6 @@ class Trainer:
         ).start()
         self._control: Any = None
         """The gloo group for the per-step agreements beside an NCCL group (group.control_group)."""
-        self._run: Run | None = None
-        """Set once the state is whole (after the resume): from then on a snapshot may be taken.
-        Kept after the run ends (fork_server.run_trainer says why)."""
-        self._base = 0
-        """The step this round resumed from (0: from scratch)."""
         self.resumed_from = "start"
         """`checkpoint` (Blob), `snapshot` (a node's local copy) or `start` (nothing to resume)."""
 
