@@ -23,7 +23,6 @@ functions of the ranks' rows (recovery/resume.py).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,11 +36,9 @@ from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
 from torchspot_trainer.handover import Assignment, Handover
 from torchspot_trainer.recovery.collectives import LiveCollectives
-from torchspot_trainer.recovery.group import nccl_environment
 from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, with_frozen
-from torchspot_trainer.recovery.live import OP_TIMEOUT, LiveGroup, StateArrival, wait_for_assignment
+from torchspot_trainer.recovery.live import StateArrival, in_place_groups, wait_for_assignment
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
-from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import (
     HealRow,
     evaluation_source,
@@ -69,7 +66,6 @@ class InPlace:
     left for the next step.
 
     :param device: where the gradients and a heal's state travel.
-    :param nccl: the worker's groups are NCCL's (each generation's communicator bounds its waits).
     :param rank: the rank torchrun gave (the first round's assignment replaces it).
     :param collective_timeout: seconds a heal's receiver waits for its state.
     :param scaled: a gradient scaler runs (fp16): no rank may sit out a step it needs.
@@ -86,7 +82,6 @@ class InPlace:
         self,
         device: torch.device,
         *,
-        nccl: bool,
         rank: int,
         world: int,
         collective_timeout: float,
@@ -98,14 +93,11 @@ class InPlace:
         leave: Callable[[], NoReturn],
         entered: Callable[[Assignment], None],
     ) -> None:
-        if nccl:  # before the first generation's communicator reads it
-            os.environ.update(nccl_environment(os.environ))
-            os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
         self.device, self.rank, self.world = device, rank, world
         self._timeout, self._scaled = collective_timeout, scaled
         self._state, self._load, self._trains_next = state, load, trains_next
         self._emit, self._leave, self._entered = emit, leave, entered
-        self.live = LiveGroup(defer_joins=True, plane=plane_for(device))
+        self.live = in_place_groups(device)
         self.handover = Handover.from_environment()
         self.handover.register(stamps_steps=True)  # at once: a round handed over during the set-up is acknowledged
         self.handover.watch(self.live)

@@ -151,7 +151,7 @@ class Trainer:
         self._in_place: InPlace | None = None
         if in_place:  # made at once: a round handed over during the set-up is acknowledged
             self._in_place = InPlace(
-                self.device, nccl=self.backend == "nccl", rank=self.rank, world=self.world,
+                self.device, rank=self.rank, world=self.world,
                 collective_timeout=config.collective_timeout, scaled=self.precision.scaler is not None,
                 state=self._state, load=self._load, trains_next=self._trains_next, emit=self._emit,
                 leave=self._leave_broken_group, entered=self._entered,
@@ -210,7 +210,7 @@ class Trainer:
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
-        if self._in_place is None or self._in_place.arriving is None:  # (a receiver's comes with its state)
+        if not self._receiving():  # (a receiver's comes with its state: `_sit_out`)
             self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
@@ -251,7 +251,7 @@ class Trainer:
         re-form: the epoch is planned again for the new world from the sampler, which counts only
         completed steps, so the interrupted step's samples are dealt again (exact-once)."""
         carried = None
-        if self._in_place is not None and self._in_place.arriving is not None:
+        if self._in_place is not None and self._receiving():
             carried = self._sit_out(run, self._in_place)
         if self._evaluation_due(run):
             self._evaluate(run, epoch=run.sampler.epoch - 1)
@@ -281,6 +281,11 @@ class Trainer:
                         "node": node_name(),
                         "setup_s": record["setup_s"]}, any_rank=True)  # fmt: skip
         self._emit(record)
+
+    def _receiving(self) -> bool:
+        """In place, a heal's receiver whose state is still on its way (`_sit_out`): it holds no state of
+        the run yet."""
+        return self._in_place is not None and self._in_place.arriving is not None
 
     def _evaluation_due(self, run: Run) -> bool:
         """An epoch's end not evaluated yet (once: also when a notice interrupted its evaluation)."""
@@ -535,7 +540,7 @@ class Trainer:
         self._base = self.step
         self._ranks_changed()
         self._capture(run)
-        if place.arriving is None:  # (a receiver's comes with its state: `_sit_out`)
+        if not self._receiving():  # (a receiver's comes with its state: `_sit_out`)
             self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
@@ -600,8 +605,7 @@ class Trainer:
     def _capture(self, run: Run) -> None:
         """The host copy of this boundary's state (hostcopy.py), its BatchNorm statistics copied now;
         nothing built when no copy is due, nor by a heal's receiver before its state came."""
-        receiving = self._in_place is not None and self._in_place.arriving is not None
-        if not receiving and self._host.keeps(self.step):
+        if not self._receiving() and self._host.keeps(self.step):
             self._host.capture(self.step, with_frozen(list(run.model.buffers()), partial(self._state, run)))
 
     def _kept(self) -> Kept | None:

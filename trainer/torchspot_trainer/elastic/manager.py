@@ -82,9 +82,9 @@ from torchspot_trainer.elastic.settings import (
 )
 from torchspot_trainer.handover import Handover
 from torchspot_trainer.recovery.collectives import LiveCollectives
-from torchspot_trainer.recovery.group import Group, nccl_environment
+from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
-from torchspot_trainer.recovery.live import OP_TIMEOUT, LiveGroup, wait_for_assignment
+from torchspot_trainer.recovery.live import LiveGroup, in_place_groups, wait_for_assignment
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -93,7 +93,6 @@ from torchspot_trainer.recovery.notices import (
     saves_emergency,
 )
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
-from torchspot_trainer.recovery.planes import generation_environment, plane_for
 from torchspot_trainer.recovery.resume import find_state, newest
 from torchspot_trainer.recovery.snapshot import choose_source
 from torchspot_trainer.recovery.wire import broadcast_state
@@ -426,10 +425,7 @@ class Manager:
 
     def _generations(self) -> LiveGroup:
         """The worker's groups in place, one per round its agent hands over (recovery/live.py)."""
-        if self.device.type == "cuda":  # before the first generation's communicator reads them
-            os.environ.update(nccl_environment(os.environ))
-            os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
-        live = LiveGroup(defer_joins=True, plane=plane_for(self.device))
+        live = in_place_groups(self.device)
         live.when_broken(self._buckets.give_up)
         KEEP.append(live)
         return live

@@ -38,6 +38,7 @@ which says how NCCL differs). On CPU the gloo group carries both.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -50,8 +51,9 @@ import torch.distributed as dist
 
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.generation import Build, Grave, close_connections
+from torchspot_trainer.recovery.group import nccl_environment
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
-from torchspot_trainer.recovery.planes import HostPlane, Parent
+from torchspot_trainer.recovery.planes import HostPlane, Parent, generation_environment, plane_for
 from torchspot_trainer.recovery.resume import newest
 from torchspot_trainer.recovery.wire import pack, unpack
 
@@ -723,6 +725,18 @@ class StateArrival:
         if self._failed:
             raise GroupChanged(Outcome.FAILED)
         return self._state
+
+
+def in_place_groups(device: torch.device) -> LiveGroup:
+    """A worker's groups in place, one per round its agent hands over, joins deferred while the current
+    generation trains on, its data on `device`'s plane (planes.py). On a GPU the environment every
+    generation's NCCL communicator reads is set first (group.nccl_environment, with the generations' op
+    timeout), so it must be made before the first generation forms. The trainer's in-place path and
+    the API's manager make theirs here."""
+    if device.type == "cuda":
+        os.environ.update(nccl_environment(os.environ))
+        os.environ.update(generation_environment(os.environ, OP_TIMEOUT))
+    return LiveGroup(defer_joins=True, plane=plane_for(device))
 
 
 def wait_for_assignment(read: Callable[[], Assignment | None], after: int, deadline: float) -> Assignment | None:
