@@ -29,3 +29,10 @@ def env_switch(value: str) -> bool | None:
     if value.lower() in ("0", "false", "no", "off", ""):
         return False
     return None
+
+
+def takes_in_place(in_place: bool | None, *, sync_bn: bool) -> bool:
+    """Whether our trainer, under torchspot-run's etcd-v3 agent, re-forms in place: asked (`--in-place`),
+    or left unset without `--sync-bn` (whose SyncBatchNorm needs the default group in place has none
+    of). Pure; here so the launcher decides as the trainer does (run.choose_in_place) without importing it."""
+    return in_place is True or (in_place is None and not sync_bn)

@@ -38,7 +38,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser, get_use_env
 from torch.distributed.run import run as torchrun_run
 
-from torchspot_trainer import ENV_PREFIX, NODE_FAULT_EXIT, PROG, env_switch
+from torchspot_trainer import ENV_PREFIX, NODE_FAULT_EXIT, PROG, env_switch, takes_in_place
 from torchspot_trainer.fork_server import (
     FORK_ENV,
     run_program,
@@ -344,7 +344,7 @@ def joins_while_warming(args: argparse.Namespace, environ: Mapping[str, str] = o
     parser.add_argument("--in-place", action=argparse.BooleanOptionalAction, default=in_place and env_switch(in_place))
     parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=sync_bn)
     known, _ = parser.parse_known_args(args.training_script_args)
-    return known.in_place is True or (known.in_place is None and known.sync_bn is not True)
+    return takes_in_place(known.in_place, sync_bn=known.sync_bn is True)
 
 
 def needs_staging(trainer_args: list[str], environ: Mapping[str, str]) -> bool:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from torchspot_trainer import NODE_FAULT_EXIT
+from torchspot_trainer import NODE_FAULT_EXIT, takes_in_place
 from torchspot_trainer.checkpoint.manager import SAVER_PROCESS, CheckpointConfig, CheckpointManager, SaveReport
 from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
 from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
@@ -194,7 +194,7 @@ def choose_in_place(
         return False, "the restart path, as asked (--no-in-place)"
     if in_place is None and PEER_LOST_ENV not in environ:
         return False, "the restart path: in place needs torchspot-run (etcd-v3), whose agent hands workers each round"
-    if in_place is None and sync_bn:
+    if not takes_in_place(in_place, sync_bn=sync_bn):
         return False, "the restart path: --sync-bn syncs over torch's default group, which in place has none of"
     asked = "as asked (--in-place)" if in_place else "torchspot-run's agent hands this worker each new round"
     unmeasured = " (on GPUs built by NCCL's documented semantics, not measured on one)" if nccl else ""
