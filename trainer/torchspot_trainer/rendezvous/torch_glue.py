@@ -11,7 +11,7 @@ op executor, extended, and the two functions of torch's module it replaces.
 
 These read and replace private attributes of torch's classes (`_state`, `_dead_nodes`,
 `_last_sync_time`, `_settings`, `_node`): torch is pinned, its private names are listed in one place
-(tests/trainer/test_torch_private.py), and the tests exercise all of it.
+(torch_private.py, which a test checks against the installed torch), and the tests exercise all of it.
 """
 
 from __future__ import annotations
