@@ -82,12 +82,13 @@ def _job(
     in_place: bool = False,
     **extra: str,
 ) -> JobConfig:
-    """The trainer's job on real agents, the restart path unless `in_place` (the trainer's default there)."""
+    """The trainer's job on real agents: the restart path (`--no-in-place`), or with `in_place` no flag at
+    all, so that the in-place run takes the trainer's default there."""
     events = tmp / "train-events.jsonl"
     program = [
         "-m", "torchspot_trainer", *SAME_MODEL, "--epochs", str(EPOCHS), "--checkpoint-every", "10",
         "--checkpoint-uri", f"az://ckpt/{run_id}", "--events-file", str(events), "--notice-hold", "60",
-        "--in-place" if in_place else "--no-in-place",
+        *([] if in_place else ["--no-in-place"]),
     ]  # fmt: skip
     for key, value in extra.items():
         program += [f"--{key.replace('_', '-')}", value]
@@ -137,8 +138,9 @@ def _elastic_run(job: JobConfig, nodes: NodeFactory) -> dict[str, Any]:
     """Three nodes, then an eviction with notice (3 -> 2), a hard loss (2 -> 1) and two nodes
     joining (1 -> 3), each at a step the run reaches; the checks of each recovery along the way.
     Returns what happened (the emergency checkpoint, the step before the hard loss). With
-    `--in-place` in the job's program, also that no survivor's process was restarted."""
-    in_place = "--in-place" in job.program
+    no `--no-in-place` in the job's program (in place, the trainer's default), also that no survivor's
+    process was restarted."""
+    in_place = "--no-in-place" not in job.program
     events_path = job.workdir / "train-events.jsonl"
     # A step at one node takes 40 ms and two nodes join in 10-20 s on 2 busy cores: unpaced, the
     # run (232 steps) could end at one node before they arrive, as it once did in CI.
