@@ -42,12 +42,14 @@ STEPS = 300
 EPOCH_STEPS = 20
 """Both examples' epochs: 960 samples at a global batch of 48 (examples/ddp/common.py), 480 sequences at
 24 (examples/transformers/corpus.py); every step is full."""
-EXTRA = {"transformers": ["--dtype", "float64", "--micro-batches", "2"]}
+EXTRA = {"transformers": ["--dtype", "float64", "--micro-batches", "2", "--log-every", "1"]}
 """The Transformers example in float64: AdamW scales the gradients of its least-used parameters up to
 full steps, so float32's reduction order alone moved a parameter by 1.7e-3 between runs on 1, 2 and 3
 nodes that never changed (300 steps), about what a step redone would; in float64 by 2e-6 at most. It
 accumulates each rank's share in two passes (DDP's `no_sync` for the first): accumulation through the
-faults, in place, computes the same model too."""
+faults, in place, computes the same model too. It logs every step, so that every join's switch follows a
+step after which the loop sums a figure (`Manager.all_reduce`): among the ranks that took the step, before
+the joiner's group, or a joiner's first bucket meets the others' sum."""
 TOLERANCE = {"ddp": 1e-4, "transformers": 1e-4}
 """Largest difference allowed between a parameter of the fixed and of the elastic run: float32
 reduction order at world sizes 1, 2 and 3 (largest parameters about 1)."""

@@ -14,7 +14,8 @@ A step, as the wrappers (ddp.py) drive it:
    heals in it at once, so that the loop's condition reads the healed step.
 4. `commit()` (after the update): the step counts; the samplers move on; the agent, the operator
    and the checkpoint schedule hear of it; where the step agreed on a switch to a joiner's group, the
-   switch follows.
+   switch follows at the next step's start (or at `close()`), so that whatever the loop does between
+   the two runs among the ranks that took the step.
 
 **Healing.** At each group's start the ranks agree on the newest committed step, and where a rank
 lacks it (a joiner, a worker its agent restarted, a rank whose last all-reduce failed where a peer's
@@ -241,8 +242,11 @@ class Manager:
             self.update_skipped()
         if not self._begun:
             self._begin()
-        elif self._live is not None and self._live.broken.is_set():
-            self._reform()  # a round that came between steps: no step is started in a group that is over
+        elif self._live is not None and (self._reform_due or self._live.broken.is_set()):
+            # The switch the last step agreed on (`_take_riders`), or a round that came between steps: no
+            # step is started in a group that is over. Not at the commit: what the loop does between the
+            # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
+            self._reform()
         self._buckets.clear()
         self._phase = _STEP
         self._computed = False
@@ -384,14 +388,14 @@ class Manager:
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
         if due and self._rank == 0 and self._checkpoints is not None:
             self._checkpoints.save_async(self._step, self._full_state(), {"world_size": self._world})
-        if self._reform_due:  # the switch every rank agreed on with this step (`_take_riders`)
-            self._reform()
 
     def close(self) -> None:
         """The loop is over: rank 0 writes the final checkpoint (unless the last one is of this step) and
         waits for it; the manager's threads stop."""
         if self._closed:
             return
+        if self._reform_due:  # the last step agreed on a switch: its joiners wait in that group for their heal
+            self._reform()
         self._closed = True
         self._phase = _IDLE
         if self._checkpoints is not None and self._rank == 0 and self._begun:
