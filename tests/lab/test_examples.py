@@ -197,8 +197,9 @@ def _succeeded(sandbox: Sandbox, name: str) -> bool:
 
 
 def _check(name: str, run: _Run, left: int) -> None:
-    """From the job's records: no survivor restarted, the notice's emergency checkpoint written by the
-    leaving node and the leaving joiner's exit (`left`), every sample once per epoch, the loss lines."""
+    """From the job's records: no survivor restarted, a joiner healed beside a step, the notice's emergency
+    checkpoint written by the leaving node and the leaving joiner's exit (`left`), every sample once per
+    epoch, the loss lines."""
     events = run.records(name)
     pids: dict[str, set[int]] = defaultdict(set)
     for event in events:
@@ -214,6 +215,9 @@ def _check(name: str, run: _Run, left: int) -> None:
     worlds = [e["world_size"] for e in events if e["event"] == "generation" and e["node"] == first]
     assert worlds[0] == 3
     assert {1, 2} <= set(worlds), worlds
+    # A join's heal went beside the next step: the holders trained it, the joiner received the state meanwhile.
+    beside = [e for e in events if e["event"] == "generation" and e["trainers"] and e["rank"] not in e["trainers"]]
+    assert beside, (name, [e for e in events if e["event"] == "generation"])
     # A step's records (each rank that committed it writes one) name the same samples; one step of each
     # number in the line that went on, and each epoch's steps took every sample once.
     chunks: dict[int, list[int]] = {}

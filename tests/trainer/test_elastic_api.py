@@ -25,6 +25,7 @@ from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.elastic.heal import Row, source_of, trainers_beside
 from torchspot_trainer.elastic.leaving import node_snapshot
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import choose_path
@@ -444,14 +445,54 @@ def test_a_step_whose_update_the_grad_scaler_skipped_counts_as_taken_in_place(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_last_buckets_riders_sum_to_rank_0s_buffers_and_every_ranks_line(dtype: torch.dtype) -> None:
-    """What three ranks' last buckets carry, summed as their all-reduce sums them: every rank reads rank 0's
-    buffers and each rank's line, exactly, in any float type a gradient may have."""
+@pytest.mark.parametrize("source", [0, 2])
+def test_the_last_buckets_riders_sum_to_the_sources_buffers_and_every_ranks_line(
+    dtype: torch.dtype, source: int
+) -> None:
+    """What three ranks' last buckets carry, summed as their all-reduce sums them: every rank reads the
+    source's buffers (rank 0's, or the first trainer's after a heal beside the step) and each rank's line,
+    exactly, in any float type a gradient may have."""
     lines = [Line(False, 1, 0, 0), Line(True, 0, 2, 1), Line(False, -1, 1, 250)]
     buffers = [[torch.full((3,), 0.5 + rank), torch.full((2, 2), -1.0 - rank)] for rank in range(3)]
-    packed = [pack(buffers[r], r, 3, lines[r], dtype=dtype, device=torch.device("cpu")) for r in range(3)]
+    packed = [pack(buffers[r], r, 3, lines[r], source=source, dtype=dtype, device=CPU) for r in range(3)]
     total = torch.stack(packed).sum(dim=0)
     for rank in range(3):
         mine = [torch.zeros_like(b) for b in buffers[rank]]
         assert unpack(total, mine, 3) == lines
-        assert [b.tolist() for b in mine] == [b.tolist() for b in buffers[0]]
+        assert [b.tolist() for b in mine] == [b.tolist() for b in buffers[source]]
+
+
+def _rows(*rows: tuple[int, bool, bool, bool]) -> list[Row]:
+    return [Row(*row) for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("rows", "trainers"),
+    [
+        # A join at a step's start: the two holders train, the joiner receives beside the step.
+        (_rows((7, False, True, True), (7, False, True, True), (0, True, False, True)), [0, 1]),
+        # The joiner took rank 0: the holders are ranks 1 and 2, rank 1 sends.
+        (_rows((3, True, False, True), (9, False, True, True), (9, False, True, True)), [1, 2]),
+        # A rank whose last all-reduce failed where the others' completed, all at a step's start.
+        (_rows((5, False, True, True), (4, False, True, True)), [0]),
+        # Every rank holds the step: nothing to send.
+        (_rows((5, False, True, True), (5, False, True, True)), None),
+        # The first group: nobody holds the run live (the newest copy is broadcast).
+        (_rows((4, True, False, True), (0, True, False, True)), None),
+        # A holder heals after its step failed (not at a step's start): the loop may not step next.
+        (_rows((5, False, False, True), (4, False, True, True)), None),
+        # A rank may not sit out (a device plane, a gradient scaler): every rank waits for the state.
+        (_rows((7, False, True, True), (0, True, False, False)), None),
+        # A new process holding a copy of the newest step is still sent it (its copy is not the group's).
+        (_rows((7, False, True, True), (7, True, False, True)), [0]),
+    ],
+)
+def test_a_heal_goes_beside_the_next_step_only_where_the_holders_step_next_and_every_rank_may_sit_out(
+    rows: list[Row], trainers: list[int] | None
+) -> None:
+    assert trainers_beside(rows) == trainers
+
+
+def test_a_broadcast_heal_sends_from_the_lowest_live_holder_of_the_newest_step() -> None:
+    assert source_of(_rows((7, True, False, True), (7, False, False, True), (3, False, False, True))) == 1
+    assert source_of(_rows((2, True, False, True), (7, True, False, True))) == 1

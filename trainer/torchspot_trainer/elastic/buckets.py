@@ -61,20 +61,27 @@ class StepBuckets:
         self,
         bucket: GradBucket,
         live: LiveGroup,
-        world: int,
+        computing: int,
         *,
         riders: Callable[[torch.dtype, torch.device], torch.Tensor],
         deadline: float,
+        zeros: bool = False,
     ) -> torch.futures.Future[torch.Tensor]:
-        """Start `bucket`'s average over `live`'s current generation of `world` ranks, the last bucket with
-        `riders(dtype, device)` beside its gradients; on a device plane its wait gives up at `deadline`."""
+        """Start `bucket`'s average over `live`'s current generation, in which `computing` ranks computed
+        the step (every rank, but after a heal beside the step: heal.py), the last bucket with
+        `riders(dtype, device)` beside its gradients; `zeros`: this rank sat the step out, and sends
+        zeros for its gradients. On a device plane the wait gives up at `deadline`."""
         tensor = bucket.buffer()
         last = bucket.is_last()
         if last:  # one copy, its gradients' part then divided in place
             staging = torch.cat([tensor.reshape(-1), riders(tensor.dtype, tensor.device)])
-            staging[: tensor.numel()].div_(world)
+            gradients = staging[: tensor.numel()]
+            if zeros:
+                gradients.zero_()
+            else:
+                gradients.div_(computing)
         else:
-            staging = tensor.reshape(-1) / world
+            staging = torch.zeros_like(tensor).reshape(-1) if zeros else tensor.reshape(-1) / computing
         posted = _Bucket(staging, tensor, last)
         with self._lock:
             self._posted.append(posted)
@@ -85,6 +92,15 @@ class StepBuckets:
             self._end(posted, Outcome.BROKEN)
         else:
             live.post_told(posted.staging, partial(self._end, posted))
+        return posted.future
+
+    def refuse(self, bucket: GradBucket, outcome: Outcome) -> torch.futures.Future[torch.Tensor]:
+        """`bucket` not sent: the step failed before its first collective (`outcome`)."""
+        tensor = bucket.buffer()
+        posted = _Bucket(tensor.reshape(-1).clone(), tensor, bucket.is_last())
+        with self._lock:
+            self._posted.append(posted)
+        self._end(posted, outcome)
         return posted.future
 
     def _end(self, posted: _Bucket, outcome: Outcome) -> None:

@@ -126,6 +126,7 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(self, manager: Manager, device: str = "cuda", **kwargs: Any) -> None:
         super().__init__(device, **kwargs)
         self.manager = manager
+        manager.scales_loss()
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """torch's `step`; then, where it skipped the update, the manager told."""

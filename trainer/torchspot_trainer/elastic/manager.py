@@ -20,7 +20,9 @@ A step, as the wrappers (ddp.py) drive it:
 **Healing.** At each group's start the ranks agree on the newest committed step, and where a rank
 lacks it (a joiner, a worker its agent restarted, a rank whose last all-reduce failed where a peer's
 completed) the lowest rank holding it sends the whole state (the user's `state_dict()` and the
-manager's own: step, samplers) with one broadcast; survivors that hold it send nothing.
+manager's own: step, samplers); survivors that hold it send nothing. Where the holders heal at a
+step's start (a join), the state goes point to point beside that step, which they take among
+themselves while the receivers' gradients count zero (heal.py); otherwise by one broadcast.
 
 **The two paths.** In place when the worker runs under torchspot-run with the etcd-v3 rendezvous (its
 agent hands the live workers each new round: handover.py); otherwise the restart path: torch's
@@ -66,6 +68,7 @@ from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointMan
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.buckets import StepBuckets
+from torchspot_trainer.elastic.heal import Healing
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import (
@@ -94,9 +97,8 @@ from torchspot_trainer.recovery.notices import (
     saves_emergency,
 )
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
-from torchspot_trainer.recovery.resume import find_state, newest
+from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import choose_source
-from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
 log = logging.getLogger("torchspot.elastic")
@@ -195,6 +197,11 @@ class Manager:
         self._reporter: CheckpointReporter | None = None
         self._handover: Handover | None = None
         self._live = self._generations() if self.in_place else None
+        self._healing = None if self._live is None else Healing(
+            self._live, self.device, state=self._boundary_state, load=self._healed
+        )  # fmt: skip
+        self._scaled = False
+        """A gradient scaler runs (`scales_loss`): no rank sits a step out after a heal (heal.py)."""
         self._default: Group | None = None
         """The restart path's collectives over the default group (`_collectives`)."""
         self._leaving = Leaving(
@@ -225,7 +232,8 @@ class Manager:
         would otherwise train one step more."""
         if not self._begun and not self._closed:
             self._begin()
-        return self._step
+        arriving = None if self._healing is None else self._healing.arriving_step()
+        return self._step if arriving is None else arriving
 
     # -- the step -----------------------------------------------------------------
 
@@ -246,7 +254,7 @@ class Manager:
             # The switch the last step agreed on (`_take_riders`), or a round that came between steps: no
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
-            self._reform()
+            self._reform(stepping=True)
         self._buckets.clear()
         self._phase = _STEP
         self._computed = False
@@ -285,16 +293,32 @@ class Manager:
         buckets.py)."""
         self.require_step("a backward pass")
         assert self._live is not None
-        deadline = self._step_started + self.commit_seconds
-        return self._buckets.post(bucket, self._live, self._world, riders=self._riders, deadline=deadline)
+        assert self._healing is not None
+        if not self._buckets.posted():
+            try:  # a heal's sends posted, or its state arrived, before the step's first collective (heal.py)
+                self._healing.before_collective()
+            except GroupChanged as exc:
+                return self._buckets.refuse(bucket, Outcome.FAILED if exc.failed else Outcome.BROKEN)
+        trainers = self._healing.trainers
+        return self._buckets.post(
+            bucket, self._live, self._world if trainers is None else len(trainers), riders=self._riders,
+            deadline=self._step_started + self.commit_seconds, zeros=self._healing.sits_out(self._rank),
+        )  # fmt: skip
 
     def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """What the last bucket carries beside the gradients (riders.py): the model's buffers, and this
         rank's line: its deferred round's joiners ready, its rank there, its notice level and node."""
         assert self._live is not None
+        assert self._healing is not None
         level, node = self._leaving.stop.row()
         line = Line(self._live.joiners_ready.is_set(), self._live.pending_rank(), level, node)
-        return pack(self._buffers, self._rank, self._world, line, dtype=dtype, device=device)
+        source = 0 if self._healing.trainers is None else self._healing.trainers[0]  # a receiver's are stale
+        return pack(self._buffers, self._rank, self._world, line, source=source, dtype=dtype, device=device)
+
+    def share(self) -> tuple[int, int]:
+        """(this rank's place, the ranks that compute the step): what `ElasticSampler` deals the step's
+        samples over. Every rank, except in the step after a heal beside it (heal.py): its holders."""
+        return (self._rank, self._world) if self._healing is None else self._healing.share(self._rank, self._world)
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the
@@ -310,6 +334,7 @@ class Manager:
                 "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
                 "elastic DistributedDataParallel model first"
             )
+        assert self._healing is not None
         if any(outcome is not Outcome.DONE for outcome in outcomes) or ride is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._phase = _IDLE
@@ -317,6 +342,7 @@ class Manager:
                         self._rank, self._step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
             self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
+        self._healing.stepped()  # a receiver's state, taken before the step's buffers
         self._take_riders(ride)
         self._phase = _COMMITTING
         return True
@@ -347,6 +373,12 @@ class Manager:
             dist.all_reduce(tensor)
             return True
         if live.broken.is_set():
+            return False
+        assert self._healing is not None
+        try:
+            self._healing.before_collective()
+        except GroupChanged as exc:
+            self._failed = exc.failed
             return False
         outcome = live.all_reduce(tensor, time.monotonic() + REFORM_SECONDS, control=tensor.device.type == "cpu")
         if outcome is Outcome.FAILED:  # a peer's socket closed: the agent hears of it at the re-form
@@ -396,6 +428,8 @@ class Manager:
             return
         if self._reform_due:  # the last step agreed on a switch: its joiners wait in that group for their heal
             self._reform()
+        if self._healing is not None:
+            self._healing.settle()  # a heal's state for a step the loop did not take: the run's state
         self._closed = True
         self._phase = _IDLE
         if self._checkpoints is not None and self._rank == 0 and self._begun:
@@ -459,7 +493,7 @@ class Manager:
         self._handover.register(stamps_steps=True)
         self._handover.watch(self._live)
         self._resume()
-        self._enter_and_heal(fresh=True)
+        self._enter_and_heal(stepping=False)
         self._whole = True
 
     def _resume(self) -> None:
@@ -479,21 +513,23 @@ class Manager:
         self._base = self._step
         log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
 
-    def _reform(self) -> None:
-        """After a step that did not commit, or at an agreed switch: the next group, and a heal in it."""
+    def _reform(self, *, stepping: bool = False) -> None:
+        """After a step that did not commit, or at an agreed switch: the next group, and a heal in it
+        (`stepping`: at a step's start, so that the heal may go beside it: heal.py)."""
         assert self._handover is not None
         if self._failed:
             self._handover.report_failure()
         self._failed = False
         self._reform_due = False
-        self._enter_and_heal(fresh=False)
+        self._enter_and_heal(stepping=stepping)
 
-    def _enter_and_heal(self, *, fresh: bool) -> None:
+    def _enter_and_heal(self, *, stepping: bool) -> None:
         """Enter the first newer round that forms and heal in it; again in the next while a newer round
-        or a lost peer breaks the heal. `fresh`: this process holds no state of the run's group yet."""
-        handover, live = self._handover, self._live
+        or a lost peer breaks the heal."""
+        handover, live, healing = self._handover, self._live, self._healing
         assert handover is not None
         assert live is not None
+        assert healing is not None
         started = time.monotonic()
         while True:
             assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
@@ -504,17 +540,19 @@ class Manager:
             self._rank, self._world = assignment.rank, assignment.world
             self._leaving.stop.node = assignment.node
             try:
-                self._heal(fresh)
+                source = healing.heal(self._rank, self._step, stepping=stepping, may_sit_out=self._may_sit_out())
             except GroupChanged as exc:
                 if exc.failed:
                     handover.report_failure()
                 continue
             break
         self._reform_due = False
+        if source == "peer":  # (a receiver beside the step loads its state before the step's update)
+            self.resumed_from = "peer"
         self._rank_duties()
         self._emit({"event": "generation", "generation": live.generation, "rank": self._rank,
-                    "world_size": self._world, "step": self._step, "pid": os.getpid(), "node": node_name(),
-                    "resumed_from": self.resumed_from,
+                    "world_size": self._world, "step": self.current_step(), "pid": os.getpid(), "node": node_name(),
+                    "resumed_from": self.resumed_from, "trainers": healing.trainers,
                     "seconds": round(time.monotonic() - started, 3)}, any_rank=True)  # fmt: skip
         self._started(generation=live.generation)
 
@@ -523,7 +561,8 @@ class Manager:
         report counts the groups and the path each took from them); the progress window begins again, and
         the host copy holds the state the group starts from."""
         record: dict[str, Any] = {
-            "event": "start", "step": self._step, "world_size": self._world, "pid": os.getpid(), "node": node_name(),
+            "event": "start", "step": self.current_step(), "world_size": self._world, "pid": os.getpid(),
+            "node": node_name(),
             "resumed_from": self.resumed_from,
         }  # fmt: skip
         if generation is not None:  # in place: no process restarted
@@ -546,21 +585,26 @@ class Manager:
         self._emit({"event": "progress", "step": self._step, "world_size": self._world,
                     "samples_per_s": round(counted / (now - began), 2)})  # fmt: skip
 
-    def _heal(self, fresh: bool) -> None:
-        """Agree on the newest committed step; where a rank lacks it, the lowest rank holding it sends
-        the state (module docstring). Raises GroupChanged where the group fails meanwhile."""
+    def _may_sit_out(self) -> bool:
+        """Whether this rank's gradients may count zero in a step after a heal (`heal.Row.may_sit_out`):
+        its data plane sends point to point (the host one; a device plane's heal broadcasts), and no
+        gradient scaler runs (a receiver's scale is not in the state it receives)."""
         assert self._live is not None
-        rows = self._live.agree([float(self._step), float(fresh)], time.monotonic() + REFORM_SECONDS)
-        if rows is None:
-            raise GroupChanged(Outcome.BROKEN)
-        best, source = newest(rows)
-        if all(int(row[0]) == best and not row[1] for row in rows):
-            return
-        mine = self._full_state() if self._rank == source else None
-        state = broadcast_state(mine, source, self._rank, self.device, send=self._collectives().broadcast)
-        if self._rank != source and (fresh or self._step != best):
-            self._load_full(state)
-            self.resumed_from, self._base = "peer", self._step
+        return not (self._live.plane.separate or self._scaled)
+
+    def scales_loss(self) -> None:
+        """A gradient scaler runs with this manager (`GradScaler` tells): every heal broadcasts."""
+        self._scaled = True
+
+    def _boundary_state(self) -> dict[str, Any]:
+        """The whole state as at the step boundary, built now: a heal's, sent beside the next step's
+        forward passes, which change the model's buffers (`with_frozen`)."""
+        return with_frozen(self._boundary, self._full_state)()
+
+    def _healed(self, state: dict[str, Any]) -> None:
+        """A heal's state from a live peer, taken over."""
+        self._load_full(state)
+        self.resumed_from, self._base = "peer", self._step
 
     def _rank_duties(self) -> None:
         """Rank 0 reports steps and checkpoints to the operator (through the job's etcd); the duty

@@ -40,6 +40,7 @@ class ElasticSampler:
 
     def indices(self) -> list[int]:
         """This rank's sample indices in the step begun (call after `optimizer.zero_grad()`: a re-form
-        there may change the rank and the world)."""
+        there may change the rank and the world). In the step after a heal beside it, the ranks that
+        hold the state deal it among themselves (`Manager.share`)."""
         self.manager.require_step("ElasticSampler.indices()")
-        return self._position.rank_indices(self.manager.rank, self.manager.world_size)
+        return self._position.rank_indices(*self.manager.share())
