@@ -17,31 +17,14 @@ A step, as the wrappers (ddp.py) drive it:
    switch follows at the next step's start (or at `close()`), so that whatever the loop does between
    the two runs among the ranks that took the step.
 
-**Healing.** At each group's start the ranks agree on the newest committed step, and where a rank
-lacks it (a joiner, a worker its agent restarted, a rank whose last all-reduce failed where a peer's
-completed) the lowest rank holding it sends the whole state (the user's `state_dict()` and the
-manager's own: step, samplers); survivors that hold it send nothing. Where the holders heal at a
-step's start (a join), the state goes point to point beside that step, which they take among
-themselves while the receivers' gradients count zero (heal.py); otherwise by one broadcast.
-
 **The two paths.** In place when the worker runs under torchspot-run with the etcd-v3 rendezvous (its
 agent hands the live workers each new round: handover.py); otherwise the restart path: torch's
-default group, torch's DDP unchanged, and a restart resumes from the newest checkpoint. The choice is
-said once, with its reason.
+default group, torch's DDP unchanged, and a restart resumes from the newest checkpoint or a node's
+snapshot. The choice is said once, with its reason.
 
-**Eviction notices.** A SIGTERM (the kubelet's, at a spot eviction; from the main thread's manager on)
-or an Azure Scheduled Event for this VM (polled by one rank per node inside a pod) is a notice. The
-ranks share their notice levels at each step: in place they ride the last bucket with the joiners table
-(no collective more), on the restart path one small all-gather after the commit. On a notice the group
-stops at that boundary (recovery/notices.py's rules, the trainer's): the lowest rank whose node leaves
-writes the emergency checkpoint of the committed step, the leaving ranks exit (143), and the others
-hold until the leaving node is gone (in place, they then re-form without it and train on).
-
-**Node snapshots.** Under an elastic agent (torchrun, torchspot-run), a worker that leaves (its loop
-raised where a peer was lost, it was stuck after its SIGTERM, a notice, a re-form that never came) keeps
-its node's copy of the committed state on local disk (recovery/snapshot.py), once per node and round.
-The next round resumes from the newest copy any node holds where it is not older than the newest
-checkpoint: on the restart path a lost peer then costs no step since the last checkpoint.
+The rules the manager runs, and their reasons, are the guide's ("The rules, and why", in
+docs/own-script.md): a heal (heal.py: beside a step, or one broadcast), eviction notices and the
+emergency checkpoint (recovery/notices.py, the trainer's rules), node snapshots (leaving.py).
 
 **A step that never commits.** A step that has not committed within `commit_seconds` of its start (a
 collective that hangs outside any round change, a loop that never calls `optimizer.step()`) ends the
@@ -50,7 +33,6 @@ worker with one log line naming the cause: its agent then restarts it (the resta
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -70,11 +52,11 @@ from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.buckets import StepBuckets
 from torchspot_trainer.elastic.heal import Healing
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
+from torchspot_trainer.elastic.records import Records
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
     EVENTS_FILE_ENV,
-    PROGRESS_SECONDS,
     REFORM_SECONDS,
     ApiOrderError,
     Refused,
@@ -168,7 +150,7 @@ class Manager:
         self._host = HostCopy(self.device, every=snapshot_every)
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
-        self._events = Path(path) if path else None
+        self._records = Records(Path(path) if path else None)
         self._checkpoints: CheckpointManager | None = None
         if checkpoint_uri:
             config = CheckpointConfig(keep=keep_checkpoints)
@@ -210,7 +192,6 @@ class Manager:
         )  # fmt: skip
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
-        self._window = (time.monotonic(), 0)  # since rank 0's last progress record: (when, samples)
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
     # -- what the loop reads ------------------------------------------------------
@@ -390,7 +371,7 @@ class Manager:
         operator, and checkpoint on schedule. `OptimizerWrapper.step` calls it after the update."""
         if self._phase != _COMMITTING:
             raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
-        samples = self._positions[0].step_chunk(self._world) if self._positions and self._events else None
+        samples = self._positions[0].step_chunk(self._world) if self._positions and self._records.events else None
         trained = self._positions[0].next_step_samples(self._world) if self._positions else 0
         for position in self._positions:
             position.advance(self._world)
@@ -401,20 +382,12 @@ class Manager:
             self._handover.stepped(self._live.generation)
         if self._reporter is not None:
             self._reporter.report_step(self._step)
-        if self._events is not None:
-            record: dict[str, Any] = {
-                "event": "step", "step": self._step, "world_size": self._world, "rank": self._rank
-            }  # fmt: skip
-            if self._live is not None:
-                record["generation"] = self._live.generation
-            if samples is not None:
-                record["samples"] = samples
-            if self._skipped:
-                record["update_skipped"] = True
-            self._emit(record, quiet=True)
+        generation = None if self._live is None else self._live.generation
+        self._records.step(self._step, rank=self._rank, world=self._world, generation=generation, samples=samples,
+                           skipped=self._skipped)  # fmt: skip
         self._skipped = False
         if self._rank == 0:
-            self._progress(trained)
+            self._records.progress(trained, step=self._step, world=self._world)
         if self._notices_stop_here():
             return
         due = self.checkpoint_every and self._step % self.checkpoint_every == 0
@@ -558,32 +531,18 @@ class Manager:
 
     def _started(self, *, generation: int | None) -> None:
         """A group's start record (every rank's in the events file, rank 0's on stdout: the sandbox's
-        report counts the groups and the path each took from them); the progress window begins again, and
-        the host copy holds the state the group starts from."""
+        report counts the groups and the path each took from them), and the host copy of the state the
+        group starts from (a node's snapshot before its first commit)."""
         record: dict[str, Any] = {
-            "event": "start", "step": self.current_step(), "world_size": self._world, "pid": os.getpid(),
-            "node": node_name(),
+            "step": self.current_step(), "world_size": self._world, "pid": os.getpid(), "node": node_name(),
             "resumed_from": self.resumed_from,
         }  # fmt: skip
         if generation is not None:  # in place: no process restarted
             record["generation"] = generation
         if self._positions:
             record["step_samples"] = self._positions[0].step_size(self._world)
-        self._emit(record)
-        self._window = (time.monotonic(), 0)
-        self._capture()  # the state the group goes on from: a node's snapshot before its first commit
-
-    def _progress(self, samples: int) -> None:
-        """Rank 0's progress record, every PROGRESS_SECONDS: the step, the world size and the samples per
-        second since the last record (or the group's start)."""
-        began, counted = self._window
-        now, counted = time.monotonic(), counted + samples
-        if now - began < PROGRESS_SECONDS:
-            self._window = (began, counted)
-            return
-        self._window = (now, 0)
-        self._emit({"event": "progress", "step": self._step, "world_size": self._world,
-                    "samples_per_s": round(counted / (now - began), 2)})  # fmt: skip
+        self._records.started(record, rank=self._rank)
+        self._capture()
 
     def _may_sit_out(self) -> bool:
         """Whether this rank's gradients may count zero in a step after a heal (`heal.Row.may_sit_out`):
@@ -728,14 +687,6 @@ class Manager:
         if report.ok and self._reporter is not None:
             self._reporter.report(report.step, f"{self.checkpoint_uri.rstrip('/')}/{step_dir(report.step)}")
 
-    def _emit(self, record: dict[str, Any], *, any_rank: bool = False, quiet: bool = False) -> None:
-        """One record: on stdout (rank 0's, or any rank's with `any_rank`) unless `quiet`, and in the
-        events file (every rank's)."""
-        if quiet and self._events is None:
-            return
-        line = json.dumps({"t": time.time(), **record})
-        if not quiet and (any_rank or self._rank == 0):
-            print(line, flush=True)
-        if self._events is not None:
-            with self._events.open("a") as out:  # one O_APPEND write per record
-                out.write(line + "\n")
+    def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
+        """One record (records.py): rank 0's on stdout, or any rank's with `any_rank`."""
+        self._records.emit(record, rank=self._rank, any_rank=any_rank)
