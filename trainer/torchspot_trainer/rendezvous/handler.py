@@ -38,18 +38,9 @@ round logic is sound) and change three things it gets wrong for spot nodes:
 4. **Rounds form promptly.** torch re-reads the state once a second while it waits
    for other nodes, and a round of fewer than `max_nodes` always waits out its last
    call. Here an agent re-reads the state as soon as it is written (liveness.py's watch),
-   at the latest every `state_poll_interval` (0.25 s), and a round
-   completes as soon as every member of the previous round has joined it or is
-   known to be gone (rounds.py's `complete_early`); the last call still bounds the wait for
-   anyone slower. Where the previous round added a node and lost another before it
-   trained (its workers re-form in place and were still waiting for the joiner's
-   set-up), the survivors take the joiner out of it and do not wait for it
-   (`joiners_to_release`, `expected_members`); and a round after a loss leaves a
-   node that came meanwhile waiting (`joiners_to_defer`), also where that node's add
-   fills it (`max_nodes`: torch completes it then, torch_glue.py's `PromptOpExecutor`); a joiner never
-   completes a round after a departure itself (`_joins_after_loss`). Either joins the round
-   after, once the survivors' workers trained in theirs (`_holding_joiners`), which
-   they take as a deferred join. An agent
+   at the latest every `state_poll_interval` (0.25 s), and the join rules (joins.py) let a
+   round complete as soon as every member of the previous round has joined it or is known
+   to be gone, and keep a node that came after a loss for the round after. An agent
    stopped by a signal (its node leaves) takes itself out of the rendezvous
    (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
    expire, and says so under `<run prefix>departed/`; a node
@@ -74,7 +65,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +84,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from torchspot_trainer.handover import (
-    agent_folder,
     failed_in,
     last_step,
     latest_failure,
-    live_workers,
-    stepped_generation,
 )
 from torchspot_trainer.markers import (
     LEAVING_MARKER,
@@ -111,20 +98,14 @@ from torchspot_trainer.markers import (
 from torchspot_trainer.rendezvous import milestones
 from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease, with_lease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
+from torchspot_trainer.rendezvous.joins import DEPARTED, JoinRules, our_folder
 from torchspot_trainer.rendezvous.liveness import Liveness
 from torchspot_trainer.rendezvous.rounds import (
-    complete_early,
-    departed_since,
-    expected_members,
     forgotten,
-    joiners_to_defer,
-    joiners_to_release,
     lost_members,
     membership_changed,
     newcomers_of,
-    rejoined_round,
     restored,
-    waiting_joiners,
 )
 from torchspot_trainer.rendezvous.settings import BACKEND_NAME, EtcdV3Settings, parse_settings
 from torchspot_trainer.rendezvous.store import EtcdStore
@@ -135,25 +116,17 @@ from torchspot_trainer.rendezvous.torch_glue import (
     evict_node,
     method_name,
     no_spread,
-    take_out,
 )
 
 log = logging.getLogger(__name__)
 
 _DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-_WARN_EVERY = 10.0
 ETCD_RETRY_SECONDS = 0.2
 """Between tries of a round's join while etcd does not answer (`_join_next`)."""
-JOIN_HOLD_SECONDS = 30.0
-"""The most a node waiting to join is held back while this agent's workers have not trained in the
-round they are in (`_holding_joiners`): as long as a deferred join waits for its joiners
-(live.py's READY_SECONDS)."""
 _RESTORE_ATTEMPTS = 5
 """Writes of a restored round (`_restore`) in a row that may lose to a newcomer's before the agent
 takes the state as changed (a re-form, whose join numbers the round after its own)."""
 _LEFT_COUNTER = "torchspot.agents_left"
-_DEPARTED = "departed/"
-"""Under the run prefix: one key per node that left, valued with the round it left."""
 
 
 _ACTIVE: list[EtcdV3RendezvousHandler] = []
@@ -179,7 +152,7 @@ class SetUp:
     """Why a store read gave up (the round lost a member or moved on), or None."""
 
 
-class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
+class EtcdV3RendezvousHandler(JoinRules, DynamicRendezvousHandler):
     """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
 
     _store: EtcdStore  # create_handler's
@@ -243,7 +216,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         Asked by liveness's judge whenever a member's put is that late, whatever the agent is doing:
         asked only from the agent's monitor loop, a kill that landed while the agent set a joiner's
         round up would be judged by the long timeout."""
-        folder = _our_folder()
+        folder = our_folder()
         if self._liveness is None or folder is None:
             return
         newest = latest_failure(folder)
@@ -272,7 +245,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         self._joined_at = time.monotonic()
         if self._first_round is None:
             self._first_round = int(state.round)
-        folder = _our_folder()
+        folder = our_folder()
         self._failed_at_join = 0 if folder is None else latest_failure(folder)
         self._newcomers = newcomers_of(self._joined[1], self._previous[1])
         self._say_deferred(state)
@@ -422,7 +395,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         bring. Every rank fails alike where the heal's agreement refutes a go-ahead (in_place.py's
         `_heal`), and would wait so until a joiner came or its agent restarted it. A failure that a
         lost member caused is judged by liveness first, within the liveness timeout."""
-        folder = _our_folder()
+        folder = our_folder()
         if folder is None or self._joined is None:
             return False
         failed = failed_in(folder, int(self._joined[0]))  # before `_defers_joins`' scans, rarely due
@@ -534,7 +507,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
         try:
             holder.sync()  # said before we go, so nobody sees us missing and not gone
-            key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{self._this_node}"
+            key = f"{self._etcd_settings.run_prefix}{DEPARTED}{self._this_node}"
             self._say_departed(key, holder.state.round)
             _DistributedRendezvousOpExecutor(self._this_node, holder, self._settings).run(LeaveOp(), deadline)
         except Exception as exc:  # leaving is a courtesy: our heartbeats expire anyway
@@ -625,7 +598,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         writes none). A stamp moved ahead of now (the next step's expected time) counts as now."""
         joined = self._joined
         round_ = self._previous[0] if joined is None else joined[0]
-        folder = _our_folder()
+        folder = our_folder()
         if folder is None:
             return None
         stamp = last_step(folder, int(round_))
@@ -638,7 +611,7 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         holder = WatchfulStateHolder(self._backend, self._settings, cache_duration=0)
         holder.sync()
         self._restore(holder)  # a state etcd began again holds nobody to take out
-        key = f"{self._etcd_settings.run_prefix}{_DEPARTED}{name}"
+        key = f"{self._etcd_settings.run_prefix}{DEPARTED}{name}"
         self._say_departed(key, holder.state.round)
         round_ = evict_node(holder, self._settings, name)
         if round_ is not None:
@@ -650,173 +623,9 @@ class EtcdV3RendezvousHandler(DynamicRendezvousHandler):
         """Put a `departed/` record, on the run lease (granted again if etcd lost it with its data)."""
         with_lease(self._lease, lambda lease: self._etcd.put(key, str(round_).encode(), lease=lease))
 
-    def _round_ready(self, state: Any) -> bool:
-        """complete_early for the forming round, against the members of the previous round it waits for
-        (`expected_members`: not one that joined it, if it never trained here), whatever joiner waits
-        to join it after a loss where this agent defers joins (`waiting_joiners`); etcd is asked who
-        departed only while one of them is missing and not already known dead here."""
-        round_, previous = self._previous
-        members = expected_members(previous, self._newcomers, trained=self._trained(round_))
-        waiting = waiting_joiners(members, state) if state.wait_list and self._defers_joins() else frozenset()
-        gone = frozenset(map(str, members))
-        if not complete_early(members, self._this_node, state, self._settings.min_nodes, gone=gone, deferred=waiting):
-            return False  # not ready, whoever is gone
-        if self._joins_after_loss(state, self._previous):
-            return False  # a joiner: the members complete it
-        dead = {name for name, at in self._watch.found_dead.items() if at >= round_}
-        missing = {str(member) for member in members if member not in state.participants} - dead
-        if not missing:
-            return True
-        departed = self._departed_since(round_)
-        return departed is not None and missing <= departed  # etcd silent: the last call completes it
-
-    def _release_joiners(self) -> None:
-        """As this agent leaves the round it was in (`_previous` now), after a loss: take that round's
-        joiners out of it where it never trained here (`joiners_to_release`), so the next round forms
-        without waiting for their agents to leave it; each joins the round after, as any joiner does.
-        The others' agents do the same: whoever writes first, the rest find nothing to take. Nothing is
-        lost if the write fails: the round then waits for them as before."""
-        round_, members = self._previous
-        if not self._newcomers or self._trained(round_):
-            return
-        holder = _BackendRendezvousStateHolder(self._backend, self._settings, cache_duration=0)
-        choose = partial(joiners_to_release, round_, members, self._newcomers)
-        try:
-            taken = take_out(holder, self._settings, choose, f"round {round_}'s joiners")
-        except Exception as exc:  # etcd trouble, or a race lost 5 times: the round waits for them
-            self._warn(f"round {round_}'s joiners not taken out ({exc})")
-            return
-        if taken is not None:
-            log.warning("rendezvous %s: round %d lost a member before it trained; its joiner(s) %s join the next one",
-                        self._settings.run_id, round_, ", ".join(map(str, taken[1])))  # fmt: skip
-            self._watch.expire()
-
-    def _defer_joiners(self, state: Any) -> None:
-        """As this agent completes a round after a loss: the participants that were not expected
-        (`joiners_to_defer`: a joiner that came as a member was lost) wait for the next round
-        instead, which follows as a deferred join once this agent's workers trained in this one
-        (`_holding_joiners`); only where this agent's workers train
-        on while a joiner sets up (`_defers_joins`). Changes `state`, which the completion writes."""
-        if not self._defers_joins():
-            return
-        round_, previous = self._previous
-        expected = expected_members(previous, self._newcomers, trained=self._trained(round_))
-        joiners = joiners_to_defer(expected, state, self._settings.min_nodes)
-        for node in joiners:
-            del state.participants[node]
-            state.wait_list.add(node)
-        self._deferred = (state.round, joiners)
-
-    def _say_deferred(self, state: Any) -> None:
-        """Log the joiners this agent left out of the round it completed (`_defer_joiners`) where the round
-        it joined (`state`) formed without them. Not as the completion is made: its write may lose to
-        another member's, and the line then told of a deferral the round may not have had."""
-        round_, joiners = self._deferred
-        self._deferred = (0, [])
-        if joiners and state.round == round_ and not any(node in state.participants for node in joiners):
-            log.warning("rendezvous %s: the round after a loss formed without its joiner(s) %s: they join the next one",
-                        self._settings.run_id, ", ".join(map(str, joiners)))  # fmt: skip
-
-    def _joins_after_loss(self, state: Any, previous: tuple[int, frozenset[Any]]) -> bool:
-        """Whether this node, whose round before was `previous` (`_previous` as it joins), comes to the forming
-        round as a joiner, and a member of the round before it
-        departed (`departed/`): it then leaves the round to its members to complete, whether its add
-        fills it (`PromptOpExecutor`) or every member it knows of is in (`_round_ready`). The members'
-        completion leaves it waiting where their workers train on meanwhile (`_defer_joiners`); a
-        joiner cannot tell who else is one. A joiner: not in the round before, or there as a newcomer
-        whose worker never stepped (its first round, in a job that formed one before it). A round after
-        a loss completed by a joiner takes any joiner still starting, and the survivors wait in the
-        new group for its start-up. Never for a round 0, and not where etcd does not answer (the node
-        completes as before)."""
-        round_, members = previous
-        if state.round == 0:
-            return False
-        if members and round_ >= state.round - 1 and not self._never_stepped_in_first(round_):
-            return False
-        return bool(self._departed_since(state.round - 1))
-
-    def _never_stepped_in_first(self, round_: int) -> bool:
-        """Whether `round_` is this agent's first round, joined in a running job (not round 0), and no local
-        worker stepped in it. The folder is read only then: `_round_ready` asks at every look."""
-        if round_ != self._first_round or round_ == 0:
-            return False
-        folder = _our_folder()
-        newest = None if folder is None else stepped_generation(folder)
-        return newest is None or newest < round_
-
-    def _departed_since(self, round_: int) -> frozenset[str] | None:
-        """The nodes that said under `departed/` they left round `round_` or a later one (`departed_since`);
-        None where etcd does not answer."""
-        prefix = f"{self._etcd_settings.run_prefix}{_DEPARTED}"
-        try:
-            return departed_since(self._etcd.get_prefix(prefix), prefix, round_)
-        except EtcdError:
-            return None
-
-    def _leaves_filled(self, state: Any) -> bool:
-        """Whether this node's add, which fills the forming round (`max_nodes`), leaves it to the members to
-        complete (`_joins_after_loss`)."""
-        if not self._joins_after_loss(state, self._previous):
-            return False
-        log.warning("rendezvous %s: round %d, which this join fills, follows a loss: its members complete it",
-                    self._settings.run_id, state.round)  # fmt: skip
-        return True
-
-    def _rejoined_round(self, state: Any) -> int | None:
-        """The round this agent's join writes over a state etcd began again (rounds.py's
-        `rejoined_round`, against the round it left), or None."""
-        return rejoined_round(*self._previous, self._this_node, state)
-
-    def _holding_joiners(self) -> bool:
-        """Whether nodes waiting to join wait a little longer: while this agent's workers, which train
-        on while a joiner sets up (`_defers_joins`), have not trained in the round they are in, for
-        at most JOIN_HOLD_SECONDS after it formed. Their next round then follows a generation they
-        train in, and they take it as a deferred join; handed over sooner, it came while they were
-        still building their group (a survivor's after a loss, or a deferred join's waiting for its
-        joiner), so they entered it at once and waited in it for the joiner's start-up, and for every
-        joiner's when two came one after another. Never for more than half the joiner's own join
-        timeout (`--rdzv-conf join_timeout`), and not once a local worker failed in the round (a
-        `failed-` file newer than the join): it waits for the next round then, which a held node would
-        hold back too."""
-        joined = self._joined
-        hold = min(JOIN_HOLD_SECONDS, self._settings.timeout.join.total_seconds() / 2)  # the joiner's own wait
-        if joined is None or time.monotonic() - self._joined_at > hold or self._trained(joined[0]):
-            return False
-        return latest_failure(agent_folder()) <= self._failed_at_join
-
-    def _defers_joins(self) -> bool:
-        """Whether this agent's workers train on while a round that adds a node waits for its worker
-        (live.py's deferred join): they re-form in place and stamp their steps (handover.py's
-        `stepped_generation`). Not so on the restart path, whose workers train in no round before
-        it forms whole (a node left out of one would cost everyone another restart), nor for a
-        program that stamps no step (nothing is known of it)."""
-        folder = _our_folder()
-        return folder is not None and live_workers(folder) and stepped_generation(folder) is not None
-
-    def _trained(self, round_: int) -> bool:
-        """Whether round `round_` trained, as far as this agent knows (`expected_members`): no only where
-        its workers train on while a joiner sets up (`_defers_joins`) and the newest step they
-        stamped is of an older generation."""
-        if not self._defers_joins():
-            return True
-        newest = stepped_generation(agent_folder())
-        return newest is not None and newest >= round_
-
-    def _warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_EVERY:
-            self._last_warning = now
-            log.warning("rendezvous %s: %s", self._settings.run_id, message)
-
 
 def _peer_lost_marker() -> Path:
     return Path(os.environ[PEER_LOST_ENV])
-
-
-def _our_folder() -> Path | None:
-    """This agent's folder (handover.py's `agent_folder`), where its workers leave their files; None
-    where no agent of ours set one up (a handler made outside torchspot-run)."""
-    return agent_folder() if PEER_LOST_ENV in os.environ else None
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
