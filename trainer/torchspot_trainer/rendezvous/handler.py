@@ -84,8 +84,6 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from torchspot_trainer.handover import (
-    failed_in,
-    last_step,
     latest_failure,
 )
 from torchspot_trainer.markers import (
@@ -96,10 +94,11 @@ from torchspot_trainer.markers import (
     name_peer_lost_marker,
 )
 from torchspot_trainer.rendezvous import milestones
-from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease, with_lease
+from torchspot_trainer.rendezvous.backend import EtcdV3RendezvousBackend, RunLease
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdTls
-from torchspot_trainer.rendezvous.joins import DEPARTED, JoinRules, our_folder
+from torchspot_trainer.rendezvous.joins import DEPARTED, our_folder
 from torchspot_trainer.rendezvous.liveness import Liveness
+from torchspot_trainer.rendezvous.losses import LossJudging
 from torchspot_trainer.rendezvous.rounds import (
     forgotten,
     lost_members,
@@ -113,7 +112,6 @@ from torchspot_trainer.rendezvous.torch_glue import (
     LeaveOp,
     PromptOpExecutor,
     WatchfulStateHolder,
-    evict_node,
     method_name,
     no_spread,
 )
@@ -152,7 +150,7 @@ class SetUp:
     """Why a store read gave up (the round lost a member or moved on), or None."""
 
 
-class EtcdV3RendezvousHandler(JoinRules, DynamicRendezvousHandler):
+class EtcdV3RendezvousHandler(LossJudging, DynamicRendezvousHandler):
     """torch's dynamic rendezvous on etcd v3, with lost-peer detection."""
 
     _store: EtcdStore  # create_handler's
@@ -208,21 +206,6 @@ class EtcdV3RendezvousHandler(JoinRules, DynamicRendezvousHandler):
         """The round this agent last joined (0 before the first): the generation of its workers' group
         (handover.py), alike on every agent of the round."""
         return 0 if self._joined is None else int(self._joined[0])
-
-    def _corroborate_failures(self) -> None:
-        """If a local worker's collective failed since the last look (its `failed-` file is newer:
-        handover.py's `latest_failure`) while it stays up (it re-forms in place, so the agent never
-        sees it exit): liveness judges with its short timeout for a while, as after a failed worker.
-        Asked by liveness's judge whenever a member's put is that late, whatever the agent is doing:
-        asked only from the agent's monitor loop, a kill that landed while the agent set a joiner's
-        round up would be judged by the long timeout."""
-        folder = our_folder()
-        if self._liveness is None or folder is None:
-            return
-        newest = latest_failure(folder)
-        if newest > self._failure_seen:
-            self._failure_seen = newest
-            self._liveness.corroborate()
 
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next round and remember who is in it."""
@@ -389,63 +372,6 @@ class EtcdV3RendezvousHandler(JoinRules, DynamicRendezvousHandler):
                 break
         return state
 
-    def _failed_alone(self) -> bool:
-        """Whether a local worker failed in this agent's round, in place, longer ago than twice the
-        liveness timeout, and no member is lost: it waits for a next round that no change would
-        bring. Every rank fails alike where the heal's agreement refutes a go-ahead (in_place.py's
-        `_heal`), and would wait so until a joiner came or its agent restarted it. A failure that a
-        lost member caused is judged by liveness first, within the liveness timeout."""
-        folder = our_folder()
-        if folder is None or self._joined is None:
-            return False
-        failed = failed_in(folder, int(self._joined[0]))  # before `_defers_joins`' scans, rarely due
-        return failed is not None and time.time() - failed > self._judged_within() and self._defers_joins()
-
-    def _judged_within(self) -> float:
-        """How long after a local failure a lost member is surely judged: twice liveness's timeout, or
-        twice torch's heartbeat expiry without liveness."""
-        settings = self._settings
-        dead_after = settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt  # torch's
-        return 2 * (self._etcd_settings.liveness_timeout or dead_after)
-
-    def explains_failure(self) -> bool:
-        """Whether a peer's loss explains this agent's workers' failure, which just happened: the round
-        they trained in lost a member, or moved on, within `_judged_within` (liveness judges with its
-        short timeout from now: `corroborate`). Their collectives then failed on the lost peer's closed
-        socket, which is no fault of the program: the agent does not count it against --max-restarts
-        (handover.py's InPlaceAgent). Before, every hard loss on the restart path used one restart of
-        every surviving agent, and a long run's survivors gave up together. A failure nothing explains
-        waits that long before its restart; False at once outside a round."""
-        joined = self._joined
-        if joined is None:
-            return False
-        if self._liveness is not None:
-            self._liveness.corroborate()
-        deadline = time.monotonic() + self._judged_within()
-        while True:
-            try:
-                state = self._read_state()
-            except RendezvousConnectionError:  # etcd away: nothing known yet
-                state = None
-            if state is not None and membership_changed(*joined, state)[0]:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self.wait_for_change(min(left, self._etcd_settings.state_poll_interval))
-
-    def _lost_grace(self, lost: list[str]) -> str:
-        """What the peer-lost marker says of the workers' grace after their last step boundary
-        (signals.stuck_wait): half the liveness timeout when every lost member fell silent (nothing
-        more will come from it); nothing, so the workers' own 2 s, when one was still putting its
-        liveness key as it went (a node leaving on notice: its workers finish the step, and their
-        emergency checkpoint needs the others at that boundary, which a shorter grace can cut off), or
-        without liveness."""
-        liveness = self._liveness
-        if liveness is None or not all(liveness.silent(name) for name in lost):
-            return ""
-        return f"{self._etcd_settings.liveness_timeout / 2:g}"
-
     def keep_open(self) -> None:
         """This node's agent failed (handover.py's `InPlaceAgent.run`): its shutdown takes the node out
         of the rendezvous instead of closing it (`shutdown`)."""
@@ -584,44 +510,6 @@ class EtcdV3RendezvousHandler(JoinRules, DynamicRendezvousHandler):
         later. Without liveness (no watch) it only waits out the timeout, as torch's agent sleeps."""
         if self._changed.wait(timeout):
             self._changed.clear()
-
-    def _judged(self) -> frozenset[str]:
-        """The nodes liveness judges: our round's members, or the previous round's while one forms."""
-        joined = self._joined
-        members = self._previous[1] if joined is None else joined[1]
-        return frozenset(map(str, members))
-
-    def _proven(self) -> float | None:
-        """When a local live worker last completed a step in the generation of the round liveness judges
-        (`_judged`; handover.py's `last_step`: its all-reduce completed with every member), on the
-        monotonic clock liveness judges by; None without one (a worker that does not re-form in place
-        writes none). A stamp moved ahead of now (the next step's expected time) counts as now."""
-        joined = self._joined
-        round_ = self._previous[0] if joined is None else joined[0]
-        folder = our_folder()
-        if folder is None:
-            return None
-        stamp = last_step(folder, int(round_))
-        return None if stamp is None else time.monotonic() - max(0.0, time.time() - stamp)
-
-    def _evict(self, name: str) -> None:
-        """Take `name` out of the rendezvous (liveness.py found it lost): say it departed, for the
-        agents completing the next round early, then one compare-and-set on the state. With a
-        state holder of its own: the judging thread runs beside the agent's."""
-        holder = WatchfulStateHolder(self._backend, self._settings, cache_duration=0)
-        holder.sync()
-        self._restore(holder)  # a state etcd began again holds nobody to take out
-        key = f"{self._etcd_settings.run_prefix}{DEPARTED}{name}"
-        self._say_departed(key, holder.state.round)
-        round_ = evict_node(holder, self._settings, name)
-        if round_ is not None:
-            self._watch.found_dead.setdefault(name, round_)
-            log.warning("rendezvous %s: node %s taken out of round %d", self._settings.run_id, name, round_)
-        self._watch.expire()  # the agent's next look reads the change
-
-    def _say_departed(self, key: str, round_: int) -> None:
-        """Put a `departed/` record, on the run lease (granted again if etcd lost it with its data)."""
-        with_lease(self._lease, lambda lease: self._etcd.put(key, str(round_).encode(), lease=lease))
 
 
 def _peer_lost_marker() -> Path:
