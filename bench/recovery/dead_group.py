@@ -87,7 +87,7 @@ def _rank(rank: int, port: int, mode: str, events: Any, orders: Any) -> None:
     while _step(live, compute, time.monotonic() + 30):
         pass
     if mode == "held":  # the graveyard before a9054e3: a grave is looked at only at the next re-form
-        live._dig = live._graveyard.append  # type: ignore[method-assign,assignment]
+        live.graveyard.dig = live.graveyard._graves.append  # type: ignore[method-assign,assignment]
     old = {key for key in _threads() if key[1] == "gloo_tcp_loop"}  # the killed generation's loop
     generation = orders.get(timeout=60)
     assert live.reconfigure(Assignment(generation, rank - 1, 2, "127.0.0.1", port), time.monotonic() + 30)

@@ -270,7 +270,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import GRAVEYARD, LiveGroup
+from torchspot_trainer.recovery.generation import GRAVEYARD
+from torchspot_trainer.recovery.live import LiveGroup
 from torchspot_trainer.recovery.outcome import Outcome
 from live_worker import gloo_loops  # (run from this folder)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))

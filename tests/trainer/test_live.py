@@ -243,7 +243,8 @@ from datetime import timedelta
 import torch
 from torch._C._distributed_c10d import TCPStore
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.live import LiveGroup, StateArrival
+from torchspot_trainer.recovery.live import LiveGroup
+from torchspot_trainer.recovery.transfer import StateArrival, send_beside
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.wire import WireError
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
@@ -257,7 +258,7 @@ for thread in threads:
     thread.join(10)
 state = {"model": {"w": torch.arange(6.0)}, "step": 40, "rng": {"python": torch.arange(625)}}
 began = time.monotonic()
-sending = lives[0].send_beside(state, [2], torch.device("cpu"))  # the receiver has not asked yet
+sending = send_beside(lives[0], state, [2], torch.device("cpu"))  # the receiver has not asked yet
 posted = time.monotonic() - began
 sums = {}
 def step(rank):  # the trainers' step: its all-reduce waits for the receiver's zeros
@@ -281,7 +282,7 @@ while lives[0]._staging and time.monotonic() < ended:
     time.sleep(0.01)
 print(len(lives[0]._staging))  # the sends ended: their buffers let go
 try:
-    lives[0].send_beside({"model": object()}, [2], torch.device("cpu")).result()  # nothing sent
+    send_beside(lives[0], {"model": object()}, [2], torch.device("cpu")).result()  # nothing sent
     print("sent")
 except WireError as exc:
     print(type(exc).__name__, len(lives[0]._staging))

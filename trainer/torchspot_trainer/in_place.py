@@ -37,7 +37,7 @@ from torchspot_trainer.elastic.settings import REFORM_SECONDS, node_name
 from torchspot_trainer.handover import Assignment, Handover
 from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, with_frozen
-from torchspot_trainer.recovery.live import StateArrival, in_place_groups, wait_for_assignment
+from torchspot_trainer.recovery.live import in_place_groups, wait_for_assignment
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.resume import (
     HealRow,
@@ -50,6 +50,7 @@ from torchspot_trainer.recovery.resume import (
     trainers_of_next_step,
 )
 from torchspot_trainer.recovery.snapshot import Held
+from torchspot_trainer.recovery.transfer import StateArrival, send_beside
 from torchspot_trainer.recovery.wire import broadcast_state
 from torchspot_trainer.run import Run
 
@@ -336,7 +337,7 @@ class InPlace:
     def _heal_beside_step(self, run: Run, trainers: list[int], best: int) -> str:
         """A heal whose receivers sit out the next step (`resume.trainers_of_next_step`). The lowest of
         `trainers` (the ranks at `best`) sends its state to each of the others point to point, packed
-        and posted on its sending thread beside its own passes (`LiveGroup.send_beside`); the
+        and posted on its sending thread beside its own passes (`transfer.send_beside`); the
         trainers take the next step among themselves (the loop deals its samples over them) while the
         state travels; a receiver loads it, then takes part in the step's gradient all-reduce with
         zeros and applies the step (`receive`). The same samples make the same step whoever computes
@@ -345,7 +346,7 @@ class InPlace:
         receivers = [rank for rank in range(self.world) if rank not in trainers]
         if self.rank == trainers[0]:
             state = with_frozen(list(run.model.buffers()), partial(self._state, run))()
-            self._sending = self.live.send_beside(state, receivers, self.device)
+            self._sending = send_beside(self.live, state, receivers, self.device)
         if self.rank in trainers:
             return "live"
         deadline = time.monotonic() + self._timeout

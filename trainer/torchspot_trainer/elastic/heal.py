@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from torchspot_trainer.elastic.settings import REFORM_SECONDS
-from torchspot_trainer.recovery.live import LiveGroup, StateArrival
+from torchspot_trainer.recovery.live import LiveGroup
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
+from torchspot_trainer.recovery.transfer import StateArrival, send_beside
 from torchspot_trainer.recovery.wire import broadcast_state
 
 __all__ = ["Healing", "Row", "source_of", "trainers_beside"]
@@ -125,7 +126,7 @@ class Healing:
             self.trainers = trainers
             receivers = [other for other in range(len(rows)) if other not in trainers]
             if rank == trainers[0]:
-                self._sending = self._live.send_beside(self._state(), receivers, self._device)
+                self._sending = send_beside(self._live, self._state(), receivers, self._device)
             if rank in trainers:
                 return "live"
             arrival = StateArrival(self._live, trainers[0], self._device, time.monotonic() + REFORM_SECONDS)

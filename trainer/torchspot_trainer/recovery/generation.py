@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,7 +21,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distr
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.planes import HostPlane, Parent
 
-__all__ = ["DATA_PREFIX", "Build", "Grave", "close_connections"]
+__all__ = ["DATA_PREFIX", "GRAVEYARD", "Build", "Grave", "Graveyard", "close_connections"]
 
 CLOSE_TAG = 0x70_00_00_01
 """The tag of `close_connections`'s receive, which nobody sends on."""
@@ -28,11 +29,18 @@ CLOSE_WAIT = timedelta(milliseconds=1)
 """How long that receive is waited for: its timeout is what closes the group's connections."""
 DATA_PREFIX = "data/"
 """Under `generation/<g>/`: the keys of the generation's data group where it is a group of its own."""
+GRAVEYARD = 8
+"""Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
+once the op timeout has passed; one with no op abandoned in flight at once); beyond it a worker takes
+the restart path instead of another re-form."""
+REAP_SECONDS = 0.5
+"""The longest the reaper sleeps while graves are held: a collective's end and a new grave wake it at
+once; a data group's retirement and the op timeout's horizon are looked at so."""
 
 
 @dataclass
 class Grave:
-    """An old generation, held until nothing of it can run (`LiveGroup._reap`)."""
+    """An old generation, held until nothing of it can run (`Graveyard._reap`)."""
 
     control: Any
     parent: Parent
@@ -45,7 +53,7 @@ class Grave:
     """Its connections were closed (`close_connections`) while a collective of it was in flight."""
     data: frozenset[int] = frozenset()
     """The ids of `staging`'s buffers that its data group's work uses (a device communicator's): let go
-    once that group's abort has returned (`LiveGroup._reap`), after which no kernel of it can run."""
+    once that group's abort has returned (`Graveyard._reap`), after which no kernel of it can run."""
     build: threading.Event | None = None
     """An abandoned group build's end (`Build.done`), where its communicator holds device memory: the
     grave stays until it ended."""
@@ -170,3 +178,95 @@ class Build:
             threading.Thread(
                 target=self._end, args=(communicator,), name="torchspot-abandon", daemon=True
             ).start()  # fmt: skip
+
+
+class Graveyard:
+    """The old generations a worker holds until nothing of them can run (live.py's module docstring: an old
+    group's destructor blocks while a zombie op is pending, and a dead generation's loop may spin), and
+    the reaper thread that lets them go, never on the training thread.
+
+    :param op_timeout: gloo's own timeout for an op: how long a zombie op lives (and so a grave).
+    """
+
+    def __init__(self, op_timeout: timedelta) -> None:
+        self.op_timeout = op_timeout
+        self._graves: list[Grave] = []
+        self._lock = threading.Lock()
+        """Guards `_graves`, which the reaper thread empties beside the training thread's re-forms."""
+        self._wake = threading.Event()
+        self._reaper: threading.Thread | None = None
+        """Runs while graves are held (`dig`, `_reaping`)."""
+
+    def wake(self) -> None:
+        """Have the reaper look now (a collective of an old generation ended, or its data group retired)."""
+        self._wake.set()
+
+    def dig(self, grave: Grave) -> None:
+        """Hold `grave` until no op of it can run, and have the reaper look at once: a generation left
+        after a peer died may already be free to go, and until it goes its loop may spin. The reaper
+        thread runs while graves are held."""
+        with self._lock:
+            self._graves.append(grave)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reaping, name="torchspot-reaper", daemon=True)
+                self._reaper.start()
+        self._wake.set()
+
+    def held(self) -> list[Grave]:
+        """The graves still held, after letting go of those that may go (`_reap`)."""
+        with self._lock:
+            self._reap()
+            return list(self._graves)
+
+    def count(self) -> int:
+        """Old groups held (for tests and logs)."""
+        with self._lock:
+            return len(self._graves)
+
+    def retiring(self) -> int:
+        """Old data groups whose abort has not returned yet (for tests and logs)."""
+        with self._lock:
+            return sum(not grave.parent.retired.is_set() for grave in self._graves)
+
+    def _reaping(self) -> None:
+        """The reaper: `_reap` whenever a collective ends or a grave is dug, and every REAP_SECONDS,
+        until the graveyard is empty; a grave with a collective still in flight has its connections
+        closed first (`close_connections`), so that collective fails and the grave goes: a dead
+        generation left for the next re-form's look spins its loop on a core meanwhile, which the
+        survivors' training pays for."""
+        while True:
+            self._wake.wait(REAP_SECONDS)
+            self._wake.clear()  # before the look: a wake during it is not lost
+            with self._lock:
+                self._reap()
+                if not self._graves:
+                    self._reaper = None
+                    return
+                closing = [grave for grave in self._graves if grave.staging and not grave.closed]
+                for grave in closing:
+                    grave.closed = True
+            for grave in closing:  # outside the lock: a re-form's look does not wait for it
+                close_connections(grave.control)  # (a generation's gloo group: a buried build holds no staging)
+
+    def _reap(self) -> None:
+        """Let go, on a thread of their own, of the graves no op of which can still run: those whose
+        data group's abort has returned and that are older than the op timeout (their zombie ops have
+        timed out by then) or have no collective abandoned in flight (no staging copy held: each is
+        released when its op completes). A destructor that still blocks blocks nobody who trains.
+        Without the second kind, frequent faults fill the graveyard with idle groups within the op
+        timeout, and the worker falls back to a restart. A device communicator's copies (which no
+        callback lets go) go once its abort returned, for the same reason. An abandoned build of a
+        device communicator stays until its thread ended. Called with `_lock` held."""
+        horizon = time.monotonic() - self.op_timeout.total_seconds()
+        old: list[Grave] = []
+        kept: list[Grave] = []
+        for grave in self._graves:
+            if grave.parent.retired.is_set():  # its device communicator's abort returned: no kernel writes now
+                for key in grave.data:
+                    grave.staging.pop(key, None)
+            built = grave.build is None or grave.build.is_set()
+            done = built and grave.parent.retired.is_set() and (grave.since < horizon or not grave.staging)
+            (old if done else kept).append(grave)
+        if old:
+            self._graves = kept
+            threading.Thread(target=old.clear, name="torchspot-release", daemon=True).start()

@@ -50,12 +50,11 @@ import torch
 import torch.distributed as dist
 
 from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.generation import Build, Grave, close_connections
+from torchspot_trainer.recovery.generation import GRAVEYARD, Build, Grave, Graveyard
 from torchspot_trainer.recovery.group import nccl_environment
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.planes import HostPlane, Parent, generation_environment, plane_for
 from torchspot_trainer.recovery.resume import newest
-from torchspot_trainer.recovery.wire import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +71,6 @@ a gloo all-reduce of a toy's gradient takes about a millisecond here, and a look
 WAKE_SECONDS = 0.005
 """The longest a wait on a host collective sleeps without a look at its deadline (its completion and a
 newer round wake it at once: `LiveGroup._wait`)."""
-GRAVEYARD = 8
-"""Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
-once the op timeout has passed; one with no op abandoned in flight at once); beyond it a worker takes
-the restart path instead of another re-form."""
-REAP_SECONDS = 0.5
-"""The longest the reaper sleeps while graves are held: a collective's end and a new grave wake it at
-once; a data group's retirement and the op timeout's horizon are looked at so."""
-
-
-SIZES_TAG, STATE_TAG = 1, 2
-"""The tags of a heal's two sends to a receiver (`send_state`, `StateArrival`): the state's sizes, then
-its buffer. A generation's group is new, so its tags are too."""
 SEND_SETTLED = timedelta(milliseconds=50)
 """How long `_settle_sends` waits for a send it expects ended (a positive timeout: gloo's wait takes
 zero for none)."""
@@ -132,12 +119,7 @@ class LiveGroup:
         self._clean = True
         """No work of the data group abandoned in flight or failed (a shrink may then go without abort)."""
         self._store: Any = None
-        self._graveyard: list[Grave] = []
-        self._graves = threading.Lock()
-        """Guards `_graveyard`, which the reaper thread empties beside the training thread's re-forms."""
-        self._wake_reaper = threading.Event()
-        self._reaper: threading.Thread | None = None
-        """Runs while graves are held (`_dig`, `_reaping`)."""
+        self.graveyard = Graveyard(op_timeout)
         self._sending: list[tuple[Any, torch.Tensor]] = []
         """Sends posted and not yet seen ended (`post_send`), each with its buffer."""
         self._data_held: set[int] = set()
@@ -222,9 +204,7 @@ class LiveGroup:
     def _leave(self) -> Parent | None:
         """The current generation to the graveyard (its data group handed on as the next build's
         `Parent`); raises RuntimeError where `reconfigure` says."""
-        with self._graves:
-            self._reap()
-            held = list(self._graveyard)
+        held = self.graveyard.held()
         if len(held) >= GRAVEYARD:
             raise RuntimeError(f"{GRAVEYARD} old groups still held: restart instead of another re-form")
         now = time.monotonic()
@@ -235,9 +215,10 @@ class LiveGroup:
             previous = self._require()
             parent = Parent(
                 self._data if self.plane.separate else None, previous.generation, previous.rank, previous.world,
-                clean=self._clean, abort=self.plane.abort, on_retired=self._wake_reaper.set,
+                clean=self._clean, abort=self.plane.abort, on_retired=self.graveyard.wake,
             )  # fmt: skip
-            self._dig(Grave(self._group, parent, self._store, self._staging, now, data=frozenset(self._data_held)))
+            grave = Grave(self._group, parent, self._store, self._staging, now, data=frozenset(self._data_held))
+            self.graveyard.dig(grave)
             self.retirements += parent.group is not None
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
         self._staging, self._sending, self._data_held = {}, [], set()
@@ -361,61 +342,7 @@ class LiveGroup:
         parent = Parent(None, self.generation, -1, 0, clean=True, abort=None)
         parent.retire()
         ends = build.done if self.plane.separate else None
-        self._dig(Grave(build.thread, parent, None, {}, time.monotonic(), build=ends))
-
-    def _dig(self, grave: Grave) -> None:
-        """Hold `grave` until no op of it can run, and have the reaper look at once: a generation left
-        after a peer died may already be free to go, and until it goes its loop may spin (module
-        docstring). The reaper thread runs while graves are held."""
-        with self._graves:
-            self._graveyard.append(grave)
-            if self._reaper is None:
-                self._reaper = threading.Thread(target=self._reaping, name="torchspot-reaper", daemon=True)
-                self._reaper.start()
-        self._wake_reaper.set()
-
-    def _reaping(self) -> None:
-        """The reaper: `_reap` whenever a collective ends or a grave is dug, and every REAP_SECONDS,
-        until the graveyard is empty; a grave with a collective still in flight has its connections
-        closed first (`close_connections`), so that collective fails and the grave goes: a dead
-        generation left for the next re-form's look spins its loop on a core meanwhile (module
-        docstring), which the survivors' training pays for."""
-        while True:
-            self._wake_reaper.wait(REAP_SECONDS)
-            self._wake_reaper.clear()  # before the look: a wake during it is not lost
-            with self._graves:
-                self._reap()
-                if not self._graveyard:
-                    self._reaper = None
-                    return
-                closing = [grave for grave in self._graveyard if grave.staging and not grave.closed]
-                for grave in closing:
-                    grave.closed = True
-            for grave in closing:  # outside the lock: the re-form's `_leave` does not wait for it
-                close_connections(grave.control)  # (a generation's gloo group: a buried build holds no staging)
-
-    def _reap(self) -> None:
-        """Let go, on a thread of their own, of the graves no op of which can still run: those whose
-        data group's abort has returned and that are older than the op timeout (their zombie ops have
-        timed out by then) or have no collective abandoned in flight (no staging copy held: each is
-        released when its op completes). A destructor that still blocks blocks nobody who trains.
-        Without the second kind, frequent faults fill the graveyard with idle groups within the op
-        timeout, and the worker falls back to a restart. A device communicator's copies (which no
-        callback lets go) go once its abort returned, for the same reason. An abandoned build of a
-        device communicator stays until its thread ended. Called with `_graves` held."""
-        horizon = time.monotonic() - self.op_timeout.total_seconds()
-        old: list[Grave] = []
-        kept: list[Grave] = []
-        for grave in self._graveyard:
-            if grave.parent.retired.is_set():  # its device communicator's abort returned: no kernel writes now
-                for key in grave.data:
-                    grave.staging.pop(key, None)
-            built = grave.build is None or grave.build.is_set()
-            done = built and grave.parent.retired.is_set() and (grave.since < horizon or not grave.staging)
-            (old if done else kept).append(grave)
-        if old:
-            self._graveyard = kept
-            threading.Thread(target=old.clear, name="torchspot-release", daemon=True).start()
+        self.graveyard.dig(Grave(build.thread, parent, None, {}, time.monotonic(), build=ends))
 
     def all_reduce(self, tensor: torch.Tensor, deadline: float, *, control: bool = False) -> Outcome:
         """Sum `tensor` over the group, in place, through a staging copy (module docstring); the
@@ -524,7 +451,7 @@ class LiveGroup:
         (a heal's source trains while its state travels). The tensor is the send's from now on (the
         caller passes one it does not write again, one per send) and is held with the generation,
         like a staging copy, until the send is seen ended. Gloo matches it to the receiver's receive
-        of the same `tag` (`StateArrival`).
+        of the same `tag` (transfer.StateArrival).
 
         A gloo send's work reports completion only to `wait()` (its `is_completed()` stays False until
         then; so does a receive's), and the data flow whoever waits. A receiver takes part in the next
@@ -539,16 +466,16 @@ class LiveGroup:
         self._staging[id(tensor)] = tensor
         self._sending.append((work, tensor))
 
-    def send_beside(self, state: Any, receivers: list[int], device: torch.device) -> Future[None]:
-        """`send_state` on this group's sending thread, beside the caller's forward and backward passes
-        of the step its receivers sit out (in_place.py): packed first, the state would keep the others
-        waiting on busy cores before it left. `state` is built at the boundary, its tensors ones that no
-        pass writes (the model's buffers copied: `hostcopy.with_frozen`); the step's update
-        cannot come before the state is packed, as its receivers join the step's all-reduce only once
-        they have it. The caller waits for the future before the generation's next collective, so its
-        sends and staging are only ever touched by one thread at a time; the future raises what
-        stopped the sends (a state that cannot be sent)."""
-        return self._sender.submit(send_state, self, state, receivers, device)
+    def on_sending_thread(self, send: Callable[[], None]) -> Future[None]:
+        """Run `send` (a heal's sends: transfer.send_beside) on this group's sending thread, beside the
+        caller's passes. The caller waits for the future before the generation's next collective, so
+        the sends and staging are only ever touched by one thread at a time."""
+        return self._sender.submit(send)
+
+    def receiving(self) -> tuple[Any, dict[int, torch.Tensor]]:
+        """The current generation's data group, and the staging its receive buffers are held in: what a
+        receive on a thread of its own uses (transfer.StateArrival)."""
+        return self._pick(False), self._staging
 
     def _settle_sends(self) -> None:
         """After a completed collective of every rank: the sends' buffers let go (`post_send`); one not
@@ -574,13 +501,11 @@ class LiveGroup:
 
     def graves(self) -> int:
         """Old groups held (for tests and logs)."""
-        with self._graves:
-            return len(self._graveyard)
+        return self.graveyard.count()
 
     def retiring(self) -> int:
         """Old data groups whose abort has not returned yet (for tests and logs)."""
-        with self._graves:
-            return sum(not grave.parent.retired.is_set() for grave in self._graveyard)
+        return self.graveyard.retiring()
 
     def _hold(self, group: Any, work: Any, staging: torch.Tensor, then: Callable[[Any], None] | None = None) -> None:
         """Hold `staging`, which `work` writes into, with the generation while a zombie may still
@@ -604,7 +529,7 @@ class LiveGroup:
             if held.get(key) is staging:  # (this closure keeps `staging`, so its id names no other tensor)
                 held.pop(key, None)  # (`_wait` may pop it meanwhile)
             if not held and held is not self._staging:  # its generation's last: the grave may go now
-                self._wake_reaper.set()
+                self.graveyard.wake()
             if then is not None:  # (one callback: each takes the GIL on gloo's thread)
                 then(future)
 
@@ -665,66 +590,6 @@ class LiveGroup:
     def _pick(self, control: bool) -> Any:
         self._require()
         return self._group if control else self._data
-
-
-def send_state(live: LiveGroup, state: Any, receivers: list[int], device: torch.device) -> None:
-    """A heal's source: `state` (`wire.pack`) to each of `receivers` (`StateArrival`), without waiting
-    for it to arrive (`LiveGroup.post_send`): the source trains its next step meanwhile."""
-    sizes, buffer = pack(state, device)
-    for rank in receivers:  # a send's buffer is its own until it completes (one per receiver)
-        live.post_send(sizes.clone(), rank, SIZES_TAG)
-        live.post_send(buffer if rank == receivers[0] else buffer.clone(), rank, STATE_TAG)
-
-
-class StateArrival:
-    """A heal's state on its way from rank `source` (`send_state`), received on a thread of its own
-    while the training thread goes on (InPlace.receive: a receiver waits for it only when it must load it,
-    its trainers computing meanwhile). `result()` waits for it, giving up when the generation breaks.
-
-    The thread receives in the data group current at construction, into buffers of its own held with
-    that generation (a gloo receive's work completes only in its blocking `wait()`, which nothing can
-    cancel: one given up on ends with gloo's op timeout, and its buffers stay held until then)."""
-
-    def __init__(self, live: LiveGroup, source: int, device: torch.device, deadline: float) -> None:
-        self._live, self._deadline = live, deadline
-        self._done = threading.Event()
-        self._state: Any = None
-        self._error: Exception | None = None
-        self._failed = False
-        threading.Thread(
-            target=self._run, args=(live._pick(False), live._staging, source, device), name="torchspot-arrival",
-            daemon=True,
-        ).start()  # fmt: skip
-
-    def _run(self, group: Any, held: dict[int, torch.Tensor], source: int, device: torch.device) -> None:
-        try:
-            sizes = torch.zeros(2, dtype=torch.long, device=device)
-            held[id(sizes)] = sizes
-            group.recv([sizes], source, SIZES_TAG).wait()
-            buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=device)
-            held[id(buffer)] = buffer
-            group.recv([buffer], source, STATE_TAG).wait()
-            held.pop(id(sizes)), held.pop(id(buffer))  # both received whole: nothing writes into them later
-            self._state = unpack(sizes, buffer)
-        except RuntimeError as exc:  # gloo: the source's socket closed, or the op timed out
-            log.warning("the state from rank %d did not arrive (%s)", source, exc)
-            self._failed = True
-        except Exception as exc:  # a malformed state (WireError): the caller raises it
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def result(self) -> Any:
-        """The state; GroupChanged if it did not arrive (the receive failed, a newer round broke the
-        generation, or the deadline passed)."""
-        while not self._done.wait(POLL_SECONDS * 5):
-            if self._live.broken.is_set() or time.monotonic() > self._deadline:
-                raise GroupChanged(Outcome.BROKEN)
-        if self._error is not None:
-            raise self._error
-        if self._failed:
-            raise GroupChanged(Outcome.FAILED)
-        return self._state
 
 
 def in_place_groups(device: torch.device) -> LiveGroup:
