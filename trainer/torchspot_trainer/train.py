@@ -10,8 +10,9 @@ own module:
 - what a run is built from (device, refusals, group, data, model, checkpoints): run.py; its records:
   progress.py; evaluation (sharded, interruptible by a notice): evaluate.py;
 - the restart path's resume (a node's snapshot, or the newest checkpoint): recovery/resume.py;
-  eviction notices and the node's snapshot as a worker leaves: elastic/leaving.py, with the rules in
-  recovery/notices.py and recovery/signals.py;
+- at a step boundary and as a worker leaves (notices and the emergency checkpoint, the checkpoint
+  schedule, the host copy and the node's snapshot, the exit from a broken group): boundary.py, on
+  elastic/leaving.py, with the rules in recovery/notices.py and recovery/signals.py;
 - with `--in-place`, a membership change restarts nothing: in_place.py enters the next round and heals
   in it, and the loop plans its epoch again for the new world from the sampler, which never counted the
   interrupted step.
@@ -32,17 +33,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from torchspot_trainer.checkpoint.manager import (
-    SAVER_PROCESS,
-    CheckpointManager,
-    SaveReport,
-    step_dir,
-)
+from torchspot_trainer.boundary import Boundary
 from torchspot_trainer.config import TrainConfig
 from torchspot_trainer.data.datasets import SampleRandom
 from torchspot_trainer.data.loader import (
@@ -52,7 +48,6 @@ from torchspot_trainer.data.loader import (
     usable_cpus,
 )
 from torchspot_trainer.data.sampler import ElasticSampler
-from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving
 from torchspot_trainer.elastic.settings import node_name
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.events import Events
@@ -72,25 +67,16 @@ from torchspot_trainer.progress import (
 from torchspot_trainer.recovery.group import (
     Group,
     StepWatchdog,
-    abort_group,
-    arm_exit_deadline,
     peer_failure,
 )
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
 from torchspot_trainer.recovery.notices import (
-    EXIT_FAILED,
-    NOTICE_LEAVING,
     GroupBroken,
-    leave,
-    waits_for_save,
 )
 from torchspot_trainer.recovery.outcome import GroupChanged
 from torchspot_trainer.recovery.resume import (
     find_state,
 )
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
-from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
-from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 from torchspot_trainer.run import (
     Run,
     build_model,
@@ -101,8 +87,6 @@ from torchspot_trainer.run import (
     in_place_refusal,
     load_datasets,
     node_device,
-    open_checkpoints,
-    reopen_storage,
     sync_bn_refusal,
     warm_up_run,
 )
@@ -120,25 +104,15 @@ class Trainer:
         self._run: Run | None = None
         """Set once the state is whole (after the resume): from then on a snapshot may be taken.
         Kept after the run ends (fork_server.run_trainer says why)."""
-        self._base = 0  # (both before the SIGTERM watcher that reads them: `_kept`)
-        """The step this round resumed from (0: from scratch)."""
         self._events = Events(config.events_file)
-        self._leaving = Leaving(
-            hold=config.notice_hold, events_at=config.scheduled_events_url(), emit=self._emit, kept=self._kept,
-            before_exit=self._before_stuck_exit,
-            snapshot=LocalSnapshot(default_path(os.environ), round_started=time.time()),
-            step_of=lambda state: int(state["step"]), stuck_exit_after=config.stuck_exit_after,
-            vm_name=config.vm_name or None, write_wait=None,
-        )  # fmt: skip
-        """Eviction notices (SIGTERM; Scheduled Events, polled by one rank per node) and this node's copy of
-        the state as its workers stop (snapshot.py: one file per node, by the local rank that gets there
-        first), written from the host copy, so a hung device cannot stop that write."""
-        self.notice, self.stop = self._leaving.notice, self._leaving.stop
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         usable = torch.cuda.is_available()
         self.device, self.backend = node_device(config.device, self.local_rank, usable)
+        self.boundary = Boundary(config, self.device, emit=self._emit, state=lambda: self._state(self._whole()))
+        """Notices, checkpoints, the host copy and the node's snapshot, and the exit (boundary.py)."""
+        self.notice, self.stop = self.boundary.notice, self.boundary.stop
         refusal = in_place_refusal(config.in_place, os.environ, sync_bn=config.sync_bn)
         if refusal:
             raise SystemExit(refusal)
@@ -154,7 +128,7 @@ class Trainer:
                 self.device, rank=self.rank, world=self.world,
                 collective_timeout=config.collective_timeout, scaled=self.precision.scaler is not None,
                 state=self._state, load=self._load, trains_next=self._trains_next, emit=self._emit,
-                leave=self._leave_broken_group, entered=self._entered,
+                leave=self.boundary.leave_broken_group, entered=self._entered,
             )  # fmt: skip
             self.stop.done_with_group = self._in_place.handover.agreed
         self.loader_workers = loader_workers(
@@ -163,14 +137,9 @@ class Trainer:
         )  # fmt: skip
         """--workers as a number for this node (torchrun's LOCAL_WORLD_SIZE: the processes sharing its cores)."""
         self.step = 0
-        self.manager: CheckpointManager | None = None
-        self._reporter: CheckpointReporter | None = None
         self.setup_seconds: dict[str, float] = {}
         """Where a (re)start's time went: process start-up to here, then each part of `_setup`; in place,
         after a re-form, where the re-form's went (`_reform`)."""
-        self._host = HostCopy(self.device, every=config.snapshot_every)
-        """The state in host memory at the last step boundary, which the snapshot is written from
-        (hostcopy.py): a hung device cannot stop that write."""
         self._watchdog = StepWatchdog(
             config.collective_timeout, lambda: self.notice.boundary, self._broken_group
         ).start()
@@ -206,7 +175,7 @@ class Trainer:
                 log.warning("rank %d: training stopped at step %d: a collective failed at a peer (%s)",
                             self.rank, self.step, peer)  # fmt: skip
                 log.debug("rank %d: the failed collective", self.rank, exc_info=True)
-            self._leave_broken_group()
+            self.boundary.leave_broken_group()
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
@@ -229,18 +198,9 @@ class Trainer:
             # grave, and its sockets stayed open while its loop spun (live.py's module docstring).
             self._reform(run, place, failed=failed)
         self._watchdog.armed = False  # the final save is not a step
-        if self.manager is not None:
-            if self.rank == 0:
-                self.manager.wait()
-                if self.manager.last_committed != self.step:
-                    self.manager.save_sync(self.step, self._state(run), self._meta(run.sampler))
-            # Every rank that holds one: in place, a rank 0 that a re-form made rank 2 still holds its
-            # manager (the save thread, the saver process). A suspected, not proven, cause of a CI run
-            # whose survivor never exited after both joiners came in one round and took ranks 0 and 1.
-            self.manager.close()
+        self.boundary.finish(self.step, self.rank, self._meta(run.sampler))
         summary = {"event": "done", "step": self.step, "epoch": run.sampler.epoch, "world_size": self.world,
                    "test_accuracy": run.evaluated[1]}  # fmt: skip
-        self._leaving.close()  # the run is over: no snapshot to carry to a next round
         self._emit(summary)
         self._shutdown()
         return summary
@@ -376,7 +336,7 @@ class Trainer:
         if self._run is not None and self._in_place is not None:
             due = step % self.config.log_every == 0
             self._in_place.before_update(self._run, step, row=self.stop.row, sums=window if due else None)
-        self._host.before_update()
+        self.boundary.host.before_update()
 
     def _step_limit_reached(self) -> bool:
         return bool(self.config.max_steps) and self.step >= self.config.max_steps
@@ -403,6 +363,7 @@ class Trainer:
     def _emit_progress(self, run: Run, window: Window, lr: float, sums: list[float], *, partial: bool) -> None:
         """One progress record from `sums` (the group's, or this rank's where `partial`: `Window.sums`)."""
         loss, accuracy = record_means(*sums)
+        checkpoints = self.boundary.checkpoints
         record = Progress(
             step=self.step,
             epoch=run.sampler.epoch,
@@ -411,8 +372,8 @@ class Trainer:
             accuracy=accuracy,
             samples_per_s=window.samples / max(time.perf_counter() - window.started, 1e-9),
             lr=lr,
-            checkpoint_step=self.manager.last_committed if self.manager else None,
-            checkpoint_error=self.manager.last_error if self.manager else None,
+            checkpoint_step=checkpoints.last_committed if checkpoints else None,
+            checkpoint_error=checkpoints.last_error if checkpoints else None,
             trained_samples=trained_samples(run.sampler),
             step_samples=run.rule.step_batch(self.world),
             partial=partial,
@@ -487,21 +448,18 @@ class Trainer:
         """Open the checkpoints and the operator's milestones, then go on from the newest state: the group's
         (in place), a node's snapshot or a checkpoint (resume.find_state). The nodes' snapshots of the
         last round are read with or without a checkpoint URI: they were written at every loss."""
-        if self.rank == 0:  # round, checkpoint and step milestones for the operator's status
-            self._reporter = CheckpointReporter.from_environment()
-        if self.config.checkpoint_uri:
-            self.manager = open_checkpoints(self.config, rank=self.rank, on_report=self._on_checkpoint)
-            if self._in_place is not None:
-                self._in_place.checkpoints = self.manager
+        checkpoints = self.boundary.open(self.rank)
+        if self._in_place is not None:
+            self._in_place.checkpoints = checkpoints
         lap("checkpoints")
-        mine = self._leaving.read_snapshot()
+        mine = self.boundary.leaving.read_snapshot()
         if self._in_place is not None:
             self.resumed_from = self._in_place.resume(run, mine, lap)
         else:
-            self.resumed_from, state = find_state(self.group, self.manager, mine)
+            self.resumed_from, state = find_state(self.group, checkpoints, mine)
             if state is not None:
                 self._load(run, state)
-        self._base = self.step
+        self.boundary.resumed(self.step)
         lap("resume")
         self._run = run
         self._capture(run)  # a snapshot of the resumed state, before any step
@@ -520,7 +478,7 @@ class Trainer:
         on with them. Returns its progress window: with --log-every above 1 the step's samples count in
         the next record, as on the trainers (rank 0 may be a receiver)."""
         step = place.receive(run)
-        self._base = self.step
+        self.boundary.resumed(self.step)
         self._started(run)
         lr = self._set_learning_rate(run)
         step_samples = run.sampler.next_step_samples(self.world)
@@ -537,31 +495,14 @@ class Trainer:
         self.notice.parked = False  # a hold for a leaving peer ends with the round it leaves
         self.setup_seconds = {}  # the start record of the next generation says where the re-form's time went
         self.resumed_from = place.reform(run, step=self.step, failed=failed, lap=stopwatch(self.setup_seconds))
-        self._base = self.step
-        self._ranks_changed()
+        if not self._receiving():  # (a receiver's state is whole once it came: `_sit_out`)
+            self.boundary.resumed(self.step)
+        self.boundary.ranks_changed(self.rank)
         self._capture(run)
         if not self._receiving():  # (a receiver's comes with its state: `_sit_out`)
             self._started(run)
         self.notice.step_boundary()
         self._watchdog.armed = True
-
-    def _ranks_changed(self) -> None:
-        """Rank 0's duties (milestones for the operator, checkpoints saved in a saver process) follow rank 0
-        from generation to generation. A rank 0 whose predecessor was lost saved on a thread of its
-        training process before, for the rest of the run: every later checkpoint then slowed its steps
-        (saver.py says why). One that becomes another rank (torch ranks a round's nodes by address: a
-        joiner's may sort first) stops its saver, which would sit idle with a buffer the size of the state."""
-        config = self.config
-        if self.manager is not None and config.checkpoint_saver == SAVER_PROCESS:
-            if self.rank == 0:
-                self.manager.save_in_child(reopen_storage(config.checkpoint_uri))
-            else:
-                self.manager.save_on_thread()
-        if self.rank == 0 and self._reporter is None:
-            self._reporter = CheckpointReporter.from_environment()
-        elif self.rank != 0 and self._reporter is not None:
-            self._reporter.close()
-            self._reporter = None
 
     # -- state ----------------------------------------------------------------------
 
@@ -602,86 +543,33 @@ class Trainer:
             "samples_in_epoch": sampler.consumed,
         }
 
+    def _whole(self) -> Run:
+        """The run, once its state is whole (after the resume): what a snapshot or checkpoint holds."""
+        if self._run is None:
+            raise RuntimeError("the run's state is not whole yet")
+        return self._run
+
     def _capture(self, run: Run) -> None:
-        """The host copy of this boundary's state (hostcopy.py), its BatchNorm statistics copied now;
-        nothing built when no copy is due, nor by a heal's receiver before its state came."""
-        if not self._receiving() and self._host.keeps(self.step):
-            self._host.capture(self.step, with_frozen(list(run.model.buffers()), partial(self._state, run)))
-
-    def _kept(self) -> Kept | None:
-        """What the node's snapshot keeps now (elastic/leaving.py): this round's lineage and the host copy of
-        the last completed step (or the last copy, with --snapshot-every), once the state is whole."""
-        return None if self._run is None else (self._base, self._host.write_from)
-
-    def _leave_broken_group(self) -> NoReturn:
-        """The group is broken (a collective failed or hung): keep the snapshot, give the save in
-        flight its chance, abort the communicator and exit; the agents re-form the group. Under a
-        deadline armed first: whatever hangs on the way, the worker is gone by then."""
-        arm_exit_deadline()
-        self._leaving.keep_snapshot()
-        self._finish_save_in_flight()
-        abort_group()
-        leave(EXIT_FAILED)
+        """The host copy of this boundary's state (boundary.py); not by a heal's receiver before its state
+        came."""
+        if not self._receiving():
+            self.boundary.capture(self.step, run.model)
 
     def _broken_group(self, _since: float) -> None:
         """The step watchdog's verdict: no boundary for --collective-timeout seconds."""
         self._emit({"event": "collective_timeout", "step": self.step, "limit_s": self.config.collective_timeout},
                    any_rank=True)  # fmt: skip
-        self._leave_broken_group()
+        self.boundary.leave_broken_group()
 
     # -- at a boundary --------------------------------------------------------------
 
     def _after_step(self, run: Run) -> None:
-        """Agree on eviction notices (notices.py), report the step (the operator's stall check), and
-        checkpoint on schedule."""
-        if self._agree_on_notices(run):
-            return
-        if self._reporter is not None:
-            self._reporter.report_step(self.step)
-        every = self.config.checkpoint_every
-        manager = self.manager
-        if manager is not None and self.rank == 0 and every and self.step % every == 0:
-            meta = self._meta(run.sampler)
-            self._from_copy(run, lambda state: manager.save_async(self.step, state, meta, give_up=self.notice.is_set))
+        """Notices, the operator's step report and the checkpoint schedule (boundary.py)."""
+        self.boundary.after_step(self.step, self.rank, self._meta(run.sampler), lambda: self.group)
 
     def _agree_on_notices(self, run: Run) -> bool:
-        """NoticeStop.at_boundary with this boundary's emergency checkpoint; True after a notice."""
-        manager = self.manager
-        meta = self._meta(run.sampler)
-        save = (
-            None
-            if manager is None
-            else lambda: self._from_copy(run, lambda state: manager.save_sync(self.step, state, meta))
-        )
-        return self.stop.at_boundary(self.group, step=self.step, save=save)
-
-    def _from_copy(self, run: Run, save: Callable[[dict[str, Any]], T]) -> T:
-        """`save(state)` with this boundary's host copy when the ring holds it (hostcopy.with_copy_of),
-        else with the live state."""
-        return self._host.with_copy_of(self.step, lambda held: save(self._state(run) if held is None else held))
-
-    def _before_stuck_exit(self) -> None:
-        """A worker stuck in a collective with a lost (frozen) peer is about to be ended by its SIGTERM
-        watcher, its snapshot kept (`Leaving`): the save in flight's moment, then the abort."""
-        self._finish_save_in_flight()
-        abort_group()
-
-    def _finish_save_in_flight(self) -> None:
-        """Give the checkpoint save in flight up to LEAVE_SAVE_WAIT seconds before leaving, unless the
-        node stays with a snapshot as new (notices.waits_for_save)."""
-        manager = self.manager
-        if manager is None:
-            return
-        in_flight = manager.in_flight
-        kept = self._leaving.kept_step
-        if not waits_for_save(in_flight, kept, leaving=self.stop.level() == NOTICE_LEAVING):
-            if in_flight is not None:
-                log.info("rank %d: not waiting for the save of step %d: this node's snapshot holds step %s",
-                         self.rank, in_flight, kept)  # fmt: skip
-            return
-        manager.wait(LEAVE_SAVE_WAIT)
-        if manager.in_flight is not None:
-            log.warning("leaving with the save of step %d unfinished", manager.in_flight)
+        """Between evaluation batches: a notice stops the group as after a step (boundary.py)."""
+        return self.boundary.agree_on_notices(self.step, self._meta(run.sampler), self.group)
 
     # -- output ---------------------------------------------------------------------
 
@@ -690,11 +578,6 @@ class Trainer:
         if self.rank == 0 or any_rank:
             self._events.write(record)
 
-    def _on_checkpoint(self, report: SaveReport) -> None:
-        self._emit({"event": "checkpoint", **asdict(report)})
-        if report.ok and self._reporter is not None and self.manager is not None:
-            self._reporter.report(report.step, f"{self.manager.storage.describe().rstrip('/')}/{step_dir(report.step)}")
-
     def _shutdown(self) -> None:
         self._watchdog.stop()
         if self._in_place is not None:
@@ -702,8 +585,7 @@ class Trainer:
         if self._run is not None:
             self._run.train_loader.close()
             self._run.test_loader.close()
-        if self._reporter is not None:
-            self._reporter.close()
+        self.boundary.close()
         self._events.close()
         if dist.is_initialized():
             dist.destroy_process_group()
