@@ -5,6 +5,8 @@ gradient scaler skips a step's update.)"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import socket
@@ -27,6 +29,7 @@ from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.elastic.heal import Row, source_of, trainers_beside
 from torchspot_trainer.elastic.leaving import node_snapshot
+from torchspot_trainer.elastic.records import write_record
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import choose_path
 from torchspot_trainer.markers import PEER_LOST_ENV
@@ -496,3 +499,34 @@ def test_a_heal_goes_beside_the_next_step_only_where_the_holders_step_next_and_e
 def test_a_broadcast_heal_sends_from_the_lowest_live_holder_of_the_newest_step() -> None:
     assert source_of(_rows((7, True, False, True), (7, False, False, True), (3, False, False, True))) == 1
     assert source_of(_rows((2, True, False, True), (7, True, False, True))) == 1
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_record_is_one_json_line_in_the_events_file_printed_where_asked_and_readable_on_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one writer of the manager's records and the trainer's: the events file gets every record, stdout
+    the ones asked for, and a terminal's stderr a readable line where the caller gives one (the trainer's
+    progress), the JSON line for another record, and nothing without `readable` (the manager's)."""
+    events = tmp_path / "events.jsonl"
+    write_record({"event": "step", "step": 1}, events=events, stdout=False)
+    write_record({"event": "progress", "step": 2, "t": 5.0}, events=events, stdout=True)
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert lines[1]["t"] == 5.0  # a record written again keeps its own time
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == [lines[1]]
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    write_record({"event": "done", "step": 3}, events=None, stdout=True)
+    assert terminal.getvalue() == ""
+    readable = lambda record: f"step {record['step']}" if record["event"] == "progress" else None  # noqa: E731
+    write_record({"event": "progress", "step": 4}, events=None, stdout=True, readable=readable)
+    write_record({"event": "done", "step": 5}, events=None, stdout=True, readable=readable)
+    said = terminal.getvalue().splitlines()
+    assert said[0] == "step 4"
+    assert said[1].startswith("[torchspot] ")
+    assert json.loads(said[1].removeprefix("[torchspot] "))["step"] == 5

@@ -5,12 +5,11 @@
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from torchspot_trainer.elastic.records import write_record
 from torchspot_trainer.progress import format_progress
 
 __all__ = ["Events"]
@@ -20,21 +19,12 @@ class Events:
     """The trainer's record output. `events_file`: appends every record there too (empty: not)."""
 
     def __init__(self, events_file: str) -> None:
-        self._file = events_file
+        self._file = Path(events_file) if events_file else None
         self._tensorboard: Any = None
 
     def write(self, record: dict[str, Any]) -> None:
-        """One record, stamped with the time now unless it has its own (a record written again keeps the
-        time its step completed)."""
-        stamped = {"t": time.time(), **record}
-        line = json.dumps(stamped)
-        print(line, flush=True)
-        if self._file:
-            with open(self._file, "a") as out:  # one O_APPEND write per record
-                out.write(line + "\n")
-        if sys.stderr.isatty():
-            text = format_progress(stamped) if record.get("event") == "progress" else f"[torchspot] {line}"
-            print(text, file=sys.stderr, flush=True)
+        """One record (elastic/records.py's `write_record`), a progress record readable on a terminal."""
+        write_record(record, events=self._file, stdout=True, readable=_readable)
 
     def open_tensorboard(self, folder: str) -> None:
         """Write the progress figures to TensorBoard in `folder` too (`scalars`); stops the worker with the
@@ -54,3 +44,8 @@ class Events:
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _readable(record: dict[str, Any]) -> str | None:
+    """A progress record as a terminal shows it (its figures); None for any other (its JSON line)."""
+    return format_progress(record) if record.get("event") == "progress" else None

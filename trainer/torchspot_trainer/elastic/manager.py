@@ -50,7 +50,7 @@ from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointMan
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.buckets import StepBuckets
-from torchspot_trainer.elastic.heal import Healing
+from torchspot_trainer.elastic.groups import InPlaceGroups
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.records import Records
 from torchspot_trainer.elastic.riders import Line, pack, unpack
@@ -66,11 +66,10 @@ from torchspot_trainer.elastic.settings import (
     node_name,
     notice_settings,
 )
-from torchspot_trainer.handover import Handover
+from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
-from torchspot_trainer.recovery.live import LiveGroup, in_place_groups, wait_for_assignment
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -85,9 +84,6 @@ from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
 log = logging.getLogger("torchspot.elastic")
 
-KEEP: list[object] = []
-"""Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
-can block (fork_server.run_program says why)."""
 _IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
 
 
@@ -177,11 +173,11 @@ class Manager:
         self._buckets = StepBuckets()
         """The step's buckets posted so far (`reduce_bucket`)."""
         self._reporter: CheckpointReporter | None = None
-        self._handover: Handover | None = None
-        self._live = self._generations() if self.in_place else None
-        self._healing = None if self._live is None else Healing(
-            self._live, self.device, state=self._boundary_state, load=self._healed
+        self._groups = None if not self.in_place else InPlaceGroups(
+            self.device, state=self._boundary_state, load=self._healed, on_broken=self._buckets.give_up
         )  # fmt: skip
+        self._live = None if self._groups is None else self._groups.live
+        self._healing = None if self._groups is None else self._groups.healing
         self._scaled = False
         """A gradient scaler runs (`scales_loss`): no rank sits a step out after a heal (heal.py)."""
         self._default: Group | None = None
@@ -378,8 +374,8 @@ class Manager:
         self._step += 1
         self._phase = _IDLE
         self._capture()
-        if self._handover is not None and self._live is not None:
-            self._handover.stepped(self._live.generation)
+        if self._groups is not None:
+            self._groups.stepped()
         if self._reporter is not None:
             self._reporter.report_step(self._step)
         generation = None if self._live is None else self._live.generation
@@ -410,8 +406,8 @@ class Manager:
             if self._checkpoints.last_committed != self._step:
                 self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
             self._checkpoints.close()
-        if self._handover is not None:
-            self._handover.stop()
+        if self._groups is not None:
+            self._groups.close()
         if self._reporter is not None:
             self._reporter.close()
         self._leaving.close()
@@ -434,13 +430,6 @@ class Manager:
             self._default = Group(self._rank, self._world, self.device)
         return self._default
 
-    def _generations(self) -> LiveGroup:
-        """The worker's groups in place, one per round its agent hands over (recovery/live.py)."""
-        live = in_place_groups(self.device)
-        live.when_broken(self._buckets.give_up)
-        KEEP.append(live)
-        return live
-
     def ensure_group(self) -> None:
         """The restart path's default process group, made now if the script has not (DDP needs it)."""
         if not self.in_place and not dist.is_initialized():
@@ -461,10 +450,8 @@ class Manager:
             self._rank_duties()
             self._started(generation=None)
             return
-        assert self._live is not None
-        self._handover = Handover.from_environment()
-        self._handover.register(stamps_steps=True)
-        self._handover.watch(self._live)
+        assert self._groups is not None
+        self._groups.start()
         self._resume()
         self._enter_and_heal(stepping=False)
         self._whole = True
@@ -489,9 +476,9 @@ class Manager:
     def _reform(self, *, stepping: bool = False) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it
         (`stepping`: at a step's start, so that the heal may go beside it: heal.py)."""
-        assert self._handover is not None
+        assert self._groups is not None
         if self._failed:
-            self._handover.report_failure()
+            self._groups.report_failure()
         self._failed = False
         self._reform_due = False
         self._enter_and_heal(stepping=stepping)
@@ -499,35 +486,21 @@ class Manager:
     def _enter_and_heal(self, *, stepping: bool) -> None:
         """Enter the first newer round that forms and heal in it; again in the next while a newer round
         or a lost peer breaks the heal."""
-        handover, live, healing = self._handover, self._live, self._healing
-        assert handover is not None
-        assert live is not None
-        assert healing is not None
+        groups = self._groups
+        assert groups is not None
         started = time.monotonic()
-        while True:
-            assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
-            if assignment is None:
-                self._leave(f"no round handed over within {REFORM_SECONDS:g} s")
-            if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
-                continue
-            self._rank, self._world = assignment.rank, assignment.world
-            self._leaving.stop.node = assignment.node
-            try:
-                source = healing.heal(self._rank, self._step, stepping=stepping, may_sit_out=self._may_sit_out())
-            except GroupChanged as exc:
-                if exc.failed:
-                    handover.report_failure()
-                continue
-            break
+        source = groups.enter(
+            self._step, stepping=stepping, scaled=self._scaled, entered=self._entered, leave=self._leave
+        )
         self._reform_due = False
         if source == "peer":  # (a receiver beside the step loads its state before the step's update)
             self.resumed_from = "peer"
         self._rank_duties()
-        self._emit({"event": "generation", "generation": live.generation, "rank": self._rank,
+        self._emit({"event": "generation", "generation": groups.live.generation, "rank": self._rank,
                     "world_size": self._world, "step": self.current_step(), "pid": os.getpid(), "node": node_name(),
-                    "resumed_from": self.resumed_from, "trainers": healing.trainers,
+                    "resumed_from": self.resumed_from, "trainers": groups.healing.trainers,
                     "seconds": round(time.monotonic() - started, 3)}, any_rank=True)  # fmt: skip
-        self._started(generation=live.generation)
+        self._started(generation=groups.live.generation)
 
     def _started(self, *, generation: int | None) -> None:
         """A group's start record (every rank's in the events file, rank 0's on stdout: the sandbox's
@@ -544,12 +517,10 @@ class Manager:
         self._records.started(record, rank=self._rank)
         self._capture()
 
-    def _may_sit_out(self) -> bool:
-        """Whether this rank's gradients may count zero in a step after a heal (`heal.Row.may_sit_out`):
-        its data plane sends point to point (the host one; a device plane's heal broadcasts), and no
-        gradient scaler runs (a receiver's scale is not in the state it receives)."""
-        assert self._live is not None
-        return not (self._live.plane.separate or self._scaled)
+    def _entered(self, assignment: Assignment) -> None:
+        """A round entered: this worker's rank, world size and node there."""
+        self._rank, self._world = assignment.rank, assignment.world
+        self._leaving.stop.node = assignment.node
 
     def scales_loss(self) -> None:
         """A gradient scaler runs with this manager (`GradScaler` tells): every heal broadcasts."""

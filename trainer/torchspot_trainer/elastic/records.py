@@ -10,13 +10,38 @@ the world size and the samples per second since its last record or the group's s
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torchspot_trainer.elastic.settings import PROGRESS_SECONDS
 
-__all__ = ["Records"]
+__all__ = ["Records", "write_record"]
+
+
+def write_record(
+    record: dict[str, Any],
+    *,
+    events: Path | None,
+    stdout: bool,
+    readable: Callable[[dict[str, Any]], str | None] | None = None,
+) -> None:
+    """One record as a JSON line, stamped with the time now unless it has its own (a record written again
+    keeps the time its step completed): appended to `events` (one O_APPEND write, so that processes
+    sharing the file never interleave a line) and, with `stdout`, printed, and, given `readable`,
+    mirrored on a terminal's stderr as it writes the record (None: as the JSON line). The manager's
+    records and the trainer's (events.py) are written here."""
+    stamped = {"t": time.time(), **record}
+    line = json.dumps(stamped)
+    if stdout:
+        print(line, flush=True)
+        if readable is not None and sys.stderr.isatty():
+            print(readable(stamped) or f"[torchspot] {line}", file=sys.stderr, flush=True)
+    if events is not None:
+        with events.open("a") as out:
+            out.write(line + "\n")
 
 
 class Records:
@@ -35,12 +60,7 @@ class Records:
         events file."""
         if quiet and self.events is None:
             return
-        line = json.dumps({"t": time.time(), **record})
-        if not quiet and (any_rank or rank == 0):
-            print(line, flush=True)
-        if self.events is not None:
-            with self.events.open("a") as out:  # one O_APPEND write per record
-                out.write(line + "\n")
+        write_record(record, events=self.events, stdout=not quiet and (any_rank or rank == 0))
 
     def step(self, step: int, *, rank: int, world: int, generation: int | None, samples: list[int] | None,
              skipped: bool) -> None:  # fmt: skip

@@ -1,0 +1,103 @@
+"""A manager's groups in place: its side of the agent's hand-over (handover.py), one generation per round
+the agent hands over (recovery/live.py), and a heal at each generation's start (heal.py). The manager
+(manager.py) enters the next round at the first step, after a step that did not commit, at an agreed
+switch and at a notice's re-form; the loop never sees a round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from torchspot_trainer.elastic.heal import Healing
+from torchspot_trainer.elastic.settings import REFORM_SECONDS
+from torchspot_trainer.handover import Assignment, Handover
+from torchspot_trainer.recovery.live import LiveGroup, in_place_groups, wait_for_assignment
+from torchspot_trainer.recovery.outcome import GroupChanged
+
+__all__ = ["KEEP", "InPlaceGroups"]
+
+KEEP: list[object] = []
+"""Every manager's groups, referenced until the process ends: freeing a gloo group whose peer is gone
+can block (fork_server.run_program says why)."""
+
+
+class InPlaceGroups:
+    """One worker's generations, its hand-over and its heals (module docstring).
+
+    :param device: where the gradients and a heal's state travel.
+    :param state: the whole state to send in a heal (as at the step boundary).
+    :param load: takes a heal's state over.
+    :param on_broken: called on the watcher's thread whenever a newer round breaks the generation (the
+        step's buckets in flight are given up).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        state: Callable[[], dict[str, Any]],
+        load: Callable[[dict[str, Any]], None],
+        on_broken: Callable[[], None],
+    ) -> None:
+        self.live: LiveGroup = in_place_groups(device)
+        self.live.when_broken(on_broken)
+        KEEP.append(self.live)
+        self.healing = Healing(self.live, device, state=state, load=load)
+        self._handover: Handover | None = None
+
+    def start(self) -> None:
+        """Register with this node's agent (at the first step): it hands this worker each round from now."""
+        handover = Handover.from_environment()
+        handover.register(stamps_steps=True)
+        handover.watch(self.live)
+        self._handover = handover
+
+    def enter(
+        self,
+        step: int,
+        *,
+        stepping: bool,
+        scaled: bool,
+        entered: Callable[[Assignment], None],
+        leave: Callable[[str], NoReturn],
+    ) -> str:
+        """Enter the first newer round that forms and heal in it (heal.py: `step` is this rank's state's),
+        again in the next while a newer round or a lost peer breaks the heal; `leave` where no round
+        comes within REFORM_SECONDS. `entered(assignment)` is told each round entered. Returns where
+        this rank's state comes from (`Healing.heal`). `stepping`: at a step's start; `scaled`: a
+        gradient scaler runs (no rank may sit a step out: its scale is not in the state)."""
+        handover, live = self._handover, self.live
+        assert handover is not None
+        may_sit_out = not (live.plane.separate or scaled)  # a device plane's heal broadcasts
+        while True:
+            assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
+            if assignment is None:
+                leave(f"no round handed over within {REFORM_SECONDS:g} s")
+            if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
+                continue
+            entered(assignment)
+            try:
+                return self.healing.heal(assignment.rank, step, stepping=stepping, may_sit_out=may_sit_out)
+            except GroupChanged as exc:
+                if exc.failed:
+                    handover.report_failure()
+
+    def report_failure(self) -> None:
+        """A collective of this worker failed at a peer (its socket closed): the agent judges its peers
+        with its short timeout (rendezvous/losses.py)."""
+        assert self._handover is not None
+        self._handover.report_failure()
+
+    def stepped(self) -> None:
+        """A step committed: every member was alive at it (the agent's liveness proof)."""
+        if self._handover is not None:
+            self._handover.stepped(self.live.generation)
+
+    def close(self) -> None:
+        """No more rounds (the generations stay referenced: KEEP)."""
+        if self._handover is not None:
+            self._handover.stop()
