@@ -325,6 +325,20 @@ def _blob_container(container: str, env: Mapping[str, str], *, retries: int, tim
     return service.get_container_client(container)
 
 
+def blob_container(
+    name: str, env: Mapping[str, str] | None = None, *, retries: int = 3, timeout: float = 30.0, create: bool = True
+) -> Any:
+    """The client of the Blob container `name`, the account and credentials from `env` (module docstring;
+    default os.environ), the container made where it is missing (`create`)."""
+    container = _blob_container(name, os.environ if env is None else env, retries=retries, timeout=timeout)
+    if create:
+        from azure.core.exceptions import ResourceExistsError  # noqa: PLC0415
+
+        with contextlib.suppress(ResourceExistsError):
+            container.create_container()
+    return container
+
+
 def quiet_sdk_logs() -> None:
     """Keep the Azure SDK's per-request INFO logs (every header of every block upload) out of our logs."""
     logging.getLogger("azure").setLevel(logging.WARNING)
@@ -355,11 +369,6 @@ def open_storage(
     if parsed.scheme == "az":
         if not parsed.netloc:
             raise ValueError(f"--checkpoint-uri {uri!r}: expected az://CONTAINER/PREFIX")
-        container = _blob_container(parsed.netloc, env, retries=retries, timeout=timeout)
-        if create_container:
-            from azure.core.exceptions import ResourceExistsError  # noqa: PLC0415
-
-            with contextlib.suppress(ResourceExistsError):
-                container.create_container()
+        container = blob_container(parsed.netloc, env, retries=retries, timeout=timeout, create=create_container)
         return BlobStorage(container, parsed.path)
     raise ValueError(f"--checkpoint-uri {uri!r}: unknown scheme {parsed.scheme!r} (use a path, file:// or az://)")

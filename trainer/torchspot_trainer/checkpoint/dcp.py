@@ -1,0 +1,330 @@
+"""Sharded checkpoints on Azure Blob through torch's distributed checkpoint (DCP): a storage writer and a
+reader for `az://container/prefix`, on the project's Azure SDK and credentials (storage.py).
+
+- **Each rank writes its own shards**, one blob per rank and write, in blocks of BLOCK_BYTES staged
+  `concurrency` at a time while DCP serialises the next (`_BlockWriter`): the rank's upload runs in
+  parallel, and the rank holds at most the blocks in flight beyond DCP's own copy of the state. A blob
+  appears only when its block list commits, whole.
+- **A checkpoint commits when its metadata is written**, last, by DCP's coordinator, create-only
+  (If-None-Match): a reader loads only a checkpoint with metadata (a writer killed mid-upload left none,
+  and the reader says so in one line), and of two writers of one checkpoint the first to commit wins;
+  the other fails, saying why. Their shards never mix: each write names its blobs with its own id.
+- **A reader fetches the byte ranges it reads** (a window of READ_BYTES at least), not whole shards: at
+  another world size each rank reads the parts of every shard it needs (DCP reshards).
+- **Asynchronous saving** is DCP's own (`dcp.async_save`): it copies the state to host memory, then
+  this writer uploads on DCP's thread while training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import uuid
+from collections import deque
+from collections.abc import Generator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
+from urllib.parse import urlparse
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.storage import WriteResult
+
+from torchspot_trainer.checkpoint.storage import blob_container
+
+__all__ = [
+    "BLOCK_BYTES",
+    "METADATA",
+    "BlobReader",
+    "BlobWriter",
+    "CheckpointConflict",
+    "TornCheckpoint",
+    "committed",
+    "load",
+]
+
+log = logging.getLogger(__name__)
+
+BLOCK_BYTES = 8 << 20
+"""One staged block of a shard's blob: large enough that a request's overhead is small beside its
+transfer, small enough that `concurrency` of them in flight are a modest buffer."""
+READ_BYTES = 16 << 20
+"""The least a reader fetches at once from a shard: DCP reads each tensor's slice as many small reads
+(torch.load's zip records), which one window serves."""
+METADATA = ".metadata"
+"""DCP's metadata blob, under the checkpoint's prefix: written last, its presence is the commit."""
+
+
+class TornCheckpoint(FileNotFoundError):
+    """A checkpoint with no metadata: its writer stopped before it committed. Never loaded."""
+
+
+class CheckpointConflict(FileExistsError):
+    """Another writer committed this checkpoint first; this write's shards are not part of it."""
+
+
+def _split(uri: str | os.PathLike[str]) -> tuple[str, str]:
+    """(container, prefix) of an `az://container/prefix` URI; ValueError for anything else."""
+    parsed = urlparse(os.fspath(uri))
+    if parsed.scheme != "az" or not parsed.netloc:
+        raise ValueError(f"{os.fspath(uri)!r}: expected az://CONTAINER/PREFIX")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+class _BlockWriter(io.RawIOBase):
+    """A shard's blob written as DCP writes it: each full block staged on a thread while the next fills, at
+    most `concurrency` in flight; the block list committed by `commit` (the blob then appears whole)."""
+
+    def __init__(self, blob: Any, pool: ThreadPoolExecutor, concurrency: int) -> None:
+        self._blob, self._pool, self._limit = blob, pool, concurrency
+        self._buffer = bytearray()
+        self._position = 0
+        self._blocks: list[str] = []
+        self._staging: deque[Future[None]] = deque()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._buffer += view
+        self._position += len(view)
+        while len(self._buffer) >= BLOCK_BYTES:
+            self._stage(bytes(self._buffer[:BLOCK_BYTES]))
+            del self._buffer[:BLOCK_BYTES]
+        return len(view)
+
+    def tell(self) -> int:
+        return self._position
+
+    def _stage(self, block: bytes) -> None:
+        while len(self._staging) >= self._limit:  # the oldest first: a failed block fails the write here
+            self._staging.popleft().result()
+        block_id = f"{len(self._blocks):08d}-{uuid.uuid4().hex[:8]}"
+        self._blocks.append(block_id)
+        self._staging.append(self._pool.submit(self._blob.stage_block, block_id, block, length=len(block)))
+
+    def commit(self) -> None:
+        """The rest staged, every block waited for, then the block list committed."""
+        if self._buffer or not self._blocks:
+            self._stage(bytes(self._buffer))
+            self._buffer.clear()
+        while self._staging:
+            self._staging.popleft().result()
+        self._blob.commit_block_list(self._blocks)
+
+
+class _RangeReader(io.RawIOBase):
+    """A shard's blob read by byte ranges, READ_BYTES at least at a time, the last window kept."""
+
+    def __init__(self, blob: Any) -> None:
+        self._blob = blob
+        self._size = int(blob.get_blob_properties().size)
+        self._position = 0
+        self._window = (0, b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self._size - self._position)
+        if wanted <= 0:
+            return 0
+        start, data = self._window
+        if not (start <= self._position and self._position + wanted <= start + len(data)):
+            length = min(max(wanted, READ_BYTES), self._size - self._position)
+            data = self._blob.download_blob(offset=self._position, length=length, max_concurrency=4).readall()
+            start = self._position
+            self._window = (start, data)
+        offset = self._position - start
+        view[:wanted] = data[offset : offset + wanted]
+        self._position += wanted
+        return wanted
+
+
+class _BlobFileSystem(FileSystemBase):
+    """DCP's file system on a Blob container: paths are blob names under the checkpoint's prefix."""
+
+    def __init__(self, env: Mapping[str, str] | None, concurrency: int) -> None:
+        self._env, self._concurrency = env, concurrency
+        self._container: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="torchspot-blocks")
+
+    def container(self) -> Any:
+        if self._container is None:
+            raise RuntimeError("no checkpoint path yet")
+        return self._container
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        blob = self.container().get_blob_client(os.fspath(path))
+        if "w" in mode:
+            writer = _BlockWriter(blob, self._pool, self._concurrency)
+            yield writer  # (an error inside leaves the blocks uncommitted: no blob appears)
+            writer.commit()
+        else:
+            from azure.core.exceptions import ResourceNotFoundError  # noqa: PLC0415
+
+            try:
+                reader = _RangeReader(blob)
+            except ResourceNotFoundError:
+                raise FileNotFoundError(os.fspath(path)) from None
+            yield reader
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}" if os.fspath(path) else suffix
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        name, prefix = _split(path)
+        self._container = blob_container(name, self._env)
+        return prefix
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError("a blob is not renamed: the metadata is written once, create-only")
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        """Nothing: a Blob container has no folders."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.fspath(checkpoint_id).startswith("az://")
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return bool(self.container().get_blob_client(os.fspath(path)).exists())
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.container().delete_blob(os.fspath(path))
+
+
+class BlobWriter(FileSystemWriter):
+    """DCP's storage writer for `az://container/prefix` (module docstring): `dcp.save(state,
+    storage_writer=BlobWriter(uri))`, or `dcp.async_save`.
+
+    :param uri: the checkpoint's location (one checkpoint per prefix: a step's folder).
+    :param env: where the account and credentials come from (storage.py; default os.environ).
+    :param concurrency: blocks staged at once per rank.
+    """
+
+    def __init__(self, uri: str, *, env: Mapping[str, str] | None = None, concurrency: int = 8) -> None:
+        super().__init__(uri, single_file_per_rank=True, sync_files=False, overwrite=False)
+        self.fs = _BlobFileSystem(env, concurrency)  # type: ignore[assignment]  # torch types it as its own
+        self.path = self.fs.init_path(uri)
+        self._uri = uri
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._uri = os.fspath(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _BlobFileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Each rank's shards named with this write's id as well as the rank (DCP names them by rank only):
+        two writers of one checkpoint never write the same blob."""
+        write = self.save_id.replace("-", "")[:12]
+        planned = super().prepare_global_plan(plans)
+        return [
+            dataclasses.replace(plan, storage_data=type(plan.storage_data)(f"__{write}{plan.storage_data.prefix}"))
+            for plan in planned
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit: the metadata, which names every rank's shards, written once (If-None-Match). Raises
+        CheckpointConflict where another writer committed first."""
+        from azure.core.exceptions import ResourceExistsError  # noqa: PLC0415
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION  # noqa: PLC0415
+
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
+        metadata.storage_meta = self.storage_meta()
+        name = self.fs.concat_path(self.path, METADATA)
+        try:
+            cast(_BlobFileSystem, self.fs).container().upload_blob(name, pickle.dumps(metadata), overwrite=False)
+        except ResourceExistsError:
+            raise CheckpointConflict(f"{self._uri}: committed by another writer first; this write's shards are "
+                                     "not part of it") from None  # fmt: skip
+
+
+class BlobReader(FileSystemReader):
+    """DCP's storage reader for `az://container/prefix`: `dcp.load(state, storage_reader=BlobReader(uri))`
+    loads a committed checkpoint at any world size, and refuses a torn one (TornCheckpoint).
+
+    :param uri: the checkpoint's location.
+    :param env: where the account and credentials come from (storage.py; default os.environ).
+    """
+
+    def __init__(self, uri: str, *, env: Mapping[str, str] | None = None) -> None:
+        super().__init__(uri)
+        self.fs = _BlobFileSystem(env, concurrency=1)  # type: ignore[assignment]  # torch types it as its own
+        self.path = self.fs.init_path(uri)
+        self._uri = uri
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._uri = os.fspath(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self._uri
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _BlobFileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata; TornCheckpoint where there is none (`load` says so in one line; DCP
+        then looks for a rank's own, which this writer never writes, and fails the load)."""
+        try:
+            return super().read_metadata(*args, **kwargs)
+        except FileNotFoundError:
+            raise TornCheckpoint(f"{self._uri}: no {METADATA} (a writer stopped before it committed)") from None
+
+
+def load(state_dict: dict[str, Any], uri: str, *, env: Mapping[str, str] | None = None) -> None:
+    """`dcp.load` of the checkpoint at `uri` into `state_dict` (at this world size: DCP reshards), only where
+    it committed: a torn one raises TornCheckpoint, said in one line, before any rank reads a shard."""
+    reader = BlobReader(uri, env=env)
+    if not reader.fs.exists(reader.fs.concat_path(reader.path, METADATA)):
+        log.warning("checkpoint %s has no metadata: its writer stopped before it committed; not loaded", uri)
+        raise TornCheckpoint(f"{uri}: no {METADATA} (a writer stopped before it committed)")
+    dcp_load(state_dict, storage_reader=reader)
+
+
+def committed(uri: str, *, env: Mapping[str, str] | None = None) -> list[str]:
+    """The committed checkpoints directly under `az://container/prefix` (their prefixes, as URIs, sorted):
+    those whose metadata is written. A torn one's shards are left out."""
+    name, prefix = _split(uri)
+    container = blob_container(name, env)
+    base = f"{prefix}/" if prefix else ""
+    found = []
+    for blob in container.list_blobs(name_starts_with=base):
+        relative = str(blob.name)[len(base) :]
+        folder, _, leaf = relative.rpartition("/")
+        if leaf == METADATA and folder and "/" not in folder:
+            found.append(f"az://{name}/{base}{folder}")
+    return sorted(found)
