@@ -26,16 +26,26 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
 
 from torchspot_lab.azurite import Azurite
+from torchspot_trainer.checkpoint import dcp as blob
 from torchspot_trainer.checkpoint.dcp import (
-    BLOCK_BYTES,
     BlobReader,
     BlobWriter,
     CheckpointConflict,
     TornCheckpoint,
     committed,
     load,
+    prune,
 )
+from torchspot_trainer.checkpoint.manager import step_dir
 from torchspot_trainer.checkpoint.storage import blob_container
+
+BLOCK = 1 << 20
+"""The tests' block (the product's is 8 MiB): several blocks per shard at a few MiB of state."""
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blob, "BLOCK_BYTES", BLOCK)
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +64,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     """A state with a tensor of several blocks beside small ones."""
     generator = torch.Generator().manual_seed(seed)
     return {
-        "large": torch.randn(3 * BLOCK_BYTES // 4 + 1000, generator=generator),  # 3 blocks and a bit
+        "large": torch.randn(3 * BLOCK // 4 + 1000, generator=generator),  # 3 blocks and a bit
         "small": torch.randn(7, 5, generator=generator),
         "step": torch.tensor(seed),
     }
@@ -104,6 +114,7 @@ def commit_then_die(self):  # every block of the first shard staged, none commit
     os.kill(os.getpid(), signal.SIGKILL)
 
 blob._BlockWriter.commit = commit_then_die
+blob.BLOCK_BYTES = 1 << 20  # (the test's BLOCK)
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 save(_state(3), storage_writer=blob.BlobWriter(sys.argv[1]))
@@ -224,3 +235,23 @@ def test_two_ranks_write_their_own_shards_in_parallel_and_one_rank_loads_the_who
     loaded = {"weight": torch.zeros(12, 5)}
     load(loaded, uri, env=env)
     assert torch.equal(loaded["weight"], torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5))
+
+
+def test_retention_keeps_the_newest_committed_and_a_newer_save_in_flight(azurite: Azurite) -> None:
+    """Three committed checkpoints and two torn ones (one older than the newest committed, one newer: a
+    save in flight): keeping two deletes the oldest committed and the older torn one, nothing else."""
+    env, prefix = azurite.env(), _prefix()
+    small = {"small": _state(0)["small"]}
+    for step in (100, 200, 300):
+        save(small, storage_writer=BlobWriter(f"{prefix}/{step_dir(step).rstrip('/')}", env=env))
+    container, base = prefix.removeprefix("az://").split("/", 1)
+    blobs = blob_container(container, env)
+    for step in (250, 350):  # a shard with no metadata
+        blobs.upload_blob(f"{base}/{step_dir(step)}__0_0.distcp", b"partial")
+    gone = prune(prefix, keep=2, env=env)
+    assert gone == [f"{prefix}/{step_dir(step).rstrip('/')}" for step in (100, 250)]
+    assert committed(prefix, env=env) == [f"{prefix}/{step_dir(step).rstrip('/')}" for step in (200, 300)]
+    left = {blob.name.split("/")[1] for blob in blobs.list_blobs(name_starts_with=f"{base}/")}
+    assert left == {step_dir(step).rstrip("/") for step in (200, 300, 350)}
+    with pytest.raises(ValueError, match="keep=0"):
+        prune(prefix, keep=0, env=env)

@@ -11,6 +11,9 @@ reader for `az://container/prefix`, on the project's Azure SDK and credentials (
   the other fails, saying why. Their shards never mix: each write names its blobs with its own id.
 - **A reader fetches the byte ranges it reads** (a window of READ_BYTES at least), not whole shards: at
   another world size each rank reads the parts of every shard it needs (DCP reshards).
+- **Retention** (`prune`) keeps the newest committed checkpoints under a prefix (their folders sort by
+  step: checkpoint/manager.py's `step_dir`), deletes older ones and the torn ones older than the newest
+  committed (a torn one newer than it may be a save in flight).
 - **Asynchronous saving** is DCP's own (`dcp.async_save`): it copies the state to host memory, then
   this writer uploads on DCP's thread while training goes on.
 """
@@ -47,6 +50,7 @@ __all__ = [
     "TornCheckpoint",
     "committed",
     "load",
+    "prune",
 ]
 
 log = logging.getLogger(__name__)
@@ -328,3 +332,29 @@ def committed(uri: str, *, env: Mapping[str, str] | None = None) -> list[str]:
         if leaf == METADATA and folder and "/" not in folder:
             found.append(f"az://{name}/{base}{folder}")
     return sorted(found)
+
+
+def prune(uri: str, *, keep: int, env: Mapping[str, str] | None = None) -> list[str]:
+    """Delete, under `az://container/prefix`, every committed checkpoint but the newest `keep` and every
+    torn one older than the newest committed (module docstring); the deleted checkpoints' URIs. Their
+    metadata goes first: a reader never meets a committed checkpoint with shards missing."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: at least the newest checkpoint stays")
+    name, prefix = _split(uri)
+    container = blob_container(name, env)
+    base = f"{prefix}/" if prefix else ""
+    folders: dict[str, list[str]] = {}
+    for blob in container.list_blobs(name_starts_with=base):
+        folder, _, rest = str(blob.name)[len(base) :].partition("/")
+        if rest:
+            folders.setdefault(folder, []).append(str(blob.name))
+    done = sorted(folder for folder, blobs in folders.items() if f"{base}{folder}/{METADATA}" in blobs)
+    if not done:
+        return []
+    kept, newest = set(done[-keep:]), done[-1]
+    going = [folder for folder in sorted(folders) if folder not in kept and folder < newest]
+    for folder in going:
+        blobs = folders[folder]
+        for blob_name in sorted(blobs, key=lambda blob_name: not blob_name.endswith(f"/{METADATA}")):
+            container.delete_blob(blob_name)
+    return [f"az://{name}/{base}{folder}" for folder in going]
