@@ -69,6 +69,10 @@ class TornCheckpoint(FileNotFoundError):
     """A checkpoint with no metadata: its writer stopped before it committed. Never loaded."""
 
 
+def _torn(uri: str) -> TornCheckpoint:
+    return TornCheckpoint(f"{uri}: no {METADATA} (a writer stopped before it committed)")
+
+
 class CheckpointConflict(FileExistsError):
     """Another writer committed this checkpoint first; this write's shards are not part of it."""
 
@@ -170,6 +174,8 @@ class _BlobFileSystem(FileSystemBase):
     def __init__(self, env: Mapping[str, str] | None, concurrency: int) -> None:
         self._env, self._concurrency = env, concurrency
         self._container: Any = None
+        self._name = ""
+        """The container's name (`init_path`)."""
         self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="torchspot-blocks")
 
     def container(self) -> Any:
@@ -198,8 +204,12 @@ class _BlobFileSystem(FileSystemBase):
 
     def init_path(self, path: str | os.PathLike[str]) -> str:
         name, prefix = _split(path)
-        self._container = blob_container(name, self._env)
+        self._container, self._name = blob_container(name, self._env), name
         return prefix
+
+    def uri(self, path: str) -> str:
+        """The `az://` URI of `path` (a prefix `init_path` returned)."""
+        return f"az://{self._name}/{path}"
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         raise NotImplementedError("a blob is not renamed: the metadata is written once, create-only")
@@ -218,7 +228,27 @@ class _BlobFileSystem(FileSystemBase):
         self.container().delete_blob(os.fspath(path))
 
 
-class BlobWriter(FileSystemWriter):
+class _OnBlob:
+    """What DCP's Blob writer and reader share: their file system, and the checkpoint's URI, which DCP
+    asks for (`checkpoint_id`) and passes back to `reset`, derived from the path it keeps."""
+
+    fs: Any
+    path: Any
+
+    def _on_blob(self, uri: str, env: Mapping[str, str] | None, concurrency: int) -> None:
+        self.fs = _BlobFileSystem(env, concurrency)
+        self.path = self.fs.init_path(uri)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return cast(_BlobFileSystem, self.fs).uri(self.path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return _BlobFileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+class BlobWriter(_OnBlob, FileSystemWriter):
     """DCP's storage writer for `az://container/prefix` (module docstring): `dcp.save(state,
     storage_writer=BlobWriter(uri))`, or `dcp.async_save`.
 
@@ -229,22 +259,7 @@ class BlobWriter(FileSystemWriter):
 
     def __init__(self, uri: str, *, env: Mapping[str, str] | None = None, concurrency: int = 8) -> None:
         super().__init__(uri, single_file_per_rank=True, sync_files=False, overwrite=False)
-        self.fs = _BlobFileSystem(env, concurrency)  # type: ignore[assignment]  # torch types it as its own
-        self.path = self.fs.init_path(uri)
-        self._uri = uri
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id:
-            self._uri = os.fspath(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self._uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _BlobFileSystem.validate_checkpoint_id(checkpoint_id)
+        self._on_blob(uri, env, concurrency)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Each rank's shards named with this write's id as well as the rank (DCP names them by rank only):
@@ -269,11 +284,11 @@ class BlobWriter(FileSystemWriter):
         try:
             cast(_BlobFileSystem, self.fs).container().upload_blob(name, pickle.dumps(metadata), overwrite=False)
         except ResourceExistsError:
-            raise CheckpointConflict(f"{self._uri}: committed by another writer first; this write's shards are "
-                                     "not part of it") from None  # fmt: skip
+            raise CheckpointConflict(f"{self.checkpoint_id}: committed by another writer first; this write's "
+                                     "shards are not part of it") from None  # fmt: skip
 
 
-class BlobReader(FileSystemReader):
+class BlobReader(_OnBlob, FileSystemReader):
     """DCP's storage reader for `az://container/prefix`: `dcp.load(state, storage_reader=BlobReader(uri))`
     loads a committed checkpoint at any world size, and refuses a torn one (TornCheckpoint).
 
@@ -283,22 +298,7 @@ class BlobReader(FileSystemReader):
 
     def __init__(self, uri: str, *, env: Mapping[str, str] | None = None) -> None:
         super().__init__(uri)
-        self.fs = _BlobFileSystem(env, concurrency=1)  # type: ignore[assignment]  # torch types it as its own
-        self.path = self.fs.init_path(uri)
-        self._uri = uri
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id:
-            self._uri = os.fspath(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self._uri
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return _BlobFileSystem.validate_checkpoint_id(checkpoint_id)
+        self._on_blob(uri, env, concurrency=1)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata; TornCheckpoint where there is none (`load` says so in one line; DCP
@@ -306,7 +306,7 @@ class BlobReader(FileSystemReader):
         try:
             return super().read_metadata(*args, **kwargs)
         except FileNotFoundError:
-            raise TornCheckpoint(f"{self._uri}: no {METADATA} (a writer stopped before it committed)") from None
+            raise _torn(self.checkpoint_id) from None
 
 
 def load(state_dict: dict[str, Any], uri: str, *, env: Mapping[str, str] | None = None) -> None:
@@ -315,46 +315,58 @@ def load(state_dict: dict[str, Any], uri: str, *, env: Mapping[str, str] | None 
     reader = BlobReader(uri, env=env)
     if not reader.fs.exists(reader.fs.concat_path(reader.path, METADATA)):
         log.warning("checkpoint %s has no metadata: its writer stopped before it committed; not loaded", uri)
-        raise TornCheckpoint(f"{uri}: no {METADATA} (a writer stopped before it committed)")
+        raise _torn(uri)
     dcp_load(state_dict, storage_reader=reader)
+
+
+class _Checkpoints:
+    """The checkpoints directly under `az://container/prefix`: each folder's blobs, listed once, and
+    whether its metadata is written (it committed)."""
+
+    def __init__(self, uri: str, env: Mapping[str, str] | None) -> None:
+        self.name, prefix = _split(uri)
+        self.container = blob_container(self.name, env)
+        self.base = f"{prefix}/" if prefix else ""
+        self.folders: dict[str, list[str]] = {}
+        for blob in self.container.list_blobs(name_starts_with=self.base):
+            folder, _, rest = str(blob.name)[len(self.base) :].partition("/")
+            if rest:
+                self.folders.setdefault(folder, []).append(str(blob.name))
+
+    def committed(self) -> list[str]:
+        """The committed folders, sorted."""
+        return sorted(folder for folder, blobs in self.folders.items() if self._metadata(folder) in blobs)
+
+    def uri(self, folder: str) -> str:
+        return f"az://{self.name}/{self.base}{folder}"
+
+    def _metadata(self, folder: str) -> str:
+        return f"{self.base}{folder}/{METADATA}"
+
+    def delete(self, folder: str) -> None:
+        """A checkpoint's blobs, its metadata first: a reader never meets a committed one with shards missing."""
+        for blob_name in sorted(self.folders.pop(folder), key=lambda blob_name: blob_name != self._metadata(folder)):
+            self.container.delete_blob(blob_name)
 
 
 def committed(uri: str, *, env: Mapping[str, str] | None = None) -> list[str]:
     """The committed checkpoints directly under `az://container/prefix` (their prefixes, as URIs, sorted):
     those whose metadata is written. A torn one's shards are left out."""
-    name, prefix = _split(uri)
-    container = blob_container(name, env)
-    base = f"{prefix}/" if prefix else ""
-    found = []
-    for blob in container.list_blobs(name_starts_with=base):
-        relative = str(blob.name)[len(base) :]
-        folder, _, leaf = relative.rpartition("/")
-        if leaf == METADATA and folder and "/" not in folder:
-            found.append(f"az://{name}/{base}{folder}")
-    return sorted(found)
+    checkpoints = _Checkpoints(uri, env)
+    return [checkpoints.uri(folder) for folder in checkpoints.committed()]
 
 
 def prune(uri: str, *, keep: int, env: Mapping[str, str] | None = None) -> list[str]:
     """Delete, under `az://container/prefix`, every committed checkpoint but the newest `keep` and every
-    torn one older than the newest committed (module docstring); the deleted checkpoints' URIs. Their
-    metadata goes first: a reader never meets a committed checkpoint with shards missing."""
+    torn one older than the newest committed (module docstring); the deleted checkpoints' URIs."""
     if keep < 1:
         raise ValueError(f"keep={keep}: at least the newest checkpoint stays")
-    name, prefix = _split(uri)
-    container = blob_container(name, env)
-    base = f"{prefix}/" if prefix else ""
-    folders: dict[str, list[str]] = {}
-    for blob in container.list_blobs(name_starts_with=base):
-        folder, _, rest = str(blob.name)[len(base) :].partition("/")
-        if rest:
-            folders.setdefault(folder, []).append(str(blob.name))
-    done = sorted(folder for folder, blobs in folders.items() if f"{base}{folder}/{METADATA}" in blobs)
+    checkpoints = _Checkpoints(uri, env)
+    done = checkpoints.committed()
     if not done:
         return []
     kept, newest = set(done[-keep:]), done[-1]
-    going = [folder for folder in sorted(folders) if folder not in kept and folder < newest]
+    going = [folder for folder in sorted(checkpoints.folders) if folder not in kept and folder < newest]
     for folder in going:
-        blobs = folders[folder]
-        for blob_name in sorted(blobs, key=lambda blob_name: not blob_name.endswith(f"/{METADATA}")):
-            container.delete_blob(blob_name)
-    return [f"az://{name}/{base}{folder}" for folder in going]
+        checkpoints.delete(folder)
+    return [checkpoints.uri(folder) for folder in going]
