@@ -95,9 +95,10 @@ class StepBuckets:
         return posted.future
 
     def refuse(self, bucket: GradBucket, outcome: Outcome) -> torch.futures.Future[torch.Tensor]:
-        """`bucket` not sent: the step failed before its first collective (`outcome`)."""
+        """`bucket` not sent: the step failed before its first collective (`outcome`). No staging copy:
+        nothing is sent, and DDP gets its own bucket back (the step's update is not applied)."""
         tensor = bucket.buffer()
-        posted = _Bucket(tensor.reshape(-1).clone(), tensor, bucket.is_last())
+        posted = _Bucket(tensor.reshape(-1), tensor, bucket.is_last())
         with self._lock:
             self._posted.append(posted)
         self._end(posted, outcome)

@@ -166,13 +166,9 @@ class Healing:
         """Before the generation's next collective: a source's sends posted (its sending thread is done with
         the generation), a receiver's state arrived (the sender's step cannot complete, and so its update
         change what it packs, before every receiver has it). Raises GroupChanged where either failed."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            try:
-                sending.result()
-            except Exception as exc:  # a state that cannot be sent: the step fails, the next heal says why
-                log.warning("a heal's state was not sent (%s)", exc)
-                raise GroupChanged(Outcome.FAILED) from exc
+        if (failed := self._sends_posted()) is not None:  # the step fails, the next heal says why
+            log.warning("a heal's state was not sent (%s)", failed)
+            raise GroupChanged(Outcome.FAILED) from failed
         arriving, self._arriving = self._arriving, None
         if arriving is not None:
             self._arrived = arriving[0].result()
@@ -193,13 +189,21 @@ class Healing:
         waited for (they are posted on the generation being left); a receiver's state is let go (its
         thread's buffers stay held with that generation), and, if it never held the run's state, its
         next row says so (`fresh`)."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            try:
-                sending.result()
-            except Exception as exc:  # that generation is over; the next heal sends again
-                log.info("a heal's state was not sent (%s)", exc)
+        if (failed := self._sends_posted()) is not None:  # that generation is over; the next heal sends again
+            log.info("a heal's state was not sent (%s)", failed)
         self.trainers, self._arriving, self._arrived = None, None, None
+
+    def _sends_posted(self) -> Exception | None:
+        """Wait for a source's sends to be posted, if any; what stopped them (a state that cannot be sent,
+        a receiver's connection gone), if anything."""
+        sending, self._sending = self._sending, None
+        if sending is None:
+            return None
+        try:
+            sending.result()
+        except Exception as exc:  # (what the sending thread raised, handed to the caller to judge)
+            return exc
+        return None
 
     def settle(self) -> bool:
         """At the loop's end: a state still on its way is taken (the final checkpoint holds the run's
