@@ -24,9 +24,7 @@ the harness's limit counted apart), and writes bench/results/reconfigure.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -40,8 +38,12 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
+
+from bench import record
+
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE.parent / "results" / "reconfigure.json"
+RESULTS = record.RESULTS / "reconfigure.json"
 METHODS = ("generations", "reconfigure")
 SCENARIOS = ("kill", "freeze", "storeloss")
 LIMIT = 30.0
@@ -183,14 +185,7 @@ def main() -> None:
     print()
     for line in summary(results):
         print(line)
-    RESULTS.parent.mkdir(exist_ok=True)
-    record = {
-        "bench": "reconfigure", "command": " ".join(sys.argv), "torch": torch.__version__,
-        "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d"),
-        "trials": results, "summary": summary(results),
-    }  # fmt: skip
-    RESULTS.write_text(json.dumps(record, indent=1))
-    print(f"\nraw results: {RESULTS}")
+    record.write(RESULTS, "reconfigure", results, summary(results))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Sharded checkpoints on Azure Blob through torch's distributed checkpoint (checkpoint/dcp.py), against a
 real Azurite: a save and a load, asynchronous too; a writer killed mid-upload, whose checkpoint is never
 loaded; two writers of one checkpoint, of which the first to commit wins; two ranks' shards written at
-once and loaded whole by one."""
+once and loaded whole by one; saves beside the loop's updates (AsyncSaver)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,11 +22,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import async_save, save
+from torch.distributed.checkpoint.state_dict_saver import save
 
 from torchspot_lab.azurite import Azurite
 from torchspot_trainer.checkpoint import dcp as blob
 from torchspot_trainer.checkpoint.dcp import (
+    AsyncSaver,
     BlobReader,
     BlobWriter,
     CheckpointConflict,
@@ -87,17 +87,26 @@ def test_a_checkpoint_saved_to_blob_loads_whole_and_is_listed_once_committed(azu
     assert committed(prefix, env=env) == [f"{prefix}/step-1"]
 
 
-def test_an_asynchronous_save_uploads_while_the_caller_goes_on_and_loads_whole(azurite: Azurite) -> None:
+def test_an_async_saver_keeps_the_step_saved_though_the_loop_updates_once_it_is_staged(azurite: Azurite) -> None:
+    """Two saves through one AsyncSaver, each followed by the loop's update as soon as `staged()` returns:
+    each checkpoint holds the step saved, not the update after it. A third, into a checkpoint already
+    committed, fails at the next wait, once, and the saver's close then succeeds."""
     env, prefix = azurite.env(), _prefix()
     state = _state(2)
-    future = async_save(state, storage_writer=BlobWriter(f"{prefix}/step-2", env=env))
-    assert isinstance(future, Future)  # (the default: staging to host memory, then the upload on a thread)
-    state["small"].add_(1.0)  # the caller's next step: the save holds its own copy
-    future.result(timeout=120)
-    loaded = _empty()
-    dcp_load(loaded, storage_reader=BlobReader(f"{prefix}/step-2", env=env))
-    assert torch.equal(loaded["large"], _state(2)["large"])
-    assert torch.equal(loaded["small"], _state(2)["small"])
+    saver = AsyncSaver(env=env)
+    for step in (2, 3):
+        saver.save(state, f"{prefix}/step-{step}")  # (step 3's waits for step 2's upload)
+        saver.staged()
+        state["large"].add_(1.0)  # the next update
+    saver.save(state, f"{prefix}/step-3")
+    with pytest.raises(CheckpointException, match="already exists"):
+        saver.wait(timeout=120)
+    saver.close()
+    for step, added in ((2, 0.0), (3, 1.0)):
+        loaded = _empty()
+        load(loaded, f"{prefix}/step-{step}", env=env)
+        assert torch.equal(loaded["large"], _state(2)["large"] + added)
+        assert torch.equal(loaded["small"], _state(2)["small"])
 
 
 _KILLED_MID_UPLOAD = """

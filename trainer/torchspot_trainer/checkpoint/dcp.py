@@ -14,8 +14,10 @@ reader for `az://container/prefix`, on the project's Azure SDK and credentials (
 - **Retention** (`prune`) keeps the newest committed checkpoints under a prefix (their folders sort by
   step: checkpoint/manager.py's `step_dir`), deletes older ones and the torn ones older than the newest
   committed (a torn one newer than it may be a save in flight).
-- **Asynchronous saving** is DCP's own (`dcp.async_save`): it copies the state to host memory, then
-  this writer uploads on DCP's thread while training goes on.
+- **Asynchronous saving** (`AsyncSaver`) is DCP's own `async_save`, with the copy to host memory on a
+  thread of its own into one host buffer per rank, kept from save to save: the loop waits only where its
+  next update would change what is still being copied (`AsyncSaver.staged`), and the upload runs on DCP's
+  thread while training goes on.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ import uuid
 from collections import deque
 from collections.abc import Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, cast
 from urllib.parse import urlparse
 
+import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 from torch.distributed.checkpoint.storage import WriteResult
 
 from torchspot_trainer.checkpoint.storage import blob_container
@@ -44,6 +51,7 @@ from torchspot_trainer.checkpoint.storage import blob_container
 __all__ = [
     "BLOCK_BYTES",
     "METADATA",
+    "AsyncSaver",
     "BlobReader",
     "BlobWriter",
     "CheckpointConflict",
@@ -100,12 +108,18 @@ class _BlockWriter(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
+        """Take `data` a block's room at a time: the buffer never holds more than one block, however large a
+        tensor DCP writes at once (it hands over a whole tensor's bytes)."""
         view = memoryview(data).cast("B")
-        self._buffer += view
+        taken = 0
+        while taken < len(view):
+            piece = view[taken : taken + BLOCK_BYTES - len(self._buffer)]
+            self._buffer += piece
+            taken += len(piece)
+            if len(self._buffer) == BLOCK_BYTES:
+                self._stage(bytes(self._buffer))
+                self._buffer.clear()
         self._position += len(view)
-        while len(self._buffer) >= BLOCK_BYTES:
-            self._stage(bytes(self._buffer[:BLOCK_BYTES]))
-            del self._buffer[:BLOCK_BYTES]
         return len(view)
 
     def tell(self) -> int:
@@ -317,6 +331,72 @@ def load(state_dict: dict[str, Any], uri: str, *, env: Mapping[str, str] | None 
         log.warning("checkpoint %s has no metadata: its writer stopped before it committed; not loaded", uri)
         raise _torn(uri)
     dcp_load(state_dict, storage_reader=reader)
+
+
+class AsyncSaver:
+    """This rank's sharded checkpoints saved beside training (module docstring): `save(state, uri)` returns
+    once the copy to host memory has begun on its thread; the upload follows on DCP's.
+
+    The loop's rule: after `save`, the state may be read (forward and backward passes) but not changed
+    until `staged()` returns, so call it before the next optimizer update; the copy is then of the step
+    saved, whatever the loop did meanwhile. One save at a time: a `save` first waits for the previous
+    one's upload, since both use the one host buffer (a rank holds at most one extra copy of its shards).
+
+    :param env: where the account and credentials come from (storage.py; default os.environ).
+    :param concurrency: blocks staged at once per rank (BlobWriter).
+    :param process_group: the group DCP coordinates the save over, on its upload thread. Give one used for
+        nothing else where the loop runs collectives meanwhile: two threads' collectives on one gloo group
+        may interleave in a different order on different ranks. Default: torch's default group.
+    """
+
+    def __init__(
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        concurrency: int = 8,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self._env, self._concurrency, self._group = env, concurrency, process_group
+        accelerated = torch.accelerator.is_available()  # pinned host memory and a copy stream: on a GPU only
+        options = StagingOptions(
+            use_pinned_memory=accelerated, use_shared_memory=False, use_async_staging=True,
+            use_non_blocking_copy=accelerated,
+        )  # fmt: skip
+        self._stager = DefaultStager(options)
+        self._last: AsyncSaveResponse | None = None
+
+    def save(self, state_dict: dict[str, Any], uri: str) -> None:
+        """Begin saving `state_dict` (every rank its own shards) as the checkpoint at `uri`; the previous save's
+        upload waited for first (its error raised here)."""
+        self.wait()
+        response = async_save(state_dict, storage_writer=BlobWriter(uri, env=self._env, concurrency=self._concurrency),
+                              process_group=self._group, async_stager=self._stager)  # fmt: skip
+        if not isinstance(response, AsyncSaveResponse):  # (asynchronous staging always answers with one)
+            raise TypeError(f"async_save answered {type(response).__name__}, not an AsyncSaveResponse")
+        self._last = response
+
+    def staged(self) -> None:
+        """Wait until the last save's copy to host memory is done: from then on the state may change."""
+        if self._last is not None:
+            self._last.staging_completion.result()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the last save to commit; raise what stopped it (CheckpointConflict, a storage error), once.
+        TimeoutError where it is still uploading after `timeout` seconds (it is then still the last save)."""
+        if self._last is None:
+            return
+        done, _ = futures_wait([self._last.upload_completion], timeout)
+        if not done:
+            raise TimeoutError(f"the checkpoint save still uploading after {timeout} s")
+        last, self._last = self._last, None
+        last.upload_completion.result()
+
+    def close(self) -> None:
+        """Wait for the last save, then free the host buffer and the copying thread."""
+        try:
+            self.wait()
+        finally:
+            self._stager.close()
 
 
 class _Checkpoints:
