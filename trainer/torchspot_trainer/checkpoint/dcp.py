@@ -57,8 +57,10 @@ __all__ = [
     "CheckpointConflict",
     "TornCheckpoint",
     "committed",
+    "folders",
     "load",
     "prune",
+    "storage_writer",
 ]
 
 log = logging.getLogger(__name__)
@@ -333,9 +335,18 @@ def load(state_dict: dict[str, Any], uri: str, *, env: Mapping[str, str] | None 
     dcp_load(state_dict, storage_reader=reader)
 
 
+def storage_writer(uri: str, *, env: Mapping[str, str] | None = None, concurrency: int = 8) -> FileSystemWriter:
+    """DCP's writer for `uri`: BlobWriter for `az://container/prefix`, else torch's own for a local folder
+    (its metadata written under a temporary name and renamed: committed last, as on Blob)."""
+    if uri.startswith("az://"):
+        return BlobWriter(uri, env=env, concurrency=concurrency)
+    return FileSystemWriter(uri, single_file_per_rank=True, overwrite=False)
+
+
 class AsyncSaver:
     """This rank's sharded checkpoints saved beside training (module docstring): `save(state, uri)` returns
-    once the copy to host memory has begun on its thread; the upload follows on DCP's.
+    once the copy to host memory has begun on its thread; the upload follows on DCP's (to Blob, or to a
+    local folder: `storage_writer`).
 
     The loop's rule: after `save`, the state may be read (forward and backward passes) but not changed
     until `staged()` returns, so call it before the next optimizer update; the copy is then of the step
@@ -369,8 +380,8 @@ class AsyncSaver:
         """Begin saving `state_dict` (every rank its own shards) as the checkpoint at `uri`; the previous save's
         upload waited for first (its error raised here)."""
         self.wait()
-        response = async_save(state_dict, storage_writer=BlobWriter(uri, env=self._env, concurrency=self._concurrency),
-                              process_group=self._group, async_stager=self._stager)  # fmt: skip
+        writer = storage_writer(uri, env=self._env, concurrency=self._concurrency)
+        response = async_save(state_dict, storage_writer=writer, process_group=self._group, async_stager=self._stager)
         if not isinstance(response, AsyncSaveResponse):  # (asynchronous staging always answers with one)
             raise TypeError(f"async_save answered {type(response).__name__}, not an AsyncSaveResponse")
         self._last = response
@@ -434,6 +445,13 @@ def committed(uri: str, *, env: Mapping[str, str] | None = None) -> list[str]:
     those whose metadata is written. A torn one's shards are left out."""
     checkpoints = _Checkpoints(uri, env)
     return [checkpoints.uri(folder) for folder in checkpoints.committed()]
+
+
+def folders(uri: str, *, env: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """Every checkpoint folder directly under `az://container/prefix`, and whether it committed."""
+    checkpoints = _Checkpoints(uri, env)
+    done = set(checkpoints.committed())
+    return {folder: folder in done for folder in sorted(checkpoints.folders)}
 
 
 def prune(uri: str, *, keep: int, env: Mapping[str, str] | None = None) -> list[str]:

@@ -79,7 +79,9 @@ def step_dir(step: int) -> str:
     return f"step-{step:010d}/"
 
 
-def _parse_step(name: str) -> int | None:
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint's folder (`step_dir`), from a name under it or the folder's own; None for
+    anything else."""
     head = name.split("/", 1)[0]
     if head.startswith("step-") and head[5:].isdigit():
         return int(head[5:])
@@ -88,7 +90,7 @@ def _parse_step(name: str) -> int | None:
 
 def committed_steps(names: Iterable[str]) -> list[int]:
     """The steps, oldest first, whose COMMIT marker is among an object listing `names` (pure)."""
-    return sorted({s for n in names if n.endswith("/" + COMMIT_OBJECT) and (s := _parse_step(n)) is not None})
+    return sorted({s for n in names if n.endswith("/" + COMMIT_OBJECT) and (s := parse_step(n)) is not None})
 
 
 def snapshot(obj: Any) -> Any:
@@ -248,7 +250,7 @@ class CheckpointWriter:
         if not committed:
             return
         oldest_kept = committed[-self.config.keep :][0]
-        for step in sorted({s for n in names if (s := _parse_step(n)) is not None}):
+        for step in sorted({s for n in names if (s := parse_step(n)) is not None}):
             if step >= oldest_kept:
                 continue
             try:
@@ -481,7 +483,7 @@ class CheckpointManager:
         Partial (no COMMIT) and corrupt steps are skipped with a warning naming them.
         """
         names = self.storage.list("step-")
-        steps = sorted({s for n in names if (s := _parse_step(n)) is not None}, reverse=True)
+        steps = sorted({s for n in names if (s := parse_step(n)) is not None}, reverse=True)
         for step in steps:
             folder = step_dir(step)
             if folder + COMMIT_OBJECT not in names:

@@ -46,14 +46,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
-from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport, step_dir
-from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.checkpoint.manager import SaveReport, step_dir
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.buckets import StepBuckets
 from torchspot_trainer.elastic.groups import InPlaceGroups
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.records import Records
 from torchspot_trainer.elastic.riders import Line, pack, unpack
+from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
     EVENTS_FILE_ENV,
@@ -110,6 +110,9 @@ class Manager:
     :param snapshot_every: on a GPU, steps between the host copies a node's snapshot is written from (a
         copy on a side stream beside the next step; a snapshot then holds the last copy's step). On the
         CPU the live state is written, and no copy made.
+    :param sharded: the state is sharded over the ranks (FSDP2's DTensors): every rank checkpoints its own
+        shards (DCP), a restart resumes at any world size, and the run takes the restart path
+        (saving.py says what a sharded state does not get yet).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class Manager:
         notice_hold: float | None = None,
         scheduled_events: str | None = None,
         snapshot_every: int = 1,
+        sharded: bool = False,
     ) -> None:
         checkpoint_uri, checkpoint_every, keep_checkpoints = checkpoint_settings(
             checkpoint_uri, checkpoint_every, keep_checkpoints, os.environ
@@ -139,7 +143,7 @@ class Manager:
             )
         hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
-        self.in_place, why = choose_path(in_place, os.environ)
+        self.in_place, why = choose_path(in_place, os.environ, sharded=sharded)
         if os.environ.get("RANK", "0") == "0":  # said once per job, whatever the script's logging
             print(f"torchspot: {why}", file=sys.stderr, flush=True)
         self.device = device or default_device()
@@ -147,10 +151,13 @@ class Manager:
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
         self._records = Records(Path(path) if path else None)
-        self._checkpoints: CheckpointManager | None = None
+        self._saving: Saving | None = None
         if checkpoint_uri:
-            config = CheckpointConfig(keep=keep_checkpoints)
-            self._checkpoints = CheckpointManager(open_storage(checkpoint_uri), config, on_report=self._on_checkpoint)
+            self._saving = Saving(checkpoint_uri, every=checkpoint_every, keep=keep_checkpoints, sharded=sharded,
+                                  on_report=self._on_checkpoint)  # fmt: skip
+        self._checkpoints = None if self._saving is None else self._saving.replicated
+        """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
+        self.sharded = sharded
         self.checkpoint_uri = checkpoint_uri
         self._step, self._step_started = 0, 0.0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -386,13 +393,12 @@ class Manager:
             self._records.progress(trained, step=self._step, world=self._world)
         if self._notices_stop_here():
             return
-        due = self.checkpoint_every and self._step % self.checkpoint_every == 0
-        if due and self._rank == 0 and self._checkpoints is not None:
-            self._checkpoints.save_async(self._step, self._full_state(), {"world_size": self._world})
+        if self._saving is not None:
+            self._saving.after_commit(self._step, self._rank, self._full_state, self._world)
 
     def close(self) -> None:
-        """The loop is over: rank 0 writes the final checkpoint (unless the last one is of this step) and
-        waits for it; the manager's threads stop."""
+        """The loop is over: the final checkpoint is written (unless the last one is of this step: rank 0's,
+        or every rank's where the state is sharded) and waited for; the manager's threads stop."""
         if self._closed:
             return
         if self._reform_due:  # the last step agreed on a switch: its joiners wait in that group for their heal
@@ -401,11 +407,8 @@ class Manager:
             self._healing.settle()  # a heal's state for a step the loop did not take: the run's state
         self._closed = True
         self._phase = _IDLE
-        if self._checkpoints is not None and self._rank == 0 and self._begun:
-            self._checkpoints.wait()
-            if self._checkpoints.last_committed != self._step:
-                self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
-            self._checkpoints.close()
+        if self._saving is not None and self._begun:
+            self._saving.finish(self._step, self._rank, self._full_state, self._world)
         if self._groups is not None:
             self._groups.close()
         if self._reporter is not None:
@@ -441,10 +444,14 @@ class Manager:
         if not self.in_place:
             self.ensure_group()
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            mine = self._leaving.read_snapshot()
-            self.resumed_from, state = find_state(self._collectives(), self._checkpoints, mine)
-            if state is not None:
-                self._load_full(state)
+            if self.sharded:
+                self._resume_sharded()
+            else:
+                mine = self._leaving.read_snapshot()
+                self.resumed_from, state = find_state(self._collectives(), self._checkpoints, mine)
+                if state is not None:
+                    self._load_full(state)
+            if self.resumed_from != "start":
                 log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
             self._base, self._whole = self._step, True
             self._rank_duties()
@@ -472,6 +479,16 @@ class Manager:
             return
         self._base = self._step
         log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
+
+    def _resume_sharded(self) -> None:
+        """A sharded state's resume: the newest committed checkpoint, each rank its shards of it at this world
+        size (DCP reshards), the manager's own part (the step, the samplers' positions) beside them."""
+        if self._saving is None:
+            return
+        state = self._full_state()
+        if self._saving.load_sharded(state) is not None:
+            self._load_full(state)
+            self.resumed_from = "checkpoint"
 
     def _reform(self, *, stepping: bool = False) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it
@@ -563,7 +580,7 @@ class Manager:
         if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
             return False
         saves = saves_emergency(self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING)
-        save = self._emergency_save if saves and self._checkpoints is not None else None
+        save = self._emergency_save if saves and self._checkpoints is not None else None  # (not sharded: saving.py)
         try:
             stop.stop(self._collectives(), step=self._step, save=save)
         except GroupChanged as exc:  # in place: the round without the leaving node came
@@ -577,14 +594,14 @@ class Manager:
     def _emergency_save(self) -> SaveReport:
         """The notice's checkpoint of the committed step, written now (without a checkpoint URI none is:
         the node's snapshot, or the others' memory, carries the state)."""
-        assert self._checkpoints is not None
-        return self._checkpoints.save_sync(self._step, self._full_state(), {"world_size": self._world})
+        assert self._saving is not None
+        return self._saving.emergency(self._step, self._full_state(), self._world)
 
     def _before_stuck_exit(self) -> None:
         """A worker stuck in a collective after its SIGTERM is about to exit (its snapshot kept): its save
         in flight, if any, gets a moment."""
-        if self._checkpoints is not None and self._checkpoints.in_flight is not None:
-            self._checkpoints.wait(LEAVE_SAVE_WAIT)
+        if self._saving is not None:
+            self._saving.give_a_moment(LEAVE_SAVE_WAIT)
 
     def _leave(self, why: str) -> NoReturn:
         """Leave by the restart path: one line with the cause, then exit (the agent restarts the worker)."""
@@ -596,15 +613,17 @@ class Manager:
         """What the node's snapshot would keep now (`Leaving`): its lineage and the host copy of the last
         committed step (hostcopy.py: on the CPU the live state, but during an update), once the first
         group's resume is done and not after `close()` (the final checkpoint holds it)."""
-        if not self._whole or self._closed:
+        if not self._whole or self._closed or self.sharded:  # (a rank's shards are not the run's state)
             return None
         return self._base, self._host.write_from
 
     def before_update(self) -> None:
         """The optimizer is about to change the parameters (`OptimizerWrapper.step`): on a GPU the update
         waits, on the device, for the host copy to have read them; on the CPU no snapshot is written from
-        the live state until the commit."""
+        the live state until the commit. A sharded checkpoint in flight has its copy of the state first."""
         self._host.before_update()
+        if self._saving is not None:
+            self._saving.before_update()
 
     def _capture(self) -> None:
         """At a commit: the state of the step just committed, to the host (on a GPU a copy on a side

@@ -105,15 +105,22 @@ def default_device(environ: Mapping[str, str] = os.environ) -> torch.device:
     return torch.device("cpu")
 
 
-def choose_path(in_place: bool | None, environ: Mapping[str, str]) -> tuple[bool, str]:
+def choose_path(in_place: bool | None, environ: Mapping[str, str], *, sharded: bool = False) -> tuple[bool, str]:
     """(whether to re-form in place, why), for the manager's `in_place` argument. Pure.
 
     In place needs torchspot-run's agent, which hands each new round to its live workers: under another
-    launcher no round would ever come. None (the default) takes in place wherever it can run; True where
-    it cannot is refused (`Refused`), rather than silently taking the restart path."""
+    launcher no round would ever come. It also needs a live peer that holds the whole state, which a
+    sharded one (`sharded`: FSDP2) is not: each rank holds its own shards, and healing a lost rank's
+    shards from a replica group (HSDP) is not built yet. None (the default) takes in place wherever it can
+    run; True where it cannot is refused (`Refused`), rather than silently taking the restart path."""
     under_ours = PEER_LOST_ENV in environ
     if in_place is False:
         return False, "the restart path, as asked (in_place=False)"
+    if sharded:
+        reason = "a sharded state re-forms by the restart path (each rank holds only its own shards)"
+        if in_place:
+            raise Refused(f"in_place=True with sharded=True: {reason}; drop in_place")
+        return False, f"the restart path: {reason}"
     if not under_ours:
         reason = "in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands live workers each round"
         if in_place:
