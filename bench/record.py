@@ -27,14 +27,15 @@ def commit() -> str:
     return (head.stdout.strip() or "unknown") + ("+" if dirty.stdout.strip() else "")
 
 
-def write(path: Path, bench: str, trials: list[dict[str, Any]], summary: list[str]) -> None:
-    """Write `trials` and `summary` to `path` with the run's provenance; say where."""
+def write(path: Path, bench: str, trials: list[dict[str, Any]], summary: list[str], *, at: str | None = None) -> None:
+    """Write `trials` and `summary` to `path` with the run's provenance; say where. `at`: the commit the run
+    began at (`commit()` then: a long run's checkout may move on meanwhile), else now."""
     import torch  # noqa: PLC0415  (the benchmarks that call this have it loaded already)
 
     script = Path(sys.argv[0]).resolve()
     command = " ".join([str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0], *sys.argv[1:]])
     record = {
-        "bench": bench, "command": command, "commit": commit(), "torch": torch.__version__,
+        "bench": bench, "command": command, "commit": at or commit(), "torch": torch.__version__,
         "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d"),
         "trials": trials, "summary": summary,
     }  # fmt: skip

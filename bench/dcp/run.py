@@ -159,6 +159,7 @@ def main() -> None:
     if args.mib % 64 or any(4 % ranks for ranks in args.ranks):
         raise SystemExit("--mib must be a multiple of 64, and --ranks among 1, 2 and 4")
     rows: list[dict[str, Any]] = []
+    began_at = record.commit()
     with tempfile.TemporaryDirectory(prefix="torchspot-bench-dcp-") as tmp, Azurite(Path(tmp) / "azurite") as azurite:
         env = {**os.environ, **azurite.env()}
         if args.pace:
@@ -185,7 +186,7 @@ def main() -> None:
     print(f"\n{args.mib} MiB of state to Azurite" + (f" through a relay of {args.pace:g} MB/s per connection" if
           args.pace else " on loopback") + ": medians (min-max)")  # fmt: skip
     print("\n".join(table))
-    record.write(args.out, "dcp", rows, table)
+    record.write(args.out, "dcp", rows, table, at=began_at)
 
 
 if __name__ == "__main__":
