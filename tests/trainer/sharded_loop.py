@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,38 +25,49 @@ SAMPLES, GLOBAL_BATCH = 96, 12
 """The data set and the step's samples: 12 is divided by world sizes 1, 2 and 3."""
 
 
+def model() -> nn.Sequential:
+    """The model, as every world size starts it (before it is sharded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): a fixed regression."""
+    inputs = torch.randn(SAMPLES, 8, generator=torch.Generator().manual_seed(1))
+    return inputs, inputs.sum(dim=1, keepdim=True).sin()
+
+
+def optimizer_of(parameters: Iterator[nn.Parameter]) -> torch.optim.AdamW:
+    return torch.optim.AdamW(parameters, lr=1e-2)
+
+
 def main() -> None:
     uri, steps = sys.argv[1], int(sys.argv[2])
     model_and_optimizer: list[object] = []
 
     def state_dict() -> dict[str, object]:
-        model, optimizer = model_and_optimizer
-        weights, moments = get_state_dict(model, optimizer)  # type: ignore[arg-type]
+        weights, moments = get_state_dict(*model_and_optimizer)  # type: ignore[arg-type]
         return {"model": weights, "optimizer": moments}
 
     def load_state_dict(state: dict[str, object]) -> None:
-        model, optimizer = model_and_optimizer
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])  # type: ignore[arg-type]
+        set_state_dict(*model_and_optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])  # type: ignore[arg-type]
 
     manager = Manager(state_dict, load_state_dict, checkpoint_uri=uri, checkpoint_every=3, sharded=True)
     manager.ensure_group()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    for layer in model:
+    sharded = model()
+    for layer in sharded:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model_and_optimizer.extend([model, optimizer])
+    fully_shard(sharded)
+    optimizer = optimizer_of(sharded.parameters())
+    model_and_optimizer.extend([sharded, optimizer])
     wrapped = OptimizerWrapper(manager, optimizer)
     sampler = ElasticSampler(manager, SAMPLES, global_batch=GLOBAL_BATCH, seed=0)
-    generator = torch.Generator().manual_seed(1)
-    inputs = torch.randn(SAMPLES, 8, generator=generator)
-    targets = inputs.sum(dim=1, keepdim=True).sin()
+    inputs, targets = data()
     while manager.current_step() < steps:
         wrapped.zero_grad()
         ids = sampler.indices()
-        loss = (model(inputs[ids]) - targets[ids]).pow(2).mean()
+        loss = (sharded(inputs[ids]) - targets[ids]).pow(2).mean()
         loss.backward()
         wrapped.step()
         summed = loss.detach() * len(ids)
@@ -64,7 +76,7 @@ def main() -> None:
                 "loss": summed.item() / GLOBAL_BATCH}  # fmt: skip
         print(json.dumps(line), flush=True)
     manager.close()
-    full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).tolist() for name, p in model.named_parameters()}
+    full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).tolist() for name, p in sharded.named_parameters()}
     if manager.rank == 0:
         print(
             json.dumps({"final": full, "world": manager.world_size, "resumed_from": manager.resumed_from}), flush=True

@@ -12,14 +12,10 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save
@@ -48,16 +44,7 @@ def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blob, "BLOCK_BYTES", BLOCK)
 
 
-@pytest.fixture(autouse=True)
-def one_rank() -> Iterator[None]:
-    """A real one-rank gloo group, as a worker of a world of one has (DCP coordinates over it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    store = TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """A sharded (FSDP2) run on the recovery API resumes at another world size: real gloo processes, real DCP
-checkpoints on Azurite and in a local folder (checkpoint/sharded.py, elastic/saving.py)."""
+checkpoints on Azurite (checkpoint/sharded.py, elastic/saving.py); the checkpoints in a local folder."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,8 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.trainer import sharded_loop
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import free_port
+from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
+from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic import Manager, Refused
 from torchspot_trainer.markers import PEER_LOST_ENV
 
@@ -26,6 +30,7 @@ TOLERANCE = 1e-5
 
 
 def _start(world: int, uri: str, steps: int, env: dict[str, str]) -> list[subprocess.Popen[str]]:
+    """`world` ranks of sharded_loop.py, started."""
     port = free_port()
     common = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
     return [
@@ -59,31 +64,82 @@ def _steps(lines: list[dict[str, Any]]) -> dict[int, tuple[float, list[int]]]:
     return steps
 
 
-def test_a_sharded_run_saved_at_two_ranks_resumes_at_three_as_the_uninterrupted_run_at_one(
+def _alone(steps: int) -> tuple[dict[int, tuple[float, list[int]]], dict[str, torch.Tensor]]:
+    """The same training in this process, unsharded, on one rank: each step's loss and samples, and the
+    parameters at the end."""
+    model, (inputs, targets) = sharded_loop.model(), sharded_loop.data()
+    optimizer = sharded_loop.optimizer_of(model.parameters())
+    position = Position(sharded_loop.SAMPLES, batch_size=1, seed=0, global_batch=sharded_loop.GLOBAL_BATCH)
+    taken = {}
+    for step in range(1, steps + 1):
+        ids = position.step_chunk(1)
+        optimizer.zero_grad()
+        loss = (model(inputs[ids]) - targets[ids]).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        position.advance(1)
+        taken[step] = (loss.item(), sorted(ids))
+    return taken, {name: parameter.detach() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.slow(seconds=18)
+def test_a_sharded_run_saved_at_two_ranks_resumes_at_three_as_one_unsharded_rank_trains(
     azurite: Azurite, tmp_path: Path
 ) -> None:
-    """FSDP2 at a fixed global batch: one rank trains 6 steps, checkpointing into a local folder; two ranks
-    train 3 steps, checkpointing to Blob; three ranks resume from that checkpoint (each its shards of
-    it: DCP reshards 2 to 3) and train to step 6. Every step's loss and samples are the one rank's, and so
-    are the final parameters (float32 reduction order apart)."""
+    """FSDP2 at a fixed global batch: two ranks train 3 steps, checkpointing to Blob; three ranks resume
+    from that checkpoint (each its shards of it: DCP reshards 2 to 3) and train to step 6, checkpointing
+    into a local folder. Every step's loss and samples are those of the same training unsharded on one
+    rank, and so are the final parameters (float32 reduction order apart)."""
     env, blob = azurite.env(), f"az://sharded/{uuid.uuid4().hex[:10]}"
-    both = _lines(_start(1, str(tmp_path / "one"), 6, env) + _start(2, blob, 3, env))
-    alone, first = ([line for line in both if line["world"] == world] for world in (1, 2))
+    first = _lines(_start(2, blob, 3, env))
     resumed = _lines(_start(3, blob, 6, env))
-    reference, before, after = _steps(alone), _steps(first), _steps(resumed)
+    reference, parameters = _alone(6)
+    before, after = _steps(first), _steps(resumed)
     assert sorted(before) == [1, 2, 3]
     assert sorted(after) == [4, 5, 6]
     for step, (loss, ids) in {**before, **after}.items():
         assert ids == reference[step][1], step  # each sample once, the same ones
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step
     (end,) = [line for line in resumed if "final" in line]
-    (expected,) = [line["final"] for line in alone if "final" in line]
     assert end["resumed_from"] == "checkpoint"
-    for name, values in expected.items():
-        torch.testing.assert_close(
-            torch.tensor(end["final"][name]), torch.tensor(values), rtol=TOLERANCE, atol=TOLERANCE
-        )
-    assert sorted(path.name for path in (tmp_path / "one").iterdir()) == ["step-0000000003", "step-0000000006"]
+    for name, expected in parameters.items():
+        found = torch.tensor(end["final"][name])
+        torch.testing.assert_close(found, expected, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_sharded_checkpoints_in_a_folder_keep_the_step_saved_the_newest_two_and_pass_over_a_torn_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ShardedCheckpoints in a local folder, in this process's one-rank group: three saves beside the loop
+    (each followed by an update as soon as `staged()` returned) keep the newest two, each holding its own
+    step; a newer folder without metadata (a save that stopped) is said in one line and passed over."""
+    checkpoints = ShardedCheckpoints(str(tmp_path), keep=2)
+    state: dict[str, Any] = {"weight": torch.zeros(4, 3), "step": 0}
+    for step in (1, 2, 3):
+        state["weight"].fill_(step)
+        state["step"] = step
+        checkpoints.save_async(step, state)
+        checkpoints.staged()
+        state["weight"].fill_(-1.0)  # the next update
+    checkpoints.close()
+    torn = tmp_path / "step-0000000004"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"partial")
+    assert sorted(path.name for path in tmp_path.iterdir()) == [f"step-000000000{n}" for n in (2, 3, 4)]
+    loaded: dict[str, Any] = {"weight": torch.zeros(4, 3), "step": 0}
+    reader = ShardedCheckpoints(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        found = reader.load_latest(lambda: loaded)
+    assert found is not None
+    reader.close()
+    assert found[0] == 3
+    assert torch.equal(found[1]["weight"], torch.full((4, 3), 3.0))
+    assert found[1]["step"] == 3
+    assert [record.message for record in caplog.records if "no metadata" in record.message] == [
+        "sharded checkpoints of steps [4] have no metadata (their saves stopped before they committed): not "
+        "loaded; resuming from step 3"
+    ]
 
 
 def test_sharded_in_place_is_refused_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -367,7 +367,9 @@ class AsyncSaver:
         concurrency: int = 8,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self._env, self._concurrency, self._group = env, concurrency, process_group
+        self._env, self._concurrency = env, concurrency
+        self.process_group = process_group
+        """The group the next save coordinates over (`process_group` above)."""
         accelerated = torch.accelerator.is_available()  # pinned host memory and a copy stream: on a GPU only
         options = StagingOptions(
             use_pinned_memory=accelerated, use_shared_memory=False, use_async_staging=True,
@@ -381,7 +383,9 @@ class AsyncSaver:
         upload waited for first (its error raised here)."""
         self.wait()
         writer = storage_writer(uri, env=self._env, concurrency=self._concurrency)
-        response = async_save(state_dict, storage_writer=writer, process_group=self._group, async_stager=self._stager)
+        response = async_save(
+            state_dict, storage_writer=writer, process_group=self.process_group, async_stager=self._stager
+        )
         if not isinstance(response, AsyncSaveResponse):  # (asynchronous staging always answers with one)
             raise TypeError(f"async_save answered {type(response).__name__}, not an AsyncSaveResponse")
         self._last = response

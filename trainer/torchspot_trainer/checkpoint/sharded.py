@@ -72,6 +72,10 @@ class ShardedCheckpoints:
         self.last_committed: int | None = None
         self.last_error: str | None = None
 
+    def use_group(self, group: dist.ProcessGroup) -> None:
+        """Coordinate every save and load from now on over `group` (`process_group` above)."""
+        self._group = self._saver.process_group = group
+
     # -- saving ---------------------------------------------------------------------
 
     @property
@@ -142,10 +146,12 @@ class ShardedCheckpoints:
         steps = [step for step, done in self._folders().items() if done]
         return steps[-1] if steps else None
 
-    def load_latest(self, state: dict[str, Any]) -> int | None:
-        """Load the newest committed checkpoint into `state` (this world's shards of it, in place: DCP
-        reshards) and return its step; None where there is none. A newer folder without metadata (a save
-        that stopped) is said in one line and passed over. Every rank calls it."""
+    def load_latest(self, state: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
+        """The newest committed checkpoint's step and state, loaded into the one `state()` builds (this
+        world's shards of it, in place: DCP reshards); None where there is none. `state()` is called only
+        where there is one: torch's `get_state_dict` gives an optimizer with no state yet a step of zeros
+        (Adam's step count then starts at 1), which a fresh run must not take. A newer folder without
+        metadata (a save that stopped) is said in one line and passed over. Every rank calls it."""
         found = self._folders()
         steps = [step for step, done in found.items() if done]
         if not steps:
@@ -155,13 +161,13 @@ class ShardedCheckpoints:
         if torn and dist.get_rank(self._group) == 0:
             log.warning("sharded checkpoints of steps %s have no metadata (their saves stopped before they "
                         "committed): not loaded; resuming from step %d", torn, step)  # fmt: skip
-        uri = self._step_uri(step)
+        uri, loaded = self._step_uri(step), state()
         if _on_blob(uri):
-            dcp.load(state, uri, env=self._env)
+            dcp.load(loaded, uri, env=self._env)
         else:
-            dcp_load(state, storage_reader=FileSystemReader(uri), process_group=self._group)
+            dcp_load(loaded, storage_reader=FileSystemReader(uri), process_group=self._group)
         self.last_committed = step
-        return step
+        return step, loaded
 
     # -- the folders ----------------------------------------------------------------
 

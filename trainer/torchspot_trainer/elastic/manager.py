@@ -485,8 +485,8 @@ class Manager:
         size (DCP reshards), the manager's own part (the step, the samplers' positions) beside them."""
         if self._saving is None:
             return
-        state = self._full_state()
-        if self._saving.load_sharded(state) is not None:
+        state = self._saving.load_sharded(self._full_state)
+        if state is not None:
             self._load_full(state)
             self.resumed_from = "checkpoint"
 

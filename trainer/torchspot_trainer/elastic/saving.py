@@ -13,11 +13,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport
-from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 from torchspot_trainer.checkpoint.storage import open_storage
+
+if TYPE_CHECKING:  # (imported where a sharded state needs it: `Saving`)
+    from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 
 __all__ = ["Saving"]
 
@@ -38,7 +42,9 @@ class Saving:
         self.uri, self.every = uri, every
         self.replicated: CheckpointManager | None = None
         self.sharded: ShardedCheckpoints | None = None
-        if sharded:
+        if sharded:  # torch's distributed checkpoint takes about a second to import: only where it is used
+            from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints  # noqa: PLC0415
+
             self.sharded = ShardedCheckpoints(uri, keep=keep, on_report=on_report)
         else:
             self.replicated = CheckpointManager(open_storage(uri), CheckpointConfig(keep=keep), on_report=on_report)
@@ -76,10 +82,16 @@ class Saving:
                 self.replicated.save_sync(step, state(), {"world_size": world})
             self.replicated.close()
 
-    def load_sharded(self, state: dict[str, Any]) -> int | None:
-        """A sharded resume: the newest committed checkpoint loaded into `state` (every rank), its step."""
+    def load_sharded(self, state: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """A sharded resume, once the default group is formed: the newest committed checkpoint's state,
+        loaded into the one `state()` builds (every rank; ShardedCheckpoints.load_latest), if any. From
+        here on DCP coordinates over a gloo group of its own: an asynchronous save's collectives run on
+        DCP's thread, and on the loop's group they could interleave with the loop's own in a different
+        order on different ranks."""
         assert self.sharded is not None
-        return self.sharded.load_latest(state)
+        self.sharded.use_group(dist.new_group(backend="gloo"))
+        found = self.sharded.load_latest(state)
+        return None if found is None else found[1]
 
     def emergency(self, step: int, state: dict[str, Any], world: int) -> SaveReport:
         """The notice's checkpoint of `step`, written now by the rank that saves it (replicated only)."""
