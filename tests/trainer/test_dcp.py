@@ -1,13 +1,13 @@
 """Sharded checkpoints on Azure Blob through torch's distributed checkpoint (checkpoint/dcp.py), against a
 real Azurite: a save and a load, asynchronous too; a writer killed mid-upload, whose checkpoint is never
-loaded; two writers of one checkpoint, of which the first to commit wins; two ranks' shards written at
-once and loaded whole by one; saves beside the loop's updates (AsyncSaver)."""
+loaded; two writers of one checkpoint, of which the first to commit wins; saves beside the loop's updates
+(AsyncSaver); retention. Ranks writing their shards at once and loaded at another world size:
+test_sharded.py."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -182,55 +182,6 @@ def test_of_two_writers_of_one_checkpoint_the_first_to_commit_wins_and_their_sha
     loaded = _empty()
     dcp_load(loaded, storage_reader=BlobReader(uri, env=env))
     assert all(torch.equal(loaded[key], value) for key, value in _state(4).items())
-
-
-_SHARDED_SAVE = """
-import sys
-from datetime import timedelta
-import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
-from torch.distributed.checkpoint.state_dict_saver import save
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-from torchspot_trainer.checkpoint.dcp import BlobWriter
-
-rank, port, uri = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-store = TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
-dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-mesh = init_device_mesh("cpu", (2,))
-full = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
-save({"weight": distribute_tensor(full, mesh, [Shard(0)])}, storage_writer=BlobWriter(uri))
-dist.destroy_process_group()
-"""
-
-
-def test_two_ranks_write_their_own_shards_in_parallel_and_one_rank_loads_the_whole_tensor(azurite: Azurite) -> None:
-    """Two real worker processes save a tensor sharded by rows (a DTensor on a gloo mesh), each rank its
-    own shard blob, written at once; a world of one then loads it whole: DCP reshards from the metadata."""
-    env, uri = azurite.env(), f"{_prefix()}/step-6"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-c", _SHARDED_SAVE, "RANK", str(port), uri]
-    root, environ = Path(__file__).parents[2], {**_environ(), **env}
-    ranks = [
-        subprocess.Popen(
-            [str(rank) if part == "RANK" else part for part in command],
-            env=environ,
-            cwd=root,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    said = [rank.communicate(timeout=120)[1] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], said
-    container, prefix = uri.removeprefix("az://").split("/", 1)
-    shards = [blob.name for blob in blob_container(container, env).list_blobs(name_starts_with=prefix)]
-    assert len([name for name in shards if name.endswith(".distcp")]) == 2, shards  # one per rank
-    loaded = {"weight": torch.zeros(12, 5)}
-    load(loaded, uri, env=env)
-    assert torch.equal(loaded["weight"], torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5))
 
 
 def test_retention_keeps_the_newest_committed_and_a_newer_save_in_flight(azurite: Azurite) -> None:

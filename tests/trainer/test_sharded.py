@@ -19,6 +19,7 @@ from tests.trainer import sharded_loop
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import free_port
 from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
+from torchspot_trainer.checkpoint.storage import blob_container
 from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic import Manager, Refused
 from torchspot_trainer.markers import PEER_LOST_ENV
@@ -92,6 +93,9 @@ def test_a_sharded_run_saved_at_two_ranks_resumes_at_three_as_one_unsharded_rank
     rank, and so are the final parameters (float32 reduction order apart)."""
     env, blob = azurite.env(), f"az://sharded/{uuid.uuid4().hex[:10]}"
     first = _lines(_start(2, blob, 3, env))
+    container, prefix = blob.removeprefix("az://").split("/", 1)
+    written = [item.name for item in blob_container(container, env).list_blobs(name_starts_with=prefix)]
+    assert len([name for name in written if name.endswith(".distcp")]) == 2, written  # each rank its own shards
     resumed = _lines(_start(3, blob, 6, env))
     reference, parameters = _alone(6)
     before, after = _steps(first), _steps(resumed)
