@@ -3,12 +3,15 @@ runs at several world sizes. An MLP of fully_shard-ed layers, AdamW, a regressio
 the global batch fixed. Prints one JSON line per committed step on every rank (the samples it trained)
 and, on rank 0, the step's loss over the global batch; at the end the full parameters.
 
-Usage (torch's env:// variables set): python sharded_loop.py CHECKPOINT_URI STEPS
+Usage (torch's env:// variables set): python sharded_loop.py CHECKPOINT_URI STEPS [NOTICE_AFTER]
+With NOTICE_AFTER, rank 1 sends itself SIGTERM (a spot node's notice) once that step committed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -43,6 +46,7 @@ def optimizer_of(parameters: Iterator[nn.Parameter]) -> torch.optim.AdamW:
 
 def main() -> None:
     uri, steps = sys.argv[1], int(sys.argv[2])
+    notice_after = int(sys.argv[3]) if len(sys.argv) > 3 else None
     model_and_optimizer: list[object] = []
 
     def state_dict() -> dict[str, object]:
@@ -75,6 +79,8 @@ def main() -> None:
         line = {"step": manager.current_step(), "rank": manager.rank, "world": manager.world_size, "ids": ids,
                 "loss": summed.item() / GLOBAL_BATCH}  # fmt: skip
         print(json.dumps(line), flush=True)
+        if manager.rank == 1 and manager.current_step() == notice_after:
+            os.kill(os.getpid(), signal.SIGTERM)
     manager.close()
     full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).tolist() for name, p in sharded.named_parameters()}
     if manager.rank == 0:

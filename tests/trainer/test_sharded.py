@@ -18,11 +18,13 @@ import torch
 from tests.trainer import sharded_loop
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import free_port
+from torchspot_trainer.checkpoint.dcp import committed
 from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 from torchspot_trainer.checkpoint.storage import blob_container
 from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic import Manager, Refused
 from torchspot_trainer.markers import PEER_LOST_ENV
+from torchspot_trainer.recovery.notices import EXIT_EVICTED, EXIT_FAILED
 
 LOOP = Path(__file__).with_name("sharded_loop.py")
 ROOT = Path(__file__).parents[2]
@@ -30,13 +32,13 @@ TOLERANCE = 1e-5
 """float32 reduction order: the ranks' shares of a step are summed in another order at another world size."""
 
 
-def _start(world: int, uri: str, steps: int, env: dict[str, str]) -> list[subprocess.Popen[str]]:
-    """`world` ranks of sharded_loop.py, started."""
+def _start(world: int, uri: str, steps: int, env: dict[str, str], *extra: str) -> list[subprocess.Popen[str]]:
+    """`world` ranks of sharded_loop.py, started (`extra`: its further arguments)."""
     port = free_port()
     common = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
     return [
         subprocess.Popen(
-            [sys.executable, str(LOOP), uri, str(steps)],
+            [sys.executable, str(LOOP), uri, str(steps), *extra],
             env={**common, "RANK": str(rank)},
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -47,11 +49,12 @@ def _start(world: int, uri: str, steps: int, env: dict[str, str]) -> list[subpro
     ]
 
 
-def _lines(processes: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+def _lines(processes: list[subprocess.Popen[str]], codes: list[int] | None = None) -> list[dict[str, Any]]:
     """The loop's JSON lines (a step's, the final one; not the manager's records), once every process has
-    exited, each with status 0."""
+    exited, each with its status in `codes` (default 0)."""
     said = [process.communicate(timeout=180) for process in processes]
-    assert [process.returncode for process in processes] == [0] * len(processes), [err[-3000:] for _, err in said]
+    expected = codes or [0] * len(processes)
+    assert [process.returncode for process in processes] == expected, [err[-3000:] for _, err in said]
     lines = [json.loads(line) for out, _ in said for line in out.splitlines() if line.startswith("{")]
     return [line for line in lines if "ids" in line or "final" in line]
 
@@ -84,23 +87,27 @@ def _alone(steps: int) -> tuple[dict[int, tuple[float, list[int]]], dict[str, to
 
 
 @pytest.mark.slow(seconds=18)
-def test_a_sharded_run_saved_at_two_ranks_resumes_at_three_as_one_unsharded_rank_trains(
-    azurite: Azurite, tmp_path: Path
+def test_a_sharded_run_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_one_unsharded_rank_trains(
+    azurite: Azurite,
 ) -> None:
-    """FSDP2 at a fixed global batch: two ranks train 3 steps, checkpointing to Blob; three ranks resume
-    from that checkpoint (each its shards of it: DCP reshards 2 to 3) and train to step 6, checkpointing
-    into a local folder. Every step's loss and samples are those of the same training unsharded on one
-    rank, and so are the final parameters (float32 reduction order apart)."""
+    """FSDP2 at a fixed global batch, checkpointing to Blob every 3 steps: two ranks train until rank 1's
+    node gets a notice (SIGTERM) after step 3; at step 4's boundary both ranks write their shards of the
+    emergency checkpoint, rank 1 leaves (143) and rank 0 for the restart path (1), each rank's shards
+    in a blob of its own. Three ranks resume from step 4's checkpoint (each its shards of it: DCP
+    reshards 2 to 3) and train to step 6, no step lost or redone. Every step's loss and samples are
+    those of the same training unsharded on one rank, and so are the final parameters (float32
+    reduction order apart)."""
     env, blob = azurite.env(), f"az://sharded/{uuid.uuid4().hex[:10]}"
-    first = _lines(_start(2, blob, 3, env))
+    first = _lines(_start(2, blob, 6, env, "3"), codes=[EXIT_FAILED, EXIT_EVICTED])
+    assert committed(blob, env=env) == [f"{blob}/step-000000000{step}" for step in (3, 4)]
     container, prefix = blob.removeprefix("az://").split("/", 1)
-    written = [item.name for item in blob_container(container, env).list_blobs(name_starts_with=prefix)]
-    assert len([name for name in written if name.endswith(".distcp")]) == 2, written  # each rank its own shards
+    written = [item.name for item in blob_container(container, env).list_blobs(name_starts_with=f"{prefix}/step-")]
+    assert len([name for name in written if name.endswith(".distcp")]) == 4, written  # each rank its own shards
     resumed = _lines(_start(3, blob, 6, env))
     reference, parameters = _alone(6)
     before, after = _steps(first), _steps(resumed)
-    assert sorted(before) == [1, 2, 3]
-    assert sorted(after) == [4, 5, 6]
+    assert sorted(before) == [1, 2, 3]  # (step 4 committed, and its boundary's notice ended the run in step())
+    assert sorted(after) == [5, 6]  # from step 4's samples on: none lost or redone
     for step, (loss, ids) in {**before, **after}.items():
         assert ids == reference[step][1], step  # each sample once, the same ones
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step

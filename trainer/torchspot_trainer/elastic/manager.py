@@ -75,7 +75,6 @@ from torchspot_trainer.recovery.notices import (
     NOTICE_LEAVING,
     GroupBroken,
     leave,
-    saves_emergency,
 )
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.resume import find_state
@@ -579,8 +578,10 @@ class Manager:
                 self._leave(f"the notices' agreement after step {self._step} failed ({exc})")
         if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
             return False
-        saves = saves_emergency(self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING)
-        save = self._emergency_save if saves and self._checkpoints is not None else None  # (not sharded: saving.py)
+        saves = self._saving is not None and self._saving.saves_emergency(
+            self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING
+        )
+        save = self._emergency_save if saves else None
         try:
             stop.stop(self._collectives(), step=self._step, save=save)
         except GroupChanged as exc:  # in place: the round without the leaving node came

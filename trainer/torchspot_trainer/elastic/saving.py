@@ -5,9 +5,10 @@
   the whole state back.
 - **Sharded** (`sharded=True`: FSDP2, where each rank holds its own shards): every rank saves its shards
   through DCP at the same step, beside training (checkpoint/sharded.py), and a resume at any world size
-  loads the newest committed checkpoint as that world shards the state. Its emergency checkpoint at a
-  notice and its node snapshots are not built yet: a notice still stops the group at a step boundary, and
-  the resume takes the last periodic checkpoint.
+  loads the newest committed checkpoint as that world shards the state. At a notice every rank writes
+  its shards of the emergency checkpoint at once, where the shared rows say a node leaves (a collective
+  needs every rank's same answer: a node that learns it leaves only after sharing its level is not
+  saved for, and the resume takes the last periodic checkpoint). Node snapshots are not built for it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport
 from torchspot_trainer.checkpoint.storage import open_storage
+from torchspot_trainer.recovery.notices import emergency_saver, node_levels, saves_emergency
 
 if TYPE_CHECKING:  # (imported where a sharded state needs it: `Saving`)
     from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
@@ -40,6 +42,8 @@ class Saving:
         self, uri: str, *, every: int, keep: int, sharded: bool, on_report: Callable[[SaveReport], None]
     ) -> None:
         self.uri, self.every = uri, every
+        self._group: dist.ProcessGroup | None = None
+        """A sharded state's checkpoints' own gloo group (`load_sharded`), destroyed at `finish`."""
         self.replicated: CheckpointManager | None = None
         self.sharded: ShardedCheckpoints | None = None
         if sharded:  # torch's distributed checkpoint takes about a second to import: only where it is used
@@ -76,6 +80,9 @@ class Saving:
             if self.sharded.last_committed != step:
                 self.sharded.save_sync(step, state())
             self.sharded.close()
+            if self._group is not None:  # every rank's last save done: nothing of DCP's is in flight on it
+                dist.destroy_process_group(self._group)
+                self._group = None
         elif self.replicated is not None:
             self.replicated.wait()
             if self.replicated.last_committed != step:
@@ -89,12 +96,23 @@ class Saving:
         DCP's thread, and on the loop's group they could interleave with the loop's own in a different
         order on different ranks."""
         assert self.sharded is not None
-        self.sharded.use_group(dist.new_group(backend="gloo"))
+        self._group = dist.new_group(backend="gloo")
+        self.sharded.use_group(self._group)
         found = self.sharded.load_latest(state)
         return None if found is None else found[1]
 
+    def saves_emergency(self, rank: int, rows: list[list[int]], *, leaving_now: bool) -> bool:
+        """Whether `rank` writes (its part of) the emergency checkpoint at a notice's boundary, from the
+        ranks' shared [level, node] rows: one rank of a replicated state (notices.saves_emergency), every
+        rank of a sharded one where a node leaves (module docstring)."""
+        if self.sharded is not None:
+            return emergency_saver(node_levels(rows)) is not None
+        return saves_emergency(rank, rows, leaving_now=leaving_now)
+
     def emergency(self, step: int, state: dict[str, Any], world: int) -> SaveReport:
-        """The notice's checkpoint of `step`, written now by the rank that saves it (replicated only)."""
+        """The notice's checkpoint of `step`, written now: by the rank that saves it, or every rank's shards."""
+        if self.sharded is not None:
+            return self.sharded.save_sync(step, state)
         assert self.replicated is not None
         return self.replicated.save_sync(step, state, {"world_size": world})
 
