@@ -325,14 +325,21 @@ class BlobReader(_OnBlob, FileSystemReader):
             raise _torn(self.checkpoint_id) from None
 
 
-def load(state_dict: dict[str, Any], uri: str, *, env: Mapping[str, str] | None = None) -> None:
+def load(
+    state_dict: dict[str, Any],
+    uri: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
     """`dcp.load` of the checkpoint at `uri` into `state_dict` (at this world size: DCP reshards), only where
-    it committed: a torn one raises TornCheckpoint, said in one line, before any rank reads a shard."""
+    it committed: a torn one raises TornCheckpoint, said in one line, before any rank reads a shard.
+    `process_group`: the group DCP coordinates over (default: torch's default group)."""
     reader = BlobReader(uri, env=env)
     if not reader.fs.exists(reader.fs.concat_path(reader.path, METADATA)):
         log.warning("checkpoint %s has no metadata: its writer stopped before it committed; not loaded", uri)
         raise _torn(uri)
-    dcp_load(state_dict, storage_reader=reader)
+    dcp_load(state_dict, storage_reader=reader, process_group=process_group)
 
 
 def storage_writer(uri: str, *, env: Mapping[str, str] | None = None, concurrency: int = 8) -> FileSystemWriter:

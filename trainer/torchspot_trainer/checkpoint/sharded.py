@@ -131,7 +131,10 @@ class ShardedCheckpoints:
         if report.ok:
             self.last_committed, self.last_error = report.step, None
             if dist.get_rank(self._group) == 0:
-                self._prune()
+                try:
+                    self._prune()
+                except Exception as exc:  # (storage's errors: the next commit prunes again; training goes on)
+                    log.warning("old sharded checkpoints under %s not deleted: %s", self.uri, exc)
         else:
             self.last_error = f"step {report.step}: {report.error}"
             log.warning("sharded checkpoint of step %d failed: %s", report.step, report.error)
@@ -140,11 +143,6 @@ class ShardedCheckpoints:
         return report
 
     # -- loading --------------------------------------------------------------------
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, from one listing."""
-        steps = [step for step, done in self._folders().items() if done]
-        return steps[-1] if steps else None
 
     def load_latest(self, state: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
         """The newest committed checkpoint's step and state, loaded into the one `state()` builds (this
@@ -163,7 +161,7 @@ class ShardedCheckpoints:
                         "committed): not loaded; resuming from step %d", torn, step)  # fmt: skip
         uri, loaded = self._step_uri(step), state()
         if _on_blob(uri):
-            dcp.load(loaded, uri, env=self._env)
+            dcp.load(loaded, uri, env=self._env, process_group=self._group)
         else:
             dcp_load(loaded, storage_reader=FileSystemReader(uri), process_group=self._group)
         self.last_committed = step

@@ -41,7 +41,7 @@ class Saving:
     def __init__(
         self, uri: str, *, every: int, keep: int, sharded: bool, on_report: Callable[[SaveReport], None]
     ) -> None:
-        self.uri, self.every = uri, every
+        self.every = every
         self._group: dist.ProcessGroup | None = None
         """A sharded state's checkpoints' own gloo group (`load_sharded`), destroyed at `finish`."""
         self.replicated: CheckpointManager | None = None
