@@ -1,21 +1,24 @@
-"""A sharded (FSDP2) run on the recovery API resumes at another world size: real gloo processes, real DCP
-checkpoints on Azurite (checkpoint/sharded.py, elastic/saving.py); the checkpoints in a local folder."""
+"""A sharded (FSDP2) run on the recovery API, examples/fsdp's GPT-style LM, stopped by a notice and resumed at
+another world size: real gloo processes, real DCP checkpoints on Azurite (checkpoint/sharded.py,
+elastic/saving.py); the checkpoints in a local folder, in this process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from tests.trainer import sharded_loop
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import free_port
 from torchspot_trainer.checkpoint.dcp import committed
@@ -23,24 +26,31 @@ from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 from torchspot_trainer.checkpoint.storage import blob_container
 from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic import Manager, Refused
+from torchspot_trainer.elastic.settings import CHECKPOINT_EVERY_ENV, CHECKPOINT_URI_ENV, EVENTS_FILE_ENV
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.notices import EXIT_EVICTED, EXIT_FAILED
 
-LOOP = Path(__file__).with_name("sharded_loop.py")
 ROOT = Path(__file__).parents[2]
+EXAMPLE = ROOT / "examples" / "fsdp"
+STEPS, GLOBAL_BATCH = 8, 24
 TOLERANCE = 1e-5
 """float32 reduction order: the ranks' shares of a step are summed in another order at another world size."""
 
 
-def _start(world: int, uri: str, steps: int, env: dict[str, str], *extra: str) -> list[subprocess.Popen[str]]:
-    """`world` ranks of sharded_loop.py, started (`extra`: its further arguments)."""
-    port = free_port()
-    common = {**os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+def _start(world: int, uri: str, env: dict[str, str], events: Path) -> list[subprocess.Popen[str]]:
+    """`world` ranks of the example (a step of at least 0.15 s: a notice lands inside the run), each with
+    its events file, the job's checkpoint settings every 3 steps to `uri`."""
+    common = {
+        **os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+        CHECKPOINT_URI_ENV: uri, CHECKPOINT_EVERY_ENV: "3",
+    }  # fmt: skip
+    command = [sys.executable, str(EXAMPLE / "train.py"), f"--steps={STEPS}", f"--global-batch={GLOBAL_BATCH}",
+               "--log-every=1", "--step-seconds=0.15"]  # fmt: skip
     return [
         subprocess.Popen(
-            [sys.executable, str(LOOP), uri, str(steps), *extra],
-            env={**common, "RANK": str(rank)},
-            cwd=ROOT,
+            command,
+            env={**common, "RANK": str(rank), EVENTS_FILE_ENV: str(events / f"rank{rank}.jsonl")},
+            cwd=EXAMPLE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -49,73 +59,91 @@ def _start(world: int, uri: str, steps: int, env: dict[str, str], *extra: str) -
     ]
 
 
-def _lines(processes: list[subprocess.Popen[str]], codes: list[int] | None = None) -> list[dict[str, Any]]:
-    """The loop's JSON lines (a step's, the final one; not the manager's records), once every process has
-    exited, each with its status in `codes` (default 0)."""
+def _finish(processes: list[subprocess.Popen[str]], codes: list[int], *, lines: list[str]) -> list[dict[str, Any]]:
+    """Rank 0's loss lines (those in `lines` already, and the rest), once every rank has exited with its
+    status in `codes`."""
     said = [process.communicate(timeout=180) for process in processes]
-    expected = codes or [0] * len(processes)
-    assert [process.returncode for process in processes] == expected, [err[-3000:] for _, err in said]
-    lines = [json.loads(line) for out, _ in said for line in out.splitlines() if line.startswith("{")]
-    return [line for line in lines if "ids" in line or "final" in line]
+    assert [process.returncode for process in processes] == codes, [err[-3000:] for _, err in said]
+    every = lines + said[0][0].splitlines()
+    return [record for record in map(json.loads, filter(None, every)) if "loss" in record]
 
 
-def _steps(lines: list[dict[str, Any]]) -> dict[int, tuple[float, list[int]]]:
-    """Each step's loss (rank 0's line) and the samples every rank trained in it, sorted."""
-    steps: dict[int, tuple[float, list[int]]] = {}
-    for line in (line for line in lines if "step" in line):
-        loss, ids = steps.get(line["step"], (line["loss"], []))
-        steps[line["step"]] = (loss, sorted(ids + line["ids"]))
-    return steps
+def _samples(events: Path) -> dict[int, list[int]]:
+    """Each committed step's samples, as rank 0's events file has them (the whole group's)."""
+    records = [json.loads(line) for line in (events / "rank0.jsonl").read_text().splitlines()]
+    return {record["step"]: sorted(record["samples"]) for record in records if record["event"] == "step"}
 
 
-def _alone(steps: int) -> tuple[dict[int, tuple[float, list[int]]], dict[str, torch.Tensor]]:
-    """The same training in this process, unsharded, on one rank: each step's loss and samples, and the
-    parameters at the end."""
-    model, (inputs, targets) = sharded_loop.model(), sharded_loop.data()
-    optimizer = sharded_loop.optimizer_of(model.parameters())
-    position = Position(sharded_loop.SAMPLES, batch_size=1, seed=0, global_batch=sharded_loop.GLOBAL_BATCH)
+def _example() -> ModuleType:
+    """examples/fsdp/train.py, imported here under a name of its own (its corpus beside it)."""
+    spec = importlib.util.spec_from_file_location("fsdp_example", EXAMPLE / "train.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return module
+
+
+def _alone() -> dict[int, tuple[float, list[int]]]:
+    """The example's training in this process, unsharded, on one rank: each step's loss and samples."""
+    example = _example()
+    model, tokens = example.build_model(), example.corpus()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # (the example's default)
+    position = Position(len(tokens), batch_size=1, seed=0, global_batch=GLOBAL_BATCH)
     taken = {}
-    for step in range(1, steps + 1):
+    for step in range(1, STEPS + 1):
         ids = position.step_chunk(1)
         optimizer.zero_grad()
-        loss = (model(inputs[ids]) - targets[ids]).pow(2).mean()
+        loss = example.loss_of(model, tokens[ids])
         loss.backward()
         optimizer.step()
         position.advance(1)
         taken[step] = (loss.item(), sorted(ids))
-    return taken, {name: parameter.detach() for name, parameter in model.named_parameters()}
+    return taken
 
 
-@pytest.mark.slow(seconds=18)
-def test_a_sharded_run_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_one_unsharded_rank_trains(
-    azurite: Azurite,
+@pytest.mark.slow(seconds=20)
+def test_the_fsdp_example_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_one_unsharded_rank_trains(
+    azurite: Azurite, tmp_path: Path
 ) -> None:
-    """FSDP2 at a fixed global batch, checkpointing to Blob every 3 steps: two ranks train until rank 1's
-    node gets a notice (SIGTERM) after step 3; at step 4's boundary both ranks write their shards of the
-    emergency checkpoint, rank 1 leaves (143) and rank 0 for the restart path (1), each rank's shards
-    in a blob of its own. Three ranks resume from step 4's checkpoint (each its shards of it: DCP
-    reshards 2 to 3) and train to step 6, no step lost or redone. Every step's loss and samples are
-    those of the same training unsharded on one rank, and so are the final parameters (float32
-    reduction order apart)."""
+    """examples/fsdp (a GPT-style LM, each block an FSDP2 unit) at a fixed global batch, checkpointing to
+    Blob every 3 steps: two ranks train until rank 1's node gets a notice (SIGTERM) after step 3; at the
+    next step's boundary both ranks write their shards of the emergency checkpoint (a blob each), rank 1
+    leaves (143) and rank 0 for the restart path (1). Three ranks resume from it (each its shards of it:
+    DCP reshards 2 to 3) and train to the end. Every step is trained once, on the samples, and with the
+    loss, of the same training unsharded on one rank (float32 reduction order apart)."""
     env, blob = azurite.env(), f"az://sharded/{uuid.uuid4().hex[:10]}"
-    first = _lines(_start(2, blob, 6, env, "3"), codes=[EXIT_FAILED, EXIT_EVICTED])
-    assert committed(blob, env=env) == [f"{blob}/step-000000000{step}" for step in (3, 4)]
+    (tmp_path / "two").mkdir()
+    (tmp_path / "three").mkdir()
+    two = _start(2, blob, env, tmp_path / "two")
+    assert two[0].stdout is not None
+    seen: list[str] = []
+    while not seen or json.loads(seen[-1]).get("step") != 3:  # rank 0's line of step 3 (and the manager's)
+        line = two[0].stdout.readline()
+        assert line, two[0].communicate()[1][-3000:]
+        if line.startswith('{"step"'):
+            seen.append(line)
+    two[1].send_signal(signal.SIGTERM)  # the node's notice: during step 4, or soon after (0.15 s a step at least)
+    first = _finish(two, [EXIT_FAILED, EXIT_EVICTED], lines=seen)
+    stopped = max(_samples(tmp_path / "two"))  # the step whose boundary the notice stopped the group at
+    assert stopped >= 4
+    assert committed(blob, env=env)[-1] == f"{blob}/step-{stopped:010d}"  # the emergency checkpoint
     container, prefix = blob.removeprefix("az://").split("/", 1)
-    written = [item.name for item in blob_container(container, env).list_blobs(name_starts_with=f"{prefix}/step-")]
-    assert len([name for name in written if name.endswith(".distcp")]) == 4, written  # each rank its own shards
-    resumed = _lines(_start(3, blob, 6, env))
-    reference, parameters = _alone(6)
-    before, after = _steps(first), _steps(resumed)
-    assert sorted(before) == [1, 2, 3]  # (step 4 committed, and its boundary's notice ended the run in step())
-    assert sorted(after) == [5, 6]  # from step 4's samples on: none lost or redone
-    for step, (loss, ids) in {**before, **after}.items():
-        assert ids == reference[step][1], step  # each sample once, the same ones
+    shards = blob_container(container, env).list_blobs(name_starts_with=f"{prefix}/step-{stopped:010d}/")
+    assert len([item.name for item in shards if item.name.endswith(".distcp")]) == 2  # each rank its own
+    resumed = _finish(_start(3, blob, env, tmp_path / "three"), [0, 0, 0], lines=[])
+    reference = _alone()
+    samples = {**_samples(tmp_path / "two"), **_samples(tmp_path / "three")}
+    assert sorted(samples) == list(range(1, STEPS + 1))  # every step once: none lost, none redone
+    assert all(samples[step] == reference[step][1] for step in samples), samples
+    losses = {record["step"]: record["loss"] for record in first + resumed}
+    assert set(losses) == set(range(1, STEPS + 1)) - {stopped}  # (the stopped step's line: its run ended in step())
+    for step, loss in losses.items():
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step
-    (end,) = [line for line in resumed if "final" in line]
-    assert end["resumed_from"] == "checkpoint"
-    for name, expected in parameters.items():
-        found = torch.tensor(end["final"][name])
-        torch.testing.assert_close(found, expected, rtol=TOLERANCE, atol=TOLERANCE, msg=name)
 
 
 @pytest.mark.usefixtures("one_rank_group")

@@ -1,0 +1,1 @@
+../transformers/corpus.py

@@ -1,0 +1,129 @@
+"""A GPT-style causal language model sharded with FSDP2, trained in a plain loop with torchspot's recovery API.
+
+GPT-2's architecture (pre-LayerNorm blocks of causal self-attention and a GELU MLP), written here in plain
+torch, each block sharded on its own (`fully_shard`), trained on the corpus examples/transformers/corpus.py
+generates. `Manager(sharded=True)`: every rank checkpoints its own shards through DCP (to the job's Blob),
+an eviction notice makes every rank write its shards of the emergency checkpoint at once, and a restart
+resumes at any world size, each sample trained once. `--bf16` computes in bfloat16 on GPUs, the parameters
+and the gradients' reduction kept in float32 (FSDP2's mixed precision).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from corpus import SEQUENCE, VOCABULARY, corpus
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from torchspot import elastic
+
+
+class Block(nn.Module):
+    """One GPT-2 block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (part.view(batch, length, self.heads, -1).transpose(1, 2) for part in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, the blocks, a final norm and the next token's logits."""
+
+    def __init__(self, vocabulary: int, *, context: int, width: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocabulary, width), nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocabulary, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_model() -> GPT:
+    """A two-layer GPT over the corpus's characters, initialised alike on every rank (before sharding)."""
+    torch.manual_seed(0)
+    return GPT(len(VOCABULARY), context=SEQUENCE, width=32, heads=2, layers=2)
+
+
+def shard(model: GPT, *, bf16: bool) -> None:
+    """Each block its own FSDP2 unit (its parameters gathered only around its own passes), then the rest."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mp_policy=policy or MixedPrecisionPolicy())
+
+
+def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy over `batch`'s sequences."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--global-batch", type=int, default=24, help="sequences per step, at any world size")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bf16", action="store_true", help="compute in bfloat16 (GPUs)")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
+    parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
+    args = parser.parse_args()
+
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    model: GPT | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+    def state_dict() -> dict[str, object]:
+        weights, moments = get_state_dict(model, optimizer)
+        return {"model": weights, "optimizer": moments}
+
+    def load_state_dict(state: dict[str, object]) -> None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device)
+    manager.ensure_group()  # before fully_shard, which shards over it
+    model = build_model().to(device)
+    shard(model, bf16=args.bf16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    stepper = elastic.OptimizerWrapper(manager, optimizer)
+    tokens = corpus().to(device)
+    sampler = elastic.ElasticSampler(manager, len(tokens), global_batch=args.global_batch)
+    while manager.current_step() < args.steps:
+        begun = time.monotonic()
+        stepper.zero_grad()
+        indices = sampler.indices()
+        loss = loss_of(model, tokens[indices])
+        loss.backward()  # FSDP2 reduce-scatters each block's gradients as its backward ends
+        stepper.step()
+        total = loss.detach().float() * len(indices)
+        if manager.current_step() % args.log_every == 0 and manager.all_reduce(total) and manager.rank == 0:
+            line = {"step": manager.current_step(), "loss": float(total) / args.global_batch}
+            print(json.dumps(line), flush=True)
+        time.sleep(max(0.0, args.step_seconds - (time.monotonic() - begun)))
+    manager.close()
+
+
+if __name__ == "__main__":
+    main()
