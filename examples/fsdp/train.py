@@ -11,16 +11,23 @@ and the gradients' reduction kept in float32 (FSDP2's mixed precision).
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from corpus import SEQUENCE, VOCABULARY, corpus
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchspot import elastic
+
+try:  # its image copies the corpus beside it (Dockerfile)
+    from corpus import SEQUENCE, VOCABULARY, corpus
+except ImportError:  # a checkout: the Transformers example's, in the folder beside this one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transformers"))
+    from corpus import SEQUENCE, VOCABULARY, corpus
 
 
 class Block(nn.Module):

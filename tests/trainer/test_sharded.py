@@ -75,16 +75,16 @@ def _samples(events: Path) -> dict[int, list[int]]:
 
 
 def _example() -> ModuleType:
-    """examples/fsdp/train.py, imported here under a name of its own (its corpus beside it)."""
+    """examples/fsdp/train.py, imported here under a name of its own; this process's import path as it was."""
     spec = importlib.util.spec_from_file_location("fsdp_example", EXAMPLE / "train.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(EXAMPLE))
+    saved = list(sys.path)
     try:
-        spec.loader.exec_module(module)
+        spec.loader.exec_module(module)  # (it finds the corpus in the Transformers example's folder)
     finally:
-        sys.path.remove(str(EXAMPLE))
+        sys.path[:] = saved
     return module
 
 

@@ -1,1 +1,0 @@
-../transformers/corpus.py
