@@ -39,6 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
 
 from bench import record
+from bench.dcp.worker import CONTAINER
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import free_port
 from torchspot_trainer.checkpoint.storage import blob_container
@@ -47,7 +48,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().with_name("worker.py")
 RESULTS = record.RESULTS / "dcp.json"
 METHODS = ("ours", "ours-async", "adlfs", "torch-save")
-CONTAINER = "bench"
 CHUNK = 64 << 10
 
 

@@ -153,7 +153,7 @@ def test_sharded_checkpoints_in_a_folder_keep_the_step_saved_the_newest_two_and_
     """ShardedCheckpoints in a local folder, in this process's one-rank group: three saves beside the loop
     (each followed by an update as soon as `staged()` returned) keep the newest two, each holding its own
     step; a newer folder without metadata (a save that stopped) is said in one line and passed over."""
-    checkpoints = ShardedCheckpoints(str(tmp_path), keep=2)
+    checkpoints = ShardedCheckpoints(tmp_path.as_uri(), keep=2)  # (file://, as --checkpoint-uri may name it)
     state: dict[str, Any] = {"weight": torch.zeros(4, 3), "step": 0}
     for step in (1, 2, 3):
         state["weight"].fill_(step)

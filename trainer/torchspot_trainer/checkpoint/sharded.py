@@ -4,8 +4,8 @@ the state (DCP reshards from the metadata).
 
 - **One folder per step** under the run's URI (`step_dir`, as the replicated checkpoints: names sort by
   step), on Azure Blob (`az://container/prefix`, dcp.py's writer and reader, today's credentials) or in a
-  local folder (torch's own file system writer, whose metadata is written under a temporary name and
-  renamed).
+  local folder (a path or file://, read as storage.py reads `--checkpoint-uri`; torch's own file system
+  writer, whose metadata is written under a temporary name and renamed).
 - **Committed when its metadata is written**, last: a folder without it (a save that stopped) is never
   loaded, and a resume says so and takes the newest one that has it.
 - **Saved beside training** (dcp.AsyncSaver): the copy to host memory runs on a thread into one buffer per
@@ -23,7 +23,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -33,20 +32,17 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from torchspot_trainer.checkpoint import dcp
 from torchspot_trainer.checkpoint.manager import SAVER_CALLER, SAVER_THREAD, SaveReport, parse_step, step_dir
+from torchspot_trainer.checkpoint.storage import local_path
 
 __all__ = ["ShardedCheckpoints"]
 
 log = logging.getLogger(__name__)
 
 
-def _on_blob(uri: str) -> bool:
-    return uri.startswith("az://")
-
-
 class ShardedCheckpoints:
     """The sharded checkpoints of one run under `uri` (module docstring).
 
-    :param uri: `az://container/prefix` or a local folder.
+    :param uri: `az://container/prefix`, or a local folder (a path or file://), as `--checkpoint-uri`.
     :param keep: committed checkpoints kept; older ones are deleted after a save commits.
     :param env: where Blob's account and credentials come from (storage.py; default os.environ).
     :param process_group: the group DCP coordinates over (default: torch's default group). Give one used for
@@ -65,7 +61,9 @@ class ShardedCheckpoints:
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep={keep}: keep at least 1 checkpoint")
-        self.uri, self.keep = uri.rstrip("/"), keep
+        self._local = local_path(uri)
+        """The folder of a local run's checkpoints; None on Blob."""
+        self.uri, self.keep = uri.rstrip("/") if self._local is None else str(self._local), keep
         self._env, self._group, self._on_report = env, process_group, on_report
         self._saver = dcp.AsyncSaver(env=env, process_group=process_group)
         self._in_flight: tuple[int, float] | None = None
@@ -160,7 +158,7 @@ class ShardedCheckpoints:
             log.warning("sharded checkpoints of steps %s have no metadata (their saves stopped before they "
                         "committed): not loaded; resuming from step %d", torn, step)  # fmt: skip
         uri, loaded = self._step_uri(step), state()
-        if _on_blob(uri):
+        if self._local is None:
             dcp.load(loaded, uri, env=self._env, process_group=self._group)
         else:
             dcp_load(loaded, storage_reader=FileSystemReader(uri), process_group=self._group)
@@ -174,10 +172,10 @@ class ShardedCheckpoints:
 
     def _folders(self) -> dict[int, bool]:
         """Every checkpoint folder's step, oldest first, and whether it committed (its metadata written)."""
-        if _on_blob(self.uri):
+        if self._local is None:
             listed = dcp.folders(self.uri, env=self._env)
         else:
-            root = Path(self.uri)
+            root = self._local
             paths = [path for path in root.iterdir() if path.is_dir()] if root.is_dir() else []
             listed = {path.name: (path / dcp.METADATA).is_file() for path in paths}
         steps = {step: done for name, done in listed.items() if (step := parse_step(name)) is not None}
@@ -185,10 +183,10 @@ class ShardedCheckpoints:
 
     def _prune(self) -> None:
         """Delete the committed checkpoints older than the newest `keep` (and, on Blob, older torn ones)."""
-        if _on_blob(self.uri):
+        if self._local is None:
             dcp.prune(self.uri, keep=self.keep, env=self._env)
             return
         for step in [step for step, done in self._folders().items() if done][: -self.keep]:
-            folder = Path(self.uri) / step_dir(step)
+            folder = self._local / step_dir(step)
             os.remove(folder / dcp.METADATA)  # first: a reader never meets a committed one with shards missing
             shutil.rmtree(folder)

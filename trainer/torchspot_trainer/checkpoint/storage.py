@@ -344,6 +344,22 @@ def quiet_sdk_logs() -> None:
     logging.getLogger("azure").setLevel(logging.WARNING)
 
 
+def local_path(uri: str) -> Path | None:
+    """The folder a `--checkpoint-uri` names (a path, or file://), or None for Blob (az://CONTAINER/PREFIX).
+    Pure. ValueError for anything else, naming it."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else uri
+        if not path:
+            raise ValueError(f"--checkpoint-uri {uri!r}: no path")
+        return Path(path)
+    if parsed.scheme == "az":
+        if not parsed.netloc:
+            raise ValueError(f"--checkpoint-uri {uri!r}: expected az://CONTAINER/PREFIX")
+        return None
+    raise ValueError(f"--checkpoint-uri {uri!r}: unknown scheme {parsed.scheme!r} (use a path, file:// or az://)")
+
+
 def open_storage(
     uri: str,
     env: Mapping[str, str] | None = None,
@@ -360,15 +376,9 @@ def open_storage(
     :param create_container: create the Blob container if it does not exist.
     """
     env = os.environ if env is None else env
+    path = local_path(uri)
+    if path is not None:
+        return LocalStorage(path)
     parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        path = parsed.path if parsed.scheme == "file" else uri
-        if not path:
-            raise ValueError(f"--checkpoint-uri {uri!r}: no path")
-        return LocalStorage(Path(path))
-    if parsed.scheme == "az":
-        if not parsed.netloc:
-            raise ValueError(f"--checkpoint-uri {uri!r}: expected az://CONTAINER/PREFIX")
-        container = blob_container(parsed.netloc, env, retries=retries, timeout=timeout, create=create_container)
-        return BlobStorage(container, parsed.path)
-    raise ValueError(f"--checkpoint-uri {uri!r}: unknown scheme {parsed.scheme!r} (use a path, file:// or az://)")
+    container = blob_container(parsed.netloc, env, retries=retries, timeout=timeout, create=create_container)
+    return BlobStorage(container, parsed.path)
