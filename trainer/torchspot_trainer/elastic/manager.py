@@ -66,10 +66,10 @@ from torchspot_trainer.elastic.settings import (
     node_name,
     notice_settings,
 )
+from torchspot_trainer.elastic.state import RunState
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import Group
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -78,7 +78,6 @@ from torchspot_trainer.recovery.notices import (
 )
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.resume import find_state
-from torchspot_trainer.recovery.snapshot import choose_source
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
 log = logging.getLogger("torchspot.elastic")
@@ -141,12 +140,11 @@ class Manager:
                 else f"snapshot_every={snapshot_every}: must be at least 1"
             )
         hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
-        self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.in_place, why = choose_path(in_place, os.environ, sharded=sharded)
         if os.environ.get("RANK", "0") == "0":  # said once per job, whatever the script's logging
             print(f"torchspot: {why}", file=sys.stderr, flush=True)
         self.device = device or default_device()
-        self._host = HostCopy(self.device, every=snapshot_every)
+        self._run = RunState(state_dict, load_state_dict, self.device, snapshot_every=snapshot_every)
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
         self._records = Records(Path(path) if path else None)
@@ -158,7 +156,7 @@ class Manager:
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
         self.sharded = sharded
         self.checkpoint_uri = checkpoint_uri
-        self._step, self._step_started = 0, 0.0
+        self._step_started = 0.0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self._phase = _IDLE
         self._begun = self._closed = self._reform_due = self._failed = False
@@ -170,17 +168,11 @@ class Manager:
         this worker's state last came from."""
         self._whole = False
         """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
-        self._base = 0
-        """The step this worker's state last came from (a snapshot's lineage: recovery/snapshot.py)."""
-        self._positions: list[_Position] = []
-        self._buffers: list[torch.Tensor] = []
-        """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
-        self._boundary: list[torch.Tensor] = []  # every buffer (BatchNorm's counts too): `_capture` freezes them
         self._buckets = StepBuckets()
         """The step's buckets posted so far (`reduce_bucket`)."""
         self._reporter: CheckpointReporter | None = None
         self._groups = None if not self.in_place else InPlaceGroups(
-            self.device, state=self._boundary_state, load=self._healed, on_broken=self._buckets.give_up
+            self.device, state=self._run.at_boundary, load=self._healed, on_broken=self._buckets.give_up
         )  # fmt: skip
         self._live = None if self._groups is None else self._groups.live
         self._healing = None if self._groups is None else self._groups.healing
@@ -216,7 +208,7 @@ class Manager:
         if not self._begun and not self._closed:
             self._begin()
         arriving = None if self._healing is None else self._healing.arriving_step()
-        return self._step if arriving is None else arriving
+        return self._run.step if arriving is None else arriving
 
     # -- the step -----------------------------------------------------------------
 
@@ -229,7 +221,7 @@ class Manager:
             raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
         if self._phase == _STEP and (self._buckets.posted() if self.in_place else self._computed):
             log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
-                        "it): counted now, as its update skipped", self._rank, self._step + 1)  # fmt: skip
+                        "it): counted now, as its update skipped", self._rank, self._run.step + 1)  # fmt: skip
             self.update_skipped()
         if not self._begun:
             self._begin()
@@ -296,7 +288,7 @@ class Manager:
         level, node = self._leaving.stop.row()
         line = Line(self._live.joiners_ready.is_set(), self._live.pending_rank(), level, node)
         source = 0 if self._healing.trainers is None else self._healing.trainers[0]  # a receiver's are stale
-        return pack(self._buffers, self._rank, self._world, line, source=source, dtype=dtype, device=device)
+        return pack(self._run.buffers, self._rank, self._world, line, source=source, dtype=dtype, device=device)
 
     def share(self) -> tuple[int, int]:
         """(this rank's place, the ranks that compute the step): what `ElasticSampler` deals the step's
@@ -322,7 +314,7 @@ class Manager:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._phase = _IDLE
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
-                        self._rank, self._step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
+                        self._rank, self._run.step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
             self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
         self._healing.stepped()  # a receiver's state, taken before the step's buffers
@@ -333,7 +325,7 @@ class Manager:
     def _take_riders(self, ride: torch.Tensor) -> None:
         """The buffers and every rank's line the last bucket brought (`_riders`)."""
         assert self._live is not None
-        lines = unpack(ride, self._buffers, self._world)
+        lines = unpack(ride, self._run.buffers, self._world)
         self._notice_rows = [[line.level, line.node] for line in lines]
         if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
             self._live.switching([line.pending for line in lines])
@@ -373,27 +365,28 @@ class Manager:
         operator, and checkpoint on schedule. `OptimizerWrapper.step` calls it after the update."""
         if self._phase != _COMMITTING:
             raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
-        samples = self._positions[0].step_chunk(self._world) if self._positions and self._records.events else None
-        trained = self._positions[0].next_step_samples(self._world) if self._positions else 0
-        for position in self._positions:
+        positions = self._run.positions
+        samples = positions[0].step_chunk(self._world) if positions and self._records.events else None
+        trained = positions[0].next_step_samples(self._world) if positions else 0
+        for position in positions:
             position.advance(self._world)
-        self._step += 1
+        self._run.step += 1
         self._phase = _IDLE
-        self._capture()
+        self._run.capture()
         if self._groups is not None:
             self._groups.stepped()
         if self._reporter is not None:
-            self._reporter.report_step(self._step)
+            self._reporter.report_step(self._run.step)
         generation = None if self._live is None else self._live.generation
-        self._records.step(self._step, rank=self._rank, world=self._world, generation=generation, samples=samples,
+        self._records.step(self._run.step, rank=self._rank, world=self._world, generation=generation, samples=samples,
                            skipped=self._skipped)  # fmt: skip
         self._skipped = False
         if self._rank == 0:
-            self._records.progress(trained, step=self._step, world=self._world)
+            self._records.progress(trained, step=self._run.step, world=self._world)
         if self._notices_stop_here():
             return
         if self._saving is not None:
-            self._saving.after_commit(self._step, self._rank, self._full_state, self._world)
+            self._saving.after_commit(self._run.step, self._rank, self._run.full, self._world)
 
     def close(self) -> None:
         """The loop is over: the final checkpoint is written (unless the last one is of this step: rank 0's,
@@ -407,13 +400,13 @@ class Manager:
         self._closed = True
         self._phase = _IDLE
         if self._saving is not None and self._begun:
-            self._saving.finish(self._step, self._rank, self._full_state, self._world)
+            self._saving.finish(self._run.step, self._rank, self._run.full, self._world)
         if self._groups is not None:
             self._groups.close()
         if self._reporter is not None:
             self._reporter.close()
         self._leaving.close()
-        self._emit({"event": "done", "step": self._step, "world_size": self._world})
+        self._emit({"event": "done", "step": self._run.step, "world_size": self._world})
 
     def __enter__(self) -> Manager:
         return self
@@ -449,10 +442,10 @@ class Manager:
                 mine = self._leaving.read_snapshot()
                 self.resumed_from, state = find_state(self._collectives(), self._checkpoints, mine)
                 if state is not None:
-                    self._load_full(state)
+                    self._run.load(state)
             if self.resumed_from != "start":
-                log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
-            self._base, self._whole = self._step, True
+                log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._run.step)
+            self._whole = True
             self._rank_duties()
             self._started(generation=None)
             return
@@ -463,30 +456,17 @@ class Manager:
         self._whole = True
 
     def _resume(self) -> None:
-        """In place, before the first group: load the node's snapshot where it is not older than the newest
-        committed checkpoint, else that checkpoint, if any. The group's heal then takes the newest step
-        any rank holds, a live one's before a copy's."""
-        mine = self._leaving.read_snapshot()
-        committed = self._checkpoints.latest_step() if mine is not None and self._checkpoints is not None else None
-        if mine is not None and choose_source([mine[0]], committed) is not None:
-            self._load_full(mine[1])
-            self.resumed_from = "snapshot"
-        elif (loaded := self._checkpoints.load_latest() if self._checkpoints is not None else None) is not None:
-            self._load_full(loaded.state)
-            self.resumed_from = "checkpoint"
-        else:
-            return
-        self._base = self._step
-        log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._step)
+        """In place, before the first group: the node's snapshot or the newest checkpoint (RunState)."""
+        self.resumed_from = self._run.resume_from_copies(self._leaving.read_snapshot(), self._checkpoints)
 
     def _resume_sharded(self) -> None:
         """A sharded state's resume: the newest committed checkpoint, each rank its shards of it at this world
         size (DCP reshards), the manager's own part (the step, the samplers' positions) beside them."""
         if self._saving is None:
             return
-        state = self._saving.load_sharded(self._full_state)
+        state = self._saving.load_sharded(self._run.full)
         if state is not None:
-            self._load_full(state)
+            self._run.load(state)
             self.resumed_from = "checkpoint"
 
     def _reform(self, *, stepping: bool = False) -> None:
@@ -506,7 +486,7 @@ class Manager:
         assert groups is not None
         started = time.monotonic()
         source = groups.enter(
-            self._step, stepping=stepping, scaled=self._scaled, entered=self._entered, leave=self._leave
+            self._run.step, stepping=stepping, scaled=self._scaled, entered=self._entered, leave=self._leave
         )
         self._reform_due = False
         if source == "peer":  # (a receiver beside the step loads its state before the step's update)
@@ -528,10 +508,10 @@ class Manager:
         }  # fmt: skip
         if generation is not None:  # in place: no process restarted
             record["generation"] = generation
-        if self._positions:
-            record["step_samples"] = self._positions[0].step_size(self._world)
+        if self._run.positions:
+            record["step_samples"] = self._run.positions[0].step_size(self._world)
         self._records.started(record, rank=self._rank)
-        self._capture()
+        self._run.capture()
 
     def _entered(self, assignment: Assignment) -> None:
         """A round entered: this worker's rank, world size and node there."""
@@ -542,15 +522,10 @@ class Manager:
         """A gradient scaler runs with this manager (`GradScaler` tells): every heal broadcasts."""
         self._scaled = True
 
-    def _boundary_state(self) -> dict[str, Any]:
-        """The whole state as at the step boundary, built now: a heal's, sent beside the next step's
-        forward passes, which change the model's buffers (`with_frozen`)."""
-        return with_frozen(self._boundary, self._full_state)()
-
     def _healed(self, state: dict[str, Any]) -> None:
         """A heal's state from a live peer, taken over."""
-        self._load_full(state)
-        self.resumed_from, self._base = "peer", self._step
+        self._run.load(state)
+        self.resumed_from = "peer"
 
     def _rank_duties(self) -> None:
         """Rank 0 reports steps and checkpoints to the operator (through the job's etcd); the duty
@@ -573,9 +548,9 @@ class Manager:
             rows, self._notice_rows = self._notice_rows or [], None
         else:
             try:
-                rows = self._collectives().boundary(self._step, stop.row)
+                rows = self._collectives().boundary(self._run.step, stop.row)
             except RuntimeError as exc:  # a peer's socket closed: it left
-                self._leave(f"the notices' agreement after step {self._step} failed ({exc})")
+                self._leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
         if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
             return False
         saves = self._saving is not None and self._saving.saves_emergency(
@@ -583,20 +558,20 @@ class Manager:
         )
         save = self._emergency_save if saves else None
         try:
-            stop.stop(self._collectives(), step=self._step, save=save)
+            stop.stop(self._collectives(), step=self._run.step, save=save)
         except GroupChanged as exc:  # in place: the round without the leaving node came
             self._failed = exc.failed
             self._reform()
             return True
         except (GroupBroken, RuntimeError) as exc:
-            self._leave(f"the hold after a notice at step {self._step} failed ({exc})")
+            self._leave(f"the hold after a notice at step {self._run.step} failed ({exc})")
         return False
 
     def _emergency_save(self) -> SaveReport:
         """The notice's checkpoint of the committed step, written now (without a checkpoint URI none is:
         the node's snapshot, or the others' memory, carries the state)."""
         assert self._saving is not None
-        return self._saving.emergency(self._step, self._full_state(), self._world)
+        return self._saving.emergency(self._run.step, self._run.full(), self._world)
 
     def _before_stuck_exit(self) -> None:
         """A worker stuck in a collective after its SIGTERM is about to exit (its snapshot kept): its save
@@ -616,22 +591,15 @@ class Manager:
         group's resume is done and not after `close()` (the final checkpoint holds it)."""
         if not self._whole or self._closed or self.sharded:  # (a rank's shards are not the run's state)
             return None
-        return self._base, self._host.write_from
+        return self._run.kept()
 
     def before_update(self) -> None:
         """The optimizer is about to change the parameters (`OptimizerWrapper.step`): on a GPU the update
         waits, on the device, for the host copy to have read them; on the CPU no snapshot is written from
         the live state until the commit. A sharded checkpoint in flight has its copy of the state first."""
-        self._host.before_update()
+        self._run.before_update()
         if self._saving is not None:
             self._saving.before_update()
-
-    def _capture(self) -> None:
-        """At a commit: the state of the step just committed, to the host (on a GPU a copy on a side
-        stream, every `snapshot_every` steps; on the CPU its builder), with the model's buffers as they
-        are now: the next step's forward changes them before its update."""
-        if self._host.keeps(self._step):
-            self._host.capture(self._step, with_frozen(self._boundary, self._full_state))
 
     def _watch_commits(self) -> None:
         """End the worker when a step has not committed within `commit_seconds` (module docstring)."""
@@ -639,7 +607,7 @@ class Manager:
             time.sleep(min(1.0, self.commit_seconds / 4))
             if self._phase != _IDLE and time.monotonic() - self._step_started > self.commit_seconds:
                 self._leave(
-                    f"step {self._step + 1} did not commit within {self.commit_seconds:g} s of its start (a "
+                    f"step {self._run.step + 1} did not commit within {self.commit_seconds:g} s of its start (a "
                     "collective that never completed, or a loop that never called optimizer.step())"
                 )
 
@@ -649,26 +617,12 @@ class Manager:
         """A sampler's position, moved on at each commit and carried in the state (sampler.py)."""
         if self._begun:
             raise ApiOrderError("an ElasticSampler made after the first step: make it before the loop begins")
-        self._positions.append(position)
+        self._run.positions.append(position)
 
     def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """The model's buffers (ddp.py): kept as they are at each commit for the node's snapshot (`_capture`);
-        in place its floating-point ones are taken from rank 0 at each step (`_riders`)."""
-        self._boundary = buffers
-        self._buffers = [buffer for buffer in buffers if buffer.is_floating_point()]
-
-    def _full_state(self) -> dict[str, Any]:
-        return {
-            "user": self._state_dict(),
-            "torchspot": {"step": self._step, "positions": [p.state_dict() for p in self._positions]},
-        }
-
-    def _load_full(self, state: dict[str, Any]) -> None:
-        self._load_state_dict(state["user"])
-        ours = state["torchspot"]
-        self._step = int(ours["step"])
-        for position, saved in zip(self._positions, ours["positions"], strict=True):
-            position.load_state_dict(saved)
+        """The model's buffers (ddp.py): kept as they are at each commit for the node's snapshot; in place its
+        floating-point ones are taken from rank 0 at each step (`_riders`)."""
+        self._run.watch_buffers(buffers)
 
     # -- output ---------------------------------------------------------------------
 

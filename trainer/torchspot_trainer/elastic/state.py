@@ -1,0 +1,116 @@
+"""The run's state as the manager holds it: the loop's own, through its two callables, and the manager's
+(the step committed, the samplers' positions), with the model's buffers and the host copy that a node's
+snapshot is written from.
+
+A heal sends `full()`, a checkpoint keeps it, and `load` takes one over whatever its origin; the step a
+state came from is its lineage (`base`): a node's snapshot records it, so that a newer copy wins
+(recovery/snapshot.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchspot_trainer.checkpoint.manager import CheckpointManager
+from torchspot_trainer.data.sampler import ElasticSampler as Position
+from torchspot_trainer.elastic.leaving import Kept
+from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
+from torchspot_trainer.recovery.snapshot import Held, choose_source
+
+__all__ = ["RunState"]
+
+log = logging.getLogger("torchspot.elastic")
+
+
+class RunState:
+    """The whole state of one worker's run (module docstring).
+
+    :param state_dict: the loop's state (the manager adds its own beside it).
+    :param load_state_dict: takes the loop's part of such a state over.
+    :param device: where the model lives (the host copy's source).
+    :param snapshot_every: on a GPU, steps between host copies (recovery/hostcopy.py).
+    """
+
+    def __init__(
+        self,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], object],
+        device: torch.device,
+        *,
+        snapshot_every: int,
+    ) -> None:
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self.step = 0
+        """Steps committed by this run's lineage."""
+        self.base = 0
+        """The step this worker's state last came from (a snapshot's lineage)."""
+        self.positions: list[Position] = []
+        self.buffers: list[torch.Tensor] = []
+        """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
+        self._boundary: list[torch.Tensor] = []  # every buffer (BatchNorm's counts too): `capture` freezes them
+        self._host = HostCopy(device, every=snapshot_every)
+
+    def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """The model's buffers: kept as they are at each commit (`capture`); the floating-point ones travel."""
+        self._boundary = buffers
+        self.buffers = [buffer for buffer in buffers if buffer.is_floating_point()]
+
+    def full(self) -> dict[str, Any]:
+        """The whole state now: what a heal sends and a checkpoint keeps."""
+        return {
+            "user": self._state_dict(),
+            "torchspot": {"step": self.step, "positions": [p.state_dict() for p in self.positions]},
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Take a whole state over; it is this worker's lineage from now on (`base`)."""
+        self._load_state_dict(state["user"])
+        ours = state["torchspot"]
+        self.step = int(ours["step"])
+        for position, saved in zip(self.positions, ours["positions"], strict=True):
+            position.load_state_dict(saved)
+        self.base = self.step
+
+    def at_boundary(self) -> dict[str, Any]:
+        """The whole state as at the step boundary, built now: a heal's, sent beside the next step's forward
+        passes, which change the model's buffers (`with_frozen`)."""
+        return with_frozen(self._boundary, self.full)()
+
+    def capture(self) -> None:
+        """At a commit: the state of the step just committed, to the host (on a GPU a copy on a side stream,
+        every `snapshot_every` steps; on the CPU its builder), with the model's buffers as they are now: the
+        next step's forward changes them before its update."""
+        if self._host.keeps(self.step):
+            self._host.capture(self.step, with_frozen(self._boundary, self.full))
+
+    def before_update(self) -> None:
+        """The optimizer is about to change the parameters: on a GPU the update waits, on the device, for the
+        host copy to have read them; on the CPU no snapshot is written from the live state until the commit."""
+        self._host.before_update()
+
+    def kept(self) -> Kept:
+        """What a node's snapshot would keep now: the lineage and the host copy of the last committed step."""
+        return self.base, self._host.write_from
+
+    def resume_from_copies(
+        self, mine: tuple[Held, dict[str, Any]] | None, checkpoints: CheckpointManager | None
+    ) -> str:
+        """Before the first group in place: load the node's snapshot where it is not older than the newest
+        committed checkpoint, else that checkpoint, if any. Returns where the state came from (`snapshot`,
+        `checkpoint`, or `start` for nothing); the group's heal then takes the newest step any rank
+        holds, a live one's before a copy's."""
+        committed = checkpoints.latest_step() if mine is not None and checkpoints is not None else None
+        if mine is not None and choose_source([mine[0]], committed) is not None:
+            self.load(mine[1])
+            found = "snapshot"
+        elif (loaded := checkpoints.load_latest() if checkpoints is not None else None) is not None:
+            self.load(loaded.state)
+            found = "checkpoint"
+        else:
+            return "start"
+        log.info("torchspot: resumed from the %s of step %d", found, self.step)
+        return found
