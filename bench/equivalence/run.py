@@ -78,7 +78,7 @@ def _run(
     loaded = CheckpointManager(open_storage(uri, blob.env()), CheckpointConfig()).load_latest()
     assert loaded is not None
     losses = {e["step"]: e["loss"] for e in read_events(events) if e.get("event") == "progress"}
-    return {name: t.double() for name, t in loaded.state["model"].items()}, losses
+    return {name: t.double() for name, t in loaded.state["user"]["model"].items()}, losses  # (the trainer's part)
 
 
 def main() -> None:

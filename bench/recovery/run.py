@@ -252,38 +252,10 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
     return JobConfig(backend="c10d", endpoint=f"127.0.0.1:{free_port()}", launcher="torchrun", **common)
 
 
-def as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The trainer's records in the toy's terms (toy_train.py's module docstring), which the
-    measurements read: a generation's `generation` records are its ranks' `joined`, its `start` the
-    group's, each `progress` line (one per step) a `step`, but for a line written again of a step
-    already logged (train.py's `Progress.replayed`). The group is the generation. Pure."""
-    found: list[dict[str, Any]] = []
-    group = "?"
-    logged: set[int] = set()
-    for record in records:
-        kind = record.get("event")
-        if kind == "progress":
-            if record.get("replayed") and record["step"] in logged:
-                continue
-            logged.add(record["step"])
-        if kind == "start":
-            group = str(record.get("generation", "?"))
-            found.append({"event": "start", "t": record["t"], "step": record["step"], "world": record["world_size"],
-                          "group": group})  # fmt: skip
-        elif kind == "generation":
-            found.append({"event": "joined", "t": record["t"], "rank": record["rank"], "world": record["world_size"],
-                          "pid": record["pid"], "node": record["node"],
-                          "group": str(record["generation"])})  # fmt: skip
-        elif kind == "progress":
-            found.append({"event": "step", "t": record["t"], "step": record["step"], "world": record["world_size"],
-                          "group": group})  # fmt: skip
-    return found
-
-
 def manager_as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The recovery API's records (elastic/manager.py) in the toy's terms: each rank's `generation` record
-    its `joined`, rank 0's also the group's `start`, and rank 0's `step` records the steps (every rank
-    writes them). The group is the generation. Pure."""
+    """The recovery API's records (elastic/manager.py; the trainer's too, its first user) in the toy's
+    terms: each rank's `generation` record its `joined`, rank 0's also the group's `start`, and rank 0's
+    `step` records the steps (every rank writes them). The group is the generation. Pure."""
     found: list[dict[str, Any]] = []
     for record in records:
         kind = record.get("event")
@@ -301,13 +273,10 @@ def manager_as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def _read(job: JobConfig) -> list[dict[str, Any]]:
-    """The job's events, the trainer's and the recovery API's in the toy's terms (`as_toy_events`,
-    `manager_as_toy_events`)."""
+    """The job's events: the toy's, or those of a program on the recovery API (the trainer, the examples)
+    in the toy's terms (`manager_as_toy_events`)."""
     records = read_events(job.events)
-    if not job.program:
-        return records
-    api = job.program[0] in {str(program) for program in API_PROGRAMS.values()}
-    return manager_as_toy_events(records) if api else as_toy_events(records)
+    return manager_as_toy_events(records) if job.program else records
 
 
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:

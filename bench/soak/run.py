@@ -344,7 +344,7 @@ def undisturbed(
 def _model(blob: Azurite, name: str, step: int) -> dict[str, torch.Tensor]:
     loaded = CheckpointManager(open_storage(f"az://ckpt/soak-{name}", blob.env()), CheckpointConfig()).load_step(step)
     assert loaded is not None, (name, step)
-    return {key: tensor.double() for key, tensor in loaded.state["model"].items()}
+    return {key: tensor.double() for key, tensor in loaded.state["user"]["model"].items()}  # (the trainer's part)
 
 
 def _mib(text: str) -> float:
@@ -371,13 +371,11 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
             by_action[action] = {"count": len(seconds), "p50": round(statistics.median(seconds), 2),
                                  "max": round(max(seconds), 2)}  # fmt: skip
     generations = [e for e in run["events"] if e.get("event") == "generation"]  # who was in each (whole_records)
-    steps = whole_records([*generations, *progress])  # partial: one from each rank it hit; again: once
+    steps = whole_records([*generations, *progress])  # partial: one from each rank it hit
     fixed_losses = {e["step"]: e["loss"] for e in fixed if e.get("event") == "progress"}
     losses = {e["step"]: e["loss"] for e in progress if e.get("partial")}
     losses.update({e["step"]: e["loss"] for e in progress if not e.get("partial")})  # a whole record first
     partial = {e["step"] for e in progress if e.get("partial")} - set(steps)  # no whole record: a share only
-    again = [e["step"] for e in progress if e.get("replayed")]  # rank 0 lost, maybe before it wrote them
-    only_again = {s for s in again if all(e.get("replayed") for e in progress if e["step"] == s)}
     same_steps = sorted(losses) == sorted(fixed_losses)
     worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial) if same_steps else None
     ours, theirs, wider = (_model(blob, name, compared) for name in ("soak", "fixed-1", f"fixed-{MAX_NODES}"))
@@ -397,8 +395,6 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
         "steps": max(steps),
         "redone": sum(n - 1 for n in steps.values()),
         "partial_records": len(partial),
-        "records_written_again": len(again),
-        "steps_logged_only_again": sorted(only_again),
         "kills_and_freezes": sum(f.action in ("kill", "freeze") for f in faults),
         "same_steps_as_undisturbed": same_steps,
         "parameter_difference": difference,
@@ -429,8 +425,6 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
         print(f"  {action:7} x{figures['count']:3}: the next step after p50 {p50:.2f} s, max {most:.2f} s")
     print(f"steps redone: {result['redone']} (kills and freezes: {result['kills_and_freezes']}); progress records "
           f"with one rank's share of the loss (the group broke before its sums): {len(partial)}")  # fmt: skip
-    print(f"records written again by a survivor after rank 0 was lost: {len(again)}, of which the only record of "
-          f"their step (rank 0 went before writing it): {len(only_again)}")  # fmt: skip
     print(f"against the undisturbed run on one node: same steps {same_steps}, largest parameter difference "
           f"{difference:.3g} (the undisturbed run on {MAX_NODES} nodes: {floor:.3g}; the equivalence test allows "
           f"{TOLERANCE:g} over 232 steps), largest loss difference "

@@ -36,10 +36,12 @@ def _step(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     parts = [(inputs[a:b], labels[a:b]) for a, b in zip([0, *cuts], [*cuts, len(labels)], strict=True)]
     cpu = torch.device("cpu")
-    loss, _ = train_step(
-        ddp, optimizer, iter(parts), passes=len(parts), step_samples=len(labels), world=1, device=cpu,
+    optimizer.zero_grad(set_to_none=True)
+    loss, _, applied = train_step(
+        ddp, optimizer, iter(parts), passes=len(parts), step_samples=len(labels), among=1, device=cpu,
         precision=Precision(precision, cpu),
     )  # fmt: skip
+    assert applied  # (a torch optimizer's step, or one the scaler skipped, is taken)
     return {k: v.clone() for k, v in model.state_dict().items()}, float(loss)
 
 

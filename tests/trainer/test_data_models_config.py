@@ -466,11 +466,11 @@ def test_a_node_fault_exits_with_the_code_the_agent_and_the_operator_read(capsys
 
 
 def test_a_step_applied_once_counts_once_whoever_recorded_it() -> None:
-    """`whole_records`, the exactly-once audit: a record written again counts for a step with no other;
-    a partial record never. After a double fault (rank 0, on node a, completed step 11 alone in
-    generation 4, wrote its record and was lost; b and c, which never applied it, trained it again in
-    generation 5) the surviving line applied step 11 once. Before, it counted twice. A step a line
-    trained twice (here 12, by b in generations 5 and 6: b was in 6) still counts twice."""
+    """`whole_records`, the exactly-once audit: a partial record never counts. After a double fault
+    (rank 0, on node a, completed step 11 alone in generation 4, wrote its record and was lost; b and c,
+    which never applied it, trained it again in generation 5) the surviving line applied step 11 once.
+    Before, it counted twice. A step a line trained twice (here 12, by b in generations 5 and 6: b was
+    in 6) still counts twice."""
 
     def progress(step: int, generation: int, node: str, **extra: Any) -> dict[str, Any]:
         return {"event": "progress", "step": step, "generation": generation, "node": node, **extra}
@@ -481,7 +481,7 @@ def test_a_step_applied_once_counts_once_whoever_recorded_it() -> None:
         *({"event": "generation", "generation": 5, "node": node} for node in "bc"),
         progress(11, 5, "b"), progress(12, 5, "b"), progress(13, 5, "b", partial=True),
         *({"event": "generation", "generation": 6, "node": node} for node in "bc"),
-        progress(12, 6, "b"), progress(14, 6, "b", replayed=True),
+        progress(12, 6, "b"), progress(14, 6, "b"),
     ]  # fmt: skip
     assert whole_records(events) == {10: 1, 11: 1, 12: 2, 14: 1}
     no_members = [e for e in events if e["event"] == "progress"]  # nothing known of who was in a generation

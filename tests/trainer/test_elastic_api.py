@@ -162,12 +162,14 @@ def test_in_place_is_the_default_wherever_the_launcher_hands_rounds_over(
     assert why.startswith("in place" if chosen else "the restart path")
 
 
-def test_what_cannot_be_honoured_is_refused_at_start_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_cannot_be_honoured_is_refused_at_start_with_its_reason(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     with pytest.raises(elastic.Refused, match="in_place=True: in place needs torchspot-run"):
         choose_path(True, {})
     with pytest.raises(elastic.Refused, match="without a checkpoint_uri"):
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, checkpoint_every=10)
-    monkeypatch.setenv(PEER_LOST_ENV, "/nonexistent/peer-lost")  # as torchspot-run sets it: in place
+    monkeypatch.setenv(PEER_LOST_ENV, str(tmp_path / "peer-lost"))  # as torchspot-run sets it: in place
     manager = elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None)
     assert manager.in_place is True
     with pytest.raises(elastic.Refused, match="SyncBatchNorm in place"):
@@ -455,7 +457,7 @@ def test_the_last_buckets_riders_sum_to_the_sources_buffers_and_every_ranks_line
     """What three ranks' last buckets carry, summed as their all-reduce sums them: every rank reads the
     source's buffers (rank 0's, or the first trainer's after a heal beside the step) and each rank's line,
     exactly, in any float type a gradient may have."""
-    lines = [Line(False, 1, 0, 0), Line(True, 0, 2, 1), Line(False, -1, 1, 250)]
+    lines = [Line(False, 0, 0), Line(True, 2, 1), Line(False, 1, 250)]
     buffers = [[torch.full((3,), 0.5 + rank), torch.full((2, 2), -1.0 - rank)] for rank in range(3)]
     packed = [pack(buffers[r], r, 3, lines[r], source=source, dtype=dtype, device=CPU) for r in range(3)]
     total = torch.stack(packed).sum(dim=0)
@@ -466,7 +468,8 @@ def test_the_last_buckets_riders_sum_to_the_sources_buffers_and_every_ranks_line
 
 
 def _rows(*rows: tuple[int, bool, bool, bool]) -> list[Row]:
-    return [Row(*row) for row in rows]
+    """Rows of states with no change since their step (version 0)."""
+    return [Row(step, 0, *flags) for step, *flags in rows]
 
 
 @pytest.mark.parametrize(
@@ -488,6 +491,9 @@ def _rows(*rows: tuple[int, bool, bool, bool]) -> list[Row]:
         (_rows((7, False, True, True), (0, True, False, False)), None),
         # A new process holding a copy of the newest step is still sent it (its copy is not the group's).
         (_rows((7, False, True, True), (7, True, False, True)), [0]),
+        # Of two states of one step, the one the loop changed since (an evaluation kept) is the newer.
+        ([Row(5, 1, False, True, True), Row(5, 0, False, False, True)], [0]),
+        ([Row(5, 0, False, True, True), Row(5, 1, False, False, True)], None),
     ],
 )
 def test_a_heal_goes_beside_the_next_step_only_where_the_holders_step_next_and_every_rank_may_sit_out(
@@ -499,6 +505,7 @@ def test_a_heal_goes_beside_the_next_step_only_where_the_holders_step_next_and_e
 def test_a_broadcast_heal_sends_from_the_lowest_live_holder_of_the_newest_step() -> None:
     assert source_of(_rows((7, True, False, True), (7, False, False, True), (3, False, False, True))) == 1
     assert source_of(_rows((2, True, False, True), (7, True, False, True))) == 1
+    assert source_of([Row(7, 0, False, False, True), Row(7, 2, False, False, True)]) == 1
 
 
 class _Terminal(io.StringIO):

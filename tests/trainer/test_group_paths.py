@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -356,22 +357,23 @@ def test_the_state_of_a_boundary_keeps_its_batchnorm_statistics_through_the_next
 def test_a_step_that_breaks_before_its_update_leaves_no_batchnorm_statistics_behind() -> None:
     """In place, a step whose gradient all-reduce fails has run its forward passes: BatchNorm's running
     statistics and batch count moved with its samples. The re-form puts back the boundary's
-    (`BoundaryBuffers`, kept before each step): a heal where every rank is live sends nothing over
+    (`BoundaryBuffers`, kept by the manager as each step begins): a heal where every rank is live sends nothing over
     them, and the replayed step gave rank 0's contaminated statistics to everyone. A step that was
     applied keeps its statistics."""
     model = _bn_model()
     model.train()
+    buffers = list(model.buffers())
     boundary = BoundaryBuffers()
     for step in (7, 8):  # the copy of the step before is reused
-        boundary.keep(model, step)
+        boundary.keep(buffers, step)
         at_boundary = {name: buffer.clone() for name, buffer in model.named_buffers()}
         model(torch.randn(8, 4) + 5)  # the step's forward; its all-reduce then fails
         assert not torch.equal(model.get_buffer("1.running_mean"), at_boundary["1.running_mean"])
-        assert boundary.restore(model, step)
+        assert boundary.restore(buffers, step)
         assert all(torch.equal(buffer, at_boundary[name]) for name, buffer in model.named_buffers())
     model(torch.randn(8, 4) + 5)  # step 9's forward, and its update: applied
     applied = model.get_buffer("1.running_mean").clone()
-    assert not boundary.restore(model, 9)  # kept at 8: the model went on from 9
+    assert not boundary.restore(buffers, 9)  # kept at 8: the model went on from 9
     assert torch.equal(model.get_buffer("1.running_mean"), applied)
 
 
@@ -598,18 +600,24 @@ def test_evaluation_runs_under_inference_mode_and_the_runs_autocast(tmp_path: Pa
             seen.append((torch.is_inference_mode_enabled(), out.dtype))
             return out
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        group = Group(0, 1, torch.device("cpu"))
-        data = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(3)]
-        accuracy = evaluate(
-            Probe(), 6, group, batch_size=2, load=lambda _batches: iter(data), prepare=lambda x: x,
-            between=lambda: None, autocast=Precision("bf16", torch.device("cpu")).autocast,
+    data = [(torch.randn(2, 4), torch.tensor([0, 1])) for _ in range(3)]
+    cpu = torch.device("cpu")
+
+    def run(between: Callable[[], bool], sums: Callable[[torch.Tensor], bool]) -> float | None:
+        return evaluate(
+            Probe(), 6, rank=0, world=1, device=cpu, batch_size=2, load=lambda _batches: iter(data),
+            prepare=lambda x: x, between=between, sums=sums, autocast=Precision("bf16", cpu).autocast,
         )  # fmt: skip
-    finally:
-        dist.destroy_process_group()
+
+    accuracy = run(lambda: False, lambda _counts: True)  # one rank: its counts are the group's
     assert seen == [(True, torch.bfloat16)] * 3
+    assert accuracy is not None
     assert 0.0 <= accuracy <= 1.0
+    # The group changed during it (a re-form at a batch, or sums that did not complete): no accuracy.
+    batches = iter([False, True])
+    assert run(lambda: next(batches), lambda _counts: True) is None
+    assert len(seen) == 4  # it stopped at the batch where the group changed
+    assert run(lambda: False, lambda _counts: False) is None
 
 
 def test_a_packed_state_unpacks_unchanged_and_a_buffer_of_another_size_is_refused() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from torchspot_trainer import ENV_PREFIX, env_switch
-from torchspot_trainer.checkpoint.manager import SAVER_PROCESS, SAVER_THREAD
+from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_PROCESS, SAVER_THREAD
 from torchspot_trainer.data.loader import DECODERS
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
@@ -108,7 +108,7 @@ class TrainConfig:
     """Steps between asynchronous checkpoints (0: only at the end and on eviction)."""
     keep_checkpoints: int = 3
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
-    checkpoint_retries: int = 5
+    checkpoint_retries: int = CHECKPOINT_RETRIES
     """Attempts per checkpoint save before it is reported failed (training goes on)."""
     checkpoint_saver: str = SAVER_PROCESS
     """Where asynchronous checkpoints are serialized and uploaded: 'process' (a child at lower

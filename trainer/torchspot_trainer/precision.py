@@ -21,23 +21,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class Stepper(Protocol):
+    """What a step's update goes through: a torch optimizer, or the recovery API's `OptimizerWrapper`
+    (whose `step` says whether the update was applied)."""
+
+    param_groups: list[dict[str, Any]]
+
+    def step(self) -> Any: ...
+
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
     """How a step runs forward and backward, and how the optimizer steps, at one precision."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, *, scaler: torch.amp.GradScaler | None = None) -> None:
+        """`scaler`: fp16's gradient scaler (default torch's; the trainer's tells the recovery API of each
+        update it skips: elastic.GradScaler)."""
         if name not in PRECISIONS:
             raise ValueError(f"--precision {name!r}: choose one of {', '.join(PRECISIONS)}")
         self.name = name
         self.device = device
-        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+        self.scaler = (scaler or torch.amp.GradScaler(device.type)) if name == "fp16" else None
         self.channels_last = device.type == "cuda"
 
     @contextlib.contextmanager
@@ -58,13 +71,15 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step the optimizer (fp16: unscaled, skipped on inf/NaN gradients, the scale updated)."""
+    def step(self, optimizer: Stepper) -> bool:
+        """Step the optimizer (fp16: unscaled, skipped on inf/NaN gradients, the scale updated). False where
+        the step was refused (the recovery API's `OptimizerWrapper.step`: its all-reduce did not complete);
+        a torch optimizer's step, or one the scaler skipped, counts as taken."""
         if self.scaler is None:
-            optimizer.step()
-            return
-        self.scaler.step(optimizer)
+            return optimizer.step() is not False
+        taken = self.scaler.step(optimizer)  # type: ignore[arg-type]  # (it calls `step`, reads `param_groups`)
         self.scaler.update()
+        return taken is not False
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model in the memory format its inputs use; cuDNN's algorithm search on GPUs."""

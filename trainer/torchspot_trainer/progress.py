@@ -42,10 +42,9 @@ def format_progress(record: dict[str, Any]) -> str:
 
 def whole_records(events: Iterable[Mapping[str, Any]]) -> Counter[int]:
     """How many times each step was applied in the run's surviving line, from its whole progress records
-    (not `partial`): a record written again (`Progress.replayed`) counts only for a step with no other,
-    and in place a record of a generation whose writer is not in the later generation that recorded
-    the step again is that lost writer's (a double fault: rank 0 completed the step alone, wrote its
-    record and was lost; the survivors, which never applied it, trained it again), not a second
+    (not `partial`): in place a record of a generation whose writer is not in the later generation that
+    recorded the step again is that lost writer's (a double fault: rank 0 completed the step alone, wrote
+    its record and was lost; the survivors, which never applied it, trained it again), not a second
     application. The members of each generation are its ranks' `generation` events. Pure."""
     events = list(events)
     members: dict[int, set[str]] = {}
@@ -55,8 +54,7 @@ def whole_records(events: Iterable[Mapping[str, Any]]) -> Counter[int]:
     whole = [e for e in events if e.get("event") == "progress" and not e.get("partial")]
     by_step: dict[int, list[Mapping[str, Any]]] = {}
     for event in whole:
-        if not event.get("replayed"):
-            by_step.setdefault(int(event["step"]), []).append(event)
+        by_step.setdefault(int(event["step"]), []).append(event)
 
     def lost(record: Mapping[str, Any]) -> bool:
         generation = record.get("generation")
@@ -67,9 +65,7 @@ def whole_records(events: Iterable[Mapping[str, Any]]) -> Counter[int]:
             for other in by_step[int(record["step"])]
         )
 
-    counts = Counter(step for step, records in by_step.items() for record in records if not lost(record))
-    counts.update({e["step"]: 1 for e in whole if e.get("replayed") and e["step"] not in counts})
-    return counts
+    return Counter(step for step, records in by_step.items() for record in records if not lost(record))
 
 
 @dataclass
@@ -92,14 +88,9 @@ class Progress:
     step_samples: int = 0
     """Samples a full optimizer step averages over (the global batch)."""
     partial: bool = False
-    """In place: the group broke after the step was applied and before its loss and accuracy were summed,
-    so they are this rank's share only (the step itself counts: the next generation goes on after it).
-    Such a record comes from every rank this happened to (with its `rank`): a reader takes one per step."""
-    replayed: bool = False
-    """In place: written again after a re-form by a survivor that summed it (with its `rank`, and the
-    time the step completed), because rank 0, which writes records, left without a successor that saw
-    it written (`resume.record_writer`): it may have been written before, so a reader takes one whole
-    record per step."""
+    """The group broke after the step was applied and before its loss and accuracy were summed, so they
+    are this rank's share only (the step itself counts: the group goes on after it). Such a record comes
+    from every rank this happened to (with its `rank`): a reader takes one per step."""
 
 
 def process_age() -> float:
@@ -172,5 +163,5 @@ def record_means(loss: float, correct: float, computed: float) -> tuple[float, f
 
 
 def trained_samples(sampler: ElasticSampler) -> int:
-    """Samples trained so far, every epoch counted (a step redone counts once: the sampler counts completed steps)."""
-    return sampler.epoch * sampler.length + sampler.consumed
+    """Samples trained so far (`ElasticSampler.trained`)."""
+    return sampler.trained

@@ -14,18 +14,14 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from torchspot_trainer import NODE_FAULT_EXIT, takes_in_place
-from torchspot_trainer.checkpoint.manager import SAVER_PROCESS, CheckpointConfig, CheckpointManager, SaveReport
-from torchspot_trainer.checkpoint.storage import CheckpointStorage, open_storage
 from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import Normalize, load_cifar10, load_digits, load_imagenet
 from torchspot_trainer.data.loader import EVAL_LOADER_WORKERS, DeviceDecoder, EpochLoader
@@ -35,9 +31,7 @@ from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import BatchRule, build_optimizer
 from torchspot_trainer.precision import Precision
-from torchspot_trainer.recovery.buckets import GradientBuckets
 from torchspot_trainer.recovery.group import control_group, group_device, group_timeout, nccl_environment
-from torchspot_trainer.recovery.planes import HostPlane
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.recovery.signals import reset_sigterm
 from torchspot_trainer.step import warm_up
@@ -56,9 +50,7 @@ __all__ = [
     "load_datasets",
     "make_loader",
     "node_device",
-    "open_checkpoints",
     "probe_device",
-    "reopen_storage",
     "sync_bn_refusal",
     "warm_up_run",
 ]
@@ -216,7 +208,7 @@ class Run:
 
     model: nn.Module
     ddp: nn.Module
-    """The model under DDP, or the model itself in place (its gradients averaged by `InPlace.before_update`)."""
+    """The model under the recovery API's DDP (elastic.DistributedDataParallel)."""
     optimizer: torch.optim.Optimizer
     sampler: ElasticSampler
     rule: BatchRule
@@ -228,8 +220,6 @@ class Run:
     total_samples: int
     evaluated: tuple[int, float] = (-1, math.nan)
     """(step, top-1 accuracy) of the last completed evaluation."""
-    buckets: GradientBuckets | None = None
-    """In place on the host plane: the gradients' buckets, reduced beside the backward pass."""
 
 
 def build_run(
@@ -239,23 +229,17 @@ def build_run(
     *,
     world: int,
     device: torch.device,
-    local_rank: int,
     loader_workers: int,
     decoder: DeviceDecoder | None,
-    in_place: HostPlane | None,
+    wrap: Callable[[nn.Module], nn.Module],
 ) -> Run:
-    """The run around `model` on the data `sets` (train, test): torch's DDP on the restart path, the model
-    itself in place (its gradients averaged over each generation, in buckets beside the backward pass
-    on the host plane), the optimizer, the exact-once sampler and the loaders. `in_place`: the
-    generations' data plane, or None on the restart path."""
+    """The run around `model` on the data `sets` (train, test): the model under DDP (`wrap`), the
+    optimizer, the exact-once sampler and the loaders."""
     train_set, test_set = sets
     rule = config.batch_rule()
-    cuda = device.type == "cuda"
     return Run(
         model=model,
-        ddp=model
-        if in_place is not None
-        else DistributedDataParallel(model, device_ids=[local_rank] if cuda else None),
+        ddp=wrap(model),
         optimizer=build_optimizer(
             model, config.optimizer, lr=rule.peak_lr(world), weight_decay=config.recipe().weight_decay, device=device
         ),
@@ -273,9 +257,6 @@ def build_run(
         test_loader=make_loader(test_set, decoder, min(loader_workers, EVAL_LOADER_WORKERS), device),
         normalize=train_set.normalize,  # type: ignore[attr-defined]
         total_samples=config.epochs * len(train_set),  # type: ignore[arg-type]
-        buckets=GradientBuckets([p for p in model.parameters() if p.requires_grad])
-        if in_place is not None and not in_place.separate
-        else None,
     )
 
 
@@ -316,19 +297,6 @@ def form_default_group(backend: str, device: torch.device, collective_timeout: f
     return control_group(backend, collective_timeout)
 
 
-def open_checkpoints(config: TrainConfig, *, rank: int, on_report: Callable[[SaveReport], None]) -> CheckpointManager:
-    """The checkpoint manager of `--checkpoint-uri`: rank 0's saves in a child process with
-    --checkpoint-saver process (a later rank 0 in place starts its own: train.py's `_ranks_changed`)."""
-    reopen = reopen_storage(config.checkpoint_uri)
-    saves_in_child = rank == 0 and config.checkpoint_saver == SAVER_PROCESS
-    return CheckpointManager(
-        reopen(),
-        CheckpointConfig(keep=config.keep_checkpoints, retries=config.checkpoint_retries),
-        on_report=on_report,
-        reopen=reopen if saves_in_child else None,
-    )
-
-
 def warm_up_run(run: Run, *, rank: int, world: int, device: torch.device, precision: Precision) -> None:
     """The first pass's one-off costs paid before a worker in place enters its group (step.warm_up), on a
     batch of this rank's first micro-batch's size, the random number generators left as they were."""
@@ -341,11 +309,6 @@ def warm_up_run(run: Run, *, rank: int, world: int, device: torch.device, precis
         precision=precision, normalize=run.normalize,
     )  # fmt: skip
     set_rng_state(kept)
-
-
-def reopen_storage(uri: str) -> Callable[[], CheckpointStorage]:
-    """How a saver process opens the checkpoint storage (picklable)."""
-    return partial(open_storage, uri, retries=1, timeout=5.0)
 
 
 def _reset_sigterm_in_loader(_worker: int) -> None:

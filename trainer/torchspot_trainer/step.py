@@ -1,12 +1,11 @@
 """One optimizer step over a worker's micro-batches: the gradient is the exact mean over
 the step's samples, whatever the world size and however the share is cut.
 
-DDP averages gradients over ranks (divides the all-reduced sum by the world size), so a
-rank's micro-batch contributes `sum of its losses x world / samples in the step`; summed
-over micro-batches and averaged over ranks that is the mean over the step's samples even
-when they do not divide evenly (a short last step, uneven shares). Gradients of all but
-the last micro-batch accumulate locally under `no_sync`, and the last backward pass
-all-reduces them once.
+DDP averages gradients over ranks (divides the all-reduced sum by the ranks that computed the step), so
+a rank's micro-batch contributes `sum of its losses x ranks / samples in the step`; summed over
+micro-batches and averaged over ranks that is the mean over the step's samples even when they do not
+divide evenly (a short last step, uneven shares). Gradients of all but the last micro-batch accumulate
+locally under `no_sync`, and the last backward pass all-reduces them once.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchspot_trainer.precision import Precision
+from torchspot_trainer.precision import Precision, Stepper
 
 
 def model_inputs(
@@ -36,47 +35,37 @@ def model_inputs(
 
 def train_step(
     ddp: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Stepper,
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     *,
     passes: int,
     step_samples: int,
-    world: int,
+    among: int,
     device: torch.device,
-    before_update: Callable[[torch.Tensor, torch.Tensor], None] = lambda _loss, _correct: None,
     precision: Precision | None = None,
     normalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    before_last_pass: Callable[[], None] = lambda: None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer.
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Run `passes` micro-batches from `batches` forward and backward, then step the optimizer (the step
+    has begun: the caller zeroed the gradients).
 
-    `ddp` is the model under DDP, or the bare model of a worker that re-forms in place, whose
-    gradients `before_update` averages (live.py's `LiveCollectives.average_gradients`).
-
-    `before_last_pass` runs before the last micro-batch's forward pass, where DDP's `no_sync` ends:
-    in place, the gradient buckets are armed there (recovery/buckets.py).
-
-    `before_update` runs between the last gradient all-reduce and the optimizer's step, given the
-    step's summed loss and correct predictions (they may ride in place with the gradients): from
-    then until the caller counts the step, the model is between two states. Returns this
-    rank's summed loss and correct predictions as device tensors (read them at log time:
-    no host synchronisation per step). `precision` (default fp32) runs the forward passes
-    under its autocast and steps through its gradient scaler. `normalize` turns the loader's
-    uint8 batch into the model's float input after the copy to the device (data.Normalize).
+    `among`: the ranks whose gradients the step averages over (the world, or after a heal beside the step
+    its trainers). Returns this rank's summed loss and correct predictions as device tensors (read them
+    at log time: no host synchronisation per step), and whether the update was applied (counted: the
+    recovery API's `OptimizerWrapper.step` refuses a step whose all-reduce did not complete).
+    `precision` (default fp32) runs the forward passes under its autocast and steps through its gradient
+    scaler. `normalize` turns the loader's uint8 batch into the model's float input after the copy to the
+    device (data.Normalize).
     """
     precision = precision or Precision("fp32", device)
     ddp.train()
-    optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device, dtype=torch.long)
-    scale = world / max(step_samples, 1)
+    scale = among / max(step_samples, 1)
     for index in range(passes):
         inputs, labels = next(batches)
         inputs = model_inputs(inputs, device, precision, normalize)
         labels = labels.to(device, non_blocking=True)
         last = index == passes - 1
-        if last:
-            before_last_pass()
         with ddp.no_sync() if isinstance(ddp, DistributedDataParallel) and not last else contextlib.nullcontext():
             with precision.autocast():
                 logits = ddp(inputs)
@@ -84,9 +73,8 @@ def train_step(
             precision.backward(summed * scale)
         loss_sum += summed.detach()
         correct += (logits.detach().argmax(1) == labels).sum()
-    before_update(loss_sum, correct)
-    precision.step(optimizer)
-    return loss_sum, correct
+    applied = precision.step(optimizer)
+    return loss_sum, correct, applied
 
 
 def warm_up(

@@ -102,13 +102,17 @@ def snapshot(obj: Any) -> Any:
     return map_nested(obj, lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf)
 
 
+CHECKPOINT_RETRIES = 5
+"""Attempts per save before it is reported failed, by default (the trainer's --checkpoint-retries)."""
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """How often and how durably to checkpoint."""
 
     keep: int = 3
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
-    retries: int = 5
+    retries: int = CHECKPOINT_RETRIES
     """Attempts per save before it is reported failed (training goes on)."""
     backoff: float = 1.0
     """Seconds before the first retry; doubles each time, capped at `max_backoff`."""

@@ -56,6 +56,12 @@ class ElasticSampler:
         if self.global_batch < 0 or self.micro_batch < 0:
             raise ValueError("global and micro batch sizes must be 0 (off) or more")
 
+    @property
+    def trained(self) -> int:
+        """Samples trained so far, every epoch counted (a step redone counts once: only completed steps move
+        the position): the measure of progress that does not depend on the world size."""
+        return self.epoch * self.length + self.consumed
+
     def step_size(self, world: int) -> int:
         """Samples a full step uses: the global batch, or `batch_size` per rank."""
         return self.global_batch or world * self.batch_size

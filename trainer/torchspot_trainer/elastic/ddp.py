@@ -129,8 +129,9 @@ class GradScaler(torch.amp.GradScaler):
         manager.scales_loss()
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """torch's `step`; then, where it skipped the update, the manager told."""
+        """torch's `step`; then, where it skipped the update, the manager told: its answer (whether the
+        skipped step counted) is returned then, the optimizer's otherwise."""
         result = super().step(optimizer, *args, **kwargs)
         if self.manager.stepping():
-            self.manager.update_skipped()
+            return self.manager.update_skipped()
         return result

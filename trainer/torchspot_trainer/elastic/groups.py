@@ -50,26 +50,34 @@ class InPlaceGroups:
         self._handover: Handover | None = None
 
     def start(self) -> None:
-        """Register with this node's agent (at the first step): it hands this worker each round from now."""
+        """Register with this node's agent (as the manager is made: a round handed over during the loop's
+        set-up is acknowledged): it hands this worker each round from now."""
         handover = Handover.from_environment()
         handover.register(stamps_steps=True)
         handover.watch(self.live)
         self._handover = handover
 
+    def done_with_group(self) -> None:
+        """This worker's node leaves and its group has shared the notice: its agent may leave the rendezvous
+        now, so that the others re-form while this worker writes the emergency checkpoint."""
+        if self._handover is not None:
+            self._handover.agreed()
+
     def enter(
         self,
         step: int,
+        version: int,
         *,
         stepping: bool,
         scaled: bool,
         entered: Callable[[Assignment], None],
         leave: Callable[[str], NoReturn],
     ) -> str:
-        """Enter the first newer round that forms and heal in it (heal.py: `step` is this rank's state's),
-        again in the next while a newer round or a lost peer breaks the heal; `leave` where no round
-        comes within REFORM_SECONDS. `entered(assignment)` is told each round entered. Returns where
-        this rank's state comes from (`Healing.heal`). `stepping`: at a step's start; `scaled`: a
-        gradient scaler runs (no rank may sit a step out: its scale is not in the state)."""
+        """Enter the first newer round that forms and heal in it (heal.py: `step` and `version` are this
+        rank's state's), again in the next while a newer round or a lost peer breaks the heal; `leave`
+        where no round comes within REFORM_SECONDS. `entered(assignment)` is told each round entered.
+        Returns where this rank's state comes from (`Healing.heal`). `stepping`: at a step's start;
+        `scaled`: a gradient scaler runs (no rank may sit a step out: its scale is not in the state)."""
         handover, live = self._handover, self.live
         assert handover is not None
         may_sit_out = not (live.plane.separate or scaled)  # a device plane's heal broadcasts
@@ -81,7 +89,7 @@ class InPlaceGroups:
                 continue
             entered(assignment)
             try:
-                return self.healing.heal(assignment.rank, step, stepping=stepping, may_sit_out=may_sit_out)
+                return self.healing.heal(assignment.rank, step, version, stepping=stepping, may_sit_out=may_sit_out)
             except GroupChanged as exc:
                 if exc.failed:
                     handover.report_failure()

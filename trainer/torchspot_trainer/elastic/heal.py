@@ -44,6 +44,9 @@ class Row:
 
     step: int
     """The step this rank's state is of: its last committed step, or what its resume loaded."""
+    version: int
+    """Its changes since that step (`Manager.state_changed`): of two states of one step, the changed one
+    is newer."""
     fresh: bool
     """It holds no state of the run's group yet (a new process, or a receiver whose state never came)."""
     stepping: bool
@@ -51,20 +54,25 @@ class Row:
     may_sit_out: bool
     """Its gradients may count zero in a step (a host plane, no gradient scaler)."""
 
+    @property
+    def newness(self) -> tuple[int, int]:
+        """What orders two ranks' states: the step, then the changes since it."""
+        return self.step, self.version
+
     def as_floats(self) -> list[float]:
-        return [float(self.step), float(self.fresh), float(self.stepping), float(self.may_sit_out)]
+        return [float(self.step), float(self.version), float(self.fresh), float(self.stepping), float(self.may_sit_out)]
 
     @classmethod
     def parse(cls, line: Sequence[float]) -> Row:
-        return cls(int(line[0]), bool(line[1]), bool(line[2]), bool(line[3]))
+        return cls(int(line[0]), int(line[1]), bool(line[2]), bool(line[3]), bool(line[4]))
 
 
 def trainers_beside(rows: Sequence[Row]) -> list[int] | None:
     """The ranks that train the next step while the others receive the state (module docstring), or None
     where the others must have it first: no rank lacks the newest step, none holds it live, one holding
     it does not heal at a step's start, or a rank may not sit a step out. Pure."""
-    best = max(row.step for row in rows)
-    trainers = [rank for rank, row in enumerate(rows) if row.step == best and not row.fresh]
+    best = max(row.newness for row in rows)
+    trainers = [rank for rank, row in enumerate(rows) if row.newness == best and not row.fresh]
     if not trainers or len(trainers) == len(rows):
         return None
     if not all(rows[rank].stepping for rank in trainers) or not all(row.may_sit_out for row in rows):
@@ -75,8 +83,8 @@ def trainers_beside(rows: Sequence[Row]) -> list[int] | None:
 def source_of(rows: Sequence[Row]) -> int:
     """The rank a broadcast heal sends from: the lowest holding the newest step, a live one before a
     new one's copy (a snapshot or checkpoint of the same step). Pure."""
-    best = max(row.step for row in rows)
-    holders = [rank for rank, row in enumerate(rows) if row.step == best]
+    best = max(row.newness for row in rows)
+    holders = [rank for rank, row in enumerate(rows) if row.newness == best]
     return next((rank for rank in holders if not rows[rank].fresh), holders[0])
 
 
@@ -107,18 +115,18 @@ class Healing:
         self._arrived: dict[str, Any] | None = None
         self._sending: Future[None] | None = None
 
-    def heal(self, rank: int, step: int, *, stepping: bool, may_sit_out: bool) -> str:
+    def heal(self, rank: int, step: int, version: int, *, stepping: bool, may_sit_out: bool) -> str:
         """Agree on the newest step in the group just entered and take it (module docstring). Returns
         where this rank's state comes from: `live` (it holds the newest), `peer` (loaded now, or on its
         way for the next step: `arriving_step`). Raises GroupChanged where the group fails meanwhile."""
         self.drop()
-        mine = Row(step, self.fresh, stepping, may_sit_out)
+        mine = Row(step, version, self.fresh, stepping, may_sit_out)
         agreed = self._live.agree(mine.as_floats(), time.monotonic() + REFORM_SECONDS)
         if agreed is None:
             raise GroupChanged(Outcome.BROKEN)
         rows = [Row.parse(line) for line in agreed]
-        best = max(row.step for row in rows)
-        if all(row.step == best and not row.fresh for row in rows):
+        best = max(row.newness for row in rows)
+        if all(row.newness == best and not row.fresh for row in rows):
             self.fresh = False
             return "live"
         trainers = trainers_beside(rows)
@@ -130,13 +138,13 @@ class Healing:
             if rank in trainers:
                 return "live"
             arrival = StateArrival(self._live, trainers[0], self._device, time.monotonic() + REFORM_SECONDS)
-            self._arriving = (arrival, best)
+            self._arriving = (arrival, best[0])
             return "peer"
         source = source_of(rows)
         state = broadcast_state(self._state() if rank == source else None, source, rank, self._device,
                                 self._live_broadcast)  # fmt: skip
         self.fresh = False
-        if rank != source and (mine.fresh or step != best):
+        if rank != source and (mine.fresh or mine.newness != best):
             self._load(state)
             return "peer"
         return "live"
@@ -150,6 +158,10 @@ class Healing:
     def arriving_step(self) -> int | None:
         """The step of the state on its way to this receiver, if any: what the loop reads as its step."""
         return None if self._arriving is None else self._arriving[1]
+
+    def pending(self) -> bool:
+        """Whether a heal's state is on its way to this receiver or arrived and not loaded yet."""
+        return self._arriving is not None or self._arrived is not None
 
     def sits_out(self, rank: int) -> bool:
         """Whether `rank` sits the step out (its gradients count zero)."""

@@ -4,18 +4,22 @@ A step, as the wrappers (ddp.py) drive it:
 
 1. `current_step()`'s first call (the loop's condition) enters the job's first group and resumes: from a
    live peer where the run goes on, else from the newest checkpoint. `start_step()` (from
-   `OptimizerWrapper.zero_grad`) begins a step, in the next group when a round came between steps.
+   `OptimizerWrapper.zero_grad`) passes the boundary after the last step (its eviction notices, then its
+   checkpoint on schedule: after whatever the loop did with that step, so its progress record is written
+   before a notice may end the worker) and begins a step, in the next group when a round came between
+   steps.
 2. The backward pass: each DDP bucket's all-reduce goes over the current group (`reduce_bucket`),
    through a staging copy, against a deadline and the agent's next round (recovery/live.py). The last
-   bucket carries two more values per rank: whether this rank's deferred round has its joiners ready,
-   and its rank in it, so every rank that completes the step learns the same thing at the same step.
+   bucket carries the model's buffers and a line per rank (riders.py): whether this rank's deferred round
+   has its joiners ready, its notice level and node, so every rank that completes the step learns the
+   same thing at the same step.
 3. `should_commit()` (from `OptimizerWrapper.step`, before the update): True when every bucket's
    all-reduce completed. Otherwise the update is not applied, and the worker enters the next group and
    heals in it at once, so that the loop's condition reads the healed step.
-4. `commit()` (after the update): the step counts; the samplers move on; the agent, the operator
-   and the checkpoint schedule hear of it; where the step agreed on a switch to a joiner's group, the
-   switch follows at the next step's start (or at `close()`), so that whatever the loop does between
-   the two runs among the ranks that took the step.
+4. `commit()` (after the update): the step counts; the samplers move on; the agent and the operator
+   hear of it; where the step agreed on a switch to a joiner's group, the switch follows at the next
+   step's start (or at `heed_notices()`, `close()`), so that whatever the loop does between the two runs
+   among the ranks that took the step.
 
 **The two paths.** In place when the worker runs under torchspot-run with the etcd-v3 rendezvous (its
 agent hands the live workers each new round: handover.py); otherwise the restart path: torch's
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
-from torchspot_trainer.checkpoint.manager import SaveReport, step_dir
+from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_THREAD, SaveReport, step_dir
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.buckets import StepBuckets
 from torchspot_trainer.elastic.groups import InPlaceGroups
@@ -69,7 +73,7 @@ from torchspot_trainer.elastic.settings import (
 from torchspot_trainer.elastic.state import RunState
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.collectives import LiveCollectives
-from torchspot_trainer.recovery.group import Group
+from torchspot_trainer.recovery.group import Group, abort_group, arm_exit_deadline
 from torchspot_trainer.recovery.notices import (
     EXIT_FAILED,
     NOTICE_LEAVING,
@@ -111,6 +115,12 @@ class Manager:
     :param sharded: the state is sharded over the ranks (FSDP2's DTensors): every rank checkpoints its own
         shards (DCP), a restart resumes at any world size, and the run takes the restart path
         (saving.py says what a sharded state does not get yet).
+    :param checkpoint_saver: where rank 0 serialises and uploads a replicated checkpoint: 'thread' (of
+        the training process) or 'process' (a child process, which holds none of the loop's GIL: its
+        steps do not slow down during a save of a large state).
+    :param checkpoint_retries: attempts per save before it is reported failed (training goes on).
+    :param progress_records: False where the loop writes its own progress records (the built-in
+        trainer's carry its loss and accuracy): the manager then writes none of its own.
     """
 
     def __init__(
@@ -129,6 +139,9 @@ class Manager:
         scheduled_events: str | None = None,
         snapshot_every: int = 1,
         sharded: bool = False,
+        checkpoint_saver: str = SAVER_THREAD,
+        checkpoint_retries: int = CHECKPOINT_RETRIES,
+        progress_records: bool = True,
     ) -> None:
         checkpoint_uri, checkpoint_every, keep_checkpoints = checkpoint_settings(
             checkpoint_uri, checkpoint_every, keep_checkpoints, os.environ
@@ -148,10 +161,12 @@ class Manager:
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
         self._records = Records(Path(path) if path else None)
+        self._progress_records = progress_records
         self._saving: Saving | None = None
         if checkpoint_uri:
             self._saving = Saving(checkpoint_uri, every=checkpoint_every, keep=keep_checkpoints, sharded=sharded,
-                                  on_report=self._on_checkpoint)  # fmt: skip
+                                  on_report=self._on_checkpoint, saver=checkpoint_saver,
+                                  retries=checkpoint_retries)  # fmt: skip
         self._checkpoints = None if self._saving is None else self._saving.replicated
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
         self.sharded = sharded
@@ -159,13 +174,16 @@ class Manager:
         self._step_started = 0.0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self._phase = _IDLE
-        self._begun = self._closed = self._reform_due = self._failed = False
+        self._begun = self._closed = self._reform_due = self._failed = self._regroup = self._boundary_due = False
+        """`_reform_due`: the last step agreed on a switch to a joiner's group; `_regroup`: a collective of
+        the loop's between steps (`all_reduce`, `heed_notices`) did not complete: the group is re-formed
+        before the next step or agreement."""
         self._computed = self._skipped = False
         """Whether the step's model ran forward (`computed`); whether the step being counted had its update
         skipped (`update_skipped`)."""
         self.resumed_from = "start"
-        """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank) or `start`: where
-        this worker's state last came from."""
+        """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank), `live` (in place,
+        the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
         self._whole = False
         """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
         self._buckets = StepBuckets()
@@ -186,6 +204,9 @@ class Manager:
         )  # fmt: skip
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
+        if self._groups is not None:  # registered at once: a round handed over during the loop's set-up is taken
+            self._groups.start()
+            self._leaving.stop.done_with_group = self._groups.done_with_group
         threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
 
     # -- what the loop reads ------------------------------------------------------
@@ -199,6 +220,31 @@ class Manager:
     def world_size(self) -> int:
         """The current group's size."""
         return self._world
+
+    @property
+    def generation(self) -> int | None:
+        """In place, the number of the group this worker is in (it grows at each re-form: a record's
+        lineage); None on the restart path, where a group lasts as long as its processes."""
+        return None if self._live is None else self._live.generation
+
+    @property
+    def state_arriving(self) -> bool:
+        """Whether a heal's state is on its way to this worker: it entered a group that trains on, and takes
+        the group's next step with the others, its gradients counting zero, its state loaded before that
+        step's update. Until then the loop's state is not the run's: a loop that reads it to decide what it
+        does next (whether an evaluation is due) takes that step first."""
+        return self._healing is not None and self._healing.pending()
+
+    @property
+    def last_checkpoint(self) -> int | None:
+        """The step of the newest committed checkpoint this worker knows of (rank 0's saves, or the one it
+        resumed from), if any."""
+        return None if self._checkpoints is None else self._checkpoints.last_committed
+
+    @property
+    def checkpoint_error(self) -> str | None:
+        """Why the newest checkpoint save failed, until one commits again (training goes on meanwhile)."""
+        return None if self._checkpoints is None else self._checkpoints.last_error
 
     def current_step(self) -> int:
         """Steps committed so far (by this run's lineage: a heal or a resume moves it). The first call
@@ -225,7 +271,9 @@ class Manager:
             self.update_skipped()
         if not self._begun:
             self._begin()
-        elif self._live is not None and (self._reform_due or self._live.broken.is_set()):
+        elif self._boundary_due and self._pass_boundary():
+            pass  # a notice: the group re-formed without the leaving node
+        elif self._live is not None and (self._reform_due or self._regroup or self._live.broken.is_set()):
             # The switch the last step agreed on (`_take_riders`), or a round that came between steps: no
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
@@ -235,17 +283,19 @@ class Manager:
         self._computed = False
         self._step_started = time.monotonic()
 
-    def update_skipped(self) -> None:
+    def update_skipped(self) -> bool:
         """The step's gradients were computed, and its update skipped: a gradient scaler found inf or NaN
         in them and did not call `optimizer.step()`, as it does in any loop (`GradScaler` tells). The step
         still consumed its samples: it counts as taken, under the commit rule (where its collectives did
         not complete, it is taken again after the re-form, as any). A step begun with its predecessor's
-        gradients computed but neither applied nor said skipped is counted so too, a line said."""
+        gradients computed but neither applied nor said skipped is counted so too, a line said. True where
+        the step committed so (False: it did not, and the group re-formed)."""
         self.require_step("a skipped update")
         if not self.should_commit():
-            return
+            return False
         self._skipped = True
         self.commit()
+        return True
 
     def require_step(self, what: str) -> None:
         """Raise ApiOrderError unless a step has begun (`start_step`), naming `what` came too early."""
@@ -282,11 +332,11 @@ class Manager:
 
     def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """What the last bucket carries beside the gradients (riders.py): the model's buffers, and this
-        rank's line: its deferred round's joiners ready, its rank there, its notice level and node."""
+        rank's line: its deferred round's joiners ready, its notice level and node."""
         assert self._live is not None
         assert self._healing is not None
         level, node = self._leaving.stop.row()
-        line = Line(self._live.joiners_ready.is_set(), self._live.pending_rank(), level, node)
+        line = Line(self._live.joiners_ready.is_set(), level, node)
         source = 0 if self._healing.trainers is None else self._healing.trainers[0]  # a receiver's are stale
         return pack(self._run.buffers, self._rank, self._world, line, source=source, dtype=dtype, device=device)
 
@@ -315,6 +365,7 @@ class Manager:
             self._phase = _IDLE
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
                         self._rank, self._run.step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
+            self._run.restore_buffers()  # its forward passes' BatchNorm statistics go with it
             self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
         self._healing.stepped()  # a receiver's state, taken before the step's buffers
@@ -328,7 +379,6 @@ class Manager:
         lines = unpack(ride, self._run.buffers, self._world)
         self._notice_rows = [[line.level, line.node] for line in lines]
         if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
-            self._live.switching([line.pending for line in lines])
             self._reform_due = True
 
     def all_reduce(self, tensor: torch.Tensor) -> bool:
@@ -348,29 +398,30 @@ class Manager:
             dist.all_reduce(tensor)
             return True
         if live.broken.is_set():
+            self._regroup = True
             return False
         assert self._healing is not None
         try:
             self._healing.before_collective()
         except GroupChanged as exc:
-            self._failed = exc.failed
+            self._failed, self._regroup = exc.failed, True
             return False
         outcome = live.all_reduce(tensor, time.monotonic() + REFORM_SECONDS, control=tensor.device.type == "cpu")
         if outcome is Outcome.FAILED:  # a peer's socket closed: the agent hears of it at the re-form
             self._failed = True
+        self._regroup = self._regroup or outcome is not Outcome.DONE
         return outcome is Outcome.DONE
 
     def commit(self) -> None:
-        """The step's update was applied: count it, move the samplers on, tell the agent and the
-        operator, and checkpoint on schedule. `OptimizerWrapper.step` calls it after the update."""
+        """The step's update was applied: count it, move the samplers on, tell the agent and the operator
+        (its notices and its checkpoint follow at the boundary: `start_step`). `OptimizerWrapper.step`
+        calls it after the update."""
         if self._phase != _COMMITTING:
             raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
         positions = self._run.positions
         samples = positions[0].step_chunk(self._world) if positions and self._records.events else None
         trained = positions[0].next_step_samples(self._world) if positions else 0
-        for position in positions:
-            position.advance(self._world)
-        self._run.step += 1
+        self._run.advance(self._world)
         self._phase = _IDLE
         self._run.capture()
         if self._groups is not None:
@@ -381,16 +432,14 @@ class Manager:
         self._records.step(self._run.step, rank=self._rank, world=self._world, generation=generation, samples=samples,
                            skipped=self._skipped)  # fmt: skip
         self._skipped = False
-        if self._rank == 0:
+        if self._rank == 0 and self._progress_records:
             self._records.progress(trained, step=self._run.step, world=self._world)
-        if self._notices_stop_here():
-            return
-        if self._saving is not None:
-            self._saving.after_commit(self._run.step, self._rank, self._run.full, self._world)
+        self._boundary_due = True  # (`_pass_boundary`, once the loop is done with this step)
 
-    def close(self) -> None:
+    def close(self, **summary: Any) -> None:
         """The loop is over: the final checkpoint is written (unless the last one is of this step: rank 0's,
-        or every rank's where the state is sharded) and waited for; the manager's threads stop."""
+        or every rank's where the state is sharded) and waited for; the manager's threads stop. `summary`:
+        the loop's own figures, added to the `done` record (a final test accuracy)."""
         if self._closed:
             return
         if self._reform_due:  # the last step agreed on a switch: its joiners wait in that group for their heal
@@ -406,7 +455,7 @@ class Manager:
         if self._reporter is not None:
             self._reporter.close()
         self._leaving.close()
-        self._emit({"event": "done", "step": self._run.step, "world_size": self._world})
+        self._emit({"event": "done", "step": self._run.step, "world_size": self._world, **summary})
 
     def __enter__(self) -> Manager:
         return self
@@ -450,7 +499,6 @@ class Manager:
             self._started(generation=None)
             return
         assert self._groups is not None
-        self._groups.start()
         self._resume()
         self._enter_and_heal(stepping=False)
         self._whole = True
@@ -475,8 +523,8 @@ class Manager:
         assert self._groups is not None
         if self._failed:
             self._groups.report_failure()
-        self._failed = False
-        self._reform_due = False
+        self._failed = self._reform_due = self._regroup = self._boundary_due = False
+        self._notice_rows = None  # (the old group's; a notice is shared again at the next group's boundary)
         self._enter_and_heal(stepping=stepping)
 
     def _enter_and_heal(self, *, stepping: bool) -> None:
@@ -486,11 +534,18 @@ class Manager:
         assert groups is not None
         started = time.monotonic()
         source = groups.enter(
-            self._run.step, stepping=stepping, scaled=self._scaled, entered=self._entered, leave=self._leave
+            self._run.step,
+            self._run.version,
+            stepping=stepping,
+            scaled=self._scaled,
+            entered=self._entered,
+            leave=self.leave,
         )
         self._reform_due = False
         if source == "peer":  # (a receiver beside the step loads its state before the step's update)
             self.resumed_from = "peer"
+        elif self._whole:  # a re-form: it goes on from the state it holds (the first group's is its resume's)
+            self.resumed_from = "live"
         self._rank_duties()
         self._emit({"event": "generation", "generation": groups.live.generation, "rank": self._rank,
                     "world_size": self._world, "step": self.current_step(), "pid": os.getpid(), "node": node_name(),
@@ -508,8 +563,9 @@ class Manager:
         }  # fmt: skip
         if generation is not None:  # in place: no process restarted
             record["generation"] = generation
-        if self._run.positions:
-            record["step_samples"] = self._run.positions[0].step_size(self._world)
+        if self._run.positions:  # the first sampler's: the epoch, the samples trained so far, a step's
+            first = self._run.positions[0]
+            record.update(epoch=first.epoch, trained_samples=first.trained, step_samples=first.step_size(self._world))
         self._records.started(record, rank=self._rank)
         self._run.capture()
 
@@ -530,6 +586,8 @@ class Manager:
     def _rank_duties(self) -> None:
         """Rank 0 reports steps and checkpoints to the operator (through the job's etcd); the duty
         follows rank 0 from group to group."""
+        if self._saving is not None:
+            self._saving.ranks_changed(self._rank)
         if self._rank == 0 and self._reporter is None:
             self._reporter = CheckpointReporter.from_environment()
         elif self._rank != 0 and self._reporter is not None:
@@ -538,21 +596,78 @@ class Manager:
 
     # -- notices --------------------------------------------------------------------
 
-    def _notices_stop_here(self) -> bool:
-        """At a step's end: share the notices (in place the last bucket brought them; on the restart path
-        one all-gather now) and, on any, stop the group here (`NoticeStop.stop`). True when the step's
-        end went another way than training on: the group re-formed without the leaving node."""
+    def heed_notices(self) -> bool:
+        """Between steps, where the loop does long work of its own (an evaluation): the eviction notices
+        shared as at a step's end, every rank at the same point of its loop, so that a notice that comes
+        meanwhile has its emergency checkpoint (of the last committed step) at once rather than after the
+        work; on one the group stops as after a step. In place, where the group changed first (a switch
+        agreed at the last step, a newer round, a collective of the loop's that did not complete), the
+        worker enters the next group and heals there. True where the group changed: the loop's work begun
+        in the old one is void (its rank and world size may differ now), and it begins it again from its
+        state, which the heal may have replaced (`state_changed`). One small all-gather."""
+        if self._phase != _IDLE:
+            raise ApiOrderError(
+                "heed_notices() inside a step: call it between optimizer.step() and the next optimizer.zero_grad()"
+            )
+        if not self._begun and not self._closed:
+            self._begin()
+        if self._boundary_due and self._pass_boundary():
+            return True
+        live = self._live
+        if live is not None and (self._reform_due or self._regroup or live.broken.is_set()):
+            self._reform()
+            return True
         self._leaving.at_boundary()
-        stop = self._leaving.stop
+        try:
+            rows = self._collectives().boundary(self._run.step, self._leaving.stop.row)
+        except GroupChanged as exc:  # in place: the next group
+            self._failed = exc.failed
+            self._reform()
+            return True
+        except RuntimeError as exc:  # the restart path: a peer's socket closed
+            self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
+        return self._stop_for_notices(rows)
+
+    def state_changed(self) -> None:
+        """The loop changed its state between steps (an evaluation's result it keeps in `state_dict`): a
+        heal counts this state newer than the same step's without the change, so that every rank goes on
+        from it. Call it at the same point of the loop on every rank, once the work's last collective
+        completed."""
+        self._run.version += 1
+
+    def _pass_boundary(self) -> bool:
+        """The boundary after the last committed step, as the loop goes on from it (the next step, or its
+        own work between steps: whatever it did with that step first, a progress record written before a
+        notice may end the worker): the notices, then the checkpoint schedule. True where a notice
+        re-formed the group (in place) rather than training on; no checkpoint is begun then (the notice's
+        emergency checkpoint holds that step)."""
+        self._boundary_due = False
+        if self._notices_stop_here():
+            return True
+        if self._saving is not None:
+            self._saving.after_commit(self._run.step, self._rank, self._run.full, self._world)
+        return False
+
+    def _notices_stop_here(self) -> bool:
+        """Share the notices at the boundary (in place the step's last bucket brought them; on the restart
+        path one all-gather now) and, on any, stop the group here (`_stop_for_notices`)."""
+        self._leaving.at_boundary()
         if self._live is not None:
             rows, self._notice_rows = self._notice_rows or [], None
         else:
             try:
-                rows = self._collectives().boundary(self._run.step, stop.row)
+                rows = self._collectives().boundary(self._run.step, self._leaving.stop.row)
             except RuntimeError as exc:  # a peer's socket closed: it left
-                self._leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
-        if not any(level for level, _node in rows):  # (every step but a notice's: nothing more to do)
+                self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
+        return self._stop_for_notices(rows)
+
+    def _stop_for_notices(self, rows: list[list[int]]) -> bool:
+        """On any notice in the ranks' [level, node] `rows`, stop the group here (`NoticeStop.stop`): the
+        emergency checkpoint, then the hold. True where the group re-formed without the leaving node (in
+        place) rather than training on."""
+        if not any(level for level, _node in rows):  # (every boundary but a notice's: nothing more to do)
             return False
+        stop = self._leaving.stop
         saves = self._saving is not None and self._saving.saves_emergency(
             self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING
         )
@@ -564,7 +679,7 @@ class Manager:
             self._reform()
             return True
         except (GroupBroken, RuntimeError) as exc:
-            self._leave(f"the hold after a notice at step {self._run.step} failed ({exc})")
+            self.leave(f"the hold after a notice at step {self._run.step} failed ({exc})")
         return False
 
     def _emergency_save(self) -> SaveReport:
@@ -579,10 +694,18 @@ class Manager:
         if self._saving is not None:
             self._saving.give_a_moment(LEAVE_SAVE_WAIT)
 
-    def _leave(self, why: str) -> NoReturn:
-        """Leave by the restart path: one line with the cause, then exit (the agent restarts the worker)."""
+    def leave(self, why: str) -> NoReturn:
+        """Leave the run by the restart path now: one line with the cause, this node's snapshot kept, a save
+        in flight given a moment, then exit with the code for which the agent restarts the worker. For a
+        loop that finds its worker cannot go on (a collective of its own that raised, a broken device);
+        the manager calls it where a step cannot commit. Under a deadline armed first: whatever hangs on
+        the way (a communicator's abort), the worker is gone by then."""
+        arm_exit_deadline()
         print(f"torchspot: rank {self._rank}: {why}; leaving for the restart path", file=sys.stderr, flush=True)
         self._leaving.keep_snapshot()
+        if self._saving is not None:
+            self._saving.give_a_moment(LEAVE_SAVE_WAIT)
+        abort_group()
         leave(EXIT_FAILED)
 
     def _kept(self) -> Kept | None:
@@ -606,7 +729,7 @@ class Manager:
         while not self._closed:
             time.sleep(min(1.0, self.commit_seconds / 4))
             if self._phase != _IDLE and time.monotonic() - self._step_started > self.commit_seconds:
-                self._leave(
+                self.leave(
                     f"step {self._run.step + 1} did not commit within {self.commit_seconds:g} s of its start (a "
                     "collective that never completed, or a loop that never called optimizer.step())"
                 )
@@ -628,7 +751,7 @@ class Manager:
 
     def _on_checkpoint(self, report: SaveReport) -> None:
         self._emit({"event": "checkpoint", "step": report.step, "ok": report.ok, "seconds": round(report.seconds, 3),
-                    "error": report.error})  # fmt: skip
+                    "error": report.error, "saver": report.saver})  # fmt: skip
         if report.ok and self._reporter is not None:
             self._reporter.report(report.step, f"{self.checkpoint_uri.rstrip('/')}/{step_dir(report.step)}")
 

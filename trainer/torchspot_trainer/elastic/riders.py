@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["COLUMNS", "Line", "pack", "unpack"]
 
-COLUMNS = 4
+COLUMNS = 3
 """The values of a rank's line (`Line`)."""
 
 
@@ -27,8 +27,6 @@ class Line:
 
     ready: bool
     """Its deferred round (a joiner's) has its joiners ready: every rank switches after this step."""
-    pending: int
-    """Its rank in that round, -1 where it was not offered one yet."""
     level: int
     """Its notice level (recovery/notices.py): 0 none, 1 its agent restarts it, 2 its node leaves."""
     node: int
@@ -47,9 +45,9 @@ def pack(
 ) -> torch.Tensor:
     """The riders of `rank` of `world`: the buffers (rank `source`'s values, zeros elsewhere: DDP's rank
     0, or the first rank that computed a step others sat out), then the table with `line` in this rank's
-    place. `pending` is stored one up, so 0 stays "not offered"."""
+    place."""
     table = torch.zeros(world * COLUMNS, dtype=dtype, device=device)
-    values = [float(line.ready), float(line.pending + 1), float(line.level), float(line.node)]
+    values = [float(line.ready), float(line.level), float(line.node)]
     table[rank * COLUMNS : (rank + 1) * COLUMNS] = torch.tensor(values, dtype=dtype)
     if not buffers:
         return table
@@ -64,4 +62,4 @@ def unpack(ride: torch.Tensor, buffers: Sequence[torch.Tensor], world: int) -> l
         buffer.copy_(ride[offset : offset + buffer.numel()].view_as(buffer))
         offset += buffer.numel()
     rows = ride[offset:].view(world, COLUMNS).tolist()
-    return [Line(bool(round(r[0])), round(r[1]) - 1, round(r[2]), round(r[3])) for r in rows]
+    return [Line(bool(round(r[0])), round(r[1]), round(r[2])) for r in rows]

@@ -14,11 +14,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from torchspot_trainer.checkpoint.manager import CheckpointConfig, CheckpointManager, SaveReport
+from torchspot_trainer.checkpoint.manager import (
+    CHECKPOINT_RETRIES,
+    SAVER_PROCESS,
+    SAVER_THREAD,
+    CheckpointConfig,
+    CheckpointManager,
+    SaveReport,
+)
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.recovery.notices import emergency_saver, node_levels, saves_emergency
 
@@ -36,12 +44,27 @@ class Saving:
     :param keep: committed checkpoints kept.
     :param sharded: each rank saves its own shards (module docstring).
     :param on_report: told each save's outcome.
+    :param saver: where rank 0 writes a replicated checkpoint: SAVER_THREAD, or SAVER_PROCESS (a child
+        process, which follows rank 0 from group to group: `ranks_changed`).
+    :param retries: attempts per save of a replicated checkpoint before it is reported failed.
     """
 
     def __init__(
-        self, uri: str, *, every: int, keep: int, sharded: bool, on_report: Callable[[SaveReport], None]
+        self,
+        uri: str,
+        *,
+        every: int,
+        keep: int,
+        sharded: bool,
+        on_report: Callable[[SaveReport], None],
+        saver: str = SAVER_THREAD,
+        retries: int = CHECKPOINT_RETRIES,
     ) -> None:
+        if saver not in (SAVER_THREAD, SAVER_PROCESS):
+            raise ValueError(f"checkpoint_saver={saver!r}: choose {SAVER_THREAD!r} or {SAVER_PROCESS!r}")
         self.every = every
+        self._reopen = partial(open_storage, uri, retries=1, timeout=5.0) if saver == SAVER_PROCESS else None
+        """How a saver process opens the storage (picklable), where rank 0 saves in one."""
         self._group: dist.ProcessGroup | None = None
         """A sharded state's checkpoints' own gloo group (`load_sharded`), destroyed at `finish`."""
         self.replicated: CheckpointManager | None = None
@@ -51,7 +74,20 @@ class Saving:
 
             self.sharded = ShardedCheckpoints(uri, keep=keep, on_report=on_report)
         else:
-            self.replicated = CheckpointManager(open_storage(uri), CheckpointConfig(keep=keep), on_report=on_report)
+            self.replicated = CheckpointManager(
+                open_storage(uri), CheckpointConfig(keep=keep, retries=retries), on_report=on_report
+            )
+
+    def ranks_changed(self, rank: int) -> None:
+        """The saver process follows rank 0 from group to group: a new rank 0 starts one at its next save (it
+        saved on a thread until then: every save would slow its steps), and a rank 0 that became another
+        rank stops its own, which would sit idle with a buffer the size of the state."""
+        if self.replicated is None or self._reopen is None:
+            return
+        if rank == 0:
+            self.replicated.save_in_child(self._reopen)
+        else:
+            self.replicated.save_on_thread()
 
     def _writes(self, rank: int) -> bool:
         """Whether `rank` saves: rank 0 of a replicated state, every rank of a sharded one."""

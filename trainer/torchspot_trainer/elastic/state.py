@@ -18,7 +18,7 @@ import torch
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic.leaving import Kept
-from torchspot_trainer.recovery.hostcopy import HostCopy, with_frozen
+from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_frozen
 from torchspot_trainer.recovery.snapshot import Held, choose_source
 
 __all__ = ["RunState"]
@@ -46,6 +46,8 @@ class RunState:
         self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self.step = 0
         """Steps committed by this run's lineage."""
+        self.version = 0
+        """The loop's changes to its state since that step (`Manager.state_changed`)."""
         self.base = 0
         """The step this worker's state last came from (a snapshot's lineage)."""
         self.positions: list[Position] = []
@@ -53,6 +55,7 @@ class RunState:
         """The floating-point buffers of the model under DDP (BatchNorm's statistics), rank 0's after each step."""
         self._boundary: list[torch.Tensor] = []  # every buffer (BatchNorm's counts too): `capture` freezes them
         self._host = HostCopy(device, every=snapshot_every)
+        self._kept = BoundaryBuffers()
 
     def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
         """The model's buffers: kept as they are at each commit (`capture`); the floating-point ones travel."""
@@ -63,17 +66,39 @@ class RunState:
         """The whole state now: what a heal sends and a checkpoint keeps."""
         return {
             "user": self._state_dict(),
-            "torchspot": {"step": self.step, "positions": [p.state_dict() for p in self.positions]},
+            "torchspot": {
+                "step": self.step,
+                "version": self.version,
+                "positions": [p.state_dict() for p in self.positions],
+            },
         }
 
     def load(self, state: dict[str, Any]) -> None:
-        """Take a whole state over; it is this worker's lineage from now on (`base`)."""
-        self._load_state_dict(state["user"])
+        """Take a whole state over; it is this worker's lineage from now on (`base`). The manager's part
+        first: the loop's `load_state_dict` may read the step and the samplers' positions (a learning rate
+        scheduled by the samples trained)."""
         ours = state["torchspot"]
-        self.step = int(ours["step"])
+        self.step, self.version = int(ours["step"]), int(ours.get("version", 0))
         for position, saved in zip(self.positions, ours["positions"], strict=True):
             position.load_state_dict(saved)
         self.base = self.step
+        self._load_state_dict(state["user"])
+
+    def advance(self, world: int) -> None:
+        """A step committed at `world` ranks: the samplers move on, and the loop's changes count from it."""
+        for position in self.positions:
+            position.advance(world)
+        self.step += 1
+        self.version = 0
+
+    def keep_buffers(self) -> None:
+        """As a step begins: the model's buffers as they are, put back if the step is not applied (its
+        forward passes moved BatchNorm's statistics: `restore_buffers`)."""
+        self._kept.keep(self._boundary, self.step)
+
+    def restore_buffers(self) -> None:
+        """A step that was not applied: the model's buffers as the step found them (hostcopy.BoundaryBuffers)."""
+        self._kept.restore(self._boundary, self.step)
 
     def at_boundary(self) -> dict[str, Any]:
         """The whole state as at the step boundary, built now: a heal's, sent beside the next step's forward

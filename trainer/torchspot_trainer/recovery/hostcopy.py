@@ -55,7 +55,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 T = TypeVar("T")
 
@@ -337,16 +336,16 @@ class BoundaryBuffers:
     step boundary, copied on their device, for a step that breaks before its update: its forward
     passes updated them from its samples already, and a heal in which every rank is live sends
     nothing over them. Left so, every rank's statistics had taken one extra update from a step that
-    was never applied, and the replayed step then gave rank 0's to everyone (in place: `InPlace.reform`).
-    A copy of a ResNet-50's buffers is about 200 KiB a step, on the device."""
+    was never applied, and the step taken again then gave rank 0's to everyone (in place: the
+    manager's `should_commit`). A copy of a ResNet-50's buffers is about 200 KiB a step, on the device."""
 
     def __init__(self) -> None:
         self._kept: tuple[int, list[torch.Tensor]] | None = None
 
-    def keep(self, model: nn.Module, step: int) -> None:
-        """Copy `model`'s buffers as they are before the step after `step` (into the last copy's tensors
-        where they fit)."""
-        live = [buffer.detach() for buffer in model.buffers()]
+    def keep(self, buffers: list[torch.Tensor], step: int) -> None:
+        """Copy the model's `buffers` as they are before the step after `step` (into the last copy's
+        tensors where they fit)."""
+        live = [buffer.detach() for buffer in buffers]
         kept = self._kept
         if kept is not None and [t.shape for t in kept[1]] == [t.shape for t in live]:
             for copy_, buffer in zip(kept[1], live, strict=True):
@@ -355,14 +354,14 @@ class BoundaryBuffers:
             return
         self._kept = (step, [buffer.clone() for buffer in live])
 
-    def restore(self, model: nn.Module, step: int) -> bool:
-        """Put back the buffers kept at `step`, where the model is still at that step (the step after it
+    def restore(self, buffers: list[torch.Tensor], step: int) -> bool:
+        """Put back the `buffers` kept at `step`, where the model is still at that step (the step after it
         broke before its update); whether it did."""
         kept = self._kept
         if kept is None or kept[0] != step:
             return False
         with torch.no_grad():
-            for buffer, copy_ in zip(model.buffers(), kept[1], strict=True):
+            for buffer, copy_ in zip(buffers, kept[1], strict=True):
                 buffer.copy_(copy_)
         return True
 

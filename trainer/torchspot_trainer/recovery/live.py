@@ -99,14 +99,6 @@ class LiveGroup:
         self.joiners_ready = threading.Event()
         """Set when a deferred round's group formed (its newcomers came), or READY_SECONDS passed: the
         caller's loop agrees on a boundary to switch at (`LiveCollectives.gather_ints`)."""
-        self.agreed: tuple[int, list[list[int]]] | None = None
-        """The next boundary's agreement, gathered with a step's gradients (`LiveCollectives.boundary`):
-        (the step it follows, the rows)."""
-        self.roster: tuple[int, list[int]] | None = None
-        """Set at a switch to a deferred round (`LiveCollectives._switch_or`): (that round's generation,
-        the rank in it of each rank of the generation switched from, -1 for one that had not been
-        offered it yet). Every rank of it completed the same step, so the new ranks that trained it
-        are known before the next generation's heal agrees on it (in_place.py's `_heal`)."""
         self._pending: Assignment | None = None
         self._prebuilt: Build | None = None
         """The deferred round's group, built while the current generation trains on (`offer`)."""
@@ -223,7 +215,6 @@ class LiveGroup:
             self._owed_probe = self._owed_probe or (parent.group is not None and not parent.clean)
         self._staging, self._sending, self._data_held = {}, [], set()
         self._clean = True
-        self.agreed = None
         return parent
 
     def heal(self, committed: int, state: torch.Tensor, deadline: float) -> int | None:
@@ -306,17 +297,6 @@ class LiveGroup:
         timer = threading.Timer(READY_SECONDS, self._ready, args=(assignment,))
         timer.daemon = True
         timer.start()
-
-    def pending_rank(self) -> int:
-        """This rank's rank in the deferred round (`offer`), or -1 when none is deferred."""
-        with self._lock:
-            return -1 if self._pending is None else self._pending.rank
-
-    def switching(self, ranks: list[int]) -> None:
-        """The loop switches to the deferred round at this boundary: `roster` from each old rank's
-        `pending_rank` (theirs by old rank)."""
-        with self._lock:
-            self.roster = None if self._pending is None else (self._pending.generation, ranks)
 
     def _ready(self, assignment: Assignment) -> None:
         """The deferred round's group formed (its joiners came: they were the ranks it waited for), or
