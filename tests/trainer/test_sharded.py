@@ -112,7 +112,7 @@ def test_the_fsdp_example_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_o
 ) -> None:
     """examples/fsdp (a GPT-style LM, each block an FSDP2 unit) at a fixed global batch, checkpointing to
     Blob every 3 steps: two ranks train until rank 1's node gets a notice (SIGTERM) after step 3; at the
-    next step's boundary both ranks write their shards of the emergency checkpoint (a blob each), rank 1
+    next boundary both ranks write their shards of the emergency checkpoint (a blob each), rank 1
     leaves (143) and rank 0 for the restart path (1). Three ranks resume from it (each its shards of it:
     DCP reshards 2 to 3) and train to the end. Every step is trained once, on the samples, and with the
     loss, of the same training unsharded on one rank (float32 reduction order apart)."""
@@ -127,10 +127,10 @@ def test_the_fsdp_example_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_o
         assert line, two[0].communicate()[1][-3000:]
         if line.startswith('{"step"'):
             seen.append(line)
-    two[1].send_signal(signal.SIGTERM)  # the node's notice: during step 4, or soon after (0.15 s a step at least)
+    two[1].send_signal(signal.SIGTERM)  # the node's notice: at the boundary after step 3, or soon after
     first = _finish(two, [EXIT_FAILED, EXIT_EVICTED], lines=seen)
     stopped = max(_samples(tmp_path / "two"))  # the step whose boundary the notice stopped the group at
-    assert stopped >= 4
+    assert stopped >= 3  # (the boundary after a step is passed as the next begins: after the step's line)
     assert committed(blob, env=env)[-1] == f"{blob}/step-{stopped:010d}"  # the emergency checkpoint
     container, prefix = blob.removeprefix("az://").split("/", 1)
     shards = blob_container(container, env).list_blobs(name_starts_with=f"{prefix}/step-{stopped:010d}/")

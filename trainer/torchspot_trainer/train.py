@@ -146,7 +146,7 @@ class Trainer:
                 log.exception("rank %d: training stopped", self.rank)
             else:
                 log.debug("rank %d: the failed collective", self.rank, exc_info=True)
-            self._leave(f"training stopped: {peer or type(exc).__name__}")
+            self._leave(f"a collective failed at a peer ({peer})" if peer else f"training stopped ({exc!r})")
 
     def _train(self) -> dict[str, Any]:
         run = self._setup()
@@ -188,9 +188,10 @@ class Trainer:
         if not applied:  # re-formed: the step is taken again by the next group, from the sampler
             return None, window
         computed = 0 if sits_out else sum(len(part) for part in parts)
-        if sits_out:
-            loss, correct = torch.zeros_like(loss), torch.zeros_like(correct)
-        plan.at = (sampler.epoch, sampler.consumed, self.rank, self.world, (self.rank, self.world))
+        if sits_out:  # its plan was its old state's: the next step is planned from the state it took
+            loss, correct, plan = torch.zeros_like(loss), torch.zeros_like(correct), None
+        else:
+            plan.at = (sampler.epoch, sampler.consumed, self.rank, self.world, (self.rank, self.world))
         window.add(loss, correct, step_samples, computed)
         if self.step % self.config.log_every == 0:
             self._log_progress(run, window, lr)

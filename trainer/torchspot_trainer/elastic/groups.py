@@ -1,7 +1,9 @@
 """A manager's groups in place: its side of the agent's hand-over (handover.py), one generation per round
-the agent hands over (recovery/live.py), and a heal at each generation's start (heal.py). The manager
-(manager.py) enters the next round at the first step, after a step that did not commit, at an agreed
-switch and at a notice's re-form; the loop never sees a round.
+the agent hands over (recovery/live.py), a heal at each generation's start (heal.py), and each step's
+collectives over the current generation: its gradient buckets with what the last one carries
+(buckets.py, riders.py) and the loop's own sums. The manager (manager.py) enters the next round at the
+first step, after a step that did not commit, at an agreed switch and at a notice's re-form; the loop
+never sees a round.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
+from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
+from torchspot_trainer.elastic.buckets import StepBuckets
 from torchspot_trainer.elastic.heal import Healing
+from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import REFORM_SECONDS
 from torchspot_trainer.handover import Assignment, Handover
 from torchspot_trainer.recovery.live import LiveGroup, in_place_groups, wait_for_assignment
-from torchspot_trainer.recovery.outcome import GroupChanged
+from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 
 __all__ = ["KEEP", "InPlaceGroups"]
 
@@ -31,8 +36,6 @@ class InPlaceGroups:
     :param device: where the gradients and a heal's state travel.
     :param state: the whole state to send in a heal (as at the step boundary).
     :param load: takes a heal's state over.
-    :param on_broken: called on the watcher's thread whenever a newer round breaks the generation (the
-        step's buckets in flight are given up).
     """
 
     def __init__(
@@ -41,10 +44,11 @@ class InPlaceGroups:
         *,
         state: Callable[[], dict[str, Any]],
         load: Callable[[dict[str, Any]], None],
-        on_broken: Callable[[], None],
     ) -> None:
+        self.buckets = StepBuckets()
+        """The step's buckets posted so far (`reduce`), given up whenever a newer round breaks the generation."""
         self.live: LiveGroup = in_place_groups(device)
-        self.live.when_broken(on_broken)
+        self.live.when_broken(self.buckets.give_up)
         KEEP.append(self.live)
         self.healing = Healing(self.live, device, state=state, load=load)
         self._handover: Handover | None = None
@@ -99,6 +103,62 @@ class InPlaceGroups:
         with its short timeout (rendezvous/losses.py)."""
         assert self._handover is not None
         self._handover.report_failure()
+
+    def reduce(
+        self,
+        bucket: GradBucket,
+        *,
+        rank: int,
+        world: int,
+        buffers: list[torch.Tensor],
+        row: Callable[[], list[int]],
+        deadline: float,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A DDP bucket's average over the current generation, started now (buckets.py): over the ranks that
+        compute the step (after a heal beside it, its trainers; a receiver sends zeros), the last bucket
+        carrying the model's float `buffers` from the first of them and this rank's line: its deferred
+        round's joiners ready, and `row()`'s notice level and node (riders.py). Before the step's first
+        collective a heal's sends are posted, or its state arrived (heal.py); where that failed the bucket
+        is refused."""
+        healing = self.healing
+        if not self.buckets.posted():
+            try:
+                healing.before_collective()
+            except GroupChanged as exc:
+                return self.buckets.refuse(bucket, Outcome.FAILED if exc.failed else Outcome.BROKEN)
+        trainers = healing.trainers
+        source = 0 if trainers is None else trainers[0]  # (a receiver's buffers are stale)
+
+        def riders(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            level, node = row()
+            line = Line(self.live.joiners_ready.is_set(), level, node)
+            return pack(buffers, rank, world, line, source=source, dtype=dtype, device=device)
+
+        return self.buckets.post(
+            bucket, self.live, world if trainers is None else len(trainers), riders=riders, deadline=deadline,
+            zeros=healing.sits_out(rank),
+        )  # fmt: skip
+
+    def settle(self, buffers: list[torch.Tensor], world: int) -> tuple[list[Outcome], list[Line] | None]:
+        """The step's buckets' outcomes, and, where every all-reduce completed, every rank's line the last
+        bucket brought (the `buffers` take the source's values, and a heal's receiver loads its state
+        first); None otherwise. No outcome: no bucket was posted."""
+        outcomes, ride = self.buckets.take()
+        if not outcomes or ride is None or any(outcome is not Outcome.DONE for outcome in outcomes):
+            return outcomes, None
+        self.healing.stepped()  # a receiver's state, taken before the step's buffers
+        return outcomes, unpack(ride, buffers, world)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Outcome:
+        """The loop's own sum over the current generation (a host tensor over its gloo group, a device one
+        over its data plane), after a heal's sends or state (heal.py)."""
+        if self.live.broken.is_set():
+            return Outcome.BROKEN
+        try:
+            self.healing.before_collective()
+        except GroupChanged as exc:
+            return Outcome.FAILED if exc.failed else Outcome.BROKEN
+        return self.live.all_reduce(tensor, time.monotonic() + REFORM_SECONDS, control=tensor.device.type == "cpu")
 
     def stepped(self) -> None:
         """A step committed: every member was alive at it (the agent's liveness proof)."""

@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from torchspot_trainer import RUN_ID_ENV
-from torchspot_trainer.recovery.group import arm_exit_deadline
-from torchspot_trainer.recovery.notices import NoticeStop
+from torchspot_trainer.elastic.saving import Saving
+from torchspot_trainer.recovery.group import Group, abort_group, arm_exit_deadline
+from torchspot_trainer.recovery.notices import EXIT_FAILED, NOTICE_LEAVING, GroupBroken, NoticeStop, leave
+from torchspot_trainer.recovery.outcome import GroupChanged
 from torchspot_trainer.recovery.signals import (
     STUCK_EXIT_AFTER,
     EvictionNotice,
@@ -165,6 +167,35 @@ class Leaving:
         writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
         writer.start()
         writer.join(self._write_wait)
+
+    def stop_for(self, rows: list[list[int]], *, step: int, rank: int, group: Group, saving: Saving | None,
+                 state: Callable[[], dict[str, Any]], world: int) -> None:  # fmt: skip
+        """On a notice in the ranks' [level, node] `rows` at the boundary after `step`, stop the group there
+        (`NoticeStop.stop`): the emergency checkpoint where `saving` says this rank writes it (of `state()`,
+        the committed step), then the hold. Raises GroupChanged in place where the round without the
+        leaving node came; leaves by the restart path where the hold failed."""
+        stop = self.stop
+        save = None
+        if saving is not None and saving.saves_emergency(rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING):
+            save = lambda: saving.emergency(step, state(), world)  # noqa: E731 - (written when the stop says)
+        try:
+            stop.stop(group, step=step, save=save)
+        except (GroupBroken, RuntimeError) as exc:
+            if isinstance(exc, GroupChanged):
+                raise
+            self.leave(f"rank {rank}: the hold after a notice at step {step} failed ({exc})")
+
+    def leave(self, why: str) -> NoReturn:
+        """Leave the run by the restart path now, under a deadline armed first (whatever hangs on the way, a
+        communicator's abort, the worker is gone by then): one line with `why`, this node's snapshot kept,
+        the user's last call (a save in flight's moment), the communicator aborted, then exit with the code
+        for which the agent restarts the worker."""
+        arm_exit_deadline()
+        print(f"torchspot: {why}; leaving for the restart path", file=sys.stderr, flush=True)
+        self.keep_snapshot()
+        self._before_exit()
+        abort_group()
+        leave(EXIT_FAILED)
 
     def _stuck_exit(self) -> None:
         """A worker stuck in a collective after its SIGTERM is about to exit: it keeps its node's snapshot,

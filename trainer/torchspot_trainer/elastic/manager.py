@@ -1,38 +1,16 @@
 """The Manager: what a training loop calls so that a membership change costs it no restart.
 
-A step, as the wrappers (ddp.py) drive it:
+A step, as the wrappers (ddp.py) drive it: `start_step()` (`optimizer.zero_grad()`) passes the boundary
+after the last step (its eviction notices, then its checkpoint on schedule) and begins one, in the next
+group where one is due; each DDP bucket's all-reduce goes over the current group (`reduce_bucket`,
+groups.py); `should_commit()` (`optimizer.step()`, before the update) allows the update only where every
+all-reduce completed, and otherwise re-forms at once; `commit()` counts the step. The order, and why, are
+the guide's ("A step, in order", docs/own-script.md).
 
-1. `current_step()`'s first call (the loop's condition) enters the job's first group and resumes: from a
-   live peer where the run goes on, else from the newest checkpoint. `start_step()` (from
-   `OptimizerWrapper.zero_grad`) passes the boundary after the last step (its eviction notices, then its
-   checkpoint on schedule: after whatever the loop did with that step, so its progress record is written
-   before a notice may end the worker) and begins a step, in the next group when a round came between
-   steps.
-2. The backward pass: each DDP bucket's all-reduce goes over the current group (`reduce_bucket`),
-   through a staging copy, against a deadline and the agent's next round (recovery/live.py). The last
-   bucket carries the model's buffers and a line per rank (riders.py): whether this rank's deferred round
-   has its joiners ready, its notice level and node, so every rank that completes the step learns the
-   same thing at the same step.
-3. `should_commit()` (from `OptimizerWrapper.step`, before the update): True when every bucket's
-   all-reduce completed. Otherwise the update is not applied, and the worker enters the next group and
-   heals in it at once, so that the loop's condition reads the healed step.
-4. `commit()` (after the update): the step counts; the samplers move on; the agent and the operator
-   hear of it; where the step agreed on a switch to a joiner's group, the switch follows at the next
-   step's start (or at `heed_notices()`, `close()`), so that whatever the loop does between the two runs
-   among the ranks that took the step.
-
-**The two paths.** In place when the worker runs under torchspot-run with the etcd-v3 rendezvous (its
-agent hands the live workers each new round: handover.py); otherwise the restart path: torch's
-default group, torch's DDP unchanged, and a restart resumes from the newest checkpoint or a node's
-snapshot. The choice is said once, with its reason.
-
-The rules the manager runs, and their reasons, are the guide's ("The rules, and why", in
-docs/own-script.md): a heal (heal.py: beside a step, or one broadcast), eviction notices and the
-emergency checkpoint (recovery/notices.py, the trainer's rules), node snapshots (leaving.py).
-
-**A step that never commits.** A step that has not committed within `commit_seconds` of its start (a
-collective that hangs outside any round change, a loop that never calls `optimizer.step()`) ends the
-worker with one log line naming the cause: its agent then restarts it (the restart path).
+In place under torchspot-run with the etcd-v3 rendezvous (its agent hands the live workers each round:
+handover.py); otherwise the restart path (torch's default group and DDP; a restart resumes from the newest
+checkpoint or node snapshot). The choice is said once, with its reason. A step that has not committed
+within `commit_seconds` of its start ends the worker with one line naming the cause (its agent restarts it).
 """
 
 from __future__ import annotations
@@ -50,13 +28,11 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
-from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_THREAD, SaveReport, step_dir
+from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_THREAD
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
-from torchspot_trainer.elastic.buckets import StepBuckets
 from torchspot_trainer.elastic.groups import InPlaceGroups
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.records import Records
-from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
@@ -73,16 +49,8 @@ from torchspot_trainer.elastic.settings import (
 from torchspot_trainer.elastic.state import RunState
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.collectives import LiveCollectives
-from torchspot_trainer.recovery.group import Group, abort_group, arm_exit_deadline
-from torchspot_trainer.recovery.notices import (
-    EXIT_FAILED,
-    NOTICE_LEAVING,
-    GroupBroken,
-    leave,
-)
+from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
-from torchspot_trainer.recovery.resume import find_state
-from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
 log = logging.getLogger("torchspot.elastic")
 
@@ -160,12 +128,12 @@ class Manager:
         self._run = RunState(state_dict, load_state_dict, self.device, snapshot_every=snapshot_every)
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
-        self._records = Records(Path(path) if path else None)
-        self._progress_records = progress_records
+        self._records = Records(Path(path) if path else None, checkpoints=checkpoint_uri, progress=progress_records)
         self._saving: Saving | None = None
         if checkpoint_uri:
             self._saving = Saving(checkpoint_uri, every=checkpoint_every, keep=keep_checkpoints, sharded=sharded,
-                                  on_report=self._on_checkpoint, saver=checkpoint_saver,
+                                  on_report=lambda report: self._records.checkpoint(report, rank=self._rank),
+                                  saver=checkpoint_saver,
                                   retries=checkpoint_retries)  # fmt: skip
         self._checkpoints = None if self._saving is None else self._saving.replicated
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
@@ -186,11 +154,8 @@ class Manager:
         the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
         self._whole = False
         """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
-        self._buckets = StepBuckets()
-        """The step's buckets posted so far (`reduce_bucket`)."""
-        self._reporter: CheckpointReporter | None = None
         self._groups = None if not self.in_place else InPlaceGroups(
-            self.device, state=self._run.at_boundary, load=self._healed, on_broken=self._buckets.give_up
+            self.device, state=self._run.at_boundary, load=self._healed
         )  # fmt: skip
         self._live = None if self._groups is None else self._groups.live
         self._healing = None if self._groups is None else self._groups.healing
@@ -265,7 +230,7 @@ class Manager:
             raise ApiOrderError("the manager was closed: no step after close()")
         if self._phase == _COMMITTING:
             raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
-        if self._phase == _STEP and (self._buckets.posted() if self.in_place else self._computed):
+        if self._phase == _STEP and (self._groups.buckets.posted() if self._groups is not None else self._computed):
             log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
                         "it): counted now, as its update skipped", self._rank, self._run.step + 1)  # fmt: skip
             self.update_skipped()
@@ -274,11 +239,12 @@ class Manager:
         elif self._boundary_due and self._pass_boundary():
             pass  # a notice: the group re-formed without the leaving node
         elif self._live is not None and (self._reform_due or self._regroup or self._live.broken.is_set()):
-            # The switch the last step agreed on (`_take_riders`), or a round that came between steps: no
+            # The switch the last step agreed on (`should_commit`), or a round that came between steps: no
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
             self._reform(stepping=True)
-        self._buckets.clear()
+        if self._groups is not None:
+            self._groups.buckets.clear()
         self._phase = _STEP
         self._computed = False
         self._step_started = time.monotonic()
@@ -315,30 +281,13 @@ class Manager:
     def reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook, in place: the bucket's average over the current group, started now;
         its future completes when the all-reduce ended, however it ended (the outcome decides the commit:
-        buckets.py)."""
+        groups.py's `reduce`)."""
         self.require_step("a backward pass")
-        assert self._live is not None
-        assert self._healing is not None
-        if not self._buckets.posted():
-            try:  # a heal's sends posted, or its state arrived, before the step's first collective (heal.py)
-                self._healing.before_collective()
-            except GroupChanged as exc:
-                return self._buckets.refuse(bucket, Outcome.FAILED if exc.failed else Outcome.BROKEN)
-        trainers = self._healing.trainers
-        return self._buckets.post(
-            bucket, self._live, self._world if trainers is None else len(trainers), riders=self._riders,
-            deadline=self._step_started + self.commit_seconds, zeros=self._healing.sits_out(self._rank),
+        assert self._groups is not None
+        return self._groups.reduce(
+            bucket, rank=self._rank, world=self._world, buffers=self._run.buffers, row=self._leaving.stop.row,
+            deadline=self._step_started + self.commit_seconds,
         )  # fmt: skip
-
-    def _riders(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """What the last bucket carries beside the gradients (riders.py): the model's buffers, and this
-        rank's line: its deferred round's joiners ready, its notice level and node."""
-        assert self._live is not None
-        assert self._healing is not None
-        level, node = self._leaving.stop.row()
-        line = Line(self._live.joiners_ready.is_set(), level, node)
-        source = 0 if self._healing.trainers is None else self._healing.trainers[0]  # a receiver's are stale
-        return pack(self._run.buffers, self._rank, self._world, line, source=source, dtype=dtype, device=device)
 
     def share(self) -> tuple[int, int]:
         """(this rank's place, the ranks that compute the step): what `ElasticSampler` deals the step's
@@ -353,14 +302,14 @@ class Manager:
         if not self.in_place:
             self._phase = _COMMITTING
             return True
-        outcomes, ride = self._buckets.take()
+        assert self._groups is not None
+        outcomes, lines = self._groups.settle(self._run.buffers, self._world)
         if not outcomes:
             raise ApiOrderError(
                 "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
                 "elastic DistributedDataParallel model first"
             )
-        assert self._healing is not None
-        if any(outcome is not Outcome.DONE for outcome in outcomes) or ride is None:
+        if lines is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._phase = _IDLE
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
@@ -368,18 +317,11 @@ class Manager:
             self._run.restore_buffers()  # its forward passes' BatchNorm statistics go with it
             self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
-        self._healing.stepped()  # a receiver's state, taken before the step's buffers
-        self._take_riders(ride)
-        self._phase = _COMMITTING
-        return True
-
-    def _take_riders(self, ride: torch.Tensor) -> None:
-        """The buffers and every rank's line the last bucket brought (`_riders`)."""
-        assert self._live is not None
-        lines = unpack(ride, self._run.buffers, self._world)
         self._notice_rows = [[line.level, line.node] for line in lines]
         if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
             self._reform_due = True
+        self._phase = _COMMITTING
+        return True
 
     def all_reduce(self, tensor: torch.Tensor) -> bool:
         """Sum `tensor` over the current group's ranks, in place; True when it completed. For the loop's own
@@ -393,22 +335,11 @@ class Manager:
         the agent restarts the worker)."""
         if not self._begun and not self._closed:
             self._begin()
-        live = self._live
-        if live is None:
+        if self._groups is None:
             dist.all_reduce(tensor)
             return True
-        if live.broken.is_set():
-            self._regroup = True
-            return False
-        assert self._healing is not None
-        try:
-            self._healing.before_collective()
-        except GroupChanged as exc:
-            self._failed, self._regroup = exc.failed, True
-            return False
-        outcome = live.all_reduce(tensor, time.monotonic() + REFORM_SECONDS, control=tensor.device.type == "cpu")
-        if outcome is Outcome.FAILED:  # a peer's socket closed: the agent hears of it at the re-form
-            self._failed = True
+        outcome = self._groups.all_reduce(tensor)
+        self._failed = self._failed or outcome is Outcome.FAILED  # the agent hears of a peer's failure at the re-form
         self._regroup = self._regroup or outcome is not Outcome.DONE
         return outcome is Outcome.DONE
 
@@ -426,14 +357,10 @@ class Manager:
         self._run.capture()
         if self._groups is not None:
             self._groups.stepped()
-        if self._reporter is not None:
-            self._reporter.report_step(self._run.step)
         generation = None if self._live is None else self._live.generation
         self._records.step(self._run.step, rank=self._rank, world=self._world, generation=generation, samples=samples,
-                           skipped=self._skipped)  # fmt: skip
+                           skipped=self._skipped, trained=trained)  # fmt: skip
         self._skipped = False
-        if self._rank == 0 and self._progress_records:
-            self._records.progress(trained, step=self._run.step, world=self._world)
         self._boundary_due = True  # (`_pass_boundary`, once the loop is done with this step)
 
     def close(self, **summary: Any) -> None:
@@ -452,8 +379,7 @@ class Manager:
             self._saving.finish(self._run.step, self._rank, self._run.full, self._world)
         if self._groups is not None:
             self._groups.close()
-        if self._reporter is not None:
-            self._reporter.close()
+        self._records.close()
         self._leaving.close()
         self._emit({"event": "done", "step": self._run.step, "world_size": self._world, **summary})
 
@@ -482,40 +408,21 @@ class Manager:
     def _begin(self) -> None:
         """The first step: resume, and enter the first group (in place) or share rank 0's state."""
         self._begun = True
-        if not self.in_place:
+        if self.in_place:
+            self._resume()
+            self._enter_and_heal(stepping=False)
+        else:
             self.ensure_group()
             self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            if self.sharded:
-                self._resume_sharded()
-            else:
-                mine = self._leaving.read_snapshot()
-                self.resumed_from, state = find_state(self._collectives(), self._checkpoints, mine)
-                if state is not None:
-                    self._run.load(state)
-            if self.resumed_from != "start":
-                log.info("torchspot: resumed from the %s of step %d", self.resumed_from, self._run.step)
-            self._whole = True
+            mine = None if self.sharded else self._leaving.read_snapshot()  # (a rank's shards are not the run's)
+            self.resumed_from = self._run.resume(self._collectives(), self._checkpoints, mine, self._saving)
             self._rank_duties()
             self._started(generation=None)
-            return
-        assert self._groups is not None
-        self._resume()
-        self._enter_and_heal(stepping=False)
         self._whole = True
 
     def _resume(self) -> None:
         """In place, before the first group: the node's snapshot or the newest checkpoint (RunState)."""
         self.resumed_from = self._run.resume_from_copies(self._leaving.read_snapshot(), self._checkpoints)
-
-    def _resume_sharded(self) -> None:
-        """A sharded state's resume: the newest committed checkpoint, each rank its shards of it at this world
-        size (DCP reshards), the manager's own part (the step, the samplers' positions) beside them."""
-        if self._saving is None:
-            return
-        state = self._saving.load_sharded(self._run.full)
-        if state is not None:
-            self._run.load(state)
-            self.resumed_from = "checkpoint"
 
     def _reform(self, *, stepping: bool = False) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it
@@ -554,19 +461,11 @@ class Manager:
         self._started(generation=groups.live.generation)
 
     def _started(self, *, generation: int | None) -> None:
-        """A group's start record (every rank's in the events file, rank 0's on stdout: the sandbox's
-        report counts the groups and the path each took from them), and the host copy of the state the
-        group starts from (a node's snapshot before its first commit)."""
-        record: dict[str, Any] = {
-            "step": self.current_step(), "world_size": self._world, "pid": os.getpid(), "node": node_name(),
-            "resumed_from": self.resumed_from,
-        }  # fmt: skip
-        if generation is not None:  # in place: no process restarted
-            record["generation"] = generation
-        if self._run.positions:  # the first sampler's: the epoch, the samples trained so far, a step's
-            first = self._run.positions[0]
-            record.update(epoch=first.epoch, trained_samples=first.trained, step_samples=first.step_size(self._world))
-        self._records.started(record, rank=self._rank)
+        """A group's start record (records.py), and the host copy of the state the group starts from (a
+        node's snapshot before its first commit)."""
+        first = self._run.positions[0] if self._run.positions else None
+        self._records.started(step=self.current_step(), world=self._world, rank=self._rank,
+                              resumed_from=self.resumed_from, generation=generation, position=first)  # fmt: skip
         self._run.capture()
 
     def _entered(self, assignment: Assignment) -> None:
@@ -588,11 +487,7 @@ class Manager:
         follows rank 0 from group to group."""
         if self._saving is not None:
             self._saving.ranks_changed(self._rank)
-        if self._rank == 0 and self._reporter is None:
-            self._reporter = CheckpointReporter.from_environment()
-        elif self._rank != 0 and self._reporter is not None:
-            self._reporter.close()
-            self._reporter = None
+        self._records.rank_is(self._rank)
 
     # -- notices --------------------------------------------------------------------
 
@@ -662,35 +557,22 @@ class Manager:
         return self._stop_for_notices(rows)
 
     def _stop_for_notices(self, rows: list[list[int]]) -> bool:
-        """On any notice in the ranks' [level, node] `rows`, stop the group here (`NoticeStop.stop`): the
-        emergency checkpoint, then the hold. True where the group re-formed without the leaving node (in
-        place) rather than training on."""
+        """On any notice in the ranks' [level, node] `rows`, stop the group here (`Leaving.stop_for`). True
+        where the group re-formed without the leaving node (in place) rather than training on."""
         if not any(level for level, _node in rows):  # (every boundary but a notice's: nothing more to do)
             return False
-        stop = self._leaving.stop
-        saves = self._saving is not None and self._saving.saves_emergency(
-            self._rank, rows, leaving_now=stop.level() >= NOTICE_LEAVING
-        )
-        save = self._emergency_save if saves else None
         try:
-            stop.stop(self._collectives(), step=self._run.step, save=save)
+            self._leaving.stop_for(rows, step=self._run.step, rank=self._rank, group=self._collectives(),
+                                   saving=self._saving, state=self._run.full, world=self._world)  # fmt: skip
         except GroupChanged as exc:  # in place: the round without the leaving node came
             self._failed = exc.failed
             self._reform()
             return True
-        except (GroupBroken, RuntimeError) as exc:
-            self.leave(f"the hold after a notice at step {self._run.step} failed ({exc})")
         return False
 
-    def _emergency_save(self) -> SaveReport:
-        """The notice's checkpoint of the committed step, written now (without a checkpoint URI none is:
-        the node's snapshot, or the others' memory, carries the state)."""
-        assert self._saving is not None
-        return self._saving.emergency(self._run.step, self._run.full(), self._world)
-
     def _before_stuck_exit(self) -> None:
-        """A worker stuck in a collective after its SIGTERM is about to exit (its snapshot kept): its save
-        in flight, if any, gets a moment."""
+        """A worker that leaves (stuck in a collective after its SIGTERM, or by `leave`), its snapshot kept:
+        its save in flight, if any, gets a moment."""
         if self._saving is not None:
             self._saving.give_a_moment(LEAVE_SAVE_WAIT)
 
@@ -698,15 +580,8 @@ class Manager:
         """Leave the run by the restart path now: one line with the cause, this node's snapshot kept, a save
         in flight given a moment, then exit with the code for which the agent restarts the worker. For a
         loop that finds its worker cannot go on (a collective of its own that raised, a broken device);
-        the manager calls it where a step cannot commit. Under a deadline armed first: whatever hangs on
-        the way (a communicator's abort), the worker is gone by then."""
-        arm_exit_deadline()
-        print(f"torchspot: rank {self._rank}: {why}; leaving for the restart path", file=sys.stderr, flush=True)
-        self._leaving.keep_snapshot()
-        if self._saving is not None:
-            self._saving.give_a_moment(LEAVE_SAVE_WAIT)
-        abort_group()
-        leave(EXIT_FAILED)
+        the manager calls it where a step cannot commit."""
+        self._leaving.leave(f"rank {self._rank}: {why}")
 
     def _kept(self) -> Kept | None:
         """What the node's snapshot would keep now (`Leaving`): its lineage and the host copy of the last
@@ -744,16 +619,10 @@ class Manager:
 
     def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
         """The model's buffers (ddp.py): kept as they are at each commit for the node's snapshot; in place its
-        floating-point ones are taken from rank 0 at each step (`_riders`)."""
+        floating-point ones are taken from rank 0 at each step (riders.py)."""
         self._run.watch_buffers(buffers)
 
     # -- output ---------------------------------------------------------------------
-
-    def _on_checkpoint(self, report: SaveReport) -> None:
-        self._emit({"event": "checkpoint", "step": report.step, "ok": report.ok, "seconds": round(report.seconds, 3),
-                    "error": report.error, "saver": report.saver})  # fmt: skip
-        if report.ok and self._reporter is not None:
-            self._reporter.report(report.step, f"{self.checkpoint_uri.rstrip('/')}/{step_dir(report.step)}")
 
     def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
         """One record (records.py): rank 0's on stdout, or any rank's with `any_rank`."""

@@ -18,7 +18,10 @@ import torch
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic.leaving import Kept
+from torchspot_trainer.elastic.saving import Saving
+from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.hostcopy import BoundaryBuffers, HostCopy, with_frozen
+from torchspot_trainer.recovery.resume import find_state
 from torchspot_trainer.recovery.snapshot import Held, choose_source
 
 __all__ = ["RunState"]
@@ -120,6 +123,27 @@ class RunState:
     def kept(self) -> Kept:
         """What a node's snapshot would keep now: the lineage and the host copy of the last committed step."""
         return self.base, self._host.write_from
+
+    def resume(
+        self,
+        group: Group,
+        checkpoints: CheckpointManager | None,
+        mine: tuple[Held, dict[str, Any]] | None,
+        saving: Saving | None,
+    ) -> str:
+        """The restart path's resume, every rank alike: a sharded state from the newest committed checkpoint,
+        each rank its shards of it at this world size (DCP reshards: `saving`'s); a replicated one from the
+        newest of the nodes' snapshots and the checkpoints (recovery/resume.py's `find_state`, over `group`).
+        Returns where the state came from (`snapshot`, `checkpoint`, or `start` for nothing)."""
+        if saving is not None and saving.sharded is not None:
+            state = saving.load_sharded(self.full)
+            found = "start" if state is None else "checkpoint"
+        else:
+            found, state = find_state(group, checkpoints, mine)
+        if state is not None:
+            self.load(state)
+            log.info("torchspot: resumed from the %s of step %d", found, self.step)
+        return found
 
     def resume_from_copies(
         self, mine: tuple[Held, dict[str, Any]] | None, checkpoints: CheckpointManager | None

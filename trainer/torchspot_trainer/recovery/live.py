@@ -1,6 +1,6 @@
 """A worker's process group rebuilt in place at a membership change: the group mechanics of recovery without
-a restart. Built and tested on CPU with gloo; the NCCL decisions by NCCL's documented semantics. The trainer
-(in_place.py) and the API's manager (elastic/manager.py) run on it.
+a restart. Built and tested on CPU with gloo; the NCCL decisions by NCCL's documented semantics. The recovery
+API's manager (elastic/manager.py, which the built-in trainer runs on too) and the lab's toy run on it.
 
 At a membership change the agent forms the new round and hands the live workers an `Assignment` (the
 round, their new rank and world, the round's store); each worker drops its group, builds the next one on
@@ -355,9 +355,8 @@ class LiveGroup:
 
     def post(self, tensor: torch.Tensor, *, control: bool, owned: bool = False) -> Callable[[float], Outcome]:
         """`all_reduce` started now and waited for later: the returned function waits (given the
-        deadline) and writes the sum into `tensor` if it completed. A heal's agreement so runs beside
-        the step its trainers take (in_place.py's `_heal`), and a step's gradient buckets beside its
-        backward pass (buckets.py). Waited for after the generation was left, it says BROKEN (the
+        deadline) and writes the sum into `tensor` if it completed. A step's gradient buckets so run beside
+        its backward pass (elastic/buckets.py). Waited for after the generation was left, it says BROKEN (the
         staging copy is held with that generation's grave until the collective ends: `_hold`). It
         does not let a heal's sends go
         (`_settle_sends`): their receivers may not have them yet.
@@ -435,7 +434,7 @@ class LiveGroup:
 
         A gloo send's work reports completion only to `wait()` (its `is_completed()` stays False until
         then; so does a receive's), and the data flow whoever waits. A receiver takes part in the next
-        collective only once it received the state (InPlace.receive), so when that collective
+        collective only once it received the state (elastic/heal.py's `before_collective`), so when that collective
         completes here every send has: `all_reduce` then lets their buffers go (`_settle_sends`). Here,
         not on a thread per send: starting one cost the source milliseconds on busy cores. Raises
         GroupChanged (failed) where the send cannot start (`_enqueue`)."""

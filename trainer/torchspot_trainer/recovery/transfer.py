@@ -1,7 +1,7 @@
 """A heal's state sent point to point beside a step: its source packs and posts the sends on its group's
 sending thread while it trains the step (`send_beside`); a receiver gets it on a thread of its own
-(`StateArrival`) while its trainers compute. The trainer's in-place path (in_place.py) and the API's
-heals (elastic/heal.py) use both; live.py holds the sends' buffers with the generation.
+(`StateArrival`) while its trainers compute. The recovery API's heals (elastic/heal.py) use both; live.py
+holds the sends' buffers with the generation.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def send_state(live: LiveGroup, state: Any, receivers: list[int], device: torch.
 
 class StateArrival:
     """A heal's state on its way from rank `source` (`send_state`), received on a thread of its own
-    while the training thread goes on (InPlace.receive: a receiver waits for it only when it must load it,
+    while the training thread goes on (elastic/heal.py: a receiver waits for it only before its first collective,
     its trainers computing meanwhile). `result()` waits for it, giving up when the generation breaks.
 
     The thread receives in the data group current at construction, into buffers of its own held with

@@ -79,9 +79,9 @@ class LossJudging(JoinRules):
     def _failed_alone(self) -> bool:
         """Whether a local worker failed in this agent's round, in place, longer ago than twice the
         liveness timeout, and no member is lost: it waits for a next round that no change would
-        bring. Every rank fails alike where the heal's agreement refutes a go-ahead (in_place.py's
-        `_heal`), and would wait so until a joiner came or its agent restarted it. A failure that a
-        lost member caused is judged by liveness first, within the liveness timeout."""
+        bring (every rank of a group whose heal failed alike would wait so until a joiner came or its agent
+        restarted it). A failure that a lost member caused is judged by liveness first, within the liveness
+        timeout."""
         folder = our_folder()
         if folder is None or self._joined is None:
             return False
