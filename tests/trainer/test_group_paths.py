@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torchspot_lab.etcd import free_port
 from torchspot_trainer.evaluate import evaluate
 from torchspot_trainer.nccl import (
     FLIGHT_RECORDER_DEFAULTS,
@@ -583,6 +584,24 @@ def test_without_a_checkpoint_uri_a_re_formed_group_resumes_from_the_nodes_snaps
         assert find_state(group, None, None) == ("start", None)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_trainer_without_a_checkpoint_uri_trains_with_its_default_checkpoint_schedule(tmp_path: Path) -> None:
+    """--checkpoint-every has a default (200) and --checkpoint-uri none: the recovery API refuses a schedule
+    without a place, and the trainer once passed it its schedule all the same, so a run with no URI ended
+    at its start (bench/recovery's trainer runs have none). With no URI the trainer keeps no checkpoints."""
+    events = tmp_path / "events.jsonl"
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
+         "--max-steps", "3", "--workers", "0", "--scheduled-events", "off", "--events-file", str(events)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "done"] == [3]
+    assert not [r for r in records if r["event"] == "checkpoint"]
 
 
 def test_evaluation_runs_under_inference_mode_and_the_runs_autocast(tmp_path: Path) -> None:

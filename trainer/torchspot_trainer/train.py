@@ -97,7 +97,8 @@ class Trainer:
         self._run: Run | None = None
         """Set once the run is built. Kept after the run ends (fork_server.run_trainer says why)."""
         self.manager = Manager(
-            self._state, self._load, checkpoint_uri=config.checkpoint_uri, checkpoint_every=config.checkpoint_every,
+            self._state, self._load, checkpoint_uri=config.checkpoint_uri,
+            checkpoint_every=config.checkpoint_every if config.checkpoint_uri else 0,  # (no URI: no checkpoints)
             keep_checkpoints=config.keep_checkpoints, in_place=in_place, device=self.device,
             commit_seconds=config.collective_timeout, events_file=config.events_file or None,
             notice_hold=config.notice_hold, scheduled_events=config.scheduled_events,
