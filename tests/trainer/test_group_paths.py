@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from torchspot_lab.etcd import free_port
+from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.evaluate import evaluate
+from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.nccl import (
     FLIGHT_RECORDER_DEFAULTS,
     FLIGHT_RECORDER_ENV,
@@ -591,8 +593,9 @@ def test_the_trainer_without_a_checkpoint_uri_trains_with_its_default_checkpoint
     without a place, and the trainer once passed it its schedule all the same, so a run with no URI ended
     at its start (bench/recovery's trainer runs have none). With no URI the trainer keeps no checkpoints."""
     events = tmp_path / "events.jsonl"
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != PEER_LOST_ENV}
+    env = {**inherited, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip  # (a plain launcher's, not ours)
     done = subprocess.run(
         [sys.executable, "-m", "torchspot_trainer", "--dataset", "digits", "--model", "small_cnn", "--data", "",
          "--max-steps", "3", "--workers", "0", "--scheduled-events", "off", "--events-file", str(events)],
