@@ -1,6 +1,7 @@
 """A soak of recovery in place: random kills, freezes, thaws and joins, then the same model as a run without them.
 
-    .venv/bin/python bench/soak/run.py [--events 200] [--seed 0] [--out bench/results/soak.json]
+    .venv/bin/python bench/soak/run.py [--events 200] [--seed 0] [--actions kill,freeze,join]
+        [--out bench/results/soak.json]
 
 The project's trainer with `--in-place` (tests/trainer/test_training.py's configuration: digits,
 small_cnn, 48 samples per step whatever the world size) on the lab's local nodes: real
@@ -18,9 +19,11 @@ Node n0 is never killed or frozen: its agent and worker live through every gener
 memory is the one to watch. A kill or a freeze needs two nodes that run, so that some node
 always trains. Then the frozen nodes are thawed, the run trains on to its first checkpoint at least
 SETTLE_STEPS after the last fault (step S) and is stopped there, and the same configuration runs
-again to step S with nothing happening (`--max-steps`), on one node and on MAX_NODES nodes: the
-second gives the part of a difference that is float32's reduction order over this many steps. The
-models are compared at S.
+again to step S with nothing happening (`--max-steps`), on each of 1 to MAX_NODES nodes: the largest
+difference between two of them is the part of a difference that is float32's reduction order over this
+many steps (one pair's figure alone varies widely between soaks). The models are compared at S, and
+the per-step losses against the faults (`divergence`). `--actions` draws some kinds of fault only (to
+find which adds a difference).
 
 Measured: the seconds from each fault to the next completed step; steps redone (a step logged
 twice: at most the one in flight per kill or freeze); whether every step was trained once and
@@ -80,13 +83,17 @@ STALL_SECONDS = 120.0
 SAMPLE_SECONDS = 5.0
 """How often memory and etcd are sampled."""
 ACTIONS = ("kill", "freeze", "thaw", "join")
+JUMP_WINDOW = 5
+"""Steps after a fault in which a loss difference that jumps counts as the fault's (`divergence`)."""
+JUMP_LEAST = 1e-4
+"""A per-step loss difference below this is float32's noise at any step (the median is about 1e-6)."""
 PROGRAM = ["-m", "torchspot_trainer", *SAME_MODEL, "--checkpoint-every", str(CHECKPOINT_EVERY)]
 """The equivalence test's configuration; the epochs follow from the number of faults."""
 
 
-def allowed(running: int, frozen: int, started: int) -> list[str]:
-    """The actions the soak may draw (pure): faults only while another node trains (n0 is never
-    one of them), a thaw only of a frozen node, a join only below MAX_NODES + 1 started nodes.
+def allowed(running: int, frozen: int, started: int, kinds: frozenset[str] = frozenset(ACTIONS)) -> list[str]:
+    """The actions of `kinds` the soak may draw (pure): faults only while another node trains (n0 is
+    never one of them), a thaw only of a frozen node, a join only below MAX_NODES + 1 started nodes.
     `running` counts the nodes that run, n0 included; `frozen` those stopped; `started` both."""
     actions = []
     if running >= 2:
@@ -95,7 +102,54 @@ def allowed(running: int, frozen: int, started: int) -> list[str]:
         actions.append("thaw")
     if started < MAX_NODES + 1:
         actions.append("join")
-    return actions
+    return [action for action in actions if action in kinds]
+
+
+def fault_kinds(text: str) -> frozenset[str]:
+    """`--actions`' comma-separated kinds (pure). A join is always among them (without one the nodes
+    run out: the soak would stall), and a freeze brings its thaw."""
+    kinds = {kind.strip() for kind in text.split(",") if kind.strip()}
+    unknown = kinds - set(ACTIONS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown action {sorted(unknown)[0]!r}: choose from {', '.join(ACTIONS)}")
+    if not kinds & {"kill", "freeze"}:
+        raise argparse.ArgumentTypeError("no fault among them: name kill or freeze (or both)")
+    kinds.add("join")
+    if "freeze" in kinds:
+        kinds.add("thaw")
+    return frozenset(kinds)
+
+
+def divergence(
+    ours: dict[int, float], theirs: dict[int, float], faults: list[Fault], *, window: int = JUMP_WINDOW
+) -> dict[str, Any]:
+    """Where the per-step loss of a run (`ours`) leaves the undisturbed run's (`theirs`), against the
+    faults (pure). Float32's reduction order grows a difference slowly, over many steps; a step that
+    trained on a wrong state or samples shows as a jump: the difference in the `window` steps from a step
+    ten times its largest in the 4 * `window` steps before it, and over JUMP_LEAST. The share of the
+    steps right after a fault (its step, by the records the soak read) that jump, against the share of
+    all steps, says whether the faults add to the drift; `onset` is the first step whose difference
+    passes JUMP_LEAST."""
+    steps = sorted(set(ours) & set(theirs))
+    gap = {s: abs(ours[s] - theirs[s]) for s in steps}
+    index = {s: i for i, s in enumerate(steps)}
+
+    def jumps(at: int) -> bool:
+        i = index[at]
+        before = max((gap[s] for s in steps[max(0, i - 4 * window) : i]), default=0.0)
+        after = max(gap[s] for s in steps[i : i + window])
+        return after > JUMP_LEAST and after > 10 * before
+
+    at_faults = sorted({f.step + 1 for f in faults if f.step + 1 in index})
+    jumped = [s for s in at_faults if jumps(s)]
+    everywhere = sum(jumps(s) for s in steps)
+    return {
+        "onset": next((s for s in steps if gap[s] > JUMP_LEAST), None),
+        "fault_steps": len(at_faults),
+        "jumps_after_faults": jumped,
+        "jump_share_after_faults": round(len(jumped) / len(at_faults), 4) if at_faults else None,
+        "jump_share_all_steps": round(everywhere / len(steps), 4) if steps else None,
+    }
 
 
 def epochs_for(events: int) -> int:
@@ -242,8 +296,10 @@ def _job(
     )  # fmt: skip
 
 
-def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.Random) -> dict[str, Any]:
-    """The faults, the watch, and what the soak's run logged."""
+def soak(
+    root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.Random, *, kinds: frozenset[str]
+) -> dict[str, Any]:
+    """The faults (of `kinds`), the watch, and what the soak's run logged."""
     job = _job(root, etcd, blob, "soak", nnodes=f"1:{MAX_NODES}", epochs=epochs_for(events), extra=("--in-place",))
     events_file = job.workdir / "train-events.jsonl"
     newest = Newest(events_file)
@@ -285,7 +341,7 @@ def soak(root: Path, etcd: EtcdServer, blob: Azurite, events: int, rng: random.R
                 if node.poll() is not None and name not in frozen:
                     del nodes[name]
             running = [n for n in nodes if n not in frozen]
-            action = rng.choice(allowed(len(running), len(frozen), len(nodes)))
+            action = rng.choice(allowed(len(running), len(frozen), len(nodes), kinds))
             if action == "join":
                 name = start().name
             elif action == "thaw":
@@ -353,11 +409,17 @@ def _mib(text: str) -> float:
     return float(text[:-2])
 
 
-def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> dict[str, Any]:
-    """`fixed` is the undisturbed run on one node; the one on MAX_NODES nodes gives float32's reduction
-    order's share of a difference over this many steps (the equivalence test's TOLERANCE was set for
-    232)."""
-    """The figures (module docstring), printed and returned."""
+def _losses(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Each step's loss from its whole progress record (one rank's share, where the group broke before its
+    sums, is left out)."""
+    return {e["step"]: e["loss"] for e in records if e.get("event") == "progress" and not e.get("partial")}
+
+
+def report(run: dict[str, Any], fixed: dict[int, list[dict[str, Any]]], blob: Azurite) -> dict[str, Any]:
+    """The figures (module docstring), printed and returned. `fixed`: the undisturbed runs' records by their
+    number of nodes (1 to MAX_NODES). The largest parameter difference between any two of them is float32's
+    reduction order's share of a difference over this many steps (the equivalence test's TOLERANCE was set
+    for 232): the soak's against the one on 1 node is compared with it."""
     faults: list[Fault] = run["faults"]
     compared: int = run["step"]
     progress = [e for e in run["events"] if e.get("event") == "progress" and e["step"] <= compared]
@@ -372,15 +434,24 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
                                  "max": round(max(seconds), 2)}  # fmt: skip
     generations = [e for e in run["events"] if e.get("event") == "generation"]  # who was in each (whole_records)
     steps = whole_records([*generations, *progress])  # partial: one from each rank it hit
-    fixed_losses = {e["step"]: e["loss"] for e in fixed if e.get("event") == "progress"}
+    fixed_losses = {e["step"]: e["loss"] for e in fixed[1] if e.get("event") == "progress"}
     losses = {e["step"]: e["loss"] for e in progress if e.get("partial")}
     losses.update({e["step"]: e["loss"] for e in progress if not e.get("partial")})  # a whole record first
     partial = {e["step"] for e in progress if e.get("partial")} - set(steps)  # no whole record: a share only
     same_steps = sorted(losses) == sorted(fixed_losses)
     worst_loss = max(abs(losses[s] - fixed_losses[s]) for s in fixed_losses if s not in partial) if same_steps else None
-    ours, theirs, wider = (_model(blob, name, compared) for name in ("soak", "fixed-1", f"fixed-{MAX_NODES}"))
-    difference = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
-    floor = max(float((wider[k] - theirs[k]).abs().max()) for k in theirs)
+    models = {name: _model(blob, name, compared) for name in ("soak", *(f"fixed-{n}" for n in sorted(fixed)))}
+
+    def apart(a: str, b: str) -> float:
+        return max(float((models[a][k] - models[b][k]).abs().max()) for k in models[b])
+
+    difference = apart("soak", "fixed-1")
+    against = {n: apart("soak", f"fixed-{n}") for n in sorted(fixed)}
+    pairs = {f"{a}-{b}": apart(f"fixed-{a}", f"fixed-{b}") for a in sorted(fixed) for b in sorted(fixed) if a < b}
+    floor = max(pairs.values())
+    drift = {"soak": divergence(_losses(progress), _losses(fixed[1]), faults)}
+    drift.update({f"fixed-{n}": divergence(_losses(fixed[n]), _losses(fixed[1]), faults) for n in sorted(fixed)
+                  if n != 1})  # fmt: skip
     samples = run["samples"]
     n0: dict[str, list[float]] = {}
     for sample in samples:
@@ -398,7 +469,10 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
         "kills_and_freezes": sum(f.action in ("kill", "freeze") for f in faults),
         "same_steps_as_undisturbed": same_steps,
         "parameter_difference": difference,
+        "parameter_difference_by_nodes": against,
         "reduction_order_difference": floor,
+        "reduction_order_pairs": pairs,
+        "loss_divergence": drift,
         "loss_difference": worst_loss,
         "generations": len({e.get("generation") for e in run["events"] if e.get("event") == "start"}),
         "n0_pids": len({e["pid"] for e in run["events"] if e.get("event") == "generation" and e["node"] == "n0"}),
@@ -426,11 +500,17 @@ def report(run: dict[str, Any], fixed: list[dict[str, Any]], blob: Azurite) -> d
     print(f"steps redone: {result['redone']} (kills and freezes: {result['kills_and_freezes']}); progress records "
           f"with one rank's share of the loss (the group broke before its sums): {len(partial)}")  # fmt: skip
     print(f"against the undisturbed run on one node: same steps {same_steps}, largest parameter difference "
-          f"{difference:.3g} (the undisturbed run on {MAX_NODES} nodes: {floor:.3g}; the equivalence test allows "
+          f"{difference:.3g} (the undisturbed runs between them, at most: {floor:.3g} {pairs}; the soak against "
+          f"each: {against}; the equivalence test allows "
           f"{TOLERANCE:g} over 232 steps), largest loss difference "
           f"{worst_loss if worst_loss is None else f'{worst_loss:.3g}'} (allowed {LOSS_TOLERANCE:g})")  # fmt: skip
     print(f"n0's worker processes over the soak: {result['n0_pids']}; memory growth, last third's peak against "
           f"the first third's (MiB): {growth}")  # fmt: skip
+    for name, seen in drift.items():
+        print(f"loss against the undisturbed run on one node, {name}: first past {JUMP_LEAST:g} at step "
+              f"{seen['onset']}; a jump in the {JUMP_WINDOW} steps after {len(seen['jumps_after_faults'])} of "
+              f"{seen['fault_steps']} faults ({seen['jump_share_after_faults']}), at any step "
+              f"{seen['jump_share_all_steps']}")  # fmt: skip
     etcd = result["etcd"]
     print(
         f"etcd: backend max {etcd['db_mib_max']} MiB of a {etcd['quota_mib']:.0f} MiB quota, data folder max "
@@ -444,6 +524,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=200, help="faults to draw")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--actions",
+        type=fault_kinds,
+        default=frozenset(ACTIONS),
+        help="the fault kinds to draw, comma-separated (a join always; a freeze brings its thaw)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run's folders here")
     args = parser.parse_args()
@@ -452,14 +538,14 @@ def main() -> None:
         with EtcdServer(root / "etcd", extra_flags=ETCD_SIZING) as etcd, Azurite(root / "azurite") as blob:
             print(f"soak: {args.events} faults, seed {args.seed}, {epochs_for(args.events)} epochs", flush=True)
             started = time.monotonic()
-            run = soak(root, etcd, blob, args.events, random.Random(args.seed))
-            print(f"  soak: {time.monotonic() - started:.0f} s; the undisturbed run to step {run['step']}...",
-                  flush=True)  # fmt: skip
-            fixed = undisturbed(root, etcd, blob, args.events, nodes=1, step=run["step"])
-            print(f"  the undisturbed run on {MAX_NODES} nodes...", flush=True)
-            undisturbed(root, etcd, blob, args.events, nodes=MAX_NODES, step=run["step"])
+            run = soak(root, etcd, blob, args.events, random.Random(args.seed), kinds=args.actions)
+            fixed = {}
+            for nodes in range(1, MAX_NODES + 1):
+                print(f"  {time.monotonic() - started:.0f} s; the undisturbed run on {nodes} node(s) to step "
+                      f"{run['step']}...", flush=True)  # fmt: skip
+                fixed[nodes] = undisturbed(root, etcd, blob, args.events, nodes=nodes, step=run["step"])
             result = report(run, fixed, blob)
-    result["args"] = {k: str(v) for k, v in vars(args).items()}
+    result["args"] = {k: ",".join(sorted(v)) if isinstance(v, frozenset) else str(v) for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
