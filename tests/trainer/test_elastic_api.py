@@ -1,6 +1,6 @@
 """`torchspot.elastic` as a script calls it, in one process: the restart path's loop on a real
 one-rank gloo group, its checkpoints and resume, the errors of a call in the wrong order, and the
-combinations refused at start. (In place, under real agents: test_examples.py, and here a loop whose
+combinations refused at start. (In place, under real agents: tests/lab/examples.py, and here a loop whose
 gradient scaler skips a step's update.)"""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +109,13 @@ class NodeAgent:
                 self.kubelet.signal(pod, signal.SIGSTOP)
         self.on_action("freeze", f"{name} frozen (NotReady after {self.scenario.not_ready_after:g} s)")
 
-    def add_spot(self, count: int) -> list[str]:
-        """Capacity returns: `count` new spot nodes."""
+    def add_spot(
+        self, count: int, *, labels: Mapping[str, str] | None = None, taints: Sequence[Mapping[str, str]] = ()
+    ) -> list[str]:
+        """Capacity returns: `count` new spot nodes, with their pool's own labels and taints if any (a pool
+        that only some jobs' pods tolerate: several jobs in one sandbox, each on its own nodes)."""
         with self._lock:  # the loop iterates over the nodes
-            names = self.cloud.add_spot(count)
+            names = self.cloud.add_spot(count, labels=labels, taints=taints)
         self.on_action("add", f"spot capacity back: {', '.join(names)}")
         return names
 

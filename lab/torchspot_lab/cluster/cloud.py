@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,18 +26,29 @@ SYSTEM_MODE = "kubernetes.azure.com/mode"
 UNREACHABLE_TAINT = {"key": constants.UNREACHABLE_TAINT, "effect": "NoExecute"}
 
 
-def node_object(name: str, *, spot: bool, gpus: int, cpu: int) -> dict[str, Any]:
-    """A Node as AKS registers it: pool labels, the spot label and taint, capacity (pure)."""
+def node_object(
+    name: str,
+    *,
+    spot: bool,
+    gpus: int,
+    cpu: int,
+    labels: Mapping[str, str] | None = None,
+    taints: Sequence[Mapping[str, str]] = (),
+) -> dict[str, Any]:
+    """A Node as AKS registers it: pool labels, the spot label and taint, capacity (pure). `labels` and
+    `taints`: its pool's own (an AKS node pool's `nodeLabels` and `nodeTaints`), beside AKS's."""
+    own = dict(labels or {})
     labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",
         AGENT_POOL: "gpuspot" if spot else "system",
         SYSTEM_MODE: "user" if spot else "system",
     }
-    taints: list[dict[str, str]] = []
+    kept: list[dict[str, str]] = [dict(taint) for taint in taints]
     if spot:
         labels[constants.SPOT_LABEL] = constants.SPOT_VALUE
-        taints.append({"key": constants.SPOT_LABEL, "value": constants.SPOT_VALUE, "effect": "NoSchedule"})
+        kept.append({"key": constants.SPOT_LABEL, "value": constants.SPOT_VALUE, "effect": "NoSchedule"})
+    labels.update(own)
     capacity = {"cpu": str(cpu), "memory": "256Gi", "pods": "110"}
     if gpus:
         capacity[constants.GPU_RESOURCE] = str(gpus)
@@ -45,7 +56,7 @@ def node_object(name: str, *, spot: bool, gpus: int, cpu: int) -> dict[str, Any]
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": labels},
-        "spec": {"taints": taints, "providerID": f"sandbox:///{name}"},
+        "spec": {"taints": kept, "providerID": f"sandbox:///{name}"},
         "status": {
             "capacity": capacity,
             "allocatable": dict(capacity),
@@ -100,19 +111,29 @@ class Cloud:
         for timer in self._timers:
             timer.cancel()
 
-    def add_node(self, name: str, *, spot: bool) -> None:
-        """Register a node of the spot or the on-demand pool."""
+    def add_node(
+        self,
+        name: str,
+        *,
+        spot: bool,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[Mapping[str, str]] = (),
+    ) -> None:
+        """Register a node of the spot or the on-demand pool, with its pool's own labels and taints if any."""
         pool = self.scenario.spot if spot else self.scenario.on_demand
         self.nodes[name] = SimNode(name, spot, pool.gpus)
-        self.api.run(self.kube.create(node_object(name, spot=spot, gpus=pool.gpus, cpu=pool.cpu)))
+        body = node_object(name, spot=spot, gpus=pool.gpus, cpu=pool.cpu, labels=labels, taints=taints)
+        self.api.run(self.kube.create(body))
 
-    def add_spot(self, count: int) -> list[str]:
-        """Capacity returns: `count` new spot nodes, numbered on from the last."""
+    def add_spot(
+        self, count: int, *, labels: Mapping[str, str] | None = None, taints: Sequence[Mapping[str, str]] = ()
+    ) -> list[str]:
+        """Capacity returns: `count` new spot nodes, numbered on from the last (`add_node`)."""
         names = []
         for _ in range(count):
             self._spot_count += 1
             name = f"spot-{self._spot_count}"
-            self.add_node(name, spot=True)
+            self.add_node(name, spot=True, labels=labels, taints=taints)
             names.append(name)
         return names
 
