@@ -466,6 +466,7 @@ def report(run: dict[str, Any], fixed: dict[int, list[dict[str, Any]]], blob: Az
         "steps": max(steps),
         "redone": sum(n - 1 for n in steps.values()),
         "partial_records": len(partial),
+        "plan_mismatches": sum(e.get("event") == "plan_mismatch" for e in run["events"]),
         "kills_and_freezes": sum(f.action in ("kill", "freeze") for f in faults),
         "same_steps_as_undisturbed": same_steps,
         "parameter_difference": difference,
@@ -497,6 +498,7 @@ def report(run: dict[str, Any], fixed: dict[int, list[dict[str, Any]]], blob: Az
     for action, figures in by_action.items():
         p50, most = figures["p50"], figures["max"]
         print(f"  {action:7} x{figures['count']:3}: the next step after p50 {p50:.2f} s, max {most:.2f} s")
+    print(f"steps whose planned samples were not the sampler's (planned again): {result['plan_mismatches']}")
     print(f"steps redone: {result['redone']} (kills and freezes: {result['kills_and_freezes']}); progress records "
           f"with one rank's share of the loss (the group broke before its sums): {len(partial)}")  # fmt: skip
     print(f"against the undisturbed run on one node: same steps {same_steps}, largest parameter difference "

@@ -296,6 +296,8 @@ def test_the_same_run_through_evictions_and_a_join_computes_the_same_model(
     fixed_model = _final_parameters(f"az://ckpt/{run_id}-fixed", azurite)
     for name, what in (("elastic", happened), ("in-place", happened_in_place)):
         events = read_events(tmp_path / name / "train-events.jsonl")
+        # Each step trained the samples the sampler dealt it (a plan kept past a heal would not: train.py).
+        assert not [e for e in events if e.get("event") == "plan_mismatch"], name
         # A partial record (the restart path: the group broke between the step's update and its loss's
         # sums) comes from every rank it happened to; a step's records are one run of it.
         steps = whole_records(events)
