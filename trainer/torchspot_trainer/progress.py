@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-from torchspot_trainer.data.sampler import ElasticSampler
-
 __all__ = [
     "Progress",
     "Window",
@@ -22,7 +20,6 @@ __all__ = [
     "process_age",
     "record_means",
     "stopwatch",
-    "trained_samples",
     "whole_records",
 ]
 
@@ -160,8 +157,3 @@ def record_means(loss: float, correct: float, computed: float) -> tuple[float, f
     window while its trainers' windows spanned the record's steps (its accuracy could exceed 1)."""
     samples = max(computed, 1.0)
     return loss / samples, correct / samples
-
-
-def trained_samples(sampler: ElasticSampler) -> int:
-    """Samples trained so far (`ElasticSampler.trained`)."""
-    return sampler.trained

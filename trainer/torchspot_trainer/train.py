@@ -47,7 +47,7 @@ from torchspot_trainer.events import Events
 from torchspot_trainer.nccl import NCCL_ERROR_HANDLING_ENV, NCCL_RETHROW_ENV
 from torchspot_trainer.optim import learning_rate
 from torchspot_trainer.precision import Precision
-from torchspot_trainer.progress import Progress, Window, process_age, record_means, stopwatch, trained_samples
+from torchspot_trainer.progress import Progress, Window, process_age, record_means, stopwatch
 from torchspot_trainer.recovery.group import peer_failure
 from torchspot_trainer.recovery.rng import rng_state, set_rng_state
 from torchspot_trainer.run import (
@@ -238,7 +238,7 @@ class Trainer:
 
     def _set_learning_rate(self, run: Run) -> float:
         """Set the scheduled learning rate for the next step (a function of samples consumed)."""
-        progress = trained_samples(run.sampler) / run.total_samples
+        progress = run.sampler.trained / run.total_samples
         lr = learning_rate(
             run.rule.peak_lr(self.world), schedule=self.config.schedule, warmup=self.config.warmup, progress=progress
         )
@@ -277,7 +277,7 @@ class Trainer:
             lr=lr,
             checkpoint_step=self.manager.last_checkpoint,
             checkpoint_error=self.manager.checkpoint_error,
-            trained_samples=trained_samples(run.sampler),
+            trained_samples=run.sampler.trained,
             step_samples=run.rule.step_batch(self.world),
             partial=partial,
         )
