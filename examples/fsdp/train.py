@@ -5,7 +5,10 @@ torch, each block sharded on its own (`fully_shard`), trained on the corpus exam
 generates. `Manager(sharded=True)`: every rank checkpoints its own shards through DCP (to the job's Blob),
 an eviction notice makes every rank write its shards of the emergency checkpoint at once, and a restart
 resumes at any world size, each sample trained once. `--bf16` computes in bfloat16 on GPUs, the parameters
-and the gradients' reduction kept in float32 (FSDP2's mixed precision).
+and the gradients' reduction kept in float32 (FSDP2's mixed precision). `--shard-size N` shards the model
+over groups of N ranks that each hold one copy of it (HSDP: the copies are replicas, their gradients
+all-reduced), where the world size divides into such groups; elsewhere over every rank (FSDP), said in
+one line: a checkpoint of either loads into the other.
 """
 
 import argparse
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchspot import elastic
@@ -71,12 +75,24 @@ def build_model() -> GPT:
     return GPT(len(VOCABULARY), context=SEQUENCE, width=32, heads=2, layers=2)
 
 
-def shard(model: GPT, *, bf16: bool) -> None:
-    """Each block its own FSDP2 unit (its parameters gathered only around its own passes), then the rest."""
+def mesh_for(world: int, shard_size: int, device: torch.device) -> DeviceMesh | None:
+    """HSDP's mesh: replica groups of `shard_size` ranks (the shards of one copy within a group, the copies
+    across groups), where `world` divides into two or more of them; None (FSDP over every rank) elsewhere."""
+    if shard_size <= 0 or world % shard_size or world == shard_size:
+        if shard_size > 0 and int(os.environ.get("RANK", "0")) == 0:
+            print(f"fsdp example: {world} ranks do not make replica groups of {shard_size}: FSDP over all of them",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    return init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def shard(model: GPT, *, bf16: bool, mesh: DeviceMesh | None = None) -> None:
+    """Each block its own FSDP2 unit (its parameters gathered only around its own passes), then the rest;
+    over `mesh` (HSDP's) where given, else over every rank."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy or MixedPrecisionPolicy())
-    fully_shard(model, mp_policy=policy or MixedPrecisionPolicy())
+        fully_shard(block, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
 
 
 def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -91,6 +107,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=24, help="sequences per step, at any world size")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bf16", action="store_true", help="compute in bfloat16 (GPUs)")
+    parser.add_argument("--shard-size", type=int, default=0, help="ranks that hold one copy (HSDP); 0: all (FSDP)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
     parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
     args = parser.parse_args()
@@ -112,7 +129,7 @@ def main() -> None:
     manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device)
     manager.ensure_group()  # before fully_shard, which shards over it
     model = build_model().to(device)
-    shard(model, bf16=args.bf16)
+    shard(model, bf16=args.bf16, mesh=mesh_for(manager.world_size, args.shard_size, device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     stepper = elastic.OptimizerWrapper(manager, optimizer)
     tokens = corpus().to(device)

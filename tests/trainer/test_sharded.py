@@ -33,19 +33,22 @@ from torchspot_trainer.recovery.notices import EXIT_EVICTED, EXIT_FAILED
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp"
 STEPS, GLOBAL_BATCH = 8, 24
+SHARD_SIZE = 2
+"""The example's --shard-size: at 4 ranks two replica groups of 2 (HSDP), at 3 FSDP over all three."""
 TOLERANCE = 1e-5
 """float32 reduction order: the ranks' shares of a step are summed in another order at another world size."""
 
 
 def _start(world: int, uri: str, env: dict[str, str], events: Path) -> list[subprocess.Popen[str]]:
     """`world` ranks of the example (a step of at least 0.15 s: a notice lands inside the run), each with
-    its events file, the job's checkpoint settings every 3 steps to `uri`."""
+    its events file, the job's checkpoint settings every 3 steps to `uri`, replica groups of 2 ranks
+    (HSDP) where the world divides into them."""
     common = {
         **os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
         CHECKPOINT_URI_ENV: uri, CHECKPOINT_EVERY_ENV: "3",
     }  # fmt: skip
     command = [sys.executable, str(EXAMPLE / "train.py"), f"--steps={STEPS}", f"--global-batch={GLOBAL_BATCH}",
-               "--log-every=1", "--step-seconds=0.15"]  # fmt: skip
+               "--log-every=1", "--step-seconds=0.15", f"--shard-size={SHARD_SIZE}"]  # fmt: skip
     return [
         subprocess.Popen(
             command,
@@ -106,20 +109,21 @@ def _alone() -> dict[int, tuple[float, list[int]]]:
     return taken
 
 
-@pytest.mark.slow(seconds=20)
-def test_the_fsdp_example_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_one_unsharded_rank_trains(
+@pytest.mark.slow(seconds=25)
+def test_the_hsdp_example_stopped_by_a_notice_at_four_ranks_resumes_at_three_as_one_unsharded_rank_trains(
     azurite: Azurite, tmp_path: Path
 ) -> None:
     """examples/fsdp (a GPT-style LM, each block an FSDP2 unit) at a fixed global batch, checkpointing to
-    Blob every 3 steps: two ranks train until rank 1's node gets a notice (SIGTERM) after step 3; at the
-    next boundary both ranks write their shards of the emergency checkpoint (a blob each), rank 1
-    leaves (143) and rank 0 for the restart path (1). Three ranks resume from it (each its shards of it:
-    DCP reshards 2 to 3) and train to the end. Every step is trained once, on the samples, and with the
-    loss, of the same training unsharded on one rank (float32 reduction order apart)."""
+    Blob every 3 steps: four ranks in two replica groups of two (HSDP) train until rank 3's node gets a
+    notice (SIGTERM) after step 3; at the next boundary every rank writes its shards of the emergency
+    checkpoint, rank 3 leaves (143) and the others for the restart path (1). Three ranks, which make no
+    replica groups of two, resume from it with FSDP over all three (DCP reshards) and train to the end.
+    Every step is trained once, on the samples, and with the loss, of the same training unsharded on one
+    rank (float32 reduction order apart)."""
     env, blob = azurite.env(), f"az://sharded/{uuid.uuid4().hex[:10]}"
     (tmp_path / "two").mkdir()
     (tmp_path / "three").mkdir()
-    two = _start(2, blob, env, tmp_path / "two")
+    two = _start(4, blob, env, tmp_path / "two")
     assert two[0].stdout is not None
     seen: list[str] = []
     while not seen or json.loads(seen[-1]).get("step") != 3:  # rank 0's line of step 3 (and the manager's)
@@ -127,14 +131,16 @@ def test_the_fsdp_example_stopped_by_a_notice_at_two_ranks_resumes_at_three_as_o
         assert line, two[0].communicate()[1][-3000:]
         if line.startswith('{"step"'):
             seen.append(line)
-    two[1].send_signal(signal.SIGTERM)  # the node's notice: at the boundary after step 3, or soon after
-    first = _finish(two, [EXIT_FAILED, EXIT_EVICTED], lines=seen)
+    two[3].send_signal(signal.SIGTERM)  # the node's notice: at the boundary after step 3, or soon after
+    first = _finish(two, [EXIT_FAILED, EXIT_FAILED, EXIT_FAILED, EXIT_EVICTED], lines=seen)
     stopped = max(_samples(tmp_path / "two"))  # the step whose boundary the notice stopped the group at
     assert stopped >= 3  # (the boundary after a step is passed as the next begins: after the step's line)
     assert committed(blob, env=env)[-1] == f"{blob}/step-{stopped:010d}"  # the emergency checkpoint
     container, prefix = blob.removeprefix("az://").split("/", 1)
     shards = blob_container(container, env).list_blobs(name_starts_with=f"{prefix}/step-{stopped:010d}/")
-    assert len([item.name for item in shards if item.name.endswith(".distcp")]) == 2  # each rank its own
+    written = sorted(item.name.rsplit("/", 1)[1] for item in shards if item.name.endswith(".distcp"))
+    print("the emergency checkpoint's shard files:", written)
+    assert len(written) == 4, written  # each rank its own
     resumed = _finish(_start(3, blob, env, tmp_path / "three"), [0, 0, 0], lines=[])
     reference = _alone()
     samples = {**_samples(tmp_path / "two"), **_samples(tmp_path / "three")}
