@@ -434,7 +434,7 @@ def report(run: dict[str, Any], fixed: dict[int, list[dict[str, Any]]], blob: Az
                                  "max": round(max(seconds), 2)}  # fmt: skip
     generations = [e for e in run["events"] if e.get("event") == "generation"]  # who was in each (whole_records)
     steps = whole_records([*generations, *progress])  # partial: one from each rank it hit
-    fixed_losses = {e["step"]: e["loss"] for e in fixed[1] if e.get("event") == "progress"}
+    fixed_losses = _losses(fixed[1])  # (an undisturbed run's records are all whole)
     losses = {e["step"]: e["loss"] for e in progress if e.get("partial")}
     losses.update({e["step"]: e["loss"] for e in progress if not e.get("partial")})  # a whole record first
     partial = {e["step"] for e in progress if e.get("partial")} - set(steps)  # no whole record: a share only
@@ -449,9 +449,8 @@ def report(run: dict[str, Any], fixed: dict[int, list[dict[str, Any]]], blob: Az
     against = {n: apart("soak", f"fixed-{n}") for n in sorted(fixed)}
     pairs = {f"{a}-{b}": apart(f"fixed-{a}", f"fixed-{b}") for a in sorted(fixed) for b in sorted(fixed) if a < b}
     floor = max(pairs.values())
-    drift = {"soak": divergence(_losses(progress), _losses(fixed[1]), faults)}
-    drift.update({f"fixed-{n}": divergence(_losses(fixed[n]), _losses(fixed[1]), faults) for n in sorted(fixed)
-                  if n != 1})  # fmt: skip
+    drift = {"soak": divergence(_losses(progress), fixed_losses, faults)}
+    drift.update({f"fixed-{n}": divergence(_losses(fixed[n]), fixed_losses, faults) for n in sorted(fixed) if n != 1})
     samples = run["samples"]
     n0: dict[str, list[float]] = {}
     for sample in samples:

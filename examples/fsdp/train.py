@@ -79,9 +79,6 @@ def mesh_for(world: int, shard_size: int, device: torch.device) -> DeviceMesh | 
     """HSDP's mesh: replica groups of `shard_size` ranks (the shards of one copy within a group, the copies
     across groups), where `world` divides into two or more of them; None (FSDP over every rank) elsewhere."""
     if shard_size <= 0 or world % shard_size or world == shard_size:
-        if shard_size > 0 and int(os.environ.get("RANK", "0")) == 0:
-            print(f"fsdp example: {world} ranks do not make replica groups of {shard_size}: FSDP over all of them",
-                  file=sys.stderr, flush=True)  # fmt: skip
         return None
     return init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
@@ -129,7 +126,11 @@ def main() -> None:
     manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device)
     manager.ensure_group()  # before fully_shard, which shards over it
     model = build_model().to(device)
-    shard(model, bf16=args.bf16, mesh=mesh_for(manager.world_size, args.shard_size, device))
+    mesh = mesh_for(manager.world_size, args.shard_size, device)
+    if args.shard_size and mesh is None and manager.rank == 0:
+        print(f"fsdp example: {manager.world_size} ranks do not make replica groups of {args.shard_size}: FSDP "
+              "over all of them", file=sys.stderr, flush=True)  # fmt: skip
+    shard(model, bf16=args.bf16, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     stepper = elastic.OptimizerWrapper(manager, optimizer)
     tokens = corpus().to(device)

@@ -20,6 +20,7 @@ from tests.lab.examples import Examples
 from torchspot.cli import main
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import NodeFactory
+from torchspot_lab.report import read_pod_events
 from torchspot_lab.sandbox import run_sandbox
 from torchspot_lab.scenario import parse_scenario
 
@@ -123,7 +124,7 @@ def test_a_job_survives_notice_frozen_and_hard_evictions_to_success_beside_the_e
     assert sum(t.startswith("Normal Replaced") for t in texts) >= 3
     # Every resumption loaded a checkpoint the run had committed to Blob, or a surviving node's
     # own copy of the state at its last completed step.
-    events = _trainer_events(tmp_path / "run")
+    events = read_pod_events(tmp_path / "run" / "pods", 0.0, job=JOB)  # this job's pods (not the examples')
     committed = {e["step"] for e in events if e["event"] in ("checkpoint", "emergency_checkpoint") and e["ok"]}
     resumed = report.restarts[1:]
     assert len(resumed) >= 3, report.summary()
@@ -185,15 +186,6 @@ def _exits(run: Path) -> list[str]:
         for line in log.read_text(errors="replace").splitlines()
         if any(s in line for s in said)
     ]
-
-
-def _trainer_events(run: Path) -> list[dict[str, Any]]:
-    found = []
-    for log in run.glob(f"pods/*{JOB}-worker-*/log.txt"):
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith('{"t"'):
-                found.append(json.loads(line))
-    return found
 
 
 @pytest.mark.parametrize(

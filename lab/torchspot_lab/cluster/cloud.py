@@ -37,26 +37,25 @@ def node_object(
 ) -> dict[str, Any]:
     """A Node as AKS registers it: pool labels, the spot label and taint, capacity (pure). `labels` and
     `taints`: its pool's own (an AKS node pool's `nodeLabels` and `nodeTaints`), beside AKS's."""
-    own = dict(labels or {})
-    labels = {
+    node_labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",
         AGENT_POOL: "gpuspot" if spot else "system",
         SYSTEM_MODE: "user" if spot else "system",
     }
-    kept: list[dict[str, str]] = [dict(taint) for taint in taints]
+    node_taints: list[dict[str, str]] = [dict(taint) for taint in taints]
     if spot:
-        labels[constants.SPOT_LABEL] = constants.SPOT_VALUE
-        kept.append({"key": constants.SPOT_LABEL, "value": constants.SPOT_VALUE, "effect": "NoSchedule"})
-    labels.update(own)
+        node_labels[constants.SPOT_LABEL] = constants.SPOT_VALUE
+        node_taints.append({"key": constants.SPOT_LABEL, "value": constants.SPOT_VALUE, "effect": "NoSchedule"})
+    node_labels.update(labels or {})
     capacity = {"cpu": str(cpu), "memory": "256Gi", "pods": "110"}
     if gpus:
         capacity[constants.GPU_RESOURCE] = str(gpus)
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"taints": kept, "providerID": f"sandbox:///{name}"},
+        "metadata": {"name": name, "labels": node_labels},
+        "spec": {"taints": node_taints, "providerID": f"sandbox:///{name}"},
         "status": {
             "capacity": capacity,
             "allocatable": dict(capacity),
