@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,13 +22,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchspot.elastic
-from tests.trainer import scaler_loop
+from tests.trainer import scaler_loop, thaw_loop
 from torchspot import elastic
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.elastic.heal import Row, source_of, trainers_beside
+from torchspot_trainer.elastic.heal import Row, holders_between_steps, source_of, trainers_beside
 from torchspot_trainer.elastic.leaving import node_snapshot
 from torchspot_trainer.elastic.records import write_record
 from torchspot_trainer.elastic.riders import Line, pack, unpack
@@ -449,6 +450,48 @@ def test_a_step_whose_update_the_grad_scaler_skipped_counts_as_taken_in_place(
     _check_skipped_update(out)
 
 
+@pytest.mark.slow(seconds=15)
+def test_a_node_frozen_between_steps_and_thawed_during_the_others_evaluation_joins_it_without_a_restart(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """thaw_loop.py on two nodes: one frozen between two steps (before its loop's own sum of a step's loss)
+    while the other trains on alone to an evaluation, and thawed during it. The thawed worker re-forms at
+    its next step's start and is healed by the evaluating one, which re-forms between steps: its step is
+    void (it sends nothing, its update is not applied) and its loop evaluates with the other's, rather
+    than meeting the evaluation's collectives with its gradients (which ended its worker by the restart
+    path). Neither worker restarts; every step commits once."""
+    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:2",
+                    program=[str(Path(thaw_loop.__file__)), str(tmp_path)], extra_env={"HOLD_NODE": "n0"})  # fmt: skip
+    frozen, other = nodes(job, 2)
+    held = int(wait_for(lambda: (tmp_path / "held").exists() and (tmp_path / "held").read_text(), 60, "the hold"))
+    frozen.freeze()
+    (tmp_path / "go").touch()  # (read once it is thawed)
+    evaluating = int(wait_for(lambda: (tmp_path / "evaluating").exists() and (tmp_path / "evaluating").read_text(),
+                              60, "the other node's evaluation alone"))  # fmt: skip
+    assert evaluating > held
+    frozen.thaw()
+    assert frozen.wait(90) == 0, frozen.log_tail(40)
+    assert other.wait(30) == 0, other.log_tail(40)
+
+    records = read_events(tmp_path / "records.jsonl")
+    generations = [r for r in records if r["event"] == "generation"]
+    assert len({r["pid"] for r in generations if r["node"] == "n0"}) == 1, "the thawed node's worker restarted"
+    assert len({r["pid"] for r in generations if r["node"] == "n1"}) == 1
+    thawed = [r for r in generations if r["node"] == "n0" and r["world_size"] == 2 and r["step"] == evaluating]
+    assert thawed, generations
+    assert thawed[0]["resumed_from"] == "peer", generations
+    assert "not applied: begun before a heal whose holders went on between steps" in frozen.log_path.read_text()
+    evaluations = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
+    assert {(e["node"], e["world_size"]) for e in evaluations if e["step"] == evaluating} == {("n0", 2), ("n1", 2)}
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in (r for r in records if r["event"] == "step"):  # (every rank writes its own)
+        by_step.setdefault(record["step"], []).append(record)
+    assert sorted(by_step) == list(range(1, thaw_loop.STEPS + 1))
+    for step, taken in by_step.items():  # once, by one group: each of its ranks
+        assert len({r["generation"] for r in taken}) == 1, step
+        assert sorted(r["rank"] for r in taken) == list(range(taken[0]["world_size"])), step
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("source", [0, 2])
 def test_the_last_buckets_riders_sum_to_the_sources_buffers_and_every_ranks_line(
@@ -506,6 +549,16 @@ def test_a_broadcast_heal_sends_from_the_lowest_live_holder_of_the_newest_step()
     assert source_of(_rows((7, True, False, True), (7, False, False, True), (3, False, False, True))) == 1
     assert source_of(_rows((2, True, False, True), (7, True, False, True))) == 1
     assert source_of([Row(7, 0, False, False, True), Row(7, 2, False, False, True)]) == 1
+
+
+def test_a_step_begun_before_a_heal_is_void_only_where_a_holder_of_the_newest_state_healed_between_steps() -> None:
+    """Rows (step, fresh, stepping, may sit out): holders between steps decide next, from their state."""
+    assert holders_between_steps(_rows((7, False, False, True), (3, False, True, True)))  # the defect's heal
+    assert holders_between_steps(_rows((7, True, False, True), (7, False, True, True)))  # a new process resumed
+    assert not holders_between_steps(_rows((7, False, True, True), (3, False, False, True)))  # a joiner between
+    assert not holders_between_steps(_rows((7, False, True, False), (7, False, True, False)))
+    assert holders_between_steps([Row(7, 1, False, False, True), Row(7, 0, False, True, True)])  # it evaluated
+    assert not holders_between_steps([Row(7, 1, False, True, True), Row(7, 0, False, False, True)])
 
 
 class _Terminal(io.StringIO):

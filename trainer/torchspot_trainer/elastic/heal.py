@@ -14,6 +14,12 @@ count zero in its first step, which it takes with the state it received meanwhil
 Otherwise (the first group, a step that failed on some ranks, a device plane whose sends are
 collectives, a gradient scaler whose scale the state does not carry) the lowest rank at the newest step
 broadcasts the state and every rank waits for it, as the trainer's restart path's resume does.
+
+What a loop does after a heal is its holders' choice: a rank holding the newest state that heals between
+steps goes back to its loop, which decides from that state (it may begin an evaluation, whose collectives
+are not a step's). A rank that healed at a step's start then takes no part in the step it began: the step
+is void (`holders_between_steps`, `Manager.start_step`), and its loop decides again from the state it
+holds now, as the holders' do.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 from torchspot_trainer.recovery.transfer import StateArrival, send_beside
 from torchspot_trainer.recovery.wire import broadcast_state
 
-__all__ = ["Healing", "Row", "source_of", "trainers_beside"]
+__all__ = ["Healing", "Row", "holders_between_steps", "source_of", "trainers_beside"]
 
 log = logging.getLogger("torchspot.elastic")
 
@@ -80,6 +86,14 @@ def trainers_beside(rows: Sequence[Row]) -> list[int] | None:
     return trainers
 
 
+def holders_between_steps(rows: Sequence[Row]) -> bool:
+    """Whether a rank holding the newest state heals between steps (its loop decides next, from that
+    state: module docstring). Where every holder heals at a step's start, their loops decided on that
+    very state to take a step, and a rank whose state they replace takes it with them. Pure."""
+    best = max(row.newness for row in rows)
+    return any(not row.stepping for row in rows if row.newness == best)
+
+
 def source_of(rows: Sequence[Row]) -> int:
     """The rank a broadcast heal sends from: the lowest holding the newest step, a live one before a
     new one's copy (a snapshot or checkpoint of the same step). Pure."""
@@ -111,6 +125,8 @@ class Healing:
         """This process holds no state of the run's group yet (`Row.fresh`)."""
         self.trainers: list[int] | None = None
         """After a heal beside a step: the ranks that train it, until its all-reduce."""
+        self.holders_between = False
+        """The last heal's holders of the newest state healed between steps (`holders_between_steps`)."""
         self._arriving: tuple[StateArrival, int] | None = None
         self._arrived: dict[str, Any] | None = None
         self._sending: Future[None] | None = None
@@ -125,6 +141,7 @@ class Healing:
         if agreed is None:
             raise GroupChanged(Outcome.BROKEN)
         rows = [Row.parse(line) for line in agreed]
+        self.holders_between = holders_between_steps(rows)
         best = max(row.newness for row in rows)
         if all(row.newness == best and not row.fresh for row in rows):
             self.fresh = False

@@ -146,7 +146,7 @@ class Manager:
         """`_reform_due`: the last step agreed on a switch to a joiner's group; `_regroup`: a collective of
         the loop's between steps (`all_reduce`, `heed_notices`) did not complete: the group is re-formed
         before the next step or agreement."""
-        self._computed = self._skipped = False
+        self._computed = self._skipped = self._void = False
         """Whether the step's model ran forward (`computed`); whether the step being counted had its update
         skipped (`update_skipped`)."""
         self.resumed_from = "start"
@@ -225,7 +225,12 @@ class Manager:
 
     def start_step(self) -> None:
         """Begin a step: enter the first group (or, after a step that did not commit, or at an agreed
-        switch, the next one) and heal in it. `OptimizerWrapper.zero_grad` calls it."""
+        switch, the next one) and heal in it. `OptimizerWrapper.zero_grad` calls it.
+
+        A step begun in a group whose holders of the run's state healed between steps is void: it sends
+        nothing and is not applied (`should_commit` says False), and the loop decides again from the state
+        it holds now, as theirs do (heal.py: they may be evaluating, and its step's all-reduce would meet
+        their evaluation's collectives)."""
         if self._closed:
             raise ApiOrderError("the manager was closed: no step after close()")
         if self._phase == _COMMITTING:
@@ -234,6 +239,7 @@ class Manager:
             log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
                         "it): counted now, as its update skipped", self._rank, self._run.step + 1)  # fmt: skip
             self.update_skipped()
+        self._void = False
         if not self._begun:
             self._begin()
         elif self._boundary_due and self._pass_boundary():
@@ -243,6 +249,7 @@ class Manager:
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
             self._reform(stepping=True)
+            self._void = self._healing is not None and self._healing.holders_between
         if self._groups is not None:
             self._groups.buckets.clear()
         self._phase = _STEP
@@ -284,6 +291,10 @@ class Manager:
         groups.py's `reduce`)."""
         self.require_step("a backward pass")
         assert self._groups is not None
+        if self._void:  # (start_step) nothing is sent; zeros keep a gradient scaler's check finite
+            void: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            void.set_result(bucket.buffer().zero_())
+            return void
         return self._groups.reduce(
             bucket, rank=self._rank, world=self._world, buffers=self._run.buffers, row=self._leaving.stop.row,
             deadline=self._step_started + self.commit_seconds,
@@ -303,6 +314,13 @@ class Manager:
             self._phase = _COMMITTING
             return True
         assert self._groups is not None
+        if self._void:
+            self._void = False
+            self._phase = _IDLE
+            log.warning("rank %d: step %d not applied: begun before a heal whose holders went on between steps; "
+                        "the loop decides again from the healed state", self._rank, self._run.step + 1)  # fmt: skip
+            self._run.restore_buffers()
+            return False
         outcomes, lines = self._groups.settle(self._run.buffers, self._world)
         if not outcomes:
             raise ApiOrderError(
@@ -338,6 +356,8 @@ class Manager:
         if self._groups is None:
             dist.all_reduce(tensor)
             return True
+        if self._void:  # (start_step) a void step's figure is no group's
+            return False
         outcome = self._groups.all_reduce(tensor)
         self._failed = self._failed or outcome is Outcome.FAILED  # the agent hears of a peer's failure at the re-form
         self._regroup = self._regroup or outcome is not Outcome.DONE
