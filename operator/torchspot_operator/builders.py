@@ -18,6 +18,7 @@ from typing import Any
 
 from torchspot_operator import certs, constants
 from torchspot_operator.spec import JobSpec, Placement
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 
 
 @dataclass(frozen=True)
@@ -218,9 +219,12 @@ def _shared_memory(pod_spec: dict[str, Any], trainer: dict[str, Any]) -> None:
     ]
 
 
-def worker_pod(job: JobRef, spec: JobSpec, index: int, *, avoid: Sequence[str] = ()) -> dict[str, Any]:
+def worker_pod(
+    job: JobRef, spec: JobSpec, index: int, *, avoid: Sequence[str] = (), group: int | None = None
+) -> dict[str, Any]:
     """Worker pod n: the user's template, placed on the spot pool (off the nodes in `avoid`), with the
-    launcher's settings."""
+    launcher's settings; where replica groups have more than one pod, its `group` (default its index's:
+    replica_groups.py)."""
     template = copy.deepcopy(spec.template)
     pod_spec: dict[str, Any] = template["spec"]
     meta = job.metadata(job.worker_name(index), constants.ROLE_WORKER)
@@ -229,6 +233,10 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int, *, avoid: Sequence[str] =
         **(template.get("metadata", {}).get("annotations") or {}),
         constants.ANNOTATION_INDEX: str(index),
     }
+    groups = spec.replica_group_size > 1
+    group = index // spec.replica_group_size if group is None else group
+    if groups:
+        meta["annotations"][constants.ANNOTATION_REPLICA_GROUP] = str(group)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["terminationGracePeriodSeconds"] = spec.termination_grace_seconds
     restricted_defaults(pod_spec)
@@ -236,6 +244,11 @@ def worker_pod(job: JobRef, spec: JobSpec, index: int, *, avoid: Sequence[str] =
     _avoid(pod_spec, avoid)
     trainer = pod_spec["containers"][0]
     trainer["env"] = [*trainer.get("env", []), *launcher_env(job, spec)]
+    if groups:
+        trainer["env"] += [
+            {"name": REPLICA_GROUP_ENV, "value": str(group)},
+            {"name": REPLICA_GROUP_SIZE_ENV, "value": str(spec.replica_group_size)},
+        ]
     if spec.credentials_secret:
         trainer["envFrom"] = [*trainer.get("envFrom", []), {"secretRef": {"name": spec.credentials_secret}}]
     if _managed_tls(job, spec):  # the client side only, never the server's key; 0444: the trainer's uid is the user's

@@ -21,6 +21,9 @@ ANNOTATION_INDEX: Final = f"{GROUP}/index"
 """A worker pod's number n (its name is `<job>-worker-<n>` too). An annotation, not a label: a label
 unique to each pod makes one network security identity per pod on Cilium (which leaves Job's
 completion index out of identities for that reason); labels stay job-scoped."""
+ANNOTATION_REPLICA_GROUP: Final = f"{GROUP}/replica-group"
+"""A worker pod's replica group (its index // spec.replicaGroupSize), where groups have more than one pod.
+An annotation for the same reason as the index."""
 ANNOTATION_ACCOUNTED: Final = f"{GROUP}/accounted"
 """On a failed worker pod the operator keeps (for `kubectl logs`): the verdict it was counted under,
 so no operator process counts it again (the count lives in the status, the mark on the pod)."""

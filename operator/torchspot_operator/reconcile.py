@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from torchspot_operator import builders, conditions, constants, lifecycle, nodes, verdicts
+from torchspot_operator import builders, conditions, constants, lifecycle, nodes, replica_groups, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.nodes import NodePolicy
@@ -348,6 +348,11 @@ def plan(seen: Observed) -> Plan:
         "runId": job.run_id,
         "resumes": resumes,
         "replicas": {"desired": spec.desired, "ready": census.ready, "pending": len(census.pending)},
+        "replicaGroups": {
+            "size": spec.replica_group_size,
+            "desired": spec.desired_groups,
+            "ready": replica_groups.ready_groups(census.active, spec.replica_group_size),
+        },
         "evictions": counts.evictions,
         "restarts": counts.restarts,
         "failures": counts.failures,
@@ -580,9 +585,10 @@ def _scale(
     refused: bool = False,
     avoid: Sequence[str] = (),
 ) -> None:
-    """Create pods up to `desired` (lowest free indices), off the nodes in `avoid`, less those held back
-    by the failure backoff (none while the refusal backoff holds: `refused`); or delete the surplus
-    (pending first, then the highest indices)."""
+    """Create pods up to `desired` (lowest free indices, by whole replica groups: replica_groups.py), off
+    the nodes in `avoid`, less those held back by the failure backoff (none while the refusal backoff
+    holds: `refused`); or delete the surplus (pending first, then the highest indices; broken groups
+    first)."""
     desired = seen.spec.desired
     taken = {verdicts.pod_index(pod) for pod in seen.pods}
     names = [  # a name someone else holds is skipped; a refused one is tried again (the same index)
@@ -595,37 +601,25 @@ def _scale(
     ]
     prefix = f"{job.name}-worker-"
     taken |= {int(n.removeprefix(prefix)) for n in names if n.startswith(prefix) and n.removeprefix(prefix).isdigit()}
-    missing = desired - len(census.active)
-    if missing > 0:
-        creating = 0 if refused else missing - min(held, missing)
-        owed = max(0, census.lost + released - held)
-        index = 0
-        for _ in range(creating):
-            while index in taken:
-                index += 1
-            taken.add(index)
-            result.create.append(builders.worker_pod(job, seen.spec, index, avoid=avoid))
-            name = job.worker_name(index)
-            if owed > 0:
-                owed -= 1
-                counts.restarts += 1
-                result.announced[f"Pod/{name}"] = (
-                    "Normal",
-                    "Replaced",
-                    f"created worker pod {name} to replace a lost one",
-                )
-            else:
-                result.announced[f"Pod/{name}"] = (
-                    "Normal",
-                    "ScaledUp",
-                    f"created worker pod {name} (desired {desired})",
-                )
-    elif missing < 0:
-        for pod in sorted(census.active, key=lambda p: (verdicts.is_ready(p), -verdicts.pod_index(p)))[:-missing]:
-            name = verdicts.pod_name(pod)
-            result.delete.append(Delete("v1", "Pod", name, verdicts.pod_uid(pod), None, "scale down"))
-            result.accounted.append(verdicts.pod_uid(pod))
-            result.events.append(("Normal", "ScaledDown", f"deleted worker pod {name} (desired {desired})"))
+    size = seen.spec.replica_group_size
+    grouped = replica_groups.plan_groups(census.active, size=size, groups=seen.spec.desired_groups, taken=taken)
+    for pod in grouped.delete:
+        name = verdicts.pod_name(pod)
+        result.delete.append(Delete("v1", "Pod", name, verdicts.pod_uid(pod), None, "scale down"))
+        result.accounted.append(verdicts.pod_uid(pod))
+        result.events.append(("Normal", "ScaledDown", f"deleted worker pod {name} (desired {desired})"))
+    making = grouped.create
+    creating = 0 if refused else len(making) - min(held, len(making))
+    owed = max(0, census.lost + released - held)
+    for index, group in making[:creating]:
+        result.create.append(builders.worker_pod(job, seen.spec, index, avoid=avoid, group=group))
+        name = job.worker_name(index)
+        if owed > 0:
+            owed -= 1
+            counts.restarts += 1
+            result.announced[f"Pod/{name}"] = ("Normal", "Replaced", f"created worker pod {name} to replace a lost one")
+        else:
+            result.announced[f"Pod/{name}"] = ("Normal", "ScaledUp", f"created worker pod {name} (desired {desired})")
 
 
 def avoided_nodes(old: Mapping[str, Any], census: verdicts.Census) -> list[str]:

@@ -49,6 +49,8 @@ class JobSpec:
     template: dict[str, Any]
     replicas: int | None = None
     nproc_per_node: int = 1
+    replica_group_size: int = 1
+    """Worker pods per replica group (HSDP's unit of failure): pods are made and deleted by whole groups."""
     suspend: bool = False
     """Stop the workers and the managed etcd, keep the job (Kubernetes Job's and Kueue's `suspend`)."""
     ttl_seconds_after_finished: int | None = None
@@ -80,6 +82,11 @@ class JobSpec:
     def desired(self) -> int:
         """Worker pods to keep: `replicas` (the scale subresource) or else `maxReplicas`."""
         return self.max_replicas if self.replicas is None else self.replicas
+
+    @property
+    def desired_groups(self) -> int:
+        """Whole replica groups to keep (the CRD makes `desired` a multiple of the group size)."""
+        return self.desired // self.replica_group_size
 
 
 class InvalidSpecError(ValueError):
@@ -191,6 +198,7 @@ def parse_spec(
         replicas=read.optional_int(spec, "replicas", "spec.replicas"),
         template=template,
         nproc_per_node=read.int_(spec, "nprocPerNode", "spec.nprocPerNode", 1),
+        replica_group_size=max(1, read.int_(spec, "replicaGroupSize", "spec.replicaGroupSize", 1)),
         suspend=read.bool_(spec, "suspend", "spec.suspend", False),
         ttl_seconds_after_finished=read.optional_int(spec, "ttlSecondsAfterFinished", "spec.ttlSecondsAfterFinished"),
         active_deadline_seconds=read.optional_int(spec, "activeDeadlineSeconds", "spec.activeDeadlineSeconds"),

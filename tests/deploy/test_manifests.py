@@ -22,6 +22,7 @@ from torchspot_lab.kubeapi.admission import Admission, AdmissionError
 from torchspot_lab.sandbox import CRD_RESOURCE
 from torchspot_operator.builders import JobRef, worker_pod
 from torchspot_operator.spec import parse_spec
+from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.config import parse_config
 from torchspot_trainer.elastic.settings import checkpoint_settings
 from torchspot_trainer.launch import check_args
@@ -166,3 +167,5 @@ def test_each_examples_job_launches_its_script_with_the_jobs_checkpoint_settings
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     chosen = checkpoint_settings(None, None, None, env)
     assert chosen == (spec.checkpoint_uri, spec.checkpoint_interval, spec.checkpoint_keep)
+    if spec.replica_group_size > 1:  # the FSDP example's HSDP groups: the script's --shard-size default
+        assert env[REPLICA_GROUP_SIZE_ENV] == str(spec.replica_group_size)

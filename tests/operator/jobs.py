@@ -79,6 +79,19 @@ BAD = [
     ("min a string", with_path("minReplicas", "two"), "spec.minReplicas", "is not of type 'integer'"),
     ("replicas above max", with_path("replicas", 4), "spec.replicas", "replicas must lie between"),
     ("nproc zero", with_path("nprocPerNode", 0), "spec.nprocPerNode", "less than the minimum"),
+    (
+        "max not whole groups",
+        good_job(minReplicas=2, maxReplicas=3, replicaGroupSize=2),
+        "spec.minReplicas",
+        "each must be a multiple of replicaGroupSize",
+    ),
+    (
+        "replicas not whole groups",
+        good_job(minReplicas=2, maxReplicas=4, replicas=3, replicaGroupSize=2),
+        "spec.replicas",
+        "replicas counts whole replica groups",
+    ),
+    ("group size zero", with_path("replicaGroupSize", 0), "spec.replicaGroupSize", "less than the minimum"),
     ("template missing", with_path("template", "<del>"), "spec", "'template' is a required property"),
     (
         "no containers",
@@ -233,6 +246,7 @@ IMMUTABLE = [
     ("minReplicas", 2, "minReplicas and maxReplicas are immutable"),
     ("maxReplicas", 5, "minReplicas and maxReplicas are immutable"),
     ("nprocPerNode", 2, "nprocPerNode is immutable"),
+    ("replicaGroupSize", 3, "replicaGroupSize is immutable"),
     ("rendezvous.endpoint", "etcd.shared:2379", "rendezvous.endpoint is immutable"),
     ("rendezvous.heartbeatSeconds", 5, "rendezvous.heartbeatSeconds is immutable"),
     ("checkpoint.uri", "az://checkpoints/other", "checkpoint.uri is immutable"),

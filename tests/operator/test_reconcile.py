@@ -19,6 +19,7 @@ from torchspot_operator.controller import slow_start
 from torchspot_operator.kube import delete_options
 from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import JobSpec, parse_spec
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 JOB = JobRef("cifar", "default", "0123456789abcdef")
@@ -486,6 +487,54 @@ class TestStartAndScale:
         assert "FailedCreate" not in _reasons(again)  # an Event once, not at every reconcile
         fixed = _plan([], etcd=_etcd(), old=again.status)
         assert _condition(fixed, "ReplicaFailure")["status"] == "False"
+
+
+class TestReplicaGroups:
+    """spec.replicaGroupSize 2, four pods: two groups, made, refilled and deleted whole."""
+
+    GROUPED = _spec(minReplicas=2, maxReplicas=4, replicaGroupSize=2)
+
+    @classmethod
+    def _pod(cls, index: int, group: int, *, ready: bool = True) -> dict[str, Any]:
+        pod = builders.worker_pod(JOB, cls.GROUPED, index, group=group)
+        pod["metadata"]["uid"] = f"uid-{index}-{next(_uids)}"
+        pod["spec"]["nodeName"] = "spot-1"
+        pod["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+        return pod
+
+    @staticmethod
+    def _groups(plan: reconcile.Plan) -> dict[str, str]:
+        return {obj["metadata"]["name"]: obj["metadata"]["annotations"][constants.ANNOTATION_REPLICA_GROUP]
+                for obj in plan.create if obj["kind"] == "Pod"}  # fmt: skip
+
+    def test_each_pod_is_told_its_group_and_the_groups_size(self) -> None:
+        plan = _plan([], old=_running(), spec=self.GROUPED)
+        assert self._groups(plan) == {"cifar-worker-0": "0", "cifar-worker-1": "0", "cifar-worker-2": "1",
+                                      "cifar-worker-3": "1"}  # fmt: skip
+        env = {e["name"]: e.get("value") for e in plan.create[-1]["spec"]["containers"][0]["env"]}
+        assert (env[REPLICA_GROUP_ENV], env[REPLICA_GROUP_SIZE_ENV]) == ("1", "2")
+        alone = builders.worker_pod(JOB, _spec(), 3)  # groups of one: nothing said
+        assert constants.ANNOTATION_REPLICA_GROUP not in alone["metadata"]["annotations"]
+        assert REPLICA_GROUP_ENV not in {e["name"] for e in alone["spec"]["containers"][0]["env"]}
+
+    def test_a_lost_pods_replacement_joins_its_group_under_a_free_name(self) -> None:
+        pods = [self._pod(0, 0), self._pod(2, 1), self._pod(3, 1)]  # worker-1 lost, its name still held
+        plan = _plan(pods, old=_running(), spec=self.GROUPED, names_in_use=frozenset({"cifar-worker-1"}))
+        assert self._groups(plan) == {"cifar-worker-4": "0"}
+        assert plan.status["replicaGroups"] == {"size": 2, "desired": 2, "ready": 1}
+
+    def test_scaling_down_deletes_the_broken_group_whole_and_keeps_the_ready_one(self) -> None:
+        pods = [self._pod(0, 0), self._pod(1, 0, ready=False), self._pod(2, 1), self._pod(3, 1)]
+        down = replace(self.GROUPED, replicas=2)
+        plan = _plan(pods, old=_running(), spec=down)
+        assert sorted(name for name, _ in _deleted(plan)) == ["cifar-worker-0", "cifar-worker-1"]
+        assert plan.create == []
+        assert plan.status["replicaGroups"] == {"size": 2, "desired": 1, "ready": 1}
+
+    def test_a_new_group_takes_the_lowest_number_free_and_the_lowest_free_names(self) -> None:
+        pods = [self._pod(1, 1), self._pod(4, 1)]
+        plan = _plan(pods, old=_running(), spec=self.GROUPED)
+        assert self._groups(plan) == {"cifar-worker-0": "0", "cifar-worker-2": "0"}
 
 
 class TestSuccess:

@@ -145,6 +145,7 @@ def test_operator_defaults_match_the_crd_defaults() -> None:
     parsed = _parse(good_job(checkpoint={"uri": "/ckpt"}))
     ours = {
         "nprocPerNode": parsed.nproc_per_node,
+        "replicaGroupSize": parsed.replica_group_size,
         "suspend": parsed.suspend,
         "rendezvous.heartbeatSeconds": parsed.heartbeat_seconds,
         "placement.spot": parsed.placement.spot,

@@ -15,6 +15,11 @@ RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 """torch's elastic agent (torchrun, torchspot-run) names the job's run in every worker's environment
 with it: the rendezvous's etcd keys and the node's snapshot file are the run's. Here so both sides read
 the one name."""
+REPLICA_GROUP_ENV = f"{ENV_PREFIX}REPLICA_GROUP"
+REPLICA_GROUP_SIZE_ENV = f"{ENV_PREFIX}REPLICA_GROUP_SIZE"
+"""A worker pod's replica group and the job's group size in pods (an ElasticJob's replicaGroupSize, where
+it is more than 1), as the operator passes them: what a sharded script builds its HSDP mesh on. Here so the
+operator sets them without importing torch."""
 SNAPSHOT_DIR_ENV = f"{ENV_PREFIX}SNAPSHOT_DIR"
 """Environment variable naming the folder of the node-local snapshots (recovery/snapshot.py; default:
 the temp folder). Here so the sandbox's kubelet can set it without importing torch."""
