@@ -21,6 +21,7 @@ import torch
 
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import free_port
+from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.checkpoint.dcp import committed
 from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 from torchspot_trainer.checkpoint.storage import blob_container
@@ -34,7 +35,8 @@ ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp"
 STEPS, GLOBAL_BATCH = 8, 24
 SHARD_SIZE = 2
-"""The example's --shard-size: at 4 ranks two replica groups of 2 (HSDP), at 3 FSDP over all three."""
+"""The job's replica groups (as an ElasticJob's replicaGroupSize reaches a pod: REPLICA_GROUP_SIZE_ENV), the
+example's --shard-size default: at 4 ranks two replica groups of 2 (HSDP), at 3 FSDP over all three."""
 TOLERANCE = 1e-5
 """float32 reduction order: the ranks' shares of a step are summed in another order at another world size."""
 
@@ -45,10 +47,10 @@ def _start(world: int, uri: str, env: dict[str, str], events: Path) -> list[subp
     (HSDP) where the world divides into them."""
     common = {
         **os.environ, **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-        CHECKPOINT_URI_ENV: uri, CHECKPOINT_EVERY_ENV: "3",
+        CHECKPOINT_URI_ENV: uri, CHECKPOINT_EVERY_ENV: "3", REPLICA_GROUP_SIZE_ENV: str(SHARD_SIZE),
     }  # fmt: skip
     command = [sys.executable, str(EXAMPLE / "train.py"), f"--steps={STEPS}", f"--global-batch={GLOBAL_BATCH}",
-               "--log-every=1", "--step-seconds=0.15", f"--shard-size={SHARD_SIZE}"]  # fmt: skip
+               "--log-every=1", "--step-seconds=0.15"]  # fmt: skip
     return [
         subprocess.Popen(
             command,
@@ -62,13 +64,15 @@ def _start(world: int, uri: str, env: dict[str, str], events: Path) -> list[subp
     ]
 
 
-def _finish(processes: list[subprocess.Popen[str]], codes: list[int], *, lines: list[str]) -> list[dict[str, Any]]:
-    """Rank 0's loss lines (those in `lines` already, and the rest), once every rank has exited with its
-    status in `codes`."""
+def _finish(
+    processes: list[subprocess.Popen[str]], codes: list[int], *, lines: list[str]
+) -> tuple[list[dict[str, Any]], str]:
+    """Rank 0's loss lines (those in `lines` already, and the rest) and its stderr, once every rank has
+    exited with its status in `codes`."""
     said = [process.communicate(timeout=180) for process in processes]
     assert [process.returncode for process in processes] == codes, [err[-3000:] for _, err in said]
     every = lines + said[0][0].splitlines()
-    return [record for record in map(json.loads, filter(None, every)) if "loss" in record]
+    return [record for record in map(json.loads, filter(None, every)) if "loss" in record], said[0][1]
 
 
 def _samples(events: Path) -> dict[int, list[int]]:
@@ -132,7 +136,8 @@ def test_the_hsdp_example_stopped_by_a_notice_at_four_ranks_resumes_at_three_as_
         if line.startswith('{"step"'):
             seen.append(line)
     two[3].send_signal(signal.SIGTERM)  # the node's notice: at the boundary after step 3, or soon after
-    first = _finish(two, [EXIT_FAILED, EXIT_FAILED, EXIT_FAILED, EXIT_EVICTED], lines=seen)
+    first, said = _finish(two, [EXIT_FAILED, EXIT_FAILED, EXIT_FAILED, EXIT_EVICTED], lines=seen)
+    assert "FSDP over all of them" not in said  # two replica groups of two
     stopped = max(_samples(tmp_path / "two"))  # the step whose boundary the notice stopped the group at
     assert stopped >= 3  # (the boundary after a step is passed as the next begins: after the step's line)
     assert committed(blob, env=env)[-1] == f"{blob}/step-{stopped:010d}"  # the emergency checkpoint
@@ -141,7 +146,8 @@ def test_the_hsdp_example_stopped_by_a_notice_at_four_ranks_resumes_at_three_as_
     written = sorted(item.name.rsplit("/", 1)[1] for item in shards if item.name.endswith(".distcp"))
     print("the emergency checkpoint's shard files:", written)
     assert len(written) == 4, written  # each rank its own
-    resumed = _finish(_start(3, blob, env, tmp_path / "three"), [0, 0, 0], lines=[])
+    resumed, said = _finish(_start(3, blob, env, tmp_path / "three"), [0, 0, 0], lines=[])
+    assert f"3 ranks do not make replica groups of {SHARD_SIZE}: FSDP over all of them" in said
     reference = _alone()
     samples = {**_samples(tmp_path / "two"), **_samples(tmp_path / "three")}
     assert sorted(samples) == list(range(1, STEPS + 1))  # every step once: none lost, none redone
