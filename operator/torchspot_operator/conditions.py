@@ -139,11 +139,21 @@ def clear_condition(
     return set_condition(conditions, kind, False, reason, message, now)
 
 
-def invalid(conditions: Sequence[Mapping[str, Any]], problems: Sequence[str], now: datetime) -> dict[str, Any]:
-    """The status of a job whose spec cannot be run: phase Invalid and every problem in the message."""
+def invalid(
+    conditions: Sequence[Mapping[str, Any]], problems: Sequence[str], now: datetime, *, generation: int
+) -> dict[str, Any]:
+    """The status of a job whose spec cannot be run: phase Invalid and every problem in the message, of
+    the job's `generation` (its metadata.generation)."""
     message = "; ".join(problems) + " (the CRD's schema should have refused this: is manifests/crd.yaml installed?)"
     updated = set_condition(conditions, INVALID_SPEC, True, "InvalidSpec", message, now)
-    return {"phase": PHASE_INVALID, "conditions": updated}
+    return {"phase": PHASE_INVALID, "observedGeneration": generation, "conditions": observed(updated, generation)}
+
+
+def observed(conditions: Sequence[Mapping[str, Any]], generation: int) -> list[dict[str, Any]]:
+    """`conditions`, each stamped with the spec's `generation` they were judged against (Kubernetes'
+    `metav1.Condition.observedGeneration`): a client that changed the spec tells the conditions of its
+    change from those of the spec before it."""
+    return [{**condition, "observedGeneration": generation} for condition in conditions]
 
 
 def replica_failure(

@@ -397,7 +397,7 @@ class Controller:
         try:
             spec = self._spec(body)
         except InvalidSpecError as exc:
-            new = conditions.invalid(old.get("conditions") or [], exc.problems, now)
+            new = conditions.invalid(old.get("conditions") or [], exc.problems, now, generation=memory.generation)
             if _changed(old, new):
                 await self._write_status(job, memory, new, _version(body))
             if old.get("phase") != conditions.PHASE_INVALID:  # said once, not at every reconcile
@@ -483,6 +483,7 @@ class Controller:
             accounted=frozenset(memory.accounted), vanished=list(memory.vanished),
             create_failures=self._failures(memory),
             names_in_use=self.caches.names(namespace, name), applied=dict(memory.applied),
+            generation=memory.generation,
         )  # fmt: skip
 
     async def _read_node(self, name: str) -> Mapping[str, Any] | None:

@@ -143,6 +143,8 @@ class Observed:
     a plan found holding it (`Plan.settled`). The caller forgets them all when the build's inputs
     change (the job's generation or resumes): while every object is known at its version, the plan
     builds nothing (a timer tick of 1,000 jobs spent most of its time building and comparing them)."""
+    generation: int = 0
+    """The job's metadata.generation: the spec this observation judged (`status.observedGeneration`)."""
 
 
 class _Counts:
@@ -364,7 +366,8 @@ def plan(seen: Observed) -> Plan:
         "avoidedNodes": avoided or None,
         **_milestones(seen.milestones, old),
         **clocks.record(),
-        "conditions": conds,
+        "observedGeneration": seen.generation,
+        "conditions": conditions.observed(conds, seen.generation),
     }
     return result
 

@@ -646,10 +646,13 @@ def test_a_spec_no_schema_checked_is_reported_once(cluster: Cluster) -> None:
     assert condition["status"] == "True"
     assert "spec.minReplicas: must be an integer" in condition["message"]
     assert _status(cluster, "old-crd")["phase"] == "Invalid"
+    assert condition["observedGeneration"] == _status(cluster, "old-crd")["observedGeneration"] == 1
     writes = cluster.requests("PATCH", f"{JOBS}/status")
     with _settles(cluster):
         cluster.patch(constants.PLURAL, "old-crd", {"spec": {"replicas": 2}})  # still invalid: reconciled again
-    assert cluster.requests("PATCH", f"{JOBS}/status") == writes  # the same status: not written again
+    # One write: the same problems, of the spec's new generation (conditions say which spec they judged).
+    assert cluster.requests("PATCH", f"{JOBS}/status") == writes + 1
+    assert _status(cluster, "old-crd")["observedGeneration"] == 2
     assert len(cluster.events("InvalidSpec")) == 1
     assert cluster.pods("old-crd") == []
     assert cluster.etcd_kinds("old-crd") == set()

@@ -489,6 +489,17 @@ class TestStartAndScale:
         assert _condition(fixed, "ReplicaFailure")["status"] == "False"
 
 
+def test_the_status_and_each_condition_say_which_generation_of_the_spec_they_judged() -> None:
+    plan = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), generation=4)
+    assert plan.status["observedGeneration"] == 4
+    assert {c["type"]: c["observedGeneration"] for c in plan.status["conditions"]} == {
+        c["type"]: 4 for c in plan.status["conditions"]
+    }
+    invalid = conditions.invalid(plan.status["conditions"], ["spec.minReplicas: must be an integer"], T0, generation=5)
+    assert invalid["observedGeneration"] == 5
+    assert all(c["observedGeneration"] == 5 for c in invalid["conditions"])
+
+
 class TestReplicaGroups:
     """spec.replicaGroupSize 2, four pods: two groups, made, refilled and deleted whole."""
 

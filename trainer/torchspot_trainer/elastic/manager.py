@@ -148,7 +148,7 @@ class Manager:
         before the next step or agreement."""
         self._computed = self._skipped = self._void = False
         """Whether the step's model ran forward (`computed`); whether the step being counted had its update
-        skipped (`update_skipped`)."""
+        skipped (`update_skipped`); whether the step is void (`start_step`)."""
         self.resumed_from = "start"
         """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank), `live` (in place,
         the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
