@@ -364,7 +364,7 @@ def plan(seen: Observed) -> Plan:
         "evictionWindow": budget.record(),
         "progress": progress.record(),
         "avoidedNodes": avoided or None,
-        **_milestones(seen.milestones, old),
+        **_milestones(seen.milestones, old, nproc_per_node=spec.nproc_per_node),
         **clocks.record(),
         "observedGeneration": seen.generation,
         "conditions": conditions.observed(conds, seen.generation),
@@ -486,14 +486,19 @@ def etcd_refusal(etcd: Mapping[str, Mapping[str, Any]], now: datetime) -> Create
     return CreateFailure(f"Deployment/{name}/pods", conditions.FAILED_CREATE, message, now)
 
 
-def _milestones(milestones: Mapping[str, Any], old: Mapping[str, Any]) -> dict[str, Any]:
-    """Rendezvous round and last checkpoint as the run reported them; the last known values otherwise."""
+def _milestones(milestones: Mapping[str, Any], old: Mapping[str, Any], *, nproc_per_node: int) -> dict[str, Any]:
+    """Rendezvous round, its world size (its nodes' training processes) and last checkpoint as the run
+    reported them; the last known values otherwise."""
     result: dict[str, Any] = {}
     round_record = milestones.get("round") or {}
     if isinstance(round_record.get("round"), int):
         result["rendezvousRound"] = round_record["round"]
     elif "rendezvousRound" in old:
         result["rendezvousRound"] = old["rendezvousRound"]
+    if isinstance(round_record.get("nodes"), int):
+        result["worldSize"] = round_record["nodes"] * nproc_per_node
+    elif "worldSize" in old:
+        result["worldSize"] = old["worldSize"]
     checkpoint = milestones.get("checkpoint") or {}
     if isinstance(checkpoint.get("step"), int):
         result["lastCheckpoint"] = {key: checkpoint[key] for key in ("step", "time", "uri") if key in checkpoint}

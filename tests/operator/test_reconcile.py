@@ -1021,12 +1021,17 @@ class TestManagedEtcd:
 
 
 def test_milestones_from_etcd_land_in_the_status_and_survive_gaps() -> None:
-    milestones = {"round": {"round": 4, "nodes": 3}, "checkpoint": {"step": 1200, "uri": "az://c/p/", "time": "t"}}
-    first = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), milestones=milestones).status
+    milestones = {"round": {"round": 4, "nodes": 3}, "checkpoint": {"step": 1200, "uri": "az://c/p/", "time": "t"},
+                  "step": {"step": 1234}}  # fmt: skip
+    spec = _spec(nprocPerNode=2)
+    first = _plan([_pod(0), _pod(1), _pod(2)], old=_running(), milestones=milestones, spec=spec).status
     assert first["rendezvousRound"] == 4
+    assert first["worldSize"] == 6  # (kubectl get ej's World: 3 nodes of 2 processes)
+    assert first["progress"]["step"] == 1234  # (its Step)
     assert first["lastCheckpoint"] == {"step": 1200, "uri": "az://c/p/", "time": "t"}
-    later = _plan([_pod(0), _pod(1), _pod(2)], old=first)  # etcd unreachable this time: nothing read
+    later = _plan([_pod(0), _pod(1), _pod(2)], old=first, spec=spec)  # etcd unreachable this time: nothing read
     assert later.status["rendezvousRound"] == 4
+    assert later.status["worldSize"] == 6
     assert later.status["lastCheckpoint"]["step"] == 1200
 
 

@@ -1,7 +1,7 @@
 """A run's milestones as the operator reads them: the last round formed, the last checkpoint
 committed and the step reached, small JSON keys beside the rendezvous state.
 
-    <KEY_ROOT>/<run id>/status/round        {"round": 7, "world": 3, "time": ...}   (the agents)
+    <KEY_ROOT>/<run id>/status/round        {"round": 7, "nodes": 3, "time": ...}   (the agents)
     <KEY_ROOT>/<run id>/status/checkpoint   {"step": 1200, "uri": ..., "time": ...} (trainer rank 0)
     <KEY_ROOT>/<run id>/status/step         {"step": 1234, "time": ...}             (trainer rank 0, each minute)
     <KEY_ROOT>/<run id>/status/activity     {"at": 1796530000, "node": ..., "time": ...} (an agent whose workers
