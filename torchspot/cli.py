@@ -29,6 +29,7 @@ import argparse
 import os
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ DEFAULT_OUT = Path("runs")
 def build_parser() -> argparse.ArgumentParser:
     """The `torchspot` parser and its subcommands."""
     parser = argparse.ArgumentParser(prog="torchspot", description="Elastic PyTorch training on spot node pools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('torchspot')}")
     commands = parser.add_subparsers(dest="command", required=True)
     lab = commands.add_parser("lab", help="the local sandbox").add_subparsers(dest="lab_command", required=True)
     run = lab.add_parser("run", help="run an ElasticJob in the local sandbox through a scripted spot market")
