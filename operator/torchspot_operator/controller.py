@@ -319,13 +319,13 @@ class Controller:
         """Metrics of one reconcile's outcome (metrics.py)."""
         new = decided.status
         self.phases[key] = str(new.get("phase", ""))
-        metrics.EVICTIONS.inc(max(0, int(new.get("evictions", 0)) - int(old.get("evictions", 0))))
-        metrics.FAILURES.inc(max(0, int(new.get("failures", 0)) - int(old.get("failures", 0))))
-        metrics.REPLACEMENTS.inc(sum(1 for _, reason, _ in posted if reason == "Replaced"))
+        metrics.EVICTIONS.labels(*key).inc(max(0, int(new.get("evictions", 0)) - int(old.get("evictions", 0))))
+        metrics.FAILURES.labels(*key).inc(max(0, int(new.get("failures", 0)) - int(old.get("failures", 0))))
+        metrics.REPLACEMENTS.labels(*key).inc(sum(1 for _, reason, _ in posted if reason == "Replaced"))
         reached, started = new.get("reachedMinAt"), new.get("startTime")
         if reached and started and not old.get("reachedMinAt"):
             waited = conditions.parse_timestamp(str(reached)) - conditions.parse_timestamp(str(started))
-            metrics.PENDING.observe(max(0.0, waited.total_seconds()))
+            metrics.PENDING.labels(*key).observe(max(0.0, waited.total_seconds()))
         self.recoveries.update(key, old, new)
 
     async def tick(self, namespace: str, name: str) -> Plan | None:
@@ -882,6 +882,7 @@ class Controller:
     def _forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
         self.recoveries.forget((namespace, name))
+        metrics.forget_job(namespace, name)
         memory = self._memory.pop((namespace, name), None)
         self._nodes_of_job.pop((namespace, name), None)
         if memory is not None:

@@ -14,6 +14,10 @@ asked, a ServiceMonitor). What they answer:
 - `torchspot_reconcile_seconds` and `torchspot_reconcile_errors_total`: each reconcile's
   duration, and those that raised (kopf retries them).
 
+A job's own figures (evictions, failures, replacements, recovery and pending seconds) carry its
+`namespace` and `job` labels, as kube-state-metrics labels a Job's, so that one job's evictions can
+be told from another's; a deleted job's series go with it (`forget_job`).
+
 The operator is alive while reconciles make progress: `stalled` is true when some job
 is active and no reconcile or tick has finished for `STALL_SECONDS`, and kopf's
 liveness endpoint (`--liveness`) then answers 500, so the kubelet restarts the pod.
@@ -21,6 +25,7 @@ liveness endpoint (`--liveness`) then answers 500, so the kubelet restarts the p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final
@@ -39,19 +44,27 @@ three minutes is past anything a healthy operator does."""
 _RECOVERY_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 _PENDING_BUCKETS = (5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200)
 
-EVICTIONS = Counter("torchspot_evictions_total", "Worker pods lost to evictions (never counted against maxRestarts)")
-FAILURES = Counter("torchspot_worker_failures_total", "Worker pods that failed (OOMKilled, non-zero exits, refused)")
-REPLACEMENTS = Counter("torchspot_replacements_total", "Worker pods created to replace lost ones")
+JOB_LABELS: Final = ("namespace", "job")
+EVICTIONS = Counter(
+    "torchspot_evictions_total", "Worker pods lost to evictions (never counted against maxRestarts)", JOB_LABELS
+)
+FAILURES = Counter(
+    "torchspot_worker_failures_total", "Worker pods that failed (OOMKilled, non-zero exits, refused)", JOB_LABELS
+)
+REPLACEMENTS = Counter("torchspot_replacements_total", "Worker pods created to replace lost ones", JOB_LABELS)
 RECOVERY = Histogram(
     "torchspot_recovery_seconds",
     "Seconds from an eviction until the job's group trains again (a new rendezvous round)",
+    JOB_LABELS,
     buckets=_RECOVERY_BUCKETS,
 )
 PENDING = Histogram(
     "torchspot_pending_seconds",
     "Seconds a job waited for capacity before reaching minReplicas",
+    JOB_LABELS,
     buckets=_PENDING_BUCKETS,
 )
+_PER_JOB: Final = (EVICTIONS, FAILURES, REPLACEMENTS, RECOVERY, PENDING)
 RECONCILE = Histogram("torchspot_reconcile_seconds", "Duration of one reconcile of one job")
 RECONCILE_ERRORS = Counter("torchspot_reconcile_errors_total", "Reconciles that raised (kopf tries them again)")
 
@@ -72,14 +85,21 @@ class Jobs(Collector):
         yield family
 
 
+def forget_job(namespace: str, job: str) -> None:
+    """A deleted job's series go (a scrape would otherwise keep reporting it for the operator's life)."""
+    for metric in _PER_JOB:
+        with contextlib.suppress(KeyError):  # (never measured)
+            metric.remove(namespace, job)
+
+
 class Recoveries:
-    """Eviction-to-training clocks per job (pure bookkeeping; `observe` feeds `RECOVERY`)."""
+    """Eviction-to-training clocks per job (pure bookkeeping; `update` feeds `RECOVERY`)."""
 
     def __init__(self) -> None:
-        self._since: dict[Any, tuple[float, int]] = {}
+        self._since: dict[tuple[str, str], tuple[float, int]] = {}
 
     def update(
-        self, job: Any, old: Mapping[str, Any], new: Mapping[str, Any], now: float | None = None
+        self, job: tuple[str, str], old: Mapping[str, Any], new: Mapping[str, Any], now: float | None = None
     ) -> float | None:
         """Start a clock when the eviction count rises, stop it when the round moves past where it was;
         the seconds of a finished recovery (None otherwise)."""
@@ -92,11 +112,11 @@ class Recoveries:
         started = self._since.get(job)
         if started is not None and round_now > started[1]:
             del self._since[job]
-            RECOVERY.observe(now - started[0])
+            RECOVERY.labels(*job).observe(now - started[0])
             return now - started[0]
         return None
 
-    def forget(self, job: Any) -> None:
+    def forget(self, job: tuple[str, str]) -> None:
         self._since.pop(job, None)
 
 

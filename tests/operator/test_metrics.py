@@ -27,13 +27,19 @@ def test_a_stall_needs_active_jobs_and_silence() -> None:
 
 
 def test_recovery_runs_from_the_eviction_to_the_next_round() -> None:
-    clocks = metrics.Recoveries()
+    clocks, job = metrics.Recoveries(), ("default", "clocked")
     running = {"evictions": 0, "rendezvousRound": 4}
     evicted = {"evictions": 1, "rendezvousRound": 4}
-    assert clocks.update("job", running, evicted, now=100.0) is None
-    assert clocks.update("job", evicted, {**evicted, "evictions": 2}, now=103.0) is None  # the clock keeps its start
-    assert clocks.update("job", evicted, {"evictions": 2, "rendezvousRound": 5}, now=107.5) == 7.5
-    assert clocks.update("job", evicted, {"evictions": 2, "rendezvousRound": 6}, now=120.0) is None  # stopped
+    assert clocks.update(job, running, evicted, now=100.0) is None
+    assert clocks.update(job, evicted, {**evicted, "evictions": 2}, now=103.0) is None  # the clock keeps its start
+    assert clocks.update(job, evicted, {"evictions": 2, "rendezvousRound": 5}, now=107.5) == 7.5
+    assert clocks.update(job, evicted, {"evictions": 2, "rendezvousRound": 6}, now=120.0) is None  # stopped
+    observed = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for m in metrics.RECOVERY.collect() for s in m.samples
+    }
+    assert observed[("torchspot_recovery_seconds_sum", (("job", "clocked"), ("namespace", "default")))] == 7.5
+    metrics.forget_job(*job)  # deleted: its series go
+    assert not [s for m in metrics.RECOVERY.collect() for s in m.samples if s.labels.get("job") == "clocked"]
 
 
 def _scrape() -> dict[str, float]:
@@ -63,19 +69,21 @@ def test_metrics_count_what_the_operator_does(cluster: Cluster) -> None:
 
     wait_for("the replacement", replaced)
 
+    labels = '{job="measured",namespace="default"}'  # (each job's own series; the exposition sorts labels)
+
     def counted() -> dict[str, float] | None:
         now = _scrape()
-        return now if now["torchspot_evictions_total"] > before.get("torchspot_evictions_total", 0) else None
+        return now if now.get(f"torchspot_evictions_total{labels}", 0) > 0 else None
 
     after = wait_for("evictions counted", counted)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta("torchspot_evictions_total") == 1
-    assert delta("torchspot_replacements_total") == 1
-    assert delta("torchspot_worker_failures_total") == 0
-    assert delta("torchspot_pending_seconds_count") == 1  # the wait for minReplicas, once
+    assert delta(f"torchspot_evictions_total{labels}") == 1
+    assert delta(f"torchspot_replacements_total{labels}") == 1
+    assert delta(f"torchspot_worker_failures_total{labels}") == 0
+    assert delta(f"torchspot_pending_seconds_count{labels}") == 1  # the wait for minReplicas, once
     assert delta("torchspot_reconcile_seconds_count") >= 3
     assert after['torchspot_jobs{phase="Scaling"}'] + after.get('torchspot_jobs{phase="Running"}', 0) >= 1
 
