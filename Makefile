@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # finish it in about half the time one takes; three overload two cores (README, "Development").
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv lint typecheck test demo manifests bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-steady bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
+.PHONY: all venv lint typecheck test demo manifests images push-images bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-steady bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
 
 all: test
 
@@ -55,6 +55,26 @@ manifests: venv
 	$(PY) tools/manifests.py $(HELM)
 
 # The CIFAR-10 example in the local sandbox through a scripted spot market (lab/scenarios/demo.yaml).
+# The images the chart and the examples name, tagged for REGISTRY (an ACR: myacr.azurecr.io):
+# `make images push-images REGISTRY=...`, then point the chart (image.repository) and each job's
+# image at them. The examples start from the trainer image built here.
+REGISTRY ?= ghcr.io/torchspot
+VERSION  := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+TRAINER_IMAGE = $(REGISTRY)/torchspot-trainer:$(VERSION)
+EXAMPLE_IMAGES = ddp:examples/ddp transformers:examples/transformers fsdp:examples
+IMAGES = $(REGISTRY)/torchspot-operator:$(VERSION) $(TRAINER_IMAGE) \
+	$(foreach e,$(EXAMPLE_IMAGES),$(REGISTRY)/torchspot-$(firstword $(subst :, ,$(e)))-example:$(VERSION))
+
+images:
+	docker build --target operator -t $(REGISTRY)/torchspot-operator:$(VERSION) .
+	docker build --target trainer -t $(TRAINER_IMAGE) .
+	$(foreach e,$(EXAMPLE_IMAGES),docker build -f examples/$(firstword $(subst :, ,$(e)))/Dockerfile \
+		--build-arg TRAINER_IMAGE=$(TRAINER_IMAGE) \
+		-t $(REGISTRY)/torchspot-$(firstword $(subst :, ,$(e)))-example:$(VERSION) $(lastword $(subst :, ,$(e))) &&) true
+
+push-images:
+	$(foreach image,$(IMAGES),docker push $(image) &&) true
+
 demo: venv
 	$(VENV)/bin/torchspot lab run lab/jobs/cifar10-demo.yaml --scenario lab/scenarios/demo.yaml
 

@@ -169,3 +169,25 @@ def test_each_examples_job_launches_its_script_with_the_jobs_checkpoint_settings
     assert chosen == (spec.checkpoint_uri, spec.checkpoint_interval, spec.checkpoint_keep)
     if spec.replica_group_size > 1:  # the FSDP example's HSDP groups: the script's --shard-size default
         assert env[REPLICA_GROUP_SIZE_ENV] == str(spec.replica_group_size)
+
+
+def test_make_images_builds_every_image_the_chart_and_the_examples_name() -> None:
+    """`make images REGISTRY=...` tags, for that registry, each image a user is told to run: the chart's
+    operator (at its appVersion), the trainer the example jobs run and the examples' own; each example is
+    built on the trainer image built beside it. (`make -n`: the commands, as no Docker engine runs here.)"""
+    registry = "myacr.azurecr.io"
+    said = subprocess.run(["make", "-s", "-n", "images", f"REGISTRY={registry}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout  # fmt: skip
+    built = set(re.findall(r"-t (\S+)", said))
+    values = yaml.safe_load((ROOT / "charts" / "torchspot" / "values.yaml").read_text())
+    chart = yaml.safe_load((ROOT / "charts" / "torchspot" / "Chart.yaml").read_text())
+    named = {f"{values['image']['repository']}:{chart['appVersion']}"}
+    for job in [*ROOT.glob("examples/*/elasticjob.yaml"), *EXAMPLES.glob("*.yaml")]:
+        body = _load(job)
+        if body.get("kind") == "ElasticJob":
+            named |= {c["image"] for c in body["spec"]["template"]["spec"]["containers"]}
+    published = "ghcr.io/torchspot/"
+    assert all(image.startswith(published) for image in named), named
+    assert {image.replace(published, f"{registry}/") for image in named} <= built, (named, built)
+    trainer = f"{registry}/torchspot-trainer:{chart['appVersion']}"
+    assert said.count(f"--build-arg TRAINER_IMAGE={trainer}") == len(list(ROOT.glob("examples/*/Dockerfile")))
