@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.elastic.heal import Row, holders_between_steps, source_of, trainers_beside
 from torchspot_trainer.elastic.leaving import node_snapshot
+from torchspot_trainer.elastic.metrics import METRICS_PORT_ENV, WorkerMetrics
 from torchspot_trainer.elastic.records import write_record
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import choose_path
@@ -302,6 +305,36 @@ def test_on_the_restart_path_a_lost_peer_leaves_a_snapshot_and_a_sigterm_an_emer
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, notice_hold=-1)
     with pytest.raises(elastic.Refused, match="scheduled_events='sometimes'"):
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, scheduled_events="sometimes")
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_worker_serves_its_steps_samples_regroups_and_checkpoint_age_where_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TORCHSPOT_TRAINER_METRICS_PORT: the worker's /metrics in Prometheus' text format, scraped as
+    Prometheus does, after the examples' loop of 10 steps (8 samples each, a checkpoint every 5)."""
+    port = _free_port()
+    monkeypatch.setenv(METRICS_PORT_ENV, str(port))
+    _loop(tmp_path / "ckpt", 10, tmp_path / "events.jsonl")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        assert answer.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = answer.read().decode()
+    values = {name: float(value) for name, value in (line.split() for line in text.splitlines() if line[0] != "#")}
+    assert values["torchspot_trainer_step"] == 10
+    assert values["torchspot_trainer_world_size"] == 1
+    assert values["torchspot_trainer_samples_total"] == 80
+    assert values["torchspot_trainer_step_seconds_count"] == 10
+    assert 0 < values["torchspot_trainer_step_seconds_sum"] < 60
+    assert values["torchspot_trainer_reforms_total"] == 0
+    assert values["torchspot_trainer_checkpoint_step"] == 10
+    assert 0 <= time.time() - values["torchspot_trainer_checkpoint_timestamp_seconds"] < 60
+    regrouped = WorkerMetrics()
+    for world in (2, 3, 2):  # the first group, then two re-forms (in place: no restart)
+        regrouped.entered(step=7, world=world)
+    assert regrouped.snapshot()["torchspot_trainer_reforms_total"] == 2
+    monkeypatch.setenv(METRICS_PORT_ENV, "http")
+    with pytest.raises(elastic.Refused, match=f"{METRICS_PORT_ENV}='http': must be a port number"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None)
 
 
 def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoint_is_newer(

@@ -21,6 +21,7 @@ from typing import Any
 
 from torchspot_trainer.checkpoint.manager import SaveReport, step_dir
 from torchspot_trainer.data.sampler import ElasticSampler as Position
+from torchspot_trainer.elastic.metrics import WorkerMetrics
 from torchspot_trainer.elastic.settings import PROGRESS_SECONDS, node_name
 from torchspot_trainer.rendezvous.milestones import CheckpointReporter
 
@@ -56,10 +57,14 @@ class Records:
     :param events: the events file, or None: records on stdout only (a step's, none).
     :param checkpoints: where the checkpoints go (the operator's milestones name a checkpoint's folder).
     :param progress: whether rank 0 writes progress records (False: the loop writes its own).
+    :param metrics: the worker's Prometheus figures (metrics.py), where they are served.
     """
 
-    def __init__(self, events: Path | None, *, checkpoints: str = "", progress: bool = True) -> None:
+    def __init__(
+        self, events: Path | None, *, checkpoints: str = "", progress: bool = True, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.events = events
+        self.metrics = metrics
         self._checkpoints, self._progress = checkpoints, progress
         self._window = (time.monotonic(), 0)
         """Since rank 0's last progress record: (when, samples)."""
@@ -77,6 +82,8 @@ class Records:
         """A save's outcome; a committed one reported to the operator (rank 0's)."""
         self.emit({"event": "checkpoint", "step": report.step, "ok": report.ok, "seconds": round(report.seconds, 3),
                    "error": report.error, "saver": report.saver}, rank=rank)  # fmt: skip
+        if report.ok and self.metrics is not None:
+            self.metrics.checkpointed(report.step)
         if report.ok and self._reporter is not None:
             self._reporter.report(report.step, f"{self._checkpoints.rstrip('/')}/{step_dir(report.step)}")
 
@@ -92,11 +99,13 @@ class Records:
         write_record(record, events=self.events, stdout=not quiet and (any_rank or rank == 0))
 
     def step(self, step: int, *, rank: int, world: int, generation: int | None, samples: list[int] | None,
-             skipped: bool, trained: int) -> None:  # fmt: skip
+             skipped: bool, trained: int, seconds: float) -> None:  # fmt: skip
         """A committed step's record (the events file only): in place its generation, the global
         indices of its samples where a sampler dealt them, and whether its update was skipped; rank 0's
         report of it to the operator, and its progress record where one is due (`trained`: the step's
-        samples)."""
+        samples; `seconds`: from its start to its commit)."""
+        if self.metrics is not None:
+            self.metrics.stepped(step, world=world, seconds=seconds, samples=trained)
         if self._reporter is not None:
             self._reporter.report_step(step)
         if rank == 0 and self._progress:
@@ -126,6 +135,8 @@ class Records:
             )
         self.emit(record, rank=rank)
         self._window = (time.monotonic(), 0)
+        if self.metrics is not None:
+            self.metrics.entered(step=step, world=world)
 
     def _progress_of(self, samples: int, *, step: int, world: int) -> None:
         """Rank 0's step of `samples`: a progress record where PROGRESS_SECONDS have passed since the last."""
