@@ -1,10 +1,11 @@
 """`torchspot`: the command line for the lab.
 
-    torchspot lab run JOB.yaml [--scenario SCENARIO.yaml] [--out DIR]
+    torchspot lab run JOB.yaml [--scenario SCENARIO.yaml] [--out DIR] [--code FOLDER]
 
 runs an ElasticJob in the local sandbox (lab/torchspot_lab/sandbox.py) through a scripted spot
-market (lab/torchspot_lab/scenario.py) and prints the report. A bad job or scenario file stops it
-before anything starts, with a message that names the problem.
+market (lab/torchspot_lab/scenario.py) and prints the report; with --code, a job written for your
+own image runs its script from FOLDER instead (examples/ddp/elasticjob.yaml, --code examples/ddp).
+A bad job or scenario file stops it before anything starts, with a message that names the problem.
 
     torchspot evict node NAME [--hard]
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = lab.add_parser("run", help="run an ElasticJob in the local sandbox through a scripted spot market")
     run.add_argument("job", type=Path, help="an ElasticJob YAML file")
     run.add_argument("--scenario", type=Path, help="a scenario YAML file (default: 3 spot nodes, no events)")
+    run.add_argument(
+        "--code", type=Path, help="a local folder with the job's script (a job for your own image: its first argument)"
+    )
     run.add_argument(
         "--out", type=Path, default=None, help="folder for logs and the report (default: runs/<job>-<time>)"
     )
@@ -259,14 +263,16 @@ def _lab_run(args: argparse.Namespace) -> int:
 
     try:
         scenario = load_scenario(args.scenario) if args.scenario else Scenario()
-        job = load_job(args.job)
+        job = load_job(args.job, code=args.code)
     except (ScenarioError, JobFileError) as exc:
         print(f"torchspot lab run: error: {exc}", file=sys.stderr)
         return 2
     out = args.out or DEFAULT_OUT / f"{job['metadata']['name']}-{time.strftime('%Y%m%d-%H%M%S')}"
     started = time.monotonic()
     try:
-        report = run_sandbox(args.job, scenario, out.resolve(), say=lambda line: print(line, flush=True))
+        report = run_sandbox(
+            args.job, scenario, out.resolve(), say=lambda line: print(line, flush=True), code=args.code
+        )
     except JobFileError as exc:
         print(f"torchspot lab run: error: {exc}", file=sys.stderr)
         return 2

@@ -66,8 +66,9 @@ class JobFileError(ValueError):
     """A job file the sandbox cannot run, with the reason."""
 
 
-def load_job(path: Path) -> dict[str, Any]:
-    """Read an ElasticJob file and check it as the API server and the operator would; name the problem."""
+def load_job(path: Path, *, code: Path | None = None) -> dict[str, Any]:
+    """Read an ElasticJob file and check it as the API server and the operator would; name the problem.
+    With `code`, the job's script comes from that local folder (`run_from`)."""
     try:
         body: Any = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -88,7 +89,32 @@ def load_job(path: Path) -> dict[str, Any]:
         raise JobFileError(f"{path}: {exc}") from exc
     body["metadata"]["namespace"] = NAMESPACE
     loaded: dict[str, Any] = body
-    return loaded
+    return loaded if code is None else run_from(loaded, code, path=path)
+
+
+TRAINER_STAND_IN = "ghcr.io/torchspot/torchspot-trainer:0.1.0"
+"""The trainer image, which the sandbox's kubelet runs as the local launcher (kubelet.IMAGES)."""
+
+
+def run_from(job: dict[str, Any], code: Path, *, path: Path) -> dict[str, Any]:
+    """`job` with its trainer container's script taken from the local folder `code`: a user's image (built
+    on the trainer image, the script copied in) stands in as the trainer image, whose entry point is
+    torchspot-run, and its first argument, the script's path in the image, becomes the file of that name
+    in `code`. So a job written for a cluster runs here unchanged but for where its script is. Raises
+    JobFileError naming what does not fit (`path`: the job file, for the message)."""
+    containers = job["spec"]["template"]["spec"]["containers"]
+    args = [str(arg) for arg in containers[0].get("args") or []]
+    if containers[0].get("command") or not args or not args[0].endswith(".py"):
+        raise JobFileError(
+            f"{path}: --code needs a container whose first argument is its script (a .py path in the image) and "
+            "no command: torchspot-run runs it"
+        )
+    script = code / Path(args[0]).name
+    if not script.is_file():
+        raise JobFileError(f"{path}: --code {code}: no {script.name} there (the job runs {args[0]})")
+    containers[0]["image"] = TRAINER_STAND_IN
+    containers[0]["args"] = [str(script.resolve()), *args[1:]]
+    return job
 
 
 @dataclass
@@ -265,6 +291,7 @@ def run_sandbox(
     synthetic_images: int = SYNTHETIC_IMAGES,
     operator_env: Mapping[str, str] | None = None,
     alongside: Callable[[Sandbox], object] | None = None,
+    code: Path | None = None,
 ) -> Report:
     """Run the job through the scenario; write report.json and report.png into `workdir`.
 
@@ -273,8 +300,9 @@ def run_sandbox(
     :param alongside: other work in the same sandbox, on a thread from the job's submission on (more jobs,
         on nodes of their own: `NodeAgent.add_spot`'s taints keep this job's pods off them). The sandbox
         stops once both are done; an exception of it is raised here, after the report is written.
+    :param code: a local folder the job's script comes from (`run_from`): a user's own job and script.
     """
-    job = load_job(job_path)
+    job = load_job(job_path, code=code)
     name = job["metadata"]["name"]
     timeline = Timeline()
     sandbox = Sandbox(workdir, scenario, say, on_action=timeline.add, operator_env=operator_env)

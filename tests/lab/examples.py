@@ -28,15 +28,12 @@ import torch
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
 from torchspot_lab.report import IN_PLACE, Report, build_report, read_pod_events
-from torchspot_lab.sandbox import Sandbox, load_job
+from torchspot_lab.sandbox import TRAINER_STAND_IN, Sandbox, load_job
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.checkpoint.storage import open_storage
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"ddp": ROOT / "examples" / "ddp", "transformers": ROOT / "examples" / "transformers"}
-TRAINER_IMAGE = "ghcr.io/torchspot/torchspot-trainer:0.1.0"
-"""What each example's image is built from (its Dockerfile): the sandbox runs the trainer image's
-torchspot-run with the checkout's copy of the script."""
 STEPS = 300
 EPOCH_STEPS = 20
 """Both examples' epochs: 960 samples at a global batch of 48 (examples/ddp/common.py), 480 sequences at
@@ -66,15 +63,14 @@ no other job's pod lands on it."""
 def _sandbox_job(name: str, events: Path) -> dict[str, Any]:
     """The example's ElasticJob, as shipped, with the run's length, pace and checkpoint interval, and the
     records of every rank in `events`."""
-    job = load_job(EXAMPLES[name] / "elasticjob.yaml")
+    job = load_job(EXAMPLES[name] / "elasticjob.yaml", code=EXAMPLES[name])  # as `torchspot lab run --code`
     assert job["metadata"]["name"] == _job_name(name)
     job["spec"]["checkpoint"]["intervalSteps"] = CHECKPOINT_EVERY
     container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == TRAINER_STAND_IN  # (what each example's image is built from)
     script = Path(container["args"][0])
-    assert script.parent.name == name
-    container["image"] = TRAINER_IMAGE
-    container["args"] = [str(EXAMPLES[name] / script.name), "--steps", str(STEPS), "--step-seconds", str(PACE),
-                         *EXTRA.get(name, [])]  # fmt: skip
+    assert script == (EXAMPLES[name] / script.name).resolve()
+    container["args"] = [str(script), "--steps", str(STEPS), "--step-seconds", str(PACE), *EXTRA.get(name, [])]
     container.setdefault("env", []).append({"name": "TORCHSPOT_EVENTS_FILE", "value": str(events)})
     pod = job["spec"]["template"]["spec"]
     pod["nodeSelector"] = {LANE: name}

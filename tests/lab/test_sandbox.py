@@ -21,7 +21,7 @@ from torchspot.cli import main
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import NodeFactory
 from torchspot_lab.report import read_pod_events
-from torchspot_lab.sandbox import run_sandbox
+from torchspot_lab.sandbox import TRAINER_STAND_IN, load_job, run_sandbox
 from torchspot_lab.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,6 +216,25 @@ def test_a_bad_job_file_stops_before_anything_starts(
     path.write_text(yaml.safe_dump(job))
     assert main(["lab", "run", str(path), "--out", str(tmp_path / "out")]) == 2
     assert said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_code_runs_a_job_for_a_users_image_from_a_local_folder_or_says_why_it_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--code FOLDER`: the job's image stands in as the trainer's and its script is FOLDER's file of the same
+    name (the sandbox test runs the examples so: tests/lab/examples.py). A folder without it, or a job
+    whose container does not name a script, stops before anything starts, naming why."""
+    example = ROOT / "examples" / "ddp"
+    job = load_job(example / "elasticjob.yaml", code=example)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == TRAINER_STAND_IN
+    assert container["args"][0] == str((example / "train.py").resolve())
+    assert main(["lab", "run", str(example / "elasticjob.yaml"), "--code", str(tmp_path), "--out",
+                 str(tmp_path / "out")]) == 2  # fmt: skip
+    assert f"--code {tmp_path}: no train.py there (the job runs /home/trainer/ddp/train.py)" in capsys.readouterr().err
+    assert main(["lab", "run", str(DEMO_JOB), "--code", str(example), "--out", str(tmp_path / "out")]) == 2
+    assert "--code needs a container whose first argument is its script" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
