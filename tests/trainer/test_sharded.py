@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from torchspot_lab.azurite import Azurite
-from torchspot_lab.etcd import free_port
+from torchspot_lab.etcd import EtcdServer, free_port
+from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
 from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.checkpoint.dcp import committed
 from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
@@ -37,6 +38,8 @@ STEPS, GLOBAL_BATCH = 8, 24
 SHARD_SIZE = 2
 """The job's replica groups (as an ElasticJob's replicaGroupSize reaches a pod: REPLICA_GROUP_SIZE_ENV), the
 example's --shard-size default: at 4 ranks two replica groups of 2 (HSDP), at 3 FSDP over all three."""
+JOIN_STEPS = 60
+"""The join test's run: long enough that the second node's start-up (a few seconds) lands inside it."""
 TOLERANCE = 1e-5
 """float32 reduction order: the ranks' shares of a step are summed in another order at another world size."""
 
@@ -156,6 +159,42 @@ def test_the_hsdp_example_stopped_by_a_notice_at_four_ranks_resumes_at_three_as_
     assert set(losses) == set(range(1, STEPS + 1))  # the stopped step's line too: the notice stops the next step
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_node_joining_a_sharded_run_costs_no_step_every_rank_writes_its_shards_before_the_restart(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """examples/fsdp under torchspot-run (a sharded run takes the restart path) on one node, joined by a
+    second: the agents restart the workers for the new round, and their SIGTERM stops the group at the
+    next boundary, where every rank writes its shards of that step (no node snapshot holds a sharded
+    state). The round of two resumes from it, resharded: no step is lost or trained twice. Before, it
+    resumed from the last periodic checkpoint (none here: from step 0)."""
+    events = tmp_path / "events.jsonl"
+    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:2",
+                    program=[str(EXAMPLE / "train.py"), f"--steps={JOIN_STEPS}", f"--global-batch={GLOBAL_BATCH}",
+                             "--step-seconds=0.2", "--log-every=5"],
+                    extra_env={EVENTS_FILE_ENV: str(events), CHECKPOINT_URI_ENV: str(tmp_path / "ckpt"),
+                               CHECKPOINT_EVERY_ENV: "1000"})  # fmt: skip
+
+    def steps() -> list[dict[str, Any]]:
+        return [record for record in read_events(events) if record["event"] == "step"]
+
+    (first,) = nodes(job, 1)
+    wait_for(lambda: len(steps()) >= 5, 90, "5 steps on one node")
+    (second,) = nodes(job, 1)
+    assert first.wait(120) == 0, first.log_tail()
+    assert second.wait(30) == 0, second.log_tail()
+    records = read_events(events)
+    (saved,) = [r for r in records if r["event"] == "emergency_checkpoint"]
+    assert saved["ok"]
+    alone = [r["step"] for r in steps() if r["world_size"] == 1]
+    assert saved["step"] == max(alone)  # the step the agents' restart stopped the group at
+    resumed = [r for r in records if r["event"] == "start" and r["world_size"] == 2]
+    assert {(r["step"], r["resumed_from"]) for r in resumed} == {(saved["step"], "checkpoint")}
+    together = sorted({r["step"] for r in steps() if r["world_size"] == 2})
+    assert sorted(alone) == list(range(1, saved["step"] + 1))  # none lost
+    assert together == list(range(saved["step"] + 1, JOIN_STEPS + 1))  # none trained twice
 
 
 @pytest.mark.usefixtures("one_rank_group")

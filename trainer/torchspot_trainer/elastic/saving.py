@@ -6,9 +6,12 @@
 - **Sharded** (`sharded=True`: FSDP2, where each rank holds its own shards): every rank saves its shards
   through DCP at the same step, beside training (checkpoint/sharded.py), and a resume at any world size
   loads the newest committed checkpoint as that world shards the state. At a notice every rank writes
-  its shards of the emergency checkpoint at once, where the shared rows say a node leaves (a collective
+  its shards of the emergency checkpoint at once, where the shared rows hold any notice (a collective
   needs every rank's same answer: a node that learns it leaves only after sharing its level is not
-  saved for, and the resume takes the last periodic checkpoint). Node snapshots are not built for it.
+  saved for, and the resume takes the last periodic checkpoint): a node's eviction, and also its
+  agents' restart of the workers for a node that joins, where a replicated state's node snapshots
+  carry the step to the next round and a sharded one has none (without it, a join cost every step
+  since the last periodic checkpoint). Node snapshots are not built for it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torchspot_trainer.checkpoint.manager import (
     SaveReport,
 )
 from torchspot_trainer.checkpoint.storage import open_storage
-from torchspot_trainer.recovery.notices import emergency_saver, node_levels, saves_emergency
+from torchspot_trainer.recovery.notices import node_levels, saves_emergency
 
 if TYPE_CHECKING:  # (imported where a sharded state needs it: `Saving`)
     from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
@@ -140,9 +143,9 @@ class Saving:
     def saves_emergency(self, rank: int, rows: list[list[int]], *, leaving_now: bool) -> bool:
         """Whether `rank` writes (its part of) the emergency checkpoint at a notice's boundary, from the
         ranks' shared [level, node] rows: one rank of a replicated state (notices.saves_emergency), every
-        rank of a sharded one where a node leaves (module docstring)."""
+        rank of a sharded one at any notice, its agents' restart too (module docstring)."""
         if self.sharded is not None:
-            return emergency_saver(node_levels(rows)) is not None
+            return any(node_levels(rows))
         return saves_emergency(rank, rows, leaving_now=leaving_now)
 
     def emergency(self, step: int, state: dict[str, Any], world: int) -> SaveReport:

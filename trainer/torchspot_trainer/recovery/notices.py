@@ -178,7 +178,8 @@ class NoticeStop:
 
         The saver (a leaving rank: its grace period covers it) writes the checkpoint to Blob;
         nobody does when every notice is an agent's restart (a node joins or a peer is lost, no
-        node of ours leaves): each node's snapshot carries the state to the next round. A rank
+        node of ours leaves): each node's snapshot carries the state to the next round (a sharded
+        state, which no snapshot holds, is written by every rank then too: elastic/saving.py). A rank
         that got its own SIGTERM, or whose agent marked its node leaving, leaves without waiting
         for the checkpoint (its snapshot holds the same step), so the nodes that stay re-form
         while the leaving one writes. In place, such a rank says so before it writes
