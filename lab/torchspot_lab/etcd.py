@@ -186,8 +186,8 @@ class EtcdServer(LocalService):
 
     def stall(self, seconds: float) -> None:
         """Answer nothing for `seconds` (the process stopped, its connections kept), as etcd does while
-        its write-ahead log's fsync waits behind another writer on the same disk: the goodput market
-        saw 0.3-0.5 s stalls while checkpoints were written (bench/README.md, run 35)."""
+        its write-ahead log's fsync waits behind another writer on the same disk (a checkpoint's
+        writes stall it for a fraction of a second)."""
         assert self._proc is not None, "etcd is not running"
         self._proc.send_signal(signal.SIGSTOP)
         try:

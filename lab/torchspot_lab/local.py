@@ -57,8 +57,7 @@ def kill_tree(pid: int) -> int:
     as a hung VM whose pod is deleted runs nothing more. The sandbox used to continue it first, and
     between the SIGCONT and the SIGKILL a frozen node's agent ran on what it knew before the freeze:
     it logged that its round had ended and began to re-form, and the survivors re-formed once more,
-    8-9 s after the freeze (goodput runs 24, 25 and 27 in bench/README.md: in run 25 the frozen
-    node was taken out of the rendezvous a second time; hand-overs of 1.3 and 2.1 s)."""
+    seconds after the freeze (a frozen node could be taken out of the rendezvous a second time)."""
     return signal_tree(pid, signal.SIGKILL)
 
 

@@ -276,8 +276,8 @@ ETCD_SIZING: tuple[str, ...] = (
     "--max-snapshots=2",
     "--quota-backend-bytes=67108864",
 )
-"""The managed etcd's size limits, set by bench/etcd_soak (bench/README.md): a day of an
-8-node job's heartbeats (691,200 state writes) with membership changes. History is
+"""The managed etcd's size limits, sized by a soak of a day of an 8-node job's heartbeats
+(691,200 state writes) with membership changes. History is
 compacted every 5 minutes (the rendezvous reads only the latest revision), so the backend
 stayed under 10 MiB (etcd's defaults: 1.1 GiB); a snapshot every 10,000 writes and at most
 2 kept WAL files bound the WAL at four 61 MiB segments, the live one and the preallocated

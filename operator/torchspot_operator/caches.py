@@ -2,8 +2,8 @@
 
 Why not kopf's `@kopf.index`: kopf holds every handler back until every index has seen
 its first full listing, and during that listing each object's indexing toggle wakes every
-waiter of the whole set, so a start with 8,000 pods cost O(N^2) wake-ups (bench/operator/
-thousand.py never converged at 1,000 jobs; a profile showed kopf's toggles). Here the
+waiter of the whole set, so a start with 8,000 pods costs O(N^2) wake-ups (at a thousand jobs the
+operator never converged). Here the
 watch events (handlers.py) feed plain dictionaries, and the namespace lists the controller
 takes anyway to check its caches (`Controller._snapshot`) fill them too: a job reconciled
 before its pods' watch has listed them reads them from that list, never from an empty cache.

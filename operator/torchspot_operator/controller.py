@@ -34,7 +34,7 @@ and parsed at once at 1,000 jobs).
 
 The timer (`tick`) re-plans from what the operator already knows and asks the API
 nothing unless that plan has something to do: a running job that nothing happens to
-costs no request (bench/operator measures it).
+costs no request.
 """
 
 from __future__ import annotations

@@ -344,8 +344,8 @@ async def _tick_jobs() -> None:
     whose `ttlSecondsAfterFinished` ran out is deleted; a paused standby does nothing.
 
     One task for all jobs, not kopf's timers and daemons: for any resource with one, kopf keeps a task
-    per timed object and the live body of every object (several MiB of live objects at 1,000 jobs in a
-    tracemalloc snapshot of bench/operator/thousand.py), and a finalizer on each, which made a job
+    per timed object and the live body of every object (several MiB of live objects at a thousand
+    jobs), and a finalizer on each, which made a job
     outlive an uninstalled operator. Started with the first job event, in kopf's context (Events need
     it)."""
     jobs: dict[tuple[str, str], Tracked] = _state.setdefault("jobs", {})
@@ -499,8 +499,8 @@ def node_seen(type: str | None, body: dict[str, Any]) -> None:
     standby keeps its node cache current and reconciles nothing.
 
     Why the operator's own watch and not kopf's: kopf parses every node whole and keeps each body in a
-    worker for a while after its event; at a start or a relist of 1,000 AKS nodes (about 100 KiB each
-    as served) that was the operator's largest transient (bench/operator/thousand.py)."""
+    worker for a while after its event; at a start or a relist of a thousand AKS nodes (about 100 KiB
+    each as served) that was the operator's largest transient."""
     if "controller" not in _state:
         return
     chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector

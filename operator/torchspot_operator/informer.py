@@ -4,10 +4,10 @@ version, each object handed on as it is parsed (an informer, as client-go calls 
 Why not kopf's watches for these: kopf keeps a record for each object it has seen (14,000 at 1,000
 jobs), parses and keeps whole bodies in a worker per object, and starts that worker for an object's
 first event after it has gone idle with a pause that hands the event loop to every other task
-(`aiotasks.Scheduler.spawn`'s `sleep(0)`). In a wave of 100 evictions at 1,000 jobs the last
-eviction's event waited behind a loop turn per earlier event, each turn running the reconciles
-already started: 1.6 s of its 1.9 s to a replacement was spent before the operator saw it
-(bench/operator/thousand.py, traced). Here a watch's lines are read and handed on in one go, and
+(`aiotasks.Scheduler.spawn`'s `sleep(0)`). In a wave of evictions at a thousand jobs the last
+eviction's event waits behind a loop turn per earlier event, each turn running the reconciles
+already started: most of its time to a replacement is spent before the operator sees it. Here a
+watch's lines are read and handed on in one go, and
 what is kept is the projection the caches make (caches.py).
 
 The nodes are watched the same way (handlers.py, with node handling on), keeping a few fields of each

@@ -52,7 +52,7 @@ API_BURST: Final = 200
 spell (client-go's defaults are 5 and 10, which controllers raise; kube-controller-manager runs at
 20 and 30). A job's first reconcile costs about a dozen requests (its etcd's objects, Secret,
 workers, status, Events), so 200 new jobs take about 24 s at this rate; a quiet cluster costs
-well under one request a second (bench/operator)."""
+well under one request a second."""
 REQUEST_TIMEOUT_SECONDS: Final = 30.0
 """The deadline of one request (connect, send, whole answer). Every call here is a small
 object read or write; the API server's own limit for such calls is 60 s."""
@@ -81,9 +81,8 @@ LIST_PAGE: Final = 50
 about 15 KiB of JSON (46 KiB parsed) and a node 27 KiB (76 KiB parsed), and a parsed page is held
 whole until the next one comes (kopf's listings page the same: `settings.watching.chunk_size`).
 At 500, the pages in flight at a start (kopf's listings of several kinds at once and the
-operator's own snapshot) held about 110 MB, a third of the peak at 1,000 jobs (tracemalloc in
-bench/operator/thousand.py); at 50, 8,000 pods are listed in 160 requests instead of 16, and a
-page is about 2.3 MB parsed (100: 4.6 MB, which kept the takeover's peak just over 200 MiB)."""
+operator's own snapshot) held a third of the peak memory at a thousand jobs; at 50, 8,000 pods
+are listed in 160 requests instead of 16, and a page is a few MB parsed."""
 WATCH_SECONDS: Final = 300
 """How long the API server keeps one watch open (`timeoutSeconds`; kopf's own watches use the same):
 then the watch is opened again from the last version seen, which replays nothing."""

@@ -214,9 +214,9 @@ def last_step(folder: Path, generation: int) -> float | None:
     `_proven`).
 
     No later than a local worker's failure in `generation` (`failed_in`): the step that the credit
-    counts on did not complete, and a collective that failed says a member is likely gone. On the
-    goodput market (bench/README.md, run 37) a node killed during a 1.8 s step was kept by the credit
-    until that step's due time, and taken out 0.6 s later than the failure allowed."""
+    counts on did not complete, and a collective that failed says a member is likely gone: a node
+    killed during a long step would otherwise be kept by the credit until that step's due time, and
+    taken out later than the failure allows."""
     newest: float | None = None
     for path in folder.glob(f"{STEPPED_PREFIX}*"):
         try:
@@ -452,10 +452,9 @@ class Handover:
         """A step of `generation` completed (its all-reduce did): the file's time says when (`last_step`),
         moved ahead by the duration of the step before it in the generation (at most
         STEP_CREDIT_SECONDS): every member is busy with the next step, which is likely to take as
-        long, and its agent may get no CPU meanwhile. On the goodput market (bench/README.md) steps
-        of 3.3 s at three nodes on 2 cores left a node's agent starved 1.06 s after a step's stamp:
-        the node was taken out while it trained, and about 2.7 s of training were lost. The generation's first step has
-        no credit (the time before it was the re-form's). Written when the generation changes, else
+        long, and its agent may get no CPU meanwhile: without the credit, a node whose agent is starved
+        for a second after a long step's stamp is taken out while it trains, and the step's training is
+        lost. The generation's first step has no credit (the time before it was the re-form's). Written when the generation changes, else
         only its times set: a `utime` a step, microseconds."""
         path = self.folder / f"{STEPPED_PREFIX}{self.local_rank}"
         now = self._clock()

@@ -179,8 +179,8 @@ def _launch_forked(args: argparse.Namespace) -> None:
     start_fork_server(fork_preload(args, os.environ), wait=not joins_while_warming(args, os.environ))
     # Only now torchrun's config: its LaunchConfig asks torch.cuda.is_available() (for its NUMA
     # default), which on a CUDA build of torch marks every later fork of this process as one CUDA
-    # cannot be used in, GPU or not. Made before the server, it made every worker of a CUDA build refuse
-    # to start (refuse_bad_fork): seen with torch 2.11+cu130 (bench/README, 2026-11-29); 2.13's asks the same.
+    # cannot be used in, GPU or not. Made before the server, it makes every worker of a CUDA build refuse
+    # to start (refuse_bad_fork).
     # The OMP_NUM_THREADS it may set reaches the workers all the same: torch's agent puts it in each
     # worker's environment, and each sizes its pool by it (take_thread_count).
     config, _, _ = config_from_args(args)
@@ -203,9 +203,9 @@ def register() -> None:
     """Make `--rdzv-backend etcd-v3` available to torchrun in this process (the handler's `register`).
 
     Imported here, after the fork server has started, not at this module's top: the handler's etcd
-    client (pyetcd and gRPC, 0.13 s of CPU on an idle core here) serves the agent alone, and imported
-    first it delayed the server's fork, whose imports a joining node's first step waits for
-    (bench/README.md, the join beside TorchFT). The server and its workers never load gRPC either."""
+    client (pyetcd and gRPC: a tenth of a second of CPU) serves the agent alone, and imported first it
+    delays the server's fork, whose imports a joining node's first step waits for. The server and its
+    workers never load gRPC either."""
     from torchspot_trainer.rendezvous.handler import register as register_backend  # noqa: PLC0415 - see above
 
     register_backend()
@@ -440,11 +440,10 @@ def format_tracebacks_plainly() -> None:
 
     Why: torch's formatter (torch/_logging/_internal.py, `TorchLogsFormatter.format`) imports
     torch._dynamo to format any record that carries an exception, and torch's agent logs its failed
-    worker group with `logger.exception` at the moment it sees the failure. That first import took
-    2.2-2.5 s of the agent's main thread on 2 cores, between its worker's end and its re-form: the
-    restart path's hard loss took 2.8 s at p50 where a freeze, whose workers the agent stops itself
-    without logging an exception, took 1.2 s (bench/README.md, the restart path on 2026-11-27). The
-    log says the same; the import, and its CPU, happen only where torch.compile is used. torch gives
+    worker group with `logger.exception` at the moment it sees the failure. That first import takes
+    seconds of the agent's main thread, between its worker's end and its re-form: a hard loss would
+    recover that much slower than a freeze, whose workers the agent stops itself without logging an
+    exception. The log says the same; the import, and its CPU, happen only where torch.compile is used. torch gives
     some of its loggers handlers of their own (torch.distributed's, which the agent's records reach):
     every handler of torch's loggers gets the filter."""
     for name, logger in logging.root.manager.loggerDict.items():

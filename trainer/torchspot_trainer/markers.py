@@ -25,8 +25,8 @@ STACKS_SIGNAL = signal.SIGUSR1
 """One signal as well: it asks a worker for every thread's stack on its stderr. faulthandler's C-level
 handler (registered by recovery/signals.py's `watch_sigterm`) needs neither the GIL nor a lock, so a
 worker stuck on either still answers. An agent sends it to its registered workers still there
-`STACKS_AFTER_NOTICE` seconds after its own SIGTERM (launch.py); goodput run 36's hung worker said
-nothing of where it stopped (bench/README.md)."""
+`STACKS_AFTER_NOTICE` seconds after its own SIGTERM (launch.py): a hung worker that is killed says
+nothing of where it stopped otherwise."""
 
 
 RESTART_MARKER = "restart"

@@ -304,7 +304,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     def _KubernetesEmulator__get_objs(self, request: kmock.Request, strict: bool) -> list[Any]:
         """kmock's lookup of the objects a request names, which scans every object it holds: with 20,000
-        objects (bench/operator/thousand.py) each GET, PATCH and DELETE cost milliseconds of the one
+        objects (a thousand jobs' pods and etcds) each GET, PATCH and DELETE cost milliseconds of the one
         thread that serves every request. A request that names one object is looked up by its key;
         anything else (lists, watches, a key that misses) is kmock's own scan."""
         if strict and request.name is not None and request.resource is not None:

@@ -110,8 +110,8 @@ class Packed:
 
     Why: each tensor a worker sends crosses as its own shared-memory segment, which the training
     process maps and unmaps (a file descriptor through a socket, a mmap, bookkeeping): a batch of
-    256 separate files cost the training thread tens of milliseconds per step (bench/input
-    measures it), one packed tensor a handful of tensors whatever the batch size.
+    256 separate files costs the training thread tens of milliseconds per step, one packed tensor a
+    handful of tensors whatever the batch size.
     """
 
     data: torch.Tensor

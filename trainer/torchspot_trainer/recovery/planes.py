@@ -10,9 +10,9 @@ each difference by NCCL's documented semantics:
   device until the communicator is aborted. Each generation's communicator is made non-blocking
   (`generation_options`: its calls return at once and stay abortable, where a blocking init with a
   dead peer cannot be aborted), and at every change the old one is aborted on a thread of its own
-  (`Parent.retire`), overlapped with the successor's creation: an abort takes up to 1 s even of an
-  idle communicator (measured on an H200: `bench/recovery/nccl_generations.py`), and the successor
-  was ready after 23 ms.
+  (`Parent.retire`), overlapped with the successor's creation: an abort can take a second even of
+  an idle communicator, and the successor is ready long before (the README's NCCL section has the
+  figures).
 - **A failed NCCL work reads as completed** with NCCL's error handling off (what the launcher sets):
   its `wait()` does not raise; only the communicator's `get_error()` tells (`NcclPlane.failed`).
 - **A sticky CUDA error (an Xid, an ECC error, an illegal address) poisons the process**: after an

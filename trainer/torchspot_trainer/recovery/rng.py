@@ -38,7 +38,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     values = state["python"]
     if isinstance(values, torch.Tensor):
         random.setstate((state["python_version"], tuple(values.tolist()), state["python_gauss"]))
-    else:  # a checkpoint of before 2026-11-28: the words, then the Gaussian's spare value, in a list
+    else:  # a checkpoint of an older trainer: the words, then the Gaussian's spare value, in a list
         random.setstate((state["python_version"], tuple(values[:-1]), values[-1]))
     keys = state["numpy"]["keys"].numpy().astype(np.uint32)
     np.random.set_state(("MT19937", keys, state["numpy"]["pos"], 0, 0.0))

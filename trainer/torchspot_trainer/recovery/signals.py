@@ -151,10 +151,10 @@ def _leave_to_watcher(_signum: int, _frame: FrameType | None) -> None:
     A handler that did the work would run on the main thread between any two bytecodes, and again,
     nested, if a second SIGTERM came while it ran. A pod's deletion can bring two: the sandbox's
     kubelet signals the pod's whole process tree (as an init such as dumb-init signals its process
-    group), then torch's agent signals its workers. In goodput run 36 they came 3 ms apart; the
-    leaving worker took the second inside the first's `EvictionNotice.set`, waited there for the
-    lock its own outer call held, and its watcher waited for the same lock, so neither its emergency
-    checkpoint nor its stuck exit came, and torch killed it 30 s later."""
+    group), then torch's agent signals its workers, milliseconds apart: a worker that took the second
+    inside the first's `EvictionNotice.set` would wait there for the lock its own outer call held,
+    and its watcher for the same lock, so that neither its emergency checkpoint nor its stuck exit
+    came, and torch killed it 30 s later."""
 
 
 def watch_sigterm(

@@ -239,8 +239,8 @@ class EtcdClient:
             raise _translate(exc, self.endpoint) from exc
 
     def compact(self, revision: int) -> None:
-        """Drop the history before `revision` (what `--auto-compaction-*` does on etcd's own clock;
-        bench/etcd_soak calls it on a simulated one)."""
+        """Drop the history before `revision` (what `--auto-compaction-*` does on etcd's own clock; a
+        caller with a simulated clock calls it itself)."""
         try:
             self._client.compact(revision)
         except _ERRORS as exc:

@@ -108,7 +108,7 @@ def complete_early(
     and strangers join the next round anyway. No for a first round (nobody to expect).
     A missing member that is not known gone is waited for until the last call, even if it
     has no heartbeat: a member between leaving the old round and joining the new one has
-    none either (bench run 10 formed a round of one that way).
+    none either, and a round that did not wait for it would form without it.
     """
     if state.complete or state.closed or not previous or state.wait_list - deferred:
         return False
@@ -125,8 +125,8 @@ def expected_members(previous: frozenset[Any], newcomers: frozenset[Any], *, tra
     Why: workers that re-form in place train on in their generation while a round that adds a node
     waits for that node's worker to set up (live.py's deferred join). A loss meanwhile ends that
     round before it trained, and the next one, waited for its joiner, waited for the joiner's
-    start-up too: a soak's survivors stood 1.76 s so (bench/README.md), and on a GPU node the
-    start-up is CUDA's and NCCL's. Such a joiner holds no state the others need; it joins the round
+    start-up too (on a CPU, seconds of the survivors' time; on a GPU node the start-up is CUDA's and
+    NCCL's). Such a joiner holds no state the others need; it joins the round
     after, as any stranger does, while the survivors train."""
     return previous if trained else previous - newcomers
 
@@ -154,7 +154,7 @@ def joiners_to_defer(expected: frozenset[Any], state: Any, min_nodes: int) -> li
 
     Why: a round that both loses a member and adds one is no pure growth, so workers that re-form in
     place cannot train on in their generation while the joiner sets up (live.py's deferred join):
-    they waited in its group build for the joiner's start-up (bench/README.md, `joinloss`: 1.2 s).
+    they would wait in its group build for the joiner's start-up.
     Formed of the survivors, the round re-forms them at once, and the joiner's round follows as a
     deferred join."""
     if not expected or all(member in state.participants for member in expected):
@@ -171,8 +171,7 @@ def waiting_joiners(expected: frozenset[Any], state: Any) -> frozenset[Any]:
     Why: a node waits where it asked to join while the round before was still complete, and it moves
     into the next round only at its own next look, which a joiner's agent still starting may take a
     while to make. The survivors waited for it, and then deferred it all the same; without its look
-    the round waited for its last call. Found reading a `joinloss` trial (bench/README.md), whose
-    second was in the end another's (the store's look); driven by a test, not yet seen in a trial."""
+    the round waited for its last call."""
     if not expected or all(member in state.participants for member in expected):
         return frozenset()
     return frozenset(node for node in state.wait_list if node not in expected)

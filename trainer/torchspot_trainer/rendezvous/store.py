@@ -13,8 +13,8 @@ watch can be opened.
 While the agent sets a round up (the handler's `setting_up`), a blocking read also gives up
 (`RoundAbandoned`) once the round it belongs to lost a member or moved on: the keys a frozen or
 killed member owed will never come, and torch's agent would wait out the store timeout (300 s)
-before failing. A soak (bench/soak) froze a node as its round completed, and the survivor's agent
-sat in torch's rank assignment while its worker finished the run.
+before failing: a node frozen as its round completes would hold the survivor's agent in torch's
+rank assignment while its worker trains on.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class EtcdStore(Store):
     def look_again(self) -> None:
         """Wake every blocking read to look again now, `abandon_when`'s check included. The handler calls
         it when the rendezvous state is written: a read waiting for a member that the write took out
-        of the round otherwise asked only at its next wake-up, up to `_WATCHED_WAIT` later (a
-        `joinloss` trial's survivor set up the joiner's round 1.04 s longer so, bench/README.md)."""
+        of the round otherwise asked only at its next wake-up, up to `_WATCHED_WAIT` later, and the
+        survivors' set-up of the next round waited that long."""
         with self._reads_lock:
             for wake in self._reads:
                 wake.set()
