@@ -454,8 +454,8 @@ class Handover:
         STEP_CREDIT_SECONDS): every member is busy with the next step, which is likely to take as
         long, and its agent may get no CPU meanwhile: without the credit, a node whose agent is starved
         for a second after a long step's stamp is taken out while it trains, and the step's training is
-        lost. The generation's first step has no credit (the time before it was the re-form's). Written when the generation changes, else
-        only its times set: a `utime` a step, microseconds."""
+        lost. The generation's first step has no credit (the time before it was the re-form's).
+        Written when the generation changes, else only its times set: a `utime` a step, microseconds."""
         path = self.folder / f"{STEPPED_PREFIX}{self.local_rank}"
         now = self._clock()
         if generation != self._stepped:
