@@ -193,6 +193,16 @@ time.sleep(30)  # a loop that never calls optimizer.step()
 """
 
 
+@pytest.mark.usefixtures("one_rank")
+def test_the_path_is_said_once_by_whoever_chose_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """The manager says the path it chose (in_place=None); a caller that chose (the built-in trainer,
+    from its flags) says its own reason, and the manager says nothing more."""
+    elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, checkpoint_uri="").close()
+    assert capsys.readouterr().err.count("torchspot: the restart path: in place needs torchspot-run") == 1
+    elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, checkpoint_uri="", in_place=False).close()
+    assert "torchspot: " not in capsys.readouterr().err
+
+
 def test_a_step_that_never_commits_ends_the_worker_with_one_line_naming_the_cause() -> None:
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env.pop(PEER_LOST_ENV, None)

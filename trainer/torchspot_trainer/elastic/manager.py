@@ -9,7 +9,8 @@ the guide's ("A step, in order", docs/own-script.md).
 
 In place under torchspot-run with the etcd-v3 rendezvous (its agent hands the live workers each round:
 handover.py); otherwise the restart path (torch's default group and DDP; a restart resumes from the newest
-checkpoint or node snapshot). The choice is said once, with its reason. A step that has not committed
+checkpoint or node snapshot). The choice is said once, with its reason, where the manager made it
+(`in_place=None`): a caller that chose, as the built-in trainer does from its flags, says its own. A step that has not committed
 within `commit_seconds` of its start ends the worker with one line naming the cause (its agent restarts it).
 """
 
@@ -123,8 +124,8 @@ class Manager:
             )
         hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
         self.in_place, why = choose_path(in_place, os.environ, sharded=sharded)
-        if os.environ.get("RANK", "0") == "0":  # said once per job, whatever the script's logging
-            print(f"torchspot: {why}", file=sys.stderr, flush=True)
+        if in_place is None and os.environ.get("RANK", "0") == "0":  # said once per job, whatever the logging
+            print(f"torchspot: {why}", file=sys.stderr, flush=True)  # (a caller that chose says its own reason)
         self.device = device or default_device()
         self._run = RunState(state_dict, load_state_dict, self.device, snapshot_every=snapshot_every)
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
