@@ -10,8 +10,9 @@ the guide's ("A step, in order", docs/own-script.md).
 In place under torchspot-run with the etcd-v3 rendezvous (its agent hands the live workers each round:
 handover.py); otherwise the restart path (torch's default group and DDP; a restart resumes from the newest
 checkpoint or node snapshot). The choice is said once, with its reason, where the manager made it
-(`in_place=None`): a caller that chose, as the built-in trainer does from its flags, says its own. A step that has not committed
-within `commit_seconds` of its start ends the worker with one line naming the cause (its agent restarts it).
+(`in_place=None`): a caller that chose, as the built-in trainer does from its flags, says its own. A
+step that has not committed within `commit_seconds` of its start ends the worker with one line naming the
+cause (its agent restarts it).
 """
 
 from __future__ import annotations
