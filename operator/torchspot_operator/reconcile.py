@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from torchspot_operator import builders, conditions, constants, lifecycle, nodes, replica_groups, verdicts
+from torchspot_operator import builders, conditions, constants, lifecycle, replica_groups, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.nodes import NodePolicy
@@ -202,42 +202,19 @@ class _Judge:
             self.judge(pod, phase)
 
     def judge(self, pod: Mapping[str, Any], phase: str) -> None:
-        """A live worker pod (not finished, not being deleted): what its state and its node say."""
+        """A live worker pod (not finished, not being deleted): lost, counted and acted on, where its state
+        and its node's say so (`verdicts.judge`); else active, ready or pending."""
         seen = self.seen
         node_name = str(pod.get("spec", {}).get("nodeName") or "")
-        node = seen.nodes.get(node_name)
-        definite = nodes.definite(node) if node_name and seen.node_handling else None
-        if phase == "Failed":
-            verdict = verdicts.classify(pod, definite)
-            said = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
-            text = f"({said})" if verdict.kind == verdicts.EVICTION else verdict.message
-            if verdict.reason == constants.NODE_FAULT_REASON and node_name:
+        loss = verdicts.judge(
+            pod, phase, seen.nodes.get(node_name), node_handling=seen.node_handling, policy=seen.node_policy,
+            admitted=node_name in seen.admitted_nodes, now=seen.now,
+        )  # fmt: skip
+        if loss is not None:
+            if loss.verdict.reason == constants.NODE_FAULT_REASON and node_name:
                 self.census.faulty_nodes.append(node_name)
-                text += "; its replacements avoid that node"
-            self.lose(pod, verdict, None, text, keep=True)
+            self.lose(pod, loss.verdict, loss.grace, loss.text, keep=loss.keep)
             return
-        if definite is not None:
-            grace = 0 if definite == "node is gone" else None
-            verdict = verdicts.Verdict(verdicts.EVICTION, "NodeLost", definite)
-            self.lose(pod, verdict, grace, f"on {node_name}: {definite}")
-            return
-        soft = nodes.soft(node, seen.node_policy) if node is not None and seen.node_handling else None
-        if (
-            soft is not None
-            and node_name in seen.admitted_nodes
-            and nodes.due(pod, node or {}, seen.node_policy, seen.now)
-        ):
-            verdict = verdicts.Verdict(verdicts.EVICTION, "NodeNotReady", soft)
-            self.lose(pod, verdict, None, f"on {node_name}: {soft}, past the pod's grace")
-            return
-        stuck = verdicts.permanent_wait(pod)
-        since = verdicts.waiting_since(pod)
-        if stuck is not None and since is not None:
-            waited = (seen.now - conditions.parse_timestamp(since)).total_seconds()
-            if waited >= constants.PERMANENT_WAIT_SECONDS:
-                verdict = verdicts.Verdict(verdicts.FAILURE, stuck[0], stuck[1])
-                self.lose(pod, verdict, None, f"{stuck[1]} (for {constants.PERMANENT_WAIT_SECONDS} s)")
-                return
         self.census.active.append(pod)
         if verdicts.is_ready(pod):
             self.census.ready += 1

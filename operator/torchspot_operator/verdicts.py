@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-from torchspot_operator import conditions, constants
+from torchspot_operator import conditions, constants, nodes
 
 NODE_REASONS = frozenset({"Preempting", "Shutdown", "Terminated", "NodeShutdown"})
 """Pod reasons of a node's doing (scheduler preemption, graceful node shutdown): evictions even from
@@ -169,6 +170,56 @@ def classify(pod: Mapping[str, Any], trouble: str | None = None) -> Verdict:
         return Verdict(FAILURE, "OOMKilled", f"out of memory (exit code {code})")
     detail = f" ({terminated['reason']})" if terminated.get("reason") not in (None, "Error") else ""
     return Verdict(FAILURE, "ExitCode", f"exit code {code}{detail}")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A live worker pod judged lost (`judge`): why, the deletion's grace (None: the pod's own; 0 for a
+    node that is gone, where nobody would run the pod's shutdown), the event's text, and whether the pod
+    is kept for its logs (a Failed one) rather than deleted."""
+
+    verdict: Verdict
+    grace: int | None
+    text: str
+    keep: bool = False
+
+
+def judge(
+    pod: Mapping[str, Any],
+    phase: str,
+    node: Mapping[str, Any] | None,
+    *,
+    node_handling: bool,
+    policy: nodes.NodePolicy,
+    admitted: bool,
+    now: datetime,
+) -> Loss | None:
+    """A live worker pod (neither finished nor being deleted): lost, and why, or None where it is active.
+    Pure. In order: Failed (`classify`, a node that cannot run the program named so its replacements avoid
+    it); its node gone, being deleted or drained (`nodes.definite`); its node NotReady past the pod's
+    grace, where the cluster-wide rate limit let the plan act on it (`admitted`); a wait that retrying
+    cannot fix, for `PERMANENT_WAIT_SECONDS`. `node_handling` False: a node's state moves no pod."""
+    node_name = str(pod.get("spec", {}).get("nodeName") or "")
+    definite = nodes.definite(node) if node_name and node_handling else None
+    if phase == "Failed":
+        verdict = classify(pod, definite)
+        said = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
+        text = f"({said})" if verdict.kind == EVICTION else verdict.message
+        if verdict.reason == constants.NODE_FAULT_REASON and node_name:
+            text += "; its replacements avoid that node"
+        return Loss(verdict, None, text, keep=True)
+    if definite is not None:
+        grace = 0 if definite == "node is gone" else None
+        return Loss(Verdict(EVICTION, "NodeLost", definite), grace, f"on {node_name}: {definite}")
+    soft = nodes.soft(node, policy) if node is not None and node_handling else None
+    if soft is not None and admitted and nodes.due(pod, node or {}, policy, now):
+        return Loss(Verdict(EVICTION, "NodeNotReady", soft), None, f"on {node_name}: {soft}, past the pod's grace")
+    stuck, since = permanent_wait(pod), waiting_since(pod)
+    waited = None if since is None else (now - conditions.parse_timestamp(since)).total_seconds()
+    if stuck is not None and waited is not None and waited >= constants.PERMANENT_WAIT_SECONDS:
+        reason, message = stuck
+        return Loss(Verdict(FAILURE, reason, message), None, f"{message} (for {constants.PERMANENT_WAIT_SECONDS} s)")
+    return None
 
 
 def permanent_wait(pod: Mapping[str, Any]) -> tuple[str, str] | None:

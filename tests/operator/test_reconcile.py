@@ -500,6 +500,52 @@ def test_the_status_and_each_condition_say_which_generation_of_the_spec_they_jud
     assert all(c["observedGeneration"] == 5 for c in invalid["conditions"])
 
 
+def _not_ready_since(minutes: int) -> dict[str, Any]:
+    since = conditions.timestamp(T0 - timedelta(minutes=minutes))
+    return {"metadata": {"name": "spot-1"}, "spec": {},
+            "status": {"conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": since}]}}  # fmt: skip
+
+
+def _waiting(reason: str, minutes: int) -> dict[str, Any]:
+    """A running pod whose trainer waits for `reason`, bound `minutes` ago."""
+    bound = {
+        "type": "PodScheduled",
+        "status": "True",
+        "lastTransitionTime": conditions.timestamp(T0 - timedelta(minutes=minutes)),
+    }
+    waiting = [{"name": "trainer", "state": {"waiting": {"reason": reason, "message": f"{reason}: bad"}}}]
+    return _pod(0, "Pending", ready=False, conditions=[bound], containerStatuses=waiting)
+
+
+@pytest.mark.parametrize(
+    ("pod", "phase", "node", "admitted", "expected"),
+    [
+        (_pod(0), "Running", NODES["spot-1"], False, None),  # active
+        (_exited(0, 137, "OOMKilled"), "Failed", NODES["spot-1"], False, ("failure", "OOMKilled", None, True)),
+        (_exited(0, constants.NODE_FAULT_EXIT_CODE), "Failed", NODES["spot-1"], False,
+         ("eviction", constants.NODE_FAULT_REASON, None, True)),
+        (_pod(0), "Running", None, False, ("eviction", "NodeLost", 0, False)),  # its node is gone
+        (_pod(0), "Running", _not_ready_since(60), True, ("eviction", "NodeNotReady", None, False)),
+        (_pod(0), "Running", _not_ready_since(60), False, None),  # not admitted by the rate limit: waits
+        (_pod(0), "Running", _not_ready_since(0), True, None),  # within the pod's grace
+        (_waiting("InvalidImageName", 5), "Pending", NODES["spot-1"], False, ("failure", "InvalidImageName", None, False)),
+        (_waiting("InvalidImageName", 1), "Pending", NODES["spot-1"], False, None),  # not for long enough yet
+    ],
+    ids=["active", "failed", "node-fault", "node-gone", "not-ready", "not-admitted", "in-grace", "stuck", "stuck-briefly"],
+)  # fmt: skip
+def test_one_pure_verdict_judges_each_live_pod_from_its_state_and_its_node(
+    pod: dict[str, Any], phase: str, node: dict[str, Any] | None, admitted: bool,
+    expected: tuple[str, str, int | None, bool] | None,
+) -> None:  # fmt: skip
+    loss = verdicts.judge(pod, phase, node, node_handling=True, policy=NodePolicy(grace_seconds=300),
+                          admitted=admitted, now=T0)  # fmt: skip
+    got = None if loss is None else (loss.verdict.kind, loss.verdict.reason, loss.grace, loss.keep)
+    assert got == expected
+    off = verdicts.judge(pod, phase, node, node_handling=False, policy=NodePolicy(), admitted=admitted, now=T0)
+    if expected is not None and expected[1] in ("NodeLost", "NodeNotReady"):
+        assert off is None  # node handling off: a node's state moves no pod
+
+
 class TestReplicaGroups:
     """spec.replicaGroupSize 2, four pods: two groups, made, refilled and deleted whole."""
 
