@@ -528,10 +528,12 @@ def _waiting(reason: str, minutes: int) -> dict[str, Any]:
         (_pod(0), "Running", _not_ready_since(60), True, ("eviction", "NodeNotReady", None, False)),
         (_pod(0), "Running", _not_ready_since(60), False, None),  # not admitted by the rate limit: waits
         (_pod(0), "Running", _not_ready_since(0), True, None),  # within the pod's grace
-        (_waiting("InvalidImageName", 5), "Pending", NODES["spot-1"], False, ("failure", "InvalidImageName", None, False)),
+        (_waiting("InvalidImageName", 5), "Pending", NODES["spot-1"], False,
+         ("failure", "InvalidImageName", None, False)),
         (_waiting("InvalidImageName", 1), "Pending", NODES["spot-1"], False, None),  # not for long enough yet
     ],
-    ids=["active", "failed", "node-fault", "node-gone", "not-ready", "not-admitted", "in-grace", "stuck", "stuck-briefly"],
+    ids=["active", "failed", "node-fault", "node-gone", "not-ready", "not-admitted", "in-grace", "stuck",
+         "stuck-briefly"],
 )  # fmt: skip
 def test_one_pure_verdict_judges_each_live_pod_from_its_state_and_its_node(
     pod: dict[str, Any], phase: str, node: dict[str, Any] | None, admitted: bool,
