@@ -21,9 +21,11 @@ ANNOTATION_INDEX: Final = f"{GROUP}/index"
 """A worker pod's number n (its name is `<job>-worker-<n>` too). An annotation, not a label: a label
 unique to each pod makes one network security identity per pod on Cilium (which leaves Job's
 completion index out of identities for that reason); labels stay job-scoped."""
-ANNOTATION_REPLICA_GROUP: Final = f"{GROUP}/replica-group"
-"""A worker pod's replica group (its index // spec.replicaGroupSize), where groups have more than one pod.
-An annotation for the same reason as the index."""
+LABEL_REPLICA_GROUP: Final = f"{GROUP}/replica-group"
+"""A worker pod's replica group, where groups have more than one pod: a label, as the group's pods are
+placed together by it (a preferred pod affinity); one network identity per group, not per pod, on Cilium."""
+ZONE_LABEL: Final = "topology.kubernetes.io/zone"
+"""The well-known label of a node's availability zone: a replica group's pods prefer one zone."""
 ANNOTATION_ACCOUNTED: Final = f"{GROUP}/accounted"
 """On a failed worker pod the operator keeps (for `kubectl logs`): the verdict it was counted under,
 so no operator process counts it again (the count lives in the status, the mark on the pod)."""

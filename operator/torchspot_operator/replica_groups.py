@@ -4,7 +4,7 @@ holds whole groups (`spec.replicaGroupSize` pods each). Pure.
 A replica group holds one whole copy of a sharded model (HSDP: sharded within the group, replicated
 across groups), so a pod is of use only with the rest of its group: a lost pod's replacement joins its
 group, not a new one, and a job scaled down loses whole groups, the broken ones first. A pod's group is
-its annotation (`constants.ANNOTATION_REPLICA_GROUP`), which the operator sets when it makes the pod; a
+its label (`constants.LABEL_REPLICA_GROUP`), which the operator sets when it makes the pod; a
 pod's index stays the lowest free one, so a group's pods need not have neighbouring names. With groups of
 one pod every pod is its own group, numbered by its index, and this is the plain rule: keep the ready
 pods of lowest index, make the missing ones at the lowest free indices.
@@ -22,8 +22,8 @@ __all__ = ["GroupPlan", "group_of", "plan_groups", "ready_groups"]
 
 
 def group_of(pod: Mapping[str, Any], size: int) -> int:
-    """A worker pod's replica group: its annotation, else its index's (`index // size`)."""
-    said = ((pod.get("metadata", {}).get("annotations") or {}).get(constants.ANNOTATION_REPLICA_GROUP)) or ""
+    """A worker pod's replica group: its label, else its index's (`index // size`)."""
+    said = ((pod.get("metadata", {}).get("labels") or {}).get(constants.LABEL_REPLICA_GROUP)) or ""
     return int(said) if said.isdigit() else verdicts.pod_index(pod) // size
 
 

@@ -563,7 +563,7 @@ class TestReplicaGroups:
 
     @staticmethod
     def _groups(plan: reconcile.Plan) -> dict[str, str]:
-        return {obj["metadata"]["name"]: obj["metadata"]["annotations"][constants.ANNOTATION_REPLICA_GROUP]
+        return {obj["metadata"]["name"]: obj["metadata"]["labels"][constants.LABEL_REPLICA_GROUP]
                 for obj in plan.create if obj["kind"] == "Pod"}  # fmt: skip
 
     def test_each_pod_is_told_its_group_and_the_groups_size(self) -> None:
@@ -572,8 +572,21 @@ class TestReplicaGroups:
                                       "cifar-worker-3": "1"}  # fmt: skip
         env = {e["name"]: e.get("value") for e in plan.create[-1]["spec"]["containers"][0]["env"]}
         assert (env[REPLICA_GROUP_ENV], env[REPLICA_GROUP_SIZE_ENV]) == ("1", "2")
+        # A group's pods prefer one zone, beside the job's own affinity (here: a node pool it requires).
+        own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["h100"]}]}]}}}  # fmt: skip
+        placed = builders.worker_pod(JOB, _spec(minReplicas=2, maxReplicas=4, replicaGroupSize=2,
+                                                placement={"affinity": own}), 3, group=1)  # fmt: skip
+        assert placed["spec"]["affinity"]["nodeAffinity"] == own["nodeAffinity"]
+        (term,) = placed["spec"]["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert term["podAffinityTerm"] == {
+            "labelSelector": {"matchLabels": {constants.LABEL_JOB: "cifar", constants.LABEL_REPLICA_GROUP: "1"}},
+            "topologyKey": "topology.kubernetes.io/zone",
+        }
+        assert "podAffinity" not in own  # the job's spec is not changed under it
         alone = builders.worker_pod(JOB, _spec(), 3)  # groups of one: nothing said
-        assert constants.ANNOTATION_REPLICA_GROUP not in alone["metadata"]["annotations"]
+        assert constants.LABEL_REPLICA_GROUP not in alone["metadata"]["labels"]
+        assert "podAffinity" not in alone["spec"].get("affinity", {})
         assert REPLICA_GROUP_ENV not in {e["name"] for e in alone["spec"]["containers"][0]["env"]}
 
     def test_a_lost_pods_replacement_joins_its_group_under_a_free_name(self) -> None:
