@@ -272,6 +272,26 @@ def test_a_worker_whose_node_cannot_run_the_program_is_replaced_off_that_node(cl
         assert any(worker in message and node in message for message in said), said
 
 
+def test_replica_groups_are_made_whole_a_lost_pod_replaced_in_its_group_and_shown(cluster: Cluster) -> None:
+    """replicaGroupSize 2 at four pods: two groups of two, labelled; a pod deleted by someone else is
+    replaced in its group (under the lowest free name); the status counts the ready groups."""
+    cluster.add_node("spot-1")
+    cluster.create(good_job("grouped", minReplicas=2, maxReplicas=4, replicaGroupSize=2))
+    _start(cluster, "grouped", ["spot-1"] * 4)
+
+    def groups() -> dict[str, str]:
+        return {p["metadata"]["name"]: p["metadata"]["labels"][constants.LABEL_REPLICA_GROUP]
+                for p in cluster.pods("grouped") if not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+
+    assert groups() == {f"grouped-worker-{i}": str(i // 2) for i in range(4)}
+    wait_for("two ready groups", lambda: (_status(cluster, "grouped").get("replicaGroups") or {}).get("ready") == 2)
+    victim = next(p["metadata"]["uid"] for p in cluster.pods("grouped") if p["metadata"]["name"] == "grouped-worker-1")
+    cluster.delete("v1", "Pod", "grouped-worker-1")
+    wait_for("the replacement", lambda: len(groups()) == 4 and victim not in _uids(cluster, "grouped"))
+    assert sorted(groups().values()) == ["0", "0", "1", "1"]  # the replacement joined group 0
+    wait_for("one ready group", lambda: _status(cluster, "grouped")["replicaGroups"]["ready"] == 1)  # 0 waits
+
+
 def test_suspend_stops_the_workers_and_etcd_and_resume_starts_a_fresh_run(cluster: Cluster) -> None:
     cluster.add_node("spot-1")
     cluster.create(good_job("paused"))
