@@ -36,9 +36,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from torchspot_trainer import run, train
+from torchspot_trainer import train
 from torchspot_trainer.__main__ import main
 from torchspot_trainer.checkpoint.manager import CheckpointManager
+from torchspot_trainer.data import datasets
 from torchspot_trainer.data.datasets import TensorImages, load_digits
 from torchspot_trainer.markers import node_leaving
 
@@ -121,7 +122,7 @@ def _delayed(save_sync: Callable[..., Any], delay: float) -> Callable[..., Any]:
 
 if __name__ == "__main__":
     if "NOTICE_AT_SAMPLE" in os.environ:
-        run.load_digits = _digits  # type: ignore[attr-defined,assignment]  # where load_datasets reads it
+        datasets.load_digits = _digits  # type: ignore[assignment]  # where DATA_SETS["digits"] reads it
     if "STEP_PACE" in os.environ:
         train.train_step = _paced(train.train_step, float(os.environ["STEP_PACE"]))  # type: ignore[attr-defined]
     if "HOLD_REQUEST" in os.environ:

@@ -20,15 +20,15 @@ from typing import Any, get_args, get_type_hints
 
 from torchspot_trainer import ENV_PREFIX, env_switch
 from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_PROCESS, SAVER_THREAD
+from torchspot_trainer.data.datasets import DATA_SETS
 from torchspot_trainer.data.loader import DECODERS
 from torchspot_trainer.models import MODELS
 from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 from torchspot_trainer.precision import PRECISIONS
 from torchspot_trainer.recovery.signals import NOTICE_HOLD, STUCK_EXIT_AFTER, events_setting_valid, events_url
 
-DATASETS = ("cifar10", "imagenet", "digits")
-CHANNELS = {"cifar10": 3, "imagenet": 3, "digits": 1}
-"""Each data set's image channels: the models' first layer takes them (`build_model`)."""
+DATASETS = tuple(DATA_SETS)
+JPEG_DATA_SETS = tuple(name for name, spec in DATA_SETS.items() if spec.jpeg)
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
 SAVERS = (SAVER_PROCESS, SAVER_THREAD)
@@ -229,8 +229,9 @@ class TrainConfig:
             ),
             (self.decode in DECODERS, f"--decode {self.decode!r}: choose one of {', '.join(DECODERS)}"),
             (
-                self.decode == "cpu" or self.dataset == "imagenet",
-                f"--decode {self.decode}: only JPEG folders (--dataset imagenet) are decoded; {self.dataset} is not",
+                self.decode == "cpu" or (self.dataset in DATA_SETS and DATA_SETS[self.dataset].jpeg),
+                f"--decode {self.decode}: only JPEG folders (--dataset {', '.join(JPEG_DATA_SETS)}) are decoded; "
+                f"{self.dataset} is not",
             ),
             (self.snapshot_every >= 1, f"--snapshot-every {self.snapshot_every}: must be at least 1"),
             (
@@ -242,8 +243,8 @@ class TrainConfig:
                 f"--scheduled-events {self.scheduled_events!r}: use auto, off, or an http(s) URL",
             ),
             (
-                self.dataset == "digits" or bool(self.data),
-                "--data is required for cifar10 and imagenet",
+                self.dataset not in DATA_SETS or not DATA_SETS[self.dataset].needs_data or bool(self.data),
+                f"--data is required for --dataset {self.dataset}",
             ),
         ]
         for ok, message in checks:

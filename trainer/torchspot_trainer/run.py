@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -22,8 +23,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from torchspot_trainer import NODE_FAULT_EXIT, takes_in_place
-from torchspot_trainer.config import CHANNELS, TrainConfig, ensure_local_data, index_cache
-from torchspot_trainer.data.datasets import Normalize, load_cifar10, load_digits, load_imagenet
+from torchspot_trainer.config import TrainConfig, ensure_local_data, index_cache
+from torchspot_trainer.data.datasets import DATA_SETS, Normalize
 from torchspot_trainer.data.loader import EVAL_LOADER_WORKERS, DeviceDecoder, EpochLoader
 from torchspot_trainer.data.sampler import ElasticSampler
 from torchspot_trainer.elastic.settings import node_name
@@ -196,7 +197,7 @@ def choose_in_place(
 def build_model(config: TrainConfig, classes: int, device: torch.device) -> nn.Module:
     """The model, initialised from --seed (the same on every rank), with SyncBatchNorm for --sync-bn."""
     torch.manual_seed(config.seed)
-    model: nn.Module = MODELS[config.model](classes, CHANNELS[config.dataset])
+    model: nn.Module = MODELS[config.model](classes, DATA_SETS[config.dataset].channels)
     if config.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
     return model.to(device)
@@ -262,16 +263,10 @@ def build_run(
 
 def load_datasets(config: TrainConfig) -> tuple[Dataset[Any], Dataset[Any], int]:
     """The training and test sets of `--dataset` (fetched and staged first where they are remote), and
-    the number of classes."""
-    if config.dataset == "digits":
-        train, test = load_digits(seed=0)
-        return train, test, 10
-    path = ensure_local_data(config)
-    if config.dataset == "cifar10":
-        train, test = load_cifar10(path)
-        return train, test, 10
-    train_folder, val_folder = load_imagenet(path, config.image_size, index_dir=index_cache(config))
-    return train_folder, val_folder, len(train_folder.classes)
+    the number of classes (its entry in `DATA_SETS`)."""
+    spec = DATA_SETS[config.dataset]
+    path = ensure_local_data(config) if spec.needs_data else Path()
+    return spec.load(path, config.image_size, index_cache(config))
 
 
 def make_loader(

@@ -30,9 +30,10 @@ import os
 import pickle
 import shutil
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -365,3 +366,45 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorImage
         TensorImages(images[train], [labels[i] for i in train], mean, std),
         TensorImages(images[test], [labels[i] for i in test], mean, std),
     )
+
+
+Loaded = tuple[Dataset[Any], Dataset[Any], int]
+"""A data set's training set, test set and number of classes."""
+
+
+@dataclass(frozen=True)
+class DataSetSpec:
+    """What the trainer knows of a data set it trains on (`DATA_SETS`)."""
+
+    load: Callable[[Path, int, Path], Loaded]
+    """(its local path, --image-size, the node's folder of file indexes) -> its sets and classes."""
+    channels: int
+    """Its images' colour channels (the model's first layer takes them)."""
+    needs_data: bool = True
+    """Read from --data (a folder, an archive or az://); False: it ships inside a package."""
+    jpeg: bool = False
+    """Its images are JPEG files, which --decode gpu may decode."""
+
+
+def _cifar10(path: Path, _size: int, _index: Path) -> Loaded:
+    train, test = load_cifar10(path)
+    return train, test, 10
+
+
+def _imagenet(path: Path, size: int, index: Path) -> Loaded:
+    train, val = load_imagenet(path, size, index_dir=index)
+    return train, val, len(train.classes)
+
+
+def _digits(_path: Path, _size: int, _index: Path) -> Loaded:
+    train, test = load_digits(seed=0)
+    return train, test, 10
+
+
+DATA_SETS: dict[str, DataSetSpec] = {
+    "cifar10": DataSetSpec(_cifar10, channels=3),
+    "imagenet": DataSetSpec(_imagenet, channels=3, jpeg=True),
+    "digits": DataSetSpec(_digits, channels=1, needs_data=False),
+}
+"""The data sets --dataset names, as `models.MODELS` holds the models: a new one is one entry here (its
+loader and what the trainer must know of it); the flags' checks and the run's set-up read it."""
