@@ -51,13 +51,14 @@ from typing import Any, cast
 
 import kopf
 
-from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, nodes, verdicts
+from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.caches import Caches, Entry, compact, owner
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
 from torchspot_operator.milestones import MilestoneReader
-from torchspot_operator.nodes import NodePolicy, RateLimiter
+from torchspot_operator.nodes import NodePolicy
+from torchspot_operator.nodeview import NodeView
 from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, Update, plan
 from torchspot_operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
 from torchspot_trainer.rendezvous.etcd_client import EtcdTls
@@ -196,9 +197,6 @@ class Controller:
         self.node_policy = node_policy or NodePolicy()
         self.etcd_image = etcd_image
         self.etcd_pull_secrets = etcd_pull_secrets
-        self._node_limiter = RateLimiter(self.node_policy.eviction_rate)
-        self._admitted: set[str] = set()
-        """NotReady nodes the rate limiter let through (until they are Ready again or gone: `observe_node`)."""
         self.relisted_at = 0.0
         """When this replica last resumed leading (monotonic): every job is verified after (its watches'
         events were not acted on while it stood by)."""
@@ -214,13 +212,8 @@ class Controller:
         self.etcd_default = etcd_default
         self.milestones = MilestoneReader(resolve) if resolve is not None else MilestoneReader()
         self.caches = caches or Caches()
-        self.nodes: dict[str, Mapping[str, Any]] = {}
-        """Nodes as the node watch last saw them (reconciles read these instead of asking each time); a
-        Ready condition without a transition time gets the time the operator first saw its status."""
-        self._read_nodes: dict[str, tuple[Mapping[str, Any] | None, float]] = {}
-        """Nodes of workers that the node watch does not show (outside `constants.NODE_SELECTOR_ENV`), as a
-        GET last found them (None: gone), and when (monotonic)."""
-        self._nodes_of_job: dict[tuple[str, str], set[str]] = {}
+        self.node_view = NodeView(api, self.node_policy, now)
+        """The nodes (nodeview.py): the node watch feeds it (handlers.py), each reconcile reads it."""
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], _JobLock] = {}
         self._queued: set[tuple[str, str]] = set()
@@ -453,15 +446,15 @@ class Controller:
         etcd = self._etcd(namespace, memory)
         self._prune(memory, pods, etcd.values())
         bound = {str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")}
-        self._nodes_of_job[(namespace, name)] = bound
+        self.node_view.bind((namespace, name), bound)
         seen_nodes: dict[str, Mapping[str, Any]] = {}
         if bound and self.node_handling:  # the node watch's first listing, not a GET per worker's node
             await self._first_listings_of([("Node", None)], constants.NODE_LIST_WAIT_SECONDS)
         for node_name in bound if self.node_handling else ():
-            node = self.nodes.get(node_name) or await self._read_node(node_name)
+            node = self.node_view.get(node_name) or await self.node_view.read(node_name)
             if node is not None:
                 seen_nodes[node_name] = node
-        admitted = self._admit(pods, seen_nodes, now or self.now())
+        admitted = self.node_view.admit(pods, seen_nodes, now or self.now()) if self.node_handling else set()
         finished = old.get("phase") in conditions.FINISHED_PHASES
         milestones: dict[str, Any] = {}
         if not finished:
@@ -486,47 +479,11 @@ class Controller:
             generation=memory.generation,
         )  # fmt: skip
 
-    async def _read_node(self, name: str) -> Mapping[str, Any] | None:
-        """A worker's node the node watch has not shown (not yet, gone, or outside its selector): asked,
-        never guessed gone, at most every `UNWATCHED_NODE_SECONDS` per node."""
-        found, at = self._read_nodes.get(name, (None, -1.0))
-        if at < 0 or time.monotonic() - at > constants.UNWATCHED_NODE_SECONDS:
-            body = await self.api.get("v1", "Node", None, name)
-            found = None if body is None else self._stamped(nodes.project(body), found)
-            self._read_nodes[name] = (found, time.monotonic())
-        return found
-
     @staticmethod
     def _failures(memory: _Memory) -> list[CreateFailure]:
         """What the status's ReplicaFailure says: names taken, and the refusals (one entry, a count)."""
         found = list(memory.failures.values())
         return found if memory.refusal is None else [*found, memory.refusal.failure()]
-
-    def _admit(
-        self, pods: Iterable[Mapping[str, Any]], bound: Mapping[str, Mapping[str, Any]], now: datetime
-    ) -> set[str]:
-        """The NotReady (or cordoned) nodes of these pods the plan may act on (nodes.py): none in a full
-        disruption; a node whose grace is over for one of its pods only if the cluster-wide rate allows."""
-        if not self.node_handling:
-            return set()
-        policy = self.node_policy
-        troubled = {name for name, node in bound.items() if nodes.soft(node, policy) is not None}
-        if not troubled:
-            return set()
-        if nodes.full_disruption(self.nodes.values(), policy.full_disruption_share):
-            bad = sum(nodes.ready_status(n)[0] != "True" for n in self.nodes.values())
-            log.warning(
-                "%d of %d nodes NotReady: no worker is moved off a NotReady node meanwhile", bad, len(self.nodes)
-            )
-            return set()
-        for pod in pods:
-            name = str(pod.get("spec", {}).get("nodeName") or "")
-            if name in troubled and name not in self._admitted and nodes.due(pod, bound[name], policy, now):
-                if self._node_limiter.admit():
-                    self._admitted.add(name)
-                else:
-                    log.info("node %s: NotReady past the grace; waiting for the node eviction rate", name)
-        return troubled & self._admitted
 
     async def _read_etcd_pods(
         self, namespace: str, name: str, deployment: Mapping[str, Any] | None, memory: _Memory
@@ -884,7 +841,7 @@ class Controller:
         self.recoveries.forget((namespace, name))
         metrics.forget_job(namespace, name)
         memory = self._memory.pop((namespace, name), None)
-        self._nodes_of_job.pop((namespace, name), None)
+        self.node_view.forget((namespace, name))
         if memory is not None:
             self.milestones.close_job(memory.uid)
         if memory is not None and memory.body is not None:
@@ -926,56 +883,6 @@ class Controller:
         """Delete a finished job whose ttlSecondsAfterFinished ran out (only this incarnation: by uid)."""
         log.info("job %s/%s: ttlSecondsAfterFinished reached, deleting it", namespace, name)
         await self.api.delete(constants.API_VERSION, constants.PLURAL, namespace, name, uid=uid)
-
-    def observe_node(self, node: Mapping[str, Any], *, deleted: bool) -> None:
-        """Keep the node cache that reconciles read (fed by the node watch).
-
-        A Ready condition that says no transition time (some test clusters, older kubelets) gets
-        the time the operator first saw that status, so a NotReady node's grace counts from there."""
-        node = nodes.project(node)
-        name = node["metadata"].get("name", "")
-        self._read_nodes.pop(name, None)  # the watch shows it now
-        if deleted or nodes.soft(node, self.node_policy) is None:  # admitted again only after a new fault
-            self._admitted.discard(name)
-        if deleted:
-            self.nodes.pop(name, None)
-            return
-        self.nodes[name] = self._stamped(node, self.nodes.get(name))
-
-    def nodes_relisted(self, uids: set[str]) -> set[str]:
-        """The node watch listed the nodes (at its start, or again after its watch failed): a kept node the
-        listing lacks was deleted meanwhile. Forgets those; returns their names (their jobs are due now).
-        Nothing else changes the node cache during a listing, so the listing is the whole truth."""
-        gone = {name for name, node in self.nodes.items() if node["metadata"].get("uid") not in uids}
-        for name in gone:
-            self.observe_node({"metadata": {"name": name}}, deleted=True)
-        self.listing_ended("Node", None)
-        return gone
-
-    def _stamped(self, node: dict[str, Any], before: Mapping[str, Any] | None) -> dict[str, Any]:
-        """The node with a Ready transition time: its own, or the one the operator gave the same status
-        before (`before`: the node as last kept), or now."""
-        status, since = nodes.ready_status(node)
-        if since is not None:
-            return node
-        known = nodes.ready_status(before) if before is not None else None
-        stamp = known[1] if known is not None and known[0] == status and known[1] else None
-        stamp = stamp or conditions.timestamp(self.now())
-        conds = [
-            {**c, "lastTransitionTime": stamp} if c.get("type") == "Ready" else c
-            for c in node.get("status", {}).get("conditions") or []
-        ]
-        if not any(c.get("type") == "Ready" for c in conds):
-            conds.append({"type": "Ready", "status": status, "lastTransitionTime": stamp})
-        return {**node, "status": {**(node.get("status") or {}), "conditions": conds}}
-
-    def jobs_on_node(self, node_name: str) -> set[tuple[str, str]]:
-        """(namespace, job) of the jobs whose workers were on a node when last reconciled.
-
-        An index kept by reconcile rather than a cluster-wide pod list: it needs no
-        API call and no permission beyond the watched namespaces.
-        """
-        return {key for key, nodes in self._nodes_of_job.items() if node_name in nodes}
 
 
 def slow_start(objects: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:

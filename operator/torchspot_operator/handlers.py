@@ -506,21 +506,22 @@ def node_seen(type: str | None, body: dict[str, Any]) -> None:
     chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector
     meta = body.get("metadata") or {}
     if chosen and not nodes.selected(meta.get("labels") or {}, chosen):
-        controller().observe_node(body, deleted=True)  # outside the watch's selector: not kept
+        controller().node_view.observe(body, deleted=True)  # outside the watch's selector: not kept
         return
     gone = type == "DELETED"
-    controller().observe_node(body, deleted=gone)
+    controller().node_view.observe(body, deleted=gone)
     policy = controller().node_policy
     if controller().paused or (not gone and nodes.definite(body) is None and nodes.soft(body, policy) is None):
         return
-    for namespace, job in sorted(controller().jobs_on_node(str(meta.get("name", "")))):
+    for namespace, job in sorted(controller().node_view.jobs_on(str(meta.get("name", "")))):
         _reconcile_soon(namespace, job)
 
 
 def _nodes_listed(uids: set[str], _started: float) -> None:
     """The node watch listed the nodes: the jobs of nodes deleted while it was down are due now."""
-    gone = controller().nodes_relisted(uids)
+    gone = controller().node_view.relisted(uids)
+    controller().listing_ended("Node", None)
     if controller().paused:
         return
-    for namespace, job in sorted({found for name in gone for found in controller().jobs_on_node(name)}):
+    for namespace, job in sorted({found for name in gone for found in controller().node_view.jobs_on(name)}):
         _reconcile_soon(namespace, job)

@@ -335,8 +335,8 @@ def test_a_node_selector_keeps_other_pools_out_of_the_node_cache(api: Cluster, m
         api.run_pod(second, "cpu-1")
         wait_for("Running", lambda: _status(api, "pooled").get("phase") == "Running")
         ours = handlers.controller()
-        wait_for("cpu-1 read by a GET", lambda: "cpu-1" in ours._read_nodes)
-        assert set(ours.nodes) == {"spot-1"}  # the watch's
+        wait_for("cpu-1 read by a GET", lambda: "cpu-1" in ours.node_view.read_nodes)
+        assert set(ours.node_view.nodes) == {"spot-1"}  # the watch's
         reads = api.requests("GET", "v1/nodes")
         seen = reconciles()
         for n in range(1, 4):  # three more reconciles of the job
