@@ -24,11 +24,11 @@ of a paused standby replica and lists afresh when it resumes, which shows no del
 and lacks what its watch has not listed yet (a job is reconciled as soon as the job's own
 watch shows it), so the first reconcile of a job by this process, one after a silence
 longer than `STALE_AFTER_SECONDS` and one after this replica resumed leading reads the
-namespace's objects as the API lists them (`_snapshot`, shared by the jobs of the namespace,
+namespace's objects as the API lists them (listings.py's `snapshot`, shared by the jobs of the namespace,
 and served by the operator's own watches' listings when those are recent enough): the cache
 takes what it lacked, and forgets what the list no longer has (a worker pod's deletion is
 then counted as a watched one is). A watch that lists again (after a 410) does the same for
-its kind (`informer_listed`), as client-go's informers synthesise deletions on a relist: no
+its kind (`Listings.listed`), as client-go's informers synthesise deletions on a relist: no
 periodic re-read of every namespace is needed (it was every 5 minutes: 12,000 objects listed
 and parsed at once at 1,000 jobs).
 
@@ -56,6 +56,7 @@ from torchspot_operator.builders import JobRef
 from torchspot_operator.caches import Caches, Entry, compact, owner
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.kube import ApiError, Kube
+from torchspot_operator.listings import Listings
 from torchspot_operator.milestones import MilestoneReader
 from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.nodeview import NodeView
@@ -145,26 +146,6 @@ class _JobLock:
     users: int = 0
 
 
-OWNED_KINDS: tuple[tuple[tuple[str, str], str], ...] = (
-    (("v1", "Pod"), constants.ROLE_WORKER),
-    *((kind, constants.ROLE_ETCD) for kind in ETCD_KINDS),
-)
-"""((apiVersion, kind), the role label the API server filters by) of what the jobs own: what the
-operator's own watches follow (handlers, informer.py) and what a namespace snapshot lists."""
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """When a namespace's worker pods and managed etcd objects were last read from the API."""
-
-    started: float
-    """When its first list was sent (monotonic): it shows every create that returned before."""
-    finished: float
-    """When its last page came: its age counts from here. Counted from the start, a namespace whose
-    lists take longer than `SNAPSHOT_SECONDS` (12,000 AKS-sized objects on a busy API) would be
-    listed again for every job that waited on it, one job per listing."""
-
-
 class Controller:
     """Reconciles jobs through one API session; `now` is injectable for tests of time.
 
@@ -200,11 +181,6 @@ class Controller:
         self.relisted_at = 0.0
         """When this replica last resumed leading (monotonic): every job is verified after (its watches'
         events were not acted on while it stood by)."""
-        self.listings: dict[tuple[str, str | None], float] = {}
-        """When the operator's own watch of a kind last listed it in a namespace (None: all), as it
-        started (monotonic): a listing after a job's last create serves as the job's check."""
-        self._first_listings: dict[tuple[str, str | None], asyncio.Event] = {}
-        """The watches whose first listing is under way (`listing_started`), set when it ends."""
         self.operator = operator
         """This operator's pod namespace and labels, which each job's etcd NetworkPolicy admits."""
         self.node_handling = node_handling
@@ -212,15 +188,14 @@ class Controller:
         self.etcd_default = etcd_default
         self.milestones = MilestoneReader(resolve) if resolve is not None else MilestoneReader()
         self.caches = caches or Caches()
+        self.listings = Listings(api, self.caches, self._missed)
+        """The watches' listings and the namespaces' snapshots (listings.py): what a job's check reads."""
         self.node_view = NodeView(api, self.node_policy, now)
         """The nodes (nodeview.py): the node watch feeds it (handlers.py), each reconcile reads it."""
         self._memory: dict[tuple[str, str], _Memory] = {}
         self._locks: dict[tuple[str, str], _JobLock] = {}
         self._queued: set[tuple[str, str]] = set()
         """Jobs with a reconcile waiting for the job's lock (`reconcile`)."""
-        self._snapshots: dict[str, _Snapshot] = {}
-        """Per namespace, the last list of what the jobs there own (`_snapshot`)."""
-        self._snapshot_locks: dict[str, asyncio.Lock] = {}
         self._versions: dict[str, str] = {}
         """The resourceVersion of each watched object (by uid) whose event last led to a reconcile."""
         self.phases: dict[tuple[str, str], str] = {}
@@ -449,7 +424,7 @@ class Controller:
         self.node_view.bind((namespace, name), bound)
         seen_nodes: dict[str, Mapping[str, Any]] = {}
         if bound and self.node_handling:  # the node watch's first listing, not a GET per worker's node
-            await self._first_listings_of([("Node", None)], constants.NODE_LIST_WAIT_SECONDS)
+            await self.listings.first_of([("Node", None)], constants.NODE_LIST_WAIT_SECONDS)
         for node_name in bound if self.node_handling else ():
             node = self.node_view.get(node_name) or await self.node_view.read(node_name)
             if node is not None:
@@ -511,65 +486,6 @@ class Controller:
         resumed leading."""
         return memory.verified_at < self.relisted_at
 
-    def listing_started(self, kind: str, namespace: str | None) -> None:
-        """The operator's own watch of a kind is starting (handlers.py): the jobs' checks wait for its first
-        listing (`_snapshot`) rather than list the same objects beside it."""
-        self._first_listings.setdefault((kind, namespace), asyncio.Event())
-
-    def informer_listed(self, kind: str, namespace: str | None, uids: set[str], started: float) -> None:
-        """The operator's own watch of a kind listed it (informer.py): what the cache holds and the list
-        lacks was deleted while no watch was open (a worker pod counts as deleted by someone else), and
-        the listing serves as a fresh read for the jobs' checks (`_snapshot`)."""
-        self._missed(self.caches.missing_of(kind, namespace, uids, started))
-        self.listings[kind, namespace] = started
-        self.listing_ended(kind, namespace)
-
-    def watching(self, kind: str, namespace: str | None) -> bool:
-        """Whether the operator's own watch of a kind in a namespace (None: all) was started."""
-        return (kind, namespace) in self._first_listings
-
-    async def _first_listings_of(self, watches: Iterable[tuple[str, str | None]], timeout: float) -> None:
-        """Wait, at most `timeout` seconds, for the first listing of those of `watches` started and not
-        listed yet (a watch never started is not waited for)."""
-        events = [self._first_listings[key] for key in watches if key in self._first_listings]
-        pending = [event.wait() for event in events if not event.is_set()]
-        if pending:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*pending), timeout)
-
-    def listing_ended(self, kind: str, namespace: str | None) -> None:
-        """A watch's listing ended: no check waits for it any longer."""
-        self._first_listings.setdefault((kind, namespace), asyncio.Event()).set()
-
-    async def _snapshot(self, namespace: str, after: float) -> _Snapshot:
-        """Read what the namespace's jobs own from the API, unless the last read started after `after` and
-        finished at most `SNAPSHOT_SECONDS` ago: a labelled list per kind, a page at a time (`Kube.pages`).
-        The cache takes what it lacked and forgets what the API no longer has; a forgotten worker pod
-        is counted as deleted by someone else, as its DELETED event would have been. Shared by every
-        job of the namespace, so checking 200 jobs costs five lists, not a thousand requests."""
-        async with self._snapshot_locks.setdefault(namespace, asyncio.Lock()):
-            # The watches' first listings serve (at a start: 12,000 objects not listed twice).
-            owned = [(kind, where) for (_, kind), _ in OWNED_KINDS for where in (namespace, None)]
-            await self._first_listings_of(owned, constants.FIRST_LISTING_WAIT_SECONDS)
-            found = self._snapshots.get(namespace)
-            clock = time.monotonic()
-            if found is not None and found.started > after and clock - found.finished <= constants.SNAPSHOT_SECONDS:
-                return found
-            watched = min(
-                max(self.listings.get((kind, namespace), -1.0), self.listings.get((kind, None), -1.0))
-                for (_, kind), _ in OWNED_KINDS
-            )
-            if watched > after:  # the watches' own listings are newer: nothing to read
-                return _Snapshot(watched, clock)
-            started = self.caches.clock()
-            uids: set[str] = set()
-            for (api_version, kind), role in OWNED_KINDS:
-                async for page in self.api.pages(api_version, kind, namespace, {constants.LABEL_ROLE: role}):
-                    uids.update(self.caches.listed(kind, page, started))
-            self._missed(self.caches.missing(namespace, uids, started))
-            snapshot = self._snapshots[namespace] = _Snapshot(clock, time.monotonic())
-            return snapshot
-
     def _missed(self, gone: list[Entry]) -> None:
         """Objects a list showed gone whose deletion no watch reported: a worker pod is counted as deleted
         by someone else; a taken etcd object's name may be free now."""
@@ -588,7 +504,7 @@ class Controller:
     async def _verify(self, namespace: str, memory: _Memory) -> None:
         """Check the cache against the API for this job (the namespace's snapshot, taken after the job's last
         create and the last relist)."""
-        snapshot = await self._snapshot(namespace, max(memory.created_at, self.relisted_at))
+        snapshot = await self.listings.snapshot(namespace, max(memory.created_at, self.relisted_at))
         memory.verified_at = snapshot.started  # jobs checked together fall due together: one list serves them
 
     def _cached(self, kind: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:

@@ -35,10 +35,11 @@ import prometheus_client
 
 from torchspot_operator import builders, certs, conditions, constants, leader, metrics, nodes, verdicts
 from torchspot_operator.caches import owner
-from torchspot_operator.controller import OWNED_KINDS, Controller
+from torchspot_operator.controller import Controller
 from torchspot_operator.informer import Informer
 from torchspot_operator.kube import LIST_PAGE, NODE_PAGE, ApiError, Kube, LoginError
 from torchspot_operator.kube import login as kubeconfig_login
+from torchspot_operator.listings import OWNED_KINDS
 from torchspot_operator.settings import OperatorSettings, SettingsError, read_settings
 
 log = logging.getLogger(__name__)
@@ -438,15 +439,15 @@ def _lead() -> None:
 
 
 def _listed(kind: str, namespace: str | None, uids: set[str], started: float) -> None:
-    """A watch listed its kind (at its start, or again after a 410): see `Controller.informer_listed`.
+    """A watch listed its kind (at its start, or again after a 410): see `Listings.listed`.
     A paused standby checks every job when it leads instead (its listing, which its caches did not take,
     serves no check: only its end is noted, so no check waits for it)."""
     if "controller" not in _state:
         return
     if controller().paused:
-        controller().listing_ended(kind, namespace)
+        controller().listings.ended(kind, namespace)
     else:
-        controller().informer_listed(kind, namespace, uids, started)
+        controller().listings.listed(kind, namespace, uids, started)
 
 
 def _reconcile_soon(namespace: str, job: str) -> None:
@@ -478,13 +479,13 @@ def _watch(namespace: str | None) -> None:
         return
     loop = asyncio.get_running_loop()
     started = []
-    if controller().node_handling and not controller().watching("Node", None):  # once, whatever the namespaces
-        controller().listing_started("Node", None)
+    if controller().node_handling and not controller().listings.watching("Node", None):  # once, whatever the namespaces
+        controller().listings.started("Node", None)
         chosen = cast(OperatorSettings, _state.get("settings") or OperatorSettings()).node_selector
         watch = Informer(lambda: controller().api, "v1", "Node", chosen, None, node_seen, _nodes_listed, NODE_PAGE)
         started.append(loop.create_task(watch.run(), name="watch Node"))
     for (api_version, kind), role in OWNED_KINDS:
-        controller().listing_started(kind, namespace)
+        controller().listings.started(kind, namespace)
         labels = {constants.LABEL_ROLE: role}
         listed = partial(_listed, kind, namespace)
         informer = Informer(lambda: controller().api, api_version, kind, labels, namespace, owned_object_event, listed)
@@ -520,7 +521,7 @@ def node_seen(type: str | None, body: dict[str, Any]) -> None:
 def _nodes_listed(uids: set[str], _started: float) -> None:
     """The node watch listed the nodes: the jobs of nodes deleted while it was down are due now."""
     gone = controller().node_view.relisted(uids)
-    controller().listing_ended("Node", None)
+    controller().listings.ended("Node", None)
     if controller().paused:
         return
     for namespace, job in sorted({found for name in gone for found in controller().node_view.jobs_on(name)}):

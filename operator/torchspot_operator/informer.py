@@ -17,7 +17,7 @@ A watch that ends (the server's `WATCH_SECONDS`) is opened again from the last v
 replays nothing; one that fails (410: the version is older than the server keeps; a dropped
 connection; a 5xx) lists again after a backoff: the listing's objects come as `None` events, and
 then the listing itself (`on_listed`), from which the controller drops what the list no longer has
-(deleted while the watch was down: `Controller.informer_listed`) and which serves as a fresh read
+(deleted while the watch was down: `Listings.listed`) and which serves as a fresh read
 of the API for the jobs' checks.
 """
 

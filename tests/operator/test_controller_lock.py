@@ -95,7 +95,7 @@ def test_a_namespace_list_slower_than_its_freshness_still_serves_the_jobs_that_w
     pods = "v1/pods"
 
     async def waiting_jobs() -> None:
-        await asyncio.gather(*(controller._snapshot(NS, after=0.0) for _ in range(5)))
+        await asyncio.gather(*(controller.listings.snapshot(NS, after=0.0) for _ in range(5)))
 
     before = api.requests("GET", pods)
     api.api.run(waiting_jobs())
