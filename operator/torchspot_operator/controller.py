@@ -42,26 +42,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import kopf
 
 from torchspot_operator import builders, certs, conditions, constants, lifecycle, metrics, verdicts
 from torchspot_operator.builders import JobRef
-from torchspot_operator.caches import Caches, Entry, compact, owner
+from torchspot_operator.caches import Caches, Entry, compact
 from torchspot_operator.conditions import CreateFailure
-from torchspot_operator.kube import ApiError, Kube
+from torchspot_operator.kube import Kube
 from torchspot_operator.listings import Listings
+from torchspot_operator.memory import JobMemory
 from torchspot_operator.milestones import MilestoneReader
 from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.nodeview import NodeView
-from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, Update, plan
+from torchspot_operator.reconcile import ETCD_KINDS, Observed, Plan, plan
 from torchspot_operator.spec import InvalidSpecError, JobSpec, Placement, parse_spec
+from torchspot_operator.writes import Writes
 from torchspot_trainer.rendezvous.etcd_client import EtcdTls
 
 log = logging.getLogger(__name__)
@@ -73,69 +74,6 @@ ACTIVE_PHASES = frozenset(
 
 ETCD_POD_READ_SECONDS = 60.0
 """How often a job's etcd pods are read while its Deployment has none available (the Stalled cause)."""
-
-
-@dataclass
-class _Refusal:
-    """Creates of one job the API refused in a row: the backoff before the next try, and what was said.
-
-    One per job, not per object: the next try is one object (the first refusal stops the rest), under the
-    same name; its outcome resets the backoff or doubles it. The status says how many, not which.
-    """
-
-    count: int
-    message: str
-    until: datetime
-    said_at: datetime | None = None
-    said: str = ""
-
-    def failure(self) -> CreateFailure:
-        """The ReplicaFailure entry: a count and the API's last word, no growing list of names."""
-        message = (
-            f"{self.count} create(s) refused in a row, next try at {conditions.timestamp(self.until)}: {self.message}"
-        )
-        return CreateFailure("refused", conditions.FAILED_CREATE, message, self.until)
-
-
-@dataclass
-class _Memory:
-    """What the controller knows about one incarnation (uid) of a job between reconciles."""
-
-    uid: str
-    body: dict[str, Any] | None = None
-    """The job as last read, with the status written since: what the timer re-plans from."""
-    accounted: dict[str, float] = field(default_factory=dict)
-    """Uids of objects counted or deleted by the operator (monotonic time): never judged twice."""
-    deleted: dict[str, float] = field(default_factory=dict)
-    """Uids of pods the operator deleted (monotonic time): their DELETED events are not someone else's
-    deletions, even after a refused status write made the plan that deleted them be judged again."""
-    created: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
-    """Objects created and not yet seen in a cache, by `Kind/name`: counted as there meanwhile."""
-    vanished: list[dict[str, Any]] = field(default_factory=list)
-    """Worker pods deleted by someone else (their last body), until a reconcile counts them."""
-    failures: dict[str, CreateFailure] = field(default_factory=dict)
-    """Objects the operator could not create, by `Kind/name`."""
-    seen_at: float = 0.0
-    """When a reconcile or a tick last looked at the job (monotonic); 0: never (read afresh)."""
-    verified_at: float = 0.0
-    """When the job's objects were last read from the API (monotonic); 0: never."""
-    created_at: float = 0.0
-    """When a create of this job last returned (monotonic): a namespace snapshot older than that misses it."""
-    refusal: _Refusal | None = None
-    """The API's refusals of this job's creates, and the backoff they earned."""
-    etcd_pods: list[dict[str, Any]] = field(default_factory=list)
-    etcd_pods_at: float = 0.0
-    """The managed etcd's pods, read while its Deployment has none available (at most once a minute)."""
-    applied: dict[str, str] = field(default_factory=dict)
-    """The resourceVersion at which each etcd object (by uid) is known to hold the build of `built_for`
-    (see `Observed.applied`)."""
-    built_for: tuple[int, int] = (0, 0)
-    """The job's (generation, resumes) that `applied` holds for: what the etcd objects are built from,
-    with the job's uid and the operator's settings, which do not change for a memory."""
-    generation: int = 0
-    """The job's `metadata.generation` as last reconciled: an event with another one is a spec change."""
-    secret_made: bool = False
-    """Whether the job's etcd Secret is known to be its own (made by this process, or its etcd exists)."""
 
 
 @dataclass
@@ -190,9 +128,11 @@ class Controller:
         self.caches = caches or Caches()
         self.listings = Listings(api, self.caches, self._missed)
         """The watches' listings and the namespaces' snapshots (listings.py): what a job's check reads."""
+        self.writes = Writes(api, self.caches, self.operator_certificates)
+        """A reconcile's creates, deletes, updates and status (writes.py)."""
         self.node_view = NodeView(api, self.node_policy, now)
         """The nodes (nodeview.py): the node watch feeds it (handlers.py), each reconcile reads it."""
-        self._memory: dict[tuple[str, str], _Memory] = {}
+        self._memory: dict[tuple[str, str], JobMemory] = {}
         self._locks: dict[tuple[str, str], _JobLock] = {}
         self._queued: set[tuple[str, str]] = set()
         """Jobs with a reconcile waiting for the job's lock (`reconcile`)."""
@@ -336,14 +276,14 @@ class Controller:
             metrics.RECONCILE.observe(time.monotonic() - started)
             self.last_reconcile = time.monotonic()
 
-    def _remember(self, namespace: str, name: str, uid: str) -> _Memory:
+    def _remember(self, namespace: str, name: str, uid: str) -> JobMemory:
         """The memory of this incarnation of the job: new for a new job, or one re-created under the name
         (its predecessor's etcd client, which holds the predecessor's certificate, is closed)."""
         memory = self._memory.get((namespace, name))
         if memory is None or memory.uid != uid:
             if memory is not None:
                 self.milestones.close_job(memory.uid)
-            memory = self._memory[(namespace, name)] = _Memory(uid)
+            memory = self._memory[(namespace, name)] = JobMemory(uid)
         return memory
 
     async def _reconcile_timed(
@@ -367,7 +307,7 @@ class Controller:
         except InvalidSpecError as exc:
             new = conditions.invalid(old.get("conditions") or [], exc.problems, now, generation=memory.generation)
             if _changed(old, new):
-                await self._write_status(job, memory, new, _version(body))
+                await self.writes.write_status(job, memory, new, _version(body))
             if old.get("phase") != conditions.PHASE_INVALID:  # said once, not at every reconcile
                 _event(body, "Warning", "InvalidSpec", str(exc))
             self.phases[(namespace, name)] = conditions.PHASE_INVALID
@@ -378,7 +318,7 @@ class Controller:
         if decided.status.get("phase") in conditions.FINISHED_PHASES:
             self.milestones.forget(str(old.get("runId", job.run_id)))
         vanished = list(memory.vanished)
-        events, created = await self._act(job, decided, memory, now)
+        events, created = await self.writes.act(job, decided, memory, now)
         events += [said for key, said in decided.announced.items() if key in created]
         failures = self._failures(memory)
         if failures != list(seen.create_failures):
@@ -388,7 +328,7 @@ class Controller:
             decided.status = plan(replace(seen, create_failures=failures)).status
         if memory.secret_made and not spec.rdzv_endpoint and old.get("etcdSecret") != job.tls_secret:
             decided.status["etcdSecret"] = job.tls_secret  # made (or found) for this job: see _secret
-        written = not _changed(old, decided.status) or await self._write_status(
+        written = not _changed(old, decided.status) or await self.writes.write_status(
             job, memory, decided.status, _version(body)
         )
         if not written:
@@ -397,7 +337,7 @@ class Controller:
                 return None
             fresh = await self.api.get(constants.API_VERSION, constants.PLURAL, namespace, name)
             return await self._reconcile_timed(namespace, name, fresh, again=True)
-        await self._keep(job, decided)  # after the count is written: a kept pod is never counted again
+        await self.writes.keep(job, decided)  # after the count is written: a kept pod is never counted again
         for kind, reason, message in [*decided.events, *events]:
             _event(body, kind, reason, message)
         if decided.status.get("phase") != old.get("phase"):
@@ -406,7 +346,7 @@ class Controller:
         return decided
 
     async def _observe(
-        self, body: Mapping[str, Any], spec: JobSpec, memory: _Memory, *, now: datetime | None = None
+        self, body: Mapping[str, Any], spec: JobSpec, memory: JobMemory, *, now: datetime | None = None
     ) -> Observed:
         """What the plan sees: the job, the pods and etcd objects it owns (indices plus expectations), nodes,
         progress. Reads no API but, with node handling on, a node the watch has not shown (yet)."""
@@ -455,13 +395,13 @@ class Controller:
         )  # fmt: skip
 
     @staticmethod
-    def _failures(memory: _Memory) -> list[CreateFailure]:
+    def _failures(memory: JobMemory) -> list[CreateFailure]:
         """What the status's ReplicaFailure says: names taken, and the refusals (one entry, a count)."""
         found = list(memory.failures.values())
         return found if memory.refusal is None else [*found, memory.refusal.failure()]
 
     async def _read_etcd_pods(
-        self, namespace: str, name: str, deployment: Mapping[str, Any] | None, memory: _Memory
+        self, namespace: str, name: str, deployment: Mapping[str, Any] | None, memory: JobMemory
     ) -> None:
         """Read the managed etcd's pods while its Deployment has none available (at most once a minute),
         so a stall can name why: an image pull refused, a pod unschedulable... Only for a job quiet
@@ -476,12 +416,12 @@ class Controller:
         labels = {constants.LABEL_JOB: name, constants.LABEL_ROLE: constants.ROLE_ETCD}
         memory.etcd_pods = await self.api.list("v1", "Pod", namespace, labels)
 
-    def _silent(self, memory: _Memory) -> bool:
+    def _silent(self, memory: JobMemory) -> bool:
         """Whether this process never looked at the job, or not for a while (a paused standby, a stall): the
         job as remembered may be out of date, and its indices must be checked against the API."""
         return memory.seen_at == 0.0 or time.monotonic() - memory.seen_at > constants.STALE_AFTER_SECONDS
 
-    def _unverified(self, memory: _Memory) -> bool:
+    def _unverified(self, memory: JobMemory) -> bool:
         """Whether the job's caches are due a check against the API: never checked since this replica
         resumed leading."""
         return memory.verified_at < self.relisted_at
@@ -501,23 +441,23 @@ class Controller:
             else:
                 self.object_deleted(entry.namespace, entry.owner[0], entry.kind, entry.name)
 
-    async def _verify(self, namespace: str, memory: _Memory) -> None:
+    async def _verify(self, namespace: str, memory: JobMemory) -> None:
         """Check the cache against the API for this job (the namespace's snapshot, taken after the job's last
         create and the last relist)."""
         snapshot = await self.listings.snapshot(namespace, max(memory.created_at, self.relisted_at))
         memory.verified_at = snapshot.started  # jobs checked together fall due together: one list serves them
 
-    def _cached(self, kind: str, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+    def _cached(self, kind: str, namespace: str, memory: JobMemory) -> list[dict[str, Any]]:
         """What the cache holds of a kind for the job (copies: a plan may edit them)."""
         return [dict(o) for o in self.caches.owned(kind, namespace, memory.uid)]
 
-    def _pods(self, namespace: str, memory: _Memory) -> list[dict[str, Any]]:
+    def _pods(self, namespace: str, memory: JobMemory) -> list[dict[str, Any]]:
         """The job's worker pods: the cache's, plus those created and not yet cached (expectations)."""
         indexed = self._cached("Pod", namespace, memory)
         return [*indexed, *self._expected(memory, "Pod", {p["metadata"]["name"] for p in indexed})]
 
     @staticmethod
-    def _expected(memory: _Memory, kind: str, indexed: set[str]) -> list[dict[str, Any]]:
+    def _expected(memory: JobMemory, kind: str, indexed: set[str]) -> list[dict[str, Any]]:
         """Objects of a kind the operator created that the cache does not show yet (expectations);
         forgotten once it does, or after `EXPECTATION_SECONDS` (then the watch lost them)."""
         found = []
@@ -532,7 +472,7 @@ class Controller:
                 found.append(created)
         return found
 
-    def _etcd(self, namespace: str, memory: _Memory) -> dict[str, Mapping[str, Any]]:
+    def _etcd(self, namespace: str, memory: JobMemory) -> dict[str, Mapping[str, Any]]:
         """The managed etcd's objects this job owns, by kind."""
         found: dict[str, Mapping[str, Any]] = {}
         for _, kind in ETCD_KINDS:
@@ -542,7 +482,7 @@ class Controller:
         return found
 
     @staticmethod
-    def _prune(memory: _Memory, pods: Iterable[Mapping[str, Any]], etcd: Iterable[Mapping[str, Any]]) -> None:
+    def _prune(memory: JobMemory, pods: Iterable[Mapping[str, Any]], etcd: Iterable[Mapping[str, Any]]) -> None:
         """Forget counted or deleted objects that are gone from the caches (and the counted vanished pods)."""
         present = {str(o.get("metadata", {}).get("uid", "")) for o in [*pods, *etcd]}
         clock = time.monotonic()
@@ -553,170 +493,17 @@ class Controller:
             if uid not in present and clock - at > constants.EXPECTATION_SECONDS:
                 del memory.deleted[uid]
 
-    async def _act(
-        self, job: JobRef, decided: Plan, memory: _Memory, now: datetime
-    ) -> tuple[list[tuple[str, str, str]], set[str]]:
-        """Create, delete, update and mark as planned; the events of what could not be created, and the
-        `Kind/name` of what was.
-
-        Worker pods go in slow-start batches of 1, 2, 4 ... sent together, as the ReplicaSet and
-        Job controllers send theirs, and a batch with a refusal ends the round: a namespace out
-        of quota costs one refused request, not one per missing pod, and 64 workers cost seven
-        round trips, not 64. Other objects (the etcd's, in order) go one at a time. A refusal
-        backs the job's creates off (`_failed`); a success resets that.
-        """
-        clock = time.monotonic()
-        memory.accounted.update({uid: clock for uid in decided.accounted})  # before any request: see pod_deleted
-        memory.deleted.update({d.uid: clock for d in decided.delete if d.uid and d.kind == "Pod"})
-        memory.vanished.clear()  # the plan counted them
-        events: list[tuple[str, str, str]] = []
-        etcd_blocked = refused = False
-        if any(_mounts(obj, job.tls_secret) for obj in decided.create):
-            failure = await self._secret(job, memory, now)
-            if failure is not None:
-                etcd_blocked, refused = True, failure.reason == conditions.FAILED_CREATE
-                events += self._failed(memory, failure, now)
-        created = set[str]()
-        for batch in slow_start(decided.create):
-            if refused or (etcd_blocked and (batch[0]["kind"] == "Pod" or _mounts(batch[0], job.tls_secret))):
-                continue  # refused: wait for the backoff; blocked: workers would meet somewhere else
-            failures = await asyncio.gather(*(self._create(job, obj, memory, now) for obj in batch))
-            for obj, failure in zip(batch, failures, strict=True):
-                if failure is None:
-                    created.add(f"{obj['kind']}/{obj['metadata']['name']}")
-                    continue
-                etcd_blocked = etcd_blocked or obj["kind"] != "Pod"
-                if failure.reason == conditions.FAILED_CREATE and refused:
-                    log.info("%s (same round)", failure.message)  # one round's refusals back off once
-                    continue
-                refused = refused or failure.reason == conditions.FAILED_CREATE
-                events += self._failed(memory, failure, now)
-        if created and not refused:
-            memory.refusal = None  # as the workqueue forgets an item only after a sync without error
-        for delete in decided.delete:
-            log.info("deleting %s %s/%s: %s", delete.kind, job.namespace, delete.name, delete.why)
-            await self.api.delete(
-                delete.api_version, delete.kind, job.namespace, delete.name, delete.grace, uid=delete.uid or None
-            )
-        for update in decided.update:
-            await self._update(job, update, memory)
-        for key, failure in list(memory.failures.items()):  # a taken pod name is tried again after a while
-            if key.startswith("Pod/") and (now - failure.at).total_seconds() >= constants.NAME_RETRY_SECONDS:
-                del memory.failures[key]
-        return events, created
-
-    async def _update(self, job: JobRef, update: Update, memory: _Memory) -> None:
-        """Patch (a job edit) or apply (someone else's change undone) a managed etcd object; remember the
-        version it has after, so a field the API server stores its own way is not taken for drift."""
-        log.info("updating %s %s/%s in place", update.kind, job.namespace, update.name)
-        if update.apply:
-            stored = await self.api.apply(update.patch, constants.FIELD_MANAGER)
-        else:
-            stored = await self.api.patch(update.api_version, update.kind, job.namespace, update.name, update.patch)
-        meta = (stored or {}).get("metadata") or {}
-        memory.applied[str(meta.get("uid", ""))] = str(meta.get("resourceVersion", ""))
-
-    def _failed(self, memory: _Memory, failure: CreateFailure, now: datetime) -> list[tuple[str, str, str]]:
-        """Note what could not be created: a taken name by its key; a refusal as the job's refusal backoff.
-        The events to post: a taken name once; a refusal when its message is new or the last one was said
-        longer than the cap ago (one Event per distinct refusal per backoff period)."""
-        if failure.reason != conditions.FAILED_CREATE:
-            memory.failures[failure.key] = failure
-            return [("Warning", failure.reason, failure.message)]
-        old = memory.refusal
-        count = 1 if old is None else old.count + 1
-        wait = min(constants.REFUSAL_BACKOFF_BASE * 2 ** (count - 1), constants.REFUSAL_BACKOFF_CAP)
-        refusal = _Refusal(count, failure.message, now + timedelta(seconds=wait))
-        if old is not None:
-            refusal.said_at, refusal.said = old.said_at, old.said
-        memory.refusal = refusal
-        said = _without_names(failure.message)
-        quiet = refusal.said_at is None or (now - refusal.said_at).total_seconds() >= constants.REFUSAL_BACKOFF_CAP
-        log.info("%s (refusal %d in a row; next try in %.0f s)", failure.message, count, wait)
-        if said != refusal.said or quiet:
-            refusal.said_at, refusal.said = now, said
-            return [("Warning", failure.reason, f"{failure.message} (creates back off: next try in {wait:.0f} s)")]
-        return []
-
-    async def _keep(self, job: JobRef, decided: Plan) -> None:
-        """Mark the failed pods the plan keeps, so no later reconcile (of any replica) counts them again."""
-        for kept in decided.keep:
-            patch = {"metadata": {"annotations": {constants.ANNOTATION_ACCOUNTED: kept.verdict}}}
-            try:
-                await self.api.patch("v1", "Pod", job.namespace, kept.name, patch)
-            except ApiError as exc:
-                if exc.status != 404:  # gone meanwhile: nothing to keep
-                    raise
-
     def _etcd_client_tls(self) -> EtcdTls:
         """How the operator reaches every managed etcd: its own client certificate, and the operator CA
         that signed each etcd's server certificate (certs.py)."""
         ours = self.operator_certificates
         return EtcdTls(ours.ca.cert, ours.client.cert, ours.client.key)
 
-    async def _secret(self, job: JobRef, memory: _Memory, now: datetime) -> CreateFailure | None:
-        """Make the job's etcd certificates and their Secret, unless made already; what went wrong, if the
-        API refused or the name is taken.
-
-        The operator may create Secrets in job namespaces but read none (least privilege), so a
-        Secret is taken to be the job's own once the job's status records it (`status.etcdSecret`,
-        written with the first status after it was made: a suspended job resumed by a restarted
-        operator has its Secret and no etcd), this process made it, or the job's etcd Deployment
-        (made only after it) exists; a name that exists otherwise is reported, not used."""
-        key = f"Secret/{job.tls_secret}"
-        recorded = ((memory.body or {}).get("status") or {}).get("etcdSecret") == job.tls_secret
-        if memory.secret_made or recorded or self._cached("Deployment", job.namespace, memory):
-            memory.secret_made = True
-            return None
-        bundle = await asyncio.to_thread(
-            certs.etcd_certificates, job.etcd_name, job.namespace, self.operator_certificates
-        )
-        try:
-            made = await self.api.create(builders.etcd_secret(job, bundle))
-        except ApiError as exc:
-            if exc.transient:
-                raise
-            return CreateFailure(
-                key, conditions.FAILED_CREATE, f"Secret {job.namespace}/{job.tls_secret} was refused: {exc}", now
-            )
-        if made is None:  # 409
-            message = (
-                f"Secret {job.namespace}/{job.tls_secret} exists and this job's etcd does not: the operator does not "
-                "read Secrets, so it cannot tell whose it is; delete it (it is made again) or rename the job"
-            )
-            return CreateFailure(key, conditions.NAME_TAKEN, message, now)
-        memory.failures.pop(key, None)
-        memory.secret_made = True
-        return None
-
-    async def _create(self, job: JobRef, obj: dict[str, Any], memory: _Memory, now: datetime) -> CreateFailure | None:
-        """Create one object; what went wrong, if the API refused it or the name is someone else's."""
-        kind, name = obj["kind"], obj["metadata"]["name"]
-        key = f"{kind}/{name}"
-        try:
-            created = await self.api.create(obj)
-        except ApiError as exc:
-            if exc.transient:
-                raise  # the API's trouble, not the object's: kopf retries the handler
-            return CreateFailure(
-                key, conditions.FAILED_CREATE, f"{kind} {job.namespace}/{name} was refused: {exc}", now
-            )
-        if created is None:  # 409: the name exists; the cache did not show it as this job's, so ask once
-            existing = await self.api.get(obj["apiVersion"], kind, job.namespace, name)
-            if existing is None or (owner(existing) or ("", ""))[1] != job.uid:
-                message = f"{kind} {job.namespace}/{name} exists and is not owned by this job; rename or delete it"
-                return CreateFailure(key, conditions.NAME_TAKEN, message, now)
-            created = existing  # ours, made by an earlier reconcile the cache has not caught up with
-        memory.failures.pop(key, None)
-        memory.created[key] = (created, time.monotonic())
-        memory.created_at = time.monotonic()
-        return None
-
     @staticmethod
     def _unwritten(
         body: Mapping[str, Any],
         decided: Plan,
-        memory: _Memory,
+        memory: JobMemory,
         vanished: list[dict[str, Any]],
         events: list[tuple[str, str, str]],
     ) -> None:
@@ -728,29 +515,6 @@ class Controller:
         memory.vanished = [*vanished, *memory.vanished]
         for kind, reason, message in events:
             _event(body, kind, reason, message)
-
-    async def _write_status(self, job: JobRef, memory: _Memory, new: Mapping[str, Any], version: str) -> bool:
-        """Write the status if the job is still at `version`, the one it was planned from; False if it
-        changed meanwhile (another writer: a replica overlapping this one, kopf's own annotations, an
-        edit), so the caller reads it again and plans afresh rather than count anything twice."""
-        try:
-            stored = await self.api.patch_status(
-                constants.API_VERSION, constants.PLURAL, job.namespace, job.name, dict(new), resource_version=version
-            )
-        except ApiError as exc:
-            if exc.status == 409:
-                log.info("job %s/%s changed since it was read; reading it again", job.namespace, job.name)
-                memory.body = None
-                return False
-            if exc.status != 404:  # the job was deleted meanwhile
-                raise
-            return True
-        if memory.body is not None and isinstance(stored, dict) and stored.get("metadata"):
-            memory.body = compact(stored)  # what the ticker re-plans from, at its new version
-        elif memory.body is not None:
-            merged = {**(memory.body.get("status") or {}), **new}
-            memory.body = {**memory.body, "status": {k: v for k, v in merged.items() if v is not None}}
-        return True
 
     def _forget(self, namespace: str, name: str) -> None:
         self.phases.pop((namespace, name), None)
@@ -801,30 +565,6 @@ class Controller:
         await self.api.delete(constants.API_VERSION, constants.PLURAL, namespace, name, uid=uid)
 
 
-def slow_start(objects: Iterable[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The creates in the order to send them: runs of worker pods in batches of 1, 2, 4 ... (the
-    ReplicaSet controller's slowStartBatch, initial size 1), any other object alone."""
-    batches: list[list[dict[str, Any]]] = []
-    size, open_batch = 1, False
-    for obj in objects:
-        if obj["kind"] != "Pod":
-            batches.append([obj])
-            open_batch = False
-        elif open_batch and len(batches[-1]) < size:
-            batches[-1].append(obj)
-        else:
-            if open_batch:
-                size *= 2
-            batches.append([obj])
-            open_batch = True
-    return batches
-
-
-def _without_names(message: str) -> str:
-    """An API refusal's message without the object's name, to tell one refusal from another."""
-    return re.sub(r'"[^"]*"', '""', message)
-
-
 def _version(body: Mapping[str, Any] | None) -> str:
     return str(((body or {}).get("metadata") or {}).get("resourceVersion", ""))
 
@@ -832,13 +572,6 @@ def _version(body: Mapping[str, Any] | None) -> str:
 def _changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     """Whether writing `new` (a merge patch of the status) would change the stored status."""
     return any(old.get(key) != value for key, value in new.items())
-
-
-def _mounts(obj: Mapping[str, Any], secret: str) -> bool:
-    """Whether a pod, or a Deployment's pods, mount the named Secret."""
-    spec = obj.get("spec") or {}
-    pod = (spec.get("template") or {}).get("spec") or {} if obj.get("kind") == "Deployment" else spec
-    return any((v.get("secret") or {}).get("secretName") == secret for v in pod.get("volumes") or [])
 
 
 def _event(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:

@@ -897,8 +897,8 @@ def test_a_status_written_from_an_old_version_is_refused_and_read_again(api: Clu
         second = standby._remember(NS, "contended", ref.uid)
         first.body, second.body = dict(read), dict(read)  # both planned from the same version
         version = read["metadata"]["resourceVersion"]
-        wrote = await leader._write_status(ref, first, {"evictions": 1}, version)
-        refused = not await standby._write_status(ref, second, {"evictions": 1}, version)
+        wrote = await leader.writes.write_status(ref, first, {"evictions": 1}, version)
+        refused = not await standby.writes.write_status(ref, second, {"evictions": 1}, version)
         stored = await api.kube.get(constants.API_VERSION, constants.PLURAL, NS, "contended")
         assert stored is not None
         assert first.body is not None  # the leader re-plans from the version it wrote

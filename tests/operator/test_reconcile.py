@@ -15,10 +15,10 @@ from tests.operator.jobs import good_job
 from torchspot_operator import builders, conditions, constants, lifecycle, nodes, reconcile, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
-from torchspot_operator.controller import slow_start
 from torchspot_operator.kube import delete_options
 from torchspot_operator.nodes import NodePolicy
 from torchspot_operator.spec import JobSpec, parse_spec
+from torchspot_operator.writes import slow_start
 from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
