@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # finish it in about half the time one takes; three overload two cores (README, "Development").
 PYTEST_WORKERS ?= 2
 
-.PHONY: all venv lint typecheck test demo manifests images push-images bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-steady bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
+.PHONY: all venv lint typecheck test demo docs manifests images push-images bench bench-recovery bench-checkpoint bench-operator bench-operator-thousand bench-goodput bench-steady bench-etcd-soak bench-equivalence bench-snapshot bench-input bench-soak clean
 
 all: test
 
@@ -48,6 +48,12 @@ typecheck: venv
 
 test: lint typecheck
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
+
+# The docs site (mkdocs.yml): the reference pages written from their sources, then built strictly into
+# site/ (a warning or a broken internal link fails it; `make test` builds it too).
+docs: venv
+	$(PY) tools/docs_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The plain manifests in manifests/ are rendered from the chart (a test fails if they drift).
 manifests: venv

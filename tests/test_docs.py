@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
-from tests.layout import SOURCE_ROOTS, package_folders
+from tests.layout import ROOT, SOURCE_ROOTS, package_folders
+from tools.docs_reference import render
 from torchspot_trainer.config import build_parser
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 
@@ -51,3 +55,19 @@ def test_product_code_names_no_run_numbers_dates_or_results_prose() -> None:
                 if DIARY.search(line) and "API_VERSION" not in line and "since 2019" not in line:
                     found.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_the_reference_pages_are_what_their_sources_give_and_the_site_builds_strictly(tmp_path: Path) -> None:
+    """docs/reference/ is written from the CRD, the trainer's parser, the chart's values schema, the metrics'
+    definitions and the API's docstrings (tools/docs_reference.py): a source changed without `make docs`
+    fails here. The site then builds with warnings as errors (a broken internal link is one)."""
+    pages = render()
+    assert {path.name for path in pages} == {p.name for p in (ROOT / "docs" / "reference").glob("*.md")}
+    stale = [path.name for path, text in pages.items() if path.read_text() != text]
+    assert stale == [], "run `make docs`"
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, check=False,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert "Manager" in (tmp_path / "site" / "reference" / "python-api" / "index.html").read_text()
