@@ -4,12 +4,15 @@ its run and read again without the prose around it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +30,24 @@ def commit() -> str:
     return (head.stdout.strip() or "unknown") + ("+" if dirty.stdout.strip() else "")
 
 
-def write(path: Path, bench: str, trials: list[dict[str, Any]], summary: list[str], *, at: str | None = None) -> None:
-    """Write `trials` and `summary` to `path` with the run's provenance; say where. `at`: the commit the run
-    began at (`commit()` then: a long run's checkout may move on meanwhile), else now."""
+def dated(bench: str, at: str) -> Path:
+    """Where a run's results go unless told: bench/results/<bench>/<date>-<commit>.json, a file a run, kept
+    in git (the history of a benchmark is its folder's; the docs' results pages show the newest)."""
+    return RESULTS / bench / f"{time.strftime('%Y-%m-%d')}-{at.replace('+', '-modified')}.json"
+
+
+def write(
+    path: Path,
+    bench: str,
+    trials: list[dict[str, Any]],
+    summary: list[str],
+    *,
+    at: str | None = None,
+    figures: dict[str, Any] | None = None,
+) -> None:
+    """Write `trials` and `summary` (the lines the run printed) to `path` with the run's provenance; say
+    where. `at`: the commit the run began at (`commit()` then: a long run's checkout may move on
+    meanwhile), else now. `figures`: the run's computed results beside the lines (for a table to read)."""
     import torch  # noqa: PLC0415  (the benchmarks that call this have it loaded already)
 
     script = Path(sys.argv[0]).resolve()
@@ -37,8 +55,30 @@ def write(path: Path, bench: str, trials: list[dict[str, Any]], summary: list[st
     record = {
         "bench": bench, "command": command, "commit": at or commit(), "torch": torch.__version__,
         "machine": f"{platform.node()} ({os.cpu_count()} cores)", "date": time.strftime("%Y-%m-%d"),
-        "trials": trials, "summary": summary,
+        "summary": summary, "figures": figures or {}, "trials": trials,
     }  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"\nraw results: {path}")
+
+
+class _Tee(io.StringIO):
+    """Text written to both the terminal and this buffer."""
+
+    def __init__(self, terminal: Any) -> None:
+        super().__init__()
+        self.terminal = terminal
+
+    def write(self, text: str) -> int:
+        self.terminal.write(text)
+        return super().write(text)
+
+
+@contextlib.contextmanager
+def captured() -> Iterator[list[str]]:
+    """The lines printed inside the block, still printed: a run's summary as it says it, for `write`."""
+    lines: list[str] = []
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        yield lines
+    lines.extend(line for line in tee.getvalue().splitlines() if line.strip())

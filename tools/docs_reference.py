@@ -1,9 +1,10 @@
-"""Write the docs site's reference pages from their sources (`make docs` runs it; a test checks that the
-pages in docs/reference/ are what it writes now): the ElasticJob's fields from the CRD's schema, the
-trainer's flags from its parser, the Helm values from values.schema.json, the workers' and the operator's
-metrics from their definitions, and the Python API from its docstrings (mkdocstrings renders it).
+"""Write the docs site's generated pages from their sources (`make docs` runs it; a test checks that the
+pages are what it writes now): the ElasticJob's fields from the CRD's schema, the trainer's flags from its
+parser, the Helm values from values.schema.json, the workers' and the operator's metrics from their
+definitions, the Python API from its docstrings (mkdocstrings renders it), and a page per benchmark from
+its results under bench/results/.
 
-    python tools/docs_reference.py          # write docs/reference/
+    python tools/docs_reference.py          # write docs/reference/ and docs/results/
     python tools/docs_reference.py --check  # exit 1 naming each page that differs
 """
 
@@ -127,9 +128,40 @@ def python_api_page() -> str:
     )
 
 
+def results_pages() -> dict[Path, str]:
+    """A page per benchmark with results under bench/results/<bench>/ (bench/record.py writes a file a run):
+    the newest run's summary, as it printed it, with what produced it, and the earlier runs' files; and an
+    index of them. The history is the folder's, in git."""
+    source = ROOT / "bench" / "results"
+    pages: dict[Path, str] = {}
+    index = [GENERATED.format(source="bench/results/"), "# Results\n",
+             "Each benchmark's newest run, from the files its runs wrote (`bench/results/<bench>/DATE-COMMIT.json`: "
+             "the command, the commit, the machine, the date, the trials and the summary). How to run each and "
+             "its targets: the repository's `bench/README.md`.\n"]  # fmt: skip
+    for folder in sorted(path for path in source.glob("*") if path.is_dir()):
+        runs = sorted(folder.glob("*.json"), key=lambda path: (json.loads(path.read_text())["date"], path.name))
+        if not runs:
+            continue
+        newest = json.loads(runs[-1].read_text())
+        lines = [GENERATED.format(source=f"bench/results/{folder.name}/"), f"# `{folder.name}`\n",
+                 f"The newest run: `{newest['command']}` at {newest['commit']} on {newest['date']}, "
+                 f"{newest['machine']}, torch {newest['torch']}.\n",
+                 "```text", *newest["summary"], "```\n"]  # fmt: skip
+        if len(runs) > 1:
+            lines += [
+                "Earlier runs:\n",
+                *(f"- `bench/results/{folder.name}/{run.name}`" for run in reversed(runs[:-1])),
+            ]
+        pages[REFERENCE.parent / "results" / f"{folder.name}.md"] = "\n".join([*lines, ""])
+        index.append(f"- [`{folder.name}`]({folder.name}.md): {newest['date']}, {newest['commit']}")
+    pages[REFERENCE.parent / "results" / "index.md"] = "\n".join([*index, ""])
+    return pages
+
+
 def render() -> dict[Path, str]:
-    """Every reference page, by its path."""
+    """Every generated page, by its path."""
     return {
+        **results_pages(),
         REFERENCE / "elasticjob.md": elasticjob_page(),
         REFERENCE / "trainer-flags.md": trainer_flags_page(),
         REFERENCE / "helm-values.md": helm_values_page(),

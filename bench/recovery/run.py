@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import random
 import signal
@@ -80,8 +79,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
 import torchft_peer  # type: ignore[import-not-found]  # a sibling, found through the path above
 
+from bench import record as results
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.local import (
     JobConfig,
@@ -124,7 +125,6 @@ JOINS = ("join", "joinloss")
 RESTORED_WAIT = 10.0
 """The most a `wipe` trial waits for the agents to write their round back before its fault: past it
 the fault comes all the same (and finds the state empty, as before the agents restored it)."""
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "recovery.json"
 STEP_TIME = 0.05
 """Seconds of work per step, for every backend (the toy's default)."""
 HOG_SECONDS = 10.0
@@ -552,8 +552,17 @@ def main() -> None:
         help="keep each trial's folder (its nodes' logs, its events) under DIR, to trace an odd trial; by "
         "default they go to a temporary folder that is removed",
     )  # fmt: skip
-    parser.add_argument("--results", type=Path, default=RESULTS, help="where the raw results go (a JSON file)")
+    parser.add_argument(
+        "--results", type=Path, default=None,
+        help="where the raw results go (a JSON file; default bench/results/recovery/DATE-COMMIT.json)",
+    )  # fmt: skip
     args = parser.parse_args()
+    began_at = results.commit()
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
 
     rng = random.Random(args.seed)
     trials: list[Trial] = []
@@ -582,28 +591,28 @@ def main() -> None:
                         kept = f" ({workdir})" if args.keep else ""
                         print(f"[{rep + 1}/{args.reps}] {scenario:10} {backend:14} {shown}{kept}", flush=True)
 
-    print("\nRecovery: fault -> first step at the new world size (toy gloo step, 1 process per node)")
+    say("\nRecovery: fault -> first step at the new world size (toy gloo step, 1 process per node)")
     summary: dict[str, dict[str, Any]] = {}
     for scenario in args.scenarios:
-        print(f"\n{scenario}:")
+        say(f"\n{scenario}:")
         stats: dict[str, dict[str, float] | None] = {}
         for backend in args.backends:
             mine = [t for t in trials if t.backend == backend and t.scenario == scenario]
             text, stats[backend] = _fmt(mine, args.timeout)
-            print(f"  {backend:14} {text}")
+            say(f"  {backend:14} {text}")
         others = {b: v for b, v in stats.items() if b not in OURS and v is not None}
         for mode in OURS:
             ours = stats.get(mode)
             if ours is not None and others:
                 best = min(others, key=lambda b: others[b]["max"])
                 bound = ">= " if "failed" in others[best] else ""
-                print(f"  ratio of the maxima, {best} / {mode}: {bound}{others[best]['max'] / ours['max']:.2f}x")
+                say(f"  ratio of the maxima, {best} / {mode}: {bound}{others[best]['max'] / ours['max']:.2f}x")
             elif ours is not None and len(stats) > 1:
-                print(f"  ratio ({mode}): no other backend recovered every trial within {args.timeout:g} s")
+                say(f"  ratio ({mode}): no other backend recovered every trial within {args.timeout:g} s")
         summary[scenario] = stats
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps({"trials": [t.__dict__ for t in trials], "summary": summary}, indent=2))
-    print(f"\nraw results: {args.results}")
+    out = args.results or results.dated("recovery", began_at)
+    results.write(out, "recovery", [t.__dict__ for t in trials], [line for line in lines if line.strip()],
+                 at=began_at, figures=summary)  # fmt: skip
 
 
 if __name__ == "__main__":

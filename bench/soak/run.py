@@ -1,7 +1,7 @@
 """A soak of recovery in place: random kills, freezes, thaws and joins, then the same model as a run without them.
 
     .venv/bin/python bench/soak/run.py [--events 200] [--seed 0] [--actions kill,freeze,join]
-        [--out bench/results/soak.json]
+        [--out FILE (default: bench/results/soak/DATE-COMMIT.json)]
 
 The project's trainer with `--in-place` (tests/trainer/test_training.py's configuration: digits,
 small_cnn, 48 samples per step whatever the world size) on the lab's local nodes: real
@@ -54,6 +54,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench import record as results  # noqa: E402
 from tests.trainer.test_training import LOSS_TOLERANCE, SAME_MODEL, TOLERANCE  # noqa: E402
 from torchspot_lab.azurite import Azurite  # noqa: E402
 from torchspot_lab.etcd import EtcdServer  # noqa: E402
@@ -531,9 +532,10 @@ def main() -> None:
         default=frozenset(ACTIONS),
         help="the fault kinds to draw, comma-separated (a join always; a freeze brings its thaw)",
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/soak/DATE-COMMIT.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run's folders here")
     args = parser.parse_args()
+    began_at = results.commit()
     with tempfile.TemporaryDirectory(prefix="torchspot-soak-") as tmp:
         root = args.keep or Path(tmp)
         with EtcdServer(root / "etcd", extra_flags=ETCD_SIZING) as etcd, Azurite(root / "azurite") as blob:
@@ -545,11 +547,11 @@ def main() -> None:
                 print(f"  {time.monotonic() - started:.0f} s; the undisturbed run on {nodes} node(s) to step "
                       f"{run['step']}...", flush=True)  # fmt: skip
                 fixed[nodes] = undisturbed(root, etcd, blob, args.events, nodes=nodes, step=run["step"])
-            result = report(run, fixed, blob)
+            with results.captured() as lines:
+                result = report(run, fixed, blob)
     result["args"] = {k: ",".join(sorted(v)) if isinstance(v, frozenset) else str(v) for k, v in vars(args).items()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    faults = result.pop("fault_log", [])
+    results.write(args.out or results.dated("soak", began_at), "soak", faults, lines, at=began_at, figures=result)
 
 
 if __name__ == "__main__":
