@@ -8,6 +8,7 @@ Widths: the example's MLP (64 hidden units, a step of about 3 ms on 2 cores, whe
 shows most) and a wider one (4096 hidden units over a global batch of 480: a step of tens of milliseconds).
 
 Usage: python bench/api_cost/run.py [--trials 5] [--steps 1000] [--widths 64 1024] [--modes plain plain-hook elastic]
+    [--out FILE (default: bench/results/api_cost/DATE-COMMIT.json)]
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
+
+from bench import record
 from torchspot_lab.etcd import EtcdServer
 from torchspot_lab.local import JobConfig, LocalNode
 
@@ -60,24 +64,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 4096])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/api_cost/...)")
     args = parser.parse_args()
+    began_at = record.commit()
     rates: dict[tuple[str, int], list[float]] = {}
+    trials: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="torchspot-api-cost-") as tmp, EtcdServer(Path(tmp) / "etcd") as etcd:
         for number in range(args.trials):
             for width in args.widths:
                 for mode in args.modes if number % 2 == 0 else reversed(args.modes):
                     rate = trial(Path(tmp), etcd, mode, width, args.steps)
                     rates.setdefault((mode, width), []).append(rate)
+                    trials.append({"trial": number + 1, "width": width, "mode": mode, "steps_per_s": rate})
                     print(f"[{number + 1}/{args.trials}] width {width:5} {mode:8} {rate:8.1f} steps/s", flush=True)
-    print("\nSteady state, 2 nodes x 1 process, gloo: steps per second (median, min-max), ratio to plain DDP")
-    for width in args.widths:
-        plain = statistics.median(rates[("plain", width)]) if ("plain", width) in rates else None
-        for mode in args.modes:
-            found = rates[(mode, width)]
-            ratio = "" if plain is None else f": ratio {statistics.median(found) / plain:.3f}"
-            spread = f"({min(found):.1f}-{max(found):.1f})"
-            print(f"  width {width:5} {mode:10}: {statistics.median(found):.1f} {spread}{ratio}")
+    figures: dict[str, dict[str, float]] = {}
+    with record.captured() as lines:
+        print("\nSteady state, 2 nodes x 1 process, gloo: steps per second (median, min-max), ratio to plain DDP")
+        for width in args.widths:
+            plain = statistics.median(rates[("plain", width)]) if ("plain", width) in rates else None
+            for mode in args.modes:
+                found = rates[(mode, width)]
+                median = statistics.median(found)
+                figures[f"{mode}-{width}"] = {"median": median} | ({} if plain is None else {"ratio": median / plain})
+                ratio = "" if plain is None else f": ratio {median / plain:.3f}"
+                print(f"  width {width:5} {mode:10}: {median:.1f} ({min(found):.1f}-{max(found):.1f}){ratio}")
     sys.stdout.flush()
+    record.write(
+        args.out or record.dated("api_cost", began_at), "api_cost", trials, lines, at=began_at, figures=figures
+    )
 
 
 if __name__ == "__main__":
