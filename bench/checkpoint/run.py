@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import statistics
+import sys
 import tempfile
 import time
 from functools import partial
@@ -31,12 +31,13 @@ from typing import Any
 import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
+
+from bench import record
 from torchspot_lab.azurite import Azurite
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.checkpoint.storage import BlobStorage, open_storage
 from torchspot_trainer.models import resnet50
-
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
 
 def resnet50_state() -> dict[str, Any]:
@@ -134,7 +135,9 @@ def main() -> None:
         "node; 19 lets it use only CPU the training step leaves idle",
     )
     parser.add_argument("--every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/checkpoint-KIND/)")
     args = parser.parse_args()
+    began_at = record.commit()
 
     state = resnet50_state()
     size = sum(t.numel() * t.element_size() for t in state["model"].values())
@@ -194,24 +197,23 @@ def main() -> None:
     base = statistics.median(baseline)
     over_stock = statistics.median(stock_loop) / base - 1
     over_ours = statistics.median(ours_loop) / base - 1
-    print("\nCheckpoint of ResNet-50 state to Azurite (medians)")
-    print(f"  stall per checkpoint: stock {stall_stock:.2f} s, ours {stall_ours:.3f} s "
-          f"-> ours is {100 * stall_ours / stall_stock:.1f}% of stock (target <= 10%)")  # fmt: skip
-    print(f"  step-time overhead ({args.step_kind} steps of {args.step_ms:g} ms), checkpoint every {args.every} steps: "
-          f"stock {100 * over_stock:+.1f}%, "
-          f"ours {100 * over_ours:+.1f}% (target <= 3%)")  # fmt: skip
-    print(f"  CPU time during our loop: Azurite {statistics.median(azurite_cpu):.1f} s (on Azure: not on this node), "
-          f"our saver process {statistics.median(saver_cpu):.1f} s")  # fmt: skip
-    results = RESULTS_DIR / f"checkpoint-{args.step_kind}.json"
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({
+    with record.captured() as lines:
+        print("\nCheckpoint of ResNet-50 state to Azurite (medians)")
+        print(f"  stall per checkpoint: stock {stall_stock:.2f} s, ours {stall_ours:.3f} s "
+              f"-> ours is {100 * stall_ours / stall_stock:.1f}% of stock (target <= 10%)")  # fmt: skip
+        print(f"  step-time overhead ({args.step_kind} steps of {args.step_ms:g} ms), checkpoint every {args.every} "
+              f"steps: stock {100 * over_stock:+.1f}%, ours {100 * over_ours:+.1f}% (target <= 3%)")  # fmt: skip
+        print(f"  CPU time during our loop: Azurite {statistics.median(azurite_cpu):.1f} s (on Azure: not on this "
+              f"node), our saver process {statistics.median(saver_cpu):.1f} s")  # fmt: skip
+    figures = {
         "state_mib": size / 2**20, "stall_stock_s": stock_stalls, "stall_ours_s": ours_stalls,
         "background_save_s": ours_total, "loop_none_s": baseline, "loop_stock_s": stock_loop,
         "loop_ours_s": ours_loop, "steps": args.steps, "every": args.every, "step_ms": args.step_ms,
         "step_kind": args.step_kind, "saver": args.saver, "blob_nice": args.blob_nice,
         "azurite_cpu_s": azurite_cpu, "saver_cpu_s": saver_cpu,
-    }, indent=2))  # fmt: skip
-    print(f"raw results: {results}")
+    }  # fmt: skip
+    out = args.out or record.dated(f"checkpoint-{args.step_kind}", began_at)
+    record.write(out, f"checkpoint-{args.step_kind}", [], lines, at=began_at, figures=figures)
 
 
 if __name__ == "__main__":
