@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=24, help="sequences per step, at any world size")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bf16", action="store_true", help="compute in bfloat16 (GPUs)")
-    # An ElasticJob's replicaGroupSize reaches each pod as TORCHSPOT_REPLICA_GROUP_SIZE (nodes; absent: 1).
+    # An ElasticJob's replicaGroupSize reaches each pod as TORCHSPOT_REPLICA_GROUP_SIZE (nodes; absent: no groups).
     group = int(os.environ.get("TORCHSPOT_REPLICA_GROUP_SIZE", "0")) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     parser.add_argument("--shard-size", type=int, default=group,
                         help="ranks that hold one copy (HSDP); 0: all (FSDP); default: the job's groups")  # fmt: skip

@@ -172,11 +172,18 @@ def _avoid(pod_spec: dict[str, Any], nodes: Sequence[str]) -> None:
     pod_spec["affinity"] = affinity
 
 
-def _group_together(pod_spec: dict[str, Any], job: JobRef, group: int) -> None:
-    """Prefer the zone of the replica group's other pods (a preferred pod affinity, beside the pod's own
-    affinity): a group's shards are gathered and reduced within it at every step, which a zone's links
-    carry faster and more cheaply than links across zones. Preferred, not required: a group whose zone
-    has no spot capacity left still forms elsewhere."""
+def _join_group(meta: dict[str, Any], pod_spec: dict[str, Any], job: JobRef, size: int, group: int) -> None:
+    """A worker pod of replica group `group` (of `size` pods): its label, its trainer told the group and
+    its size, and a preference for the zone of the group's other pods (a preferred pod affinity, beside
+    the pod's own affinity): a group's shards are gathered and reduced within it at every step, which a
+    zone's links carry faster and more cheaply than links across zones. Preferred, not required: a group
+    whose zone has no spot capacity left still forms elsewhere."""
+    meta["labels"][constants.LABEL_REPLICA_GROUP] = str(group)
+    trainer = pod_spec["containers"][0]
+    trainer["env"] += [
+        {"name": REPLICA_GROUP_ENV, "value": str(group)},
+        {"name": REPLICA_GROUP_SIZE_ENV, "value": str(size)},
+    ]
     members = {constants.LABEL_JOB: job.name, constants.LABEL_REPLICA_GROUP: str(group)}
     together = {
         "weight": 100,
@@ -249,24 +256,17 @@ def worker_pod(
         **(template.get("metadata", {}).get("annotations") or {}),
         constants.ANNOTATION_INDEX: str(index),
     }
-    groups = spec.replica_group_size > 1
-    group = index // spec.replica_group_size if group is None else group
-    if groups:
-        meta["labels"][constants.LABEL_REPLICA_GROUP] = str(group)
     pod_spec["restartPolicy"] = "Never"
     pod_spec["terminationGracePeriodSeconds"] = spec.termination_grace_seconds
     restricted_defaults(pod_spec)
     _place(pod_spec, spec.placement)
     _avoid(pod_spec, avoid)
-    if groups:
-        _group_together(pod_spec, job, group)
     trainer = pod_spec["containers"][0]
     trainer["env"] = [*trainer.get("env", []), *launcher_env(job, spec)]
-    if groups:
-        trainer["env"] += [
-            {"name": REPLICA_GROUP_ENV, "value": str(group)},
-            {"name": REPLICA_GROUP_SIZE_ENV, "value": str(spec.replica_group_size)},
-        ]
+    if spec.replica_group_size > 1:
+        _join_group(
+            meta, pod_spec, job, spec.replica_group_size, index // spec.replica_group_size if group is None else group
+        )
     if spec.credentials_secret:
         trainer["envFrom"] = [*trainer.get("envFrom", []), {"secretRef": {"name": spec.credentials_secret}}]
     if _managed_tls(job, spec):  # the client side only, never the server's key; 0444: the trainer's uid is the user's

@@ -12,6 +12,7 @@ pods of lowest index, make the missing ones at the lowest free indices.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +30,7 @@ def group_of(pod: Mapping[str, Any], size: int) -> int:
 
 def ready_groups(pods: Iterable[Mapping[str, Any]], size: int) -> int:
     """The groups whose `size` pods are all ready."""
-    ready: dict[int, int] = {}
-    for pod in pods:
-        if verdicts.is_ready(pod):
-            ready[group_of(pod, size)] = ready.get(group_of(pod, size), 0) + 1
+    ready = Counter(group_of(pod, size) for pod in pods if verdicts.is_ready(pod))
     return sum(1 for count in ready.values() if count >= size)
 
 

@@ -27,7 +27,6 @@ from torchspot_trainer.optim import LR_SCALINGS, RECIPES, BatchRule, Recipe
 from torchspot_trainer.precision import PRECISIONS
 from torchspot_trainer.recovery.signals import NOTICE_HOLD, STUCK_EXIT_AFTER, events_setting_valid, events_url
 
-DATASETS = tuple(DATA_SETS)
 JPEG_DATA_SETS = tuple(name for name, spec in DATA_SETS.items() if spec.jpeg)
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "step", "constant")
@@ -151,10 +150,11 @@ class TrainConfig:
     cuda where CUDA is not usable stops the worker naming the node (the operator sets it for GPU jobs)."""
 
     def __post_init__(self) -> None:
+        data_set = DATA_SETS.get(self.dataset)
         checks = [
             (
-                self.dataset in DATASETS,
-                f"--dataset {self.dataset!r}: choose one of {', '.join(DATASETS)}",
+                data_set is not None,
+                f"--dataset {self.dataset!r}: choose one of {', '.join(DATA_SETS)}",
             ),
             (self.model in MODELS, f"--model {self.model!r}: choose one of {', '.join(MODELS)}"),
             (
@@ -229,7 +229,7 @@ class TrainConfig:
             ),
             (self.decode in DECODERS, f"--decode {self.decode!r}: choose one of {', '.join(DECODERS)}"),
             (
-                self.decode == "cpu" or (self.dataset in DATA_SETS and DATA_SETS[self.dataset].jpeg),
+                self.decode == "cpu" or (data_set is not None and data_set.jpeg),
                 f"--decode {self.decode}: only JPEG folders (--dataset {', '.join(JPEG_DATA_SETS)}) are decoded; "
                 f"{self.dataset} is not",
             ),
@@ -243,7 +243,7 @@ class TrainConfig:
                 f"--scheduled-events {self.scheduled_events!r}: use auto, off, or an http(s) URL",
             ),
             (
-                self.dataset not in DATA_SETS or not DATA_SETS[self.dataset].needs_data or bool(self.data),
+                data_set is None or not data_set.needs_data or bool(self.data),
                 f"--data is required for --dataset {self.dataset}",
             ),
         ]

@@ -34,7 +34,7 @@ from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_THREA
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.groups import InPlaceGroups
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
-from torchspot_trainer.elastic.metrics import WorkerMetrics, metrics_port, serve_metrics
+from torchspot_trainer.elastic.metrics import served_metrics
 from torchspot_trainer.elastic.records import Records
 from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
@@ -131,12 +131,8 @@ class Manager:
         self._run = RunState(state_dict, load_state_dict, self.device, snapshot_every=snapshot_every)
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
-        port, metrics = metrics_port(os.environ), None
-        if port:
-            metrics = WorkerMetrics()
-            serve_metrics(metrics, port)  # (its thread holds it)
         self._records = Records(Path(path) if path else None, checkpoints=checkpoint_uri, progress=progress_records,
-                                metrics=metrics)  # fmt: skip
+                                metrics=served_metrics(os.environ))  # fmt: skip
         self._saving: Saving | None = None
         if checkpoint_uri:
             self._saving = Saving(checkpoint_uri, every=checkpoint_every, keep=keep_checkpoints, sharded=sharded,

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from torchspot_trainer import ENV_PREFIX
 from torchspot_trainer.elastic.settings import Refused
 
-__all__ = ["METRICS_PORT_ENV", "WorkerMetrics", "exposition", "metrics_port", "serve_metrics"]
+__all__ = ["METRICS_PORT_ENV", "WorkerMetrics", "exposition", "metrics_port", "serve_metrics", "served_metrics"]
 
 log = logging.getLogger("torchspot.elastic")
 
@@ -130,3 +130,13 @@ def serve_metrics(metrics: WorkerMetrics, port: int) -> ThreadingHTTPServer | No
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="torchspot-metrics", daemon=True).start()
     return server
+
+
+def served_metrics(environ: Mapping[str, str]) -> WorkerMetrics | None:
+    """This worker's metrics, served where the environment names a port (`metrics_port`), else None."""
+    port = metrics_port(environ)
+    if not port:
+        return None
+    metrics = WorkerMetrics()
+    serve_metrics(metrics, port)  # (its thread holds the server)
+    return metrics
