@@ -1,4 +1,4 @@
-"""The README documents every flag and setting the code has."""
+"""The README is a front page; the docs site documents every flag, setting and package folder the code has."""
 
 from __future__ import annotations
 
@@ -14,24 +14,43 @@ from tools.docs_reference import render
 from torchspot_trainer.config import build_parser
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
+README_LINES = 250
+"""A front page: what torchspot is, the two commands, install, your own script, the figures, the
+alternatives, the limits and where a change goes; everything else is the docs site's."""
 
 
-def test_every_training_flag_is_in_the_readme() -> None:
+def _page(name: str) -> str:
+    return (ROOT / "docs" / name).read_text()
+
+
+def test_the_readme_is_a_front_page_whose_links_all_resolve() -> None:
+    assert len(README.splitlines()) <= README_LINES
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert {"docs/own-script.md", "docs/aks.md", "docs/recovery.md"} <= set(targets)
+    broken = [t for t in targets if not t.startswith("http") and not (ROOT / t).exists()]
+    assert broken == []
+
+
+def test_every_training_flag_is_in_the_trainers_pages() -> None:
+    pages = _page("trainer.md") + _page("reference/trainer-flags.md")
     flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings[0].startswith("--")]
-    missing = [f for f in flags if f != "--help" and f"`{f}`" not in README]
+    missing = [f for f in flags if f != "--help" and f"`{f}`" not in pages]
     assert missing == []
 
 
-def test_every_rendezvous_setting_is_in_the_readme() -> None:
+def test_every_rendezvous_setting_is_in_the_launchers_page() -> None:
+    page = _page("launcher.md")
     keys = [f.name for f in fields(EtcdV3Settings) if f.name not in ("host", "port", "run_id")]
-    missing = [k for k in keys if f"| `{k}` |" not in README]
+    missing = [k for k in keys if f"| `{k}` |" not in page]
     assert missing == []
 
 
-def test_the_readme_layout_names_every_package_folder() -> None:
-    """The layout is one tree in the README: a package folder added without a line there fails here."""
-    layout = README[README.index("## Layout") : README.index("## Development")]
+def test_the_layout_names_every_package_folder() -> None:
+    """The layout is one tree in the contributors' page: a package folder added without a line there fails
+    here."""
+    page = _page("contributing.md")
+    layout = page[page.index("## Layout") : page.index("## Development")]
     folders = {Path(folder).name for folder in package_folders()}
     missing = sorted(name for name in folders if f"{name}/" not in layout)
     assert folders >= {"torchspot_operator", "torchspot_trainer", "torchspot_lab", "rendezvous", "cluster"}

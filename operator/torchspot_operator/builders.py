@@ -319,7 +319,7 @@ def etcd_deployment(job: JobRef, spec: JobSpec) -> dict[str, Any]:
     it back (the trainer's rounds.py, `restored`), so nothing re-forms and no training is
     lost. A volume that survives the move would cost more at each move (a zonal disk's
     detach and attach while no join can be served) than the loss it saves: an emptyDir in
-    memory, and no volume to provision or clean up (operator/README.md, "Drains and upgrades")."""
+    memory, and no volume to provision or clean up (docs/operator.md, "Drains and upgrades")."""
     scheme = "https" if job.etcd_tls else "http"
     url = f"{scheme}://{job.etcd_name}.{job.namespace}.svc:{constants.ETCD_PORT}"
     command = [

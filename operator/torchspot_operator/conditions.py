@@ -6,7 +6,7 @@ says since when a job has been below its minimum, not when it was last looked at
 Messages hold nothing that changes by itself (no "for N seconds"): an unchanged job
 gives an unchanged status, and the operator writes none.
 
-The phases and what each condition says are in operator/README.md ("Lifecycle").
+The phases and what each condition says are in docs/operator.md ("Lifecycle").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job's lifecycle: the clocks its rules count from, the backoff after worker failures, when
 it finishes (success, or which failure rule), and its phase and conditions. Pure.
 
-Written down for users in operator/README.md ("Lifecycle"). Conditions follow the training
+Written down for users in docs/operator.md ("Lifecycle"). Conditions follow the training
 operator's and JobSet's rules (conditions.py): one typed constant per condition, a
 Reason/Message pair, and `lastTransitionTime` moved only when the status flips.
 """

@@ -5,7 +5,7 @@ objects it owns, their nodes, the time, what the run reported) and returns a `Pl
 It is level-based: the same observation gives the same plan whether a create, an
 update, a pod or node event, a resume or the timer asked for it, so repeating it
 converges instead of piling up actions. The lifecycle it implements (phases,
-conditions, clocks) is written down in operator/README.md ("Lifecycle").
+conditions, clocks) is written down in docs/operator.md ("Lifecycle").
 
 It combines two policies kept in their own modules: how each worker pod is judged
 (verdicts.py) and the job's clocks, failure backoff, outcome and conditions (lifecycle.py);

@@ -42,7 +42,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """An ElasticJob spec with every default filled in (the CRD's defaults; see operator/README.md)."""
+    """An ElasticJob spec with every default filled in (the CRD's defaults; see docs/operator.md)."""
 
     min_replicas: int
     max_replicas: int

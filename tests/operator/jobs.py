@@ -254,7 +254,7 @@ IMMUTABLE = [
 ]
 
 MUTABLE = [
-    # (spec field, new value): accepted on an update (operator/README.md says how each takes effect).
+    # (spec field, new value): accepted on an update (docs/operator.md says how each takes effect).
     ("replicas", 2),
     ("suspend", True),
     ("ttlSecondsAfterFinished", 600),

@@ -460,7 +460,7 @@ def _with_metadata(body: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any
 
 def test_a_job_left_behind_is_released_by_the_documented_command(api: Cluster) -> None:
     """The operator puts no finalizer on a job, and takes off the one an older operator's kopf timers put;
-    a job left with it by an operator that is gone is released by operator/README.md's one command (run
+    a job left with it by an operator that is gone is released by docs/operator.md's one command (run
     here with the real kubectl against the emulator)."""
     older = {"finalizers": [f"{constants.GROUP}/finalizer"]}
     with operator_running():
@@ -471,7 +471,7 @@ def test_a_job_left_behind_is_released_by_the_documented_command(api: Cluster) -
         assert not api.job("fresh")["metadata"].get("finalizers")
         _quiet(api)  # the operator stops between reconciles, not in one
     api.create(_with_metadata(good_job("orphan"), older))  # as an older operator, now gone, left it
-    readme = (Path(__file__).resolve().parents[2] / "operator" / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
     section = readme[readme.index("## Deleting jobs and uninstalling") :]
     command = section.split("```sh\n", 1)[1].split("\n```", 1)[0]
     argv = shlex.split(command.replace("NAMESPACE", NS).replace("NAME", "orphan"))
