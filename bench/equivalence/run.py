@@ -18,7 +18,6 @@ runtime that let the world size change the optimisation would show.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for the test's configuration
+from bench import record
 from tests.trainer.test_training import EPOCHS, GLOBAL_BATCH, SAME_MODEL, TOLERANCE, largest_difference
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import EtcdServer
@@ -84,8 +84,9 @@ def _run(
 def main() -> None:
     """Run the configuration on 3, 2 and 1 nodes and print the differences from the 3-node run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/equivalence.json"))
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/equivalence/...)")
     args = parser.parse_args()
+    began_at = record.commit()
     with tempfile.TemporaryDirectory(prefix="torchspot-equivalence-") as tmp:
         root = Path(tmp)
         with EtcdServer(root / "etcd") as etcd, Azurite(root / "azurite") as blob:
@@ -94,24 +95,25 @@ def main() -> None:
     reference, reference_losses = runs[3]
     largest = max(float(t.abs().max()) for t in reference.values())
     rows = []
-    print(f"\nAgainst the 3-node run (largest parameter {largest:.2f}):")
-    for nodes in (2, 1):
-        params, losses = runs[nodes]
-        if sorted(losses) != sorted(reference_losses):
-            raise SystemExit(f"{nodes} nodes logged other steps than 3 nodes")
-        difference = largest_difference(reference, params)
-        loss = max(abs(losses[s] - reference_losses[s]) / reference_losses[s] for s in reference_losses)
-        rows.append({"nodes": nodes, "parameter_difference": difference, "relative_loss_difference": loss})
-        print(f"  {nodes} node(s): largest parameter difference {difference:.2g}, "
-              f"largest relative loss difference {loss:.2g} over {len(losses)} steps")  # fmt: skip
-    one_node = runs[1][0]
-    diverged = largest_difference(one_node, control)
-    print(f"\nThe control (per-worker batches of {GLOBAL_BATCH // 2}, 2 nodes, one lost at step {CONTROL_LOSS_AT}) "
-          f"against the 1-node run: largest parameter difference {diverged:.2g}, {diverged / TOLERANCE:.0f} times "
-          f"the same-model test's bound ({TOLERANCE:g})")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {"largest_parameter": largest, "against_3_nodes": rows, "control_against_1_node": diverged}
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    with record.captured() as lines:
+        print(f"\nAgainst the 3-node run (largest parameter {largest:.2f}):")
+        for nodes in (2, 1):
+            params, losses = runs[nodes]
+            if sorted(losses) != sorted(reference_losses):
+                raise SystemExit(f"{nodes} nodes logged other steps than 3 nodes")
+            difference = largest_difference(reference, params)
+            loss = max(abs(losses[s] - reference_losses[s]) / reference_losses[s] for s in reference_losses)
+            rows.append({"nodes": nodes, "parameter_difference": difference, "relative_loss_difference": loss})
+            print(f"  {nodes} node(s): largest parameter difference {difference:.2g}, "
+                  f"largest relative loss difference {loss:.2g} over {len(losses)} steps")  # fmt: skip
+        one_node = runs[1][0]
+        diverged = largest_difference(one_node, control)
+        print(f"\nThe control (per-worker batches of {GLOBAL_BATCH // 2}, 2 nodes, one lost at step {CONTROL_LOSS_AT}) "
+              f"against the 1-node run: largest parameter difference {diverged:.2g}, {diverged / TOLERANCE:.0f} times "
+              f"the same-model test's bound ({TOLERANCE:g})")  # fmt: skip
+        summary = {"largest_parameter": largest, "against_3_nodes": rows, "control_against_1_node": diverged}
+    record.write(args.out or record.dated("equivalence", began_at), "equivalence", rows, lines, at=began_at,
+                 figures=summary)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.checkpoint
 
+from bench import record
 from bench.checkpoint.run import resnet50_state
 from torchspot_trainer.recovery.hostcopy import HostCopy
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 RECEIVER = Path(__file__).with_name("receiver.py")
 
 
@@ -79,32 +79,35 @@ def joiner(how: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/snapshot/...)")
     args = parser.parse_args()
-    state = resnet50_state()
-    mib = state_bytes(state) / 2**20
-    print(f"state: ResNet-50 model + SGD momentum, {mib:.0f} MiB")
-    every1 = [host_copy_ms(state, 1, 10) for _ in range(args.reps)]
-    every10 = [host_copy_ms(state, 10, 50) for _ in range(args.reps)]
-    with tempfile.TemporaryDirectory() as tmp:
-        saves = [save_s(state, Path(tmp)) for _ in range(args.reps)]
-    print(f"host copy at every step:      median {statistics.median(every1):6.1f} ms per step")
-    print(f"host copy every 10 steps:     median {statistics.median(every10):6.1f} ms per step (amortised)")
-    print(f"snapshot write (torch.save):  median {statistics.median(saves):6.2f} s, as the worker stops")
-    wire = [joiner("tensors") for _ in range(max(2, args.reps // 2))]
-    pickled = [joiner("pickle") for _ in range(max(2, args.reps // 2))]
-    for name, runs in (("tensors (wire.py)", wire), ("pickle (broadcast_object_list)", pickled)):
-        print(
-            f"joiner receives, {name:31s}: median {statistics.median(r['seconds'] for r in runs):5.2f} s, "
-            f"peak memory {statistics.median(r['peak_mib'] for r in runs):5.0f} MiB above the process's start"
-        )
-    ratio_s = statistics.median(r["seconds"] for r in pickled) / statistics.median(r["seconds"] for r in wire)
-    ratio_m = statistics.median(r["peak_mib"] for r in pickled) / statistics.median(r["peak_mib"] for r in wire)
-    print(f"pickle / tensors: {ratio_s:.2f}x the time, {ratio_m:.2f}x the peak memory")
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "snapshot.json").write_text(json.dumps({
-        "state_mib": mib, "host_copy_every_step_ms": every1, "host_copy_every_10_ms": every10,
-        "snapshot_write_s": saves, "joiner_tensors": wire, "joiner_pickle": pickled,
-    }, indent=1))  # fmt: skip
+    began_at = record.commit()
+    with record.captured() as lines:
+        state = resnet50_state()
+        mib = state_bytes(state) / 2**20
+        print(f"state: ResNet-50 model + SGD momentum, {mib:.0f} MiB")
+        every1 = [host_copy_ms(state, 1, 10) for _ in range(args.reps)]
+        every10 = [host_copy_ms(state, 10, 50) for _ in range(args.reps)]
+        with tempfile.TemporaryDirectory() as tmp:
+            saves = [save_s(state, Path(tmp)) for _ in range(args.reps)]
+        print(f"host copy at every step:      median {statistics.median(every1):6.1f} ms per step")
+        print(f"host copy every 10 steps:     median {statistics.median(every10):6.1f} ms per step (amortised)")
+        print(f"snapshot write (torch.save):  median {statistics.median(saves):6.2f} s, as the worker stops")
+        wire = [joiner("tensors") for _ in range(max(2, args.reps // 2))]
+        pickled = [joiner("pickle") for _ in range(max(2, args.reps // 2))]
+        for name, runs in (("tensors (wire.py)", wire), ("pickle (broadcast_object_list)", pickled)):
+            print(
+                f"joiner receives, {name:31s}: median {statistics.median(r['seconds'] for r in runs):5.2f} s, "
+                f"peak memory {statistics.median(r['peak_mib'] for r in runs):5.0f} MiB above the process's start"
+            )
+        ratio_s = statistics.median(r["seconds"] for r in pickled) / statistics.median(r["seconds"] for r in wire)
+        ratio_m = statistics.median(r["peak_mib"] for r in pickled) / statistics.median(r["peak_mib"] for r in wire)
+        print(f"pickle / tensors: {ratio_s:.2f}x the time, {ratio_m:.2f}x the peak memory")
+    trials = {"host_copy_every_step_ms": every1, "host_copy_every_10_ms": every10, "snapshot_write_s": saves,
+              "joiner_tensors": wire, "joiner_pickle": pickled}  # fmt: skip
+    figures = {"state_mib": mib, "pickle_over_tensors_time": ratio_s, "pickle_over_tensors_memory": ratio_m}
+    record.write(args.out or record.dated("snapshot", began_at), "snapshot", [trials], lines, at=began_at,
+                 figures=figures)  # fmt: skip
 
 
 if __name__ == "__main__":
