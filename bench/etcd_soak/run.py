@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
-import json
 import pickle
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench import record  # noqa: E402
 from torchspot_lab.etcd import EtcdServer  # noqa: E402
 from torchspot_operator.builders import ETCD_SIZING  # noqa: E402
 from torchspot_trainer.rendezvous.etcd_client import EtcdClient  # noqa: E402
@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat", type=float, default=1.0, help="seconds between an agent's state writes")
     parser.add_argument("--churn-minutes", type=float, default=10.0, help="minutes between membership changes")
     parser.add_argument("--samples", type=int, default=24)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "etcd_soak.json")
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/etcd_soak/...)")
     args = parser.parse_args(argv)
+    began_at = record.commit()
     writes = int(args.nodes * args.hours * 3600 / args.heartbeat)
     churn_every = max(1, int(args.nodes * args.churn_minutes * 60 / args.heartbeat))
     print(f"{writes:,} state writes ({args.nodes} agents, {args.hours:g} h at one per {args.heartbeat:g} s), "
@@ -142,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                     rate = written / (time.monotonic() - started)
                     print(f"  {written / writes:6.1%}  {rate:7.0f} writes/s  data dir: torchspot {ours:.1f} MiB,"
                           f" defaults {theirs:.1f} MiB", flush=True)  # fmt: skip
-            result = report(runs, args, writes)
+            with record.captured() as lines:
+                result = report(runs, args, writes)
         finally:
             pool.shutdown()
             for run in runs:
                 run.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    samples = [{"etcd": run.name, **sample} for run in runs for sample in run.samples]
+    record.write(args.out or record.dated("etcd_soak", began_at), "etcd_soak", samples, lines, at=began_at,
+                 figures=result)  # fmt: skip
     return 0
 
 

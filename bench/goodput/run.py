@@ -39,6 +39,9 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
+
+from bench import record
 from torchspot_lab import goodput
 from torchspot_lab.datasets import write_synthetic_cifar10
 from torchspot_lab.etcd import EtcdServer
@@ -193,6 +196,19 @@ def _in_place_job(out: Path, *more: str, name: str = "goodput-inplace") -> Path:
     return path
 
 
+def _report(results: list[dict[str, Any]], ratio: float) -> None:
+    """Each recipe's goodput, resumptions and recoveries, then the ratio: the run's summary."""
+    for result in results:
+        _say(f"{result['recipe']:<10} goodput {result['goodput']:6.1%}  useful {result.get('useful_samples', 0)}"
+             f" of {result.get('expected_samples', 0)} samples an uninterrupted run makes")  # fmt: skip
+        for r in result.get("resumptions", []):
+            _say(f"  t={r['t']:6.1f}s resumed on {r['world_size']} node(s), {r['lost_samples']} samples"
+                 f" ({r['lost_steps']:.1f} steps) redone")  # fmt: skip
+        for at, what, took in result.get("recoveries", []):
+            _say(f"  t={at:6.1f}s {what:<26} training again after " + (f"{took:.1f} s" if took is not None else "-"))
+    _say(f"ratio torchspot / stock: {ratio:.2f}x   (targets: torchspot >= 90%, ratio >= 1.5x)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("runs") / time.strftime("goodput-%Y%m%d-%H%M%S"))
@@ -205,7 +221,9 @@ def main() -> int:
         "--keep-blobs", action="store_true", help="keep Azurite's data (every checkpoint, 4-6 GB) under --out"
     )
     parser.add_argument("--in-place", action="store_true", help="torchspot's market run re-forms in place")
+    parser.add_argument("--results", type=Path, default=None, help="the results (default: bench/results/goodput/...)")
     args = parser.parse_args()
+    began_at = record.commit()
     out: Path = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out}: not empty; pick a new folder")
@@ -230,19 +248,14 @@ def main() -> int:
     ratio = results[0]["goodput"] / results[1]["goodput"] if results[1]["goodput"] else float("inf")
     out.mkdir(parents=True, exist_ok=True)
     calibrations = {"before": before, "after": after}
-    record = {"rates": rates, "calibrations": calibrations, "ratio": ratio, "results": results}
-    (out / "goodput.json").write_text(json.dumps(record, indent=2) + "\n")
+    data = {"rates": rates, "calibrations": calibrations, "ratio": ratio, "results": results}
+    (out / "goodput.json").write_text(json.dumps(data, indent=2) + "\n")
     _plot(results, market, rates, out / "goodput.png")
     _say("")
-    for result in results:
-        _say(f"{result['recipe']:<10} goodput {result['goodput']:6.1%}  useful {result.get('useful_samples', 0)}"
-             f" of {result.get('expected_samples', 0)} samples an uninterrupted run makes")  # fmt: skip
-        for r in result.get("resumptions", []):
-            _say(f"  t={r['t']:6.1f}s resumed on {r['world_size']} node(s), {r['lost_samples']} samples"
-                 f" ({r['lost_steps']:.1f} steps) redone")  # fmt: skip
-        for at, what, took in result.get("recoveries", []):
-            _say(f"  t={at:6.1f}s {what:<26} training again after " + (f"{took:.1f} s" if took is not None else "-"))
-    _say(f"ratio torchspot / stock: {ratio:.2f}x   (targets: torchspot >= 90%, ratio >= 1.5x)")
+    with record.captured() as lines:
+        _report(results, ratio)
+    record.write(args.results or record.dated("goodput", began_at), "goodput", results, lines, at=began_at,
+                 figures={"rates": rates, "calibrations": calibrations, "ratio": ratio})  # fmt: skip
     _say(f"results {out / 'goodput.json'}, plot {out / 'goodput.png'}")
     if not args.keep_blobs:
         _say(f"deleted {_drop_blobs(out) / 2**30:.1f} GB of Azurite blobs (--keep-blobs keeps them)")

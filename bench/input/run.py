@@ -56,13 +56,13 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench import record
 from torchspot_trainer.data.datasets import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
 from torchspot_trainer.data.fetch import fetch_prefix
 from torchspot_trainer.data.imaging import resized_crop_box
 from torchspot_trainer.data.loader import Collate, EpochLoader, EpochView
 from torchspot_trainer.data.prepare import prepare
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 SIZE = 224
 BATCH = 32
 WIDTH, HEIGHT = 500, 375
@@ -284,6 +284,7 @@ def main() -> None:
     parser.add_argument("--index-files", type=int, default=100_000, help="files of the index figure (0: skip it)")
     parser.add_argument("--index", choices=INDEXES, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/input/...)")
     parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.index:
@@ -295,6 +296,7 @@ def main() -> None:
     if args.handover:
         print(json.dumps(handover(args.handover, args.root, args.epochs, args.workers)))
         return
+    began_at = record.commit()
     with tempfile.TemporaryDirectory(prefix="torchspot-input-") as tmp:
         root = Path(tmp) / "source" / "train"
         print(f"writing {args.images} JPEGs of {WIDTH} x {HEIGHT} ...", flush=True)
@@ -324,39 +326,39 @@ def main() -> None:
                 handovers[how].append(result)
                 print(f"  trial {trial + 1} --decode gpu hand-over, {how}: "
                       f"{1000 * result['own_cpu_s'] / result['batches']:.1f} ms per batch", flush=True)  # fmt: skip
-    summary = {}
-    for name, results in runs.items():
-        summary[name] = {
-            "images_per_cpu_s": statistics.median(r["images"] / r["cpu_s"] for r in results),
-            "images_per_s": statistics.median(r["images"] / r["wall_s"] for r in results),
-            "bytes_per_sample": results[0]["bytes_per_sample"],
-        }
-    stock = summary["stock"]
-    need = GPU_IMAGES_PER_S * NODE_GPUS
-    print(f"\n| pipeline | images per CPU-second | images/s ({args.workers} workers) | cores an {NODE_GPUS}-GPU node "
-          f"needs at {GPU_IMAGES_PER_S:,} images/s per GPU | bytes per sample |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- |")
-    for name, row in summary.items():
-        per_core = row["images_per_cpu_s"] / stock["images_per_cpu_s"]
-        wall = row["images_per_s"] / stock["images_per_s"]
-        fewer = stock["bytes_per_sample"] / row["bytes_per_sample"]
-        row["node_cores"] = need / row["images_per_cpu_s"]
-        print(f"| {name} | {row['images_per_cpu_s']:.0f} ({per_core:.2f}x) | {row['images_per_s']:.0f} ({wall:.2f}x) "
-              f"| {row['node_cores']:.0f} | {row['bytes_per_sample']:,.0f} ({fewer:.1f}x fewer) |")  # fmt: skip
-    per_batch = {how: statistics.median(1000 * r["own_cpu_s"] / r["batches"] for r in results)
-                 for how, results in handovers.items()}  # fmt: skip
-    print(f"\n--decode gpu, the training process's CPU time to receive a batch of {HANDOVER_BATCH} files from "
-          f"{args.workers} workers: per file {per_batch['per file']:.1f} ms, packed {per_batch['packed']:.1f} ms "
-          f"({per_batch['per file'] / per_batch['packed']:.1f}x less)")  # fmt: skip
-    summary["handover_ms_per_batch"] = per_batch
-    if args.index_files:
-        summary["index"] = index_figure(args.index_files, args.reps)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    out = RESULTS_DIR / "input.json"
-    record = {"mean_file_kib": kib, "prepared_mean_file_kib": prepared_kib, "args": vars(args) | {"root": None},
-              "runs": runs, "summary": summary}  # fmt: skip
-    out.write_text(json.dumps(record, indent=2, default=str))
-    print(f"\nraw results: {out}")
+    with record.captured() as lines:
+        summary: dict[str, Any] = {}
+        for name, results in runs.items():
+            summary[name] = {
+                "images_per_cpu_s": statistics.median(r["images"] / r["cpu_s"] for r in results),
+                "images_per_s": statistics.median(r["images"] / r["wall_s"] for r in results),
+                "bytes_per_sample": results[0]["bytes_per_sample"],
+            }
+        stock = summary["stock"]
+        need = GPU_IMAGES_PER_S * NODE_GPUS
+        print(f"\n| pipeline | images per CPU-second | images/s ({args.workers} workers) "
+              f"| cores an {NODE_GPUS}-GPU node needs at {GPU_IMAGES_PER_S:,} images/s per GPU "
+              "| bytes per sample |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- |")
+        for name, row in summary.items():
+            per_core = row["images_per_cpu_s"] / stock["images_per_cpu_s"]
+            wall = row["images_per_s"] / stock["images_per_s"]
+            fewer = stock["bytes_per_sample"] / row["bytes_per_sample"]
+            row["node_cores"] = need / row["images_per_cpu_s"]
+            print(f"| {name} | {row['images_per_cpu_s']:.0f} ({per_core:.2f}x) "
+                  f"| {row['images_per_s']:.0f} ({wall:.2f}x) | {row['node_cores']:.0f} "
+                  f"| {row['bytes_per_sample']:,.0f} ({fewer:.1f}x fewer) |")  # fmt: skip
+        per_batch = {how: statistics.median(1000 * r["own_cpu_s"] / r["batches"] for r in results)
+                     for how, results in handovers.items()}  # fmt: skip
+        print(f"\n--decode gpu, the training process's CPU time to receive a batch of {HANDOVER_BATCH} files from "
+              f"{args.workers} workers: per file {per_batch['per file']:.1f} ms, packed {per_batch['packed']:.1f} ms "
+              f"({per_batch['per file'] / per_batch['packed']:.1f}x less)")  # fmt: skip
+        summary["handover_ms_per_batch"] = per_batch
+        if args.index_files:
+            summary["index"] = index_figure(args.index_files, args.reps)
+    trials = [{"pipeline": name, **result} for name, results in runs.items() for result in results]
+    summary["mean_file_kib"], summary["prepared_mean_file_kib"] = kib, prepared_kib
+    record.write(args.out or record.dated("input", began_at), "input", trials, lines, at=began_at, figures=summary)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Usage: python bench/operator/run.py [--trials 10] [--jobs 200] [--quiet-window 6
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -41,6 +40,9 @@ from typing import Any
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.record
+
+from bench import record
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_operator import constants
 from torchspot_operator.kube import Kube
@@ -100,7 +102,9 @@ def main() -> None:
         "--quiet-window", type=float, default=330.0,
         help="seconds the quiet jobs are watched (longer than kopf's 300 s watch cycle, so a reconnect falls in it)",
     )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/operator/...)")
     args = parser.parse_args()
+    began_at = record.commit()
 
     with tempfile.TemporaryDirectory(prefix="torchspot-operator-bench-") as tmp, KubeApi(Path(tmp) / "api") as api:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
@@ -154,34 +158,37 @@ def main() -> None:
             results["jobs"] = args.jobs
         run(kube.close())
 
-    pod_median = statistics.median(results["pod_loss_s"])
-    node_median = statistics.median(results["node_loss_s"])
-    print("\nOperator against the kmock emulator")
-    print(
-        f"  evicted pod -> replacement created: median {pod_median * 1000:.0f} ms "
-        f"(min {min(results['pod_loss_s']) * 1000:.0f}, max {max(results['pod_loss_s']) * 1000:.0f}; target <= 1 s)"
-    )
-    print(
-        f"  drained node -> replacement created: median {node_median * 1000:.0f} ms "
-        f"(min {min(results['node_loss_s']) * 1000:.0f}, max {max(results['node_loss_s']) * 1000:.0f}; target <= 1 s)"
-    )
-    print(
-        f"  {args.jobs} ElasticJobs reconciled (workers, etcd, status) in {results['scale_s']:.1f} s (target <= 60 s)"
-    )
-    print(f"  CPU during the scale test: operator {results['operator_cpu_s']:.1f} s, "
-          f"emulator and this script {results['emulator_cpu_s']:.1f} s")  # fmt: skip
-    print(f"  operator peak memory {results['operator_peak_rss_mb']:.0f} MiB (target <= 400 MB = 381 MiB)")  # fmt: skip
-    print(
-        f"  {args.jobs} running jobs, nothing changing, {args.quiet_window:.0f} s: {results['quiet_requests']} API "
-        f"requests, {results['quiet_requests_per_job_minute']:.3f} per job per minute (target <= 1); operator CPU "
-        f"{results['quiet_operator_cpu_percent']:.1f}% of a core"
-    )
-    if results["quiet_by_request"]:
-        print(f"    by request: {results['quiet_by_request']}")
-    out = RESULTS_DIR / "operator.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"raw results: {out}")
+    with record.captured() as lines:
+        pod_median = statistics.median(results["pod_loss_s"])
+        node_median = statistics.median(results["node_loss_s"])
+        print("\nOperator against the kmock emulator")
+        print(
+            f"  evicted pod -> replacement created: median {pod_median * 1000:.0f} ms "
+            f"(min {min(results['pod_loss_s']) * 1000:.0f}, max {max(results['pod_loss_s']) * 1000:.0f}; target <= 1 s)"
+        )
+        print(
+            f"  drained node -> replacement created: median {node_median * 1000:.0f} ms "
+            f"(min {min(results['node_loss_s']) * 1000:.0f}, max {max(results['node_loss_s']) * 1000:.0f}; "
+            "target <= 1 s)"
+        )
+        print(
+            f"  {args.jobs} ElasticJobs reconciled (workers, etcd, status) in {results['scale_s']:.1f} s "
+            "(target <= 60 s)"
+        )
+        print(f"  CPU during the scale test: operator {results['operator_cpu_s']:.1f} s, "
+              f"emulator and this script {results['emulator_cpu_s']:.1f} s")  # fmt: skip
+        print(f"  operator peak memory {results['operator_peak_rss_mb']:.0f} MiB "
+              "(target <= 400 MB = 381 MiB)")  # fmt: skip
+        print(
+            f"  {args.jobs} running jobs, nothing changing, {args.quiet_window:.0f} s: {results['quiet_requests']} API "
+            f"requests, {results['quiet_requests_per_job_minute']:.3f} per job per minute (target <= 1); operator CPU "
+            f"{results['quiet_operator_cpu_percent']:.1f}% of a core"
+        )
+        if results["quiet_by_request"]:
+            print(f"    by request: {results['quiet_by_request']}")
+    trials = [{"loss": kind, "seconds": seconds} for kind in ("pod", "node") for seconds in results[f"{kind}_loss_s"]]
+    record.write(args.out or record.dated("operator", began_at), "operator", trials, lines, at=began_at,
+                 figures=results)  # fmt: skip
 
 
 def _latency(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.operator
 
+from bench import record
 from bench.operator.run import NS, RESULTS_DIR, job, wait
 from torchspot_lab.kubeapi import KubeApi
 from torchspot_lab.sandbox import shipped_crd
@@ -134,9 +135,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=50)
     parser.add_argument("--nodes", type=int, default=20)
     parser.add_argument("--storm", type=float, default=120.0, help="seconds every node stays Unknown")
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/shared/...)")
     args = parser.parse_args()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="torchspot-shared-bench-") as tmp:
+    began_at = record.commit()
+    with tempfile.TemporaryDirectory(prefix="torchspot-shared-bench-") as tmp, record.captured() as lines:
         found = quota(args, Path(tmp))
         print(
             f"quota: {found['requests_per_minute']:.1f} requests/min (target <= 10), "
@@ -151,6 +154,8 @@ def main() -> None:
             f"{args.storm:.0f} s (target 0; the old rule: {hit['old_rule_would_delete']:.0f})",
             flush=True,
         )
+    record.write(args.out or record.dated("shared", began_at), "shared", [found, hit], lines, at=began_at,
+                 figures={"quota": found, "storm": hit})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: bench.operator
 
+from bench import record
 from bench.operator.run import RESULTS_DIR, peak_rss_mb, wait
 from bench.operator.run import job as minimal_job
 from torchspot_lab.etcd import free_port
@@ -301,7 +302,9 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=100, help="jobs evicted at once in each latency trial")
     parser.add_argument("--trials", type=int, default=20, help="latency rounds, each with its own probe job")
     parser.add_argument("--quiet-window", type=float, default=330.0, help="longer than kopf's 300 s watch cycle")
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/thousand/...)")
     args = parser.parse_args()
+    began_at = record.commit()
 
     results: dict[str, Any] = {"jobs": args.jobs, "workers": args.workers, "nodes": args.nodes}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -337,22 +340,24 @@ def main() -> None:
                 standby.wait(60)
         world.run(world.kube.close())
 
-    out = RESULTS_DIR / "thousand.json"
-    out.write_text(json.dumps(results, indent=2))
-    start, takeover, replaced = results["start"], results["takeover"], results["replacement_s"]
-    burst = results["burst_replacement_s"]
-    print(f"\n{args.jobs} jobs x {args.workers} workers on {args.nodes} nodes, AKS-sized objects (kmock emulator)")
-    print(f"  start: every job reconciled in {start['seconds']:.1f} s, peak {start['peak_requests_per_s']} requests/s,"
-          f" operator peak memory {start['peak_rss_mb']:.0f} MiB (target <= 200 MiB), "
-          f"{results['rounds_peak_rss_mb']:.0f} MiB after the latency rounds")  # fmt: skip
-    print(f"  quiet: {results['quiet_requests_per_job_minute']:.3f} requests per job per minute (target <= 1)")
-    print(f"  an eviction while {args.busy} other jobs reconcile theirs: replacement p50 {replaced['p50'] * 1000:.0f}"
-          f" ms, p99 {replaced['p99'] * 1000:.0f} ms over {replaced['n']} (target p99 < 1 s)")  # fmt: skip
-    print(f"  the {args.busy} evicted at once: p50 {burst['p50'] * 1000:.0f} ms, p99 {burst['p99'] * 1000:.0f} ms "
-          f"over {burst['n']}")  # fmt: skip
-    print(f"  takeover: every job reconciled in {takeover['seconds']:.1f} s, peak {takeover['peak_requests_per_s']}"
-          f" requests/s, peak memory {takeover['peak_rss_mb']:.0f} MiB")  # fmt: skip
-    print(f"raw results: {out}")
+    with record.captured() as lines:
+        start, takeover, replaced = results["start"], results["takeover"], results["replacement_s"]
+        burst = results["burst_replacement_s"]
+        print(f"\n{args.jobs} jobs x {args.workers} workers on {args.nodes} nodes, AKS-sized objects (kmock emulator)")
+        print(f"  start: every job reconciled in {start['seconds']:.1f} s, "
+              f"peak {start['peak_requests_per_s']} requests/s, "
+              f"operator peak memory {start['peak_rss_mb']:.0f} MiB (target <= 200 MiB), "
+              f"{results['rounds_peak_rss_mb']:.0f} MiB after the latency rounds")  # fmt: skip
+        print(f"  quiet: {results['quiet_requests_per_job_minute']:.3f} requests per job per minute (target <= 1)")
+        print(f"  an eviction while {args.busy} other jobs reconcile theirs: "
+              f"replacement p50 {replaced['p50'] * 1000:.0f} ms, p99 {replaced['p99'] * 1000:.0f} ms "
+              f"over {replaced['n']} (target p99 < 1 s)")  # fmt: skip
+        print(f"  the {args.busy} evicted at once: p50 {burst['p50'] * 1000:.0f} ms, p99 {burst['p99'] * 1000:.0f} ms "
+              f"over {burst['n']}")  # fmt: skip
+        print(f"  takeover: every job reconciled in {takeover['seconds']:.1f} s, peak {takeover['peak_requests_per_s']}"
+              f" requests/s, peak memory {takeover['peak_rss_mb']:.0f} MiB")  # fmt: skip
+    record.write(args.out or record.dated("thousand", began_at), "thousand", [], lines, at=began_at,
+                 figures=results)  # fmt: skip
 
 
 if __name__ == "__main__":
