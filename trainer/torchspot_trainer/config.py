@@ -65,7 +65,7 @@ class TrainConfig:
     grows and shrinks with the world size, and --lr-scaling says how the learning rate follows."""
     lr: float | None = None
     """Peak learning rate for a global batch of --lr-batch samples (default: the data set's
-    reference recipe; see the README)."""
+    reference recipe; see docs/trainer.md)."""
     lr_batch: int | None = None
     """The global batch --lr is stated for (default: the data set's reference recipe)."""
     lr_scaling: str = "linear"
@@ -267,7 +267,7 @@ class TrainConfig:
         Unset, with a global batch and the largest world known: that world's share, rounded up. A
         job sized for 8 nodes then runs 4 passes of the same size at 2 nodes, where the whole
         share (4 times the memory) hit CUDA OOM and crash-looped. Not with --sync-bn: its
-        statistics are taken per pass, and the README's same-model condition wants one pass."""
+        statistics are taken per pass, and docs/trainer.md's same-model condition wants one pass."""
         if self.micro_batch_size or not global_batch or not self.max_world_size or self.sync_bn:
             return self.micro_batch_size
         return -(-global_batch // self.max_world_size)

@@ -1,35 +1,28 @@
-"""The agent's hand-over of a new round to its live workers (issue 28, item 3): the agent stays the
-membership authority, but at a change it forms the next round and tells its running workers their new
-rank and store instead of stopping them; they rebuild their process group (live.py) and go on.
+"""The agent's hand-over of a new round to its live workers: the agent stays the membership authority, but
+at a change it tells its running workers their new rank and store instead of stopping them; they rebuild
+their process group (recovery/live.py) and go on.
 
-Only workers that said they can do this are handed a round: a worker of any other program never
-registers, and its agent restarts it as torchrun's does, without waiting for anything. The exchange is
-six kinds of file in the agent's own folder, beside its peer-lost marker (markers.py), so the
-environment variable that names that marker names them too:
+Only workers that registered are handed a round: any other program's workers are restarted as torchrun's
+are, with no wait. The exchange is files in the agent's own folder, beside its peer-lost marker
+(markers.py), so the variable that names that marker names them too:
 
-- `assignment.json`: written (atomically, by rename) after every rendezvous, before any worker
-  starts or is told: the round (`generation`), the world, the round's store (the one its rank-0 agent
-  started: handler.py, point 2), and each local worker's global rank;
-- `live-<local rank>`: a worker able to re-form in place writes its process id there once, at start
-  (a stale file of a worker that has since been replaced names another process, and does not count);
-- `ack-<local rank>`: the worker's watcher thread writes the generation it saw, at once, before the
-  worker re-forms: an acknowledgement means "alive and on it", not "done";
-- `failed-<local rank>`: touched when one of the worker's collectives failed (a peer's socket
-  closed: its process is likely gone). A live worker does not exit, so this is how its agent learns
-  what a failed worker's exit would tell it: liveness's judge reads it once a member's put is late,
-  and then judges with its short timeout (liveness.py);
-- `agreed-<local rank>`: touched by a worker of a node that leaves on notice once its group has shared
-  the notice (the step boundary's all-gather), before its emergency checkpoint: it needs the group no
-  more, so its agent takes the node out of the rendezvous then (`notice_agreed`), and the other nodes
-  re-form in place while the checkpoint is written instead of after it;
+- `assignment.json`: written atomically after every rendezvous, before any worker starts or is told:
+  the round (`generation`), the world, the round's store (its rank-0 agent's), each local worker's rank;
+- `live-<local rank>`: a worker able to re-form in place writes its process id there at start (a stale
+  file names another process and does not count);
+- `ack-<local rank>`: the generation the worker's watcher thread saw, written at once, before the worker
+  re-forms: "alive and on it", not "done";
+- `failed-<local rank>`: one of the worker's collectives failed (a peer is likely gone). A live worker
+  does not exit, so this tells its agent what an exit would: liveness's judge then uses its short timeout;
+- `agreed-<local rank>`: a worker whose node leaves on notice has shared the notice with its group; its
+  agent takes the node out then (`notice_agreed`), so the others re-form while the emergency checkpoint
+  is written rather than after it;
 - `stepped-<local rank>`: the generation of the worker's last completed step, the file's time that
-  step's, moved ahead by the step before's duration: its gradient all-reduce completed with every
-  member of the generation, each of them is then busy with the next step, so the agent's liveness
-  judge counts it as a receipt from each of them until that time (liveness.py, `last_step`).
+  step's, moved ahead by the step before's duration: every member took part in it and is busy with the
+  next, so the liveness judge counts it as a receipt from each until then (`last_step`).
 
-A worker that does not acknowledge within `ACK_SECONDS` (frozen, or stuck holding the GIL) is
-restarted with the others of its node in a round after this one (torch's restart: the agent leaves
-the round and joins the next), which the other nodes' live workers re-form into in place again.
+A worker that does not acknowledge within `ACK_SECONDS` (frozen, or holding the GIL) is restarted with
+its node's others in a round after this one, which the other nodes' live workers re-form into in place.
 """
 
 from __future__ import annotations

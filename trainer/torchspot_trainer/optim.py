@@ -55,7 +55,7 @@ RECIPES: dict[str, Recipe] = {
         source="ours: small_cnn on scikit-learn's digits reaches over 90% test accuracy in 8 epochs",
     ),
 }
-"""Defaults of --lr, --lr-batch and --weight-decay per --dataset (documented in the README)."""
+"""Defaults of --lr, --lr-batch and --weight-decay per --dataset (documented in docs/trainer.md)."""
 
 
 @dataclass(frozen=True)

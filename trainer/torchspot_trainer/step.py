@@ -94,7 +94,7 @@ def warm_up(
     A worker that joins a group training in place takes its first step with the others waiting for
     it in the gradient all-reduce. Cold, that step cost the small CNN 22 ms on these CPU cores
     against 5 ms warm; on GPUs cudnn.benchmark's search made ResNet-50's first step 3-11 s on an
-    H200 (README, "Recovery paths"). Paid here, during its set-up, the others never wait for it.
+    H200 (docs/recovery.md, "Recovery on GPUs"). Paid here, during its set-up, the others never wait for it.
     The caller keeps the random number generators' states around it (dropout draws from them)."""
     kept = [buffer.detach().clone() for buffer in model.buffers()]
     model.train()

@@ -82,7 +82,7 @@ PRIVATE_TORCH: tuple[str, ...] = (
 
 SINCE_TORCH_2_14: tuple[str, ...] = (
     # torch's experimental in-place reconfigure, weighed against our generation groups by bench/reconfigure
-    # (run from an environment with torch 2.14); the product does not use it (the README says why)
+    # (run from an environment with torch 2.14); the product does not use it (docs/recovery.md says why)
     "torch.distributed:_get_reconfigure_handle",
     "torch.distributed:_reconfigure",
 )

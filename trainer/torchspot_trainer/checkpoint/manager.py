@@ -7,30 +7,19 @@ Layout under the checkpoint root::
     latest.json                     JSON: the newest committed step and its URI (for the operator)
 
 Why this shape:
-- A checkpoint counts only once its COMMIT marker exists, and the marker is written
-  after every object it lists. A reader that races a writer, or finds the remains of
-  an upload that died, sees no marker and moves on to an older step.
-- The marker carries checksums, so a truncated or corrupted object is detected and
-  that step is skipped (with a warning that names it), never loaded.
-- `save_async` copies the state to host memory at a step boundary (the only stall)
-  and serializes and uploads it in the background while training continues: in a
-  saver process when the manager can reopen the storage there (`saver.py` says why),
-  else on a thread. A new save first waits for the previous one, so uploads never
-  pile up; but while storage is known to be failing (the save in flight is retrying,
-  or the last one failed), a new save that finds one in flight is skipped and
-  reported instead, so a Blob outage never stalls training (the save in flight
-  commits once storage is back, or fails and is reported).
-- Failed uploads are retried with exponential backoff; when all retries fail the
-  error is recorded for the progress line and training goes on. Older committed
-  checkpoints are deleted only after a newer one committed, so nothing committed is
-  lost to a failed save.
-- Two writers may share a prefix (an emergency save beside rank 0's saver, an old rank 0's
-  saver finishing after a re-form, two nodes that learn of their notice late). Each save's
-  state object has a name of its own, and COMMIT is written only where none exists, so a
-  step's COMMIT always names the object it checks (the first writer's; the second's object
-  goes); `latest.json` moves forwards only, by a write conditional on the version read;
-  and pruning leaves alone every step from the oldest kept committed one on, where a
-  partial step may be an upload still in flight.
+- A checkpoint counts only once its COMMIT marker exists, written after every object it lists: a reader
+  that races a writer, or finds a dead upload's remains, sees no marker and takes an older step.
+- The marker carries checksums: a truncated or corrupted object is skipped with a warning, never loaded.
+- `save_async` copies the state to host memory at a step boundary (the only stall) and serializes and
+  uploads it in the background, in a saver process where the storage can be reopened there (saver.py),
+  else on a thread. A new save waits for the previous one; while storage is failing, a save that finds
+  one in flight is skipped and reported instead, so a Blob outage never stalls training.
+- Failed uploads are retried with backoff; when all fail the error is reported and training goes on.
+  Older committed checkpoints are deleted only after a newer one committed.
+- Two writers may share a prefix (an emergency save beside rank 0's saver, an old rank 0's saver after a
+  re-form). Each save's object has a name of its own and COMMIT is written only where none exists, so a
+  step's COMMIT names the object it checks; `latest.json` moves forwards only, by a conditional write;
+  pruning leaves every step from the oldest kept committed one on, where a partial step may be in flight.
 """
 
 from __future__ import annotations

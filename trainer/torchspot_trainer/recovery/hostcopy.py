@@ -1,48 +1,28 @@
 """The training state in host memory at the last step boundary: what a node's snapshot is written from.
 
-A worker writes its node's snapshot (snapshot.py) as it stops, and it often stops because
-its group is broken: a peer froze, or vanished, while this worker waits inside a collective.
-On a GPU that collective is work queued on the device's stream, and so is anything queued
-after it: a `torch.save` of CUDA tensors (a device-to-host copy) would wait behind the hung
-collective forever, and the worker would be killed with no snapshot. So the state is copied
-to the host while the group is still healthy, at step boundaries, and the snapshot is
-written from that copy without touching the device.
+A worker often writes its snapshot (snapshot.py) because its group broke while it waits in a collective.
+On a GPU that collective is queued work, and a `torch.save` of CUDA tensors would queue behind it
+forever. So the state is copied to the host while the group is healthy, at step boundaries, and a
+snapshot is written from that copy without touching the device.
 
-- On a GPU: pinned host buffers, filled by a non-blocking copy on a side stream that starts
-  when the step's work is done on the device, so the copy overlaps the next step's forward
-  and backward passes. The next optimizer update waits (on the device, not the host) until
-  the copy has read the parameters it would change. The copy of step k is only whole once
-  the device has finished step k (`latest` asks the copy's CUDA event, which does not wait).
-- A ring of `SLOTS` (3) slots, and a capture never takes the newest whole one: with the host
-  two steps ahead of a device whose all-reduce hangs, the copy of the last step the device
-  finished is still there. When every other slot's copy is still in flight, the capture
-  waits (on the device, holding nothing) for the oldest one: the host's lead is bounded by
-  the ring, never paid for with the newest whole copy. (Two slots were not enough: the
-  copy of step k+1 overwrote the only whole one, of step k-1, and no snapshot was written.)
-- No lock is held across a device call. A capture claims its slot under the lock, copies
-  with the lock released, and files the result under it again; a snapshot pins the slot it
-  writes from. With NCCL the host runs ahead of the device, and when a collective wedges,
-  the launch queue fills and a copy blocks the training thread inside `capture`: the
-  SIGTERM watcher and the step watchdog must still reach the newest whole copy and exit
-  (a lock held across the copy made them wait as long as the device did). Lock waits have
-  a deadline too (`LOCK_SECONDS`): past it, `write_from` writes nothing rather than hang.
-- On a CPU there is no device to hang: the live tensors are host memory already, and the
-  snapshot is written from them (no copy, no cost per step) unless the optimizer is
-  updating them at that moment (`before_update` until the next `capture`). A failed
-  collective inside a step (DDP's gradient all-reduce) comes before the update, so the
-  state is then still the last completed step's. `copy=True` takes real copies on a CPU
-  too (the tests of the copy itself).
-- `every` K steps: a copy every K steps costs 1/K as much, and a snapshot then holds the
-  step of the last copy (at most K-1 steps older than the last completed one).
-- The model's buffers (BatchNorm's running statistics, and what DDP broadcasts into them) are
-  written by the next step's forward passes, before the optimizer's update that `before_update`
-  guards: a side-stream copy still reading them (GPU), or a snapshot written from the live state
-  during that forward (CPU), would pair step k's weights with part of step k+1's statistics.
-  `with_frozen` takes copies of them at the boundary (on the device, a few hundred KiB
-  for ResNet-50), and the state is built from those.
-- A checkpoint of a step the ring holds is written from its copy (`with_copy_of`): one wait for
-  the device to finish that step, where serializing the live GPU state makes one blocking copy
-  per tensor (about 480 for ResNet-50 with SGD).
+- **On a GPU**: pinned buffers filled by a non-blocking copy on a side stream, overlapping the next
+  step; the next update waits, on the device, until the copy has read what it changes. Copy k is whole
+  once the device finished step k (`latest` asks its CUDA event, without waiting).
+- **A ring of `SLOTS` (3)** whose newest whole copy a capture never takes: with the host two steps ahead
+  of a device that hangs, the last step the device finished is still there (two slots lost it). When
+  every other slot is in flight, the capture waits on the device: the host's lead is bounded by the ring.
+- **No lock across a device call**: a wedged collective fills the launch queue and blocks a copy, and
+  the SIGTERM watcher and the step watchdog must still reach the newest whole copy. Lock waits have a
+  deadline (`LOCK_SECONDS`): past it, `write_from` writes nothing rather than hang.
+- **On a CPU** the live tensors are host memory: the snapshot is written from them (no cost per step),
+  except while the optimizer updates them (`before_update` until the next `capture`). `copy=True` takes
+  real copies (the tests of the copy itself).
+- **`every` K steps** costs 1/K as much; a snapshot then holds the last copy's step.
+- **Buffers are frozen at the boundary** (`with_frozen`): the next forward writes BatchNorm's statistics
+  before the update `before_update` guards, so a copy or snapshot read during it would pair step k's
+  weights with step k+1's statistics.
+- **A checkpoint of a step the ring holds is written from its copy** (`with_copy_of`): one wait for the
+  device, where the live GPU state costs a blocking copy per tensor.
 """
 
 from __future__ import annotations

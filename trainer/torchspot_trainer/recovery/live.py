@@ -1,34 +1,26 @@
 """A worker's process group rebuilt in place at a membership change: the group mechanics of recovery without
-a restart. Built and tested on CPU with gloo; the NCCL decisions by NCCL's documented semantics. The recovery
-API's manager (elastic/manager.py, which the built-in trainer runs on too) and the lab's toy run on it.
+a restart, which the recovery API's manager (elastic/manager.py) and the lab's toy run on. Built and tested
+on CPU with gloo; the NCCL decisions by NCCL's documented semantics.
 
-At a membership change the agent forms the new round and hands the live workers an `Assignment` (the
-round, their new rank and world, the round's store); each worker drops its group, builds the next one on
-the new store, and the ranks agree on the newest committed step before they go on (at a switch to a round
-that only adds ranks the old ranks go on at once, the agreement beside their step). What gloo does, and
-how this module answers each:
+At a membership change the agent hands the live workers an `Assignment` (the round, their new rank and
+world, the round's store); each drops its group and builds the next one on the new store. What gloo does,
+and how this module answers each:
 
-- **An abandoned collective completes when a frozen peer thaws, and writes into whatever buffer it was
-  given.** Every collective here runs on a *staging copy* of the caller's tensor and copies the result
-  back only if it completed in time: a zombie writes into a copy nobody reads.
-- **Neither `abort()` nor `shutdown()` cancels a gloo collective blocked on a frozen peer**, so the
-  calling thread never blocks in one: it waits for the work's completion (woken by it) against a deadline
-  and the `broken` event (set by whoever learns of a new assignment), and reports failure as a flag
-  (`Outcome`), never by hanging.
-- **An old group's destructor blocks for its op timeout while a zombie op is pending**: old groups go to
-  a *graveyard* that holds them, never freed on the training thread; a reaper thread lets a grave go as
-  soon as no op of it can run (its last collective ended, or the op timeout passed); at most `GRAVEYARD`
-  at once, after which the worker takes the restart path.
-- **A group whose peer died can spin its event loop until its sockets close** (a failed ring all-reduce
-  gives up its receive buffer while a live neighbour's data is on the way; gloo's level-triggered loop
-  then finds the socket readable, on every turn), and neither `abort()`, `shutdown()` nor freeing the
-  group closes them while a collective runs. So the reaper looks at a grave the moment it is dug, lets it
-  go if nothing of it runs, and otherwise closes its connections first (generation.close_connections),
-  which fails what runs; a zombie then never writes at all.
-- **gloo's constructor blocks until every rank of the generation has come**: a group is built on a
-  thread of its own (generation.Build) and abandoned when a newer round arrives first.
-- **One TCPStore client serialises every thread that shares it**: each generation has a client of its
-  own, used only by the thread that builds the group.
+- **An abandoned collective completes when a frozen peer thaws, into whatever buffer it was given**:
+  every collective runs on a *staging copy*, copied back only if it completed in time.
+- **Nothing cancels a gloo collective blocked on a frozen peer**: the calling thread never blocks in one;
+  it waits for the work's completion against a deadline and the `broken` event (set by whoever learns of
+  a new assignment), and reports how it ended as an `Outcome`, never by hanging.
+- **An old group's destructor blocks while a zombie op is pending**: old groups go to a *graveyard*,
+  never freed on the training thread; a reaper thread lets each go once nothing of it can run, and at most
+  `GRAVEYARD` are held before the worker takes the restart path.
+- **A group whose peer died can spin its event loop until its sockets close**, and nothing closes them
+  while a collective runs: the reaper closes a grave's connections first (generation.close_connections),
+  which fails what runs, so a zombie never writes at all.
+- **gloo's constructor blocks until every rank has come**: a group is built on a thread of its own
+  (generation.Build), abandoned when a newer round arrives first.
+- **One TCPStore client serialises every thread that shares it**: each generation has its own, used only
+  by the thread that builds the group.
 
 On GPUs a generation has two groups: the gloo one for the agreements (`control=True`) and an NCCL
 communicator for the gradients and a heal's state, made, aborted and probed by its data plane (planes.py,

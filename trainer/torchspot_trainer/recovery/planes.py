@@ -1,37 +1,27 @@
-"""Where a generation's device tensors travel (issue 28, item 4): the data plane of a `LiveGroup`.
+"""Where a generation's device tensors travel: the data plane of a `LiveGroup`.
 
-On CPU a generation is one gloo group, which carries everything (`HostPlane`). On GPUs it is two: a
-gloo group for the small agreements the loop makes at every boundary (host memory over TCP, so the
-host never waits for the device's queue) and an NCCL communicator for the gradients and the state a
-heal sends (`NcclPlane`). NCCL differs from gloo where recovery needs it most, and the plane answers
-each difference by NCCL's documented semantics:
+On CPU a generation is one gloo group, which carries everything (`HostPlane`). On GPUs it is two: a gloo
+group for the small agreements made at every boundary (host memory, so the host never waits for the
+device's queue) and an NCCL communicator for the gradients and a heal's state (`NcclPlane`). NCCL differs
+from gloo where recovery needs it most; the plane answers each difference by its documented semantics:
 
-- **A hung NCCL collective never returns an error and cannot be cancelled**: its kernels spin on the
-  device until the communicator is aborted. Each generation's communicator is made non-blocking
-  (`generation_options`: its calls return at once and stay abortable, where a blocking init with a
-  dead peer cannot be aborted), and at every change the old one is aborted on a thread of its own
-  (`Parent.retire`), overlapped with the successor's creation: an abort can take a second even of
-  an idle communicator, and the successor is ready long before (the README's NCCL section has the
-  figures).
+- **A hung NCCL collective never returns and cannot be cancelled**: its kernels spin until the
+  communicator is aborted. Each communicator is non-blocking (`generation_options`: its calls return at
+  once and stay abortable), and the old one is aborted on a thread of its own (`Parent.retire`),
+  overlapped with the successor's creation, since an abort can take a second even when idle.
 - **A failed NCCL work reads as completed** with NCCL's error handling off (what the launcher sets):
-  its `wait()` does not raise; only the communicator's `get_error()` tells (`NcclPlane.failed`).
-- **A sticky CUDA error (an Xid, an ECC error, an illegal address) poisons the process**: after an
-  abort of a communicator with work abandoned in flight, a probe on a stream of its own (so that it
-  does not wait for the aborted kernels) must pass within `PROBE_SECONDS`, or the worker takes the
-  restart path (`device_healthy`).
-- **The first collective of a communicator made eagerly but non-blocking waits for its init**, up to
-  the op timeout, on the thread that calls it: the plane runs one all-reduce of a zero while the
-  generation is built, on the build's thread (which the caller abandons at a newer round), so the
-  training thread never meets an unfinished communicator.
-- **`ncclCommShrink`** (NCCL 2.27+) makes the survivors' communicator from the parent's bootstrap
-  after a loss, cheaper than a new one at scale: chosen by `replacement` and `shrink_flags` when the
-  new generation's ranks are exactly the parent's survivors, in their order (`shrink_plan`), and
-  checked after (rank and size as assigned, or a new communicator instead).
+  only the communicator's `get_error()` tells (`NcclPlane.failed`).
+- **A sticky CUDA error poisons the process**: after an abort with work in flight, a probe on a stream of
+  its own must pass within `PROBE_SECONDS`, or the worker takes the restart path (`device_healthy`).
+- **The first collective of an eagerly made, non-blocking communicator waits for its init**: the plane
+  runs one all-reduce of a zero on the build's thread, so the training thread never meets an unfinished
+  communicator.
+- **`ncclCommShrink`** (NCCL 2.27+) makes the survivors' communicator from the parent's, cheaper than a
+  new one at scale: chosen (`replacement`, `shrink_flags`) when the new ranks are exactly the parent's
+  survivors in their order (`shrink_plan`), and checked after.
 
-Only the decisions run on CPU (tests/trainer/test_live.py). The communicator's options, the probe and
-one rank's generations are tested on a GPU (tests marked cuda: not run in CI). The abort, the probe and
-a successor were run on an H200 with three ranks (README, "Recovery paths"); the trainer on this
-plane across GPU nodes is **not measured**.
+Only the decisions run on CPU (tests/trainer/test_live.py); the options, the probe and one rank's
+generations are tested on a GPU (tests marked cuda). Across GPU nodes this plane is **not measured**.
 """
 
 from __future__ import annotations

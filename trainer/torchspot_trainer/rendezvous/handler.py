@@ -1,57 +1,31 @@
 """The `etcd-v3` rendezvous handler and its registration with torchrun. The rules it applies to a
 round (when it ended, who is lost, when it may complete early) are pure, in rounds.py.
 
-We reuse torch's `DynamicRendezvousHandler` (its join, wait-list, heartbeat and
-round logic is sound) and change three things it gets wrong for spot nodes:
+It reuses torch's `DynamicRendezvousHandler` (its join, wait list, heartbeat and round logic) and
+changes four things it gets wrong on spot nodes (the recovery design, docs/recovery.md, says why each):
 
-1. **A lost peer ends the round.** torch's agent only restarts its workers when a
-   *new* node waits to join. A peer that froze (SIGSTOP, hung VM, partition) keeps
-   its sockets open, so the survivors sit in a collective until it times out
-   (minutes with NCCL). Here `num_nodes_waiting()` also reports a change when a
-   member of our round stopped heartbeating or the round moved on, so the agent
-   restarts its workers and the survivors re-form. A member is found lost in about a
-   second (liveness.py: each agent's own key, watched; a lost node is taken out of the
-   state with one compare-and-set), torch's `dead_after` (3 s) being the backstop.
-   Before it does, it leaves a marker (`markers.PEER_LOST_ENV`) telling its workers
-   not to wait for a step boundary that cannot come. Whenever it reports a change
-   (a joiner waits, or a member is gone) it also leaves `markers.RESTART_MARKER`
-   beside it: the SIGTERM its workers get next is a restart, not their node's
-   eviction, so they keep their state on the node instead of writing to Blob. An
-   agent stopped by a signal leaves `markers.LEAVING_MARKER` instead, before it
-   leaves the rendezvous (point 4): its workers write the emergency checkpoint
-   even if its SIGTERM reaches them after the other nodes' restart has begun.
-2. **The worker store follows rank 0, and listens before any worker starts.** torch
-   caches the first round's master address across rounds and lets the workers use
-   rank 0's agent store; when that node dies the survivors dial a dead host. torch's
-   alternative (a free port per round, where the rank-0 *worker* starts the store)
-   lets the other workers dial before it listens, and their client backs off 0.2-0.6 s.
-   Here the rank-0 agent of every round starts a fresh store before it publishes its
-   address through the etcd store, so it listens before any worker of the round starts.
-3. **etcd trouble is not a membership change.** While etcd is unreachable the
-   agent keeps training (workers do not need etcd) instead of crashing, an agent
-   joining a round tries again until etcd answers (`_join_next`), and a finished
-   run deletes its keys when the last agent leaves. etcd that lost its data (the managed etcd
-   keeps it in memory, and its pod moves at a drain or an upgrade) gets the running round
-   written back by its members (`_restore`), and a join that finds the state begun again
-   numbers its round after the one its node left (`_rejoined_round`): the rounds, and the
-   generations workers re-form into in place, only grow (rounds.py's `forgotten`).
-4. **Rounds form promptly.** torch re-reads the state once a second while it waits
-   for other nodes, and a round of fewer than `max_nodes` always waits out its last
-   call. Here an agent re-reads the state as soon as it is written (liveness.py's watch),
-   at the latest every `state_poll_interval` (0.25 s), and the join rules (joins.py) let a
-   round complete as soon as every member of the previous round has joined it or is known
-   to be gone, and keep a node that came after a loss for the round after. An agent
-   stopped by a signal (its node leaves) takes itself out of the rendezvous
-   (`leave_rendezvous`) instead of leaving the others to wait until its heartbeats
-   expire, and says so under `<run prefix>departed/`; a node
-   whose heartbeats expired is known gone to every agent that read the state then.
-   torch's state cannot tell either from a member that left the old round and has
-   not joined the new one yet.
+1. **A lost peer ends the round.** torch restarts workers only when a new node waits; a frozen peer
+   keeps its sockets open and the survivors wait in a collective. Here `num_nodes_waiting()` also
+   reports a member that stopped putting its liveness key (liveness.py: about a second; torch's
+   `dead_after` is the backstop) or a round that moved on. Before it does, the agent leaves markers for
+   its workers (markers.py): a peer is lost (do not wait for a boundary), the SIGTERM that follows is a
+   restart (keep the state on the node), or, for an agent stopped by a signal, its node leaves (write
+   the emergency checkpoint).
+2. **The worker store follows rank 0 and listens first.** The rank-0 agent of every round starts a
+   fresh store before it publishes its address, so no worker dials a dead host or a store not yet
+   listening (torch caches the first round's address, or lets workers dial before rank 0 listens).
+3. **etcd trouble is not a membership change.** While etcd is unreachable the agents train on and a
+   joining agent tries again; an etcd that lost its data gets the running round written back by its
+   members (`_restore`), and a join that finds the state begun again numbers its round after the one
+   its node left (`_rejoined_round`): rounds, and the generations workers re-form into, only grow.
+4. **Rounds form promptly.** An agent re-reads the state as soon as it is written (liveness.py's
+   watch), at the latest every `state_poll_interval`; the join rules (joins.py) complete a round once
+   every member of the previous one joined it or is known gone; an agent stopped by a signal leaves
+   the rendezvous at once (`leave_rendezvous`) and says so under `<run prefix>departed/`.
 
-torch's classes are extended in torch_glue.py (its state holder, op executor and the two module
-functions replaced); this subclass reads and replaces attributes of torch's handler
-(`_state_holder`, `_heartbeat_lock`, `_op_executor`, `_this_node`, `_bootstrap_store_info`,
-`_shared_tcp_store_server`). torch is pinned and the tests exercise all of it.
+torch's classes are extended in torch_glue.py; this subclass reads and replaces attributes of torch's
+handler (`_state_holder`, `_heartbeat_lock`, `_op_executor`, `_this_node`, `_bootstrap_store_info`,
+`_shared_tcp_store_server`), each listed in torch_private.py and checked against the pinned torch.
 """
 
 from __future__ import annotations

@@ -1,45 +1,28 @@
 """Detection of a lost node in about a second, without waiting for torch's heartbeat expiry.
 
-torch's rendezvous drops a node only when its heartbeat in the state blob is `dead_after`
-(3 s here) old, and a round cannot advance before; even a hard loss that gloo reports within a
-millisecond waits for it. Shortening torch's heartbeat would make every agent rewrite the whole
-state blob several times a second by compare-and-set, with a conflict retry per writer.
-
-Instead each agent puts a key of its own, `<run prefix>alive/<node>`, every `liveness_interval`
-(0.2 s), and watches the prefix (an etcd watch stream, not a poll). A node is judged by when
-*this* agent received its last put (local monotonic time, as TorchFT's Lighthouse judges beats,
-so clocks never matter). A member of our round whose key has not arrived for `liveness_timeout`
-(1 s) is evicted from the rendezvous state with one compare-and-set (handler.py), and the round
-advances at once. torch's own heartbeat stays as the backstop (a node whose agent never wrote a
-liveness key is left to it).
+torch drops a node only when its heartbeat in the state blob is `dead_after` (3 s) old; a shorter
+heartbeat would make every agent rewrite the whole blob several times a second by compare-and-set.
+Instead each agent puts a key of its own, `<run prefix>alive/<node>`, every `liveness_interval` (0.2 s),
+and watches the prefix. A node is judged by when *this* agent received its last put (local monotonic
+time: clocks never matter); a member silent for `liveness_timeout` (1 s) is taken out of the state with
+one compare-and-set (handler.py). torch's heartbeat stays the backstop.
 
 No false alarms, by construction:
-- **This agent must be able to see.** It judges only while its own puts come back through the
-  watch within `liveness_timeout / 2`: an agent starved of CPU, cut off from etcd, or whose watch
-  lags sees its own key late as well, and judges nobody until it catches up. When a watch is
-  (re)opened every known node starts afresh, so an etcd restart is no loss.
-- **A pause shorter than the timeout is no loss**: a node's next put resets its age.
-- **What etcd holds up counts against nobody.** However long our own puts were held up lately
-  (`held_up`: one overdue now, or one that arrived late within the last timeout) is added to every
-  member's timeout: the put that would have reset a member's age waited in the same etcd (an etcd
-  whose disk a checkpoint write holds answers nothing for half a second; a member whose puts come a
-  second apart then is slow, not gone). While etcd answers, our puts are late by its latency alone
-  (milliseconds).
-- **Corroboration shortens the wait, never decides alone**: after a local worker failed (a
-  collective raised: a peer's process is likely gone) the timeout is `CORROBORATED_PUTS` missed
-  puts (0.5 s) for `CORROBORATED_SECONDS`.
-- **A completed step is a receipt from every member of its group** (`proof`): a live worker's
-  gradient all-reduce completes only with every rank of its generation in it, so a node whose puts
-  an etcd slowed by a checkpoint's writes delays is not taken out while every step completes with
-  it. Its members are busy with the next step, so the receipt counts until that step is due by the
-  last one's duration (`Handover.stepped`: at most 5 s): a node's agent starved for a second after
-  a long step's stamp is still alive.
+- **This agent must be able to see**: it judges only while its own puts come back through the watch
+  within half the timeout (a starved or cut-off agent judges nobody); a (re)opened watch starts every
+  node afresh, so an etcd restart is no loss.
+- **A pause shorter than the timeout is no loss**: the next put resets a node's age.
+- **What etcd holds up counts against nobody**: however long our own puts were held up lately
+  (`held_up`) is added to every member's timeout, since theirs waited in the same etcd.
+- **Corroboration shortens the wait, never decides alone**: after a local worker's collective failed,
+  the timeout is `CORROBORATED_PUTS` missed puts for `CORROBORATED_SECONDS`.
+- **A completed step is a receipt from every member of its group** (`proof`): a gradient all-reduce
+  completes only with every rank in it. It counts until the next step is due by the last one's
+  duration (`Handover.stepped`, at most 5 s), so an agent starved during a long step is not taken out.
 
-The same watch stream carries the rendezvous state key: each write of it calls `on_state`, so an
-agent waiting for a round, or looking for a change at its monitor tick, reads the new state when it
-is written instead of at its next poll (the polls stay as the fallback while a watch is down).
-
-The keys live on the agent's run lease; a finished run deletes them with the rest of its prefix.
+The same watch carries the rendezvous state key: each write calls `on_state`, so a waiting agent reads
+the new state when it is written (polls remain the fallback while a watch is down). The keys live on the
+agent's run lease; a finished run deletes them with the rest of its prefix.
 """
 
 from __future__ import annotations
