@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -92,3 +93,18 @@ def test_the_reference_pages_are_what_their_sources_give_and_the_site_builds_str
     )  # fmt: skip
     assert built.returncode == 0, built.stderr[-3000:]
     assert "Manager" in (tmp_path / "site" / "reference" / "python-api" / "index.html").read_text()
+
+
+MODULE_DOCSTRING_LINES = 30
+"""A module docstring says what the module owns, its rules and their reasons; the reasoning beyond that is
+the docs' design pages'."""
+
+
+def test_no_trainer_module_docstring_runs_over_thirty_lines() -> None:
+    root = SOURCE_ROOTS["torchspot_trainer"]
+    long = {}
+    for path in sorted((root / "torchspot_trainer").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if len(doc.splitlines()) > MODULE_DOCSTRING_LINES:
+            long[str(path.relative_to(root))] = len(doc.splitlines())
+    assert long == {}
