@@ -11,11 +11,9 @@ import ast
 import inspect
 import itertools
 import os
-import tempfile
 import textwrap
 import types
 from dataclasses import MISSING, dataclass, fields, replace
-from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from torchspot_trainer import ENV_PREFIX, env_switch
@@ -360,23 +358,3 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         return TrainConfig(**vars(args))
     except ValueError as exc:
         parser.error(str(exc))
-
-
-def data_cache(config: TrainConfig) -> Path:
-    """The node's data folder (--data-cache): an az:// data set's copy and the file indexes, kept
-    across restarts (the pod's, or the node's where it is a hostPath)."""
-    return Path(config.data_cache) if config.data_cache else Path(tempfile.gettempdir()) / "torchspot-data"
-
-
-def index_cache(config: TrainConfig) -> Path:
-    """Where the node keeps its image folders' file indexes (datasets.node_index): in the data cache."""
-    return data_cache(config) / "index"
-
-
-def ensure_local_data(config: TrainConfig) -> Path:
-    """The data set as a local path, copying an az:// prefix to the cache first."""
-    from torchspot_trainer.data.fetch import fetch_prefix  # noqa: PLC0415
-
-    if config.data.startswith("az://"):
-        return fetch_prefix(config.data, data_cache(config))
-    return Path(config.data.removeprefix("file://"))

@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from torchspot_trainer import NODE_FAULT_EXIT, takes_in_place
-from torchspot_trainer.config import TrainConfig, ensure_local_data, index_cache
+from torchspot_trainer.config import TrainConfig
+from torchspot_trainer.data.cache import ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import DATA_SETS, Normalize
 from torchspot_trainer.data.loader import EVAL_LOADER_WORKERS, DeviceDecoder, EpochLoader
 from torchspot_trainer.data.sampler import ElasticSampler
@@ -265,8 +266,8 @@ def load_datasets(config: TrainConfig) -> tuple[Dataset[Any], Dataset[Any], int]
     """The training and test sets of `--dataset` (fetched and staged first where they are remote), and
     the number of classes (its entry in `DATA_SETS`)."""
     spec = DATA_SETS[config.dataset]
-    path = ensure_local_data(config) if spec.needs_data else Path()
-    return spec.load(path, config.image_size, index_cache(config))
+    path = ensure_local_data(config.data, config.data_cache) if spec.needs_data else Path()
+    return spec.load(path, config.image_size, index_cache(config.data_cache))
 
 
 def make_loader(

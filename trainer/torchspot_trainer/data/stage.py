@@ -19,7 +19,8 @@ from __future__ import annotations
 import sys
 import time
 
-from torchspot_trainer.config import data_cache, ensure_local_data, index_cache, parse_config
+from torchspot_trainer.config import parse_config
+from torchspot_trainer.data.cache import data_cache, ensure_local_data, index_cache
 from torchspot_trainer.data.datasets import load_imagenet
 from torchspot_trainer.data.fetch import fetch_prefix
 
@@ -37,12 +38,12 @@ def stage(argv: list[str]) -> None:
         return
     started = time.monotonic()
     if config.data.startswith("az://"):
-        cache = data_cache(config)
+        cache = data_cache(config.data_cache)
         say(f"copying {config.data} to {cache} before joining the rendezvous")
         fetch_prefix(config.data, cache, progress=lambda done, total: say(f"{done:,} of {total:,} objects"))
-    path = ensure_local_data(config)  # the cache, complete now (or the local folder as given)
+    path = ensure_local_data(config.data, config.data_cache)  # the cache, complete now (or the local folder as given)
     if config.dataset == "imagenet":  # the trainer's own folders: their indexes are the ones it maps
-        train, val = load_imagenet(path, config.image_size, index_cache(config))
+        train, val = load_imagenet(path, config.image_size, index_cache(config.data_cache))
         for split, folder in (("train", train), ("val", val)):
             say(f"{split}: {len(folder):,} images in {len(folder.classes):,} classes indexed")
     say(f"data set ready in {time.monotonic() - started:.1f} s")
