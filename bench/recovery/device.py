@@ -1,7 +1,7 @@
 """bench/recovery's join on the lent device machine, where each node can have cores of its own.
 
 On this project's 2-vCPU machines three nodes share two cores: a joiner's start-up takes about 37%
-of the two lock-stepped nodes' steps whatever its priority (bench/README.md, 2026-11-29), so a join's
+of the two lock-stepped nodes' steps whatever its priority (bench/README.md's history, 2026-11-29), so a join's
 cost to the others (`training_lost`) measures the machine, for us and for TorchFT alike. The device
 machine (16 cores) is the only one this project is lent with more, and it reaches no package index:
 what the bench needs beyond its image (KINDS.md lists the image's packages) travels as wheels.
@@ -18,7 +18,7 @@ trial here, 440 s in all), its raw results written to $OUT. The image's torch is
 with CUDA on 2026-11-27, not the pinned 2.13.0): its version is printed beside the figures. Checked
 here in bare venvs with the image's other packages the bench uses (`fetch --python 3.11`, `run --reps
 1`), with torch 2.13.0 and with 2.11.0+cu130 (a CUDA build, as the image's: it found the fork bug of
-bench/README.md, 2026-11-29 (night)); not yet run on the device.
+bench/README.md's history, 2026-11-29 (night)); not yet run on the device.
 """
 
 from __future__ import annotations

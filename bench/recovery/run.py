@@ -135,7 +135,7 @@ times for PAUSE_SECONDS meanwhile."""
 JOIN_LOSS_WINDOW = (2.0, 3.0)
 """`joinloss`: seconds from the joiner's start to the kill, drawn uniformly. Here a joiner's agent has
 joined the round by about 2 s and its worker is training about 4 s after its start (the `join`
-rows of bench/README.md): the kill lands while the others wait for it, not yet trained with it."""
+rows of bench/results/recovery/): the kill lands while the others wait for it, not yet trained with it."""
 NOTICE_GRACE = 30.0
 """Seconds between SIGTERM and SIGKILL at a notice (the kubelet's default grace)."""
 

@@ -265,7 +265,7 @@ def test_a_collective_never_waited_for_is_let_go_when_it_ends_and_its_generation
     first, never waited for. Each one's copy is held with its generation only until the collective
     ends (`LiveGroup._hold`), and the generation's grave is let go as soon as it is left, by the
     reaper, not after the op timeout (a soak's graveyard then filled within it and a worker fell back
-    to a restart: bench/README.md) nor at the next re-form (a dead peer's group spun its loop until
+    to a restart: bench/README.md's history) nor at the next re-form (a dead peer's group spun its loop until
     then: live.py's module docstring); its gloo loop goes with it. A generation left with one still
     in flight (a peer that never took part) has its connections closed by the reaper: that collective
     fails, the grave goes within a second, not at the op timeout (60 s here), waited for after the

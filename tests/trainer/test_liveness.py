@@ -75,7 +75,7 @@ def test_how_long_our_own_puts_were_held_up_lately(arrivals: list[float], held: 
 @pytest.mark.slow(seconds=4)
 def test_a_member_whose_put_waits_in_a_stalled_etcd_is_not_taken_out(etcd: EtcdServer, run_id: str) -> None:
     """etcd answers nothing for 0.45 s just after our own put arrived (a checkpoint's write on the
-    same disk held its log's fsync up so on the goodput market: bench/README.md, run 35), while a
+    same disk held its log's fsync up so on the goodput market: bench/README.md's history, run 35), while a
     member's agent had been silent for 0.65-0.75 s (its node busy starting a worker); that member's
     put, sent during the stall, arrives as ours does, its puts 1.1-1.2 s apart. Our own put stays
     under `timeout / 2` old, so we judge all the while: without counting the stall that member was

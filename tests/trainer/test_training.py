@@ -39,7 +39,7 @@ LR = 0.03
 """The peak learning rate of the same-model configuration. At 0.05 (until 2026-11-27) the run is
 chaotic: one float32 sum per step added in another order grows to a parameter difference of 4e-3
 by the end, 1.3e-3 at 0.04, 2e-5 at 0.03 and 7e-5 at 0.025 (/tmp-style simulation of this
-configuration's steps in one process, bench/README.md's equivalence section). A machine without
+configuration's steps in one process, bench/results/equivalence/). A machine without
 AVX-512 measured 8.9e-3 between the fixed runs on 1 and 3 nodes at 0.05, where another had measured
 1.0e-4: the comparison then tested which way the machine's rounding fell, not the runtime."""
 SAME_MODEL = [
