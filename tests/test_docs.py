@@ -40,8 +40,8 @@ def test_every_training_flag_is_in_the_trainers_pages() -> None:
     assert missing == []
 
 
-def test_every_rendezvous_setting_is_in_the_launchers_page() -> None:
-    page = _page("launcher.md")
+def test_every_rendezvous_setting_is_in_the_launchers_reference() -> None:
+    page = _page("reference/launcher.md")
     keys = [f.name for f in fields(EtcdV3Settings) if f.name not in ("host", "port", "run_id")]
     missing = [k for k in keys if f"| `{k}` |" not in page]
     assert missing == []

@@ -1,6 +1,7 @@
 """Write the docs site's generated pages from their sources (`make docs` runs it; a test checks that the
 pages are what it writes now): the ElasticJob's fields from the CRD's schema, the trainer's flags from its
-parser, the Helm values from values.schema.json, the workers' and the operator's metrics from their
+parser, `torchspot-run`'s flags and rendezvous settings from torch's parser and the settings' definitions,
+the Helm values from values.schema.json, the workers' and the operator's metrics from their
 definitions, the Python API from its docstrings (mkdocstrings renders it), and a page per benchmark from
 its results under bench/results/.
 
@@ -74,6 +75,51 @@ def trainer_flags_page() -> str:
         if not action.option_strings or action.option_strings[0] in ("-h", "--help"):
             continue
         flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
+        lines.append(f"| {flags} | {_cell(repr(action.default))} | {_cell(action.help or '')} |")
+    return "\n".join([*lines, ""])
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field docstrings (the string under each field), read from its source."""
+    import ast  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs: dict[str, str] = {}
+    for field, after in zip(body.body, body.body[1:], strict=False):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):  # fmt: skip
+            docs[field.target.id] = after.value.value
+    return docs
+
+
+def launcher_page() -> str:
+    from dataclasses import MISSING, fields  # noqa: PLC0415
+
+    from torch.distributed.run import get_args_parser  # noqa: PLC0415 - torch: only for this page
+
+    from torchspot_trainer.rendezvous.settings import EtcdV3Settings  # noqa: PLC0415
+
+    sources = "torch.distributed.run's parser, trainer/torchspot_trainer/rendezvous/settings.py"
+    lines = [GENERATED.format(source=sources), "# `torchspot-run` flags and settings\n",
+             "`torchspot-run` is torchrun with the `etcd-v3` rendezvous backend: it parses torchrun's own flags "
+             "(below, from torch's parser, with torch's descriptions) and, with `--rdzv-backend etcd-v3`, the "
+             "`--rdzv-conf key=value,...` settings after them. How the launcher uses them: "
+             "[the launcher](../launcher.md).\n",
+             "## `--rdzv-conf` settings (`etcd-v3`)\n",
+             "| key | default | description |", "| --- | --- | --- |"]  # fmt: skip
+    docs = _attribute_docs(EtcdV3Settings)
+    for field in fields(EtcdV3Settings):
+        if field.default is MISSING:  # (host, port, run id: --rdzv-endpoint and --rdzv-id)
+            continue
+        lines.append(f"| `{field.name}` | {_cell(repr(field.default))} | {_cell(docs.get(field.name, ''))} |")
+    lines += ["", "## torchrun's flags\n", "| flag | default | description |", "| --- | --- | --- |"]
+    for action in get_args_parser()._actions:
+        if not action.option_strings or action.option_strings[0] in ("-h", "--help"):
+            continue
+        flags = ", ".join(f"`{flag}`" for flag in action.option_strings if flag.startswith("--"))
         lines.append(f"| {flags} | {_cell(repr(action.default))} | {_cell(action.help or '')} |")
     return "\n".join([*lines, ""])
 
@@ -164,6 +210,7 @@ def render() -> dict[Path, str]:
         **results_pages(),
         REFERENCE / "elasticjob.md": elasticjob_page(),
         REFERENCE / "trainer-flags.md": trainer_flags_page(),
+        REFERENCE / "launcher.md": launcher_page(),
         REFERENCE / "helm-values.md": helm_values_page(),
         REFERENCE / "metrics.md": metrics_page(),
         REFERENCE / "python-api.md": python_api_page(),
