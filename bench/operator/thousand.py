@@ -85,10 +85,18 @@ def _node(index: int, fixture: dict[str, Any]) -> dict[str, Any]:
 
 def _running(pod: dict[str, Any], node: str, fixture: dict[str, Any]) -> dict[str, Any]:
     """What the scheduler, kubelet and API server add to a pod: its node, a running status with a
-    trainer's and a sidecar's container statuses, conditions, managedFields."""
+    trainer's and a sidecar's container statuses, conditions, managedFields, the fixture's annotations but
+    its worker index (every pod would otherwise claim the fixture's, and the operator keeps one pod an
+    index: the others would go as surplus)."""
     status = copy.deepcopy(fixture["status"])
     status["containerStatuses"][0]["name"] = "trainer"
-    meta = {"managedFields": fixture["metadata"]["managedFields"], "annotations": fixture["metadata"]["annotations"]}
+    annotations = {
+        key: value for key, value in fixture["metadata"]["annotations"].items() if key != constants.ANNOTATION_INDEX
+    }
+    meta = {
+        "managedFields": fixture["metadata"]["managedFields"],
+        "annotations": annotations,
+    }  # (the pod's index stays)
     return {"metadata": meta, "spec": {"nodeName": node}, "status": status}
 
 
