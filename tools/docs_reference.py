@@ -1,9 +1,9 @@
 """Write the docs site's generated pages from their sources (`make docs` runs it; a test checks that the
 pages are what it writes now): the ElasticJob's fields from the CRD's schema, the trainer's flags from its
 parser, `torchspot-run`'s flags and rendezvous settings from torch's parser and the settings' definitions,
-the Helm values from values.schema.json, the workers' and the operator's metrics from their
-definitions, the Python API from its docstrings (mkdocstrings renders it), and a page per benchmark from
-its results under bench/results/.
+the Helm values from values.schema.json, the workers' and the operator's metrics from their definitions and
+the operator's Events from their list, the Python API from its docstrings (mkdocstrings renders it), and a
+page per benchmark from its results under bench/results/.
 
     python tools/docs_reference.py          # write docs/reference/ and docs/results/
     python tools/docs_reference.py --check  # exit 1 naming each page that differs
@@ -138,12 +138,16 @@ def helm_values_page() -> str:
 
 
 def metrics_page() -> str:
+    from torchspot_operator import events as operator_events  # noqa: PLC0415
     from torchspot_operator import metrics as operator_metrics  # noqa: PLC0415
     from torchspot_trainer.elastic import metrics as worker_metrics  # noqa: PLC0415
 
-    sources = "operator/torchspot_operator/metrics.py, trainer/torchspot_trainer/elastic/metrics.py"
+    sources = (
+        "operator/torchspot_operator/metrics.py, trainer/torchspot_trainer/elastic/metrics.py, "
+        "operator/torchspot_operator/events.py"
+    )
     lines = [GENERATED.format(source=sources),
-             "# Metrics\n", "## The operator's\n",
+             "# Metrics and events\n", "## The operator's metrics\n",
              f"Served at `/metrics` on the port `{operator_metrics.METRICS_PORT_ENV}` names "
              f"(default {operator_metrics.DEFAULT_METRICS_PORT}).\n",
              "| metric | type | labels | description |", "| --- | --- | --- | --- |"]  # fmt: skip
@@ -159,6 +163,11 @@ def metrics_page() -> str:
     for family, kind, text, suffixes in worker_metrics._FAMILIES:
         names = ", ".join(f"`{family}{suffix}`" for suffix in suffixes)
         lines.append(f"| {names} | {kind} | {_cell(text)} |")
+    lines += ["", "## The operator's Events\n",
+              "Posted on the ElasticJob (`kubectl describe ej NAME`, `kubectl get events`).\n",
+              "| reason | type | when |", "| --- | --- | --- |"]  # fmt: skip
+    for reason, (kind, when) in operator_events.EVENTS.items():
+        lines.append(f"| `{reason}` | {kind} | {_cell(when)} |")
     return "\n".join([*lines, ""])
 
 
