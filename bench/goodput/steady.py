@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as goodput_run  # type: ignore[import-not-found]  # a sibling, found through the path above
 
+from bench import record  # (the repository: on the path since run.py put it there)
 from torchspot_lab import goodput
 from torchspot_lab.scenario import Pool, Scenario
 
@@ -74,7 +75,9 @@ def main() -> int:
         help="ddp: the job as shipped (DDP) against in place; saver: in place with checkpoints saved in a process "
         "against on a thread",
     )  # fmt: skip
+    parser.add_argument("--results", type=Path, default=None, help="the results (default: bench/results/steady-PAIR/)")
     args = parser.parse_args()
+    began_at = record.commit()
     out: Path = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out}: not empty; pick a new folder")
@@ -94,14 +97,18 @@ def main() -> int:
             said = "-" if steady is None else f"{steady:.2f}"
             print(f"  {name} run {rep}: {rate:.2f} samples/s from the first start, steady {said}", flush=True)
     means = {}
-    for name, found in rates.items():
-        steadies = [s for _, s in found if s is not None]
-        means[name] = (statistics.mean(r for r, _ in found), statistics.mean(steadies) if steadies else None)
-        steady_text = "-" if means[name][1] is None else f"{means[name][1]:.2f}"
-        print(f"{name}: mean {means[name][0]:.2f} samples/s, steady {steady_text}")
-    ours, theirs = means[candidate][1], means[reference][1]
-    if ours is not None and theirs is not None:
-        print(f"steady ratio {candidate} / {reference}: {ours / theirs:.3f}")
+    with record.captured() as lines:
+        for name, found in rates.items():
+            steadies = [s for _, s in found if s is not None]
+            means[name] = (statistics.mean(r for r, _ in found), statistics.mean(steadies) if steadies else None)
+            steady_text = "-" if means[name][1] is None else f"{means[name][1]:.2f}"
+            print(f"{name}: mean {means[name][0]:.2f} samples/s, steady {steady_text}")
+        ours, theirs = means[candidate][1], means[reference][1]
+        if ours is not None and theirs is not None:
+            print(f"steady ratio {candidate} / {reference}: {ours / theirs:.3f}")
+    trials = [{"job": name, "rate": rate, "steady": steady} for name, found in rates.items() for rate, steady in found]
+    record.write(args.results or record.dated(f"steady-{args.pair}", began_at), f"steady-{args.pair}", trials, lines,
+                 at=began_at, figures={name: list(mean) for name, mean in means.items()})  # fmt: skip
     print(f"runs under {out}; deleted {goodput_run._drop_blobs(out) / 2**30:.1f} GB of Azurite blobs")
     return 0
 
