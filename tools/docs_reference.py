@@ -79,27 +79,12 @@ def trainer_flags_page() -> str:
     return "\n".join([*lines, ""])
 
 
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """A dataclass's field docstrings (the string under each field), read from its source."""
-    import ast  # noqa: PLC0415
-    import inspect  # noqa: PLC0415
-    import textwrap  # noqa: PLC0415
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    assert isinstance(body, ast.ClassDef)
-    docs: dict[str, str] = {}
-    for field, after in zip(body.body, body.body[1:], strict=False):
-        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):  # fmt: skip
-            docs[field.target.id] = after.value.value
-    return docs
-
-
 def launcher_page() -> str:
     from dataclasses import MISSING, fields  # noqa: PLC0415
 
     from torch.distributed.run import get_args_parser  # noqa: PLC0415 - torch: only for this page
 
+    from torchspot_trainer.config import field_docs  # noqa: PLC0415
     from torchspot_trainer.rendezvous.settings import EtcdV3Settings  # noqa: PLC0415
 
     sources = "torch.distributed.run's parser, trainer/torchspot_trainer/rendezvous/settings.py"
@@ -110,7 +95,7 @@ def launcher_page() -> str:
              "[the launcher](../launcher.md).\n",
              "## `--rdzv-conf` settings (`etcd-v3`)\n",
              "| key | default | description |", "| --- | --- | --- |"]  # fmt: skip
-    docs = _attribute_docs(EtcdV3Settings)
+    docs = field_docs(EtcdV3Settings)
     for field in fields(EtcdV3Settings):
         if field.default is MISSING:  # (host, port, run id: --rdzv-endpoint and --rdzv-id)
             continue

@@ -286,9 +286,10 @@ class TrainConfig:
         return events_url(self.scheduled_events, os.environ)
 
 
-def _field_docs() -> dict[str, str]:
-    """Field docstrings (the string right after each field), for --help."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field docstrings (the string right after each field), whitespace folded: --help's
+    texts, and the docs' reference pages'."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, following in itertools.pairwise(body):
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Elastic ResNet training under torchspot-run (or torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    docs = _field_docs()
+    docs = field_docs(TrainConfig)
     hints = get_type_hints(TrainConfig)
     for item in fields(TrainConfig):
         flag = "--" + item.name.replace("_", "-")
