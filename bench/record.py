@@ -82,3 +82,29 @@ def captured() -> Iterator[list[str]]:
     with contextlib.redirect_stdout(tee):
         yield lines
     lines.extend(line for line in tee.getvalue().splitlines() if line.strip())
+
+
+class Run:
+    """One benchmark run's record as it goes, what each benchmark's `main` keeps: the commit it began at
+    (taken now: a long run's checkout may move on before it ends), the lines it prints inside
+    `captured()`, and its file, `out` or bench/results/<bench>/<date>-<commit>.json (`dated`)."""
+
+    def __init__(self, bench: str, out: Path | None = None) -> None:
+        self.bench = bench
+        self.at = commit()
+        self.out = out or dated(bench, self.at)
+        self.lines: list[str] = []
+        """The summary so far: every line printed inside `captured()` blocks."""
+
+    @contextlib.contextmanager
+    def captured(self) -> Iterator[list[str]]:
+        """The module's `captured`, its lines added to the run's summary as the block ends."""
+        with captured() as lines:
+            yield lines
+        self.lines.extend(lines)
+
+    def write(
+        self, trials: list[dict[str, Any]], *, figures: dict[str, Any] | None = None, summary: list[str] | None = None
+    ) -> None:
+        """The run's file (`write`): its `trials`, `figures` and summary (the captured lines unless given)."""
+        write(self.out, self.bench, trials, self.lines if summary is None else summary, at=self.at, figures=figures)

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/api_cost/...)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run("api_cost", args.out)
     rates: dict[tuple[str, int], list[float]] = {}
     trials: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="torchspot-api-cost-") as tmp, EtcdServer(Path(tmp) / "etcd") as etcd:
@@ -78,7 +78,7 @@ def main() -> None:
                     trials.append({"trial": number + 1, "width": width, "mode": mode, "steps_per_s": rate})
                     print(f"[{number + 1}/{args.trials}] width {width:5} {mode:8} {rate:8.1f} steps/s", flush=True)
     figures: dict[str, dict[str, float]] = {}
-    with record.captured() as lines:
+    with recording.captured():
         print("\nSteady state, 2 nodes x 1 process, gloo: steps per second (median, min-max), ratio to plain DDP")
         for width in args.widths:
             plain = statistics.median(rates[("plain", width)]) if ("plain", width) in rates else None
@@ -89,9 +89,7 @@ def main() -> None:
                 ratio = "" if plain is None else f": ratio {median / plain:.3f}"
                 print(f"  width {width:5} {mode:10}: {median:.1f} ({min(found):.1f}-{max(found):.1f}){ratio}")
     sys.stdout.flush()
-    record.write(
-        args.out or record.dated("api_cost", began_at), "api_cost", trials, lines, at=began_at, figures=figures
-    )
+    recording.write(trials, figures=figures)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/checkpoint-KIND/)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run(f"checkpoint-{args.step_kind}", args.out)
 
     state = resnet50_state()
     size = sum(t.numel() * t.element_size() for t in state["model"].values())
@@ -201,7 +201,7 @@ def main() -> None:
     base = statistics.median(baseline)
     over_stock = statistics.median(stock_loop) / base - 1
     over_ours = statistics.median(ours_loop) / base - 1
-    with record.captured() as lines:
+    with recording.captured():
         print("\nCheckpoint of ResNet-50 state to Azurite (medians)")
         print(f"  stall per checkpoint: stock {stall_stock:.2f} s, ours {stall_ours:.3f} s "
               f"-> ours is {100 * stall_ours / stall_stock:.1f}% of stock (target <= 10%)")  # fmt: skip
@@ -216,8 +216,7 @@ def main() -> None:
         "step_kind": args.step_kind, "saver": args.saver, "blob_nice": args.blob_nice,
         "azurite_cpu_s": azurite_cpu, "saver_cpu_s": saver_cpu,
     }  # fmt: skip
-    out = args.out or record.dated(f"checkpoint-{args.step_kind}", began_at)
-    record.write(out, f"checkpoint-{args.step_kind}", [], lines, at=began_at, figures=figures)
+    recording.write([], figures=figures)
 
 
 if __name__ == "__main__":

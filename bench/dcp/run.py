@@ -46,7 +46,6 @@ from torchspot_trainer.checkpoint.storage import blob_container
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().with_name("worker.py")
-RESULTS = record.RESULTS / "dcp.json"
 METHODS = ("ours", "ours-async", "adlfs", "torch-save")
 CHUNK = 64 << 10
 
@@ -154,12 +153,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--pace", type=float, default=0.0, help="MB/s per connection through a relay (0: none)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="the raw results (a JSON file)")
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/dcp/...)")
     args = parser.parse_args()
     if args.mib % 64 or any(4 % ranks for ranks in args.ranks):
         raise SystemExit("--mib must be a multiple of 64, and --ranks among 1, 2 and 4")
     rows: list[dict[str, Any]] = []
-    began_at = record.commit()
+    recording = record.Run("dcp", args.out)
     with tempfile.TemporaryDirectory(prefix="torchspot-bench-dcp-") as tmp, Azurite(Path(tmp) / "azurite") as azurite:
         env = {**os.environ, **azurite.env()}
         if args.pace:
@@ -186,7 +185,7 @@ def main() -> None:
     print(f"\n{args.mib} MiB of state to Azurite" + (f" through a relay of {args.pace:g} MB/s per connection" if
           args.pace else " on loopback") + ": medians (min-max)")  # fmt: skip
     print("\n".join(table))
-    record.write(args.out, "dcp", rows, table, at=began_at)
+    recording.write(rows, summary=table)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/equivalence/...)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run("equivalence", args.out)
     with tempfile.TemporaryDirectory(prefix="torchspot-equivalence-") as tmp:
         root = Path(tmp)
         with EtcdServer(root / "etcd") as etcd, Azurite(root / "azurite") as blob:
@@ -95,7 +95,7 @@ def main() -> None:
     reference, reference_losses = runs[3]
     largest = max(float(t.abs().max()) for t in reference.values())
     rows = []
-    with record.captured() as lines:
+    with recording.captured():
         print(f"\nAgainst the 3-node run (largest parameter {largest:.2f}):")
         for nodes in (2, 1):
             params, losses = runs[nodes]
@@ -112,8 +112,7 @@ def main() -> None:
               f"against the 1-node run: largest parameter difference {diverged:.2g}, {diverged / TOLERANCE:.0f} times "
               f"the same-model test's bound ({TOLERANCE:g})")  # fmt: skip
         summary = {"largest_parameter": largest, "against_3_nodes": rows, "control_against_1_node": diverged}
-    record.write(args.out or record.dated("equivalence", began_at), "equivalence", rows, lines, at=began_at,
-                 figures=summary)  # fmt: skip
+    recording.write(rows, figures=summary)
 
 
 if __name__ == "__main__":

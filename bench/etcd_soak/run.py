@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/etcd_soak/...)")
     args = parser.parse_args(argv)
-    began_at = record.commit()
+    recording = record.Run("etcd_soak", args.out)
     writes = int(args.nodes * args.hours * 3600 / args.heartbeat)
     churn_every = max(1, int(args.nodes * args.churn_minutes * 60 / args.heartbeat))
     print(f"{writes:,} state writes ({args.nodes} agents, {args.hours:g} h at one per {args.heartbeat:g} s), "
@@ -143,15 +143,14 @@ def main(argv: list[str] | None = None) -> int:
                     rate = written / (time.monotonic() - started)
                     print(f"  {written / writes:6.1%}  {rate:7.0f} writes/s  data dir: torchspot {ours:.1f} MiB,"
                           f" defaults {theirs:.1f} MiB", flush=True)  # fmt: skip
-            with record.captured() as lines:
+            with recording.captured():
                 result = report(runs, args, writes)
         finally:
             pool.shutdown()
             for run in runs:
                 run.close()
     samples = [{"etcd": run.name, **sample} for run in runs for sample in run.samples]
-    record.write(args.out or record.dated("etcd_soak", began_at), "etcd_soak", samples, lines, at=began_at,
-                 figures=result)  # fmt: skip
+    recording.write(samples, figures=result)
     return 0
 
 

@@ -223,7 +223,7 @@ def main() -> int:
     parser.add_argument("--in-place", action="store_true", help="torchspot's market run re-forms in place")
     parser.add_argument("--results", type=Path, default=None, help="the results (default: bench/results/goodput/...)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run("goodput", args.results)
     out: Path = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out}: not empty; pick a new folder")
@@ -252,10 +252,9 @@ def main() -> int:
     (out / "goodput.json").write_text(json.dumps(data, indent=2) + "\n")
     _plot(results, market, rates, out / "goodput.png")
     _say("")
-    with record.captured() as lines:
+    with recording.captured():
         _report(results, ratio)
-    record.write(args.results or record.dated("goodput", began_at), "goodput", results, lines, at=began_at,
-                 figures={"rates": rates, "calibrations": calibrations, "ratio": ratio})  # fmt: skip
+    recording.write(results, figures={"rates": rates, "calibrations": calibrations, "ratio": ratio})
     _say(f"results {out / 'goodput.json'}, plot {out / 'goodput.png'}")
     if not args.keep_blobs:
         _say(f"deleted {_drop_blobs(out) / 2**30:.1f} GB of Azurite blobs (--keep-blobs keeps them)")

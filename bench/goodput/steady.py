@@ -77,7 +77,7 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--results", type=Path, default=None, help="the results (default: bench/results/steady-PAIR/)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run(f"steady-{args.pair}", args.results)
     out: Path = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         parser.error(f"--out {out}: not empty; pick a new folder")
@@ -97,7 +97,7 @@ def main() -> int:
             said = "-" if steady is None else f"{steady:.2f}"
             print(f"  {name} run {rep}: {rate:.2f} samples/s from the first start, steady {said}", flush=True)
     means = {}
-    with record.captured() as lines:
+    with recording.captured():
         for name, found in rates.items():
             steadies = [s for _, s in found if s is not None]
             means[name] = (statistics.mean(r for r, _ in found), statistics.mean(steadies) if steadies else None)
@@ -107,8 +107,7 @@ def main() -> int:
         if ours is not None and theirs is not None:
             print(f"steady ratio {candidate} / {reference}: {ours / theirs:.3f}")
     trials = [{"job": name, "rate": rate, "steady": steady} for name, found in rates.items() for rate, steady in found]
-    record.write(args.results or record.dated(f"steady-{args.pair}", began_at), f"steady-{args.pair}", trials, lines,
-                 at=began_at, figures={name: list(mean) for name, mean in means.items()})  # fmt: skip
+    recording.write(trials, figures={name: list(mean) for name, mean in means.items()})
     print(f"runs under {out}; deleted {goodput_run._drop_blobs(out) / 2**30:.1f} GB of Azurite blobs")
     return 0
 

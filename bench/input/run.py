@@ -296,7 +296,7 @@ def main() -> None:
     if args.handover:
         print(json.dumps(handover(args.handover, args.root, args.epochs, args.workers)))
         return
-    began_at = record.commit()
+    recording = record.Run("input", args.out)
     with tempfile.TemporaryDirectory(prefix="torchspot-input-") as tmp:
         root = Path(tmp) / "source" / "train"
         print(f"writing {args.images} JPEGs of {WIDTH} x {HEIGHT} ...", flush=True)
@@ -326,7 +326,7 @@ def main() -> None:
                 handovers[how].append(result)
                 print(f"  trial {trial + 1} --decode gpu hand-over, {how}: "
                       f"{1000 * result['own_cpu_s'] / result['batches']:.1f} ms per batch", flush=True)  # fmt: skip
-    with record.captured() as lines:
+    with recording.captured():
         summary: dict[str, Any] = {}
         for name, results in runs.items():
             summary[name] = {
@@ -358,7 +358,7 @@ def main() -> None:
             summary["index"] = index_figure(args.index_files, args.reps)
     trials = [{"pipeline": name, **result} for name, results in runs.items() for result in results]
     summary["mean_file_kib"], summary["prepared_mean_file_kib"] = kib, prepared_kib
-    record.write(args.out or record.dated("input", began_at), "input", trials, lines, at=began_at, figures=summary)
+    recording.write(trials, figures=summary)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/operator/...)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run("operator", args.out)
 
     with tempfile.TemporaryDirectory(prefix="torchspot-operator-bench-") as tmp, KubeApi(Path(tmp) / "api") as api:
         kube = Kube(server=api.url, headers={}, ssl_context=True)
@@ -158,7 +158,7 @@ def main() -> None:
             results["jobs"] = args.jobs
         run(kube.close())
 
-    with record.captured() as lines:
+    with recording.captured():
         pod_median = statistics.median(results["pod_loss_s"])
         node_median = statistics.median(results["node_loss_s"])
         print("\nOperator against the kmock emulator")
@@ -187,8 +187,7 @@ def main() -> None:
         if results["quiet_by_request"]:
             print(f"    by request: {results['quiet_by_request']}")
     trials = [{"loss": kind, "seconds": seconds} for kind in ("pod", "node") for seconds in results[f"{kind}_loss_s"]]
-    record.write(args.out or record.dated("operator", began_at), "operator", trials, lines, at=began_at,
-                 figures=results)  # fmt: skip
+    recording.write(trials, figures=results)
 
 
 def _latency(

@@ -138,8 +138,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/shared/...)")
     args = parser.parse_args()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    began_at = record.commit()
-    with tempfile.TemporaryDirectory(prefix="torchspot-shared-bench-") as tmp, record.captured() as lines:
+    recording = record.Run("shared", args.out)
+    with tempfile.TemporaryDirectory(prefix="torchspot-shared-bench-") as tmp, recording.captured():
         found = quota(args, Path(tmp))
         print(
             f"quota: {found['requests_per_minute']:.1f} requests/min (target <= 10), "
@@ -154,8 +154,7 @@ def main() -> None:
             f"{args.storm:.0f} s (target 0; the old rule: {hit['old_rule_would_delete']:.0f})",
             flush=True,
         )
-    record.write(args.out or record.dated("shared", began_at), "shared", [found, hit], lines, at=began_at,
-                 figures={"quota": found, "storm": hit})  # fmt: skip
+    recording.write([found, hit], figures={"quota": found, "storm": hit})
 
 
 if __name__ == "__main__":

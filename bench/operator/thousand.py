@@ -312,7 +312,7 @@ def main() -> None:
     parser.add_argument("--quiet-window", type=float, default=330.0, help="longer than kopf's 300 s watch cycle")
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/thousand/...)")
     args = parser.parse_args()
-    began_at = record.commit()
+    recording = record.Run("thousand", args.out)
 
     results: dict[str, Any] = {"jobs": args.jobs, "workers": args.workers, "nodes": args.nodes}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -348,7 +348,7 @@ def main() -> None:
                 standby.wait(60)
         world.run(world.kube.close())
 
-    with record.captured() as lines:
+    with recording.captured():
         start, takeover, replaced = results["start"], results["takeover"], results["replacement_s"]
         burst = results["burst_replacement_s"]
         print(f"\n{args.jobs} jobs x {args.workers} workers on {args.nodes} nodes, AKS-sized objects (kmock emulator)")
@@ -364,8 +364,7 @@ def main() -> None:
               f"over {burst['n']}")  # fmt: skip
         print(f"  takeover: every job reconciled in {takeover['seconds']:.1f} s, peak {takeover['peak_requests_per_s']}"
               f" requests/s, peak memory {takeover['peak_rss_mb']:.0f} MiB")  # fmt: skip
-    record.write(args.out or record.dated("thousand", began_at), "thousand", [], lines, at=began_at,
-                 figures=results)  # fmt: skip
+    recording.write([], figures=results)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ Needs torch >= 2.14 (the reconfigure API): run it from a virtual environment tha
     /tmp/torch214/bin/python bench/reconfigure/run.py --reps 10
 
 Prints each trial and a summary (p50 and max per method and scenario; trials that did not recover within
-the harness's limit counted apart), and writes bench/results/reconfigure.json.
+the harness's limit counted apart), and writes bench/results/reconfigure/DATE-COMMIT.json.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from bench import record
 
 HERE = Path(__file__).resolve().parent
-RESULTS = record.RESULTS / "reconfigure.json"
 METHODS = ("generations", "reconfigure")
 SCENARIOS = ("kill", "freeze", "storeloss")
 LIMIT = 30.0
@@ -168,7 +167,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/reconfigure/...)")
     args = parser.parse_args()
+    recording = record.Run("reconfigure", args.out)
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     if "reconfigure" in args.methods and (major, minor) < (2, 14):
         raise SystemExit(f"torch {torch.__version__}: the reconfigure method needs torch 2.14 or newer (see --help)")
@@ -185,7 +186,7 @@ def main() -> None:
     print()
     for line in summary(results):
         print(line)
-    record.write(RESULTS, "reconfigure", results, summary(results))
+    recording.write(results, summary=summary(results))
 
 
 if __name__ == "__main__":

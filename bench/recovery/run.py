@@ -557,7 +557,7 @@ def main() -> None:
         help="where the raw results go (a JSON file; default bench/results/recovery/DATE-COMMIT.json)",
     )  # fmt: skip
     args = parser.parse_args()
-    began_at = results.commit()
+    recording = results.Run("recovery", args.results)
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -610,9 +610,7 @@ def main() -> None:
             elif ours is not None and len(stats) > 1:
                 say(f"  ratio ({mode}): no other backend recovered every trial within {args.timeout:g} s")
         summary[scenario] = stats
-    out = args.results or results.dated("recovery", began_at)
-    results.write(out, "recovery", [t.__dict__ for t in trials], [line for line in lines if line.strip()],
-                 at=began_at, figures=summary)  # fmt: skip
+    recording.write([t.__dict__ for t in trials], figures=summary, summary=[line for line in lines if line.strip()])
 
 
 if __name__ == "__main__":

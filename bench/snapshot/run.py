@@ -81,8 +81,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="the results (default: bench/results/snapshot/...)")
     args = parser.parse_args()
-    began_at = record.commit()
-    with record.captured() as lines:
+    recording = record.Run("snapshot", args.out)
+    with recording.captured():
         state = resnet50_state()
         mib = state_bytes(state) / 2**20
         print(f"state: ResNet-50 model + SGD momentum, {mib:.0f} MiB")
@@ -106,8 +106,7 @@ def main() -> None:
     trials = {"host_copy_every_step_ms": every1, "host_copy_every_10_ms": every10, "snapshot_write_s": saves,
               "joiner_tensors": wire, "joiner_pickle": pickled}  # fmt: skip
     figures = {"state_mib": mib, "pickle_over_tensors_time": ratio_s, "pickle_over_tensors_memory": ratio_m}
-    record.write(args.out or record.dated("snapshot", began_at), "snapshot", [trials], lines, at=began_at,
-                 figures=figures)  # fmt: skip
+    recording.write([trials], figures=figures)
 
 
 if __name__ == "__main__":

@@ -535,7 +535,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/soak/DATE-COMMIT.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run's folders here")
     args = parser.parse_args()
-    began_at = results.commit()
+    recording = results.Run("soak", args.out)
     with tempfile.TemporaryDirectory(prefix="torchspot-soak-") as tmp:
         root = args.keep or Path(tmp)
         with EtcdServer(root / "etcd", extra_flags=ETCD_SIZING) as etcd, Azurite(root / "azurite") as blob:
@@ -547,11 +547,11 @@ def main() -> None:
                 print(f"  {time.monotonic() - started:.0f} s; the undisturbed run on {nodes} node(s) to step "
                       f"{run['step']}...", flush=True)  # fmt: skip
                 fixed[nodes] = undisturbed(root, etcd, blob, args.events, nodes=nodes, step=run["step"])
-            with results.captured() as lines:
+            with recording.captured():
                 result = report(run, fixed, blob)
     result["args"] = {k: ",".join(sorted(v)) if isinstance(v, frozenset) else str(v) for k, v in vars(args).items()}
     faults = result.pop("fault_log", [])
-    results.write(args.out or results.dated("soak", began_at), "soak", faults, lines, at=began_at, figures=result)
+    recording.write(faults, figures=result)
 
 
 if __name__ == "__main__":
