@@ -10,8 +10,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 from tests.layout import ROOT, SOURCE_ROOTS, package_folders
-from tools.docs_reference import render
+from tools.docs_reference import launcher_page, render
 from torchspot_trainer.config import build_parser
 from torchspot_trainer.rendezvous.settings import EtcdV3Settings
 
@@ -45,6 +47,16 @@ def test_every_rendezvous_setting_is_in_the_launchers_reference() -> None:
     keys = [f.name for f in fields(EtcdV3Settings) if f.name not in ("host", "port", "run_id")]
     missing = [k for k in keys if f"| `{k}` |" not in page]
     assert missing == []
+
+
+def test_the_launchers_reference_is_the_same_where_torchrun_variables_are_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's flags default to `PET_<FLAG>` where set: a machine with one set must not render, and so
+    fail `make test`'s check of, another page."""
+    expected = launcher_page()
+    monkeypatch.setenv("PET_NNODES", "3:7")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "9")
+    assert launcher_page() == expected
+    assert os.environ["PET_NNODES"] == "3:7"  # (put back for the caller)
 
 
 def test_the_layout_names_every_package_folder() -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,16 @@ def trainer_flags_page() -> str:
     return "\n".join([*lines, ""])
 
 
+def _torch_defaults(make: Callable[[], argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """torchrun's parser as torch defines it: its flags take their defaults from `PET_<FLAG>` variables
+    where set (torch's `env` action), and a machine that sets one would render another page."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("PET_")}
+    try:
+        return make()
+    finally:
+        os.environ.update(saved)
+
+
 def launcher_page() -> str:
     from dataclasses import MISSING, fields  # noqa: PLC0415
 
@@ -101,7 +112,7 @@ def launcher_page() -> str:
             continue
         lines.append(f"| `{field.name}` | {_cell(repr(field.default))} | {_cell(docs.get(field.name, ''))} |")
     lines += ["", "## torchrun's flags\n", "| flag | default | description |", "| --- | --- | --- |"]
-    for action in get_args_parser()._actions:
+    for action in _torch_defaults(get_args_parser)._actions:
         if not action.option_strings or action.option_strings[0] in ("-h", "--help"):
             continue
         flags = ", ".join(f"`{flag}`" for flag in action.option_strings if flag.startswith("--"))
