@@ -162,8 +162,8 @@ def metrics_page() -> str:
     lines += ["", "## The operator's Events\n",
               "Posted on the ElasticJob (`kubectl describe ej NAME`, `kubectl get events`).\n",
               "| reason | type | when |", "| --- | --- | --- |"]  # fmt: skip
-    for reason, (kind, when) in operator_events.EVENTS.items():
-        lines.append(f"| `{reason}` | {kind} | {_cell(when)} |")
+    for reason in operator_events.EVENTS.values():
+        lines.append(f"| `{reason.name}` | {reason.type} | {_cell(reason.when)} |")
     return "\n".join([*lines, ""])
 
 

@@ -54,6 +54,7 @@ from torchspot_operator import builders, certs, conditions, constants, lifecycle
 from torchspot_operator.builders import JobRef
 from torchspot_operator.caches import Caches, Entry, compact
 from torchspot_operator.conditions import CreateFailure
+from torchspot_operator.events import INVALID_SPEC, REPLACED
 from torchspot_operator.kube import Kube
 from torchspot_operator.listings import Listings
 from torchspot_operator.memory import JobMemory
@@ -229,7 +230,7 @@ class Controller:
         self.phases[key] = str(new.get("phase", ""))
         metrics.EVICTIONS.labels(*key).inc(max(0, int(new.get("evictions", 0)) - int(old.get("evictions", 0))))
         metrics.FAILURES.labels(*key).inc(max(0, int(new.get("failures", 0)) - int(old.get("failures", 0))))
-        metrics.REPLACEMENTS.labels(*key).inc(sum(1 for _, reason, _ in posted if reason == "Replaced"))
+        metrics.REPLACEMENTS.labels(*key).inc(sum(1 for _, reason, _ in posted if reason == REPLACED.name))
         reached, started = new.get("reachedMinAt"), new.get("startTime")
         if reached and started and not old.get("reachedMinAt"):
             waited = conditions.parse_timestamp(str(reached)) - conditions.parse_timestamp(str(started))
@@ -309,7 +310,7 @@ class Controller:
             if _changed(old, new):
                 await self.writes.write_status(job, memory, new, _version(body))
             if old.get("phase") != conditions.PHASE_INVALID:  # said once, not at every reconcile
-                _event(body, "Warning", "InvalidSpec", str(exc))
+                _event(body, *INVALID_SPEC.event(str(exc)))
             self.phases[(namespace, name)] = conditions.PHASE_INVALID
             return None
         seen = await self._observe(body, spec, memory, now=now)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from torchspot_operator import builders, conditions, constants, lifecycle, replica_groups, verdicts
+from torchspot_operator import builders, conditions, constants, events, lifecycle, replica_groups, verdicts
 from torchspot_operator.builders import JobRef
 from torchspot_operator.conditions import CreateFailure
 from torchspot_operator.nodes import NodePolicy
@@ -229,14 +229,14 @@ class _Judge:
         if verdict.kind == verdicts.EVICTION:
             self.counts.evictions += 1
             self.census.evictions.append(verdict)
-            said = constants.NODE_FAULT_REASON if verdict.reason == constants.NODE_FAULT_REASON else "Evicted"
-            self.result.events.append(("Warning", said, f"worker pod {name} {text}"))
+            said = events.NODE_FAULT if verdict.reason == events.NODE_FAULT.name else events.EVICTED
+            self.result.events.append(said.event(f"worker pod {name} {text}"))
         else:
             self.counts.failures += 1
             self.census.failures.append((name, verdict))
             kept = f"; kept for its logs: kubectl logs {name}" if keep else ""
             self.result.events.append(
-                ("Warning", "WorkerFailed", f"worker pod {name} failed: {verdict.reason}, {text}{kept}")
+                events.WORKER_FAILED.event(f"worker pod {name} failed: {verdict.reason}, {text}{kept}")
             )
         if keep:
             self.result.keep.append(Keep(name, uid, f"{verdict.kind}: {verdict.reason}"))
@@ -250,7 +250,7 @@ class _Judge:
         """A pod someone else deleted: an eviction, owed a replacement (it goes by itself)."""
         self.counts.evictions += 1
         self.census.evictions.append(verdicts.Verdict(verdicts.EVICTION, "Deleted", text))
-        self.result.events.append(("Warning", "Evicted", f"worker pod {verdicts.pod_name(pod)} {text}"))
+        self.result.events.append(events.EVICTED.event(f"worker pod {verdicts.pod_name(pod)} {text}"))
         self.result.accounted.append(verdicts.pod_uid(pod))
         self.census.lost += 1
 
@@ -302,7 +302,7 @@ def plan(seen: Observed) -> Plan:
         phase, reason, message = outcome
         clocks.completion = conditions.timestamp(now)
         conds = lifecycle.finished_conditions(conds, phase, reason, message, now, stall=stall)
-        result.events.append(("Normal" if phase == conditions.PHASE_SUCCEEDED else "Warning", phase, message))
+        result.events.append(events.of(phase, message))
         _delete(result, _cleanup(seen, census, result))
         _delete(result, _etcd_deletes(seen, result, "job finished"))
     elif spec.suspend:
@@ -316,7 +316,7 @@ def plan(seen: Observed) -> Plan:
         _delete(result, _etcd_deletes(seen, result, "job suspended"))
         if not was_suspended:
             result.events.append(
-                ("Normal", "Suspended", f"stopping {len(census.active)} worker pod(s), then the managed etcd")
+                events.SUSPENDED.event(f"stopping {len(census.active)} worker pod(s), then the managed etcd")
             )
     else:
         phase, conds = _active(seen, job, census, counts, result, conds, clocks, backoff, budget, stall, avoided)
@@ -366,7 +366,7 @@ def _active(  # noqa: PLR0917 - the plan's state, passed along
     `avoided`), and its phase and conditions."""
     spec, now = seen.spec, seen.now
     if seen.status.get("phase") == conditions.PHASE_SUSPENDED:
-        result.events.append(("Normal", "Resumed", f"starting again as run {job.run_id}"))
+        result.events.append(events.RESUMED.event(f"starting again as run {job.run_id}"))
     held_creates = seen.creates_held_until is not None and now < seen.creates_held_until
     blocked = _ensure_etcd(seen, job, result, held=held_creates)
     held = backoff.hold(now)
@@ -377,7 +377,7 @@ def _active(  # noqa: PLR0917 - the plan's state, passed along
         )  # fmt: skip
     backoff.keep(min(held, max(0, spec.desired - len(census.active))))
     if (census.failures or (census.evictions and budget.exceeded())) and held:
-        result.events.append(("Warning", "BackOff", backoff.describe(now)))
+        result.events.append(events.BACK_OFF.event(backoff.describe(now)))
     why = _refusals(seen, result, blocked=blocked)  # also queues the etcd's refusal, if any
     phase, conds = lifecycle.active_conditions(conds, spec, census, clocks, why=why, now=now)
     conds = lifecycle.stalled_condition(conds, stall, now)
@@ -438,7 +438,7 @@ def _refusals(seen: Observed, result: Plan, *, blocked: bool) -> str | None:
         result.refused.append(refusal)
         said = conditions.find(seen.status.get("conditions") or [], conditions.REPLICA_FAILURE) or {}
         if refusal.message not in str(said.get("message", "")):  # said once, not at every reconcile
-            result.events.append(("Warning", refusal.reason, refusal.message))
+            result.events.append(events.of(refusal.reason, refusal.message))
     if blocked:
         return "the managed etcd's name is taken (see ReplicaFailure)"
     if refusal is not None or any(f.reason == conditions.FAILED_CREATE for f in seen.create_failures):
@@ -523,14 +523,14 @@ def _ensure_etcd(seen: Observed, job: JobRef, result: Plan, *, held: bool = Fals
         wanted = desired["metadata"]["annotations"][constants.ANNOTATION_SPEC_HASH]
         if (meta.get("annotations") or {}).get(constants.ANNOTATION_SPEC_HASH) != wanted:
             result.update.append(Update(desired["apiVersion"], kind, name, builders.update_patch(actual, desired)))
-            result.events.append(("Normal", "Updated", f"{kind} {name} updated in place to the job's current spec"))
+            result.events.append(events.UPDATED.event(f"{kind} {name} updated in place to the job's current spec"))
         elif _known(seen, actual):
             continue
         elif builders.covers(actual, desired):
             result.settled[str(meta.get("uid", ""))] = str(meta.get("resourceVersion", ""))
         else:
             result.update.append(Update(desired["apiVersion"], kind, name, desired, apply=True))
-            result.events.append(("Warning", "Drifted", f"{kind} {name} was changed by someone else; set back"))
+            result.events.append(events.DRIFTED.event(f"{kind} {name} was changed by someone else; set back"))
     return blocked
 
 
@@ -592,7 +592,7 @@ def _scale(
         name = verdicts.pod_name(pod)
         result.delete.append(Delete("v1", "Pod", name, verdicts.pod_uid(pod), None, "scale down"))
         result.accounted.append(verdicts.pod_uid(pod))
-        result.events.append(("Normal", "ScaledDown", f"deleted worker pod {name} (desired {desired})"))
+        result.events.append(events.SCALED_DOWN.event(f"deleted worker pod {name} (desired {desired})"))
     making = grouped.create
     creating = 0 if refused else len(making) - min(held, len(making))
     owed = max(0, census.lost + released - held)
@@ -602,9 +602,9 @@ def _scale(
         if owed > 0:
             owed -= 1
             counts.restarts += 1
-            result.announced[f"Pod/{name}"] = ("Normal", "Replaced", f"created worker pod {name} to replace a lost one")
+            result.announced[f"Pod/{name}"] = events.REPLACED.event(f"created worker pod {name} to replace a lost one")
         else:
-            result.announced[f"Pod/{name}"] = ("Normal", "ScaledUp", f"created worker pod {name} (desired {desired})")
+            result.announced[f"Pod/{name}"] = events.SCALED_UP.event(f"created worker pod {name} (desired {desired})")
 
 
 def avoided_nodes(old: Mapping[str, Any], census: verdicts.Census) -> list[str]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from torchspot_operator import builders, certs, conditions, constants
+from torchspot_operator import builders, certs, conditions, constants, events
 from torchspot_operator.builders import JobRef
 from torchspot_operator.caches import Caches, compact, owner
 from torchspot_operator.conditions import CreateFailure
@@ -107,7 +107,7 @@ class Writes:
         longer than the cap ago (one Event per distinct refusal per backoff period)."""
         if failure.reason != conditions.FAILED_CREATE:
             memory.failures[failure.key] = failure
-            return [("Warning", failure.reason, failure.message)]
+            return [events.of(failure.reason, failure.message)]
         old = memory.refusal
         count = 1 if old is None else old.count + 1
         wait = min(constants.REFUSAL_BACKOFF_BASE * 2 ** (count - 1), constants.REFUSAL_BACKOFF_CAP)
@@ -120,7 +120,7 @@ class Writes:
         log.info("%s (refusal %d in a row; next try in %.0f s)", failure.message, count, wait)
         if said != refusal.said or quiet:
             refusal.said_at, refusal.said = now, said
-            return [("Warning", failure.reason, f"{failure.message} (creates back off: next try in {wait:.0f} s)")]
+            return [events.of(failure.reason, f"{failure.message} (creates back off: next try in {wait:.0f} s)")]
         return []
 
     async def keep(self, job: JobRef, decided: Plan) -> None:
