@@ -179,7 +179,7 @@ def test_what_cannot_be_honoured_is_refused_at_start_with_its_reason(
     with pytest.raises(elastic.Refused, match="SyncBatchNorm in place"):
         elastic.DistributedDataParallel(manager, torch.nn.SyncBatchNorm(4))
     with pytest.raises(elastic.Refused, match="static_graph in place"):
-        elastic.DistributedDataParallel(manager, torch.nn.Linear(4, 2), find_unused_parameters=False)
+        elastic.DistributedDataParallel(manager, torch.nn.Linear(4, 2), static_graph=True)
     manager.close()
 
 

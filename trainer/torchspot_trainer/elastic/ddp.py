@@ -3,7 +3,9 @@
 In place, DDP keeps what makes it fast (its buckets, filled in the order gradients are ready, each
 all-reduced while the backward pass goes on) and hands each bucket to the manager, which sends it over
 the current group: DDP's own process group is a one-rank gloo group that never changes, so a membership
-change rebuilds nothing of DDP. On the restart path both wrappers are torch's own behaviour.
+change rebuilds nothing of DDP. A generation's first step goes whole, every rank's gradients in the
+model's order (buckets.py: DDP's layout then differs between a rank that joined and the others). On the
+restart path both wrappers are torch's own behaviour.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class DistributedDataParallel(_TorchDDP):
     """torch's `DistributedDataParallel` whose gradients travel over `manager`'s current group.
 
     Refused in place: a model with SyncBatchNorm (it syncs over torch's default group, which a worker
-    that re-forms in place does not have, and would silently use each rank's own statistics), and
-    `process_group` (the manager owns the groups). Other keyword arguments are DDP's.
+    that re-forms in place does not have, and would silently use each rank's own statistics),
+    `process_group` (the manager owns the groups) and `static_graph`. Other keyword arguments are DDP's:
+    `find_unused_parameters=True` where the model has parameters a step may not use, as under plain DDP.
     """
 
     def __init__(self, manager: Manager, module: nn.Module, **kwargs: Any) -> None:
@@ -62,20 +65,18 @@ class DistributedDataParallel(_TorchDDP):
                 )
             if "process_group" in kwargs:
                 raise Refused("process_group in place: the manager's groups carry the gradients; drop it")
-            if kwargs.get("find_unused_parameters") is False or kwargs.get("static_graph"):
+            if kwargs.get("static_graph"):
                 raise Refused(
-                    "find_unused_parameters=False or static_graph in place: DDP would rebuild its buckets after its "
-                    "first step, and a rank that joins later would sum its first step's gradients in another "
-                    "layout than the others'; drop the argument"
+                    "static_graph in place: DDP then reduces its first step's gradients after the backward pass and "
+                    "takes the graph to stay as it was, which the manager's re-forms are not built for; drop it"
                 )
-            kwargs["find_unused_parameters"] = True  # (which keeps DDP's first bucket layout: see above)
             kwargs.setdefault("broadcast_buffers", False)  # the manager takes rank 0's after each step
             super().__init__(module, process_group=_one_rank_group(manager.device), **kwargs)
             self.register_comm_hook(manager, _reduce_hook)
         else:
             manager.ensure_group()
             super().__init__(module, **kwargs)
-        manager.watch_buffers(list(module.buffers()))
+        manager.watch_model(module)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.manager.computed()

@@ -91,6 +91,7 @@ class InPlaceGroups:
                 leave(f"no round handed over within {REFORM_SECONDS:g} s")
             if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
                 continue
+            self.buckets.whole = True  # (the generation's first step: buckets.py)
             entered(assignment)
             try:
                 return self.healing.heal(assignment.rank, step, version, stepping=stepping, may_sit_out=may_sit_out)
@@ -144,6 +145,7 @@ class InPlaceGroups:
         bucket brought (the `buffers` take the source's values, and a heal's receiver loads its state
         first); None otherwise. No outcome: no bucket was posted."""
         outcomes, ride = self.buckets.take()
+        self.buckets.whole = False  # (the generation's first step was taken: its next go bucket by bucket)
         if not outcomes or ride is None or any(outcome is not Outcome.DONE for outcome in outcomes):
             return outcomes, None
         self.healing.stepped()  # a receiver's state, taken before the step's buffers

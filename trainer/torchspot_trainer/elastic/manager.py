@@ -642,10 +642,13 @@ class Manager:
             raise ApiOrderError("an ElasticSampler made after the first step: make it before the loop begins")
         self._run.positions.append(position)
 
-    def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """The model's buffers (ddp.py): kept as they are at each commit for the node's snapshot; in place its
-        floating-point ones are taken from rank 0 at each step (riders.py)."""
-        self._run.watch_buffers(buffers)
+    def watch_model(self, module: torch.nn.Module) -> None:
+        """The model under DDP (ddp.py): its buffers kept as they are at each commit for the node's snapshot;
+        in place its floating-point ones are taken from rank 0 at each step (riders.py), and a generation's
+        first step sends its gradients in its parameters' order (buckets.py)."""
+        self._run.watch_buffers(list(module.buffers()))
+        if self._groups is not None:
+            self._groups.buckets.order(list(module.parameters()))
 
     # -- output ---------------------------------------------------------------------
 
