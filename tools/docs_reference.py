@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -179,6 +180,16 @@ def python_api_page() -> str:
     )
 
 
+def _run_order(path: Path) -> tuple[str, int, str]:
+    """A results file's place among its benchmark's runs: by its date, then by when the commit it ran at
+    was made (a file's name orders a day's runs by their commits' hashes), then by name."""
+    run = json.loads(path.read_text())
+    commit = str(run.get("commit", "")).rstrip("+")
+    made = subprocess.run(["git", "show", "-s", "--format=%ct", commit], cwd=ROOT, capture_output=True, text=True,
+                          check=False).stdout.strip()  # fmt: skip
+    return run["date"], int(made) if made.isdigit() else 0, path.name
+
+
 def results_pages() -> dict[Path, str]:
     """A page per benchmark with results under bench/results/<bench>/ (bench/record.py writes a file a run):
     the newest run's summary, as it printed it, with what produced it, and the earlier runs' files; and an
@@ -190,7 +201,7 @@ def results_pages() -> dict[Path, str]:
              "the command, the commit, the machine, the date, the trials and the summary). How to run each and "
              "its targets: the repository's `bench/README.md`.\n"]  # fmt: skip
     for folder in sorted(path for path in source.glob("*") if path.is_dir()):
-        runs = sorted(folder.glob("*.json"), key=lambda path: (json.loads(path.read_text())["date"], path.name))
+        runs = sorted(folder.glob("*.json"), key=_run_order)
         if not runs:
             continue
         newest = json.loads(runs[-1].read_text())
