@@ -34,8 +34,8 @@ __all__ = ["StepBuckets"]
 
 @dataclass
 class _Held:
-    """A bucket of a whole step (module docstring), held until the step's last bucket: DDP's bucket, where
-    its parameters' gradients sit in the model's order (`_Whole`), and the future DDP waits for."""
+    """A bucket of a whole step (module docstring), held until the step's last bucket: DDP's bucket, its
+    parameters' places in the model's order (`StepBuckets.order`), and the future DDP waits for."""
 
     tensor: torch.Tensor
     places: list[int]
@@ -142,9 +142,14 @@ class StepBuckets:
         """A whole step's gradients, every held bucket's, laid out in the model's order (one copy)."""
         parts: dict[int, torch.Tensor] = {}
         for held in self._held:
-            sizes = [self._sizes[place] for place in held.places]
-            parts.update(zip(held.places, torch.split(held.tensor.reshape(-1), sizes), strict=True))
+            parts.update(self._by_place(held.tensor, held.places))
         return torch.cat([parts[place] for place in sorted(parts)])
+
+    def _by_place(self, flat: torch.Tensor, places: list[int]) -> dict[int, torch.Tensor]:
+        """`flat`, which holds the gradients of the parameters at `places` one after another, as a view of
+        each by its place."""
+        sizes = [self._sizes[place] for place in places]
+        return dict(zip(places, torch.split(flat.reshape(-1), sizes), strict=True))
 
     def refuse(self, bucket: GradBucket, outcome: Outcome) -> torch.futures.Future[torch.Tensor]:
         """`bucket` not sent: the step failed before its first collective (`outcome`). No staging copy:
@@ -178,9 +183,7 @@ class StepBuckets:
             for held in whole:
                 held.future.set_result(held.tensor)
             return
-        places = sorted(place for held in whole for place in held.places)
-        sizes = [self._sizes[place] for place in places]
-        parts = dict(zip(places, torch.split(average.reshape(-1), sizes), strict=True))
+        parts = self._by_place(average, sorted(place for held in whole for place in held.places))
         for held in whole:
             held.future.set_result(torch.cat([parts[place] for place in held.places]).view_as(held.tensor))
 
