@@ -3,7 +3,8 @@ same loop under plain DDP, in the same run, trials interleaved.
 
 Each trial is a local job of 2 nodes under torchspot-run (etcd-v3, real agents, gloo), one process per
 node, the loop timed in-process after a warm-up (worker.py): plain DDP on torch's default group, then
-the API, then plain again... Rates are steps per second; the ratio is the API's median over plain's.
+the API, then plain again... Rates are steps per second; the ratio is the API's median over plain's,
+and, trial by trial, the median (quartiles) of each trial's ratio to the plain run beside it.
 Widths: the example's MLP (64 hidden units, a step of about 3 ms on 2 cores, where a fixed per-step cost
 shows most) and a wider one (4096 hidden units over a global batch of 480: a step of tens of milliseconds).
 
@@ -58,6 +59,13 @@ def trial(root: Path, etcd: EtcdServer, mode: str, width: int, steps: int) -> fl
     raise SystemExit(f"{mode}: no rate printed\n{nodes[0].log_tail(30)}")
 
 
+def paired(rates: dict[tuple[str, int], list[float]], mode: str, width: int) -> list[float]:
+    """Each trial's `mode` rate over the plain rate of the same trial (the runs beside it): a machine whose
+    speed drifts over minutes moves both alike, which the ratio of the medians does not cancel."""
+    plain = rates.get(("plain", width), [])
+    return [ours / theirs for ours, theirs in zip(rates.get((mode, width), []), plain, strict=False)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
@@ -87,6 +95,14 @@ def main() -> None:
                 median = statistics.median(found)
                 figures[f"{mode}-{width}"] = {"median": median} | ({} if plain is None else {"ratio": median / plain})
                 ratio = "" if plain is None else f": ratio {median / plain:.3f}"
+                pairs = paired(rates, mode, width)
+                if pairs and mode != "plain":
+                    quartiles = (
+                        statistics.quantiles(pairs, n=4, method="inclusive") if len(pairs) > 1 else [pairs[0]] * 3
+                    )
+                    figures[f"{mode}-{width}"] |= {"paired_median": quartiles[1], "paired_p25": quartiles[0],
+                                                   "paired_p75": quartiles[2]}  # fmt: skip
+                    ratio += f"; trial by trial {quartiles[1]:.3f} ({quartiles[0]:.3f}-{quartiles[2]:.3f})"
                 print(f"  width {width:5} {mode:10}: {median:.1f} ({min(found):.1f}-{max(found):.1f}){ratio}")
     sys.stdout.flush()
     recording.write(trials, figures=figures)
