@@ -148,6 +148,15 @@ def test_calls_in_the_wrong_order_say_what_to_call_first(tmp_path: Path) -> None
     optimizer.zero_grad()
     with pytest.raises(elastic.ApiOrderError, match="make it before the loop begins"):
         elastic.ElasticSampler(manager, 10, global_batch=2)
+    with pytest.raises(elastic.ApiOrderError, match=r"heed_notices\(\) inside a step: call it between optimizer"):
+        manager.heed_notices()
+    with pytest.raises(elastic.ApiOrderError, match=r"commit\(\) without a step allowed to commit: call should_"):
+        manager.commit()
+    assert manager.should_commit()  # a loop of its own that forgets to say the update was applied:
+    with pytest.raises(elastic.ApiOrderError, match=r"allowed but the manager was not told: call manager\.commit"):
+        optimizer.zero_grad()
+    manager.commit()
+    assert manager.current_step() == 1
     manager.close()
     with pytest.raises(elastic.ApiOrderError, match=r"no step after close\(\)"):
         optimizer.zero_grad()

@@ -12,7 +12,7 @@ handover.py); otherwise the restart path (torch's default group and DDP; a resta
 checkpoint or node snapshot). The choice is said once, with its reason, where the manager made it
 (`in_place=None`): a caller that chose, as the built-in trainer does from its flags, says its own. A
 step that has not committed within `commit_seconds` of its start ends the worker with one line naming the
-cause (its agent restarts it).
+cause (its agent restarts it); a call out of the step's order raises ApiOrderError (order.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from torchspot_trainer.data.sampler import ElasticSampler as _Position
 from torchspot_trainer.elastic.groups import InPlaceGroups
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
 from torchspot_trainer.elastic.metrics import served_metrics
+from torchspot_trainer.elastic.order import BEGUN, StepOrder
 from torchspot_trainer.elastic.records import Records
 from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
@@ -56,8 +56,6 @@ from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 
 log = logging.getLogger("torchspot.elastic")
-
-_IDLE, _STEP, _COMMITTING = "idle", "step", "committing"
 
 
 class Manager:
@@ -143,16 +141,14 @@ class Manager:
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
         self.sharded = sharded
         self.checkpoint_uri = checkpoint_uri
-        self._step_started = 0.0
         self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        self._phase = _IDLE
         self._begun = self._closed = self._reform_due = self._failed = self._regroup = self._boundary_due = False
         """`_reform_due`: the last step agreed on a switch to a joiner's group; `_regroup`: a collective of
         the loop's between steps (`all_reduce`, `heed_notices`) did not complete: the group is re-formed
         before the next step or agreement."""
-        self._computed = self._skipped = self._void = False
-        """Whether the step's model ran forward (`computed`); whether the step being counted had its update
-        skipped (`update_skipped`); whether the step is void (`start_step`)."""
+        self._skipped = self._void = False
+        """Whether the step being counted had its update skipped (`update_skipped`); whether the step is void
+        (`start_step`)."""
         self.resumed_from = "start"
         """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank), `live` (in place,
         the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
@@ -176,7 +172,7 @@ class Manager:
         if self._groups is not None:  # registered at once: a round handed over during the loop's set-up is taken
             self._groups.start()
             self._leaving.stop.done_with_group = self._groups.done_with_group
-        threading.Thread(target=self._watch_commits, name="torchspot-commit-watch", daemon=True).start()
+        self._order = StepOrder(commit_seconds, self.leave, number=lambda: self._run.step + 1)
 
     # -- what the loop reads ------------------------------------------------------
 
@@ -235,11 +231,9 @@ class Manager:
         nothing and is not applied (`should_commit` says False), and the loop decides again from the state
         it holds now, as theirs do (heal.py: they may be evaluating, and its step's all-reduce would meet
         their evaluation's collectives)."""
-        if self._closed:
-            raise ApiOrderError("the manager was closed: no step after close()")
-        if self._phase == _COMMITTING:
-            raise ApiOrderError("optimizer.step() was allowed but the manager was not told: call manager.commit()")
-        if self._phase == _STEP and (self._groups.buckets.posted() if self._groups is not None else self._computed):
+        self._order.check_begin()
+        if self._order.phase == BEGUN and (self._groups.buckets.posted() if self._groups is not None
+                                           else self._order.computed):  # fmt: skip
             log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
                         "it): counted now, as its update skipped", self._rank, self._run.step + 1)  # fmt: skip
             self.update_skipped()
@@ -248,7 +242,7 @@ class Manager:
             self._begin()
         elif self._boundary_due and self._pass_boundary():
             pass  # a notice: the group re-formed without the leaving node
-        elif self._live is not None and (self._reform_due or self._regroup or self._live.broken.is_set()):
+        elif self._group_over():
             # The switch the last step agreed on (`should_commit`), or a round that came between steps: no
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
@@ -256,9 +250,7 @@ class Manager:
             self._void = self._healing is not None and self._healing.holders_between
         if self._groups is not None:
             self._groups.buckets.clear()
-        self._phase = _STEP
-        self._computed = False
-        self._step_started = time.monotonic()
+        self._order.begin()
 
     def update_skipped(self) -> bool:
         """The step's gradients were computed, and its update skipped: a gradient scaler found inf or NaN
@@ -276,18 +268,17 @@ class Manager:
 
     def require_step(self, what: str) -> None:
         """Raise ApiOrderError unless a step has begun (`start_step`), naming `what` came too early."""
-        if self._phase != _STEP:
-            raise ApiOrderError(f"{what} before the step began: call optimizer.zero_grad() (Manager.start_step) first")
+        self._order.require(what)
 
     def stepping(self) -> bool:
         """Whether a step has begun whose update was neither applied nor refused yet."""
-        return self._phase == _STEP
+        return self._order.phase == BEGUN
 
     def computed(self) -> None:
         """The step's model ran forward (the elastic DistributedDataParallel tells): a step whose update
         then never comes had it skipped (`update_skipped`)."""
-        self.require_step("the forward pass")
-        self._computed = True
+        self._order.require("the forward pass")
+        self._order.computed = True
 
     def reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook, in place: the bucket's average over the current group, started now;
@@ -301,7 +292,7 @@ class Manager:
             return void
         return self._groups.reduce(
             bucket, rank=self._rank, world=self._world, buffers=self._run.buffers, row=self._leaving.stop.row,
-            deadline=self._step_started + self.commit_seconds,
+            deadline=self._order.started + self.commit_seconds,
         )  # fmt: skip
 
     def share(self) -> tuple[int, int]:
@@ -315,12 +306,12 @@ class Manager:
         `OptimizerWrapper.step` calls it before the update."""
         self.require_step("optimizer.step()")
         if not self.in_place:
-            self._phase = _COMMITTING
+            self._order.allow()
             return True
         assert self._groups is not None
         if self._void:
             self._void = False
-            self._phase = _IDLE
+            self._order.end()
             log.warning("rank %d: step %d not applied: begun before a heal whose holders went on between steps; "
                         "the loop decides again from the healed state", self._rank, self._run.step + 1)  # fmt: skip
             self._run.restore_buffers()
@@ -333,7 +324,7 @@ class Manager:
             )
         if lines is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
-            self._phase = _IDLE
+            self._order.end()
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
                         self._rank, self._run.step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
             self._run.restore_buffers()  # its forward passes' BatchNorm statistics go with it
@@ -342,7 +333,7 @@ class Manager:
         self._notice_rows = [[line.level, line.node] for line in lines]
         if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
             self._reform_due = True
-        self._phase = _COMMITTING
+        self._order.allow()
         return True
 
     def all_reduce(self, tensor: torch.Tensor) -> bool:
@@ -371,20 +362,18 @@ class Manager:
         """The step's update was applied: count it, move the samplers on, tell the agent and the operator
         (its notices and its checkpoint follow at the boundary: `start_step`). `OptimizerWrapper.step`
         calls it after the update."""
-        if self._phase != _COMMITTING:
-            raise ApiOrderError("commit() without a step allowed to commit: call should_commit() first")
+        self._order.committed()
         positions = self._run.positions
         samples = positions[0].step_chunk(self._world) if positions and self._records.events else None
         trained = positions[0].next_step_samples(self._world) if positions else 0
         self._run.advance(self._world)
-        self._phase = _IDLE
         self._run.capture()
         if self._groups is not None:
             self._groups.stepped()
         generation = None if self._live is None else self._live.generation
         self._records.step(self._run.step, rank=self._rank, world=self._world, generation=generation, samples=samples,
                            skipped=self._skipped, trained=trained,
-                           seconds=time.monotonic() - self._step_started)  # fmt: skip
+                           seconds=time.monotonic() - self._order.started)  # fmt: skip
         self._skipped = False
         self._boundary_due = True  # (`_pass_boundary`, once the loop is done with this step)
 
@@ -399,7 +388,7 @@ class Manager:
         if self._healing is not None:
             self._healing.settle()  # a heal's state for a step the loop did not take: the run's state
         self._closed = True
-        self._phase = _IDLE
+        self._order.close()
         if self._saving is not None and self._begun:
             self._saving.finish(self._run.step, self._rank, self._run.full, self._world)
         if self._groups is not None:
@@ -429,6 +418,12 @@ class Manager:
         """The restart path's default process group, made now if the script has not (DDP needs it)."""
         if not self.in_place and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def _group_over(self) -> bool:
+        """In place, whether the group must re-form before the loop goes on: the last step agreed on a switch
+        to a joiner's group, a collective of the loop's between steps did not complete, or a newer round
+        broke it."""
+        return self._live is not None and (self._reform_due or self._regroup or self._live.broken.is_set())
 
     def _begin(self) -> None:
         """The first step: resume, and enter the first group (in place) or share rank 0's state."""
@@ -525,28 +520,15 @@ class Manager:
         worker enters the next group and heals there. True where the group changed: the loop's work begun
         in the old one is void (its rank and world size may differ now), and it begins it again from its
         state, which the heal may have replaced (`state_changed`). One small all-gather."""
-        if self._phase != _IDLE:
-            raise ApiOrderError(
-                "heed_notices() inside a step: call it between optimizer.step() and the next optimizer.zero_grad()"
-            )
+        self._order.require_between("heed_notices()")
         if not self._begun and not self._closed:
             self._begin()
         if self._boundary_due and self._pass_boundary():
             return True
-        live = self._live
-        if live is not None and (self._reform_due or self._regroup or live.broken.is_set()):
+        if self._group_over():
             self._reform()
             return True
-        self._leaving.at_boundary()
-        try:
-            rows = self._collectives().boundary(self._run.step, self._leaving.stop.row)
-        except GroupChanged as exc:  # in place: the next group
-            self._failed = exc.failed
-            self._reform()
-            return True
-        except RuntimeError as exc:  # the restart path: a peer's socket closed
-            self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
-        return self._stop_for_notices(rows)
+        return self._notices_stop_here(gather=True)
 
     def state_changed(self) -> None:
         """The loop changed its state between steps (an evaluation's result it keeps in `state_dict`): a
@@ -562,38 +544,39 @@ class Manager:
         re-formed the group (in place) rather than training on; no checkpoint is begun then (the notice's
         emergency checkpoint holds that step)."""
         self._boundary_due = False
-        if self._notices_stop_here():
+        if self._notices_stop_here(gather=self._live is None):
             return True
         if self._saving is not None:
             self._saving.after_commit(self._run.step, self._rank, self._run.full, self._world)
         return False
 
-    def _notices_stop_here(self) -> bool:
-        """Share the notices at the boundary (in place the step's last bucket brought them; on the restart
-        path one all-gather now) and, on any, stop the group here (`_stop_for_notices`)."""
+    def _notices_stop_here(self, *, gather: bool) -> bool:
+        """Share every rank's [notice level, node] (`gather`: one all-gather now; else, in place, as the step's
+        last bucket brought them) and, on any notice, stop the group here (`Leaving.stop_for`). True where
+        the group changed meanwhile (in place: the round without the leaving node, or any newer, came) and
+        the worker entered the next one, rather than training on."""
         self._leaving.at_boundary()
-        if self._live is not None:
-            rows, self._notice_rows = self._notice_rows or [], None
-        else:
-            try:
-                rows = self._collectives().boundary(self._run.step, self._leaving.stop.row)
-            except RuntimeError as exc:  # a peer's socket closed: it left
-                self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
-        return self._stop_for_notices(rows)
-
-    def _stop_for_notices(self, rows: list[list[int]]) -> bool:
-        """On any notice in the ranks' [level, node] `rows`, stop the group here (`Leaving.stop_for`). True
-        where the group re-formed without the leaving node (in place) rather than training on."""
-        if not any(level for level, _node in rows):  # (every boundary but a notice's: nothing more to do)
-            return False
+        rows, self._notice_rows = self._notice_rows or [], None
         try:
-            self._leaving.stop_for(rows, step=self._run.step, rank=self._rank, group=self._collectives(),
-                                   saving=self._saving, state=self._run.full, world=self._world)  # fmt: skip
-        except GroupChanged as exc:  # in place: the round without the leaving node came
+            if gather:
+                rows = self._gather_notices()
+            if any(level for level, _node in rows):  # (every boundary but a notice's: nothing more to do)
+                self._leaving.stop_for(rows, step=self._run.step, rank=self._rank, group=self._collectives(),
+                                       saving=self._saving, state=self._run.full, world=self._world)  # fmt: skip
+        except GroupChanged as exc:
             self._failed = exc.failed
             self._reform()
             return True
         return False
+
+    def _gather_notices(self) -> list[list[int]]:
+        """Every rank's [notice level, node], gathered now; GroupChanged in place where the group broke."""
+        try:
+            return self._collectives().boundary(self._run.step, self._leaving.stop.row)
+        except GroupChanged:
+            raise
+        except RuntimeError as exc:  # the restart path: a peer's socket closed, it left
+            self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
 
     def _before_stuck_exit(self) -> None:
         """A worker that leaves (stuck in a collective after its SIGTERM, or by `leave`), its snapshot kept:
@@ -623,16 +606,6 @@ class Manager:
         self._run.before_update()
         if self._saving is not None:
             self._saving.before_update()
-
-    def _watch_commits(self) -> None:
-        """End the worker when a step has not committed within `commit_seconds` (module docstring)."""
-        while not self._closed:
-            time.sleep(min(1.0, self.commit_seconds / 4))
-            if self._phase != _IDLE and time.monotonic() - self._step_started > self.commit_seconds:
-                self.leave(
-                    f"step {self._run.step + 1} did not commit within {self.commit_seconds:g} s of its start (a "
-                    "collective that never completed, or a loop that never called optimizer.step())"
-                )
 
     # -- state ----------------------------------------------------------------------
 
