@@ -42,6 +42,11 @@ Backends:
   API as a user's own script gets it;
 - `transformers-inplace`: the same with examples/transformers/train.py (a GPT-2-style causal LM of
   Hugging Face Transformers in a plain loop on the API, its import preloaded by the agent's warm server);
+- `fsdp-restart`: examples/fsdp/train.py (a GPT-style LM sharded with FSDP2 over every rank, on the API
+  with `sharded=True`): a sharded run's restart path, every worker restarted and resharded from the newest
+  DCP checkpoint (a local folder, one every CHECKPOINT_EVERY steps) or, at a join, the shards every rank
+  wrote at the boundary where the agents stopped it: what such a run gets until it re-forms in place
+  (docs/sharded-in-place.md);
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
   aggressive settings below, as long as it passes the false-alarm check;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
@@ -61,6 +66,7 @@ Usage: python bench/recovery/run.py [--reps 20] [--timeout 60] [--backends ...] 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import itertools
 import os
@@ -98,9 +104,12 @@ from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
+    "fsdp-restart", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
 )  # fmt: skip
-OURS = ("etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace")
+OURS = (
+    "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
+    "fsdp-restart",
+)  # fmt: skip
 FAST = "liveness_interval=0.1,liveness_timeout=0.8"
 """`trainer-inplace-fast`'s liveness settings: puts every 0.1 s, a node lost after 0.8 s without one
 (0.25 s after a local collective failed), where the defaults are 0.2 s and 1 s."""
@@ -113,9 +122,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 API_PROGRAMS = {
     "ddp-inplace": EXAMPLES / "ddp" / "train.py",
     "transformers-inplace": EXAMPLES / "transformers" / "train.py",
+    "fsdp-restart": EXAMPLES / "fsdp" / "train.py",
 }
 """The modes whose program is a user's script on the recovery API (its events go to the file
 TORCHSPOT_EVENTS_FILE names)."""
+CHECKPOINT_EVERY = 20
+"""`fsdp-restart`'s steps between checkpoints (a second of the paced step): a restart after a lost node
+resumes from the newest, so about half of them are trained again."""
 SCENARIOS = ("join", "joinloss", "hard", "frozen", "notice", "falsealarm", "wipe", "wipefrozen", "wipejoin")
 AFTER_WIPE = {"wipe": "hard", "wipefrozen": "frozen", "wipejoin": "join"}
 """The scenarios that wipe the job's etcd first, and the fault each then applies. Only for OURS: the
@@ -235,6 +248,10 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
         env = {"TORCHSPOT_EVENTS_FILE": str(workdir / "events.jsonl")}
         if backend == "transformers-inplace":
             env["TORCHSPOT_FORK_PRELOAD"] = "transformers"
+        if backend == "fsdp-restart":
+            program += ["--log-every", "1000000"]
+            env |= {"TORCHSPOT_CHECKPOINT_URI": str(workdir / "checkpoints"),
+                    "TORCHSPOT_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)}  # fmt: skip
         return JobConfig(
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program, extra_env=env, **common
         )
@@ -255,11 +272,24 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
 def manager_as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The recovery API's records (elastic/manager.py; the trainer's too, its first user) in the toy's
     terms: each rank's `generation` record its `joined`, rank 0's also the group's `start`, and rank 0's
-    `step` records the steps (every rank writes them). The group is the generation. Pure."""
+    `step` records the steps (every rank writes them). The group is the generation; on the restart path
+    (`start` records, no generation: `fsdp-restart`) it is the processes' incarnation, named by rank 0's
+    start (`restart_groups`). Pure."""
     found: list[dict[str, Any]] = []
-    for record in records:
+    restarts = restart_groups(records)
+    for record in sorted(records, key=lambda r: float(r.get("t", 0.0))):
         kind = record.get("event")
-        if kind == "generation":
+        if kind == "start" and "generation" not in record:
+            group = restarts.of_start(record)
+            found.append({"event": "joined", "t": record["t"], "rank": record["rank"], "world": record["world_size"],
+                          "pid": record["pid"], "node": record["node"], "group": group})  # fmt: skip
+            if record["rank"] == 0:
+                found.append({"event": "start", "t": record["t"], "step": record["step"],
+                              "world": record["world_size"], "group": group})  # fmt: skip
+        elif kind == "step" and record["rank"] == 0 and "generation" not in record and restarts.starts:
+            found.append({"event": "step", "t": record["t"], "step": record["step"], "world": record["world_size"],
+                          "group": restarts.at(float(record["t"]))})  # fmt: skip
+        elif kind == "generation":
             group = str(record["generation"])
             found.append({"event": "joined", "t": record["t"], "rank": record["rank"], "world": record["world_size"],
                           "pid": record["pid"], "node": record["node"], "group": group})  # fmt: skip
@@ -270,6 +300,36 @@ def manager_as_toy_events(records: list[dict[str, Any]]) -> list[dict[str, Any]]
             found.append({"event": "step", "t": record["t"], "step": record["step"], "world": record["world_size"],
                           "group": str(record.get("generation", "?"))})  # fmt: skip
     return found
+
+
+@dataclass
+class RestartGroups:
+    """The restart path's groups in a job's records: rank 0's `start` records in time order, each one a new
+    incarnation of the processes (`restart-N`)."""
+
+    starts: list[tuple[float, int, int]]
+    """(time, step, world size) of each rank-0 start, in time order."""
+
+    def at(self, t: float) -> str:
+        """The group rank 0 was in at time `t`: the newest start before it."""
+        return f"restart-{max(0, bisect.bisect_right([s[0] for s in self.starts], t) - 1)}"
+
+    def of_start(self, record: dict[str, Any]) -> str:
+        """The group of any rank's start record: rank 0's start of the same step and world size nearest in
+        time (every rank of an incarnation resumes the same step at the same size, within moments)."""
+        same = [(abs(t - float(record["t"])), n) for n, (t, step, world) in enumerate(self.starts)
+                if step == record["step"] and world == record["world_size"]]  # fmt: skip
+        return f"restart-{min(same)[1]}" if same else "restart-?"
+
+
+def restart_groups(records: list[dict[str, Any]]) -> RestartGroups:
+    """The restart path's groups (`RestartGroups`) of a job's manager records. Pure."""
+    starts = sorted(
+        (float(r["t"]), int(r["step"]), int(r["world_size"]))
+        for r in records
+        if r.get("event") == "start" and "generation" not in r and r.get("rank") == 0
+    )
+    return RestartGroups(starts)
 
 
 def _read(job: JobConfig) -> list[dict[str, Any]]:

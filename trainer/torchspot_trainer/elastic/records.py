@@ -125,8 +125,8 @@ class Records:
         counts the groups and the path each took from them): in place its generation (no process was
         restarted), and where a sampler deals the data its epoch, the samples trained so far and a step's
         (`position`: the first sampler's). The progress window begins again."""
-        record: dict[str, Any] = {"event": "start", "step": step, "world_size": world, "pid": os.getpid(),
-                                  "node": node_name(), "resumed_from": resumed_from}  # fmt: skip
+        record: dict[str, Any] = {"event": "start", "step": step, "world_size": world, "rank": rank,
+                                  "pid": os.getpid(), "node": node_name(), "resumed_from": resumed_from}  # fmt: skip
         if generation is not None:
             record["generation"] = generation
         if position is not None:
