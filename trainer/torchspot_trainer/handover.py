@@ -28,6 +28,7 @@ its node's others in a round after this one, which the other nodes' live workers
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -67,6 +68,22 @@ class Assignment:
     """The round follows the one before directly and keeps every member of it (its agent knows; the
     sizes alone cannot tell a pure growth from a round that lost a member and gained two): only such a
     round may be entered as a deferred join (live.py's `offer`)."""
+    column: int = -1
+    """A sharded run's column (`column_of`): the local rank whose workers, one per node, form this worker's
+    group; -1 (the agent's assignments): the group is every worker of the round."""
+
+
+def column_of(assignment: Assignment, local_rank: int, per_node: int) -> Assignment:
+    """`assignment` as its worker's column sees it (pure): in a sharded run each node holds one copy of the
+    state, sharded over its `per_node` workers, so local rank i of every node holds the same shard and the
+    workers that re-form together are column i's, one per node: rank the node's place in the round, world
+    the number of nodes. Raises ValueError where the round's nodes do not all run `per_node` workers."""
+    if per_node < 1 or assignment.world % per_node or not 0 <= local_rank < per_node:
+        raise ValueError(
+            f"a round of {assignment.world} workers does not make columns of nodes of {per_node} workers each "
+            f"(local rank {local_rank})"
+        )
+    return dataclasses.replace(assignment, rank=assignment.node, world=assignment.world // per_node, column=local_rank)
 
 
 class Generations(Protocol):
@@ -390,11 +407,16 @@ class Handover:
     :param folder: the agent's folder (`agent_folder`).
     :param local_rank: this worker's LOCAL_RANK.
     :param clock: the wall clock the stamps are written by (`stepped`).
+    :param per_node: a sharded run's workers per node: each assignment is read as this worker's column's
+        (`column_of`); 0: as the agent wrote it.
     """
 
-    def __init__(self, folder: Path, local_rank: int, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, folder: Path, local_rank: int, *, clock: Callable[[], float] = time.time, per_node: int = 0
+    ) -> None:
         self.folder = folder
         self.local_rank = local_rank
+        self.per_node = per_node
         self._clock = clock
         self._seen: tuple[int, int] | None = None
         self._stop = threading.Event()
@@ -406,9 +428,11 @@ class Handover:
         """When `stepped` was last called (by `clock`)."""
 
     @classmethod
-    def from_environment(cls) -> Handover:
-        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK)."""
-        return cls(agent_folder(), int(os.environ.get("LOCAL_RANK", "0")))
+    def from_environment(cls, *, columns: bool = False) -> Handover:
+        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK); `columns`: a sharded
+        run's, its assignments read as its column's (LOCAL_WORLD_SIZE workers a node)."""
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if columns else 0
+        return cls(agent_folder(), int(os.environ.get("LOCAL_RANK", "0")), per_node=per_node)
 
     def register(self, *, stamps_steps: bool = False) -> None:
         """Say this process can re-form in place (module docstring). `stamps_steps`: it stamps each step it
@@ -435,7 +459,10 @@ class Handover:
             record = json.loads((self.folder / ASSIGNMENT_FILE).read_text())
         except (OSError, ValueError):
             return None
-        return parse_assignment(record, self.local_rank)
+        assignment = parse_assignment(record, self.local_rank)
+        if assignment is None or not self.per_node:
+            return assignment
+        return column_of(assignment, self.local_rank, self.per_node)
 
     def agreed(self) -> None:
         """This worker's node leaves and its group has shared the notice (module docstring)."""

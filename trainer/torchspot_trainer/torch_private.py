@@ -21,6 +21,7 @@ __all__ = ["PRIVATE_TORCH", "SINCE_TORCH_2_14"]
 PRIVATE_TORCH: tuple[str, ...] = (
     # c10d's types, re-exported by torch.distributed, defined in a private extension module
     "torch._C._distributed_c10d:GradBucket",
+    "torch._C._distributed_c10d:FileStore",
     "torch._C._distributed_c10d:HashStore",
     "torch._C._distributed_c10d:PrefixStore",
     "torch._C._distributed_c10d:Store",

@@ -21,14 +21,14 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore  # what torch.distr
 from torchspot_trainer.handover import Assignment
 from torchspot_trainer.recovery.planes import HostPlane, Parent
 
-__all__ = ["DATA_PREFIX", "GRAVEYARD", "Build", "Grave", "Graveyard", "close_connections"]
+__all__ = ["DATA_PREFIX", "GRAVEYARD", "Build", "Grave", "Graveyard", "close_connections", "generation_prefix"]
 
 CLOSE_TAG = 0x70_00_00_01
 """The tag of `close_connections`'s receive, which nobody sends on."""
 CLOSE_WAIT = timedelta(milliseconds=1)
 """How long that receive is waited for: its timeout is what closes the group's connections."""
 DATA_PREFIX = "data/"
-"""Under `generation/<g>/`: the keys of the generation's data group where it is a group of its own."""
+"""Under `generation_prefix`: the keys of the generation's data group where it is a group of its own."""
 GRAVEYARD = 8
 """Old groups held at most (each keeps its staging buffers until its zombie op ends, and is let go
 once the op timeout has passed; one with no op abandoned in flight at once); beyond it a worker takes
@@ -36,6 +36,13 @@ the restart path instead of another re-form."""
 REAP_SECONDS = 0.5
 """The longest the reaper sleeps while graves are held: a collective's end and a new grave wake it at
 once; a data group's retirement and the op timeout's horizon are looked at so."""
+
+
+def generation_prefix(assignment: Assignment) -> str:
+    """The store keys of an assignment's group (pure): its round's, and within it its column's where a
+    sharded run's columns each form a group of their own on the round's store (handover.column_of)."""
+    column = f"column/{assignment.column}/" if assignment.column >= 0 else ""
+    return f"generation/{assignment.generation}/{column}"
 
 
 @dataclass
@@ -126,7 +133,7 @@ class Build:
         assignment, plane, parent = self.assignment, self._plane, self.parent
         try:
             store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=self._connect)
-            prefixed = PrefixStore(f"generation/{assignment.generation}/", store)
+            prefixed = PrefixStore(generation_prefix(assignment), store)
             control = dist.ProcessGroupGloo(prefixed, assignment.rank, assignment.world, self._connect)
             if self._connect != self._op_timeout:
                 control.set_timeout(self._op_timeout)

@@ -1,0 +1,184 @@
+"""A sharded run's layout for re-forming in place (elastic/sharding.py, handover.column_of): shards within a
+node over the node's own default group, one generation group per column on the round's store, a heal's
+state as local shards. Real gloo groups in real processes: 2 nodes of 2 workers, each node's agent folder
+its own, the round's store a real TCPStore."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+
+from torchspot_trainer.elastic.sharding import node_group, node_store
+from torchspot_trainer.handover import Assignment, column_of
+from torchspot_trainer.markers import PEER_LOST_ENV
+from torchspot_trainer.recovery.generation import generation_prefix
+
+NODES, PER_NODE, STEPS = 2, 2, 3
+
+MODEL = """
+import torch
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+def batches(steps):
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(steps, 16, 8, generator=generator), torch.randn(steps, 16, 4, generator=generator)
+"""
+
+WORKER = (
+    MODEL
+    + """
+import copy, os, sys, time
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torchspot_trainer.elastic.sharding import like, local_state, node_group
+from torchspot_trainer.handover import Assignment, column_of
+from torchspot_trainer.recovery.live import in_place_groups
+from torchspot_trainer.recovery.outcome import Outcome
+
+port, node, steps, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+local, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+rank, world = node * per_node + local, 2 * per_node
+node_group(torch.device("cpu"))
+model = build()
+fully_shard(model[0], mesh=init_device_mesh("cpu", (per_node,)))
+fully_shard(model, mesh=init_device_mesh("cpu", (per_node,)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+live = in_place_groups(torch.device("cpu"))
+round_ = Assignment(1, rank, world, "127.0.0.1", port, node=node)
+assert live.reconfigure(column_of(round_, local, per_node), time.monotonic() + 30)
+inputs, targets = batches(steps)
+for step in range(steps):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(inputs[step][rank::world]), targets[step][rank::world])
+    loss.backward()  # FSDP2: each gradient's mean over the node's workers, sharded
+    grads = [p.grad.to_local() for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    assert live.all_reduce(flat, time.monotonic() + 30) is Outcome.DONE  # over the column: the nodes
+    for grad, part in zip(grads, torch.split(flat / 2, [g.numel() for g in grads])):
+        grad.copy_(part.view_as(grad))
+    optimizer.step()
+
+def full():
+    return {name: p.full_tensor() for name, p in model.named_parameters()}
+
+trained = full()
+torch.save(trained, f"{out}/trained-{node}{local}.pt")
+own = {"model": get_state_dict(model, optimizer)[0], "optimizer": get_state_dict(model, optimizer)[1]}
+sent = copy.deepcopy(local_state(own))  # (a copy: what arrives is not the live state)
+tensors = [t for part in (sent["model"], *sent["optimizer"]["state"].values()) for t in part.values()
+           if isinstance(t, torch.Tensor)]
+if node == 1:  # a joiner's state: nothing of the run's, until the heal
+    with torch.no_grad():
+        for t in tensors:
+            t.zero_()
+        for p in model.parameters():
+            p.to_local().zero_()
+for t in tensors:
+    assert live.broadcast(t, 0, time.monotonic() + 30) is Outcome.DONE
+healed = like(sent, own)
+assert all(isinstance(v, DTensor) for v in healed["model"].values())
+set_state_dict(model, optimizer, model_state_dict=healed["model"], optim_state_dict=healed["optimizer"])
+torch.save(full(), f"{out}/healed-{node}{local}.pt")
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)  # (the generation's gloo group is left to the process's end, as a worker's is)
+"""
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _one_process(steps: int) -> dict[str, torch.Tensor]:
+    """The same model trained on the global batch by one process: the mean of the ranks' mean losses."""
+    namespace: dict[str, object] = {}
+    exec(MODEL, namespace)  # the workers' model and data, defined once above
+    model = namespace["build"]()  # type: ignore[operator]
+    inputs, targets = namespace["batches"](steps)  # type: ignore[operator]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    world = NODES * PER_NODE
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = [torch.nn.functional.mse_loss(model(inputs[step][r::world]), targets[step][r::world])
+                  for r in range(world)]  # fmt: skip
+        (torch.stack(losses).sum() / world).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    return dict(model.named_parameters())
+
+
+def test_a_column_is_one_worker_per_node_ranked_by_its_node() -> None:
+    round_ = Assignment(5, 7, 8, "10.0.0.4", 29400, node=3, grows=True)
+    column = column_of(round_, 1, 2)
+    assert (column.rank, column.world, column.column, column.node, column.generation, column.grows) == (
+        3, 4, 1, 3, 5, True,
+    )  # fmt: skip
+    assert generation_prefix(column) == "generation/5/column/1/"
+    assert generation_prefix(round_) == "generation/5/"
+    with pytest.raises(ValueError, match="a round of 7 workers does not make columns of nodes of 2 workers"):
+        column_of(Assignment(5, 6, 7, "10.0.0.4", 29400, node=3), 0, 2)
+
+
+def test_each_incarnation_of_a_nodes_workers_meets_on_a_store_of_its_own(tmp_path: Path) -> None:
+    environ = {PEER_LOST_ENV: str(tmp_path / "agent" / "peer-lost"), "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert node_store(environ) == tmp_path / "agent" / "node-group-2"
+    assert node_store({**environ, "TORCHELASTIC_RESTART_COUNT": "3"}) != node_store(environ)
+
+
+def test_a_script_that_made_its_own_default_group_is_told_why_it_cannot_shard_in_place() -> None:
+    store = TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="default process group exists already: a sharded run in place"):
+            node_group(torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shards_within_nodes_and_columns_across_them_train_the_one_process_model_and_heal_by_shard(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 over each node's own group, each rank's gradient shards averaged over its column's generation
+    group: the parameters are one process's (float32 order). Then node 1's ranks, their state zeroed, take
+    node 0's local shards over their columns, loaded back as DTensors in their own layout: node 0's model."""
+    port = _free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    workers = []
+    for node in range(NODES):
+        agent = tmp_path / f"agent-{node}"
+        agent.mkdir()
+        for local in range(PER_NODE):
+            env = {**os.environ, PEER_LOST_ENV: str(agent / "peer-lost"), "LOCAL_RANK": str(local),
+                   "LOCAL_WORLD_SIZE": str(PER_NODE), "TORCHELASTIC_RESTART_COUNT": "0"}  # fmt: skip
+            command = [sys.executable, "-c", WORKER, str(port), str(node), str(STEPS), str(tmp_path)]
+            workers.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True))
+    errors = [worker.communicate(timeout=120)[1] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0] * len(workers), errors
+    del store
+    expected = _one_process(STEPS)
+    for node in range(NODES):
+        for local in range(PER_NODE):
+            trained = torch.load(tmp_path / f"trained-{node}{local}.pt")
+            for name, value in expected.items():
+                torch.testing.assert_close(trained[name], value.detach(), rtol=0, atol=1e-6)
+    reference = torch.load(tmp_path / "trained-00.pt")
+    for local in range(PER_NODE):
+        healed = torch.load(tmp_path / f"healed-1{local}.pt")
+        assert all(torch.equal(healed[name], reference[name]) for name in reference)
