@@ -8,7 +8,9 @@ resumes at any world size, each sample trained once. `--bf16` computes in bfloat
 and the gradients' reduction kept in float32 (FSDP2's mixed precision). `--shard-size N` shards the model
 over groups of N ranks that each hold one copy of it (HSDP: the copies are replicas, their gradients
 all-reduced), where the world size divides into such groups; elsewhere over every rank (FSDP), said in
-one line: a checkpoint of either loads into the other.
+one line: a checkpoint of either loads into the other. `--in-place` re-forms in place instead of
+restarting: each node one copy of the model, sharded over its own workers (`Manager.shard_mesh`), the
+nodes' copies kept alike by the manager (docs/sharded-in-place.md).
 """
 
 import argparse
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchspot import elastic
@@ -75,17 +77,9 @@ def build_model() -> GPT:
     return GPT(len(VOCABULARY), context=SEQUENCE, width=32, heads=2, layers=2)
 
 
-def mesh_for(world: int, shard_size: int, device: torch.device) -> DeviceMesh | None:
-    """HSDP's mesh: replica groups of `shard_size` ranks (the shards of one copy within a group, the copies
-    across groups), where `world` divides into two or more of them; None (FSDP over every rank) elsewhere."""
-    if shard_size <= 0 or world % shard_size or world == shard_size:
-        return None
-    return init_device_mesh(device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-
-
 def shard(model: GPT, *, bf16: bool, mesh: DeviceMesh | None = None) -> None:
     """Each block its own FSDP2 unit (its parameters gathered only around its own passes), then the rest;
-    over `mesh` (HSDP's) where given, else over every rank."""
+    over `mesh` (`Manager.shard_mesh`), else over every rank."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
@@ -110,6 +104,8 @@ def main() -> None:
                         help="ranks that hold one copy (HSDP); 0: all (FSDP); default: the job's groups")  # fmt: skip
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
     parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
+    parser.add_argument("--in-place", action="store_true",
+                        help="re-form in place: each node one copy, sharded over its own workers")  # fmt: skip
     args = parser.parse_args()
 
     device = torch.device("cpu")
@@ -126,11 +122,10 @@ def main() -> None:
     def load_state_dict(state: dict[str, object]) -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
-    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device)
-    manager.ensure_group()  # before fully_shard, which shards over it
+    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device, in_place=args.in_place or None)
     model = build_model().to(device)
-    mesh = mesh_for(manager.world_size, args.shard_size, device)
-    if args.shard_size and mesh is None and manager.rank == 0:
+    mesh = manager.shard_mesh(args.shard_size)  # (in place: the node's workers; else HSDP's groups, or all)
+    if args.shard_size and mesh.ndim == 1 and not manager.in_place and manager.rank == 0:
         print(f"fsdp example: {manager.world_size} ranks do not make replica groups of {args.shard_size}: FSDP "
               "over all of them", file=sys.stderr, flush=True)  # fmt: skip
     shard(model, bf16=args.bf16, mesh=mesh)
@@ -144,9 +139,9 @@ def main() -> None:
         indices = sampler.indices()
         loss = loss_of(model, tokens[indices])
         loss.backward()  # FSDP2 reduce-scatters each block's gradients as its backward ends
-        stepper.step()
+        logs = stepper.step() and manager.current_step() % args.log_every == 0  # (a step not applied: not logged)
         total = loss.detach().float() * len(indices)
-        if manager.current_step() % args.log_every == 0 and manager.all_reduce(total) and manager.rank == 0:
+        if logs and manager.all_reduce(total) and manager.rank == 0:
             line = {"step": manager.current_step(), "loss": float(total) / args.global_batch}
             print(json.dumps(line), flush=True)
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - begun)))

@@ -98,14 +98,14 @@ def _example() -> ModuleType:
     return module
 
 
-def _alone() -> dict[int, tuple[float, list[int]]]:
+def _alone(steps: int = STEPS) -> dict[int, tuple[float, list[int]]]:
     """The example's training in this process, unsharded, on one rank: each step's loss and samples."""
     example = _example()
     model, tokens = example.build_model(), example.corpus()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # (the example's default)
     position = Position(len(tokens), batch_size=1, seed=0, global_batch=GLOBAL_BATCH)
     taken = {}
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         ids = position.step_chunk(1)
         optimizer.zero_grad()
         loss = example.loss_of(model, tokens[ids])
@@ -232,9 +232,60 @@ def test_sharded_checkpoints_in_a_folder_keep_the_step_saved_the_newest_two_and_
     ]
 
 
-def test_sharded_in_place_is_refused_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under torchspot-run (its agent's variable set) a sharded manager takes the restart path, saying why;
-    asked for in place, it is refused at start."""
+def test_sharded_in_place_is_asked_for_and_refused_over_replica_groups_of_several_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchspot-run (its agent's variable set) a sharded manager takes the restart path unless asked
+    for in place, saying why; asked for it where the job's replica groups span nodes, it is refused."""
     monkeypatch.setenv(PEER_LOST_ENV, "1")
-    with pytest.raises(Refused, match="in_place=True with sharded=True: a sharded state re-forms by the restart"):
+    assert not Manager(dict, lambda state: None, sharded=True, checkpoint_uri="").in_place
+    monkeypatch.setenv(REPLICA_GROUP_SIZE_ENV, "2")
+    with pytest.raises(Refused, match="replica groups of 2 nodes: in place each node holds a whole copy"):
         Manager(dict, lambda state: None, in_place=True, sharded=True, checkpoint_uri="")
+
+
+IN_PLACE_STEPS = 140
+"""The in-place test's run (a step of at least 0.2 s): two nodes' start, a third's join (its agent's and
+workers' start-up take 20 s on a loaded 2-core machine) and a kill land inside it."""
+
+
+@pytest.mark.slow(seconds=40)
+def test_in_place_nodes_of_two_sharded_workers_take_a_join_and_a_kill_and_train_the_unsharded_model(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """examples/fsdp --in-place under torchspot-run, 2 workers a node, each node one copy of the model
+    sharded over its workers (FSDP2), the nodes' copies kept alike over each column's generation: 2 nodes,
+    a third joins (healed by shard from a live node), then the second is killed. The first node's workers
+    are the processes they started as throughout; every step is committed once, on the samples and with the
+    loss (within float32 order) of the same training unsharded on one rank."""
+    events = tmp_path / "events.jsonl"
+    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3",
+                    nproc_per_node=2, extra_env={EVENTS_FILE_ENV: str(events)},
+                    program=[str(EXAMPLE / "train.py"), f"--steps={IN_PLACE_STEPS}", f"--global-batch={GLOBAL_BATCH}",
+                             "--step-seconds=0.2", "--log-every=1", "--in-place"])  # fmt: skip
+
+    def steps() -> list[dict[str, Any]]:
+        return [r for r in read_events(events) if r["event"] == "step" and r["rank"] == 0]
+
+    first, second = nodes(job, 2)
+    wait_for(lambda: len(steps()) >= 10, 90, "10 steps on two nodes")
+    (third,) = nodes(job, 1)
+    wait_for(lambda: steps()[-1]["world_size"] == 6, 120, "the third node's join")
+    joined = steps()[-1]["step"]
+    wait_for(lambda: steps()[-1]["step"] >= joined + 5, 60, "5 steps on three nodes")
+    second.kill()
+    assert first.wait(120) == 0, first.log_tail()
+    assert third.wait(30) == 0, third.log_tail()
+    records = read_events(events)
+    pids = {(r["node"], r["rank"] % 2): r["pid"] for r in records if r["event"] == "generation"}
+    first_pids = {r["pid"] for r in records if r["event"] == "generation" and r["node"] == first.name}
+    assert len(first_pids) == 2, pids  # its two workers, never restarted
+    assert {r["world_size"] for r in steps()} == {4, 6}
+    assert [r["step"] for r in steps()] == list(range(1, IN_PLACE_STEPS + 1))  # each step once
+    reference = _alone(IN_PLACE_STEPS)
+    assert {r["step"]: sorted(r["samples"]) for r in steps()} == {s: ids for s, (_, ids) in reference.items()}
+    lines = [json.loads(line) for line in first.log_path.read_text().splitlines() if line.startswith('{"step"')]
+    losses = {line["step"]: line["loss"] for line in lines}
+    assert len(lines) == len(losses) >= IN_PLACE_STEPS - 2  # (a figure whose sum a re-form broke is skipped)
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step

@@ -22,14 +22,24 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
-from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
 from torchspot_trainer.recovery.live import LiveGroup
 from torchspot_trainer.recovery.outcome import Outcome
 
-__all__ = ["StepBuckets"]
+__all__ = ["Bucket", "StepBuckets"]
+
+
+class Bucket(Protocol):
+    """What a step's gradients are posted as: DDP's `GradBucket`, or a sharded run's one flat bucket."""
+
+    def buffer(self) -> torch.Tensor: ...
+
+    def is_last(self) -> bool: ...
+
+    def parameters(self) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -93,7 +103,7 @@ class StepBuckets:
 
     def post(
         self,
-        bucket: GradBucket,
+        bucket: Bucket,
         live: LiveGroup,
         computing: int,
         *,
@@ -151,7 +161,7 @@ class StepBuckets:
         sizes = [self._sizes[place] for place in places]
         return dict(zip(places, torch.split(flat.reshape(-1), sizes), strict=True))
 
-    def refuse(self, bucket: GradBucket, outcome: Outcome) -> torch.futures.Future[torch.Tensor]:
+    def refuse(self, bucket: Bucket, outcome: Outcome) -> torch.futures.Future[torch.Tensor]:
         """`bucket` not sent: the step failed before its first collective (`outcome`). No staging copy:
         nothing is sent, and DDP gets its own bucket back (the step's update is not applied)."""
         tensor = bucket.buffer()

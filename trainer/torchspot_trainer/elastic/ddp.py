@@ -94,6 +94,7 @@ class OptimizerWrapper:
     def __init__(self, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
         self.manager = manager
         self.optimizer = optimizer
+        manager.watch_shards([parameter for group in optimizer.param_groups for parameter in group["params"]])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.start_step()

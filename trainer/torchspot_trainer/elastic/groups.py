@@ -3,7 +3,8 @@ the agent hands over (recovery/live.py), a heal at each generation's start (heal
 collectives over the current generation: its gradient buckets with what the last one carries
 (buckets.py, riders.py) and the loop's own sums. The manager (manager.py) enters the next round at the
 first step, after a step that did not commit, at an agreed switch and at a notice's re-form; the loop
-never sees a round.
+never sees a round. A sharded run's generations are its column's (sharding.py): local rank i of every
+node, one worker a node; its gradients go as one flat bucket (`reduce_flat`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
-from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-exports
 
-from torchspot_trainer.elastic.buckets import StepBuckets
+from torchspot_trainer.elastic.buckets import Bucket, StepBuckets
 from torchspot_trainer.elastic.heal import Healing
 from torchspot_trainer.elastic.riders import Line, pack, unpack
 from torchspot_trainer.elastic.settings import REFORM_SECONDS
@@ -30,12 +30,29 @@ KEEP: list[object] = []
 can block (fork_server.run_program says why)."""
 
 
+class _Flat:
+    """A sharded run's gradients as one bucket (buckets.Bucket): no DDP lays them out."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self._tensor
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return []
+
+
 class InPlaceGroups:
     """One worker's generations, its hand-over and its heals (module docstring).
 
     :param device: where the gradients and a heal's state travel.
     :param state: the whole state to send in a heal (as at the step boundary).
     :param load: takes a heal's state over.
+    :param columns: a sharded run's: each round read as this worker's column's (handover.column_of).
     """
 
     def __init__(
@@ -44,7 +61,9 @@ class InPlaceGroups:
         *,
         state: Callable[[], dict[str, Any]],
         load: Callable[[dict[str, Any]], None],
+        columns: bool = False,
     ) -> None:
+        self.columns = columns
         self.buckets = StepBuckets()
         """The step's buckets posted so far (`reduce`), given up whenever a newer round breaks the generation."""
         self.live: LiveGroup = in_place_groups(device)
@@ -56,7 +75,7 @@ class InPlaceGroups:
     def start(self) -> None:
         """Register with this node's agent (as the manager is made: a round handed over during the loop's
         set-up is acknowledged): it hands this worker each round from now."""
-        handover = Handover.from_environment()
+        handover = Handover.from_environment(columns=self.columns)
         handover.register(stamps_steps=True)
         handover.watch(self.live)
         self._handover = handover
@@ -84,7 +103,8 @@ class InPlaceGroups:
         `scaled`: a gradient scaler runs (no rank may sit a step out: its scale is not in the state)."""
         handover, live = self._handover, self.live
         assert handover is not None
-        may_sit_out = not (live.plane.separate or scaled)  # a device plane's heal broadcasts
+        # A device plane's heal broadcasts; so does a column's, whose node's other workers take the step.
+        may_sit_out = not (live.plane.separate or scaled or self.columns)
         while True:
             assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
             if assignment is None:
@@ -94,7 +114,8 @@ class InPlaceGroups:
             self.buckets.whole = True  # (the generation's first step: buckets.py)
             entered(assignment)
             try:
-                return self.healing.heal(assignment.rank, step, version, stepping=stepping, may_sit_out=may_sit_out)
+                return self.healing.heal(assignment.rank, step, version, stepping=stepping, may_sit_out=may_sit_out,
+                                         alike_at_start=self.columns)  # fmt: skip
             except GroupChanged as exc:
                 if exc.failed:
                     handover.report_failure()
@@ -107,7 +128,7 @@ class InPlaceGroups:
 
     def reduce(
         self,
-        bucket: GradBucket,
+        bucket: Bucket,
         *,
         rank: int,
         world: int,
@@ -120,7 +141,7 @@ class InPlaceGroups:
         carrying the model's float `buffers` from the first of them and this rank's line: its deferred
         round's joiners ready, and `row()`'s notice level and node (riders.py). Before the step's first
         collective a heal's sends are posted, or its state arrived (heal.py); where that failed the bucket
-        is refused."""
+        is refused. A sharded run's `_Flat` goes as one bucket, never held (`whole` is for DDP's layouts)."""
         healing = self.healing
         if not self.buckets.posted():
             try:
@@ -139,6 +160,12 @@ class InPlaceGroups:
             bucket, self.live, world if trainers is None else len(trainers), riders=riders, deadline=deadline,
             zeros=healing.sits_out(rank),
         )  # fmt: skip
+
+    def reduce_flat(self, gradients: torch.Tensor, **reduce: Any) -> torch.futures.Future[torch.Tensor]:
+        """A sharded run's step: every local gradient shard of this rank in one flat tensor, averaged over
+        its column as one last bucket (`reduce`'s keywords); the future's value is the average."""
+        self.buckets.whole = False
+        return self.reduce(_Flat(gradients), **reduce)
 
     def settle(self, buffers: list[torch.Tensor], world: int) -> tuple[list[Outcome], list[Line] | None]:
         """The step's buckets' outcomes, and, where every all-reduce completed, every rank's line the last

@@ -131,10 +131,16 @@ class Healing:
         self._arrived: dict[str, Any] | None = None
         self._sending: Future[None] | None = None
 
-    def heal(self, rank: int, step: int, version: int, *, stepping: bool, may_sit_out: bool) -> str:
+    def heal(
+        self, rank: int, step: int, version: int, *, stepping: bool, may_sit_out: bool, alike_at_start: bool = False
+    ) -> str:
         """Agree on the newest step in the group just entered and take it (module docstring). Returns
         where this rank's state comes from: `live` (it holds the newest), `peer` (loaded now, or on its
-        way for the next step: `arriving_step`). Raises GroupChanged where the group fails meanwhile."""
+        way for the next step: `arriving_step`). Raises GroupChanged where the group fails meanwhile.
+        `alike_at_start`: where every rank is fresh at step 0, each keeps its own state, as a sharded run
+        under FSDP2 does (its script initialises alike: FSDP2 syncs nothing either); a broadcast would
+        build the source's state now, which for torch's `get_state_dict` is an optimizer step of zeros
+        that a run without it never takes (Adam's step count)."""
         self.drop()
         mine = Row(step, version, self.fresh, stepping, may_sit_out)
         agreed = self._live.agree(mine.as_floats(), time.monotonic() + REFORM_SECONDS)
@@ -143,7 +149,8 @@ class Healing:
         rows = [Row.parse(line) for line in agreed]
         self.holders_between = holders_between_steps(rows)
         best = max(row.newness for row in rows)
-        if all(row.newness == best and not row.fresh for row in rows):
+        at_start = alike_at_start and all(row.fresh and row.newness == (0, 0) for row in rows)
+        if at_start or all(row.newness == best and not row.fresh for row in rows):
             self.fresh = False
             return "live"
         trainers = trainers_beside(rows)

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,11 @@ from torchspot_trainer.recovery.collectives import LiveCollectives
 from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 
+if TYPE_CHECKING:  # (imported where a sharded run re-forms in place: `Manager`)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchspot_trainer.elastic.sharding import Columns
+
 log = logging.getLogger("torchspot.elastic")
 
 
@@ -81,9 +86,10 @@ class Manager:
     :param snapshot_every: on a GPU, steps between the host copies a node's snapshot is written from (a
         copy on a side stream beside the next step; a snapshot then holds the last copy's step). On the
         CPU the live state is written, and no copy made.
-    :param sharded: the state is sharded over the ranks (FSDP2's DTensors): every rank checkpoints its own
-        shards (DCP), a restart resumes at any world size, and the run takes the restart path
-        (saving.py says what a sharded state does not get yet).
+    :param sharded: the state is sharded over the ranks (FSDP2's DTensors, over `shard_mesh()`): checkpoints
+        of every rank's shards (DCP) and a restart's resume at any world size. It re-forms in place only
+        with `in_place=True`, each node holding one copy of the state sharded over its own workers
+        (sharding.py); otherwise by the restart path.
     :param checkpoint_saver: where rank 0 serialises and uploads a replicated checkpoint: 'thread' (of
         the training process) or 'process' (a child process, which holds none of the loop's GIL: its
         steps do not slow down during a save of a large state).
@@ -126,6 +132,12 @@ class Manager:
         if in_place is None and os.environ.get("RANK", "0") == "0":  # said once per job, whatever the logging
             print(f"torchspot: {why}", file=sys.stderr, flush=True)  # (a caller that chose says its own reason)
         self.device = device or default_device()
+        self._columns: Columns | None = None
+        """A sharded run in place: this worker's column and its node's agreements (sharding.py)."""
+        if sharded and self.in_place:
+            from torchspot_trainer.elastic.sharding import Columns  # noqa: PLC0415 - (DTensor's import, where used)
+
+            self._columns = Columns(self.device)
         self._run = RunState(state_dict, load_state_dict, self.device, snapshot_every=snapshot_every)
         self.checkpoint_every, self.commit_seconds = checkpoint_every, commit_seconds
         path = events_file or os.environ.get(EVENTS_FILE_ENV, "")
@@ -134,14 +146,17 @@ class Manager:
         self._saving: Saving | None = None
         if checkpoint_uri:
             self._saving = Saving(checkpoint_uri, every=checkpoint_every, keep=keep_checkpoints, sharded=sharded,
-                                  on_report=lambda report: self._records.checkpoint(report, rank=self._rank),
-                                  saver=checkpoint_saver,
-                                  retries=checkpoint_retries)  # fmt: skip
+                                  on_report=lambda report: self._records.checkpoint(report, rank=self.rank),
+                                  saver=checkpoint_saver, retries=checkpoint_retries,
+                                  one_node=self._columns is not None)  # fmt: skip
         self._checkpoints = None if self._saving is None else self._saving.replicated
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
         self.sharded = sharded
         self.checkpoint_uri = checkpoint_uri
-        self._rank, self._world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        per_node = 1 if self._columns is None else self._columns.per_node
+        self._rank, self._world = int(os.environ.get("RANK", "0")) // per_node, int(os.environ.get("WORLD_SIZE", "1"))
+        self._world //= per_node
+        """This worker's rank and size in its group: the run's, or a sharded run's column's in place."""
         self._begun = self._closed = self._reform_due = self._failed = self._regroup = self._boundary_due = False
         """`_reform_due`: the last step agreed on a switch to a joiner's group; `_regroup`: a collective of
         the loop's between steps (`all_reduce`, `heed_notices`) did not complete: the group is re-formed
@@ -155,7 +170,7 @@ class Manager:
         self._whole = False
         """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
         self._groups = None if not self.in_place else InPlaceGroups(
-            self.device, state=self._run.at_boundary, load=self._healed
+            self.device, state=self._heal_state, load=self._healed, columns=self._columns is not None
         )  # fmt: skip
         self._live = None if self._groups is None else self._groups.live
         self._healing = None if self._groups is None else self._groups.healing
@@ -179,12 +194,12 @@ class Manager:
     @property
     def rank(self) -> int:
         """This worker's rank in the current group."""
-        return self._rank
+        return self._rank if self._columns is None else self._columns.global_rank(self._rank)
 
     @property
     def world_size(self) -> int:
         """The current group's size."""
-        return self._world
+        return self._world if self._columns is None else self._world * self._columns.per_node
 
     @property
     def generation(self) -> int | None:
@@ -235,19 +250,21 @@ class Manager:
         if self._order.phase == BEGUN and (self._groups.buckets.posted() if self._groups is not None
                                            else self._order.computed):  # fmt: skip
             log.warning("rank %d: step %d computed but not applied, nor its skip said (elastic.GradScaler says "
-                        "it): counted now, as its update skipped", self._rank, self._run.step + 1)  # fmt: skip
+                        "it): counted now, as its update skipped", self.rank, self._run.step + 1)  # fmt: skip
             self.update_skipped()
         self._void = False
         if not self._begun:
             self._begin()
         elif self._boundary_due and self._pass_boundary():
             pass  # a notice: the group re-formed without the leaving node
-        elif self._group_over():
+        elif self._must_reform():
             # The switch the last step agreed on (`should_commit`), or a round that came between steps: no
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
             self._reform(stepping=True)
             self._void = self._healing is not None and self._healing.holders_between
+            if self._columns is not None:  # (the node's workers alike: a void step sends nothing on any)
+                self._void = self._columns.reform_now(self._void)
         if self._groups is not None:
             self._groups.buckets.clear()
         self._order.begin()
@@ -298,7 +315,9 @@ class Manager:
     def share(self) -> tuple[int, int]:
         """(this rank's place, the ranks that compute the step): what `ElasticSampler` deals the step's
         samples over. Every rank, except in the step after a heal beside it (heal.py): its holders."""
-        return (self._rank, self._world) if self._healing is None else self._healing.share(self._rank, self._world)
+        if self._healing is None or self._columns is not None:  # (a column's heal broadcasts: none sits out)
+            return self.rank, self.world_size
+        return self._healing.share(self._rank, self._world)
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the
@@ -313,23 +332,31 @@ class Manager:
             self._void = False
             self._order.end()
             log.warning("rank %d: step %d not applied: begun before a heal whose holders went on between steps; "
-                        "the loop decides again from the healed state", self._rank, self._run.step + 1)  # fmt: skip
+                        "the loop decides again from the healed state", self.rank, self._run.step + 1)  # fmt: skip
             self._run.restore_buffers()
             return False
+        shards = None if self._columns is None else self._columns.reduce(
+            self._groups, rank=self._rank, world=self._world, buffers=self._run.buffers, row=self._leaving.stop.row,
+            deadline=self._order.started + self.commit_seconds,
+        )  # fmt: skip
         outcomes, lines = self._groups.settle(self._run.buffers, self._world)
         if not outcomes:
             raise ApiOrderError(
                 "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
-                "elastic DistributedDataParallel model first"
+                "elastic DistributedDataParallel model (or, sharded, of the model) first"
             )
+        if self._columns is not None:  # the node's workers alike: their shards are one copy
+            lines = self._columns.agree(self._world, lines)
         if lines is None:
             self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._order.end()
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
-                        self._rank, self._run.step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
+                        self.rank, self._run.step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
             self._run.restore_buffers()  # its forward passes' BatchNorm statistics go with it
             self._reform()  # now: the loop's condition then reads the healed step (`current_step`)
             return False
+        if self._columns is not None and shards is not None:
+            self._columns.take(shards)
         self._notice_rows = [[line.level, line.node] for line in lines]
         if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
             self._reform_due = True
@@ -353,7 +380,10 @@ class Manager:
             return True
         if self._void:  # (start_step) a void step's figure is no group's
             return False
-        outcome = self._groups.all_reduce(tensor)
+        groups = self._groups
+        outcome = (
+            groups.all_reduce(tensor) if self._columns is None else self._columns.all_reduce(tensor, groups.all_reduce)
+        )
         self._failed = self._failed or outcome is Outcome.FAILED  # the agent hears of a peer's failure at the re-form
         self._regroup = self._regroup or outcome is not Outcome.DONE
         return outcome is Outcome.DONE
@@ -364,14 +394,15 @@ class Manager:
         calls it after the update."""
         self._order.committed()
         positions = self._run.positions
-        samples = positions[0].step_chunk(self._world) if positions and self._records.events else None
-        trained = positions[0].next_step_samples(self._world) if positions else 0
-        self._run.advance(self._world)
+        world = self.world_size
+        samples = positions[0].step_chunk(world) if positions and self._records.events else None
+        trained = positions[0].next_step_samples(world) if positions else 0
+        self._run.advance(world)
         self._run.capture()
         if self._groups is not None:
             self._groups.stepped()
         generation = None if self._live is None else self._live.generation
-        self._records.step(self._run.step, rank=self._rank, world=self._world, generation=generation, samples=samples,
+        self._records.step(self._run.step, rank=self.rank, world=world, generation=generation, samples=samples,
                            skipped=self._skipped, trained=trained,
                            seconds=time.monotonic() - self._order.started)  # fmt: skip
         self._skipped = False
@@ -390,12 +421,12 @@ class Manager:
         self._closed = True
         self._order.close()
         if self._saving is not None and self._begun:
-            self._saving.finish(self._run.step, self._rank, self._run.full, self._world)
+            self._saving.finish(self._run.step, self._rank, self._run.full, self.world_size)
         if self._groups is not None:
             self._groups.close()
         self._records.close()
         self._leaving.close()
-        self._emit({"event": "done", "step": self._run.step, "world_size": self._world, **summary})
+        self._emit({"event": "done", "step": self._run.step, "world_size": self.world_size, **summary})
 
     def __enter__(self) -> Manager:
         return self
@@ -415,9 +446,24 @@ class Manager:
         return self._default
 
     def ensure_group(self) -> None:
-        """The restart path's default process group, made now if the script has not (DDP needs it)."""
-        if not self.in_place and not dist.is_initialized():
+        """torch's default process group, made now if the script has not: on the restart path over every rank
+        (DDP and FSDP2 need it); for a sharded run in place over this node's workers only (sharding.py)."""
+        if self._columns is not None:
+            self._columns.ensure_group()
+        elif not self.in_place and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def shard_mesh(self, shard_size: int = 0) -> DeviceMesh:
+        """The device mesh a sharded model is given to FSDP2's `fully_shard` over (`ensure_group` first). In
+        place: this node's workers, each node one copy of the state (sharding.py), whatever `shard_size`. On
+        the restart path: replica groups of `shard_size` ranks (HSDP) where the world makes two or more,
+        else every rank (FSDP: `sharding.restart_mesh`)."""
+        from torchspot_trainer.elastic.sharding import restart_mesh  # noqa: PLC0415 - (DTensor's import, where used)
+
+        if self._columns is not None:
+            return self._columns.mesh()
+        self.ensure_group()
+        return restart_mesh(self.device, shard_size)
 
     def _group_over(self) -> bool:
         """In place, whether the group must re-form before the loop goes on: the last step agreed on a switch
@@ -425,10 +471,25 @@ class Manager:
         broke it."""
         return self._live is not None and (self._reform_due or self._regroup or self._live.broken.is_set())
 
+    def _must_reform(self) -> bool:
+        """`_group_over`, where a sharded run's node's workers re-form together: wherever any of them must."""
+        over = self._group_over()
+        return over if self._columns is None else self._columns.reform_now(over)
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a heal sends: the state at the step boundary, a sharded run's as its local shards."""
+        state = self._run.at_boundary()
+        if self._columns is None:
+            return state
+        from torchspot_trainer.elastic.sharding import local_state  # noqa: PLC0415 - (imported with Columns)
+
+        return dict(local_state(state))
+
     def _begin(self) -> None:
         """The first step: resume, and enter the first group (in place) or share rank 0's state."""
         self._begun = True
         if self.in_place:
+            self.ensure_group()  # (a sharded run's node group: its checkpoints load over it)
             self._resume()
             self._enter_and_heal(stepping=False)
         else:
@@ -441,8 +502,13 @@ class Manager:
         self._whole = True
 
     def _resume(self) -> None:
-        """In place, before the first group: the node's snapshot or the newest checkpoint (RunState)."""
-        self.resumed_from = self._run.resume_from_copies(self._leaving.read_snapshot(), self._checkpoints)
+        """In place, before the first group: the node's snapshot or the newest checkpoint (RunState); a sharded
+        run's newest checkpoint, resharded over the node's workers (each node loads a whole copy)."""
+        if self._columns is None:
+            self.resumed_from = self._run.resume_from_copies(self._leaving.read_snapshot(), self._checkpoints)
+        elif self._saving is not None and (state := self._saving.load_sharded(self._run.full)) is not None:
+            self._run.load(state)
+            self.resumed_from = "checkpoint"
 
     def _reform(self, *, stepping: bool = False) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it
@@ -474,8 +540,8 @@ class Manager:
         elif self._whole:  # a re-form: it goes on from the state it holds (the first group's is its resume's)
             self.resumed_from = "live"
         self._rank_duties()
-        self._emit({"event": "generation", "generation": groups.live.generation, "rank": self._rank,
-                    "world_size": self._world, "step": self.current_step(), "pid": os.getpid(), "node": node_name(),
+        self._emit({"event": "generation", "generation": groups.live.generation, "rank": self.rank,
+                    "world_size": self.world_size, "step": self.current_step(), "pid": os.getpid(), "node": node_name(),
                     "resumed_from": self.resumed_from, "trainers": groups.healing.trainers,
                     "seconds": round(time.monotonic() - started, 3)}, any_rank=True)  # fmt: skip
         self._started(generation=groups.live.generation)
@@ -484,7 +550,7 @@ class Manager:
         """A group's start record (records.py), and the host copy of the state the group starts from (a
         node's snapshot before its first commit)."""
         first = self._run.positions[0] if self._run.positions else None
-        self._records.started(step=self.current_step(), world=self._world, rank=self._rank,
+        self._records.started(step=self.current_step(), world=self.world_size, rank=self.rank,
                               resumed_from=self.resumed_from, generation=generation, position=first)  # fmt: skip
         self._run.capture()
 
@@ -498,7 +564,11 @@ class Manager:
         self._scaled = True
 
     def _healed(self, state: dict[str, Any]) -> None:
-        """A heal's state from a live peer, taken over."""
+        """A heal's state from a live peer, taken over (a sharded run's laid out as this worker's own)."""
+        if self._columns is not None:
+            from torchspot_trainer.elastic.sharding import like  # noqa: PLC0415 - (imported with Columns)
+
+            state = like(state, self._run.full())
         self._run.load(state)
         self.resumed_from = "peer"
 
@@ -507,7 +577,7 @@ class Manager:
         follows rank 0 from group to group."""
         if self._saving is not None:
             self._saving.ranks_changed(self._rank)
-        self._records.rank_is(self._rank)
+        self._records.rank_is(self.rank)
 
     # -- notices --------------------------------------------------------------------
 
@@ -525,10 +595,12 @@ class Manager:
             self._begin()
         if self._boundary_due and self._pass_boundary():
             return True
-        if self._group_over():
+        if self._must_reform():
             self._reform()
             return True
-        return self._notices_stop_here(gather=True)
+        # (a sharded run's columns share notices at the step's end only: its node's workers would have to
+        # agree on each column's gather first)
+        return self._columns is None and self._notices_stop_here(gather=True)
 
     def state_changed(self) -> None:
         """The loop changed its state between steps (an evaluation's result it keeps in `state_dict`): a
@@ -547,7 +619,7 @@ class Manager:
         if self._notices_stop_here(gather=self._live is None):
             return True
         if self._saving is not None:
-            self._saving.after_commit(self._run.step, self._rank, self._run.full, self._world)
+            self._saving.after_commit(self._run.step, self._rank, self._run.full, self.world_size)
         return False
 
     def _notices_stop_here(self, *, gather: bool) -> bool:
@@ -562,7 +634,7 @@ class Manager:
                 rows = self._gather_notices()
             if any(level for level, _node in rows):  # (every boundary but a notice's: nothing more to do)
                 self._leaving.stop_for(rows, step=self._run.step, rank=self._rank, group=self._collectives(),
-                                       saving=self._saving, state=self._run.full, world=self._world)  # fmt: skip
+                                       saving=self._saving, state=self._run.full, world=self.world_size)  # fmt: skip
         except GroupChanged as exc:
             self._failed = exc.failed
             self._reform()
@@ -589,7 +661,7 @@ class Manager:
         in flight given a moment, then exit with the code for which the agent restarts the worker. For a
         loop that finds its worker cannot go on (a collective of its own that raised, a broken device);
         the manager calls it where a step cannot commit."""
-        self._leaving.leave(f"rank {self._rank}: {why}")
+        self._leaving.leave(f"rank {self.rank}: {why}")
 
     def _kept(self) -> Kept | None:
         """What the node's snapshot would keep now (`Leaving`): its lineage and the host copy of the last
@@ -615,6 +687,11 @@ class Manager:
             raise ApiOrderError("an ElasticSampler made after the first step: make it before the loop begins")
         self._run.positions.append(position)
 
+    def watch_shards(self, parameters: list[torch.Tensor]) -> None:
+        """The optimizer's parameters (`OptimizerWrapper`): in place, a sharded run's gradients are theirs."""
+        if self._columns is not None:
+            self._columns.parameters = parameters
+
     def watch_model(self, module: torch.nn.Module) -> None:
         """The model under DDP (ddp.py): its buffers kept as they are at each commit for the node's snapshot;
         in place its floating-point ones are taken from rank 0 at each step (riders.py), and a generation's
@@ -627,4 +704,4 @@ class Manager:
 
     def _emit(self, record: dict[str, Any], *, any_rank: bool = False) -> None:
         """One record (records.py): rank 0's on stdout, or any rank's with `any_rank`."""
-        self._records.emit(record, rank=self._rank, any_rank=any_rank)
+        self._records.emit(record, rank=self.rank, any_rank=any_rank)

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from torchspot_trainer import ENV_PREFIX
+from torchspot_trainer import ENV_PREFIX, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.signals import NOTICE_HOLD, events_setting_valid, events_url
 
@@ -109,18 +109,23 @@ def choose_path(in_place: bool | None, environ: Mapping[str, str], *, sharded: b
     """(whether to re-form in place, why), for the manager's `in_place` argument. Pure.
 
     In place needs torchspot-run's agent, which hands each new round to its live workers: under another
-    launcher no round would ever come. It also needs a live peer that holds the whole state, which a
-    sharded one (`sharded`: FSDP2) is not: each rank holds its own shards, and healing a lost rank's
-    shards from a replica group (HSDP) is not built yet. None (the default) takes in place wherever it can
-    run; True where it cannot is refused (`Refused`), rather than silently taking the restart path."""
+    launcher no round would ever come. It also needs a live peer that holds what a lost rank held: a
+    sharded state (`sharded`: FSDP2) has one only where each node holds a whole copy, sharded over its own
+    workers (sharding.py), which the job's replica groups of several nodes (TORCHSPOT_REPLICA_GROUP_SIZE)
+    rule out. A sharded state re-forms in place only where asked (True): it is not yet measured as the
+    replicated one is. None (the default) takes in place wherever it can run; True where it cannot is
+    refused (`Refused`), rather than silently taking the restart path."""
     under_ours = PEER_LOST_ENV in environ
     if in_place is False:
         return False, "the restart path, as asked (in_place=False)"
-    if sharded:
-        reason = "a sharded state re-forms by the restart path (each rank holds only its own shards)"
-        if in_place:
-            raise Refused(f"in_place=True with sharded=True: {reason}; drop in_place")
-        return False, f"the restart path: {reason}"
+    if sharded and not in_place:
+        return False, "the restart path: a sharded state re-forms in place only where asked (in_place=True)"
+    if sharded and int(environ.get(REPLICA_GROUP_SIZE_ENV, "0") or "0") > 1:
+        raise Refused(
+            f"in_place=True with sharded=True and replica groups of {environ[REPLICA_GROUP_SIZE_ENV]} nodes: in place "
+            "each node holds a whole copy of the state, sharded over its own workers (replicaGroupSize 1); "
+            "drop in_place or the job's replicaGroupSize"
+        )
     if not under_ours:
         reason = "in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands live workers each round"
         if in_place:

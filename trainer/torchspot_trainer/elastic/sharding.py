@@ -15,18 +15,25 @@ freeze never reaches a shard's collectives.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore  # what torch.distributed re-exports
 from torch.distributed.tensor import DTensor
 
+from torchspot_trainer.elastic.riders import Line
 from torchspot_trainer.handover import agent_folder
+from torchspot_trainer.recovery.outcome import Outcome
 
-__all__ = ["like", "local_state", "node_group", "node_store"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchspot_trainer.elastic.groups import InPlaceGroups
+
+__all__ = ["Columns", "like", "local_state", "node_group", "node_store", "restart_mesh"]
 
 NODE_STORE = "node-group-{restart}"
 """The node group's file store in the agent's folder, by TORCHELASTIC_RESTART_COUNT."""
@@ -55,6 +62,18 @@ def node_group(device: torch.device, environ: Mapping[str, str] = os.environ) ->
     )  # fmt: skip
 
 
+def restart_mesh(device: torch.device, shard_size: int) -> DeviceMesh:
+    """A sharded run's mesh on the restart path, over torch's default group of every rank: HSDP's
+    ("replicate", "shard") where `shard_size` ranks hold one copy and the world makes two or more such
+    groups, else one dimension over every rank (FSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - (with the group, not before)
+
+    world, kind = dist.get_world_size(), device.type
+    if shard_size <= 0 or world % shard_size or world == shard_size:
+        return init_device_mesh(kind, (world,))
+    return init_device_mesh(kind, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
 def local_state(state: Any) -> Any:
     """`state` with each DTensor as its local shard (a new structure over the same tensors): what a heal
     sends within a column, whose members hold the same shards."""
@@ -81,3 +100,99 @@ def like(state: Any, template: Any) -> Any:
     if isinstance(template, list | tuple) and isinstance(state, list | tuple) and len(template) == len(state):
         return type(state)(like(value, mold) for value, mold in zip(state, template, strict=True))
     return state
+
+
+class Columns:
+    """One worker's part in a sharded run in place (module docstring): its node's workers agree, over the
+    node's group, on what each of their columns saw, so that they act as one copy of the state.
+
+    - At a step's start every worker of the node re-forms where any of them must (`reform_now`): each
+      reads the same assignment from the node's agent, so they enter the same round, and a step's
+      attempt is never split over two generations.
+    - At a step's end (`agree`) the update is applied on every worker of the node or on none (one failed
+      column fails the node's step: its shards are one copy), a switch to a joiner's group and every
+      notice any of them saw are every worker's. A node that applied while another did not is healed in
+      the next round, as any rank that did not commit (heal.py: the newest step's holder sends), and every
+      column heals from the same node, since a node's workers always hold the same step.
+
+    :param device: where the node's agreements run (its GPU: the node's group is NCCL there).
+    :param environ: LOCAL_RANK and LOCAL_WORLD_SIZE.
+    """
+
+    def __init__(self, device: torch.device, environ: Mapping[str, str] = os.environ) -> None:
+        self.device = device
+        self.local = int(environ.get("LOCAL_RANK", "0"))
+        self.per_node = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.parameters: list[torch.Tensor] = []
+        """The model's parameters (`OptimizerWrapper` gives its optimizer's): their local gradient shards
+        travel over the column (`gradients`)."""
+        self._made = False
+
+    def ensure_group(self) -> None:
+        """The node's group as torch's default one (`node_group`), made once."""
+        if not self._made:
+            node_group(self.device)
+            self._made = True
+
+    def mesh(self) -> DeviceMesh:
+        """The 1-D device mesh over the node's workers, which FSDP2's `fully_shard` shards over."""
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - (with the group, not before)
+
+        self.ensure_group()
+        return init_device_mesh(self.device.type, (self.per_node,))
+
+    def global_rank(self, column_rank: int) -> int:
+        """This worker's rank in the run (what the data is dealt by) from its rank in its column: its node's."""
+        return column_rank * self.per_node + self.local
+
+    def reform_now(self, mine: bool) -> bool:
+        """Whether any worker of the node must re-form before this step (`mine`: this one must)."""
+        flag = torch.tensor([float(mine)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def reduce(
+        self, groups: InPlaceGroups, **reduce: Any
+    ) -> tuple[list[torch.Tensor], torch.futures.Future[torch.Tensor]]:
+        """The step's gradients: this worker's local gradient shards (as FSDP2 left them, the mean over the
+        node's workers), averaged over its column as one bucket whose last part carries the riders
+        (`groups.reduce_flat`, `reduce` its keywords), its end waited for here, as DDP waits for its buckets
+        before the update: posted until then, a newer round gives it up. The shards, and the future whose
+        value is their average (`take`)."""
+        grads = [local_state(p.grad) for p in self.parameters if p.grad is not None]
+        future = groups.reduce_flat(torch.cat([grad.reshape(-1) for grad in grads]), **reduce)
+        future.wait()
+        return grads, future
+
+    @staticmethod
+    def take(shards: tuple[list[torch.Tensor], torch.futures.Future[torch.Tensor]]) -> None:
+        """The column's average (`reduce`) back into the local gradient shards, before the update."""
+        grads, average = shards[0], shards[1].value().reshape(-1)
+        for grad, part in zip(grads, torch.split(average, [g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
+    def agree(self, world: int, lines: list[Line] | None) -> list[Line] | None:
+        """The column's lines of a step (riders.py: in columns of `world` nodes, every worker of the node
+        in the same generation: `reform_now`) as the node's workers agree on them: None where any worker's
+        column did not complete (`lines` None), else each node's notice level and whether a joiner is
+        ready, as any worker of the node saw them."""
+        seen = torch.zeros(2 + world, device=self.device)
+        seen[0] = float(lines is None)
+        if lines is not None:
+            seen[1] = float(any(line.ready for line in lines))
+            seen[2:] = torch.tensor([float(line.level) for line in lines])
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        values = seen.tolist()
+        if values[0] > 0 or lines is None:
+            return None
+        return [Line(values[1] > 0, round(level), line.node) for level, line in zip(values[2:], lines, strict=True)]
+
+    def all_reduce(self, tensor: torch.Tensor, over_column: Callable[[torch.Tensor], Outcome]) -> Outcome:
+        """A sum over the run: over the node's workers, then over the column (`over_column`); where the
+        column's did not complete, `tensor` is left as it was."""
+        before = tensor.clone()
+        dist.all_reduce(tensor)
+        outcome = over_column(tensor)
+        if outcome is not Outcome.DONE:
+            tensor.copy_(before)
+        return outcome
