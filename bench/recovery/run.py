@@ -47,6 +47,8 @@ Backends:
   DCP checkpoint (a local folder, one every CHECKPOINT_EVERY steps) or, at a join, the shards every rank
   wrote at the boundary where the agents stopped it: what such a run gets until it re-forms in place
   (docs/sharded-in-place.md);
+- `fsdp-inplace`: the same example with `--in-place`, 2 workers a node: each node one copy of the model
+  sharded over its workers, the nodes re-forming in place by columns (docs/sharded-in-place.md);
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
   aggressive settings below, as long as it passes the false-alarm check;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
@@ -104,11 +106,11 @@ from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "fsdp-restart", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
+    "fsdp-restart", "fsdp-inplace", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
 )  # fmt: skip
 OURS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "fsdp-restart",
+    "fsdp-restart", "fsdp-inplace",
 )  # fmt: skip
 FAST = "liveness_interval=0.1,liveness_timeout=0.8"
 """`trainer-inplace-fast`'s liveness settings: puts every 0.1 s, a node lost after 0.8 s without one
@@ -123,9 +125,12 @@ API_PROGRAMS = {
     "ddp-inplace": EXAMPLES / "ddp" / "train.py",
     "transformers-inplace": EXAMPLES / "transformers" / "train.py",
     "fsdp-restart": EXAMPLES / "fsdp" / "train.py",
+    "fsdp-inplace": EXAMPLES / "fsdp" / "train.py",
 }
 """The modes whose program is a user's script on the recovery API (its events go to the file
 TORCHSPOT_EVENTS_FILE names)."""
+FSDP_PER_NODE = 2
+"""`fsdp-inplace`'s workers a node: the model sharded over them, the nodes' copies its replicas."""
 CHECKPOINT_EVERY = 20
 """`fsdp-restart`'s steps between checkpoints (a second of the paced step): a restart after a lost node
 resumes from the newest, so about half of them are trained again."""
@@ -252,6 +257,9 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
             program += ["--log-every", "1000000"]
             env |= {"TORCHSPOT_CHECKPOINT_URI": str(workdir / "checkpoints"),
                     "TORCHSPOT_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)}  # fmt: skip
+        if backend == "fsdp-inplace":
+            program += ["--log-every", "1000000", "--in-place"]
+            common["nproc_per_node"] = FSDP_PER_NODE
         return JobConfig(
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program, extra_env=env, **common
         )
@@ -336,7 +344,24 @@ def _read(job: JobConfig) -> list[dict[str, Any]]:
     """The job's events: the toy's, or those of a program on the recovery API (the trainer, the examples)
     in the toy's terms (`manager_as_toy_events`)."""
     records = read_events(job.events)
-    return manager_as_toy_events(records) if job.program else records
+    if not job.program:
+        return records
+    events = manager_as_toy_events(records)
+    return events if job.nproc_per_node == 1 else by_node(events, job.nproc_per_node)
+
+
+def by_node(events: list[dict[str, Any]], per_node: int) -> list[dict[str, Any]]:
+    """A job of `per_node` workers a node in the toy's terms, where a node is a rank: its first worker's
+    joins (ranked by its node), every world size counted in nodes. Pure."""
+    found: list[dict[str, Any]] = []
+    for event in events:
+        seen = {**event, "world": event["world"] // per_node} if "world" in event else dict(event)
+        if seen["event"] == "joined" and seen["rank"] % per_node:
+            continue
+        if seen["event"] == "joined":
+            seen["rank"] //= per_node
+        found.append(seen)
+    return found
 
 
 def _ranks(job: JobConfig, group: str) -> dict[int, str]:
