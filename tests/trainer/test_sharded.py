@@ -238,7 +238,8 @@ def test_sharded_in_place_is_asked_for_and_refused_over_replica_groups_of_severa
     """Under torchspot-run (its agent's variable set) a sharded manager takes the restart path unless asked
     for in place, saying why; asked for it where the job's replica groups span nodes, it is refused."""
     monkeypatch.setenv(PEER_LOST_ENV, "1")
-    assert not Manager(dict, lambda state: None, sharded=True, checkpoint_uri="").in_place
+    with Manager(dict, lambda state: None, sharded=True, checkpoint_uri="") as manager:  # (closed: its SIGTERM
+        assert not manager.in_place  # handler and commit watcher must not outlive the test in this process)
     monkeypatch.setenv(REPLICA_GROUP_SIZE_ENV, "2")
     with pytest.raises(Refused, match="replica groups of 2 nodes: in place each node holds a whole copy"):
         Manager(dict, lambda state: None, in_place=True, sharded=True, checkpoint_uri="")
