@@ -258,10 +258,12 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_and_a_kill_and_train_
     sharded over its workers (FSDP2), the nodes' copies kept alike over each column's generation: 2 nodes,
     a third joins (healed by shard from a live node), then the second is killed. The first node's workers
     are the processes they started as throughout; every step is committed once, on the samples and with the
-    loss (within float32 order) of the same training unsharded on one rank."""
-    events = tmp_path / "events.jsonl"
+    loss (within float32 order) of the same training unsharded on one rank. One node's workers write each
+    checkpoint (every node holds a whole copy), through the join and the kill."""
+    events, folder = tmp_path / "events.jsonl", tmp_path / "ckpt"
     job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3",
-                    nproc_per_node=2, extra_env={EVENTS_FILE_ENV: str(events)},
+                    nproc_per_node=2, extra_env={EVENTS_FILE_ENV: str(events), CHECKPOINT_URI_ENV: str(folder),
+                                                 CHECKPOINT_EVERY_ENV: "50"},
                     program=[str(EXAMPLE / "train.py"), f"--steps={IN_PLACE_STEPS}", f"--global-batch={GLOBAL_BATCH}",
                              "--step-seconds=0.2", "--log-every=1", "--in-place"])  # fmt: skip
 
@@ -290,3 +292,5 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_and_a_kill_and_train_
     assert len(lines) == len(losses) >= IN_PLACE_STEPS - 2  # (a figure whose sum a re-form broke is skipped)
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step
+    saved = sorted(path.name for path in folder.iterdir() if (path / ".metadata").exists())
+    assert saved == [f"step-{step:010d}" for step in (50, 100, IN_PLACE_STEPS)]  # the last: close()'s
