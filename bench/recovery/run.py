@@ -317,10 +317,12 @@ class RestartGroups:
 
     starts: list[tuple[float, int, int]]
     """(time, step, world size) of each rank-0 start, in time order."""
+    times: list[float]
+    """Each start's time (`at` bisects them for every step record)."""
 
     def at(self, t: float) -> str:
         """The group rank 0 was in at time `t`: the newest start before it."""
-        return f"restart-{max(0, bisect.bisect_right([s[0] for s in self.starts], t) - 1)}"
+        return f"restart-{max(0, bisect.bisect_right(self.times, t) - 1)}"
 
     def of_start(self, record: dict[str, Any]) -> str:
         """The group of any rank's start record: rank 0's start of the same step and world size nearest in
@@ -337,7 +339,7 @@ def restart_groups(records: list[dict[str, Any]]) -> RestartGroups:
         for r in records
         if r.get("event") == "start" and "generation" not in r and r.get("rank") == 0
     )
-    return RestartGroups(starts)
+    return RestartGroups(starts, [start[0] for start in starts])
 
 
 def _read(job: JobConfig) -> list[dict[str, Any]]:

@@ -506,9 +506,8 @@ class Manager:
         run's newest checkpoint, resharded over the node's workers (each node loads a whole copy)."""
         if self._columns is None:
             self.resumed_from = self._run.resume_from_copies(self._leaving.read_snapshot(), self._checkpoints)
-        elif self._saving is not None and (state := self._saving.load_sharded(self._run.full)) is not None:
-            self._run.load(state)
-            self.resumed_from = "checkpoint"
+        elif self._saving is not None:
+            self.resumed_from = self._run.resume_sharded(self._saving)
 
     def _reform(self, *, stepping: bool = False) -> None:
         """After a step that did not commit, or at an agreed switch: the next group, and a heal in it

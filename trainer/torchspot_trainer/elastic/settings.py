@@ -120,7 +120,7 @@ def choose_path(in_place: bool | None, environ: Mapping[str, str], *, sharded: b
         return False, "the restart path, as asked (in_place=False)"
     if sharded and not in_place:
         return False, "the restart path: a sharded state re-forms in place only where asked (in_place=True)"
-    if sharded and int(environ.get(REPLICA_GROUP_SIZE_ENV, "0") or "0") > 1:
+    if sharded and _from_env(environ, REPLICA_GROUP_SIZE_ENV, 0, int) > 1:
         raise Refused(
             f"in_place=True with sharded=True and replica groups of {environ[REPLICA_GROUP_SIZE_ENV]} nodes: in place "
             "each node holds a whole copy of the state, sharded over its own workers (replicaGroupSize 1); "

@@ -125,7 +125,7 @@ class Columns:
         self.per_node = int(environ.get("LOCAL_WORLD_SIZE", "1"))
         self.parameters: list[torch.Tensor] = []
         """The model's parameters (`OptimizerWrapper` gives its optimizer's): their local gradient shards
-        travel over the column (`gradients`)."""
+        travel over the column (`reduce`)."""
         self._made = False
 
     def ensure_group(self) -> None:

@@ -136,14 +136,23 @@ class RunState:
         newest of the nodes' snapshots and the checkpoints (recovery/resume.py's `find_state`, over `group`).
         Returns where the state came from (`snapshot`, `checkpoint`, or `start` for nothing)."""
         if saving is not None and saving.sharded is not None:
-            state = saving.load_sharded(self.full)
-            found = "start" if state is None else "checkpoint"
-        else:
-            found, state = find_state(group, checkpoints, mine)
+            return self.resume_sharded(saving)
+        found, state = find_state(group, checkpoints, mine)
         if state is not None:
             self.load(state)
             log.info("torchspot: resumed from the %s of step %d", found, self.step)
         return found
+
+    def resume_sharded(self, saving: Saving) -> str:
+        """A sharded state's resume, over torch's default group (every rank's on the restart path, the node's
+        in place): the newest committed checkpoint, each rank its shards of it as this group shards the
+        model (DCP reshards). Returns `checkpoint`, or `start` for none."""
+        state = saving.load_sharded(self.full)
+        if state is None:
+            return "start"
+        self.load(state)
+        log.info("torchspot: resumed from the checkpoint of step %d", self.step)
+        return "checkpoint"
 
     def resume_from_copies(
         self, mine: tuple[Held, dict[str, Any]] | None, checkpoints: CheckpointManager | None
