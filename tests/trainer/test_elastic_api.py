@@ -376,7 +376,7 @@ def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoin
             "torchspot": {"step": 7, "positions": []}}  # fmt: skip
     LocalSnapshot(default_path(dict(os.environ))).write(kept, base=0)
     first = manager(checkpoint_uri="")
-    first._resume()
+    first._member.resume()
     assert first.resumed_from == "snapshot"
     assert float(model.weight.detach()[0, 0]) == 7.0
     first.close()
@@ -389,7 +389,7 @@ def test_in_place_a_new_worker_starts_from_its_nodes_snapshot_unless_a_checkpoin
     CheckpointManager(open_storage(str(ckpt))).save_sync(9, newer, {"world_size": 1})
     LocalSnapshot(default_path(dict(os.environ))).write(kept, base=0)
     second = manager(checkpoint_uri=str(ckpt))
-    second._resume()
+    second._member.resume()
     assert second.resumed_from == "checkpoint"
     assert float(model.weight.detach()[0, 0]) == 9.0
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")

@@ -13,6 +13,8 @@ checkpoint or node snapshot). The choice is said once, with its reason, where th
 (`in_place=None`): a caller that chose, as the built-in trainer does from its flags, says its own. A
 step that has not committed within `commit_seconds` of its start ends the worker with one line naming the
 cause (its agent restarts it); a call out of the step's order raises ApiOrderError (order.py).
+The worker's place in the groups (its rank there, its resume, the next group and its heal) is its
+Member's (member.py).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from torch._C._distributed_c10d import GradBucket  # what torch.distributed re-e
 
 from torchspot_trainer.checkpoint.manager import CHECKPOINT_RETRIES, SAVER_THREAD
 from torchspot_trainer.data.sampler import ElasticSampler as _Position
-from torchspot_trainer.elastic.groups import InPlaceGroups
 from torchspot_trainer.elastic.leaving import LEAVE_SAVE_WAIT, Kept, Leaving, node_snapshot
+from torchspot_trainer.elastic.member import Member
 from torchspot_trainer.elastic.metrics import served_metrics
 from torchspot_trainer.elastic.order import BEGUN, StepOrder
 from torchspot_trainer.elastic.records import Records
@@ -40,19 +42,14 @@ from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
     EVENTS_FILE_ENV,
-    REFORM_SECONDS,
     ApiOrderError,
     Refused,
     checkpoint_settings,
     choose_path,
     default_device,
-    node_name,
     notice_settings,
 )
 from torchspot_trainer.elastic.state import RunState
-from torchspot_trainer.handover import Assignment
-from torchspot_trainer.recovery.collectives import LiveCollectives
-from torchspot_trainer.recovery.group import Group
 from torchspot_trainer.recovery.outcome import GroupChanged, Outcome
 
 if TYPE_CHECKING:  # (imported where a sharded run re-forms in place: `Manager`)
@@ -153,35 +150,19 @@ class Manager:
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
         self.sharded = sharded
         self.checkpoint_uri = checkpoint_uri
-        per_node = 1 if self._columns is None else self._columns.per_node
-        self._rank, self._world = int(os.environ.get("RANK", "0")) // per_node, int(os.environ.get("WORLD_SIZE", "1"))
-        self._world //= per_node
-        """This worker's rank and size in its group: the run's, or a sharded run's column's in place."""
-        self._begun = self._closed = self._reform_due = self._failed = self._regroup = self._boundary_due = False
-        """`_reform_due`: the last step agreed on a switch to a joiner's group; `_regroup`: a collective of
-        the loop's between steps (`all_reduce`, `heed_notices`) did not complete: the group is re-formed
-        before the next step or agreement."""
+        self._closed = self._boundary_due = False
+        """`_boundary_due`: a step committed whose boundary (notices, checkpoint) the loop has not passed yet."""
         self._skipped = self._void = False
         """Whether the step being counted had its update skipped (`update_skipped`); whether the step is void
         (`start_step`)."""
-        self.resumed_from = "start"
-        """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank), `live` (in place,
-        the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
-        self._whole = False
-        """Set once the first group's resume is done: from then on the state may be kept as a snapshot."""
-        self._groups = None if not self.in_place else InPlaceGroups(
-            self.device, state=self._heal_state, load=self._healed, columns=self._columns is not None
-        )  # fmt: skip
-        self._live = None if self._groups is None else self._groups.live
-        self._healing = None if self._groups is None else self._groups.healing
-        self._scaled = False
-        """A gradient scaler runs (`scales_loss`): no rank sits a step out after a heal (heal.py)."""
-        self._default: Group | None = None
-        """The restart path's collectives over the default group (`_collectives`)."""
         self._leaving = Leaving(
             hold=hold, events_at=events_at, emit=self._emit, kept=self._kept, before_exit=self._before_stuck_exit,
             snapshot=node_snapshot(os.environ), step_of=lambda state: int(state["torchspot"]["step"]),
         )  # fmt: skip
+        self._member = Member(self._run, in_place=self.in_place, sharded=sharded, device=self.device,
+                              columns=self._columns, saving=self._saving, leaving=self._leaving,
+                              records=self._records, emit=self._emit, leave=self.leave)  # fmt: skip
+        self._groups, self._live, self._healing = self._member.groups, self._member.live, self._member.healing
         self._notice_rows: list[list[int]] | None = None
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
         if self._groups is not None:  # registered at once: a round handed over during the loop's set-up is taken
@@ -194,12 +175,12 @@ class Manager:
     @property
     def rank(self) -> int:
         """This worker's rank in the current group."""
-        return self._rank if self._columns is None else self._columns.global_rank(self._rank)
+        return self._member.global_rank
 
     @property
     def world_size(self) -> int:
         """The current group's size."""
-        return self._world if self._columns is None else self._world * self._columns.per_node
+        return self._member.world_size
 
     @property
     def generation(self) -> int | None:
@@ -214,6 +195,12 @@ class Manager:
         step's update. Until then the loop's state is not the run's: a loop that reads it to decide what it
         does next (whether an evaluation is due) takes that step first."""
         return self._healing is not None and self._healing.pending()
+
+    @property
+    def resumed_from(self) -> str:
+        """Where this worker's state came from last: `checkpoint`, `snapshot` (its node's own copy), `peer`
+        (healed from a live rank), `live` (in place, the state it held: a re-form sent it none) or `start`."""
+        return self._member.resumed_from
 
     @property
     def last_checkpoint(self) -> int | None:
@@ -231,10 +218,9 @@ class Manager:
         enters the job's first group and resumes (a joiner is healed here), so that a loop's condition
         reads the run's step, not a new process's 0: a worker that joined a run at its last step
         would otherwise train one step more."""
-        if not self._begun and not self._closed:
+        if not self._member.begun and not self._closed:
             self._begin()
-        arriving = None if self._healing is None else self._healing.arriving_step()
-        return self._run.step if arriving is None else arriving
+        return self._member.step()
 
     # -- the step -----------------------------------------------------------------
 
@@ -253,11 +239,11 @@ class Manager:
                         "it): counted now, as its update skipped", self.rank, self._run.step + 1)  # fmt: skip
             self.update_skipped()
         self._void = False
-        if not self._begun:
+        if not self._member.begun:
             self._begin()
         elif self._boundary_due and self._pass_boundary():
             pass  # a notice: the group re-formed without the leaving node
-        elif self._must_reform():
+        elif self._member.must_reform():
             # The switch the last step agreed on (`should_commit`), or a round that came between steps: no
             # step is started in a group that is over. Not at the commit: what the loop does between the
             # two (a figure's `all_reduce`) runs among the ranks that took the step, which a joiner is not.
@@ -307,8 +293,9 @@ class Manager:
             void: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             void.set_result(bucket.buffer().zero_())
             return void
+        member = self._member
         return self._groups.reduce(
-            bucket, rank=self._rank, world=self._world, buffers=self._run.buffers, row=self._leaving.stop.row,
+            bucket, rank=member.rank, world=member.world, buffers=self._run.buffers, row=self._leaving.stop.row,
             deadline=self._order.started + self.commit_seconds,
         )  # fmt: skip
 
@@ -317,7 +304,7 @@ class Manager:
         samples over. Every rank, except in the step after a heal beside it (heal.py): its holders."""
         if self._healing is None or self._columns is not None:  # (a column's heal broadcasts: none sits out)
             return self.rank, self.world_size
-        return self._healing.share(self._rank, self._world)
+        return self._healing.share(self._member.rank, self._member.world)
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the
@@ -335,20 +322,21 @@ class Manager:
                         "the loop decides again from the healed state", self.rank, self._run.step + 1)  # fmt: skip
             self._run.restore_buffers()
             return False
+        member = self._member
         shards = None if self._columns is None else self._columns.reduce(
-            self._groups, rank=self._rank, world=self._world, buffers=self._run.buffers, row=self._leaving.stop.row,
+            self._groups, rank=member.rank, world=member.world, buffers=self._run.buffers, row=self._leaving.stop.row,
             deadline=self._order.started + self.commit_seconds,
         )  # fmt: skip
-        outcomes, lines = self._groups.settle(self._run.buffers, self._world)
+        outcomes, lines = self._groups.settle(self._run.buffers, member.world)
         if not outcomes:
             raise ApiOrderError(
                 "optimizer.step() with no gradient averaged in this step: call backward() on the output of the "
                 "elastic DistributedDataParallel model (or, sharded, of the model) first"
             )
         if self._columns is not None:  # the node's workers alike: their shards are one copy
-            lines = self._columns.agree(self._world, lines)
+            lines = self._columns.agree(member.world, lines)
         if lines is None:
-            self._failed = any(outcome is Outcome.FAILED for outcome in outcomes)
+            member.failed = any(outcome is Outcome.FAILED for outcome in outcomes)
             self._order.end()
             log.warning("rank %d: step %d not applied: its all-reduce did not complete (%s); re-forming",
                         self.rank, self._run.step + 1, ", ".join(sorted({o.value for o in outcomes})))  # fmt: skip
@@ -359,7 +347,7 @@ class Manager:
             self._columns.take(shards)
         self._notice_rows = [[line.level, line.node] for line in lines]
         if any(line.ready for line in lines):  # a joiner is ready: every rank switches after this step
-            self._reform_due = True
+            member.reform_due = True
         self._order.allow()
         return True
 
@@ -373,7 +361,7 @@ class Manager:
         step re-forms. A host tensor goes over the generation's gloo group, a device one over its data plane.
         On the restart path it is torch's own all-reduce over the default group (a lost peer raises, and
         the agent restarts the worker)."""
-        if not self._begun and not self._closed:
+        if not self._member.begun and not self._closed:
             self._begin()
         if self._groups is None:
             dist.all_reduce(tensor)
@@ -384,8 +372,9 @@ class Manager:
         outcome = (
             groups.all_reduce(tensor) if self._columns is None else self._columns.all_reduce(tensor, groups.all_reduce)
         )
-        self._failed = self._failed or outcome is Outcome.FAILED  # the agent hears of a peer's failure at the re-form
-        self._regroup = self._regroup or outcome is not Outcome.DONE
+        member = self._member
+        member.failed = member.failed or outcome is Outcome.FAILED  # the agent hears of a peer's failure at the re-form
+        member.regroup = member.regroup or outcome is not Outcome.DONE
         return outcome is Outcome.DONE
 
     def commit(self) -> None:
@@ -414,14 +403,14 @@ class Manager:
         the loop's own figures, added to the `done` record (a final test accuracy)."""
         if self._closed:
             return
-        if self._reform_due:  # the last step agreed on a switch: its joiners wait in that group for their heal
+        if self._member.reform_due:  # the last step agreed on a switch: its joiners wait in that group for their heal
             self._reform()
         if self._healing is not None:
             self._healing.settle()  # a heal's state for a step the loop did not take: the run's state
         self._closed = True
         self._order.close()
-        if self._saving is not None and self._begun:
-            self._saving.finish(self._run.step, self._rank, self._run.full, self.world_size)
+        if self._saving is not None and self._member.begun:
+            self._saving.finish(self._run.step, self._member.rank, self._run.full, self.world_size)
         if self._groups is not None:
             self._groups.close()
         self._records.close()
@@ -434,24 +423,12 @@ class Manager:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    # -- groups, heals, resumes ----------------------------------------------------
-
-    def _collectives(self) -> Group:
-        """The loop's collectives over the current group: the generation's in place (its rank and size
-        change at each re-form), else the default group's, made once (they never change in a process)."""
-        if self._live is not None:
-            return LiveCollectives(self._rank, self._world, self.device, live=self._live, op_seconds=REFORM_SECONDS)
-        if self._default is None:
-            self._default = Group(self._rank, self._world, self.device)
-        return self._default
+    # -- groups -------------------------------------------------------------------
 
     def ensure_group(self) -> None:
         """torch's default process group, made now if the script has not: on the restart path over every rank
         (DDP and FSDP2 need it); for a sharded run in place over this node's workers only (sharding.py)."""
-        if self._columns is not None:
-            self._columns.ensure_group()
-        elif not self.in_place and not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+        self._member.ensure_group()
 
     def shard_mesh(self, shard_size: int = 0) -> DeviceMesh:
         """The device mesh a sharded model is given to FSDP2's `fully_shard` over (`ensure_group` first). In
@@ -465,118 +442,19 @@ class Manager:
         self.ensure_group()
         return restart_mesh(self.device, shard_size)
 
-    def _group_over(self) -> bool:
-        """In place, whether the group must re-form before the loop goes on: the last step agreed on a switch
-        to a joiner's group, a collective of the loop's between steps did not complete, or a newer round
-        broke it."""
-        return self._live is not None and (self._reform_due or self._regroup or self._live.broken.is_set())
-
-    def _must_reform(self) -> bool:
-        """`_group_over`, where a sharded run's node's workers re-form together: wherever any of them must."""
-        over = self._group_over()
-        return over if self._columns is None else self._columns.reform_now(over)
-
-    def _heal_state(self) -> dict[str, Any]:
-        """What a heal sends: the state at the step boundary, a sharded run's as its local shards."""
-        state = self._run.at_boundary()
-        if self._columns is None:
-            return state
-        from torchspot_trainer.elastic.sharding import local_state  # noqa: PLC0415 - (imported with Columns)
-
-        return dict(local_state(state))
-
-    def _begin(self) -> None:
-        """The first step: resume, and enter the first group (in place) or share rank 0's state."""
-        self._begun = True
-        if self.in_place:
-            self.ensure_group()  # (a sharded run's node group: its checkpoints load over it)
-            self._resume()
-            self._enter_and_heal(stepping=False)
-        else:
-            self.ensure_group()
-            self._rank, self._world = dist.get_rank(), dist.get_world_size()
-            mine = None if self.sharded else self._leaving.read_snapshot()  # (a rank's shards are not the run's)
-            self.resumed_from = self._run.resume(self._collectives(), self._checkpoints, mine, self._saving)
-            self._rank_duties()
-            self._started(generation=None)
-        self._whole = True
-
-    def _resume(self) -> None:
-        """In place, before the first group: the node's snapshot or the newest checkpoint (RunState); a sharded
-        run's newest checkpoint, resharded over the node's workers (each node loads a whole copy)."""
-        if self._columns is None:
-            self.resumed_from = self._run.resume_from_copies(self._leaving.read_snapshot(), self._checkpoints)
-        elif self._saving is not None:
-            self.resumed_from = self._run.resume_sharded(self._saving)
-
-    def _reform(self, *, stepping: bool = False) -> None:
-        """After a step that did not commit, or at an agreed switch: the next group, and a heal in it
-        (`stepping`: at a step's start, so that the heal may go beside it: heal.py)."""
-        assert self._groups is not None
-        if self._failed:
-            self._groups.report_failure()
-        self._failed = self._reform_due = self._regroup = self._boundary_due = False
-        self._notice_rows = None  # (the old group's; a notice is shared again at the next group's boundary)
-        self._enter_and_heal(stepping=stepping)
-
-    def _enter_and_heal(self, *, stepping: bool) -> None:
-        """Enter the first newer round that forms and heal in it; again in the next while a newer round
-        or a lost peer breaks the heal."""
-        groups = self._groups
-        assert groups is not None
-        started = time.monotonic()
-        source = groups.enter(
-            self._run.step,
-            self._run.version,
-            stepping=stepping,
-            scaled=self._scaled,
-            entered=self._entered,
-            leave=self.leave,
-        )
-        self._reform_due = False
-        if source == "peer":  # (a receiver beside the step loads its state before the step's update)
-            self.resumed_from = "peer"
-        elif self._whole:  # a re-form: it goes on from the state it holds (the first group's is its resume's)
-            self.resumed_from = "live"
-        self._rank_duties()
-        self._emit({"event": "generation", "generation": groups.live.generation, "rank": self.rank,
-                    "world_size": self.world_size, "step": self.current_step(), "pid": os.getpid(), "node": node_name(),
-                    "resumed_from": self.resumed_from, "trainers": groups.healing.trainers,
-                    "seconds": round(time.monotonic() - started, 3)}, any_rank=True)  # fmt: skip
-        self._started(generation=groups.live.generation)
-
-    def _started(self, *, generation: int | None) -> None:
-        """A group's start record (records.py), and the host copy of the state the group starts from (a
-        node's snapshot before its first commit)."""
-        first = self._run.positions[0] if self._run.positions else None
-        self._records.started(step=self.current_step(), world=self.world_size, rank=self.rank,
-                              resumed_from=self.resumed_from, generation=generation, position=first)  # fmt: skip
-        self._run.capture()
-
-    def _entered(self, assignment: Assignment) -> None:
-        """A round entered: this worker's rank, world size and node there."""
-        self._rank, self._world = assignment.rank, assignment.world
-        self._leaving.stop.node = assignment.node
-
     def scales_loss(self) -> None:
         """A gradient scaler runs with this manager (`GradScaler` tells): every heal broadcasts."""
-        self._scaled = True
+        self._member.scaled = True
 
-    def _healed(self, state: dict[str, Any]) -> None:
-        """A heal's state from a live peer, taken over (a sharded run's laid out as this worker's own)."""
-        if self._columns is not None:
-            from torchspot_trainer.elastic.sharding import like  # noqa: PLC0415 - (imported with Columns)
+    def _begin(self) -> None:
+        """The first step: resume and enter the first group (member.py)."""
+        self._member.begin()
 
-            state = like(state, self._run.full())
-        self._run.load(state)
-        self.resumed_from = "peer"
-
-    def _rank_duties(self) -> None:
-        """Rank 0 reports steps and checkpoints to the operator (through the job's etcd); the duty
-        follows rank 0 from group to group."""
-        if self._saving is not None:
-            self._saving.ranks_changed(self._rank)
-        self._records.rank_is(self.rank)
+    def _reform(self, *, stepping: bool = False) -> None:
+        """The next group and a heal in it (member.py); the old group's boundary and notices are void."""
+        self._boundary_due = False
+        self._notice_rows = None  # (the old group's; a notice is shared again at the next group's boundary)
+        self._member.reform(stepping=stepping)
 
     # -- notices --------------------------------------------------------------------
 
@@ -590,11 +468,11 @@ class Manager:
         in the old one is void (its rank and world size may differ now), and it begins it again from its
         state, which the heal may have replaced (`state_changed`). One small all-gather."""
         self._order.require_between("heed_notices()")
-        if not self._begun and not self._closed:
+        if not self._member.begun and not self._closed:
             self._begin()
         if self._boundary_due and self._pass_boundary():
             return True
-        if self._must_reform():
+        if self._member.must_reform():
             self._reform()
             return True
         # (a sharded run's columns share notices at the step's end only: its node's workers would have to
@@ -618,7 +496,7 @@ class Manager:
         if self._notices_stop_here(gather=self._live is None):
             return True
         if self._saving is not None:
-            self._saving.after_commit(self._run.step, self._rank, self._run.full, self.world_size)
+            self._saving.after_commit(self._run.step, self._member.rank, self._run.full, self.world_size)
         return False
 
     def _notices_stop_here(self, *, gather: bool) -> bool:
@@ -632,10 +510,11 @@ class Manager:
             if gather:
                 rows = self._gather_notices()
             if any(level for level, _node in rows):  # (every boundary but a notice's: nothing more to do)
-                self._leaving.stop_for(rows, step=self._run.step, rank=self._rank, group=self._collectives(),
+                member = self._member
+                self._leaving.stop_for(rows, step=self._run.step, rank=member.rank, group=member.collectives(),
                                        saving=self._saving, state=self._run.full, world=self.world_size)  # fmt: skip
         except GroupChanged as exc:
-            self._failed = exc.failed
+            self._member.failed = exc.failed
             self._reform()
             return True
         return False
@@ -643,7 +522,7 @@ class Manager:
     def _gather_notices(self) -> list[list[int]]:
         """Every rank's [notice level, node], gathered now; GroupChanged in place where the group broke."""
         try:
-            return self._collectives().boundary(self._run.step, self._leaving.stop.row)
+            return self._member.collectives().boundary(self._run.step, self._leaving.stop.row)
         except GroupChanged:
             raise
         except RuntimeError as exc:  # the restart path: a peer's socket closed, it left
@@ -666,7 +545,7 @@ class Manager:
         """What the node's snapshot would keep now (`Leaving`): its lineage and the host copy of the last
         committed step (hostcopy.py: on the CPU the live state, but during an update), once the first
         group's resume is done and not after `close()` (the final checkpoint holds it)."""
-        if not self._whole or self._closed or self.sharded:  # (a rank's shards are not the run's state)
+        if not self._member.whole or self._closed or self.sharded:  # (a rank's shards are not the run's state)
             return None
         return self._run.kept()
 
@@ -682,7 +561,7 @@ class Manager:
 
     def add_position(self, position: _Position) -> None:
         """A sampler's position, moved on at each commit and carried in the state (sampler.py)."""
-        if self._begun:
+        if self._member.begun:
             raise ApiOrderError("an ElasticSampler made after the first step: make it before the loop begins")
         self._run.positions.append(position)
 
