@@ -5,6 +5,7 @@ restarted by its agent while the others still re-form in place."""
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import os
@@ -73,6 +74,10 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     running STACKS_AFTER_NOTICE later prints its threads' stacks (here after 0.1 s), and a worker of its
     still running, blocked in C, prints its own (`ask_for_stacks`).
 
+    A dump still armed when the test closes that file would be written to whatever reuses its descriptor
+    (an xdist worker crashed so, 2026-12-07): the second dump is told from the first by the file's size
+    before it, and awaited.
+
     The stacks go to a file of the test's own as the agent's stderr (faulthandler writes to its
     descriptor): read through `capfd`, whose every read truncates the capture file, a dump written
     while it was read came back cut, its header lost (three failures in a row on 2026-11-27, after
@@ -114,17 +119,20 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     (tmp_path / LEAVING_MARKER).unlink()
     (tmp_path / "live-0").write_text("999999999")  # the worker is gone: a stale registration
     assert not live_workers(tmp_path)
+    stderr.flush()
+    before = stderr_path.stat().st_size  # (the first call's dump names this test too: the second's is awaited)
     with pytest.raises(SignalException):
         leave_then_stop(signal.SIGTERM, None)
     assert not (tmp_path / LEAVING_MARKER).exists()  # left (no handler here to leave), not only marked
 
     def stacks() -> bool:  # this thread's stack, where it waits: the dump's last part, so awaited whole
-        return "test_a_node_leaving_with_live_workers" in stderr_path.read_text(errors="replace")
+        return "test_a_node_leaving_with_live_workers" in stderr_path.read_text(errors="replace")[before:]
 
     try:
         assert wait_for(stacks, WAIT, "the stacks of a stopping agent that is still here")
-        assert "most recent call first" in stderr_path.read_text(errors="replace")
+        assert "most recent call first" in stderr_path.read_text(errors="replace")[before:]
     finally:
+        faulthandler.cancel_dump_traceback_later()  # (none armed by now; its file is closed next)
         stderr.close()
 
 
