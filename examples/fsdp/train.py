@@ -92,7 +92,22 @@ def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
 
-def main() -> None:
+def evaluate(manager: elastic.Manager, model: nn.Module, batches: list[torch.Tensor]) -> float | None:
+    """The mean loss over `batches`, each rank its share of each; None where the group changed meanwhile (the
+    loop goes on from the state it holds: a heal may have replaced it). Between batches the eviction
+    notices are heeded: one that comes during the evaluation has its emergency checkpoint at once."""
+    total = torch.zeros(2, device=batches[0].device)
+    with torch.no_grad():
+        for batch in batches:
+            if manager.heed_notices():
+                return None
+            mine = batch[manager.rank :: manager.world_size]
+            total += torch.stack([loss_of(model, mine).float() * len(mine), torch.tensor(float(len(mine)))])
+    return float(total[0] / total[1]) if manager.all_reduce(total) else None
+
+
+def arguments() -> argparse.Namespace:
+    """The example's flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--global-batch", type=int, default=24, help="sequences per step, at any world size")
@@ -104,9 +119,14 @@ def main() -> None:
                         help="ranks that hold one copy (HSDP); 0: all (FSDP); default: the job's groups")  # fmt: skip
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
     parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: none)")
     parser.add_argument("--in-place", action="store_true",
                         help="re-form in place: each node one copy, sharded over its own workers")  # fmt: skip
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments()
 
     device = torch.device("cpu")
     if torch.cuda.is_available():
@@ -133,17 +153,24 @@ def main() -> None:
     stepper = elastic.OptimizerWrapper(manager, optimizer)
     tokens = corpus().to(device)
     sampler = elastic.ElasticSampler(manager, len(tokens), global_batch=args.global_batch)
+    evaluation = list(tokens[: 2 * args.global_batch].split(args.global_batch))  # (a fixed set, for the example)
     while manager.current_step() < args.steps:
         begun = time.monotonic()
         stepper.zero_grad()
         indices = sampler.indices()
         loss = loss_of(model, tokens[indices])
         loss.backward()  # FSDP2 reduce-scatters each block's gradients as its backward ends
-        logs = stepper.step() and manager.current_step() % args.log_every == 0  # (a step not applied: not logged)
+        applied = stepper.step()  # (a step not applied: not logged, nor evaluated after)
+        logs = applied and manager.current_step() % args.log_every == 0
         total = loss.detach().float() * len(indices)
         if logs and manager.all_reduce(total) and manager.rank == 0:
             line = {"step": manager.current_step(), "loss": float(total) / args.global_batch}
             print(json.dumps(line), flush=True)
+        evaluates = applied and args.eval_every and manager.current_step() % args.eval_every == 0
+        if evaluates and not manager.state_arriving:
+            figure = evaluate(manager, model, evaluation)
+            if figure is not None and manager.rank == 0:
+                print(json.dumps({"evaluation": manager.current_step(), "loss": figure}), flush=True)
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - begun)))
     manager.close()
 

@@ -28,7 +28,12 @@ from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 from torchspot_trainer.checkpoint.storage import blob_container
 from torchspot_trainer.data.sampler import ElasticSampler as Position
 from torchspot_trainer.elastic import Manager, Refused
-from torchspot_trainer.elastic.settings import CHECKPOINT_EVERY_ENV, CHECKPOINT_URI_ENV, EVENTS_FILE_ENV
+from torchspot_trainer.elastic.settings import (
+    CHECKPOINT_EVERY_ENV,
+    CHECKPOINT_URI_ENV,
+    EVENTS_FILE_ENV,
+    KEEP_CHECKPOINTS_ENV,
+)
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.notices import EXIT_EVICTED, EXIT_FAILED
 
@@ -98,10 +103,14 @@ def _example() -> ModuleType:
     return module
 
 
-def _alone(steps: int = STEPS) -> dict[int, tuple[float, list[int]]]:
-    """The example's training in this process, unsharded, on one rank: each step's loss and samples."""
+def _alone(
+    steps: int = STEPS, *, evaluations: dict[int, float] | None = None, eval_every: int = 0
+) -> dict[int, tuple[float, list[int]]]:
+    """The example's training in this process, unsharded, on one rank: each step's loss and samples; every
+    `eval_every` steps its evaluation's figure into `evaluations` (the example's fixed set, whole)."""
     example = _example()
     model, tokens = example.build_model(), example.corpus()
+    held = tokens[: 2 * GLOBAL_BATCH].split(GLOBAL_BATCH)  # (the example's `evaluation`)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # (the example's default)
     position = Position(len(tokens), batch_size=1, seed=0, global_batch=GLOBAL_BATCH)
     taken = {}
@@ -113,6 +122,9 @@ def _alone(steps: int = STEPS) -> dict[int, tuple[float, list[int]]]:
         optimizer.step()
         position.advance(1)
         taken[step] = (loss.item(), sorted(ids))
+        if evaluations is not None and step % eval_every == 0:
+            with torch.no_grad():
+                evaluations[step] = sum(example.loss_of(model, batch).item() for batch in held) / len(held)
     return taken
 
 
@@ -245,27 +257,33 @@ def test_sharded_in_place_is_asked_for_and_refused_over_replica_groups_of_severa
         Manager(dict, lambda state: None, in_place=True, sharded=True, checkpoint_uri="")
 
 
-IN_PLACE_STEPS = 140
+EVAL_EVERY = 10
+"""The in-place test's steps between evaluations (the example's `--eval-every`)."""
+
+IN_PLACE_STEPS = 170
 """The in-place test's run (a step of at least 0.2 s): two nodes' start, a third's join (its agent's and
-workers' start-up take 20 s on a loaded 2-core machine) and a kill land inside it."""
+workers' start-up take 20 s on a loaded 2-core machine), a kill and a notice land inside it."""
 
 
-@pytest.mark.slow(seconds=40)
-def test_in_place_nodes_of_two_sharded_workers_take_a_join_and_a_kill_and_train_the_unsharded_model(
+@pytest.mark.slow(seconds=50)
+def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_and_train_the_unsharded_model(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
     """examples/fsdp --in-place under torchspot-run, 2 workers a node, each node one copy of the model
     sharded over its workers (FSDP2), the nodes' copies kept alike over each column's generation: 2 nodes,
-    a third joins (healed by shard from a live node), then the second is killed. The first node's workers
-    are the processes they started as throughout; every step is committed once, on the samples and with the
-    loss (within float32 order) of the same training unsharded on one rank. One node's workers write each
-    checkpoint (every node holds a whole copy), through the join and the kill."""
+    a third joins (healed by shard from a live node), then the second is killed, then the third has a notice
+    (SIGTERM: its workers write the emergency checkpoint, a whole copy, and leave; the first trains on). The
+    first node's workers are the processes they started as throughout; every step is committed once, on the
+    samples and with the loss (within float32 order) of the same training unsharded on one rank, and so is
+    each evaluation between steps (which heeds the notices at every batch). One node's workers write each
+    checkpoint (every node holds a whole copy), through the join, the kill and the notice."""
     events, folder = tmp_path / "events.jsonl", tmp_path / "ckpt"
-    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:3",
+    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:3",
                     nproc_per_node=2, extra_env={EVENTS_FILE_ENV: str(events), CHECKPOINT_URI_ENV: str(folder),
-                                                 CHECKPOINT_EVERY_ENV: "50"},
+                                                 CHECKPOINT_EVERY_ENV: "50", KEEP_CHECKPOINTS_ENV: "9"},
                     program=[str(EXAMPLE / "train.py"), f"--steps={IN_PLACE_STEPS}", f"--global-batch={GLOBAL_BATCH}",
-                             "--step-seconds=0.2", "--log-every=1", "--in-place"])  # fmt: skip
+                             "--step-seconds=0.2", "--log-every=1", f"--eval-every={EVAL_EVERY}",
+                             "--in-place"])  # fmt: skip
 
     def steps() -> list[dict[str, Any]]:
         return [r for r in read_events(events) if r["event"] == "step" and r["rank"] == 0]
@@ -277,20 +295,31 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_and_a_kill_and_train_
     joined = steps()[-1]["step"]
     wait_for(lambda: steps()[-1]["step"] >= joined + 5, 60, "5 steps on three nodes")
     second.kill()
+    wait_for(lambda: steps()[-1]["world_size"] == 4, 60, "the re-form without the second node")
+    killed = steps()[-1]["step"]
+    wait_for(lambda: steps()[-1]["step"] >= killed + 5, 60, "5 steps on two nodes")
+    third.terminate(grace=30)
+    assert third.poll() == 128 + signal.SIGTERM, third.log_tail()  # (stopped by the notice, left in time)
     assert first.wait(120) == 0, first.log_tail()
-    assert third.wait(30) == 0, third.log_tail()
     records = read_events(events)
+    (emergency,) = {r["step"] for r in records if r["event"] == "emergency_checkpoint" and r["ok"]}  # (its workers')
     pids = {(r["node"], r["rank"] % 2): r["pid"] for r in records if r["event"] == "generation"}
     first_pids = {r["pid"] for r in records if r["event"] == "generation" and r["node"] == first.name}
     assert len(first_pids) == 2, pids  # its two workers, never restarted
-    assert {r["world_size"] for r in steps()} == {4, 6}
+    assert {r["world_size"] for r in steps()} == {2, 4, 6}
     assert [r["step"] for r in steps()] == list(range(1, IN_PLACE_STEPS + 1))  # each step once
-    reference = _alone(IN_PLACE_STEPS)
+    evaluations: dict[int, float] = {}
+    reference = _alone(IN_PLACE_STEPS, evaluations=evaluations, eval_every=EVAL_EVERY)
     assert {r["step"]: sorted(r["samples"]) for r in steps()} == {s: ids for s, (_, ids) in reference.items()}
     lines = [json.loads(line) for line in first.log_path.read_text().splitlines() if line.startswith('{"step"')]
     losses = {line["step"]: line["loss"] for line in lines}
     assert len(lines) == len(losses) >= IN_PLACE_STEPS - 2  # (a figure whose sum a re-form broke is skipped)
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step
+    said = [json.loads(line) for line in first.log_path.read_text().splitlines() if line.startswith('{"evaluation"')]
+    assert len(said) >= len(evaluations) // 2, said  # (one that a re-form broke is begun no more)
+    for figure in said:  # each between steps, heeding the notices (a sharded run's: its columns', agreed)
+        assert figure["loss"] == pytest.approx(evaluations[figure["evaluation"]], rel=TOLERANCE), figure
     saved = sorted(path.name for path in folder.iterdir() if (path / ".metadata").exists())
-    assert saved == [f"step-{step:010d}" for step in (50, 100, IN_PLACE_STEPS)]  # the last: close()'s
+    kept = sorted({50, 100, 150, emergency, IN_PLACE_STEPS})  # the last: close()'s
+    assert saved == [f"step-{step:010d}" for step in kept]

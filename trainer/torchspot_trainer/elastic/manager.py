@@ -38,6 +38,7 @@ from torchspot_trainer.elastic.member import Member
 from torchspot_trainer.elastic.metrics import served_metrics
 from torchspot_trainer.elastic.order import BEGUN, StepOrder
 from torchspot_trainer.elastic.records import Records
+from torchspot_trainer.elastic.riders import Line
 from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
@@ -475,9 +476,7 @@ class Manager:
         if self._member.must_reform():
             self._reform()
             return True
-        # (a sharded run's columns share notices at the step's end only: its node's workers would have to
-        # agree on each column's gather first)
-        return self._columns is None and self._notices_stop_here(gather=True)
+        return self._notices_stop_here(gather=True)
 
     def state_changed(self) -> None:
         """The loop changed its state between steps (an evaluation's result it keeps in `state_dict`): a
@@ -520,13 +519,25 @@ class Manager:
         return False
 
     def _gather_notices(self) -> list[list[int]]:
-        """Every rank's [notice level, node], gathered now; GroupChanged in place where the group broke."""
+        """Every rank's [notice level, node], gathered now; GroupChanged in place where the group broke. A
+        sharded run's columns gather each over their own, and the node's workers then agree (`Columns.agree`),
+        so that they stop, or re-form, together: a column's rank is its node's in every column."""
+        outcome = Outcome.DONE
         try:
-            return self._member.collectives().boundary(self._run.step, self._leaving.stop.row)
-        except GroupChanged:
-            raise
+            rows = self._member.collectives().boundary(self._run.step, self._leaving.stop.row)
+        except GroupChanged as exc:
+            if self._columns is None:
+                raise
+            rows, outcome = [], Outcome.FAILED if exc.failed else Outcome.BROKEN
         except RuntimeError as exc:  # the restart path: a peer's socket closed, it left
             self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
+        if self._columns is None:
+            return rows
+        said = None if outcome is not Outcome.DONE else [Line(False, level, node) for level, node in rows]
+        lines = self._columns.agree(self._member.world, said)
+        if lines is None:
+            raise GroupChanged(Outcome.BROKEN if outcome is Outcome.DONE else outcome)
+        return [[line.level, line.node] for line in lines]
 
     def _before_stuck_exit(self) -> None:
         """A worker that leaves (stuck in a collective after its SIGTERM, or by `leave`), its snapshot kept:
