@@ -45,8 +45,8 @@ Backends:
 - `fsdp-restart`: examples/fsdp/train.py (a GPT-style LM sharded with FSDP2 over every rank, on the API
   with `sharded=True`): a sharded run's restart path, every worker restarted and resharded from the newest
   DCP checkpoint (a local folder, one every CHECKPOINT_EVERY steps) or, at a join, the shards every rank
-  wrote at the boundary where the agents stopped it: what such a run gets until it re-forms in place
-  (docs/sharded-in-place.md);
+  wrote at the boundary where the agents stopped it (`--restart-path`): what a sharded run gets where it
+  cannot re-form in place, its replica groups spanning nodes (docs/sharded-in-place.md);
 - `fsdp-inplace`: the same example with `--in-place`, 2 workers a node: each node one copy of the model
   sharded over its workers, the nodes re-forming in place by columns (docs/sharded-in-place.md);
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
@@ -254,7 +254,7 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
         if backend == "transformers-inplace":
             env["TORCHSPOT_FORK_PRELOAD"] = "transformers"
         if backend == "fsdp-restart":
-            program += ["--log-every", "1000000"]
+            program += ["--log-every", "1000000", "--restart-path"]
             env |= {"TORCHSPOT_CHECKPOINT_URI": str(workdir / "checkpoints"),
                     "TORCHSPOT_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)}  # fmt: skip
         if backend == "fsdp-inplace":

@@ -8,9 +8,10 @@ resumes at any world size, each sample trained once. `--bf16` computes in bfloat
 and the gradients' reduction kept in float32 (FSDP2's mixed precision). `--shard-size N` shards the model
 over groups of N ranks that each hold one copy of it (HSDP: the copies are replicas, their gradients
 all-reduced), where the world size divides into such groups; elsewhere over every rank (FSDP), said in
-one line: a checkpoint of either loads into the other. `--in-place` re-forms in place instead of
-restarting: each node one copy of the model, sharded over its own workers (`Manager.shard_mesh`), the
-nodes' copies kept alike by the manager (docs/sharded-in-place.md).
+one line: a checkpoint of either loads into the other. Under torchspot-run it re-forms in place instead
+of restarting: each node one copy of the model, sharded over its own workers (`Manager.shard_mesh`), the
+nodes' copies kept alike by the manager (docs/sharded-in-place.md); where the job's replica groups span
+nodes, or with `--restart-path`, every worker restarts at each membership change.
 """
 
 import argparse
@@ -120,8 +121,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--step-seconds", type=float, default=0.0, help="least seconds a step takes (a bigger model)")
     parser.add_argument("--log-every", type=int, default=50, help="steps between lines of the mean loss")
     parser.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: none)")
-    parser.add_argument("--in-place", action="store_true",
-                        help="re-form in place: each node one copy, sharded over its own workers")  # fmt: skip
+    path = parser.add_mutually_exclusive_group()  # (neither: in place wherever it can run, said in one line)
+    path.add_argument("--in-place", action="store_true",
+                      help="re-form in place (each node one copy, sharded over its own workers), or stop")  # fmt: skip
+    path.add_argument("--restart-path", action="store_true", help="restart every worker at each membership change")
     return parser.parse_args()
 
 
@@ -142,7 +145,8 @@ def main() -> None:
     def load_state_dict(state: dict[str, object]) -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
-    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device, in_place=args.in_place or None)
+    in_place = False if args.restart_path else args.in_place or None  # (None: wherever it can run)
+    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device, in_place=in_place)
     model = build_model().to(device)
     mesh = manager.shard_mesh(args.shard_size)  # (in place: the node's workers; else HSDP's groups, or all)
     if args.shard_size and mesh.ndim == 1 and not manager.in_place and manager.rank == 0:

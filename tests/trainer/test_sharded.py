@@ -177,15 +177,15 @@ def test_the_hsdp_example_stopped_by_a_notice_at_four_ranks_resumes_at_three_as_
 def test_a_node_joining_a_sharded_run_costs_no_step_every_rank_writes_its_shards_before_the_restart(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
-    """examples/fsdp under torchspot-run (a sharded run takes the restart path) on one node, joined by a
-    second: the agents restart the workers for the new round, and their SIGTERM stops the group at the
+    """examples/fsdp --restart-path under torchspot-run (a sharded run's restart path) on one node, joined by
+    a second: the agents restart the workers for the new round, and their SIGTERM stops the group at the
     next boundary, where every rank writes its shards of that step (no node snapshot holds a sharded
     state). The round of two resumes from it, resharded: no step is lost or trained twice. Before, it
     resumed from the last periodic checkpoint (none here: from step 0)."""
     events = tmp_path / "events.jsonl"
     job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:2",
                     program=[str(EXAMPLE / "train.py"), f"--steps={JOIN_STEPS}", f"--global-batch={GLOBAL_BATCH}",
-                             "--step-seconds=0.2", "--log-every=5"],
+                             "--step-seconds=0.2", "--log-every=5", "--restart-path"],
                     extra_env={EVENTS_FILE_ENV: str(events), CHECKPOINT_URI_ENV: str(tmp_path / "ckpt"),
                                CHECKPOINT_EVERY_ENV: "1000"})  # fmt: skip
 
@@ -244,15 +244,17 @@ def test_sharded_checkpoints_in_a_folder_keep_the_step_saved_the_newest_two_and_
     ]
 
 
-def test_sharded_in_place_is_asked_for_and_refused_over_replica_groups_of_several_nodes(
-    monkeypatch: pytest.MonkeyPatch,
+def test_sharded_in_place_is_refused_over_replica_groups_of_several_nodes_which_take_the_restart_path(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Under torchspot-run (its agent's variable set) a sharded manager takes the restart path unless asked
-    for in place, saying why; asked for it where the job's replica groups span nodes, it is refused."""
+    """Under torchspot-run (its agent's variable set) where the job's replica groups span nodes, a sharded
+    manager takes the restart path, saying why in one line; asked for in place there, it is refused."""
     monkeypatch.setenv(PEER_LOST_ENV, "1")
+    monkeypatch.setenv(REPLICA_GROUP_SIZE_ENV, "2")
     with Manager(dict, lambda state: None, sharded=True, checkpoint_uri="") as manager:  # (closed: its SIGTERM
         assert not manager.in_place  # handler and commit watcher must not outlive the test in this process)
-    monkeypatch.setenv(REPLICA_GROUP_SIZE_ENV, "2")
+    (said,) = capsys.readouterr().err.splitlines()
+    assert said.startswith("torchspot: the restart path: replica groups of 2 nodes: in place each node holds")
     with pytest.raises(Refused, match="replica groups of 2 nodes: in place each node holds a whole copy"):
         Manager(dict, lambda state: None, in_place=True, sharded=True, checkpoint_uri="")
 

@@ -85,9 +85,9 @@ class Manager:
         copy on a side stream beside the next step; a snapshot then holds the last copy's step). On the
         CPU the live state is written, and no copy made.
     :param sharded: the state is sharded over the ranks (FSDP2's DTensors, over `shard_mesh()`): checkpoints
-        of every rank's shards (DCP) and a restart's resume at any world size. It re-forms in place only
-        with `in_place=True`, each node holding one copy of the state sharded over its own workers
-        (sharding.py); otherwise by the restart path.
+        of every rank's shards (DCP) and a restart's resume at any world size. In place, each node holds one
+        copy of the state sharded over its own workers (sharding.py); where the job's replica groups span
+        nodes, or the script made torch's default group itself, by the restart path (`choose_path`).
     :param checkpoint_saver: where rank 0 serialises and uploads a replicated checkpoint: 'thread' (of
         the training process) or 'process' (a child process, which holds none of the loop's GIL: its
         steps do not slow down during a save of a large state).
@@ -126,7 +126,7 @@ class Manager:
                 else f"snapshot_every={snapshot_every}: must be at least 1"
             )
         hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
-        self.in_place, why = choose_path(in_place, os.environ, sharded=sharded)
+        self.in_place, why = choose_path(in_place, os.environ, sharded=sharded, own_group=dist.is_initialized())
         if in_place is None and os.environ.get("RANK", "0") == "0":  # said once per job, whatever the logging
             print(f"torchspot: {why}", file=sys.stderr, flush=True)  # (a caller that chose says its own reason)
         self.device = device or default_device()

@@ -105,27 +105,38 @@ def default_device(environ: Mapping[str, str] = os.environ) -> torch.device:
     return torch.device("cpu")
 
 
-def choose_path(in_place: bool | None, environ: Mapping[str, str], *, sharded: bool = False) -> tuple[bool, str]:
+def choose_path(
+    in_place: bool | None, environ: Mapping[str, str], *, sharded: bool = False, own_group: bool = False
+) -> tuple[bool, str]:
     """(whether to re-form in place, why), for the manager's `in_place` argument. Pure.
 
     In place needs torchspot-run's agent, which hands each new round to its live workers: under another
     launcher no round would ever come. It also needs a live peer that holds what a lost rank held: a
     sharded state (`sharded`: FSDP2) has one only where each node holds a whole copy, sharded over its own
     workers (sharding.py), which the job's replica groups of several nodes (TORCHSPOT_REPLICA_GROUP_SIZE)
-    rule out. A sharded state re-forms in place only where asked (True): it is not yet measured as the
-    replicated one is. None (the default) takes in place wherever it can run; True where it cannot is
-    refused (`Refused`), rather than silently taking the restart path."""
+    rule out, and over the node's own default group, which a script that made torch's default group
+    itself (`own_group`: over every rank) rules out. None (the default) takes in place wherever it can
+    run; True where it cannot is refused (`Refused`), rather than silently taking the restart path."""
     under_ours = PEER_LOST_ENV in environ
     if in_place is False:
         return False, "the restart path, as asked (in_place=False)"
-    if sharded and not in_place:
-        return False, "the restart path: a sharded state re-forms in place only where asked (in_place=True)"
-    if sharded and _from_env(environ, REPLICA_GROUP_SIZE_ENV, 0, int) > 1:
-        raise Refused(
-            f"in_place=True with sharded=True and replica groups of {environ[REPLICA_GROUP_SIZE_ENV]} nodes: in place "
-            "each node holds a whole copy of the state, sharded over its own workers (replicaGroupSize 1); "
-            "drop in_place or the job's replicaGroupSize"
+    nodes = _from_env(environ, REPLICA_GROUP_SIZE_ENV, 0, int) if sharded else 0
+    if nodes > 1:
+        reason = (
+            f"replica groups of {nodes} nodes: in place each node holds a whole copy of a sharded state, sharded "
+            "over its own workers (replicaGroupSize 1)"
         )
+        if in_place:
+            raise Refused(f"in_place=True with sharded=True and {reason}; drop in_place or the job's replicaGroupSize")
+        return False, f"the restart path: {reason}"
+    if sharded and own_group:
+        reason = (
+            "the script made torch's default process group itself (over every rank): in place a sharded run "
+            "shards within each node, over the group the manager makes (Manager.shard_mesh)"
+        )
+        if in_place:
+            raise Refused(f"in_place=True: {reason}; do not call init_process_group, or drop in_place")
+        return False, f"the restart path: {reason}"
     if not under_ours:
         reason = "in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands live workers each round"
         if in_place:
