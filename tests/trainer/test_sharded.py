@@ -259,6 +259,9 @@ def test_sharded_in_place_is_refused_over_replica_groups_of_several_nodes_which_
         Manager(dict, lambda state: None, in_place=True, sharded=True, checkpoint_uri="")
 
 
+RESUMED_STEPS = 10
+"""The in-place test's steps after its resume (the job again, from its last checkpoint)."""
+
 EVAL_EVERY = 10
 """The in-place test's steps between evaluations (the example's `--eval-every`)."""
 
@@ -267,7 +270,7 @@ IN_PLACE_STEPS = 170
 workers' start-up take 20 s on a loaded 2-core machine), a kill and a notice land inside it."""
 
 
-@pytest.mark.slow(seconds=50)
+@pytest.mark.slow(seconds=60)
 def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_and_train_the_unsharded_model(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
@@ -278,7 +281,8 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     first node's workers are the processes they started as throughout; every step is committed once, on the
     samples and with the loss (within float32 order) of the same training unsharded on one rank, and so is
     each evaluation between steps (which heeds the notices at every batch). One node's workers write each
-    checkpoint (every node holds a whole copy), through the join, the kill and the notice."""
+    checkpoint (every node holds a whole copy), through the join, the kill and the notice. Then the job
+    again on one node of one worker resumes from the last one and trains on as the unsharded run does."""
     events, folder = tmp_path / "events.jsonl", tmp_path / "ckpt"
     job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:3",
                     nproc_per_node=2, extra_env={EVENTS_FILE_ENV: str(events), CHECKPOINT_URI_ENV: str(folder),
@@ -325,3 +329,23 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     saved = sorted(path.name for path in folder.iterdir() if (path / ".metadata").exists())
     kept = sorted({50, 100, 150, emergency, IN_PLACE_STEPS})  # the last: close()'s
     assert saved == [f"step-{step:010d}" for step in kept]
+
+    # The job again, one node of one worker: it resumes from the last checkpoint, resharded (DCP) from the
+    # node's two shards to one, with the samplers' positions, and trains on as the unsharded run did.
+    again, more = tmp_path / "again.jsonl", IN_PLACE_STEPS + RESUMED_STEPS
+    resumed = JobConfig(workdir=tmp_path / "again", backend="etcd-v3", endpoint=etcd.endpoint, run_id=f"{run_id}-again",
+                        nnodes="1", nproc_per_node=1,
+                        extra_env={EVENTS_FILE_ENV: str(again), CHECKPOINT_URI_ENV: str(folder)},
+                        program=[str(EXAMPLE / "train.py"), f"--steps={more}", f"--global-batch={GLOBAL_BATCH}",
+                                 "--log-every=1"])  # fmt: skip
+    (alone,) = nodes(resumed, 1)
+    assert alone.wait(120) == 0, alone.log_tail()
+    records = read_events(again)
+    assert [r["resumed_from"] for r in records if r["event"] == "generation"] == ["checkpoint"]
+    taken = {r["step"]: sorted(r["samples"]) for r in records if r["event"] == "step"}
+    further = _alone(more)
+    assert taken == {step: further[step][1] for step in range(IN_PLACE_STEPS + 1, more + 1)}
+    lines = [json.loads(line) for line in alone.log_path.read_text().splitlines() if line.startswith('{"step"')]
+    assert [line["step"] for line in lines] == list(range(IN_PLACE_STEPS + 1, more + 1))
+    for line in lines:
+        assert line["loss"] == pytest.approx(further[line["step"]][0], rel=TOLERANCE), line
