@@ -52,7 +52,8 @@ def node_group(device: torch.device, environ: Mapping[str, str] = os.environ) ->
     if dist.is_initialized():
         raise RuntimeError(
             "torch's default process group exists already: a sharded run in place shards within each node, "
-            "over the group the manager makes (do not call init_process_group)"
+            "over the group the manager makes (do not call init_process_group; or call it before making the "
+            "Manager, which then takes the restart path)"
         )
     size = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     store = FileStore(str(node_store(environ)), size)
