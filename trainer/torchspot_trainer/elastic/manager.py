@@ -38,7 +38,6 @@ from torchspot_trainer.elastic.member import Member
 from torchspot_trainer.elastic.metrics import served_metrics
 from torchspot_trainer.elastic.order import BEGUN, StepOrder
 from torchspot_trainer.elastic.records import Records
-from torchspot_trainer.elastic.riders import Line
 from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.elastic.settings import (
     COMMIT_SECONDS,
@@ -520,8 +519,8 @@ class Manager:
 
     def _gather_notices(self) -> list[list[int]]:
         """Every rank's [notice level, node], gathered now; GroupChanged in place where the group broke. A
-        sharded run's columns gather each over their own, and the node's workers then agree (`Columns.agree`),
-        so that they stop, or re-form, together: a column's rank is its node's in every column."""
+        sharded run's columns gather each over their own, and the node's workers then agree on them
+        (`Columns.agree_notices`), so that they stop, or re-form, together."""
         outcome = Outcome.DONE
         try:
             rows = self._member.collectives().boundary(self._run.step, self._leaving.stop.row)
@@ -533,11 +532,10 @@ class Manager:
             self.leave(f"the notices' agreement after step {self._run.step} failed ({exc})")
         if self._columns is None:
             return rows
-        said = None if outcome is not Outcome.DONE else [Line(False, level, node) for level, node in rows]
-        lines = self._columns.agree(self._member.world, said)
-        if lines is None:
+        agreed = self._columns.agree_notices(self._member.world, rows if outcome is Outcome.DONE else None)
+        if agreed is None:
             raise GroupChanged(Outcome.BROKEN if outcome is Outcome.DONE else outcome)
-        return [[line.level, line.node] for line in lines]
+        return agreed
 
     def _before_stuck_exit(self) -> None:
         """A worker that leaves (stuck in a collective after its SIGTERM, or by `leave`), its snapshot kept:

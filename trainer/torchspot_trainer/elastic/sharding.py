@@ -188,6 +188,13 @@ class Columns:
             return None
         return [Line(values[1] > 0, round(level), line.node) for level, line in zip(values[2:], lines, strict=True)]
 
+    def agree_notices(self, world: int, rows: list[list[int]] | None) -> list[list[int]] | None:
+        """A boundary's [notice level, node] rows between steps (`Manager.heed_notices`) as the node's workers
+        agree on them (`agree`): `rows` this worker's column's gather, None where it did not complete; None
+        where any worker's did not, else every notice any of them saw."""
+        lines = self.agree(world, None if rows is None else [Line(False, level, node) for level, node in rows])
+        return None if lines is None else [[line.level, line.node] for line in lines]
+
     def all_reduce(self, tensor: torch.Tensor, over_column: Callable[[torch.Tensor], Outcome]) -> Outcome:
         """A sum over the run: over the node's workers, then over the column (`over_column`); where the
         column's did not complete, `tensor` is left as it was."""
