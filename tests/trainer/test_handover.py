@@ -84,6 +84,9 @@ def test_a_node_leaving_with_live_workers_only_marks_it_and_leaves_after_them(
     passing in the suite). The dump is written thread by thread: the test waits for its own thread's
     frame in it, not for its first header (a CI run read it half written, 2026-11-27)."""
     monkeypatch.setattr(launch, "STACKS_AFTER_NOTICE", 0.1)
+    handlers = sys.modules.get(launch.HANDLER_MODULE)
+    if handlers is not None:  # (another test's rendezvous handlers in this process: their etcd is gone)
+        monkeypatch.setattr(handlers, "_ACTIVE", [])
     stderr_path, worker_stderr_path = tmp_path / "agent-stderr", tmp_path / "worker-stderr"
     stderr = stderr_path.open("w")
     monkeypatch.setattr(sys, "stderr", stderr)
