@@ -220,7 +220,6 @@ def test_what_cannot_be_honoured_is_refused_at_start_with_its_reason(
 SILENT_LOOP = """
 import time, torch
 from torchspot import elastic
-from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
 manager = elastic.Manager(state_dict=dict, load_state_dict=lambda s: None, commit_seconds=1)
 optimizer = elastic.OptimizerWrapper(manager, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
 optimizer.zero_grad()

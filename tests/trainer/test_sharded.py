@@ -315,15 +315,17 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     assert {r["world_size"] for r in steps()} == {2, 4, 6}
     assert [r["step"] for r in steps()] == list(range(1, IN_PLACE_STEPS + 1))  # each step once
     evaluations: dict[int, float] = {}
-    reference = _alone(IN_PLACE_STEPS, evaluations=evaluations, eval_every=EVAL_EVERY)
-    assert {r["step"]: sorted(r["samples"]) for r in steps()} == {s: ids for s, (_, ids) in reference.items()}
+    more = IN_PLACE_STEPS + RESUMED_STEPS  # (the reference runs on through the resume below)
+    reference = _alone(more, evaluations=evaluations, eval_every=EVAL_EVERY)
+    ids_before = {s: ids for s, (_, ids) in reference.items() if s <= IN_PLACE_STEPS}
+    assert {r["step"]: sorted(r["samples"]) for r in steps()} == ids_before
     lines = [json.loads(line) for line in first.log_path.read_text().splitlines() if line.startswith('{"step"')]
     losses = {line["step"]: line["loss"] for line in lines}
     assert len(lines) == len(losses) >= IN_PLACE_STEPS - 2  # (a figure whose sum a re-form broke is skipped)
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step][0], rel=TOLERANCE), step
     said = [json.loads(line) for line in first.log_path.read_text().splitlines() if line.startswith('{"evaluation"')]
-    assert len(said) >= len(evaluations) // 2, said  # (one that a re-form broke is begun no more)
+    assert len(said) >= IN_PLACE_STEPS // EVAL_EVERY // 2, said  # (one that a re-form broke is begun no more)
     for figure in said:  # each between steps, heeding the notices (a sharded run's: its columns', agreed)
         assert figure["loss"] == pytest.approx(evaluations[figure["evaluation"]], rel=TOLERANCE), figure
     saved = sorted(path.name for path in folder.iterdir() if (path / ".metadata").exists())
@@ -332,7 +334,7 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
 
     # The job again, one node of one worker: it resumes from the last checkpoint, resharded (DCP) from the
     # node's two shards to one, with the samplers' positions, and trains on as the unsharded run did.
-    again, more = tmp_path / "again.jsonl", IN_PLACE_STEPS + RESUMED_STEPS
+    again = tmp_path / "again.jsonl"
     resumed = JobConfig(workdir=tmp_path / "again", backend="etcd-v3", endpoint=etcd.endpoint, run_id=f"{run_id}-again",
                         nnodes="1", nproc_per_node=1,
                         extra_env={EVENTS_FILE_ENV: str(again), CHECKPOINT_URI_ENV: str(folder)},
@@ -343,9 +345,8 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     records = read_events(again)
     assert [r["resumed_from"] for r in records if r["event"] == "generation"] == ["checkpoint"]
     taken = {r["step"]: sorted(r["samples"]) for r in records if r["event"] == "step"}
-    further = _alone(more)
-    assert taken == {step: further[step][1] for step in range(IN_PLACE_STEPS + 1, more + 1)}
+    assert taken == {step: reference[step][1] for step in range(IN_PLACE_STEPS + 1, more + 1)}
     lines = [json.loads(line) for line in alone.log_path.read_text().splitlines() if line.startswith('{"step"')]
     assert [line["step"] for line in lines] == list(range(IN_PLACE_STEPS + 1, more + 1))
     for line in lines:
-        assert line["loss"] == pytest.approx(further[line["step"]][0], rel=TOLERANCE), line
+        assert line["loss"] == pytest.approx(reference[line["step"]][0], rel=TOLERANCE), line
