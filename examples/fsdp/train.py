@@ -103,7 +103,8 @@ def evaluate(manager: elastic.Manager, model: nn.Module, batches: list[torch.Ten
             if manager.heed_notices():
                 return None
             mine = batch[manager.rank :: manager.world_size]
-            total += torch.stack([loss_of(model, mine).float() * len(mine), torch.tensor(float(len(mine)))])
+            total[0] += loss_of(model, mine).float() * len(mine)
+            total[1] += len(mine)
     return float(total[0] / total[1]) if manager.all_reduce(total) else None
 
 
