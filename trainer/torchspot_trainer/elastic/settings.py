@@ -117,7 +117,6 @@ def choose_path(
     rule out, and over the node's own default group, which a script that made torch's default group
     itself (`own_group`: over every rank) rules out. None (the default) takes in place wherever it can
     run; True where it cannot is refused (`Refused`), rather than silently taking the restart path."""
-    under_ours = PEER_LOST_ENV in environ
     if in_place is False:
         return False, "the restart path, as asked (in_place=False)"
     nodes = _from_env(environ, REPLICA_GROUP_SIZE_ENV, 0, int) if sharded else 0
@@ -126,20 +125,18 @@ def choose_path(
             f"replica groups of {nodes} nodes: in place each node holds a whole copy of a sharded state, sharded "
             "over its own workers (replicaGroupSize 1)"
         )
-        if in_place:
-            raise Refused(f"in_place=True with sharded=True and {reason}; drop in_place or the job's replicaGroupSize")
-        return False, f"the restart path: {reason}"
-    if sharded and own_group:
+        instead = "drop in_place or the job's replicaGroupSize"
+    elif sharded and own_group:
         reason = (
             "the script made torch's default process group itself (over every rank): in place a sharded run "
             "shards within each node, over the group the manager makes (Manager.shard_mesh)"
         )
-        if in_place:
-            raise Refused(f"in_place=True: {reason}; do not call init_process_group, or drop in_place")
-        return False, f"the restart path: {reason}"
-    if not under_ours:
+        instead = "do not call init_process_group, or drop in_place"
+    elif PEER_LOST_ENV not in environ:
         reason = "in place needs torchspot-run with --rdzv-backend etcd-v3, whose agent hands live workers each round"
-        if in_place:
-            raise Refused(f"in_place=True: {reason}; launch with torchspot-run or drop in_place")
-        return False, f"the restart path: {reason}"
-    return True, "in place: torchspot-run's agent hands this worker each new round"
+        instead = "launch with torchspot-run or drop in_place"
+    else:
+        return True, "in place: torchspot-run's agent hands this worker each new round"
+    if in_place:
+        raise Refused(f"in_place=True: {reason}; {instead}")
+    return False, f"the restart path: {reason}"
