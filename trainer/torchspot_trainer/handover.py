@@ -428,10 +428,9 @@ class Handover:
         """When `stepped` was last called (by `clock`)."""
 
     @classmethod
-    def from_environment(cls, *, columns: bool = False) -> Handover:
-        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK); `columns`: a sharded
-        run's, its assignments read as its column's (LOCAL_WORLD_SIZE workers a node)."""
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if columns else 0
+    def from_environment(cls, *, per_node: int = 0) -> Handover:
+        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK); `per_node`: a sharded
+        run's workers a node, its assignments read as its column's (0: as the agent wrote them)."""
         return cls(agent_folder(), int(os.environ.get("LOCAL_RANK", "0")), per_node=per_node)
 
     def register(self, *, stamps_steps: bool = False) -> None:

@@ -52,7 +52,8 @@ class InPlaceGroups:
     :param device: where the gradients and a heal's state travel.
     :param state: the whole state to send in a heal (as at the step boundary).
     :param load: takes a heal's state over.
-    :param columns: a sharded run's: each round read as this worker's column's (handover.column_of).
+    :param per_node: a sharded run's workers a node: each round read as this worker's column's
+        (handover.column_of); 0: every worker of the round is one group.
     """
 
     def __init__(
@@ -61,9 +62,9 @@ class InPlaceGroups:
         *,
         state: Callable[[], dict[str, Any]],
         load: Callable[[dict[str, Any]], None],
-        columns: bool = False,
+        per_node: int = 0,
     ) -> None:
-        self.columns = columns
+        self.per_node = per_node
         self.buckets = StepBuckets()
         """The step's buckets posted so far (`reduce`), given up whenever a newer round breaks the generation."""
         self.live: LiveGroup = in_place_groups(device)
@@ -75,7 +76,7 @@ class InPlaceGroups:
     def start(self) -> None:
         """Register with this node's agent (as the manager is made: a round handed over during the loop's
         set-up is acknowledged): it hands this worker each round from now."""
-        handover = Handover.from_environment(columns=self.columns)
+        handover = Handover.from_environment(per_node=self.per_node)
         handover.register(stamps_steps=True)
         handover.watch(self.live)
         self._handover = handover
@@ -104,7 +105,8 @@ class InPlaceGroups:
         handover, live = self._handover, self.live
         assert handover is not None
         # A device plane's heal broadcasts; so does a column's, whose node's other workers take the step.
-        may_sit_out = not (live.plane.separate or scaled or self.columns)
+        columns = self.per_node > 0
+        may_sit_out = not (live.plane.separate or scaled or columns)
         while True:
             assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
             if assignment is None:
@@ -115,7 +117,7 @@ class InPlaceGroups:
             entered(assignment)
             try:
                 return self.healing.heal(assignment.rank, step, version, stepping=stepping, may_sit_out=may_sit_out,
-                                         alike_at_start=self.columns)  # fmt: skip
+                                         alike_at_start=columns)  # fmt: skip
             except GroupChanged as exc:
                 if exc.failed:
                     handover.report_failure()

@@ -76,7 +76,7 @@ class Member:
         """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank), `live` (in place,
         the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
         self.groups = None if not in_place else InPlaceGroups(
-            device, state=self._heal_state, load=self._healed, columns=columns is not None
+            device, state=self._heal_state, load=self._healed, per_node=0 if columns is None else columns.per_node
         )  # fmt: skip
         self.live = None if self.groups is None else self.groups.live
         self.healing = None if self.groups is None else self.groups.healing
