@@ -7,6 +7,7 @@ wrapper, so stopping the wrapper would leave etcd running; we start the binary i
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -24,6 +25,17 @@ BIND_TRIES = 3
 """Starts with fresh ports when etcd finds one taken (`EtcdServer.start`)."""
 ADDRESS_IN_USE = b"address already in use"
 """What etcd logs when it cannot bind a port."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Where Linux says which ports it gives outgoing connections (`free_port` keeps below them)."""
+PORTS_FROM = 20000
+"""The lowest port `free_port` hands out (above the usual fixed services' ports)."""
+PORTS_ROOM = 2000
+"""Fewer free-to-pick ports than this below the ephemeral range: `free_port` lets the kernel pick."""
+PORT_TRIES = 50
+"""Random ports `free_port` tries before giving up."""
+_PICK = random.SystemRandom()
+"""`free_port`'s own source of randomness: a test that seeds `random` would otherwise have every
+process pick the same ports."""
 
 
 def etcd_binary() -> str:
@@ -45,10 +57,32 @@ def etcd_binary() -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing is bound to right now, below the kernel's ephemeral range.
+
+    A port picked by binding port 0 comes from the range the kernel also draws every outgoing
+    connection's local port from, and gloo's workers open many: one could take the port between
+    this call and the server's own bind, which then fails (an operator replica exits, etcd retries).
+    Below that range only another server can take it. Where the range leaves no room below it,
+    the kernel's pick is the fallback.
+    """
+    low = _ephemeral_low()
+    for _ in range(PORT_TRIES):
+        port = _PICK.randrange(PORTS_FROM, low) if low - PORTS_FROM >= PORTS_ROOM else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free port among {PORT_TRIES} tried in {PORTS_FROM}-{low - 1}")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class EtcdServer(LocalService):

@@ -1,12 +1,15 @@
-"""The sandbox's process control (torchspot_lab/local.py), on real processes."""
+"""The sandbox's process control (torchspot_lab/local.py), on real processes, and the ports its servers take."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from torchspot_lab.etcd import EPHEMERAL_RANGE, PORTS_FROM, free_port
 from torchspot_lab.local import kill_tree, signal_tree
 
 # A node's process tree: a root that says so in a file whenever it is continued (SIGCONT), and a few
@@ -39,3 +42,16 @@ def test_a_frozen_tree_is_killed_without_running_again(tmp_path: Path) -> None:
             if root.poll() is None:
                 root.kill()
     assert not ran.exists(), "the frozen root ran before it died"
+
+
+def test_a_free_port_lies_below_the_ports_outgoing_connections_take_and_is_never_one_held() -> None:
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    with contextlib.ExitStack() as stack:
+        held: set[int] = set()
+        for _ in range(20):
+            port = free_port()
+            assert PORTS_FROM <= port < low
+            assert port not in held
+            server = stack.enter_context(socket.socket())
+            server.bind(("127.0.0.1", port))  # a server can take it
+            held.add(port)

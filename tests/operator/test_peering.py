@@ -78,6 +78,17 @@ class Replica:
         """The sum of its `torchspot_jobs` gauge (0 when it reports none)."""
         return metric_sum(self.metrics, "torchspot_jobs")
 
+    def started(self, cluster: Cluster) -> None:
+        """Wait for its record in the peering object; where it exits first (a port it could not bind, a
+        crash), fail at once with the end of its log, which a timeout alone would not show."""
+
+        def recorded() -> bool:
+            if self.process.poll() is not None:
+                pytest.fail(f"{self.identity} exited with {self.process.returncode}:\n{self.text()[-4000:]}")
+            return self.identity in _peers(cluster)
+
+        wait_for(f"{self.identity}'s peering record", recorded)
+
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         self.process.send_signal(sig)
         return self.process.wait(30)
@@ -111,7 +122,7 @@ def test_the_oldest_replica_leads_a_standby_knows_it_and_takes_over_when_the_lea
     # Alone, the first replica creates the peering object itself and handles jobs.
     first = Replica(cluster, tmp_path, "operator-a")
     replicas.append(first)
-    wait_for("the first replica's peering record", lambda: "operator-a" in _peers(cluster))
+    first.started(cluster)
     assert _peers(cluster)["operator-a"]["lifetime"] == LIFETIME
     cluster.create(good_job("first"))
     wait_for("first's three workers", lambda: len(cluster.pods("first")) == 3)
@@ -121,7 +132,7 @@ def test_the_oldest_replica_leads_a_standby_knows_it_and_takes_over_when_the_lea
     # so its priority is lower, and it waits; the leader keeps leading.
     second = Replica(cluster, tmp_path, "operator-b")
     replicas.append(second)
-    wait_for("the second replica's peering record", lambda: "operator-b" in _peers(cluster))
+    second.started(cluster)
     assert _peers(cluster)["operator-b"]["priority"] < _peers(cluster)["operator-a"]["priority"]
     wait_for("the second replica a standby", lambda: "this replica is a standby: operator-a leads" in second.text())
     cluster.create(good_job("second"))
