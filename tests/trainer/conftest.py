@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -13,6 +12,7 @@ import pytest
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
+from torchspot_lab.etcd import free_port
 from torchspot_trainer.markers import LEAVING_MARKER, PEER_LOST_ENV, marker_beside
 
 
@@ -38,10 +38,7 @@ def _handlers_left_clean() -> Iterator[None]:
 def one_rank_group() -> Iterator[None]:
     """A real one-rank gloo group in this process, as a worker of a world of one has (DCP coordinates
     over it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    store = TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=30))
+    store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 import torchspot.elastic
 from tests.trainer import scaler_loop, thaw_loop
 from torchspot import elastic
-from torchspot_lab.etcd import EtcdServer
+from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
 from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
@@ -41,18 +40,11 @@ from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.snapshot import LocalSnapshot, default_path
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The environment torchrun gives a worker of a world of one; the default group destroyed after."""
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():  # fmt: skip
+                       "MASTER_PORT": str(free_port())}.items():  # fmt: skip
         monkeypatch.setenv(key, value)
     monkeypatch.delenv(PEER_LOST_ENV, raising=False)
     yield
@@ -238,7 +230,7 @@ def test_the_path_is_said_once_by_whoever_chose_it(capsys: pytest.CaptureFixture
 
 
 def test_a_step_that_never_commits_ends_the_worker_with_one_line_naming_the_cause() -> None:
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.pop(PEER_LOST_ENV, None)
     command = [sys.executable, "-c", SILENT_LOOP]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
@@ -311,7 +303,7 @@ def test_on_the_restart_path_a_lost_peer_leaves_a_snapshot_and_a_sigterm_an_emer
     def steps_of_rank_0() -> list[int]:
         return [e["step"] for e in read_events(events) if e["event"] == "step" and e["rank"] == 0]
 
-    port = _free_port()
+    port = free_port()
     first = [start(rank, 2, port) for rank in (0, 1)]
     try:
         wait_for(lambda: len(steps_of_rank_0()) >= 5, 60, "5 steps at world 2")
@@ -328,7 +320,7 @@ def test_on_the_restart_path_a_lost_peer_leaves_a_snapshot_and_a_sigterm_an_emer
     lost_at = max(steps_of_rank_0())
     assert any((tmp_path / "snapshots").glob("*.pt")), "no snapshot left by the lost round"
     assert not [e for e in read_events(events) if e["event"] == "emergency_checkpoint"]
-    again = start(0, 1, _free_port())
+    again = start(0, 1, free_port())
     try:
         wait_for(lambda: len(steps_of_rank_0()) >= lost_at + 5, 60, "5 steps at world 1")
         again.send_signal(signal.SIGTERM)
@@ -357,7 +349,7 @@ def test_a_worker_serves_its_steps_samples_regroups_and_checkpoint_age_where_ask
 ) -> None:
     """TORCHSPOT_TRAINER_METRICS_PORT: the worker's /metrics in Prometheus' text format, scraped as
     Prometheus does, after the examples' loop of 10 steps (8 samples each, a checkpoint every 5)."""
-    port = _free_port()
+    port = free_port()
     monkeypatch.setenv(METRICS_PORT_ENV, str(port))
     _loop(tmp_path / "ckpt", 10, tmp_path / "events.jsonl")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:

@@ -6,7 +6,6 @@ its own, the round's store a real TCPStore."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
+from torchspot_lab.etcd import free_port
 from torchspot_trainer.elastic.sharding import node_group, node_store
 from torchspot_trainer.handover import Assignment, column_of
 from torchspot_trainer.markers import PEER_LOST_ENV
@@ -101,12 +101,6 @@ os._exit(0)  # (the generation's gloo group is left to the process's end, as a w
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _one_process(steps: int) -> dict[str, torch.Tensor]:
     """The same model trained on the global batch by one process: the mean of the ranks' mean losses."""
     namespace: dict[str, object] = {}
@@ -143,7 +137,7 @@ def test_each_incarnation_of_a_nodes_workers_meets_on_a_store_of_its_own(tmp_pat
 
 
 def test_a_script_that_made_its_own_default_group_is_told_why_it_cannot_shard_in_place() -> None:
-    store = TCPStore("127.0.0.1", _free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
+    store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="default process group exists already: a sharded run in place"):
@@ -158,7 +152,7 @@ def test_shards_within_nodes_and_columns_across_them_train_the_one_process_model
     """FSDP2 over each node's own group, each rank's gradient shards averaged over its column's generation
     group: the parameters are one process's (float32 order). Then node 1's ranks, their state zeroed, take
     node 0's local shards over their columns, loaded back as DTensors in their own layout: node 0's model."""
-    port = _free_port()
+    port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     workers = []
     for node in range(NODES):
