@@ -162,12 +162,13 @@ def main() -> None:
     while manager.current_step() < args.steps:
         begun = time.monotonic()
         stepper.zero_grad()
+        sits_out = manager.state_arriving  # (healed beside this step: its loss counts nothing, its state comes)
         indices = sampler.indices()
         loss = loss_of(model, tokens[indices])
         loss.backward()  # FSDP2 reduce-scatters each block's gradients as its backward ends
         applied = stepper.step()  # (a step not applied: not logged, nor evaluated after)
         logs = applied and manager.current_step() % args.log_every == 0
-        total = loss.detach().float() * len(indices)
+        total = loss.detach().float() * (0 if sits_out else len(indices))
         if logs and manager.all_reduce(total) and manager.rank == 0:
             line = {"step": manager.current_step(), "loss": float(total) / args.global_batch}
             print(json.dumps(line), flush=True)

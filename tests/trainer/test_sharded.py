@@ -312,6 +312,9 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     pids = {(r["node"], r["rank"] % 2): r["pid"] for r in records if r["event"] == "generation"}
     first_pids = {r["pid"] for r in records if r["event"] == "generation" and r["node"] == first.name}
     assert len(first_pids) == 2, pids  # its two workers, never restarted
+    healed = [r for r in records if r["event"] == "generation" and r["resumed_from"] == "peer"]
+    assert {r["node"] for r in healed} == {third.name}, healed
+    assert all(r["trainers"] == [0, 1] for r in healed), healed  # beside the step the first two nodes took
     assert {r["world_size"] for r in steps()} == {2, 4, 6}
     assert [r["step"] for r in steps()] == list(range(1, IN_PLACE_STEPS + 1))  # each step once
     evaluations: dict[int, float] = {}

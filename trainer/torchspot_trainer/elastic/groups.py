@@ -104,9 +104,10 @@ class InPlaceGroups:
         `scaled`: a gradient scaler runs (no rank may sit a step out: its scale is not in the state)."""
         handover, live = self._handover, self.live
         assert handover is not None
-        # A device plane's heal broadcasts; so does a column's, whose node's other workers take the step.
+        # A device plane's heal broadcasts. A column's may go beside the step: a node's workers hold one step
+        # and are alike fresh, so in every column the same nodes train and the same ones sit out.
         columns = self.per_node > 0
-        may_sit_out = not (live.plane.separate or scaled or columns)
+        may_sit_out = not (live.plane.separate or scaled)
         while True:
             assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
             if assignment is None:

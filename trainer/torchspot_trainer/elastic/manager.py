@@ -302,9 +302,12 @@ class Manager:
     def share(self) -> tuple[int, int]:
         """(this rank's place, the ranks that compute the step): what `ElasticSampler` deals the step's
         samples over. Every rank, except in the step after a heal beside it (heal.py): its holders."""
-        if self._healing is None or self._columns is not None:  # (a column's heal broadcasts: none sits out)
+        if self._healing is None:
             return self.rank, self.world_size
-        return self._healing.share(self._member.rank, self._member.world)
+        place, count = self._healing.share(self._member.rank, self._member.world)
+        if self._columns is None:
+            return place, count
+        return self._columns.global_rank(place), count * self._columns.per_node  # (a column's place is its node's)
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the

@@ -205,7 +205,7 @@ class Member:
         if self.columns is not None:
             from torchspot_trainer.elastic.sharding import like  # noqa: PLC0415 - (DTensor's import, where used)
 
-            state = like(state, self.run.full())
+            state = like(state, self.columns.without_gradients(self.run.full))
         self.run.load(state)
         self.resumed_from = "peer"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from torchspot_trainer.elastic.groups import InPlaceGroups
 
 __all__ = ["Columns", "like", "local_state", "node_group", "node_store", "restart_mesh"]
+
+T = TypeVar("T")
 
 NODE_STORE = "node-group-{restart}"
 """The node group's file store in the agent's folder, by TORCHELASTIC_RESTART_COUNT."""
@@ -145,6 +147,20 @@ class Columns:
     def global_rank(self, column_rank: int) -> int:
         """This worker's rank in the run (what the data is dealt by) from its rank in its column: its node's."""
         return column_rank * self.per_node + self.local
+
+    def without_gradients(self, build: Callable[[], T]) -> T:
+        """`build()` with the parameters' gradients set aside meanwhile. A heal's receiver beside a step
+        (heal.py) builds its own state as the layout to load the sender's shards into (`like`) after the
+        step's backward; torch's `get_state_dict` makes a fresh optimizer's state (its DTensor moments)
+        only where no parameter has a gradient, and without it the shards would load as plain tensors."""
+        kept = [p.grad for p in self.parameters]
+        for parameter in self.parameters:
+            parameter.grad = None
+        try:
+            return build()
+        finally:
+            for parameter, grad in zip(self.parameters, kept, strict=True):
+                parameter.grad = grad
 
     def reform_now(self, mine: bool) -> bool:
         """Whether any worker of the node must re-form before this step (`mine`: this one must)."""
