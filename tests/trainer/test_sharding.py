@@ -10,14 +10,19 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from torchspot_lab.etcd import free_port
-from torchspot_trainer.elastic.sharding import node_group, node_store
+from torchspot_trainer.elastic.sharding import Columns, node_group, node_store
 from torchspot_trainer.handover import Assignment, column_of
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.generation import generation_prefix
@@ -144,6 +149,25 @@ def test_a_script_that_made_its_own_default_group_is_told_why_it_cannot_shard_in
             node_group(torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_receiver_beside_a_step_takes_the_layout_of_its_own_state_built_without_its_gradients() -> None:
+    """A heal's receiver beside a step holds that step's gradients when the shards arrive; the layout they
+    load into (`like`) is its own state built with the gradients set aside (`Columns.without_gradients`):
+    a fresh optimizer's moments there as DTensors, and the same gradients back on the parameters."""
+    model = torch.nn.Linear(4, 3)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()  # the step it sits out, taken on the state it had
+    grads = [parameter.grad for parameter in model.parameters()]
+    columns = Columns(torch.device("cpu"), environ={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    columns.parameters = list(model.parameters())
+    layout: dict[str, Any] = columns.without_gradients(lambda: dict(get_state_dict(model, optimizer)[1]))
+    moments = [value for entry in layout["state"].values() for key, value in entry.items() if key != "step"]
+    assert len(moments) == 4
+    assert all(isinstance(moment, DTensor) for moment in moments)
+    assert all(parameter.grad is grad for parameter, grad in zip(model.parameters(), grads, strict=True))
 
 
 def test_shards_within_nodes_and_columns_across_them_train_the_one_process_model_and_heal_by_shard(
