@@ -27,7 +27,7 @@ from tests.trainer import scaler_loop, thaw_loop
 from torchspot import elastic
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
-from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.checkpoint.manager import CheckpointManager, step_dir
 from torchspot_trainer.checkpoint.storage import open_storage
 from torchspot_trainer.elastic.heal import Row, holders_between_steps, source_of, trainers_beside
@@ -174,6 +174,7 @@ def test_in_place_is_the_default_wherever_the_launcher_hands_rounds_over(
         ({PEER_LOST_ENV: "/tmp/x"}, False, "in place"),
         ({PEER_LOST_ENV: "/tmp/x", REPLICA_GROUP_SIZE_ENV: "1"}, False, "in place"),
         ({PEER_LOST_ENV: "/tmp/x", REPLICA_GROUP_SIZE_ENV: "2"}, False, "the restart path: replica groups of 2 nodes"),
+        ({PEER_LOST_ENV: "/tmp/x", REPLICA_GROUP_SIZE_ENV: "2", REPLICA_GROUP_ENV: "a"}, False, "in place"),
         ({PEER_LOST_ENV: "/tmp/x"}, True, "the restart path: the script made torch's default process group"),
         ({}, False, "the restart path: in place needs torchspot-run"),
     ],
@@ -181,14 +182,17 @@ def test_in_place_is_the_default_wherever_the_launcher_hands_rounds_over(
 def test_a_sharded_state_re_forms_in_place_by_default_where_each_node_can_hold_a_whole_copy(
     environ: dict[str, str], own_group: bool, why: str
 ) -> None:
-    """A sharded state (FSDP2) in place: each node one copy sharded over its own workers, over the node's
-    own default group. Replica groups of several nodes, or a default group the script made over every
-    rank, take the restart path by default, and are refused where in place is asked for."""
+    """A sharded state (FSDP2) in place: each node, or each replica group of several nodes told its name,
+    one copy sharded over its own workers, over the copy's own default group. Replica groups without their
+    names, or a default group the script made over every rank, take the restart path by default, and are
+    refused where in place is asked for."""
     path, said = choose_path(None, environ, sharded=True, own_group=own_group)
     assert said.startswith(why)
     assert path is (why == "in place")
     if not path and PEER_LOST_ENV in environ:
-        with pytest.raises(elastic.Refused, match=r"in_place=True.*(replicaGroupSize|init_process_group)"):
+        with pytest.raises(
+            elastic.Refused, match=rf"in_place=True.*({REPLICA_GROUP_ENV} on every node|init_process_group)"
+        ):
             choose_path(True, environ, sharded=True, own_group=own_group)
 
 

@@ -4,6 +4,7 @@ elastic/saving.py); the checkpoints in a local folder, in this process."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -22,7 +23,7 @@ import torch
 from torchspot_lab.azurite import Azurite
 from torchspot_lab.etcd import EtcdServer, free_port
 from torchspot_lab.local import JobConfig, NodeFactory, read_events, wait_for
-from torchspot_trainer import REPLICA_GROUP_SIZE_ENV
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.checkpoint.dcp import committed
 from torchspot_trainer.checkpoint.sharded import ShardedCheckpoints
 from torchspot_trainer.checkpoint.storage import blob_container
@@ -33,6 +34,7 @@ from torchspot_trainer.elastic.settings import (
     CHECKPOINT_URI_ENV,
     EVENTS_FILE_ENV,
     KEEP_CHECKPOINTS_ENV,
+    choose_path,
 )
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.notices import EXIT_EVICTED, EXIT_FAILED
@@ -244,19 +246,24 @@ def test_sharded_checkpoints_in_a_folder_keep_the_step_saved_the_newest_two_and_
     ]
 
 
-def test_sharded_in_place_is_refused_over_replica_groups_of_several_nodes_which_take_the_restart_path(
+def test_sharded_in_place_over_replica_groups_of_several_nodes_needs_each_node_told_its_group(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Under torchspot-run (its agent's variable set) where the job's replica groups span nodes, a sharded
-    manager takes the restart path, saying why in one line; asked for in place there, it is refused."""
+    """Under torchspot-run (its agent's variable set) where the job's replica groups span nodes but the node
+    is not told its group's name, a sharded manager takes the restart path, saying why in one line; asked
+    for in place there, it is refused. Told its group (as the operator does), it re-forms in place."""
     monkeypatch.setenv(PEER_LOST_ENV, "1")
     monkeypatch.setenv(REPLICA_GROUP_SIZE_ENV, "2")
     with Manager(dict, lambda state: None, sharded=True, checkpoint_uri="") as manager:  # (closed: its SIGTERM
         assert not manager.in_place  # handler and commit watcher must not outlive the test in this process)
     (said,) = capsys.readouterr().err.splitlines()
-    assert said.startswith("torchspot: the restart path: replica groups of 2 nodes: in place each node holds")
-    with pytest.raises(Refused, match="replica groups of 2 nodes: in place each node holds a whole copy"):
+    assert said.startswith(f"torchspot: the restart path: replica groups of 2 nodes, but no {REPLICA_GROUP_ENV}")
+    with pytest.raises(Refused, match=f"replica groups of 2 nodes, but no {REPLICA_GROUP_ENV} names this node's"):
         Manager(dict, lambda state: None, in_place=True, sharded=True, checkpoint_uri="")
+    path, why = choose_path(
+        None, {PEER_LOST_ENV: "1", REPLICA_GROUP_SIZE_ENV: "2", REPLICA_GROUP_ENV: "a"}, sharded=True
+    )
+    assert path, why
 
 
 RESUMED_STEPS = 10
@@ -351,5 +358,80 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     assert taken == {step: reference[step][1] for step in range(IN_PLACE_STEPS + 1, more + 1)}
     lines = [json.loads(line) for line in alone.log_path.read_text().splitlines() if line.startswith('{"step"')]
     assert [line["step"] for line in lines] == list(range(IN_PLACE_STEPS + 1, more + 1))
+    for line in lines:
+        assert line["loss"] == pytest.approx(reference[line["step"]][0], rel=TOLERANCE), line
+
+
+GROUP_STEPS = 110
+"""The replica-group test's run (a step of at least 0.1 s): four nodes' start, a freeze, its group's
+restarts (the survivor's, then a new node's start-up) and a kill land inside it."""
+
+
+@pytest.mark.slow(seconds=45)
+def test_replica_groups_of_two_nodes_in_place_a_group_that_loses_a_node_is_healed_by_column_the_other_trains_on(
+    tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
+) -> None:
+    """examples/fsdp under torchspot-run with the job's replica groups of 2 nodes (one worker each): each
+    group one copy of the model sharded over its two nodes, the groups' copies kept alike over each column's
+    generation. A node of the second group freezes: its group-mate's worker, held in an FSDP collective with
+    it, ends at once when the round without the frozen node comes (its copy is incomplete; it starts again
+    and stands by), and the first group trains on in place alone. The frozen node is then lost for good and
+    a new node of the second group comes: the group's process group forms again and it is healed by column,
+    beside the step the first group takes. Then the new node has a notice (SIGTERM): the second group's two
+    workers write the emergency checkpoint together (its copy's shards) and the new node leaves; the
+    group-mate ends again and stands by until the first group finishes the run, and its node finishes with
+    it. The first group's workers are the processes they started as; every step is committed once, on the
+    samples and with the loss (within float32 order) of unsharded training."""
+    events, folder = tmp_path / "events.jsonl", tmp_path / "ckpt"
+    job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="2:4",
+                    extra_env={EVENTS_FILE_ENV: str(events), REPLICA_GROUP_SIZE_ENV: "2",
+                               CHECKPOINT_URI_ENV: str(folder), CHECKPOINT_EVERY_ENV: "50", KEEP_CHECKPOINTS_ENV: "9"},
+                    program=[str(EXAMPLE / "train.py"), f"--steps={GROUP_STEPS}", f"--global-batch={GLOBAL_BATCH}",
+                             "--step-seconds=0.1", "--log-every=1"])  # fmt: skip
+
+    def group(name: str) -> JobConfig:
+        return dataclasses.replace(job, extra_env={**job.extra_env, REPLICA_GROUP_ENV: name})
+
+    def steps() -> list[dict[str, Any]]:
+        return [r for r in read_events(events) if r["event"] == "step" and r["rank"] == 0]
+
+    def after(step: int, world: int) -> int:
+        """The step once 5 steps at `world` ranks were taken past `step`."""
+        wait_for(lambda: steps()[-1]["world_size"] == world and steps()[-1]["step"] >= step + 5, 120,
+                 f"5 steps at {world} ranks after step {step}")  # fmt: skip
+        return int(steps()[-1]["step"])
+
+    first = nodes(group("a"), 2)
+    mate, frozen = nodes(group("b"), 2)
+    wait_for(lambda: steps() and steps()[-1]["world_size"] == 4, 120, "both groups training")
+    together = after(steps()[-1]["step"], 4)
+    frozen.freeze()
+    alone = after(together, 2)
+    frozen.kill()
+    (returned,) = nodes(group("b"), 1)
+    back = after(alone, 4)
+    returned.terminate(grace=30)
+    assert returned.poll() == 128 + signal.SIGTERM, returned.log_tail()  # (stopped by the notice, left in time)
+    after(back, 2)
+    for node in (*first, mate):  # (the mate stood by at the end: its node finishes with the first group)
+        assert node.wait(120) == 0, node.log_tail()
+    records = read_events(events)
+    generations = [r for r in records if r["event"] == "generation"]
+    assert len({r["pid"] for r in generations if r["node"] in {n.name for n in first}}) == 2  # never restarted
+    assert len({r["pid"] for r in generations if r["node"] == mate.name}) == 2, generations  # ended, by:
+    said = mate.log_path.read_text()
+    assert "torchspot: replica group b is not whole in round" in said
+    assert said.count("torchspot: replica group b has 1 of its 2 nodes in round") == 2  # stood by twice
+    healed = [r for r in generations if r["resumed_from"] == "peer"]
+    assert {r["node"] for r in healed} == {mate.name, returned.name}, healed
+    saved = [r for r in records if r["event"] == "emergency_checkpoint"]
+    assert [r["ok"] for r in saved] == [True, True], saved  # (the second group's two workers)
+    assert (folder / f"step-{saved[0]['step']:010d}" / ".metadata").exists()
+    assert {r["world_size"] for r in steps()} == {2, 4}
+    assert [r["step"] for r in steps()] == list(range(1, GROUP_STEPS + 1))  # each step once
+    reference = _alone(GROUP_STEPS)
+    assert {r["step"]: sorted(r["samples"]) for r in steps()} == {s: ids for s, (_, ids) in reference.items()}
+    lines = [json.loads(line) for line in first[0].log_path.read_text().splitlines() if line.startswith('{"step"')]
+    assert len(lines) >= GROUP_STEPS - 4  # (a figure whose sum a re-form broke is skipped)
     for line in lines:
         assert line["loss"] == pytest.approx(reference[line["step"]][0], rel=TOLERANCE), line

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from torchspot_lab.etcd import free_port
 from torchspot_trainer.elastic.sharding import Columns, node_group, node_store
-from torchspot_trainer.handover import Assignment, column_of
+from torchspot_trainer.handover import Assignment, column_of, group_column_of, whole_groups
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.generation import generation_prefix
 
@@ -133,6 +133,17 @@ def test_a_column_is_one_worker_per_node_ranked_by_its_node() -> None:
     assert generation_prefix(round_) == "generation/5/"
     with pytest.raises(ValueError, match="a round of 7 workers does not make columns of nodes of 2 workers"):
         column_of(Assignment(5, 6, 7, "10.0.0.4", 29400, node=3), 0, 2)
+
+
+def test_a_column_of_replica_groups_is_one_place_in_every_whole_group() -> None:
+    round_ = Assignment(7, 2, 5, "10.0.0.4", 29400, node=2, groups=("b", "a", "b", "c", "a"))
+    assert whole_groups(round_.groups, 2) == ["a", "b"]  # (c has one of its two nodes)
+    column = group_column_of(round_, "b", 2, place=1)
+    assert column is not None
+    assert (column.rank, column.world, column.column, column.generation) == (1, 2, 1, 7)
+    assert generation_prefix(column) == "generation/7/column/1/"
+    assert group_column_of(round_, "c", 2, place=0) is None  # its group is not whole: it holds no column
+    assert group_column_of(round_, "a", 2, place=-1) is None  # its group's process group has not formed
 
 
 def test_each_incarnation_of_a_nodes_workers_meets_on_a_store_of_its_own(tmp_path: Path) -> None:

@@ -19,7 +19,10 @@ are, with no wait. The exchange is files in the agent's own folder, beside its p
   is written rather than after it;
 - `stepped-<local rank>`: the generation of the worker's last completed step, the file's time that
   step's, moved ahead by the step before's duration: every member took part in it and is busy with the
-  next, so the liveness judge counts it as a receipt from each until then (`last_step`).
+  next, so the liveness judge counts it as a receipt from each until then (`last_step`);
+- `standby-<local rank>`: the worker's process id while it stands by for its replica group to be whole (a
+  sharded run's copy over several nodes: elastic/sharding.py). Where all of a node's workers stand by and
+  the run has finished on the other nodes, its agent stops them and finishes too (`_finished_elsewhere`).
 
 A worker that does not acknowledge within `ACK_SECONDS` (frozen, or holding the GIL) is restarted with
 its node's others in a round after this one, which the other nodes' live workers re-form into in place.
@@ -32,19 +35,29 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from torch.distributed import DistStoreError
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    _TERMINAL_STATE_SYNC_ID,
+    DEFAULT_ROLE,
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
-from torchspot_trainer import NODE_FAULT_EXIT
+from torchspot_trainer import NODE_FAULT_EXIT, REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.activity import Activity
 from torchspot_trainer.markers import PEER_LOST_ENV
 
@@ -69,8 +82,12 @@ class Assignment:
     sizes alone cannot tell a pure growth from a round that lost a member and gained two): only such a
     round may be entered as a deferred join (live.py's `offer`)."""
     column: int = -1
-    """A sharded run's column (`column_of`): the local rank whose workers, one per node, form this worker's
-    group; -1 (the agent's assignments): the group is every worker of the round."""
+    """A sharded run's column (`column_of`, `group_column_of`): this worker's place in its copy of the state
+    (the local rank where a node holds one copy), whose workers, one per copy, form this worker's group; -1
+    (the agent's assignments): the group is every worker of the round."""
+    groups: tuple[str, ...] = ()
+    """Every node's replica group by its place in the round, where the job's replica groups span nodes (the
+    agents trade them as they set the round up: `InPlaceAgent`); empty otherwise."""
 
 
 def column_of(assignment: Assignment, local_rank: int, per_node: int) -> Assignment:
@@ -86,6 +103,26 @@ def column_of(assignment: Assignment, local_rank: int, per_node: int) -> Assignm
     return dataclasses.replace(assignment, rank=assignment.node, world=assignment.world // per_node, column=local_rank)
 
 
+def whole_groups(groups: Sequence[str], nodes: int) -> list[str]:
+    """The replica groups that have all their `nodes` nodes in a round whose nodes' groups are `groups`, by
+    name (pure): only a whole group holds a whole copy of a sharded state."""
+    counted = Counter(groups)
+    return sorted(name for name, count in counted.items() if name and count == nodes)
+
+
+def group_column_of(assignment: Assignment, group: str, nodes: int, place: int) -> Assignment | None:
+    """`assignment` as its worker's column sees it where a replica group of `nodes` nodes holds one copy of a
+    sharded state (pure): the workers of one place in every whole group (`place`: this worker's rank in its
+    group's process group) hold the same shard and re-form together; rank the group's place among the
+    round's whole groups, world their number. None where this worker's group is not whole in the round (a
+    member is gone, or has not come yet), or its place is not known yet (the group's process group has not
+    formed): it holds no column then."""
+    whole = whole_groups(assignment.groups, nodes)
+    if group not in whole or place < 0:
+        return None
+    return dataclasses.replace(assignment, rank=whole.index(group), world=len(whole), column=place)
+
+
 class Generations(Protocol):
     """What the worker's side needs of its group (recovery/live.py's LiveGroup): this module is the
     contract between an agent and its workers, and imports nothing of either side's internals."""
@@ -98,10 +135,13 @@ class Generations(Protocol):
 
 
 ASSIGNMENT_FILE = "assignment.json"
+GROUPS_KEY = "torchspot/replica-group"
+"""Under it, in the agents' store, each node's replica group by round and place (`_trade_groups`)."""
 LIVE_PREFIX = "live-"
 ACK_PREFIX = "ack-"
 FAILED_PREFIX = "failed-"
 AGREED_PREFIX = "agreed-"
+STANDBY_PREFIX = "standby-"
 STEPPED_PREFIX = "stepped-"
 """A live worker's last completed step: its generation in the file, the step's time (moved ahead by
 up to STEP_CREDIT_SECONDS) as its modification time (`Handover.stepped`, `last_step`)."""
@@ -126,7 +166,15 @@ def agent_folder(environ: Mapping[str, str] = os.environ) -> Path:
 
 
 def assignment_record(
-    generation: int, world: int, host: str, port: int, ranks: dict[int, int], *, node: int = 0, grows: bool = False
+    generation: int,
+    world: int,
+    host: str,
+    port: int,
+    ranks: dict[int, int],
+    *,
+    node: int = 0,
+    grows: bool = False,
+    groups: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The content of `assignment.json` (pure): `ranks` maps local rank to global rank."""
     return {
@@ -137,6 +185,7 @@ def assignment_record(
         "ranks": {str(local): rank for local, rank in ranks.items()},
         "node": node,
         "grows": grows,
+        "groups": list(groups),
     }
 
 
@@ -148,6 +197,7 @@ def parse_assignment(record: dict[str, Any], local_rank: int) -> Assignment | No
     return Assignment(
         record["generation"], int(rank), int(record["world"]), record["store_host"], int(record["store_port"]),
         int(record.get("node", 0)), bool(record.get("grows", False)),
+        groups=tuple(str(name) for name in record.get("groups", ())),
     )  # fmt: skip
 
 
@@ -182,6 +232,11 @@ def _running(folder: Path) -> dict[str, int]:
 def running_workers(folder: Path) -> list[int]:
     """The process ids of the workers registered in `folder` that still run."""
     return list(_running(folder).values())
+
+
+def standing_by(folder: Path, pids: dict[int, int]) -> bool:
+    """Whether every worker in `pids` (local rank to process id) stands by for its replica group."""
+    return bool(pids) and all(_read_int(folder / f"{STANDBY_PREFIX}{local}") == pid for local, pid in pids.items())
 
 
 def live_workers(folder: Path) -> bool:
@@ -280,6 +335,8 @@ class InPlaceAgent(LocalElasticAgent):
         write of the rendezvous state (handler.py's `wait_for_change`) and looks at once after one."""
         self._tick = spec.monitor_interval
         self._activity = Activity()
+        self._groups: tuple[str, ...] = ()
+        """Every node's replica group in the round last joined (`_trade_groups`)."""
         self._wait_for_change: Callable[[float], None] | None = getattr(spec.rdzv_handler, "wait_for_change", None)
         if self._wait_for_change is not None:
             spec.monitor_interval = WATCH_SECONDS  # torch's sleep; the wait is in _monitor_workers
@@ -309,6 +366,7 @@ class InPlaceAgent(LocalElasticAgent):
             with setting_up() as set_up:
                 try:
                     super()._rendezvous(worker_group)
+                    self._groups = _trade_groups(worker_group, os.environ)
                 except DistStoreError:
                     if set_up is None or set_up.abandoned is None:
                         raise
@@ -325,6 +383,13 @@ class InPlaceAgent(LocalElasticAgent):
         if self._wait_for_change is not None:
             self._wait_for_change(self._tick)
         result: RunResult = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY and self._finished_elsewhere(worker_group):
+            log.warning("the run finished on the other nodes while this node's workers stood by for their replica "
+                        "group: they stop, and the node finishes too")  # fmt: skip
+            assert self._pcontext is not None
+            self._pcontext.close(signal.SIGKILL)  # (standing by, they hold nothing)
+            done = {worker.global_rank: None for worker in worker_group.workers}
+            return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._weigh_failure(worker_group, result)
         elif result.state == WorkerState.HEALTHY and self._pcontext is not None:
@@ -332,6 +397,17 @@ class InPlaceAgent(LocalElasticAgent):
             if report is not None and self._activity.look(self._pcontext.pids().values()):
                 report()  # the operator's stall rule for a program that reports no steps (activity.py)
         return result
+
+    def _finished_elsewhere(self, worker_group: WorkerGroup) -> bool:
+        """Whether every worker of this node stands by for its replica group (`standby-` files) while another
+        node's agent has reached torch's exit barrier of the round: its workers finished the run, so no
+        group will form for these to join, and the others' agents wait in that barrier for this one."""
+        pids = self._pcontext.pids() if self._pcontext is not None else {}
+        if not standing_by(agent_folder(), pids):
+            return False
+        store: Any = worker_group.store  # (the round's: its type says None)
+        finished: int = store.add(f"{_TERMINAL_STATE_SYNC_ID}{_NUM_MEMBERS}", 0)
+        return finished > 0
 
     def _weigh_failure(self, worker_group: WorkerGroup, result: RunResult) -> None:
         """Before torch's agent charges the failure in `result` against --max-restarts and restarts the
@@ -394,9 +470,25 @@ class InPlaceAgent(LocalElasticAgent):
         grows: bool = getattr(worker_group.spec.rdzv_handler, "grows_only", False)
         record = assignment_record(
             generation, world, str(worker_group.master_addr), int(worker_group.master_port or 0), ranks,
-            node=int(worker_group.group_rank or 0), grows=grows,
+            node=int(worker_group.group_rank or 0), grows=grows, groups=self._groups,
         )  # fmt: skip
         _write_atomically(agent_folder() / ASSIGNMENT_FILE, json.dumps(record))
+
+
+def _trade_groups(worker_group: WorkerGroup, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """Every node's replica group in the round just joined, by its place there, where the job's replica
+    groups span nodes (REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV over 1: the operator sets both): each agent
+    writes its own to the round's store and reads the others'. A sharded run's workers read their columns
+    by them (`group_column_of`). () otherwise. Called during the round's set-up, whose store reads give up
+    where the round loses a member meanwhile (`InPlaceAgent._rendezvous`)."""
+    mine, size = environ.get(REPLICA_GROUP_ENV, ""), environ.get(REPLICA_GROUP_SIZE_ENV, "")
+    if not mine or not size.isdigit() or int(size) <= 1:
+        return ()
+    store: Any = worker_group.store  # (torch's rendezvous just set it; its type says None)
+    prefix = f"{GROUPS_KEY}/{_generation(worker_group)}"
+    store.set(f"{prefix}/{worker_group.group_rank}", mine)
+    nodes = int(worker_group.group_world_size or 0)
+    return tuple(bytes(store.get(f"{prefix}/{node}")).decode() for node in range(nodes))
 
 
 class Handover:
@@ -407,16 +499,24 @@ class Handover:
     :param folder: the agent's folder (`agent_folder`).
     :param local_rank: this worker's LOCAL_RANK.
     :param clock: the wall clock the stamps are written by (`stepped`).
-    :param per_node: a sharded run's workers per node: each assignment is read as this worker's column's
-        (`column_of`); 0: as the agent wrote it.
+    :param view: how this worker reads each assignment: a sharded run in place as its column's (`column_of`,
+        `group_column_of`), None where it holds no column in that round; None: as the agent wrote it.
+    :param on_lost: told, on the watcher's thread, of each round in which `view` gives this worker no column
+        (its replica group is not whole there): the worker's own rule for that (elastic/sharding.py).
     """
 
     def __init__(
-        self, folder: Path, local_rank: int, *, clock: Callable[[], float] = time.time, per_node: int = 0
+        self,
+        folder: Path,
+        local_rank: int,
+        *,
+        clock: Callable[[], float] = time.time,
+        view: Callable[[Assignment], Assignment | None] | None = None,
+        on_lost: Callable[[Assignment], None] | None = None,
     ) -> None:
         self.folder = folder
         self.local_rank = local_rank
-        self.per_node = per_node
+        self._view, self._on_lost = view, on_lost
         self._clock = clock
         self._seen: tuple[int, int] | None = None
         self._stop = threading.Event()
@@ -428,10 +528,15 @@ class Handover:
         """When `stepped` was last called (by `clock`)."""
 
     @classmethod
-    def from_environment(cls, *, per_node: int = 0) -> Handover:
-        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK); `per_node`: a sharded
-        run's workers a node, its assignments read as its column's (0: as the agent wrote them)."""
-        return cls(agent_folder(), int(os.environ.get("LOCAL_RANK", "0")), per_node=per_node)
+    def from_environment(
+        cls,
+        *,
+        view: Callable[[Assignment], Assignment | None] | None = None,
+        on_lost: Callable[[Assignment], None] | None = None,
+    ) -> Handover:
+        """For a worker started by `InPlaceAgent` (its agent's folder and LOCAL_RANK); `view` and `on_lost` as
+        the class says."""
+        return cls(agent_folder(), int(os.environ.get("LOCAL_RANK", "0")), view=view, on_lost=on_lost)
 
     def register(self, *, stamps_steps: bool = False) -> None:
         """Say this process can re-form in place (module docstring). `stamps_steps`: it stamps each step it
@@ -452,16 +557,22 @@ class Handover:
             _write_atomically(stamp, str(NO_STEP))
 
     def read(self) -> Assignment | None:
-        """This worker's assignment in the agent's newest round (None before the first, or if the round
-        does not name this worker: the agent is stopping it)."""
+        """This worker's assignment in the agent's newest round, as its `view` reads it (None before the
+        first, where the round does not name this worker, the agent stopping it, or where the view gives
+        this worker no column there)."""
+        assignment = self.read_as_written()
+        if assignment is None or self._view is None:
+            return assignment
+        return self._view(assignment)
+
+    def read_as_written(self) -> Assignment | None:
+        """This worker's assignment in the agent's newest round as the agent wrote it (None before the first,
+        or where the round does not name this worker)."""
         try:
             record = json.loads((self.folder / ASSIGNMENT_FILE).read_text())
         except (OSError, ValueError):
             return None
-        assignment = parse_assignment(record, self.local_rank)
-        if assignment is None or not self.per_node:
-            return assignment
-        return column_of(assignment, self.local_rank, self.per_node)
+        return parse_assignment(record, self.local_rank)
 
     def agreed(self) -> None:
         """This worker's node leaves and its group has shared the notice (module docstring)."""
@@ -485,6 +596,14 @@ class Handover:
             credit = min(max(0.0, now - self._stepped_at), STEP_CREDIT_SECONDS)
             os.utime(path, (now, now + credit))
         self._stepped_at = now
+
+    def stand_by(self, waiting: bool) -> None:
+        """This worker stands by for its replica group to be whole (`waiting`), or no longer (module docstring)."""
+        path = self.folder / f"{STANDBY_PREFIX}{self.local_rank}"
+        if waiting:
+            _write_atomically(path, str(os.getpid()))
+        else:
+            path.unlink(missing_ok=True)
 
     def report_failure(self) -> None:
         """A collective of this worker failed (a peer is likely gone): tell the agent (module docstring)."""
@@ -520,7 +639,12 @@ class Handover:
             if (stat.st_mtime_ns, stat.st_ino) == self._seen:
                 continue
             self._seen = (stat.st_mtime_ns, stat.st_ino)
-            found = self.read()
-            if found is not None:
-                self._acknowledge(found.generation)  # also one the main thread entered first
-                live.offer(found)
+            found = self.read_as_written()
+            if found is None:
+                continue
+            self._acknowledge(found.generation)  # also one the main thread entered first
+            seen = found if self._view is None else self._view(found)
+            if seen is not None:
+                live.offer(seen)
+            elif self._on_lost is not None:
+                self._on_lost(found)

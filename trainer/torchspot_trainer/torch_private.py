@@ -48,6 +48,9 @@ PRIVATE_TORCH: tuple[str, ...] = (
     "torch.distributed.elastic.agent.server.api:SimpleElasticAgent._worker_group",
     "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._monitor_workers",
     "torch.distributed.elastic.agent.server.local_elastic_agent:LocalElasticAgent._pcontext",
+    # torch's exit barrier of a round, which a standing-by node's agent reads (handover.py's _finished_elsewhere)
+    "torch.distributed.elastic.agent.server.api:_TERMINAL_STATE_SYNC_ID",
+    "torch.distributed.elastic.utils.store:_NUM_MEMBERS",
     # the dynamic rendezvous that the etcd-v3 handler extends (rendezvous/handler.py)
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous:_delay",
     "torch.distributed.elastic.rendezvous.dynamic_rendezvous:_Action",

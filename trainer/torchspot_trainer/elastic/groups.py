@@ -52,8 +52,10 @@ class InPlaceGroups:
     :param device: where the gradients and a heal's state travel.
     :param state: the whole state to send in a heal (as at the step boundary).
     :param load: takes a heal's state over.
-    :param per_node: a sharded run's workers a node: each round read as this worker's column's
-        (handover.column_of); 0: every worker of the round is one group.
+    :param view: a sharded run's: each round read as this worker's column's (`Columns.view`), none where its
+        copy is not whole there; None: every worker of the round is one group.
+    :param on_lost: a sharded run's: told of a round where `view` gives this worker no column
+        (`Columns.copy_lost`).
     """
 
     def __init__(
@@ -62,9 +64,10 @@ class InPlaceGroups:
         *,
         state: Callable[[], dict[str, Any]],
         load: Callable[[dict[str, Any]], None],
-        per_node: int = 0,
+        view: Callable[[Assignment], Assignment | None] | None = None,
+        on_lost: Callable[[Assignment], None] | None = None,
     ) -> None:
-        self.per_node = per_node
+        self.view, self.on_lost = view, on_lost
         self.buckets = StepBuckets()
         """The step's buckets posted so far (`reduce`), given up whenever a newer round breaks the generation."""
         self.live: LiveGroup = in_place_groups(device)
@@ -76,7 +79,7 @@ class InPlaceGroups:
     def start(self) -> None:
         """Register with this node's agent (as the manager is made: a round handed over during the loop's
         set-up is acknowledged): it hands this worker each round from now."""
-        handover = Handover.from_environment(per_node=self.per_node)
+        handover = Handover.from_environment(view=self.view, on_lost=self.on_lost)
         handover.register(stamps_steps=True)
         handover.watch(self.live)
         self._handover = handover
@@ -106,12 +109,18 @@ class InPlaceGroups:
         assert handover is not None
         # A device plane's heal broadcasts. A column's may go beside the step: a node's workers hold one step
         # and are alike fresh, so in every column the same nodes train and the same ones sit out.
-        columns = self.per_node > 0
+        columns = self.view is not None
         may_sit_out = not (live.plane.separate or scaled)
         while True:
-            assignment = wait_for_assignment(handover.read, live.generation, time.monotonic() + REFORM_SECONDS)
+            assignment = wait_for_assignment(handover.read_as_written, live.generation,
+                                             time.monotonic() + REFORM_SECONDS)  # fmt: skip
             if assignment is None:
                 leave(f"no round handed over within {REFORM_SECONDS:g} s")
+            if self.view is not None:
+                seen = self.view(assignment)
+                if seen is None:  # (its replica group is not whole in that round: its copy is incomplete)
+                    leave(f"this worker's replica group is not whole in round {assignment.generation}")
+                assignment = seen
             if not handover.enter(live, assignment, time.monotonic() + REFORM_SECONDS):
                 continue
             self.buckets.whole = True  # (the generation's first step: buckets.py)

@@ -167,7 +167,10 @@ class Manager:
         """Every rank's [notice level, node] at the step's end, as the last bucket brought them (in place)."""
         if self._groups is not None:  # registered at once: a round handed over during the loop's set-up is taken
             self._groups.start()
-            self._leaving.stop.done_with_group = self._groups.done_with_group
+            # A node that leaves on notice tells its agent before it writes the emergency checkpoint, so that the
+            # others re-form meanwhile; not where a copy spans nodes, whose checkpoint is its group's collective.
+            if self._columns is None or self._columns.nodes == 1:
+                self._leaving.stop.done_with_group = self._groups.done_with_group
         self._order = StepOrder(commit_seconds, self.leave, number=lambda: self._run.step + 1)
 
     # -- what the loop reads ------------------------------------------------------
@@ -307,7 +310,7 @@ class Manager:
         place, count = self._healing.share(self._member.rank, self._member.world)
         if self._columns is None:
             return place, count
-        return self._columns.global_rank(place), count * self._columns.per_node  # (a column's place is its node's)
+        return self._columns.global_rank(place), count * self._columns.per_copy  # (a column's place is its copy's)
 
     def should_commit(self) -> bool:
         """Whether the step's update may be applied: every collective of the step completed (the

@@ -59,9 +59,9 @@ class Member:
         self.run, self.in_place, self.sharded, self.device, self.columns = run, in_place, sharded, device, columns
         self._saving, self._leaving, self._records, self._emit, self._leave = saving, leaving, records, emit, leave
         self._checkpoints = None if saving is None else saving.replicated
-        per_node = 1 if columns is None else columns.per_node
-        self.rank = int(os.environ.get("RANK", "0")) // per_node
-        self.world = int(os.environ.get("WORLD_SIZE", "1")) // per_node
+        per_copy = 1 if columns is None else columns.per_copy
+        self.rank = int(os.environ.get("RANK", "0")) // per_copy
+        self.world = int(os.environ.get("WORLD_SIZE", "1")) // per_copy
         """This worker's rank and size in its group: the run's, or a sharded run's column's in place."""
         self.begun = self.whole = False
         """`begun`: the first group was entered; `whole`: its resume is done, so the state may be kept as a
@@ -76,7 +76,8 @@ class Member:
         """`checkpoint`, `snapshot` (a node's own copy), `peer` (healed from a live rank), `live` (in place,
         the state it held: a re-form sent it none) or `start`: where this worker's state came from last."""
         self.groups = None if not in_place else InPlaceGroups(
-            device, state=self._heal_state, load=self._healed, per_node=0 if columns is None else columns.per_node
+            device, state=self._heal_state, load=self._healed, view=None if columns is None else columns.view,
+            on_lost=None if columns is None else columns.copy_lost,
         )  # fmt: skip
         self.live = None if self.groups is None else self.groups.live
         self.healing = None if self.groups is None else self.groups.healing
@@ -91,7 +92,7 @@ class Member:
     @property
     def world_size(self) -> int:
         """Every worker of the group."""
-        return self.world if self.columns is None else self.world * self.columns.per_node
+        return self.world if self.columns is None else self.world * self.columns.per_copy
 
     def step(self) -> int:
         """The run's committed steps as this worker holds them, or as a heal on its way brings them."""

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from torchspot_trainer import ENV_PREFIX, REPLICA_GROUP_SIZE_ENV
+from torchspot_trainer import ENV_PREFIX, REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.signals import NOTICE_HOLD, events_setting_valid, events_url
 
@@ -112,20 +112,21 @@ def choose_path(
 
     In place needs torchspot-run's agent, which hands each new round to its live workers: under another
     launcher no round would ever come. It also needs a live peer that holds what a lost rank held: a
-    sharded state (`sharded`: FSDP2) has one only where each node holds a whole copy, sharded over its own
-    workers (sharding.py), which the job's replica groups of several nodes (TORCHSPOT_REPLICA_GROUP_SIZE)
-    rule out, and over the node's own default group, which a script that made torch's default group
-    itself (`own_group`: over every rank) rules out. None (the default) takes in place wherever it can
-    run; True where it cannot is refused (`Refused`), rather than silently taking the restart path."""
+    sharded state (`sharded`: FSDP2) has one where each node, or each of the job's replica groups
+    (TORCHSPOT_REPLICA_GROUP_SIZE nodes, each told its group's name in TORCHSPOT_REPLICA_GROUP), holds a
+    whole copy, sharded over its own workers (sharding.py), over the copy's own default group, which a
+    script that made torch's default group itself (`own_group`: over every rank) rules out. None (the
+    default) takes in place wherever it can run; True where it cannot is refused (`Refused`), rather than
+    silently taking the restart path."""
     if in_place is False:
         return False, "the restart path, as asked (in_place=False)"
     nodes = _from_env(environ, REPLICA_GROUP_SIZE_ENV, 0, int) if sharded else 0
-    if nodes > 1:
+    if nodes > 1 and not environ.get(REPLICA_GROUP_ENV):
         reason = (
-            f"replica groups of {nodes} nodes: in place each node holds a whole copy of a sharded state, sharded "
-            "over its own workers (replicaGroupSize 1)"
+            f"replica groups of {nodes} nodes, but no {REPLICA_GROUP_ENV} names this node's: in place each group "
+            "holds one copy of the sharded state (the operator sets both)"
         )
-        instead = "drop in_place or the job's replicaGroupSize"
+        instead = f"set {REPLICA_GROUP_ENV} on every node, or drop in_place"
     elif sharded and own_group:
         reason = (
             "the script made torch's default process group itself (over every rank): in place a sharded run "

@@ -1,6 +1,9 @@
 """A sharded run's layout for re-forming in place (docs/sharded-in-place.md): each node holds one copy of
 the state, sharded over its own workers, so the shards never cross a node and a remote node's loss or
-freeze never reaches a shard's collectives.
+freeze never reaches a shard's collectives. Where the job's replica groups span nodes, each group holds one
+copy, sharded over its nodes' workers (`copy_group`), and a group that loses a member is lost as a whole: its
+other workers end their processes (`Columns.copy_lost`, the one abort that ends a collective in flight on
+gloo too), stand by when they start again, and are healed by column once the group is whole.
 
 - `node_group`: torch's default process group over this node's workers only, on a file store in the
   agent's folder named by the agent's restart count (a new incarnation of the node's workers gets a new
@@ -15,17 +18,29 @@ freeze never reaches a shard's collectives.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import FileStore  # what torch.distributed re-exports
+from torch._C._distributed_c10d import FileStore, PrefixStore, TCPStore  # what torch.distributed re-exports
 from torch.distributed.tensor import DTensor
 
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.elastic.riders import Line
-from torchspot_trainer.handover import agent_folder
+from torchspot_trainer.handover import (
+    Assignment,
+    Handover,
+    agent_folder,
+    column_of,
+    group_column_of,
+    whole_groups,
+)
+from torchspot_trainer.recovery.notices import EXIT_FAILED
 from torchspot_trainer.recovery.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -33,12 +48,27 @@ if TYPE_CHECKING:
 
     from torchspot_trainer.elastic.groups import InPlaceGroups
 
-__all__ = ["Columns", "like", "local_state", "node_group", "node_store", "restart_mesh"]
+__all__ = ["Columns", "copy_group", "like", "local_state", "node_group", "node_store", "restart_mesh"]
 
 T = TypeVar("T")
 
 NODE_STORE = "node-group-{restart}"
 """The node group's file store in the agent's folder, by TORCHELASTIC_RESTART_COUNT."""
+COPY_PREFIX = "replica-group/{group}/{generation}/"
+"""A replica group's process group's keys on the round's store it formed in (`copy_group`)."""
+COPY_SECONDS = 120.0
+"""How long a replica group's workers wait for one another as its process group forms (a node's workers
+may still be starting: Python and torch's import), and its collectives' timeout after. A member that is
+lost is not waited for: its group's other workers end their processes (`Columns.copy_lost`)."""
+STANDBY_LOOK_SECONDS = 0.05
+"""Between a standing-by worker's looks at its agent's assignment (`copy_group`)."""
+
+
+_OWN_GROUP = (
+    "torch's default process group exists already: a sharded run in place shards within each copy of the "
+    "state, over the group the manager makes (do not call init_process_group; or call it before making the "
+    "Manager, which then takes the restart path)"
+)
 
 
 def node_store(environ: Mapping[str, str] = os.environ) -> Path:
@@ -52,17 +82,50 @@ def node_group(device: torch.device, environ: Mapping[str, str] = os.environ) ->
     gloo). Raises RuntimeError where the script made a default group already: it would span every node,
     and a lost node would hang the shards' collectives."""
     if dist.is_initialized():
-        raise RuntimeError(
-            "torch's default process group exists already: a sharded run in place shards within each node, "
-            "over the group the manager makes (do not call init_process_group; or call it before making the "
-            "Manager, which then takes the restart path)"
-        )
+        raise RuntimeError(_OWN_GROUP)
     size = int(environ.get("LOCAL_WORLD_SIZE", "1"))
     store = FileStore(str(node_store(environ)), size)
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo", store=store, rank=int(environ.get("LOCAL_RANK", "0")),
         world_size=size, device_id=device if device.type == "cuda" else None,
     )  # fmt: skip
+
+
+def copy_group(device: torch.device, group: str, nodes: int, environ: Mapping[str, str] = os.environ) -> int:
+    """Make torch's default process group over this worker's replica group `group` of `nodes` nodes (their
+    LOCAL_WORLD_SIZE workers each), once its agent hands over a round in which the group is whole, on that
+    round's store (`COPY_PREFIX`), each worker placed by its node's place among the group's nodes in that
+    round. Until then the worker stands by, saying so once: the group's nodes may come at different times.
+    Returns this worker's place (its rank there, which names its shard). Raises RuntimeError where the script
+    made a default group already (`node_group`), or where the group's workers do not all come within
+    COPY_SECONDS (one of them came in another round): the worker then takes the restart path."""
+    if dist.is_initialized():
+        raise RuntimeError(_OWN_GROUP)
+    reader = Handover(agent_folder(environ), int(environ.get("LOCAL_RANK", "0")))
+    said = False
+    while True:
+        assignment = reader.read_as_written()
+        if assignment is not None and group in whole_groups(assignment.groups, nodes):
+            break
+        if assignment is not None and not said:
+            present = sum(1 for name in assignment.groups if name == group)
+            print(f"torchspot: replica group {group} has {present} of its {nodes} nodes in round "
+                  f"{assignment.generation}: standing by until it is whole", file=sys.stderr, flush=True)  # fmt: skip
+            reader.stand_by(True)  # (its agent finishes it where the run finishes meanwhile)
+            said = True
+        time.sleep(STANDBY_LOOK_SECONDS)
+    reader.stand_by(False)
+    per_node, local = int(environ.get("LOCAL_WORLD_SIZE", "1")), int(environ.get("LOCAL_RANK", "0"))
+    own = [node for node, name in enumerate(assignment.groups) if name == group]
+    place = own.index(assignment.node) * per_node + local
+    timeout = timedelta(seconds=COPY_SECONDS)
+    store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=timeout)
+    prefixed = PrefixStore(COPY_PREFIX.format(group=group, generation=assignment.generation), store)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo", store=prefixed, rank=place, world_size=nodes * per_node,
+        timeout=timeout, device_id=device if device.type == "cuda" else None,
+    )  # fmt: skip
+    return place
 
 
 def restart_mesh(device: torch.device, shard_size: int) -> DeviceMesh:
@@ -118,35 +181,73 @@ class Columns:
       the next round, as any rank that did not commit (heal.py: the newest step's holder sends), and every
       column heals from the same node, since a node's workers always hold the same step.
 
+    Where the job's replica groups span nodes, read "copy" for "node" above: the workers that agree are the
+    group's, over its process group (`copy_group`), and a worker's column is its place there.
+
     :param device: where the node's agreements run (its GPU: the node's group is NCCL there).
-    :param environ: LOCAL_RANK and LOCAL_WORLD_SIZE.
+    :param environ: LOCAL_RANK and LOCAL_WORLD_SIZE; REPLICA_GROUP_ENV and REPLICA_GROUP_SIZE_ENV (over 1:
+        each replica group of that many nodes holds one copy).
     """
 
     def __init__(self, device: torch.device, environ: Mapping[str, str] = os.environ) -> None:
         self.device = device
         self.local = int(environ.get("LOCAL_RANK", "0"))
         self.per_node = int(environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.group = environ.get(REPLICA_GROUP_ENV, "")
+        size = environ.get(REPLICA_GROUP_SIZE_ENV, "")
+        self.nodes = int(size) if self.group and size.isdigit() and int(size) > 1 else 1
+        """The nodes one copy of the state spans: its replica group's, else 1 (each node a copy)."""
+        self.per_copy = self.nodes * self.per_node
+        """The workers that hold one copy between them."""
+        self.place = self.local if self.nodes == 1 else -1
+        """This worker's rank among its copy's workers (its shard): known once its copy's group formed."""
         self.parameters: list[torch.Tensor] = []
         """The model's parameters (`OptimizerWrapper` gives its optimizer's): their local gradient shards
         travel over the column (`reduce`)."""
         self._made = False
 
     def ensure_group(self) -> None:
-        """The node's group as torch's default one (`node_group`), made once."""
+        """The copy's group as torch's default one, made once: the node's (`node_group`), or the replica
+        group's once it is whole (`copy_group`: the worker stands by until then)."""
         if not self._made:
-            node_group(self.device)
+            if self.nodes == 1:
+                node_group(self.device)
+            else:
+                self.place = copy_group(self.device, self.group, self.nodes)
             self._made = True
 
     def mesh(self) -> DeviceMesh:
-        """The 1-D device mesh over the node's workers, which FSDP2's `fully_shard` shards over."""
+        """The 1-D device mesh over the copy's workers, which FSDP2's `fully_shard` shards over."""
         from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - (with the group, not before)
 
         self.ensure_group()
-        return init_device_mesh(self.device.type, (self.per_node,))
+        return init_device_mesh(self.device.type, (self.per_copy,))
 
     def global_rank(self, column_rank: int) -> int:
-        """This worker's rank in the run (what the data is dealt by) from its rank in its column: its node's."""
-        return column_rank * self.per_node + self.local
+        """This worker's rank in the run (what the data is dealt by) from its rank in its column: its copy's."""
+        return column_rank * self.per_copy + self.place
+
+    def view(self, assignment: Assignment) -> Assignment | None:
+        """A round as this worker's column sees it (handover.py's `column_of`, `group_column_of`): None where
+        its replica group is not whole there, or has not formed yet."""
+        if self.nodes == 1:
+            return column_of(assignment, self.local, self.per_node)
+        return group_column_of(assignment, self.group, self.nodes, self.place)
+
+    def copy_lost(self, assignment: Assignment) -> None:
+        """A round in which this worker's replica group is not whole (a member lost or frozen), seen on the
+        hand-over's watcher thread: where the group had formed, the worker ends its process at once, with
+        the code for which its agent restarts it. Its shards are an incomplete copy that no collective can
+        complete, and its training thread may wait in one of FSDP's with the gone member, which only the
+        process's end stops on gloo (torch's abort does not). Started again, it stands by until the group
+        is whole, then is healed by column (`copy_group`). A group that has not formed holds nothing."""
+        if not self._made or self.nodes == 1:
+            return
+        print(f"torchspot: replica group {self.group} is not whole in round {assignment.generation}: this "
+              "worker's copy is incomplete; it ends, to be healed once the group is whole again",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.stdout.flush()
+        os._exit(EXIT_FAILED)
 
     def without_gradients(self, build: Callable[[], T]) -> T:
         """`build()` with the parameters' gradients set aside meanwhile. A heal's receiver beside a step
