@@ -49,6 +49,10 @@ Backends:
   cannot re-form in place, its replica groups spanning nodes (docs/sharded-in-place.md);
 - `fsdp-inplace`: the same example with `--in-place`, 2 workers a node: each node one copy of the model
   sharded over its workers, the nodes re-forming in place by columns (docs/sharded-in-place.md);
+- `fsdp-groups`: the same example in place with the job's replica groups of GROUP_NODES nodes (one worker
+  each): two groups, each one copy of the model sharded over its nodes; a fault takes a node of the second
+  group, whose other node's worker ends and stands by while the first group trains on alone (a fault's
+  scenarios only: a join would take two more nodes);
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
   aggressive settings below, as long as it passes the false-alarm check;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
@@ -70,6 +74,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import dataclasses
 import itertools
 import os
 import random
@@ -102,15 +107,16 @@ from torchspot_lab.local import (
     resumed_step_after,
     wait_for,
 )
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "fsdp-restart", "fsdp-inplace", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
+    "fsdp-restart", "fsdp-inplace", "fsdp-groups", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
 )  # fmt: skip
 OURS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "fsdp-restart", "fsdp-inplace",
+    "fsdp-restart", "fsdp-inplace", "fsdp-groups",
 )  # fmt: skip
 FAST = "liveness_interval=0.1,liveness_timeout=0.8"
 """`trainer-inplace-fast`'s liveness settings: puts every 0.1 s, a node lost after 0.8 s without one
@@ -126,11 +132,16 @@ API_PROGRAMS = {
     "transformers-inplace": EXAMPLES / "transformers" / "train.py",
     "fsdp-restart": EXAMPLES / "fsdp" / "train.py",
     "fsdp-inplace": EXAMPLES / "fsdp" / "train.py",
+    "fsdp-groups": EXAMPLES / "fsdp" / "train.py",
 }
 """The modes whose program is a user's script on the recovery API (its events go to the file
 TORCHSPOT_EVENTS_FILE names)."""
 FSDP_PER_NODE = 2
 """`fsdp-inplace`'s workers a node: the model sharded over them, the nodes' copies its replicas."""
+GROUP_NODES = 2
+"""`fsdp-groups`'s nodes a replica group, one worker each (the job's `replicaGroupSize`)."""
+GROUP_SCENARIOS = ("hard", "frozen", "notice")
+"""What `fsdp-groups` measures: a fault to a node of the second of two groups."""
 CHECKPOINT_EVERY = 20
 """`fsdp-restart`'s steps between checkpoints (a second of the paced step): a restart after a lost node
 resumes from the newest, so about half of them are trained again."""
@@ -260,6 +271,9 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
         if backend == "fsdp-inplace":
             program += ["--log-every", "1000000", "--in-place"]
             common["nproc_per_node"] = FSDP_PER_NODE
+        if backend == "fsdp-groups":
+            program += ["--log-every", "1000000", "--in-place"]
+            env[REPLICA_GROUP_SIZE_ENV] = str(GROUP_NODES)
         return JobConfig(
             backend="etcd-v3", endpoint=etcd.endpoint, launcher="torchspot", program=program, extra_env=env, **common
         )
@@ -349,7 +363,8 @@ def _read(job: JobConfig) -> list[dict[str, Any]]:
     if not job.program:
         return records
     events = manager_as_toy_events(records)
-    return events if job.nproc_per_node == 1 else by_node(events, job.nproc_per_node)
+    per_copy = job.nproc_per_node * int(job.extra_env.get(REPLICA_GROUP_SIZE_ENV, "1"))  # (a group's: one unit)
+    return events if per_copy == 1 else by_node(events, per_copy)
 
 
 def by_node(events: list[dict[str, Any]], per_node: int) -> list[dict[str, Any]]:
@@ -406,9 +421,14 @@ def run_trial(
     """Start a job, apply one fault, and measure recovery and lost steps."""
     fault_kind = fault_of(scenario)
     nnodes = "2:3" if fault_kind == "join" else "1:3"  # joinloss: a survivor may train alone
-    job = _job(workdir, backend, etcd, nnodes)
-    initial = 2 if fault_kind in JOINS else 3
-    nodes = [LocalNode(f"n{i}", job) for i in range(initial)]
+    grouped = backend == "fsdp-groups"  # (two groups of GROUP_NODES nodes: a unit below is a group)
+    job = _job(workdir, backend, etcd, f"2:{2 * GROUP_NODES}" if grouped else nnodes)
+    initial = 2 if fault_kind in JOINS or grouped else 3
+    nodes = (
+        [LocalNode(f"n{i}", _in_group(job, "ab"[i // GROUP_NODES])) for i in range(initial * GROUP_NODES)]
+        if grouped
+        else [LocalNode(f"n{i}", job) for i in range(initial)]
+    )
     try:
         for node in nodes:
             node.start()
@@ -454,7 +474,7 @@ def run_trial(
                 victim.freeze()
             else:  # notice: the agent is told, as the kubelet tells it; its grace runs beside us
                 threading.Thread(target=victim.terminate, args=(NOTICE_GRACE,), daemon=True).start()
-            target = 2
+            target = initial - 1
         try:
             recovered = wait_for(
                 lambda: (
@@ -494,6 +514,11 @@ def run_trial(
     finally:
         for node in nodes:
             node.stop()
+
+
+def _in_group(job: JobConfig, name: str) -> JobConfig:
+    """`job` as a node of replica group `name` runs it (`fsdp-groups`)."""
+    return dataclasses.replace(job, extra_env={**job.extra_env, REPLICA_GROUP_ENV: name})
 
 
 def first_step_in_new_group(events: list[dict[str, Any]], after: float, old: set[str]) -> dict[str, Any] | None:
@@ -664,6 +689,8 @@ def main() -> None:
                     for backend in args.backends:
                         if scenario in AFTER_WIPE and backend not in OURS:
                             continue
+                        if backend == "fsdp-groups" and scenario not in GROUP_SCENARIOS:
+                            continue
                         workdir = root / f"{backend}-{scenario}-{rep}"
                         if backend in torchft_peer.SETTINGS:
                             trial = run_torchft_trial(workdir, backend, scenario, timeout=args.timeout, rng=rng)
@@ -685,6 +712,8 @@ def main() -> None:
         stats: dict[str, dict[str, float] | None] = {}
         for backend in args.backends:
             mine = [t for t in trials if t.backend == backend and t.scenario == scenario]
+            if not mine:  # (a pair not run: a wipe for torch's backends, a join for fsdp-groups)
+                continue
             text, stats[backend] = _fmt(mine, args.timeout)
             say(f"  {backend:14} {text}")
         others = {b: v for b, v in stats.items() if b not in OURS and v is not None}
