@@ -145,7 +145,7 @@ class Manager:
             self._saving = Saving(checkpoint_uri, every=checkpoint_every, keep=keep_checkpoints, sharded=sharded,
                                   on_report=lambda report: self._records.checkpoint(report, rank=self.rank),
                                   saver=checkpoint_saver, retries=checkpoint_retries,
-                                  one_node=self._columns is not None)  # fmt: skip
+                                  one_copy=self._columns is not None)  # fmt: skip
         self._checkpoints = None if self._saving is None else self._saving.replicated
         """The replicated state's checkpoints (rank 0's), which a resume and a heal read."""
         self.sharded = sharded

@@ -50,9 +50,9 @@ class Saving:
     :param saver: where rank 0 writes a replicated checkpoint: SAVER_THREAD, or SAVER_PROCESS (a child
         process, which follows rank 0 from group to group: `ranks_changed`).
     :param retries: attempts per save of a replicated checkpoint before it is reported failed.
-    :param one_node: a sharded state in place, where each node holds a whole copy, sharded over its own
-        workers (sharding.py): one node's workers, those of rank 0 in their columns, write each checkpoint
-        (DCP over the node's group), and at a notice the node the replicated rule picks writes it.
+    :param one_copy: a sharded state in place, where each node (or replica group of nodes) holds a whole
+        copy, sharded over its own workers (sharding.py): one copy's workers, those of rank 0 in their columns,
+        write each checkpoint (DCP over the copy's group), and at a notice the copy the replicated rule picks.
     """
 
     def __init__(
@@ -65,12 +65,12 @@ class Saving:
         on_report: Callable[[SaveReport], None],
         saver: str = SAVER_THREAD,
         retries: int = CHECKPOINT_RETRIES,
-        one_node: bool = False,
+        one_copy: bool = False,
     ) -> None:
         if saver not in (SAVER_THREAD, SAVER_PROCESS):
             raise ValueError(f"checkpoint_saver={saver!r}: choose {SAVER_THREAD!r} or {SAVER_PROCESS!r}")
         self.every = every
-        self.one_node = one_node
+        self.one_copy = one_copy
         self._reopen = partial(open_storage, uri, retries=1, timeout=5.0) if saver == SAVER_PROCESS else None
         """How a saver process opens the storage (picklable), where rank 0 saves in one."""
         self._group: dist.ProcessGroup | None = None
@@ -99,8 +99,8 @@ class Saving:
 
     def _writes(self, rank: int) -> bool:
         """Whether `rank` saves: rank 0 of a replicated state, every rank of a sharded one (in place, each
-        column's rank 0: one node's workers)."""
-        return (self.sharded is not None and not self.one_node) or rank == 0
+        column's rank 0: one copy's workers)."""
+        return (self.sharded is not None and not self.one_copy) or rank == 0
 
     def after_commit(self, step: int, rank: int, state: Callable[[], dict[str, Any]], world: int) -> None:
         """After `step` committed: its checkpoint begun where the schedule says so."""
@@ -150,7 +150,7 @@ class Saving:
         """Whether `rank` writes (its part of) the emergency checkpoint at a notice's boundary, from the
         ranks' shared [level, node] rows: one rank of a replicated state (notices.saves_emergency), every
         rank of a sharded one at any notice, its agents' restart too (module docstring)."""
-        if self.sharded is not None and self.one_node:  # (a rank a node: its workers all alike, no late learner)
+        if self.sharded is not None and self.one_copy:  # (a rank a copy: its workers all alike, no late learner)
             return rank == emergency_saver(node_levels(rows))
         if self.sharded is not None:
             return any(node_levels(rows))
