@@ -50,9 +50,9 @@ Backends:
 - `fsdp-inplace`: the same example with `--in-place`, 2 workers a node: each node one copy of the model
   sharded over its workers, the nodes re-forming in place by columns (docs/sharded-in-place.md);
 - `fsdp-groups`: the same example in place with the job's replica groups of GROUP_NODES nodes (one worker
-  each): two groups, each one copy of the model sharded over its nodes; a fault takes a node of the second
-  group, whose other node's worker ends and stands by while the first group trains on alone (a fault's
-  scenarios only: a join would take two more nodes);
+  each), each one copy of the model sharded over its nodes: two groups, a fault to a node of the second,
+  whose other node's worker ends and stands by while the first group trains on alone; or, at a join, one
+  group joined by a second (its nodes started together), healed by column beside the first one's step;
 - `trainer-inplace-fast`: the same with faster liveness (`FAST`), the counterpart of TorchFT's
   aggressive settings below, as long as it passes the false-alarm check;
 - `etcd-v2`: stock torchrun, torch's etcd-v2 backend (etcd started with --enable-v2),
@@ -140,8 +140,8 @@ FSDP_PER_NODE = 2
 """`fsdp-inplace`'s workers a node: the model sharded over them, the nodes' copies its replicas."""
 GROUP_NODES = 2
 """`fsdp-groups`'s nodes a replica group, one worker each (the job's `replicaGroupSize`)."""
-GROUP_SCENARIOS = ("hard", "frozen", "notice")
-"""What `fsdp-groups` measures: a fault to a node of the second of two groups."""
+GROUP_SCENARIOS = ("join", "hard", "frozen", "notice")
+"""What `fsdp-groups` measures: a second group's join, or a fault to a node of the second of two groups."""
 CHECKPOINT_EVERY = 20
 """`fsdp-restart`'s steps between checkpoints (a second of the paced step): a restart after a lost node
 resumes from the newest, so about half of them are trained again."""
@@ -423,7 +423,7 @@ def run_trial(
     nnodes = "2:3" if fault_kind == "join" else "1:3"  # joinloss: a survivor may train alone
     grouped = backend == "fsdp-groups"  # (two groups of GROUP_NODES nodes: a unit below is a group)
     job = _job(workdir, backend, etcd, f"2:{2 * GROUP_NODES}" if grouped else nnodes)
-    initial = 2 if fault_kind in JOINS or grouped else 3
+    initial = (1 if grouped else 2) if fault_kind in JOINS else (2 if grouped else 3)
     nodes = (
         [LocalNode(f"n{i}", _in_group(job, "ab"[i // GROUP_NODES])) for i in range(initial * GROUP_NODES)]
         if grouped
@@ -457,10 +457,15 @@ def run_trial(
         groups: set[str] = set()  # joinloss: the groups that had stepped before the kill
         if fault_kind in JOINS:
             fault = time.time()
-            extra = LocalNode(f"n{initial}", job)
-            nodes.append(extra)
-            extra.start()
-            target = 3
+            extra = (
+                [LocalNode(f"n{initial * GROUP_NODES + i}", _in_group(job, "b")) for i in range(GROUP_NODES)]
+                if grouped
+                else [LocalNode(f"n{initial}", job)]
+            )
+            nodes.extend(extra)
+            for node in extra:
+                node.start()
+            target = initial + 1
             if fault_kind == "joinloss":
                 time.sleep(rng.uniform(*JOIN_LOSS_WINDOW))
                 groups = {e["group"] for e in _read(job) if e["event"] == "step"}
