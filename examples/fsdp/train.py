@@ -9,9 +9,10 @@ and the gradients' reduction kept in float32 (FSDP2's mixed precision). `--shard
 over groups of N ranks that each hold one copy of it (HSDP: the copies are replicas, their gradients
 all-reduced), where the world size divides into such groups; elsewhere over every rank (FSDP), said in
 one line: a checkpoint of either loads into the other. Under torchspot-run it re-forms in place instead
-of restarting: each node one copy of the model, sharded over its own workers (`Manager.shard_mesh`), the
-nodes' copies kept alike by the manager (docs/sharded-in-place.md); where the job's replica groups span
-nodes, or with `--restart-path`, every worker restarts at each membership change.
+of restarting: each node one copy of the model, sharded over its own workers, or, where the job's replica
+groups span nodes, each group one copy, sharded over its nodes' workers (`Manager.shard_mesh`), the copies
+kept alike by the manager (docs/sharded-in-place.md); with `--restart-path` every worker restarts at each
+membership change.
 """
 
 import argparse
@@ -124,7 +125,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: none)")
     path = parser.add_mutually_exclusive_group()  # (neither: in place wherever it can run, said in one line)
     path.add_argument("--in-place", action="store_true",
-                      help="re-form in place (each node one copy, sharded over its own workers), or stop")  # fmt: skip
+                      help="re-form in place (each node, or replica group, one copy), or stop")  # fmt: skip
     path.add_argument("--restart-path", action="store_true", help="restart every worker at each membership change")
     return parser.parse_args()
 

@@ -22,8 +22,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from torchspot_lab.etcd import free_port
+from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.elastic.sharding import Columns, node_group, node_store
-from torchspot_trainer.handover import Assignment, column_of, group_column_of, whole_groups
+from torchspot_trainer.handover import Assignment, column_of, group_column_of, replica_group, whole_groups
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.generation import generation_prefix
 
@@ -144,6 +145,9 @@ def test_a_column_of_replica_groups_is_one_place_in_every_whole_group() -> None:
     assert generation_prefix(column) == "generation/7/column/1/"
     assert group_column_of(round_, "c", 2, place=0) is None  # its group is not whole: it holds no column
     assert group_column_of(round_, "a", 2, place=-1) is None  # its group's process group has not formed
+    assert replica_group({REPLICA_GROUP_ENV: "b", REPLICA_GROUP_SIZE_ENV: "2"}) == ("b", 2)
+    assert replica_group({REPLICA_GROUP_ENV: "b", REPLICA_GROUP_SIZE_ENV: "1"}) == ("", 1)  # a node is a copy
+    assert replica_group({REPLICA_GROUP_SIZE_ENV: "2"}) == ("", 1)  # (unnamed: choose_path takes the restart path)
 
 
 def test_each_incarnation_of_a_nodes_workers_meets_on_a_store_of_its_own(tmp_path: Path) -> None:

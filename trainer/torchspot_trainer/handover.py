@@ -103,6 +103,14 @@ def column_of(assignment: Assignment, local_rank: int, per_node: int) -> Assignm
     return dataclasses.replace(assignment, rank=assignment.node, world=assignment.world // per_node, column=local_rank)
 
 
+def replica_group(environ: Mapping[str, str]) -> tuple[str, int]:
+    """(this node's replica group, the nodes it spans) where the job's replica groups span nodes
+    (REPLICA_GROUP_ENV named, REPLICA_GROUP_SIZE_ENV over 1: the operator sets both), else ("", 1): each
+    node on its own (pure)."""
+    name, size = environ.get(REPLICA_GROUP_ENV, ""), environ.get(REPLICA_GROUP_SIZE_ENV, "")
+    return (name, int(size)) if name and size.isdigit() and int(size) > 1 else ("", 1)
+
+
 def whole_groups(groups: Sequence[str], nodes: int) -> list[str]:
     """The replica groups that have all their `nodes` nodes in a round whose nodes' groups are `groups`, by
     name (pure): only a whole group holds a whole copy of a sharded state."""
@@ -403,7 +411,7 @@ class InPlaceAgent(LocalElasticAgent):
         node's agent has reached torch's exit barrier of the round: its workers finished the run, so no
         group will form for these to join, and the others' agents wait in that barrier for this one."""
         pids = self._pcontext.pids() if self._pcontext is not None else {}
-        if not standing_by(agent_folder(), pids):
+        if not self._groups or not standing_by(agent_folder(), pids):  # (no groups: nobody stands by)
             return False
         store: Any = worker_group.store  # (the round's: its type says None)
         finished: int = store.add(f"{_TERMINAL_STATE_SYNC_ID}{_NUM_MEMBERS}", 0)
@@ -477,12 +485,12 @@ class InPlaceAgent(LocalElasticAgent):
 
 def _trade_groups(worker_group: WorkerGroup, environ: Mapping[str, str]) -> tuple[str, ...]:
     """Every node's replica group in the round just joined, by its place there, where the job's replica
-    groups span nodes (REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV over 1: the operator sets both): each agent
+    groups span nodes (`replica_group`): each agent
     writes its own to the round's store and reads the others'. A sharded run's workers read their columns
     by them (`group_column_of`). () otherwise. Called during the round's set-up, whose store reads give up
     where the round loses a member meanwhile (`InPlaceAgent._rendezvous`)."""
-    mine, size = environ.get(REPLICA_GROUP_ENV, ""), environ.get(REPLICA_GROUP_SIZE_ENV, "")
-    if not mine or not size.isdigit() or int(size) <= 1:
+    mine, _nodes = replica_group(environ)
+    if not mine:
         return ()
     store: Any = worker_group.store  # (torch's rendezvous just set it; its type says None)
     prefix = f"{GROUPS_KEY}/{_generation(worker_group)}"

@@ -84,9 +84,9 @@ class Manager:
         copy on a side stream beside the next step; a snapshot then holds the last copy's step). On the
         CPU the live state is written, and no copy made.
     :param sharded: the state is sharded over the ranks (FSDP2's DTensors, over `shard_mesh()`): checkpoints
-        of every rank's shards (DCP) and a restart's resume at any world size. In place, each node holds one
-        copy of the state sharded over its own workers (sharding.py); where the job's replica groups span
-        nodes, or the script made torch's default group itself, by the restart path (`choose_path`).
+        of every rank's shards (DCP) and a restart's resume at any world size. In place, each node, or each of
+        the job's replica groups of several nodes, holds one copy of the state sharded over its own workers
+        (sharding.py); where the script made torch's default group itself, by the restart path (`choose_path`).
     :param checkpoint_saver: where rank 0 serialises and uploads a replicated checkpoint: 'thread' (of
         the training process) or 'process' (a child process, which holds none of the loop's GIL: its
         steps do not slow down during a save of a large state).

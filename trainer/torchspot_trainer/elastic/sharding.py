@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import FileStore, PrefixStore, TCPStore  # what torch.distributed re-exports
 from torch.distributed.tensor import DTensor
 
-from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
 from torchspot_trainer.elastic.riders import Line
 from torchspot_trainer.handover import (
     Assignment,
@@ -38,6 +37,7 @@ from torchspot_trainer.handover import (
     agent_folder,
     column_of,
     group_column_of,
+    replica_group,
     whole_groups,
 )
 from torchspot_trainer.recovery.notices import EXIT_FAILED
@@ -193,10 +193,9 @@ class Columns:
         self.device = device
         self.local = int(environ.get("LOCAL_RANK", "0"))
         self.per_node = int(environ.get("LOCAL_WORLD_SIZE", "1"))
-        self.group = environ.get(REPLICA_GROUP_ENV, "")
-        size = environ.get(REPLICA_GROUP_SIZE_ENV, "")
-        self.nodes = int(size) if self.group and size.isdigit() and int(size) > 1 else 1
-        """The nodes one copy of the state spans: its replica group's, else 1 (each node a copy)."""
+        self.group, self.nodes = replica_group(environ)
+        """This node's replica group, and the nodes one copy of the state spans: its group's, else 1 (each
+        node a copy)."""
         self.per_copy = self.nodes * self.per_node
         """The workers that hold one copy between them."""
         self.place = self.local if self.nodes == 1 else -1
