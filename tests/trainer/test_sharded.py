@@ -176,14 +176,16 @@ def test_the_hsdp_example_stopped_by_a_notice_at_four_ranks_resumes_at_three_as_
 
 
 @pytest.mark.slow(seconds=20)
-def test_a_node_joining_a_sharded_run_costs_no_step_every_rank_writes_its_shards_before_the_restart(
+def test_a_node_joining_a_sharded_run_costs_no_step_the_shards_snapshot_is_resharded_over_both(
     tmp_path: Path, etcd: EtcdServer, run_id: str, nodes: NodeFactory
 ) -> None:
     """examples/fsdp --restart-path under torchspot-run (a sharded run's restart path) on one node, joined by
     a second: the agents restart the workers for the new round, and their SIGTERM stops the group at the
-    next boundary, where every rank writes its shards of that step (no node snapshot holds a sharded
-    state). The round of two resumes from it, resharded: no step is lost or trained twice. Before, it
-    resumed from the last periodic checkpoint (none here: from step 0)."""
+    next boundary, where the rank writes its snapshot of its shards (recovery/reshard.py; no checkpoint is
+    written: no node leaves). The round of two resumes from it, resharded: the joining node's rank is sent
+    its rows by the first, and no step is lost or trained twice. Before, every rank wrote its shards to the
+    checkpoint's storage there; before that, the round resumed from the last periodic checkpoint (none here:
+    from step 0)."""
     events = tmp_path / "events.jsonl"
     job = JobConfig(workdir=tmp_path, backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, nnodes="1:2",
                     program=[str(EXAMPLE / "train.py"), f"--steps={JOIN_STEPS}", f"--global-batch={GLOBAL_BATCH}",
@@ -200,15 +202,13 @@ def test_a_node_joining_a_sharded_run_costs_no_step_every_rank_writes_its_shards
     assert first.wait(120) == 0, first.log_tail()
     assert second.wait(30) == 0, second.log_tail()
     records = read_events(events)
-    (saved,) = [r for r in records if r["event"] == "emergency_checkpoint"]
-    assert saved["ok"]
-    alone = [r["step"] for r in steps() if r["world_size"] == 1]
-    assert saved["step"] == max(alone)  # the step the agents' restart stopped the group at
+    assert not [r for r in records if r["event"] == "emergency_checkpoint"]
+    alone = sorted(r["step"] for r in steps() if r["world_size"] == 1)
     resumed = [r for r in records if r["event"] == "start" and r["world_size"] == 2]
-    assert {(r["step"], r["resumed_from"]) for r in resumed} == {(saved["step"], "checkpoint")}
+    assert {(r["step"], r["resumed_from"]) for r in resumed} == {(alone[-1], "snapshot")}, resumed
     together = sorted({r["step"] for r in steps() if r["world_size"] == 2})
-    assert sorted(alone) == list(range(1, saved["step"] + 1))  # none lost
-    assert together == list(range(saved["step"] + 1, JOIN_STEPS + 1))  # none trained twice
+    assert alone == list(range(1, alone[-1] + 1))  # none lost
+    assert together == list(range(alone[-1] + 1, JOIN_STEPS + 1))  # none trained twice
 
 
 @pytest.mark.usefixtures("one_rank_group")
@@ -321,7 +321,8 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     assert len(first_pids) == 2, pids  # its two workers, never restarted
     healed = [r for r in records if r["event"] == "generation" and r["resumed_from"] == "peer"]
     assert {r["node"] for r in healed} == {third.name}, healed
-    assert all(r["trainers"] == [0, 1] for r in healed), healed  # beside the step the first two nodes took
+    beside = [(r["generation"], r["trainers"], r["step"]) for r in healed]
+    assert all(trainers == [0, 1] for _, trainers, _ in beside), beside  # beside the step the first two nodes took
     assert {r["world_size"] for r in steps()} == {2, 4, 6}
     assert [r["step"] for r in steps()] == list(range(1, IN_PLACE_STEPS + 1))  # each step once
     evaluations: dict[int, float] = {}

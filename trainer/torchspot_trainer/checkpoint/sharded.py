@@ -142,6 +142,11 @@ class ShardedCheckpoints:
 
     # -- loading --------------------------------------------------------------------
 
+    def latest_step(self) -> int | None:
+        """The newest committed checkpoint's step, or None (one listing of the folders, on the calling rank)."""
+        steps = [step for step, done in self._folders().items() if done]
+        return steps[-1] if steps else None
+
     def load_latest(self, state: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
         """The newest committed checkpoint's step and state, loaded into the one `state()` builds (this
         world's shards of it, in place: DCP reshards); None where there is none. `state()` is called only

@@ -54,13 +54,17 @@ def _reset_in_child() -> None:
         reset_sigterm()
 
 
-def node_snapshot(environ: Mapping[str, str]) -> LocalSnapshot | None:
+def node_snapshot(environ: Mapping[str, str], *, per_rank: bool = False) -> LocalSnapshot | None:
     """The node's copy of the state (recovery/snapshot.py), under an elastic agent only (RUN_ID_ENV set):
     one that restarts the worker, whose run id and process id name the file. Elsewhere no next round
-    would read it, and another script started from the same shell would."""
+    would read it, and another script started from the same shell would. `per_rank`: a file for each
+    local rank (a sharded state's shards: recovery/reshard.py)."""
     if RUN_ID_ENV not in environ:
         return None
-    return LocalSnapshot(default_path(dict(environ)), round_started=time.time())
+    path = default_path(dict(environ))
+    if per_rank:
+        path = path.with_name(f"{path.stem}-local{environ.get('LOCAL_RANK', '0')}{path.suffix}")
+    return LocalSnapshot(path, round_started=time.time())
 
 
 class Leaving:

@@ -157,8 +157,13 @@ class Manager:
         (`start_step`)."""
         self._leaving = Leaving(
             hold=hold, events_at=events_at, emit=self._emit, kept=self._kept, before_exit=self._before_stuck_exit,
-            snapshot=node_snapshot(os.environ), step_of=lambda state: int(state["torchspot"]["step"]),
+            snapshot=node_snapshot(os.environ, per_rank=sharded and not self.in_place),
+            step_of=lambda state: int(state["torchspot"]["step"]),
         )  # fmt: skip
+        if sharded and not self.in_place:  # each rank's snapshot holds its own shards (recovery/reshard.py)
+            from torchspot_trainer.recovery.reshard import own_shards  # noqa: PLC0415 - (DTensor's import, where used)
+
+            self._run.form = own_shards
         self._member = Member(self._run, in_place=self.in_place, sharded=sharded, device=self.device,
                               columns=self._columns, saving=self._saving, leaving=self._leaving,
                               records=self._records, emit=self._emit, leave=self.leave)  # fmt: skip
@@ -559,8 +564,10 @@ class Manager:
     def _kept(self) -> Kept | None:
         """What the node's snapshot would keep now (`Leaving`): its lineage and the host copy of the last
         committed step (hostcopy.py: on the CPU the live state, but during an update), once the first
-        group's resume is done and not after `close()` (the final checkpoint holds it)."""
-        if not self._member.whole or self._closed or self.sharded:  # (a rank's shards are not the run's state)
+        group's resume is done and not after `close()` (the final checkpoint holds it). A sharded run keeps none
+        in place (its workers are healed from a live copy), nor before its first step: there is nothing to keep,
+        and torch's `get_state_dict` would count a step in a fresh optimizer's state."""
+        if not self._member.whole or self._closed or (self.sharded and (self.in_place or self._run.step == 0)):
             return None
         return self._run.kept()
 

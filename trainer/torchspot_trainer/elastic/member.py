@@ -125,8 +125,9 @@ class Member:
             self.enter_and_heal(stepping=False)
         else:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            mine = None if self.sharded else self._leaving.read_snapshot()  # (a rank's shards are not the run's)
-            self.resumed_from = self.run.resume(self.collectives(), self._checkpoints, mine, self._saving)
+            mine = self._leaving.read_snapshot()  # (a sharded run's: this rank's shards)
+            self.resumed_from = self.run.resume(self.collectives(), self._checkpoints, mine, self._saving,
+                                                sharded=self.sharded)  # fmt: skip
             self._rank_duties()
             self._started(generation=None)
         self.whole = True

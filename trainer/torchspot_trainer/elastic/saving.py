@@ -6,12 +6,11 @@
 - **Sharded** (`sharded=True`: FSDP2, where each rank holds its own shards): every rank saves its shards
   through DCP at the same step, beside training (checkpoint/sharded.py), and a resume at any world size
   loads the newest committed checkpoint as that world shards the state. At a notice every rank writes
-  its shards of the emergency checkpoint at once, where the shared rows hold any notice (a collective
-  needs every rank's same answer: a node that learns it leaves only after sharing its level is not
-  saved for, and the resume takes the last periodic checkpoint): a node's eviction, and also its
-  agents' restart of the workers for a node that joins, where a replicated state's node snapshots
-  carry the step to the next round and a sharded one has none (without it, a join cost every step
-  since the last periodic checkpoint). Node snapshots are not built for it.
+  its shards of the emergency checkpoint at once, where the shared rows hold a node that leaves (a
+  collective needs every rank's same answer: a node that learns it leaves only after sharing its level is
+  not saved for, and the resume takes the last periodic checkpoint). Where no node leaves (the agents'
+  restart of the workers for a node that joins), each rank's snapshot of its shards carries the step to
+  the next round (recovery/reshard.py), as a replicated state's node snapshots do.
 """
 
 from __future__ import annotations
@@ -134,26 +133,33 @@ class Saving:
                 self.replicated.save_sync(step, state(), {"world_size": world})
             self.replicated.close()
 
-    def load_sharded(self, state: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-        """A sharded resume, once the default group is formed: the newest committed checkpoint's state,
-        loaded into the one `state()` builds (every rank; ShardedCheckpoints.load_latest), if any. From
-        here on DCP coordinates over a gloo group of its own: an asynchronous save's collectives run on
-        DCP's thread, and on the loop's group they could interleave with the loop's own in a different
-        order on different ranks."""
+    def sharded_group(self) -> dist.ProcessGroup:
+        """The gloo group a sharded state's checkpoints coordinate over, made at the first call (every rank, once
+        the default group is formed): an asynchronous save's collectives run on DCP's thread, and on the loop's
+        group they could interleave with the loop's own in a different order on different ranks. The resume
+        from the shards' snapshots trades over it too (CPU tensors)."""
         assert self.sharded is not None
-        self._group = dist.new_group(backend="gloo")
-        self.sharded.use_group(self._group)
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+            self.sharded.use_group(self._group)
+        return self._group
+
+    def load_sharded(self, state: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """A sharded resume: the newest committed checkpoint's state, loaded into the one `state()` builds (every
+        rank; ShardedCheckpoints.load_latest), if any."""
+        assert self.sharded is not None
+        self.sharded_group()
         found = self.sharded.load_latest(state)
         return None if found is None else found[1]
 
     def saves_emergency(self, rank: int, rows: list[list[int]], *, leaving_now: bool) -> bool:
         """Whether `rank` writes (its part of) the emergency checkpoint at a notice's boundary, from the
         ranks' shared [level, node] rows: one rank of a replicated state (notices.saves_emergency), every
-        rank of a sharded one at any notice, its agents' restart too (module docstring)."""
+        rank of a sharded one where a node leaves (module docstring)."""
         if self.sharded is not None and self.one_copy:  # (a rank a copy: its workers all alike, no late learner)
             return rank == emergency_saver(node_levels(rows))
         if self.sharded is not None:
-            return any(node_levels(rows))
+            return emergency_saver(node_levels(rows)) is not None
         return saves_emergency(rank, rows, leaving_now=leaving_now)
 
     def emergency(self, step: int, state: dict[str, Any], world: int) -> SaveReport:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from torchspot_trainer.checkpoint.manager import CheckpointManager
 from torchspot_trainer.data.sampler import ElasticSampler as Position
@@ -59,6 +60,9 @@ class RunState:
         self._boundary: list[torch.Tensor] = []  # every buffer (BatchNorm's counts too): `capture` freezes them
         self._host = HostCopy(device, every=snapshot_every)
         self._kept = BoundaryBuffers()
+        self.form: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        """How the host copy (a snapshot's source) holds the state: a sharded one's as each rank's shards with
+        their places (recovery/reshard.py's `shard_form`); None: as `full()` builds it."""
 
     def watch_buffers(self, buffers: list[torch.Tensor]) -> None:
         """The model's buffers: kept as they are at each commit (`capture`); the floating-point ones travel."""
@@ -113,7 +117,9 @@ class RunState:
         every `snapshot_every` steps; on the CPU its builder), with the model's buffers as they are now: the
         next step's forward changes them before its update."""
         if self._host.keeps(self.step):
-            self._host.capture(self.step, with_frozen(self._boundary, self.full))
+            form = self.form
+            build = self.full if form is None else lambda: form(self.full())
+            self._host.capture(self.step, with_frozen(self._boundary, build))
 
     def before_update(self) -> None:
         """The optimizer is about to change the parameters: on a GPU the update waits, on the device, for the
@@ -130,29 +136,56 @@ class RunState:
         checkpoints: CheckpointManager | None,
         mine: tuple[Held, dict[str, Any]] | None,
         saving: Saving | None,
+        *,
+        sharded: bool = False,
     ) -> str:
-        """The restart path's resume, every rank alike: a sharded state from the newest committed checkpoint,
-        each rank its shards of it at this world size (DCP reshards: `saving`'s); a replicated one from the
-        newest of the nodes' snapshots and the checkpoints (recovery/resume.py's `find_state`, over `group`).
-        Returns where the state came from (`snapshot`, `checkpoint`, or `start` for nothing)."""
-        if saving is not None and saving.sharded is not None:
-            return self.resume_sharded(saving)
+        """The restart path's resume, every rank alike: a sharded state from the newest whole set of the shards'
+        snapshots or the newest committed checkpoint, whichever is newer (`resume_sharded`); a replicated one
+        from the newest of the nodes' snapshots and the checkpoints (recovery/resume.py's `find_state`, over
+        `group`). `mine` is this rank's snapshot. Returns where the state came from (`snapshot`, `checkpoint`,
+        or `start` for nothing)."""
+        if sharded:
+            return self.resume_sharded(saving, mine, snapshots=True)
         found, state = find_state(group, checkpoints, mine)
         if state is not None:
             self.load(state)
             log.info("torchspot: resumed from the %s of step %d", found, self.step)
         return found
 
-    def resume_sharded(self, saving: Saving) -> str:
+    def resume_sharded(
+        self, saving: Saving | None, mine: tuple[Held, dict[str, Any]] | None = None, *, snapshots: bool = False
+    ) -> str:
         """A sharded state's resume, over torch's default group (every rank's on the restart path, the node's
-        in place): the newest committed checkpoint, each rank its shards of it as this group shards the
-        model (DCP reshards). Returns `checkpoint`, or `start` for none."""
-        state = saving.load_sharded(self.full)
+        in place), each rank its shards as this group shards the model: with `snapshots` (the restart path)
+        from the newest whole set of the ranks' snapshots where it is not older than the newest committed
+        checkpoint (recovery/reshard.py; `mine` this rank's), else from that checkpoint (DCP reshards).
+        Returns `snapshot`, `checkpoint`, or `start` for neither."""
+        if snapshots and self._from_snapshots(saving, mine):
+            return "snapshot"
+        state = None if saving is None else saving.load_sharded(self.full)
         if state is None:
             return "start"
         self.load(state)
         log.info("torchspot: resumed from the checkpoint of step %d", self.step)
         return "checkpoint"
+
+    def _from_snapshots(self, saving: Saving | None, mine: tuple[Held, dict[str, Any]] | None) -> bool:
+        """Load the shards' snapshots where they make the state (`resume_sharded`), over the checkpoints' gloo
+        group (one of the resume's own without checkpoints); whether they did."""
+        from torchspot_trainer.recovery.reshard import resume_from  # noqa: PLC0415 - (DTensor's import, where used)
+
+        if saving is not None and saving.sharded is not None:
+            state = resume_from(saving.sharded_group(), mine, self.full, saving.sharded.latest_step)
+        else:
+            group = dist.new_group(backend="gloo")
+            try:
+                state = resume_from(group, mine, self.full, lambda: None)
+            finally:
+                dist.destroy_process_group(group)
+        if state is None:
+            return False
+        self.load(state)
+        return True
 
     def resume_from_copies(
         self, mine: tuple[Held, dict[str, Any]] | None, checkpoints: CheckpointManager | None
