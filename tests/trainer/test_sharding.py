@@ -5,6 +5,7 @@ its own, the round's store a real TCPStore."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -23,8 +24,16 @@ from torch.distributed.tensor import DTensor
 
 from torchspot_lab.etcd import free_port
 from torchspot_trainer import REPLICA_GROUP_ENV, REPLICA_GROUP_SIZE_ENV
-from torchspot_trainer.elastic.sharding import Columns, node_group, node_store
-from torchspot_trainer.handover import Assignment, column_of, group_column_of, replica_group, whole_groups
+from torchspot_trainer.elastic.sharding import COPY_PREFIX, Columns, node_group, node_store
+from torchspot_trainer.handover import (
+    ASSIGNMENT_FILE,
+    Assignment,
+    assignment_record,
+    column_of,
+    group_column_of,
+    replica_group,
+    whole_groups,
+)
 from torchspot_trainer.markers import PEER_LOST_ENV
 from torchspot_trainer.recovery.generation import generation_prefix
 
@@ -148,6 +157,51 @@ def test_a_column_of_replica_groups_is_one_place_in_every_whole_group() -> None:
     assert replica_group({REPLICA_GROUP_ENV: "b", REPLICA_GROUP_SIZE_ENV: "2"}) == ("b", 2)
     assert replica_group({REPLICA_GROUP_ENV: "b", REPLICA_GROUP_SIZE_ENV: "1"}) == ("", 1)  # a node is a copy
     assert replica_group({REPLICA_GROUP_SIZE_ENV: "2"}) == ("", 1)  # (unnamed: choose_path takes the restart path)
+
+
+MEMBER = """
+import sys, torch
+import torch.distributed as dist
+from torchspot_trainer.elastic.sharding import copy_group
+
+place = copy_group(torch.device("cpu"), "g", 2)
+total = torch.tensor([float(place + 1)])
+dist.all_reduce(total)
+print(place, int(total.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_replica_groups_members_that_came_in_different_rounds_meet_in_the_newer(tmp_path: Path) -> None:
+    """Replica group g of 2 nodes: its first member's agent hands it round 1 (the group whole), the second's
+    round 2 only (the rounds moved on while its node started). The first waits for the group on round 1's
+    store; when its agent hands it round 2 too, it moves there, and the two make their process group on
+    round 2's store, placed by their nodes' order there. Before, each waited on its own round until
+    COPY_SECONDS (120 s) ran out and both took the restart path."""
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+              for _ in range(2)]  # fmt: skip
+    folders = [tmp_path / "first", tmp_path / "second"]
+
+    def hand(folder: Path, generation: int, node: int, groups: tuple[str, ...]) -> None:
+        record = assignment_record(generation, len(groups), "127.0.0.1", stores[generation - 1].port, {0: node},
+                                   node=node, groups=groups)  # fmt: skip
+        (folder / ASSIGNMENT_FILE).write_text(json.dumps(record))
+
+    members = []
+    for folder in folders:
+        folder.mkdir()
+        env = {**os.environ, PEER_LOST_ENV: str(folder / "peer-lost"), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        members.append(subprocess.Popen([sys.executable, "-c", MEMBER], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))  # fmt: skip
+    hand(folders[0], 1, 0, ("g", "g"))
+    hand(folders[1], 2, 2, ("g", "h", "g"))
+    rounds = [PrefixStore(COPY_PREFIX.format(group="g", generation=n), store) for n, store in enumerate(stores, 1)]
+    rounds[0].wait(["here/0"])  # the first is waiting on round 1
+    hand(folders[0], 2, 0, ("g", "h", "g"))
+    said = [member.communicate(timeout=60) for member in members]
+    assert [member.returncode for member in members] == [0, 0], [err[-2000:] for _, err in said]
+    assert [out.split() for out, _ in said] == [["0", "3"], ["1", "3"]]  # places by node order in round 2
+    assert [round_.compare_set("outcome", "", "?") for round_ in rounds] == [b"moved", b"formed"]
 
 
 def test_each_incarnation_of_a_nodes_workers_meets_on_a_store_of_its_own(tmp_path: Path) -> None:

@@ -93,21 +93,26 @@ def node_group(device: torch.device, environ: Mapping[str, str] = os.environ) ->
 
 def copy_group(device: torch.device, group: str, nodes: int, environ: Mapping[str, str] = os.environ) -> int:
     """Make torch's default process group over this worker's replica group `group` of `nodes` nodes (their
-    LOCAL_WORLD_SIZE workers each), once its agent hands over a round in which the group is whole, on that
-    round's store (`COPY_PREFIX`), each worker placed by its node's place among the group's nodes in that
-    round. Until then the worker stands by, saying so once: the group's nodes may come at different times.
+    LOCAL_WORLD_SIZE workers each), once the group's workers have all met in one round in which it is whole
+    (`_Meeting`), on that round's store (`COPY_PREFIX`), each worker placed by its node's place among the
+    group's nodes in that round. Until then the worker stands by, saying so once: the group's nodes may come
+    at different times, and in different rounds (the rounds move on while a node starts): a worker that met
+    in one round moves to a newer one in which the group is whole unless the group met where it is already.
     Returns this worker's place (its rank there, which names its shard). Raises RuntimeError where the script
-    made a default group already (`node_group`), or where the group's workers do not all come within
-    COPY_SECONDS (one of them came in another round): the worker then takes the restart path."""
+    made a default group already (`node_group`), or where the group's process group does not form within
+    COPY_SECONDS once its workers met: the worker then takes the restart path."""
     if dist.is_initialized():
         raise RuntimeError(_OWN_GROUP)
     reader = Handover(agent_folder(environ), int(environ.get("LOCAL_RANK", "0")))
-    said = False
-    while True:
+    per_node, local = int(environ.get("LOCAL_WORLD_SIZE", "1")), int(environ.get("LOCAL_RANK", "0"))
+    said, meeting = False, None
+    while meeting is None or not meeting.met():
         assignment = reader.read_as_written()
-        if assignment is not None and group in whole_groups(assignment.groups, nodes):
-            break
-        if assignment is not None and not said:
+        whole = assignment is not None and group in whole_groups(assignment.groups, nodes)
+        newer = whole and assignment is not None and (meeting is None or assignment.generation > meeting.generation)
+        if newer and assignment is not None and (meeting is None or meeting.moved()):
+            meeting = _Meeting(assignment, group, nodes, per_node, local)
+        if assignment is not None and not whole and not said:
             present = sum(1 for name in assignment.groups if name == group)
             print(f"torchspot: replica group {group} has {present} of its {nodes} nodes in round "
                   f"{assignment.generation}: standing by until it is whole", file=sys.stderr, flush=True)  # fmt: skip
@@ -115,17 +120,52 @@ def copy_group(device: torch.device, group: str, nodes: int, environ: Mapping[st
             said = True
         time.sleep(STANDBY_LOOK_SECONDS)
     reader.stand_by(False)
-    per_node, local = int(environ.get("LOCAL_WORLD_SIZE", "1")), int(environ.get("LOCAL_RANK", "0"))
-    own = [node for node, name in enumerate(assignment.groups) if name == group]
-    place = own.index(assignment.node) * per_node + local
-    timeout = timedelta(seconds=COPY_SECONDS)
-    store = TCPStore(assignment.store_host, assignment.store_port, is_master=False, timeout=timeout)
-    prefixed = PrefixStore(COPY_PREFIX.format(group=group, generation=assignment.generation), store)
     dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo", store=prefixed, rank=place, world_size=nodes * per_node,
-        timeout=timeout, device_id=device if device.type == "cuda" else None,
+        backend="nccl" if device.type == "cuda" else "gloo", store=PrefixStore("group/", meeting.store),
+        rank=meeting.place, world_size=nodes * per_node, timeout=timedelta(seconds=COPY_SECONDS),
+        device_id=device if device.type == "cuda" else None,
     )  # fmt: skip
-    return place
+    return meeting.place
+
+
+class _Meeting:
+    """A replica group's workers meeting in one round before they make their process group (`copy_group`):
+    each says it is here on the round's store; the group forms there once all are, unless one of them moved
+    to a newer round first. One key decides which, set once by whoever comes first (the store's compare-and-
+    set): `FORMED` by a worker that found all here, `MOVED` by one that saw a newer round in which the group
+    is whole. Without it two workers that entered different rounds waited for each other in two places
+    until COPY_SECONDS ran out. A round whose store is gone counts as moved from."""
+
+    FORMED, MOVED = "formed", "moved"
+
+    def __init__(self, assignment: Assignment, group: str, nodes: int, per_node: int, local: int) -> None:
+        own = [node for node, name in enumerate(assignment.groups) if name == group]
+        self.generation = assignment.generation
+        self.place = own.index(assignment.node) * per_node + local
+        self._size = nodes * per_node
+        store = TCPStore(assignment.store_host, assignment.store_port, is_master=False,
+                         timeout=timedelta(seconds=COPY_SECONDS))  # fmt: skip
+        self.store = PrefixStore(COPY_PREFIX.format(group=group, generation=assignment.generation), store)
+        self.store.set(f"here/{self.place}", "1")
+
+    def met(self) -> bool:
+        """Whether the group forms in this round: all its workers here, and none moved on first."""
+        try:
+            if not self.store.check([f"here/{place}" for place in range(self._size)]):
+                return False
+            return self._settle(self.FORMED) == self.FORMED
+        except (RuntimeError, OSError):  # (the round's store is gone: the group forms in a newer round)
+            return False
+
+    def moved(self) -> bool:
+        """Move on from this round, unless the group formed in it (then this worker forms it too)."""
+        try:
+            return self._settle(self.MOVED) == self.MOVED
+        except (RuntimeError, OSError):
+            return True
+
+    def _settle(self, outcome: str) -> str:
+        return bytes(self.store.compare_set("outcome", "", outcome)).decode()
 
 
 def restart_mesh(device: torch.device, shard_size: int) -> DeviceMesh:
