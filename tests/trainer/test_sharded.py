@@ -321,8 +321,10 @@ def test_in_place_nodes_of_two_sharded_workers_take_a_join_a_kill_and_a_notice_a
     assert len(first_pids) == 2, pids  # its two workers, never restarted
     healed = [r for r in records if r["event"] == "generation" and r["resumed_from"] == "peer"]
     assert {r["node"] for r in healed} == {third.name}, healed
+    # Beside the step the first two nodes took; by one broadcast where the join came while they evaluated
+    # between steps (their loop decides next from the state it holds: heal.py's holders_between_steps).
     beside = [(r["generation"], r["trainers"], r["step"]) for r in healed]
-    assert all(trainers == [0, 1] for _, trainers, _ in beside), beside  # beside the step the first two nodes took
+    assert all(trainers in ([0, 1], None) for _, trainers, _ in beside), beside
     assert {r["world_size"] for r in steps()} == {2, 4, 6}
     assert [r["step"] for r in steps()] == list(range(1, IN_PLACE_STEPS + 1))  # each step once
     evaluations: dict[int, float] = {}
