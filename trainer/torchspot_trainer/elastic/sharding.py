@@ -55,11 +55,11 @@ T = TypeVar("T")
 NODE_STORE = "node-group-{restart}"
 """The node group's file store in the agent's folder, by TORCHELASTIC_RESTART_COUNT."""
 COPY_PREFIX = "replica-group/{group}/{generation}/"
-"""A replica group's process group's keys on the round's store it formed in (`copy_group`)."""
+"""A replica group's keys on the store of the round it met in (`_Meeting`), its process group's under them."""
 COPY_SECONDS = 120.0
-"""How long a replica group's workers wait for one another as its process group forms (a node's workers
-may still be starting: Python and torch's import), and its collectives' timeout after. A member that is
-lost is not waited for: its group's other workers end their processes (`Columns.copy_lost`)."""
+"""The timeout of a replica group's store and process group: its forming once its workers met (`_Meeting`:
+they wait for one another there, without one), and its collectives after. A member that is lost is not
+waited for: its group's other workers end their processes (`Columns.copy_lost`)."""
 STANDBY_LOOK_SECONDS = 0.05
 """Between a standing-by worker's looks at its agent's assignment (`copy_group`)."""
 
