@@ -47,6 +47,8 @@ Backends:
   DCP checkpoint (a local folder, one every CHECKPOINT_EVERY steps) or, at a join, the shards every rank
   wrote at the boundary where the agents stopped it (`--restart-path`): what a sharded run gets where it
   cannot re-form in place, its replica groups spanning nodes (docs/sharded-in-place.md);
+- `fsdp-restart-copies`: the same with each rank's shards traded with the next node's after every step
+  (`--peer-copy-every 1`: recovery/peer_copy.py), so that a node lost without notice leaves them behind;
 - `fsdp-inplace`: the same example with `--in-place`, 2 workers a node: each node one copy of the model
   sharded over its workers, the nodes re-forming in place by columns (docs/sharded-in-place.md);
 - `fsdp-groups`: the same example in place with the job's replica groups of GROUP_NODES nodes (one worker
@@ -112,11 +114,12 @@ from torchspot_trainer.rendezvous.settings import KEY_ROOT
 
 BACKENDS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "fsdp-restart", "fsdp-inplace", "fsdp-groups", "etcd-v2", "etcd-v2-tuned", "c10d", *torchft_peer.SETTINGS,
+    "fsdp-restart", "fsdp-restart-copies", "fsdp-inplace", "fsdp-groups", "etcd-v2", "etcd-v2-tuned", "c10d",
+    *torchft_peer.SETTINGS,
 )  # fmt: skip
 OURS = (
     "etcd-v3", "etcd-v3-inplace", "trainer-inplace", "trainer-inplace-fast", "ddp-inplace", "transformers-inplace",
-    "fsdp-restart", "fsdp-inplace", "fsdp-groups",
+    "fsdp-restart", "fsdp-restart-copies", "fsdp-inplace", "fsdp-groups",
 )  # fmt: skip
 FAST = "liveness_interval=0.1,liveness_timeout=0.8"
 """`trainer-inplace-fast`'s liveness settings: puts every 0.1 s, a node lost after 0.8 s without one
@@ -131,6 +134,7 @@ API_PROGRAMS = {
     "ddp-inplace": EXAMPLES / "ddp" / "train.py",
     "transformers-inplace": EXAMPLES / "transformers" / "train.py",
     "fsdp-restart": EXAMPLES / "fsdp" / "train.py",
+    "fsdp-restart-copies": EXAMPLES / "fsdp" / "train.py",
     "fsdp-inplace": EXAMPLES / "fsdp" / "train.py",
     "fsdp-groups": EXAMPLES / "fsdp" / "train.py",
 }
@@ -264,8 +268,9 @@ def _job(workdir: Path, backend: str, etcd: EtcdServer, nnodes: str) -> JobConfi
         env = {"TORCHSPOT_EVENTS_FILE": str(workdir / "events.jsonl")}
         if backend == "transformers-inplace":
             env["TORCHSPOT_FORK_PRELOAD"] = "transformers"
-        if backend == "fsdp-restart":
+        if backend.startswith("fsdp-restart"):
             program += ["--log-every", "1000000", "--restart-path"]
+            program += ["--peer-copy-every", "1"] if backend == "fsdp-restart-copies" else []
             env |= {"TORCHSPOT_CHECKPOINT_URI": str(workdir / "checkpoints"),
                     "TORCHSPOT_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY)}  # fmt: skip
         if backend == "fsdp-inplace":

@@ -127,6 +127,9 @@ def arguments() -> argparse.Namespace:
     path.add_argument("--in-place", action="store_true",
                       help="re-form in place (each node, or replica group, one copy), or stop")  # fmt: skip
     path.add_argument("--restart-path", action="store_true", help="restart every worker at each membership change")
+    parser.add_argument("--peer-copy-every", type=int, default=0,
+                        help="restart path: steps between trades of each rank's shards with the next node's, so a "
+                             "node lost without notice loses no step (0: none)")  # fmt: skip
     return parser.parse_args()
 
 
@@ -148,7 +151,8 @@ def main() -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     in_place = False if args.restart_path else args.in_place or None  # (None: wherever it can run)
-    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device, in_place=in_place)
+    manager = elastic.Manager(state_dict, load_state_dict, sharded=True, device=device, in_place=in_place,
+                              peer_copy_every=args.peer_copy_every)  # fmt: skip
     model = build_model().to(device)
     mesh = manager.shard_mesh(args.shard_size)  # (in place: the node's workers; else HSDP's groups, or all)
     if args.shard_size and mesh.ndim == 1 and not manager.in_place and manager.rank == 0:

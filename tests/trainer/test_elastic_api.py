@@ -345,6 +345,10 @@ def test_on_the_restart_path_a_lost_peer_leaves_a_snapshot_and_a_sigterm_an_emer
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, notice_hold=-1)
     with pytest.raises(elastic.Refused, match="scheduled_events='sometimes'"):
         elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, scheduled_events="sometimes")
+    with pytest.raises(elastic.Refused, match="peer_copy_every=5: peer copies are of shards: sharded=True"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, peer_copy_every=5)
+    with pytest.raises(elastic.Refused, match="peer_copy_every=-1: must be 0"):
+        elastic.Manager(state_dict=dict, load_state_dict=lambda _s: None, sharded=True, peer_copy_every=-1)
 
 
 @pytest.mark.usefixtures("one_rank")

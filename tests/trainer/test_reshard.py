@@ -61,9 +61,9 @@ if phase == "write":
         torch.save(reference, f"{out}/reference.pt")
 else:
     held_by = {0: 1, 2: 0}  # new rank -> the writer rank whose file it holds; new rank 1 holds none
-    mine = None
+    mine = []
     if rank in held_by:
-        mine = LocalSnapshot(__import__("pathlib").Path(out) / f"shards-{held_by[rank]}.pt").read()
+        mine.append(LocalSnapshot(__import__("pathlib").Path(out) / f"shards-{held_by[rank]}.pt").read())
     group = dist.new_group(backend="gloo")
     assert resume_from(group, mine, state, lambda: 3) is None  # a newer checkpoint: it wins
     loaded = resume_from(group, mine, state, lambda: 2)
@@ -121,12 +121,19 @@ def _holds(base: int, step: int, rank: int, world: int) -> Holding:
 
 def test_the_newest_whole_set_of_snapshots_wins_unless_a_checkpoint_is_newer() -> None:
     """A set is one lineage, step and world size; it is whole where every writer rank is held, and the newest
-    whole one wins, held by the lowest new ranks; a node lost without notice leaves its set incomplete."""
+    whole one wins, each writer held by the lowest new rank that holds it; a node lost without notice leaves
+    its set incomplete, unless a trade's copy of its shards is held elsewhere (recovery/peer_copy.py)."""
     stale, fresh = [_holds(0, 50, r, 2) for r in range(2)], [_holds(50, 80, r, 3) for r in range(3)]
     # writer rank 2 of step 80 was on the lost node: the older set, whole, wins
-    assert choose_set([fresh[0], stale[1], fresh[1], stale[0]], None) == (Held(0, 50), [3, 1])
-    assert choose_set([fresh[1], fresh[2], None, fresh[0], fresh[1]], None) == (Held(50, 80), [3, 0, 1])
-    assert choose_set([fresh[0], stale[1], fresh[1], stale[0]], 60) is None  # a newer checkpoint
-    assert choose_set([fresh[0], fresh[1], None], 70) is None  # not whole
-    assert choose_set([None, None], None) is None
-    assert choose_set([_holds(0, 9, 1, 1)], None) is None  # (a rank outside its world: not a snapshot of it)
+    assert choose_set([[fresh[0]], [stale[1]], [fresh[1]], [stale[0]]], None) == (Held(0, 50), [3, 1])
+    assert choose_set([[fresh[1]], [fresh[2]], [], [fresh[0]], [fresh[1]]], None) == (Held(50, 80), [3, 0, 1])
+    assert choose_set([[fresh[0]], [stale[1]], [fresh[1]], [stale[0]]], 60) is None  # a newer checkpoint
+    assert choose_set([[fresh[0]], [fresh[1]], []], 70) is None  # not whole
+    assert choose_set([[], []], None) is None
+    assert choose_set([[_holds(0, 9, 1, 1)]], None) is None  # (a rank outside its world: not a snapshot of it)
+    # Trades every 10 steps, 3 nodes of one rank: each holds its live snapshot (step 83), its own copy of the
+    # last trade (step 80) and its source's. The third node is lost: the trade's set is whole, the live one not.
+    live = [_holds(50, 83, r, 3) for r in range(3)]
+    held = [[live[0], fresh[0], fresh[2]], [live[1], fresh[1], fresh[0]]]
+    assert choose_set(held, None) == (Held(50, 80), [0, 1, 0])
+    assert choose_set([*held, [live[2], fresh[2], fresh[1]]], None) == (Held(50, 83), [0, 1, 2])  # none lost

@@ -24,6 +24,7 @@ from torchspot_trainer.elastic.saving import Saving
 from torchspot_trainer.recovery.group import Group, abort_group, arm_exit_deadline
 from torchspot_trainer.recovery.notices import EXIT_FAILED, NOTICE_LEAVING, GroupBroken, NoticeStop, leave
 from torchspot_trainer.recovery.outcome import GroupChanged
+from torchspot_trainer.recovery.peer_copy import read_traded, remove_traded
 from torchspot_trainer.recovery.signals import (
     STUCK_EXIT_AFTER,
     EvictionNotice,
@@ -110,6 +111,8 @@ class Leaving:
         local rank of the round), once one is: a save in flight older than it need not hold the exit."""
         self._kept, self._before_exit, self._step_of, self._write_wait = kept, before_exit, step_of, write_wait
         self._lock, self._taken = threading.Lock(), False
+        self.also_keep: list[Callable[[], None]] = []
+        """What a stopping worker writes after its snapshot: a trade's copies (recovery/peer_copy.py)."""
         self._sigterm_watched = self._watch(events_at, vm_name, stuck_exit_after)
         self._excepthook, sys.excepthook = sys.excepthook, self._keep_then_report
 
@@ -138,6 +141,13 @@ class Leaving:
     def read_snapshot(self) -> tuple[Held, dict[str, Any]] | None:
         """The node's snapshot and its state, if there is one that loads."""
         return self.snapshot.read() if self.snapshot is not None else None
+
+    def read_snapshots(self) -> list[tuple[Held, dict[str, Any]]]:
+        """A sharded rank's snapshots that load: its own, and its last trade's copies (recovery/peer_copy.py)."""
+        if self.snapshot is None:
+            return []
+        own = self.snapshot.read()
+        return ([] if own is None else [own]) + read_traded(self.snapshot.path)
 
     def keep_snapshot(self) -> None:
         """Leave this node's copy of the committed state for the next round (recovery/snapshot.py): the
@@ -171,6 +181,8 @@ class Leaving:
         writer = threading.Thread(target=write, name="torchspot-snapshot", daemon=True)
         writer.start()
         writer.join(self._write_wait)
+        for keep in self.also_keep:
+            keep()
 
     def stop_for(self, rows: list[list[int]], *, step: int, rank: int, group: Group, saving: Saving | None,
                  state: Callable[[], dict[str, Any]], world: int) -> None:  # fmt: skip
@@ -221,6 +233,7 @@ class Leaving:
             self.stop.watcher.stop()
         if self.snapshot is not None:
             self.snapshot.remove()
+            remove_traded(self.snapshot.path)
         if sys.excepthook == self._keep_then_report:
             sys.excepthook = self._excepthook
         if self._sigterm_watched:

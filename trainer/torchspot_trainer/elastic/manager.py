@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # (imported where a sharded run re-forms in place: `Manager`)
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchspot_trainer.elastic.sharding import Columns
+    from torchspot_trainer.recovery.peer_copy import PeerCopies
 
 log = logging.getLogger("torchspot.elastic")
 
@@ -91,6 +92,10 @@ class Manager:
         the training process) or 'process' (a child process, which holds none of the loop's GIL: its
         steps do not slow down during a save of a large state).
     :param checkpoint_retries: attempts per save before it is reported failed (training goes on).
+    :param peer_copy_every: a sharded state on the restart path: commits between trades of each rank's shards
+        with the same local rank of the next node (recovery/peer_copy.py; 0: none), so that a node lost without
+        notice leaves its shards behind and the next round resumes from the snapshots rather than the last
+        checkpoint. Each rank holds two more host buffers of its shards' size. Not used in place.
     :param progress_records: False where the loop writes its own progress records (the built-in
         trainer's carry its loss and accuracy): the manager then writes none of its own.
     """
@@ -114,6 +119,7 @@ class Manager:
         checkpoint_saver: str = SAVER_THREAD,
         checkpoint_retries: int = CHECKPOINT_RETRIES,
         progress_records: bool = True,
+        peer_copy_every: int = 0,
     ) -> None:
         checkpoint_uri, checkpoint_every, keep_checkpoints = checkpoint_settings(
             checkpoint_uri, checkpoint_every, keep_checkpoints, os.environ
@@ -124,6 +130,9 @@ class Manager:
                 if commit_seconds <= 0
                 else f"snapshot_every={snapshot_every}: must be at least 1"
             )
+        if peer_copy_every < 0 or (peer_copy_every and not sharded):
+            why_not = "must be 0 (none) or more" if peer_copy_every < 0 else "peer copies are of shards: sharded=True"
+            raise Refused(f"peer_copy_every={peer_copy_every}: {why_not}")
         hold, events_at = notice_settings(notice_hold, scheduled_events, os.environ)
         self.in_place, why = choose_path(in_place, os.environ, sharded=sharded, own_group=dist.is_initialized())
         if in_place is None and os.environ.get("RANK", "0") == "0":  # said once per job, whatever the logging
@@ -177,6 +186,9 @@ class Manager:
             if self._columns is None or self._columns.nodes == 1:
                 self._leaving.stop.done_with_group = self._groups.done_with_group
         self._order = StepOrder(commit_seconds, self.leave, number=lambda: self._run.step + 1)
+        self._peer_every = peer_copy_every
+        self._peers: PeerCopies | None = None
+        """The trades of a sharded state's copies, every `_peer_every` steps, once begun (`_trade_copies`)."""
 
     # -- what the loop reads ------------------------------------------------------
 
@@ -460,6 +472,23 @@ class Manager:
     def _begin(self) -> None:
         """The first step: resume and enter the first group (member.py)."""
         self._member.begin()
+        if self.sharded and not self.in_place:
+            self._trade_copies()
+
+    def _trade_copies(self) -> None:
+        """A sharded state on the restart path, resumed: the last round's traded copies go (read by the resume),
+        and this round's trades begin where they are asked for and another node is there to trade with
+        (recovery/peer_copy.py). Every rank alike (a group of the trades' own is made)."""
+        from torchspot_trainer.recovery.peer_copy import PeerCopies, remove_traded  # noqa: PLC0415 - (where used)
+
+        snapshot = self._leaving.snapshot
+        if snapshot is None:
+            return
+        remove_traded(snapshot.path)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self._peer_every and dist.get_world_size() > per_node:
+            self._peers = PeerCopies(self._peer_every, dist.new_group(backend="gloo"), per_node, snapshot.path)
+            self._leaving.also_keep.append(self._peers.keep)
 
     def _reform(self, *, stepping: bool = False) -> None:
         """The next group and a heal in it (member.py); the old group's boundary and notices are void."""
@@ -506,6 +535,8 @@ class Manager:
             return True
         if self._saving is not None:
             self._saving.after_commit(self._run.step, self._member.rank, self._run.full, self.world_size)
+        if self._peers is not None:
+            self._peers.after_commit(self._run.step, self._run.base, self._run.kept_state)
         return False
 
     def _notices_stop_here(self, *, gather: bool) -> bool:

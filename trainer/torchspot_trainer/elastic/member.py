@@ -125,9 +125,11 @@ class Member:
             self.enter_and_heal(stepping=False)
         else:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-            mine = self._leaving.read_snapshot()  # (a sharded run's: this rank's shards)
-            self.resumed_from = self.run.resume(self.collectives(), self._checkpoints, mine, self._saving,
-                                                sharded=self.sharded)  # fmt: skip
+            if self.sharded:  # (each rank's snapshots: its own shards, a trade's copies)
+                self.resumed_from = self.run.resume_sharded(self._saving, self._leaving.read_snapshots())
+            else:
+                mine = self._leaving.read_snapshot()
+                self.resumed_from = self.run.resume(self.collectives(), self._checkpoints, mine)
             self._rank_duties()
             self._started(generation=None)
         self.whole = True

@@ -117,9 +117,12 @@ class RunState:
         every `snapshot_every` steps; on the CPU its builder), with the model's buffers as they are now: the
         next step's forward changes them before its update."""
         if self._host.keeps(self.step):
-            form = self.form
-            build = self.full if form is None else lambda: form(self.full())
-            self._host.capture(self.step, with_frozen(self._boundary, build))
+            self._host.capture(self.step, with_frozen(self._boundary, self.kept_state))
+
+    def kept_state(self) -> dict[str, Any]:
+        """The whole state as a snapshot keeps it (`form`), built now."""
+        state = self.full()
+        return state if self.form is None else self.form(state)
 
     def before_update(self) -> None:
         """The optimizer is about to change the parameters: on a GPU the update waits, on the device, for the
@@ -131,36 +134,24 @@ class RunState:
         return self.base, self._host.write_from
 
     def resume(
-        self,
-        group: Group,
-        checkpoints: CheckpointManager | None,
-        mine: tuple[Held, dict[str, Any]] | None,
-        saving: Saving | None,
-        *,
-        sharded: bool = False,
+        self, group: Group, checkpoints: CheckpointManager | None, mine: tuple[Held, dict[str, Any]] | None
     ) -> str:
-        """The restart path's resume, every rank alike: a sharded state from the newest whole set of the shards'
-        snapshots or the newest committed checkpoint, whichever is newer (`resume_sharded`); a replicated one
-        from the newest of the nodes' snapshots and the checkpoints (recovery/resume.py's `find_state`, over
-        `group`). `mine` is this rank's snapshot. Returns where the state came from (`snapshot`, `checkpoint`,
-        or `start` for nothing)."""
-        if sharded:
-            return self.resume_sharded(saving, mine, snapshots=True)
+        """The restart path's resume of a replicated state, every rank alike: from the newest of the nodes'
+        snapshots and the checkpoints (recovery/resume.py's `find_state`, over `group`; `mine` is this node's
+        snapshot). Returns where the state came from (`snapshot`, `checkpoint`, or `start` for nothing)."""
         found, state = find_state(group, checkpoints, mine)
         if state is not None:
             self.load(state)
             log.info("torchspot: resumed from the %s of step %d", found, self.step)
         return found
 
-    def resume_sharded(
-        self, saving: Saving | None, mine: tuple[Held, dict[str, Any]] | None = None, *, snapshots: bool = False
-    ) -> str:
+    def resume_sharded(self, saving: Saving | None, mine: list[tuple[Held, dict[str, Any]]] | None = None) -> str:
         """A sharded state's resume, over torch's default group (every rank's on the restart path, the node's
-        in place), each rank its shards as this group shards the model: with `snapshots` (the restart path)
-        from the newest whole set of the ranks' snapshots where it is not older than the newest committed
-        checkpoint (recovery/reshard.py; `mine` this rank's), else from that checkpoint (DCP reshards).
-        Returns `snapshot`, `checkpoint`, or `start` for neither."""
-        if snapshots and self._from_snapshots(saving, mine):
+        in place), each rank its shards as this group shards the model: given `mine` (the restart path: this
+        rank's snapshots, recovery/reshard.py), from the newest whole set of the ranks' snapshots where it is
+        not older than the newest committed checkpoint, else from that checkpoint (DCP reshards). Returns
+        `snapshot`, `checkpoint`, or `start` for neither."""
+        if mine is not None and self._from_snapshots(saving, mine):
             return "snapshot"
         state = None if saving is None else saving.load_sharded(self.full)
         if state is None:
@@ -169,7 +160,7 @@ class RunState:
         log.info("torchspot: resumed from the checkpoint of step %d", self.step)
         return "checkpoint"
 
-    def _from_snapshots(self, saving: Saving | None, mine: tuple[Held, dict[str, Any]] | None) -> bool:
+    def _from_snapshots(self, saving: Saving | None, mine: list[tuple[Held, dict[str, Any]]]) -> bool:
         """Load the shards' snapshots where they make the state (`resume_sharded`), over the checkpoints' gloo
         group (one of the resume's own without checkpoints); whether they did."""
         from torchspot_trainer.recovery.reshard import resume_from  # noqa: PLC0415 - (DTensor's import, where used)

@@ -102,20 +102,22 @@ def holding(state: dict[str, Any] | None, held: Held | None) -> Holding | None:
     return Holding(held, int(writer[0]), int(writer[1]))
 
 
-def choose_set(holdings: list[Holding | None], committed: int | None) -> tuple[Held, list[int]] | None:
+def choose_set(holdings: list[list[Holding]], committed: int | None) -> tuple[Held, list[int]] | None:
     """The set of snapshots the new group resumes from, and for each of its writer ranks the new rank that
     holds it; None: resume from the checkpoint. Pure.
 
-    `holdings[r]` is new rank r's snapshot; `committed` the newest committed checkpoint's step. A set is the
-    snapshots of one base, step and world size; it is whole where every writer rank below that world size is
-    held. The newest whole set wins (base, then step, then world size), held by the lowest new ranks, unless
-    it is older than `committed`.
+    `holdings[r]` is what new rank r's snapshots hold (its own; with peer copies, peer_copy.py, a trade's two
+    as well); `committed` the newest committed checkpoint's step. A set is the snapshots of one base, step and
+    world size; it is whole where every writer rank below that world size is held. The newest whole set wins
+    (base, then step, then world size), each writer rank held by the lowest new rank that holds it, unless it
+    is older than `committed`.
     """
     sets: dict[tuple[int, int, int], dict[int, int]] = {}
-    for new_rank, holds in enumerate(holdings):
-        if holds is not None and 0 <= holds.rank < holds.world:
-            key = (holds.held.base, holds.held.step, holds.world)
-            sets.setdefault(key, {}).setdefault(holds.rank, new_rank)
+    for new_rank, held in enumerate(holdings):
+        for holds in held:
+            if 0 <= holds.rank < holds.world:
+                key = (holds.held.base, holds.held.step, holds.world)
+                sets.setdefault(key, {}).setdefault(holds.rank, new_rank)
     whole = [key for key, by_rank in sets.items() if len(by_rank) == key[2]]
     if not whole:
         return None
@@ -199,15 +201,17 @@ def _name(path: Path_) -> str:
 
 
 def reshard(
-    group: dist.ProcessGroup, mine: dict[str, Any] | None, holders: list[int], template: Callable[[], dict[str, Any]]
+    group: dist.ProcessGroup,
+    held: dict[int, dict[str, Any]],
+    holders: list[int],
+    template: Callable[[], dict[str, Any]],
 ) -> dict[str, Any] | None:
     """The state of the chosen set (`holders`, from `choose_set`) as this rank shards it: `template()` laid
     out as this group shards the model, each of its DTensors filled from the old shards (module docstring).
-    `mine` is this rank's snapshot where it holds one of the set's. Every rank of `group` calls it (gloo,
-    whose ranks are the default group's); None on every rank where the snapshots do not make some rank's
-    state, said in one line."""
-    me, writers = dist.get_rank(group), len(holders)
-    held = {writer: mine for writer in range(writers) if holders[writer] == me and mine is not None}
+    `held` is the set's snapshots this rank holds for the set, by writer rank. Every rank of `group` calls it
+    (gloo, whose ranks are the default group's); None on every rank where the snapshots do not make some
+    rank's state, said in one line."""
+    me = dist.get_rank(group)
     table: dict[int, dict[Path_, tuple[Box, str]]] = {
         writer: {path: ((tuple(leaf["offsets"]), tuple(leaf["sizes"])), str(leaf[SHARD].dtype))
                  for path, leaf in _leaves(state) if isinstance(leaf, dict)}
@@ -311,26 +315,31 @@ def _assembled(rest: Any, built: dict[str, Any], asks: list[_Ask], holders: list
 
 def resume_from(
     group: dist.ProcessGroup,
-    mine: tuple[Held, dict[str, Any]] | None,
+    mine: list[tuple[Held, dict[str, Any]]],
     template: Callable[[], dict[str, Any]],
     committed: Callable[[], int | None],
 ) -> dict[str, Any] | None:
     """The restart path's resume from the shards' snapshots, every rank of `group` alike: the newest whole set
     (`choose_set`; `committed()`, the newest committed checkpoint's step, read by rank 0 where any rank holds
-    a snapshot), resharded over `group` (`reshard`). `mine` is this rank's snapshot. None on every rank where
-    there is no such set, or it does not make this state: the caller reads the checkpoint."""
-    holds = None if mine is None else holding(mine[1], mine[0])
-    every: list[Holding | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, holds, group=group)
+    a snapshot), resharded over `group` (`reshard`). `mine` is this rank's snapshots (its own; a trade's
+    copies). None on every rank where there is no such set, or it does not make this state: the caller reads
+    the checkpoint."""
+    readable = [(state, holding(state, held)) for held, state in mine]
+    found = [(state, holds) for state, holds in readable if holds is not None]
+    every: list[list[Holding] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, [holds for _, holds in found], group=group)
     choice: list[tuple[Held, list[int]] | None] = [None]
     if dist.get_rank(group) == 0 and any(every):
-        choice[0] = choose_set(every, committed())
+        choice[0] = choose_set([held or [] for held in every], committed())
     dist.broadcast_object_list(choice, group=group, group_src=0)
     if choice[0] is None:
         return None
     held, holders = choice[0]
-    state = reshard(group, None if mine is None else mine[1], holders, template)
-    if state is not None and dist.get_rank(group) == 0:
+    me = dist.get_rank(group)
+    ours = {holds.rank: state for state, holds in found
+            if holds.held == held and holds.world == len(holders) and holders[holds.rank] == me}  # fmt: skip
+    state = reshard(group, ours, holders, template)
+    if state is not None and me == 0:
         log.info("torchspot: resumed from the shards' snapshots of step %d, written by a world of %d, resharded "
                  "to a world of %d", held.step, len(holders), dist.get_world_size(group))  # fmt: skip
     return state
