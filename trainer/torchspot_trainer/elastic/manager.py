@@ -95,7 +95,7 @@ class Manager:
     :param peer_copy_every: a sharded state on the restart path: commits between trades of each rank's shards
         with the same local rank of the next node (recovery/peer_copy.py; 0: none), so that a node lost without
         notice leaves its shards behind and the next round resumes from the snapshots rather than the last
-        checkpoint. Each rank holds two more host buffers of its shards' size. Not used in place.
+        checkpoint. Each rank holds three more host buffers of its shards' size. Not used in place.
     :param progress_records: False where the loop writes its own progress records (the built-in
         trainer's carry its loss and accuracy): the manager then writes none of its own.
     """
