@@ -327,3 +327,29 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done
+
+
+def test_a_forked_programs_uncaught_exception_reaches_its_own_excepthook_then_fails_the_worker(tmp_path: Path) -> None:
+    """run_program (a Python program in a worker forked by torchspot-run) hands an uncaught exception to the
+    program's own sys.excepthook, as `python` would: the recovery API's keeps the node's snapshot there
+    (multiprocessing, which starts a forked worker, never calls it). The exception still fails the worker."""
+    script, said = tmp_path / "train.py", tmp_path / "hooked.txt"
+    script.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "sys.excepthook = lambda kind, value, trace: Path(sys.argv[1]).write_text(f'{kind.__name__}: {value}')\n"
+        "raise RuntimeError('a peer was lost')\n"
+    )
+    driver = (  # as multiprocessing starts a forked worker: the exception printed, no hook called
+        "import os, sys\n"
+        "from torchspot_trainer.fork_server import run_program\n"
+        "try:\n"
+        f"    run_program({str(script)!r}, 'script', {str(said)!r})\n"
+        "except BaseException as exc:\n"
+        "    print(f'{type(exc).__name__}: {exc}', file=sys.stderr, flush=True)\n"
+        "    os._exit(1)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", driver], check=False, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1, ran.stderr[-2000:]
+    assert "RuntimeError: a peer was lost" in ran.stderr  # (raised on: torch's error file and report)
+    assert said.read_text() == "RuntimeError: a peer was lost"

@@ -96,7 +96,10 @@ def run_program(target: str, kind: str, *argv: str) -> int:
 
     Module-level, as run_trainer, and for the same reason it keeps the program's globals: freeing
     its process group in a forked worker can block for ever. `sys.exit(0)` (or None) is a success;
-    another exit status, or an exception, is the worker's failure as torchrun reports it."""
+    another exit status, or an exception, is the worker's failure as torchrun reports it. An exception goes
+    to the program's own `sys.excepthook` first, as `python` would hand it there (multiprocessing, which
+    starts the forked worker, prints it and exits without): the recovery API's keeps the node's snapshot
+    (elastic/leaving.py), and a worker whose loop raised as a peer was lost left none before."""
     refuse_bad_fork()
     take_thread_count()
     hear_sigterm()
@@ -111,6 +114,10 @@ def run_program(target: str, kind: str, *argv: str) -> int:
         if exc.code not in (None, 0):
             raise
         return 0
+    except BaseException:
+        if sys.excepthook is not sys.__excepthook__:  # (the default would print what multiprocessing prints)
+            sys.excepthook(*sys.exc_info())
+        raise
     _FINISHED.append(ran)
     return 0
 

@@ -411,6 +411,8 @@ class Manager:
         trained = positions[0].next_step_samples(world) if positions else 0
         self._run.advance(world)
         self._run.capture()
+        if self._peers is not None:  # (at once, not at the boundary: the loop's own work after a step may be long)
+            self._peers.after_commit(self._run.step, self._run.base, self._run.kept_state)
         if self._groups is not None:
             self._groups.stepped()
         generation = None if self._live is None else self._live.generation
@@ -535,8 +537,6 @@ class Manager:
             return True
         if self._saving is not None:
             self._saving.after_commit(self._run.step, self._member.rank, self._run.full, self.world_size)
-        if self._peers is not None:
-            self._peers.after_commit(self._run.step, self._run.base, self._run.kept_state)
         return False
 
     def _notices_stop_here(self, *, gather: bool) -> bool:
