@@ -110,7 +110,7 @@ class Leaving:
         """The step of the snapshot this node keeps for the next round (written by this worker or another
         local rank of the round), once one is: a save in flight older than it need not hold the exit."""
         self._kept, self._before_exit, self._step_of, self._write_wait = kept, before_exit, step_of, write_wait
-        self._lock, self._taken = threading.Lock(), False
+        self._lock, self._taken, self._kept_now = threading.Lock(), False, threading.Event()
         self.also_keep: list[Callable[[], None]] = []
         """What a stopping worker writes after its snapshot: a trade's copies (recovery/peer_copy.py)."""
         self._sigterm_watched = self._watch(events_at, vm_name, stuck_exit_after)
@@ -153,15 +153,21 @@ class Leaving:
         """Leave this node's copy of the committed state for the next round (recovery/snapshot.py): the
         restart path resumes from the newest copy any node holds rather than from the last checkpoint.
         Once per worker, by the first local rank of the round to get here, when `kept` has one. Given
-        `write_wait` seconds: a device that hangs cannot hold the worker's exit."""
+        `write_wait` seconds: a device that hangs cannot hold the worker's exit. A second caller (the main
+        thread's way out and the SIGTERM watcher's may both get here) waits as long for the first one's
+        write: without it, the watcher's exit ended a worker whose main thread was writing (a bench's join,
+        where a peer was also judged lost, resumed 21 steps back)."""
         snapshot = self.snapshot
         if snapshot is None:
             return
-        with self._lock:  # the main thread and the SIGTERM watcher's may both get here
-            kept = None if self._taken else self._kept()
-            if kept is None:
-                return
-            self._taken = True
+        with self._lock:
+            second = self._taken
+            kept = None if second else self._kept()
+            self._taken = second or kept is not None
+        if second:
+            self._kept_now.wait(self._write_wait)
+        if kept is None:
+            return
         base, write_from = kept
 
         def to_disk(state: dict[str, Any] | None) -> float | None:
@@ -183,6 +189,7 @@ class Leaving:
         writer.join(self._write_wait)
         for keep in self.also_keep:
             keep()
+        self._kept_now.set()
 
     def stop_for(self, rows: list[list[int]], *, step: int, rank: int, group: Group, saving: Saving | None,
                  state: Callable[[], dict[str, Any]], world: int) -> None:  # fmt: skip
