@@ -106,12 +106,14 @@ def copy_group(device: torch.device, group: str, nodes: int, environ: Mapping[st
     reader = Handover(agent_folder(environ), int(environ.get("LOCAL_RANK", "0")))
     per_node, local = int(environ.get("LOCAL_WORLD_SIZE", "1")), int(environ.get("LOCAL_RANK", "0"))
     said, meeting = False, None
-    while meeting is None or not meeting.met():
+    while True:
         assignment = reader.read_as_written()
         whole = assignment is not None and group in whole_groups(assignment.groups, nodes)
         newer = whole and assignment is not None and (meeting is None or assignment.generation > meeting.generation)
         if newer and assignment is not None and (meeting is None or meeting.moved()):
             meeting = _Meeting(assignment, group, nodes, per_node, local)
+        if whole and meeting is not None and meeting.met():  # (not where the newest round lost a member)
+            break
         if assignment is not None and not whole and not said:
             present = sum(1 for name in assignment.groups if name == group)
             print(f"torchspot: replica group {group} has {present} of its {nodes} nodes in round "
