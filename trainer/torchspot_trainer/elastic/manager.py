@@ -172,7 +172,7 @@ class Manager:
         if sharded and not self.in_place:  # each rank's snapshot holds its own shards (recovery/reshard.py)
             from torchspot_trainer.recovery.reshard import own_shards  # noqa: PLC0415 - (DTensor's import, where used)
 
-            self._run.form = own_shards
+            self._run.keep_shards(own_shards)
         self._member = Member(self._run, in_place=self.in_place, sharded=sharded, device=self.device,
                               columns=self._columns, saving=self._saving, leaving=self._leaving,
                               records=self._records, emit=self._emit, leave=self.leave)  # fmt: skip

@@ -119,6 +119,15 @@ class RunState:
         if self._host.keeps(self.step):
             self._host.capture(self.step, with_frozen(self._boundary, self.kept_state))
 
+    def keep_shards(self, form: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """A sharded state on the restart path: its snapshots keep each rank's shards (`form`), written from the
+        live state, with no host copies. A ring of them (hostcopy.py, on a GPU) would hold up to three copies of
+        the shards in host memory beside the checkpoint's one, where a rank keeps at most one; a device hung in
+        a collective then stops the snapshot's write instead (the writer's wait ends it), and the next round
+        resumes from the checkpoint."""
+        self.form = form
+        self._host = HostCopy(torch.device("cpu"), every=1)
+
     def kept_state(self) -> dict[str, Any]:
         """The whole state as a snapshot keeps it (`form`), built now."""
         state = self.full()
