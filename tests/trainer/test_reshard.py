@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from torchspot_lab.etcd import free_port
@@ -98,6 +99,7 @@ def _run(phase: str, world: int, out: Path) -> list[str]:
     return [stdout for stdout, _ in said]
 
 
+@pytest.mark.slow(seconds=12)  # five processes that import torch's FSDP2, on 2 cores
 def test_shards_written_at_two_ranks_load_at_three_from_the_ranks_that_hold_them(tmp_path: Path) -> None:
     """Two ranks train an FSDP2 model (rows that do not divide evenly) and AdamW two steps and write their
     snapshots; three ranks, the first and last holding the two files in the other order and the middle one
