@@ -103,8 +103,8 @@ def copy_group(device: torch.device, group: str, nodes: int, environ: Mapping[st
     COPY_SECONDS once its workers met: the worker then takes the restart path."""
     if dist.is_initialized():
         raise RuntimeError(_OWN_GROUP)
-    reader = Handover(agent_folder(environ), int(environ.get("LOCAL_RANK", "0")))
     per_node, local = int(environ.get("LOCAL_WORLD_SIZE", "1")), int(environ.get("LOCAL_RANK", "0"))
+    reader = Handover(agent_folder(environ), local)
     said, meeting = False, None
     while True:
         assignment = reader.read_as_written()

@@ -167,12 +167,12 @@ class _Ask:
     region: Box
 
 
-def _asks(template: dict[str, Any], boxes: dict[int, dict[Path_, tuple[Box, str]]], holders: list[int],
+def _asks(templates: dict[Path_, Any], boxes: dict[int, dict[Path_, tuple[Box, str]]], holders: list[int],
           me: int) -> list[_Ask] | str:  # fmt: skip
-    """What this rank asks for (module docstring), or why the snapshots do not make its state (a tensor none
-    of them holds whole, another dtype: not this model's)."""
+    """What this rank asks for (module docstring), given the leaves of its own state (`templates`), or why the
+    snapshots do not make its state (a tensor none of them holds whole, another dtype: not this model's)."""
     asks: list[_Ask] = []
-    for path, value in _leaves(template):
+    for path, value in templates.items():
         if not isinstance(value, DTensor):
             continue
         mine = _box(value)
@@ -220,8 +220,8 @@ def reshard(
     tables: list[dict[int, dict[Path_, tuple[Box, str]]] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(tables, table, group=group)
     boxes = {writer: box for part in tables if part is not None for writer, box in part.items()}
-    built = template()
-    asks = _asks(built, boxes, holders, me)
+    templates = dict(_leaves(template()))  # (its leaves, walked once)
+    asks = _asks(templates, boxes, holders, me)
     every: list[list[_Ask] | str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, asks, group=group)
     refused = next((why for why in every if isinstance(why, str)), None)
@@ -230,17 +230,17 @@ def reshard(
             log.warning("torchspot: not resuming from the shards' snapshots (%s)", refused)
         return None
     assert isinstance(asks, list)
-    received = _trade(group, held, holders, every, built)
+    received = _trade(group, held, holders, every, templates)
     rest = [_without_shards(held[0]) if 0 in held else None]
     dist.broadcast_object_list(rest, group=group, group_src=holders[0])
-    state: dict[str, Any] = _assembled(rest[0], built, asks, [holders[ask.writer] for ask in asks], received)
+    state: dict[str, Any] = _assembled(rest[0], templates, asks, [holders[ask.writer] for ask in asks], received)
     return state
 
 
 def _trade(group: dist.ProcessGroup, held: dict[int, dict[str, Any]], holders: list[int],
-           every: list[list[_Ask] | str | None], built: dict[str, Any]) -> dict[int, torch.Tensor]:  # fmt: skip
+           every: list[list[_Ask] | str | None], templates: dict[Path_, Any]) -> dict[int, torch.Tensor]:  # fmt: skip
     """Each holder's regions for each asker, as bytes, sent and received every pair at once: what this rank
-    received, by holder."""
+    received, by holder (`templates`: the leaves of this rank's own state, which say each region's dtype)."""
     me = dist.get_rank(group)
     leaves = {writer: dict(_leaves(state)) for writer, state in held.items()}
     ops, received = [], {}
@@ -256,7 +256,6 @@ def _trade(group: dist.ProcessGroup, held: dict[int, dict[str, Any]], holders: l
     mine = every[me]
     assert isinstance(mine, list)
     sizes: dict[int, int] = {}
-    templates = dict(_leaves(built))
     for ask in mine:
         holder = holders[ask.writer]
         sizes[holder] = sizes.get(holder, 0) + math.prod(ask.region[1]) * templates[ask.path].dtype.itemsize
@@ -283,11 +282,11 @@ def _without_shards(state: dict[str, Any]) -> Any:
     return strip(state)
 
 
-def _assembled(rest: Any, built: dict[str, Any], asks: list[_Ask], holders: list[int],
+def _assembled(rest: Any, templates: dict[Path_, Any], asks: list[_Ask], holders: list[int],
                received: dict[int, torch.Tensor]) -> Any:  # fmt: skip
     """`rest` with each shard's place holding this rank's new shard: the regions `asks` asked for (from
-    `holders`, one for each), read in order from each holder's bytes, as DTensors laid out as `built`'s."""
-    templates = dict(_leaves(built))
+    `holders`, one for each), read in order from each holder's bytes, as DTensors laid out as the leaves of
+    this rank's own state (`templates`) are."""
     read = dict.fromkeys(received, 0)
     locals_: dict[Path_, torch.Tensor] = {}
     for ask, holder in zip(asks, holders, strict=True):
